@@ -1,0 +1,59 @@
+"""The ``memplan`` command line: one thin typer app; each command lives in its own module here.
+
+Library code returns data; only this package prints (rich tables, progress, JSON).
+Bad input (``InputError``, or a usage error from click) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from memplan.errors import InputError
+
+
+class _OneLineErrors(TyperGroup):
+    """Runs the app in click's non-standalone mode so every error prints as one line."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "memplan", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except InputError as e:
+            _fail(str(e))
+        except click.exceptions.UsageError as e:
+            where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+            _fail(f"{e.format_message()}{where}")
+        except click.exceptions.ClickException as e:
+            _fail(e.format_message())
+        except click.exceptions.Abort:
+            print("memplan: aborted", file=sys.stderr)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+
+
+def _fail(message: str) -> None:
+    message = " ".join(str(message).split())  # exactly one line
+    print(f"memplan: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+app = typer.Typer(
+    cls=_OneLineErrors,
+    name="memplan",
+    help="Plan memory and step time for training a language model, then train on the plan and check it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# Each module registers its command(s) on ``app`` at import. Heavy imports (torch) stay inside
+# the command functions, so `memplan estimate` never loads torch.
+
+
+def main() -> None:
+    app()

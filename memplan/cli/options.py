@@ -1,0 +1,95 @@
+"""The contract's option groups (MODEL, SETUP, DEVICE), defined once and shared by every command.
+
+A command lists the options it takes in its signature with these ``Annotated`` types, then
+turns them into a ModelSpec / TrainSetup / Device with ``model_from`` / ``setup_from`` /
+``device_from``. Values are parsed here (``8k``, ``4GiB``) and validated by the dataclasses, so
+every bad value surfaces as one ``InputError`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from memplan.units import parse_count, parse_size
+
+_M, _S, _D = "Model", "Setup", "Device"
+
+# ---- MODEL ---------------------------------------------------------------------------------
+ParamsOpt = Annotated[Optional[str], typer.Option(
+    "--params", help="Model size: 22m, 124m, 350m, 1b, 1.1b, 3b, 7b, or any size such as 50m (a documented "
+                     "Llama-style shape).", rich_help_panel=_M)]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", help="A preset name (gpt2, tinyllama-1.1b, llama-3.2-1b, ...) or a Hugging Face config.json.",
+    rich_help_panel=_M)]
+ArchOpt = Annotated[Optional[str], typer.Option("--arch", help="llama | gpt2", rich_help_panel=_M)]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="Transformer blocks.", rich_help_panel=_M)]
+HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Model width.", rich_help_panel=_M)]
+HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Query heads.", rich_help_panel=_M)]
+KvHeadsOpt = Annotated[Optional[int], typer.Option("--kv-heads", help="Key/value heads (GQA).", rich_help_panel=_M)]
+FfnOpt = Annotated[Optional[int], typer.Option("--ffn", help="MLP inner width.", rich_help_panel=_M)]
+VocabOpt = Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary size.", rich_help_panel=_M)]
+TiedOpt = Annotated[Optional[bool], typer.Option("--tied/--untied", help="Tie the LM head to the embedding.",
+                                                 rich_help_panel=_M, show_default=False)]
+
+# ---- SETUP ---------------------------------------------------------------------------------
+CtxOpt = Annotated[str, typer.Option("--ctx", help="Context length in tokens (8192 or 8k).", rich_help_panel=_S)]
+BatchOpt = Annotated[str, typer.Option("--batch", help="Micro-batch (sequences per forward).", rich_help_panel=_S)]
+GradAccumOpt = Annotated[str, typer.Option("--grad-accum", help="Micro-batches per optimizer step.",
+                                           rich_help_panel=_S)]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16",
+                                           rich_help_panel=_S)]
+AttentionOpt = Annotated[str, typer.Option("--attention", help="eager | sdpa", rich_help_panel=_S)]
+CheckpointingOpt = Annotated[str, typer.Option("--checkpointing", help="none | selective | full",
+                                               rich_help_panel=_S)]
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw | adamw-fused | sgd | adamw8bit",
+                                           rich_help_panel=_S)]
+WorldSizeOpt = Annotated[str, typer.Option("--world-size", help="Data-parallel processes.", rich_help_panel=_S)]
+ShardingOpt = Annotated[str, typer.Option("--sharding", help="none | ddp | fsdp", rich_help_panel=_S)]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the model.",
+                                          rich_help_panel=_S)]
+
+# ---- DEVICE --------------------------------------------------------------------------------
+DeviceOpt = Annotated[Optional[str], typer.Option(
+    "--device", help="A profile name (see `memplan profiles`) or a profile TOML; default: the local device.",
+    rich_help_panel=_D)]
+DeviceMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--device-memory", help="Override the device's memory size (a 64GiB Mac, a Strix Halo's GTT), e.g. 96GiB.",
+    rich_help_panel=_D)]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the contract's JSON instead of tables.")]
+
+
+def model_from(params=None, model=None, arch=None, layers=None, hidden=None, heads=None, kv_heads=None,
+               ffn=None, vocab=None, tied=None):
+    from memplan.model import resolve
+
+    return resolve(params=params, model=model, arch=arch, layers=layers, hidden=hidden, heads=heads,
+                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
+
+
+def setup_from(ctx="1024", batch="1", grad_accum="1", precision="bf16-mixed", attention="sdpa",
+               checkpointing="none", optimizer="adamw", world_size="1", sharding="none", compile=False):
+    from memplan.setup import TrainSetup
+
+    ws = parse_count(world_size, "--world-size")
+    return TrainSetup(
+        ctx=parse_count(ctx, "--ctx", binary=True),
+        micro_batch=parse_count(batch, "--batch"),
+        grad_accum=parse_count(grad_accum, "--grad-accum"),
+        precision=precision, attention=attention, checkpointing=checkpointing, optimizer=optimizer,
+        world_size=ws, sharding=sharding if ws > 1 or sharding != "none" else "none", compile=compile,
+    )
+
+
+def device_from(device=None, device_memory=None):
+    from memplan.hardware import resolve_device
+
+    return resolve_device(device, parse_size(device_memory, "--device-memory") if device_memory else None)
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,303 @@
+"""Device profiles: one TOML file per device in ``profiles/``, loaded into a frozen ``Device``.
+
+A profile is data with a source for every number. Its schema (all sizes in bytes, rates in the
+unit their key names)::
+
+    name = "rtx-4090"                 # what --device takes
+    title = "NVIDIA GeForce RTX 4090"
+    family = "cuda"                   # cuda | rocm | mps | cpu
+    memory_reader = "nvml"            # nvml | rocm-smi | mps | psutil
+    match = ["RTX 4090"]              # substrings of the driver's device name, for detection
+
+    [memory]
+    total_bytes = 25757220864
+    usable_bytes = 25390000000        # what one training process can hold (peak_reserved must fit)
+    bandwidth_bytes_per_second = 1.008e12
+    source = "..."
+
+    [peak_tflops]                     # dense, no sparsity, FP32 accumulation
+    fp32 = 82.6
+    source = "..."
+
+    [native]                          # dtypes that run natively and fast in PyTorch here
+    bf16 = true
+
+    [achievable]                      # fraction of peak a PyTorch matmul reaches, measured
+    fp32 = 0.67
+    source = "..."
+
+    [runtime]
+    context_bytes = 400000000         # runtime context outside the allocator (CUDA context, ...)
+    allocator_overhead = 0.05         # caching-allocator reserve beyond allocated, as a fraction
+    source = "..."
+
+Optional tables: ``[interconnect]`` (multi-device links) and ``[calibrated]`` (rates measured by
+``memplan calibrate``). ``--device PATH`` loads any file of this schema.
+
+Nothing here imports torch: detection of the local device reads NVML, ROCm SMI, the OS and psutil.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from memplan.errors import InputError
+from memplan.units import choice_error
+
+FAMILIES = ("cuda", "rocm", "mps", "cpu")
+MEMORY_READERS = ("nvml", "rocm-smi", "mps", "psutil")
+DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """A device profile. Rates per dtype are keyed by ``fp32``, ``tf32``, ``fp16``, ``bf16``, ``fp8``."""
+
+    name: str  # short name, what --device takes
+    title: str  # marketing name
+    family: str  # cuda | rocm | mps | cpu
+    memory_reader: str  # nvml | rocm-smi | mps | psutil
+    memory_bytes: int  # total device (or unified) memory
+    usable_bytes: int  # what one training process can hold
+    bandwidth_bytes_per_second: float  # sustained memory bandwidth
+    peak_tflops: dict[str, float]  # dense vendor peak per dtype
+    achievable: dict[str, float]  # fraction of peak a PyTorch matmul reaches, per dtype
+    native: dict[str, bool]  # dtypes that run natively and fast
+    runtime_context_bytes: int  # memory outside the allocator: CUDA/HIP context, libraries
+    allocator_overhead: float  # reserved beyond allocated by the caching allocator, as a fraction
+    match: tuple[str, ...] = ()  # substrings of the driver's name that identify this device
+    interconnect: dict = field(default_factory=dict)  # bandwidth_bytes_per_second, kind, latency_seconds
+    calibrated: dict = field(default_factory=dict)  # rates measured by memplan calibrate
+    sources: dict = field(default_factory=dict)  # table -> citation
+    path: str = ""  # the file it came from
+
+    def matmul_flops_per_second(self, dtype: str) -> float:
+        """Achievable dense matmul rate for a compute dtype: the calibrated rate if measured,
+        else peak × achievable fraction. Falls back to fp32 for a dtype the device lacks."""
+        measured = self.calibrated.get("matmul_tflops", {})
+        if dtype in measured:
+            return measured[dtype] * 1e12
+        if dtype not in self.peak_tflops:
+            dtype = "fp32"
+        return self.peak_tflops[dtype] * 1e12 * self.achievable.get(dtype, 0.5)
+
+    def supports(self, dtype: str) -> bool:
+        """Whether ``dtype`` runs natively (fp32 always does)."""
+        return dtype == "fp32" or bool(self.native.get(dtype, False))
+
+    def to_json(self) -> dict:
+        """The contract's ``device`` object."""
+        return {"name": self.name, "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes}
+
+    def replace(self, **changes) -> "Device":
+        return dataclasses.replace(self, **changes)
+
+    def with_memory(self, total_bytes: int) -> "Device":
+        """The same device with another memory size (a Mac or a Strix Halo configured otherwise);
+        usable memory keeps its share of the total."""
+        share = self.usable_bytes / self.memory_bytes
+        return self.replace(memory_bytes=total_bytes, usable_bytes=int(total_bytes * share))
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def _profiles_dir() -> Path:
+    """The bundled profiles: ``profiles/`` beside the package in a checkout, else the installed
+    ``memplan_profiles`` package data."""
+    checkout = Path(__file__).resolve().parents[1] / "profiles"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(resources.files("memplan_profiles")))
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in _profiles_dir().glob("*.toml"))
+
+
+def _need(table: dict, key: str, where: str, path: str):
+    if key not in table:
+        raise InputError(f"profile {path}: missing field {where}{key}")
+    return table[key]
+
+
+def device_from_toml(data: dict, path: str = "<toml>") -> Device:
+    """A Device from a parsed profile; a missing or wrong field is an InputError naming it."""
+    mem = _need(data, "memory", "", path)
+    peak = dict(_need(data, "peak_tflops", "", path))
+    ach = dict(_need(data, "achievable", "", path))
+    runtime = _need(data, "runtime", "", path)
+    family = _need(data, "family", "", path)
+    if family not in FAMILIES:
+        raise InputError(f"profile {path}: family {family!r} is not one of {', '.join(FAMILIES)}")
+    reader = data.get("memory_reader", {"cuda": "nvml", "rocm": "rocm-smi", "mps": "mps", "cpu": "psutil"}[family])
+    if reader not in MEMORY_READERS:
+        raise InputError(f"profile {path}: memory_reader {reader!r} is not one of {', '.join(MEMORY_READERS)}")
+    sources = {k: v.pop("source") for k, v in (("memory", dict(mem)), ("peak_tflops", peak), ("achievable", ach),
+                                                 ("runtime", dict(runtime))) if "source" in v}
+    peak.pop("source", None)
+    ach.pop("source", None)
+    if "fp32" not in peak:
+        raise InputError(f"profile {path}: missing field peak_tflops.fp32")
+    for table_name, table in (("peak_tflops", peak), ("achievable", ach)):
+        for k, v in table.items():
+            if k not in DTYPES or not isinstance(v, (int, float)) or v < 0:
+                raise InputError(f"profile {path}: {table_name}.{k} = {v!r}; keys are {', '.join(DTYPES)}, "
+                                 "values non-negative numbers")
+    total = int(_need(mem, "total_bytes", "memory.", path))
+    usable = int(_need(mem, "usable_bytes", "memory.", path))
+    if not 0 < usable <= total:
+        raise InputError(f"profile {path}: memory.usable_bytes must be in (0, total_bytes]")
+    return Device(
+        name=str(_need(data, "name", "", path)),
+        title=str(data.get("title", data["name"])),
+        family=family,
+        memory_reader=reader,
+        memory_bytes=total,
+        usable_bytes=usable,
+        bandwidth_bytes_per_second=float(_need(mem, "bandwidth_bytes_per_second", "memory.", path)),
+        peak_tflops={k: float(v) for k, v in peak.items()},
+        achievable={k: float(v) for k, v in ach.items()},
+        native={k: bool(v) for k, v in data.get("native", {}).items() if k != "source"},
+        runtime_context_bytes=int(_need(runtime, "context_bytes", "runtime.", path)),
+        allocator_overhead=float(_need(runtime, "allocator_overhead", "runtime.", path)),
+        match=tuple(data.get("match", ())),
+        interconnect=dict(data.get("interconnect", {})),
+        calibrated=dict(data.get("calibrated", {})),
+        sources=sources,
+        path=path,
+    )
+
+
+def load_profile_file(path: str | Path) -> Device:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"--device: no such profile file {str(path)!r}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--device: {str(path)!r} is not valid TOML ({e})") from None
+    return device_from_toml(data, str(path))
+
+
+def load_profile(name_or_path: str) -> Device:
+    """``--device NAME|PATH``: a bundled profile by name, or any TOML of the same schema."""
+    text = name_or_path.strip()
+    if text.endswith(".toml") or "/" in text or Path(text).is_file():
+        return load_profile_file(text)
+    names = profile_names()
+    if text.lower() not in names:
+        raise choice_error("--device", text, names)
+    device = load_profile_file(_profiles_dir() / f"{text.lower()}.toml")
+    return _with_local_memory(device) if device.family == "cpu" else device
+
+
+def all_profiles() -> list[Device]:
+    return [load_profile(n) for n in profile_names()]
+
+
+# ---- the local device ----------------------------------------------------------------------
+
+def _with_local_memory(device: Device) -> Device:
+    """The host's RAM for a CPU profile: total from psutil, usable = what is available now."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return device.replace(memory_bytes=int(vm.total), usable_bytes=int(vm.available))
+
+
+def _nvidia_names() -> list[str]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        names = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+            names.append(name.decode() if isinstance(name, bytes) else name)
+        return names
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _rocm_names() -> list[str]:
+    if not Path("/dev/kfd").exists():
+        return []
+    try:
+        from pyrsmi import rocml
+
+        rocml.smi_initialize()
+        try:
+            return [str(rocml.smi_get_device_name(i)) for i in range(rocml.smi_get_device_count())]
+        finally:
+            rocml.smi_shutdown()
+    except Exception:
+        return []
+
+
+def _apple_chip() -> str:
+    if platform.system() != "Darwin" or platform.machine() != "arm64":
+        return ""
+    import subprocess
+
+    try:
+        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                              timeout=2).stdout.strip()
+    except Exception:
+        return "Apple"
+
+
+def match_profile(reported_name: str, family: str) -> Device | None:
+    """The bundled profile whose ``match`` strings occur in a driver-reported name."""
+    best = None
+    for device in all_profiles():
+        if device.family != family:
+            continue
+        for needle in device.match:
+            if needle.lower() in reported_name.lower() and (best is None or len(needle) > best[0]):
+                best = (len(needle), device)
+    return best[1] if best else None
+
+
+def detect_local() -> Device:
+    """The device this process would train on: the first NVIDIA or AMD GPU, an Apple GPU, else the CPU.
+
+    An accelerator without a bundled profile raises an InputError that says to run
+    ``memplan calibrate`` (which writes one) or to pass ``--device``.
+    """
+    for family, names in (("cuda", _nvidia_names()), ("rocm", _rocm_names())):
+        if names:
+            device = match_profile(names[0], family)
+            if device is None:
+                raise InputError(f"the local GPU {names[0]!r} has no bundled profile; run `memplan calibrate --out "
+                                 "my-gpu.toml` and pass --device my-gpu.toml, or name one with --device")
+            return device
+    chip = _apple_chip()
+    if chip:
+        device = match_profile(chip, "mps")
+        if device is None:
+            raise InputError(f"the local Apple chip {chip!r} has no bundled profile; run `memplan calibrate` or "
+                             "pass --device m3-max or m4-max")
+        import psutil
+
+        return device.with_memory(int(psutil.virtual_memory().total))
+    return load_profile("cpu")
+
+
+def resolve_device(name_or_path: str | None, memory: int | None = None) -> Device:
+    """The DEVICE option group: ``--device`` (default: the local device) and ``--device-memory``."""
+    device = load_profile(name_or_path) if name_or_path else detect_local()
+    return device.with_memory(memory) if memory else device
+

@@ -1,0 +1,417 @@
+"""ModelSpec: the shape of a decoder-only transformer, its exact parameter count, and where shapes come from.
+
+Three sources of a shape, all returning the same frozen ``ModelSpec``:
+
+- ``from_size("350m")``: a documented table of Llama-style shapes (``SIZE_TABLE``), and for any
+  other size a rule (``shape_for_params``) that picks depth and width the way small-model
+  recipes do.
+- ``preset("tinyllama-1.1b")``: named published models, each row citing the config it copies.
+- ``from_hf_config(path)``: a Hugging Face ``config.json`` of the llama, mistral, qwen2, gpt2 or
+  gpt_neox families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.errors import InputError
+from memplan.units import choice_error, format_count, parse_count
+
+ARCHS = ("llama", "gpt2", "gpt_neox")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "learned")
+MLPS = ("swiglu", "gelu")
+
+# Defaults of each family, applied where a field is left as None.
+_FAMILY_DEFAULTS = {
+    #            norm         pos        mlp       bias   parallel_residual
+    "llama": ("rmsnorm", "rope", "swiglu", False, False),
+    "gpt2": ("layernorm", "learned", "gelu", True, False),
+    "gpt_neox": ("layernorm", "rope", "gelu", True, True),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer. Frozen; derived values are properties."""
+
+    arch: str  # family: llama (RMSNorm, RoPE, SwiGLU), gpt2 (LayerNorm, learned positions, GELU), gpt_neox
+    layers: int  # number of transformer blocks
+    hidden: int  # residual-stream width d_model
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (grouped-query attention when < heads)
+    ffn: int  # MLP inner width (per matrix for SwiGLU's gate and up)
+    vocab: int  # vocabulary size, rows of the embedding and of the LM head
+    tied: bool  # LM head shares the embedding matrix
+    norm: str | None = None  # rmsnorm | layernorm; None = the family's
+    pos: str | None = None  # rope | learned; None = the family's
+    mlp: str | None = None  # swiglu | gelu; None = the family's
+    bias: bool | None = None  # biases on every linear layer except the LM head (gpt2, gpt_neox)
+    qkv_bias: bool = False  # biases on the q, k and v projections only (qwen2)
+    parallel_residual: bool | None = None  # attention and MLP read the same input (gpt_neox)
+    rotary_pct: float = 1.0  # share of each head's dims that rotate (gpt_neox uses 0.25)
+    max_positions: int = 2048  # rows of the learned position table; RoPE's nominal context
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    name: str = ""  # where the shape came from: a size, a preset or a file
+    source: str = ""  # citation for a published shape
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise choice_error("--arch", self.arch, list(ARCHS))
+        norm, pos, mlp, bias, parallel = _FAMILY_DEFAULTS[self.arch]
+        for field, default in (("norm", norm), ("pos", pos), ("mlp", mlp), ("bias", bias),
+                               ("parallel_residual", parallel)):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, default)
+        for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"--{field.replace('_', '-')}: {value!r} must be a positive integer")
+        if self.hidden % self.heads:
+            divisors = [h for h in range(1, min(self.hidden, 128) + 1) if self.hidden % h == 0]
+            raise InputError(
+                f"--heads {self.heads} does not divide --hidden {self.hidden}; "
+                f"head counts that do: {', '.join(map(str, divisors[-8:]))}"
+            )
+        if self.heads % self.kv_heads:
+            divisors = [k for k in range(1, self.heads + 1) if self.heads % k == 0]
+            raise InputError(
+                f"--kv-heads {self.kv_heads} does not divide --heads {self.heads}; "
+                f"accepted: {', '.join(map(str, divisors))}"
+            )
+        if self.norm not in NORMS:
+            raise choice_error("norm", self.norm, list(NORMS))
+        if self.pos not in POSITIONS:
+            raise choice_error("pos", self.pos, list(POSITIONS))
+        if self.mlp not in MLPS:
+            raise choice_error("mlp", self.mlp, list(MLPS))
+        if not 0 < self.rotary_pct <= 1:
+            raise InputError(f"rotary_pct: {self.rotary_pct} must be in (0, 1]")
+
+    # ---- derived shape ---------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): kv_heads · head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def gqa_ratio(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
+    # ---- parameter counts by group ---------------------------------------------------------
+    @property
+    def norm_params(self) -> int:
+        """One norm: a scale (RMSNorm) or a scale and a shift (LayerNorm) of width hidden."""
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    @property
+    def attention_params(self) -> int:
+        """Per layer: W_q (H×H), W_k and W_v (H×kv_dim each), W_o (H×H), plus biases."""
+        h, kv = self.hidden, self.kv_dim
+        n = h * h + 2 * h * kv + h * h
+        if self.bias:
+            n += h + 2 * kv + h
+        elif self.qkv_bias:
+            n += h + 2 * kv
+        return n
+
+    @property
+    def mlp_params(self) -> int:
+        """Per layer: SwiGLU's gate, up and down (3·H·F) or GELU's up and down (2·H·F), plus biases."""
+        h, f = self.hidden, self.ffn
+        if self.mlp == "swiglu":
+            return 3 * h * f + (2 * f + h if self.bias else 0)
+        return 2 * h * f + (f + h if self.bias else 0)
+
+    @property
+    def layer_params(self) -> int:
+        """One block: attention, MLP and its two norms."""
+        return self.attention_params + self.mlp_params + 2 * self.norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embedding (V×H) plus the learned position table (max_positions×H) if any."""
+        n = self.vocab * self.hidden
+        if self.pos == "learned":
+            n += self.max_positions * self.hidden
+        return n
+
+    @property
+    def head_params(self) -> int:
+        """The LM head (V×H) when untied; 0 when it shares the embedding."""
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Exact parameter count: embeddings, blocks, final norm and LM head."""
+        return self.embedding_params + self.layers * self.layer_params + self.norm_params + self.head_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (what 6·N counts): blocks' weight
+        matrices and the LM head (the embedding lookup and the norms do no matmul)."""
+        per_layer = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        per_layer += (3 if self.mlp == "swiglu" else 2) * self.hidden * self.ffn
+        return self.layers * per_layer + self.vocab * self.hidden
+
+    @property
+    def n_tensors(self) -> int:
+        """Number of parameter tensors (the optimizer's foreach lists have this many entries)."""
+        per_layer = 4 + (3 if self.mlp == "swiglu" else 2)  # q, k, v, o, MLP matrices
+        per_layer += 2 * (2 if self.norm == "layernorm" else 1)  # two norms
+        if self.bias:
+            per_layer += 4 + (2 if self.mlp == "swiglu" else 2)
+        elif self.qkv_bias:
+            per_layer += 3
+        n = self.layers * per_layer + 1 + (1 if self.norm == "layernorm" else 0) + 1  # final norm, embedding
+        n += 0 if self.tied else 1
+        n += 1 if self.pos == "learned" else 0
+        return n
+
+    def describe(self) -> str:
+        """One line: ``llama 22.9M: 6 layers, hidden 384, 6 heads (6 kv), ffn 1024, vocab 32000, tied``."""
+        kv = f"{self.kv_heads} kv" if self.kv_heads != self.heads else "MHA"
+        return (
+            f"{self.arch} {format_count(self.params)}: {self.layers} layers, hidden {self.hidden}, "
+            f"{self.heads} heads ({kv}), ffn {self.ffn}, vocab {self.vocab}, "
+            f"{'tied' if self.tied else 'untied'}"
+        )
+
+    def to_json(self) -> dict:
+        """The contract's ``model`` object."""
+        return {
+            "params": self.params, "arch": self.arch, "layers": self.layers, "hidden": self.hidden,
+            "heads": self.heads, "kv_heads": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab,
+            "tied": self.tied,
+        }
+
+    def to_dict(self) -> dict:
+        """Every field, for plan files and checkpoints (``ModelSpec(**d)`` rebuilds it)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+# ---- sizes ---------------------------------------------------------------------------------
+
+DEFAULT_VOCAB = 32000  # the Llama / TinyLlama SentencePiece vocabulary
+
+
+def _llama(layers, hidden, heads, kv_heads, ffn, vocab=DEFAULT_VOCAB, tied=True, **kw) -> dict:
+    return dict(arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                vocab=vocab, tied=tied, **kw)
+
+
+# Llama-style shapes for the sizes people ask about. Head width 64 throughout (128 at 7b), FFN
+# about 8/3·hidden rounded to 256 (SwiGLU keeps the MLP's parameter count of a 4·H GELU),
+# tied embeddings below 1B, grouped-query attention from 1B up.
+SIZE_TABLE: dict[str, dict] = {
+    "22m": _llama(6, 384, 6, 6, 1024, source="memplan: 6×384, like TinyStories-scale Llamas"),
+    "124m": _llama(12, 768, 12, 12, 2048, vocab=50257,
+                   source="memplan: GPT-2 small's depth, width and vocabulary in Llama form"),
+    "350m": _llama(24, 1024, 16, 16, 2816, source="memplan: GPT-2 medium's depth and width in Llama form"),
+    "1b": _llama(16, 2048, 32, 8, 8192,
+                 source="Llama-3.2-1B's blocks (meta-llama/Llama-3.2-1B config.json) with a 32k vocabulary"),
+    "1.1b": _llama(22, 2048, 32, 4, 5632, tied=False,
+                   source="TinyLlama-1.1B (TinyLlama/TinyLlama_v1.1 config.json)"),
+    "3b": _llama(28, 3072, 24, 8, 8192,
+                 source="Llama-3.2-3B's blocks (meta-llama/Llama-3.2-3B config.json) with a 32k vocabulary"),
+    "7b": _llama(32, 4096, 32, 32, 11008, tied=False, source="Llama-2-7B (meta-llama/Llama-2-7b-hf config.json)"),
+}
+
+
+def _round_up(x: float, multiple: int) -> int:
+    return max(multiple, int(-(-x // multiple) * multiple))
+
+
+def shape_for_params(target: int, vocab: int = DEFAULT_VOCAB) -> dict:
+    """The rule for a size not in SIZE_TABLE.
+
+    Width follows depth with the aspect ratio of small Llamas, hidden = 64·layers (nanochat's
+    "depth × 64"), with 64-wide heads, FFN = 8/3·hidden rounded up to 256, embeddings tied
+    below 1B and 4 query heads per KV head from 1B up. Among depths 2–64, the one whose exact
+    parameter count is closest to the target wins.
+    """
+    best = None
+    for layers in range(2, 65):
+        hidden = 64 * layers
+        heads = hidden // 64
+        large = target >= 10**9
+        kv_heads = heads // 4 if large and heads % 4 == 0 else heads
+        shape = _llama(layers, hidden, heads, kv_heads, _round_up(8 * hidden / 3, 256), vocab=vocab,
+                       tied=not large)
+        n = ModelSpec(**shape).params
+        if best is None or abs(n - target) < abs(best[0] - target):
+            best = (n, shape)
+    shape = dict(best[1])
+    shape["source"] = "memplan's rule: hidden = 64·layers, ffn = 8/3·hidden, depth closest to the size"
+    return shape
+
+
+def from_size(text: str) -> ModelSpec:
+    """A ModelSpec for ``--params SIZE``: a row of SIZE_TABLE or, for other sizes, shape_for_params."""
+    key = str(text).strip().lower()
+    if key in SIZE_TABLE:
+        return ModelSpec(name=key, **SIZE_TABLE[key])
+    try:
+        target = parse_count(key, "--params")
+    except InputError:
+        raise InputError(
+            f"--params: {text!r} is not a size; use one of {', '.join(SIZE_TABLE)} or a count such as 50m or 2.5b"
+        ) from None
+    if target < 100_000:
+        raise InputError(f"--params: {text!r} is too small; the smallest size planned is 100k")
+    return ModelSpec(name=key, **shape_for_params(target))
+
+
+# ---- presets -------------------------------------------------------------------------------
+
+_HF = "https://huggingface.co/{}/blob/main/config.json"
+
+# Published models, each copied from the config it cites.
+PRESETS: dict[str, dict] = {
+    "gpt2": dict(arch="gpt2", layers=12, hidden=768, heads=12, kv_heads=12, ffn=3072, vocab=50257, tied=True,
+                 max_positions=1024, source=_HF.format("openai-community/gpt2")),
+    "gpt2-medium": dict(arch="gpt2", layers=24, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=50257,
+                        tied=True, max_positions=1024, source=_HF.format("openai-community/gpt2-medium")),
+    "gpt2-large": dict(arch="gpt2", layers=36, hidden=1280, heads=20, kv_heads=20, ffn=5120, vocab=50257,
+                       tied=True, max_positions=1024, source=_HF.format("openai-community/gpt2-large")),
+    "gpt2-xl": dict(arch="gpt2", layers=48, hidden=1600, heads=25, kv_heads=25, ffn=6400, vocab=50257,
+                    tied=True, max_positions=1024, source=_HF.format("openai-community/gpt2-xl")),
+    "tinyllama-1.1b": _llama(22, 2048, 32, 4, 5632, tied=False, norm_eps=1e-5,
+                             source=_HF.format("TinyLlama/TinyLlama_v1.1")),
+    "llama-3.2-1b": _llama(16, 2048, 32, 8, 8192, vocab=128256, tied=True, rope_theta=500000.0,
+                           max_positions=131072, source=_HF.format("meta-llama/Llama-3.2-1B")),
+    "llama-3.2-3b": _llama(28, 3072, 24, 8, 8192, vocab=128256, tied=True, rope_theta=500000.0,
+                           max_positions=131072, source=_HF.format("meta-llama/Llama-3.2-3B")),
+    "llama-2-7b": _llama(32, 4096, 32, 32, 11008, tied=False, max_positions=4096,
+                         source=_HF.format("meta-llama/Llama-2-7b-hf")),
+    "mistral-7b": _llama(32, 4096, 32, 8, 14336, tied=False, rope_theta=1000000.0, max_positions=32768,
+                         source=_HF.format("mistralai/Mistral-7B-v0.3")),
+    "smollm2-135m": _llama(30, 576, 9, 3, 1536, vocab=49152, tied=True, rope_theta=100000.0,
+                           source=_HF.format("HuggingFaceTB/SmolLM2-135M")),
+    "smollm2-360m": _llama(32, 960, 15, 5, 2560, vocab=49152, tied=True, rope_theta=100000.0,
+                           source=_HF.format("HuggingFaceTB/SmolLM2-360M")),
+    "qwen2.5-0.5b": _llama(24, 896, 14, 2, 4864, vocab=151936, tied=True, qkv_bias=True, rope_theta=1000000.0,
+                           norm_eps=1e-6, max_positions=32768, source=_HF.format("Qwen/Qwen2.5-0.5B")),
+    "pythia-70m": dict(arch="gpt_neox", layers=6, hidden=512, heads=8, kv_heads=8, ffn=2048, vocab=50304,
+                       tied=False, rotary_pct=0.25, source=_HF.format("EleutherAI/pythia-70m")),
+    "pythia-160m": dict(arch="gpt_neox", layers=12, hidden=768, heads=12, kv_heads=12, ffn=3072, vocab=50304,
+                        tied=False, rotary_pct=0.25, source=_HF.format("EleutherAI/pythia-160m")),
+    "pythia-410m": dict(arch="gpt_neox", layers=24, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=50304,
+                        tied=False, rotary_pct=0.25, source=_HF.format("EleutherAI/pythia-410m")),
+}
+
+
+def preset(name: str) -> ModelSpec:
+    """A named published model; a misspelt name suggests the closest ones."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise choice_error("--model", name, sorted(PRESETS))
+    return ModelSpec(name=key, **PRESETS[key])
+
+
+# ---- Hugging Face config.json --------------------------------------------------------------
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox)."""
+    path = Path(path)
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"--model: no such file {str(path)!r}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--model: {str(path)!r} is not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"--model: {str(path)!r} is not a config object")
+    model_type = cfg.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise InputError(
+            f"--model: {str(path)!r} has model_type {model_type!r}; accepted: {', '.join(HF_MODEL_TYPES)}"
+        )
+
+    def need(*keys: str) -> list:
+        missing = [k for k in keys if k not in cfg]
+        if missing:
+            raise InputError(f"--model: {str(path)!r} ({model_type}) is missing key(s) {', '.join(missing)}")
+        return [cfg[k] for k in keys]
+
+    common = dict(name=path.name if path.name != "config.json" else str(path.parent.name or path),
+                  source=str(path))
+    if model_type == "gpt2":
+        hidden, layers, heads, vocab = need("n_embd", "n_layer", "n_head", "vocab_size")
+        return ModelSpec(arch="gpt2", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
+                         ffn=cfg.get("n_inner") or 4 * hidden, vocab=vocab,
+                         tied=cfg.get("tie_word_embeddings", True), max_positions=cfg.get("n_positions", 1024),
+                         norm_eps=cfg.get("layer_norm_epsilon", 1e-5), **common)
+    if model_type == "gpt_neox":
+        hidden, layers, heads, ffn, vocab = need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                 "intermediate_size", "vocab_size")
+        return ModelSpec(arch="gpt_neox", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn,
+                         vocab=vocab, tied=cfg.get("tie_word_embeddings", False),
+                         parallel_residual=cfg.get("use_parallel_residual", True),
+                         rotary_pct=cfg.get("rotary_pct", 0.25),
+                         max_positions=cfg.get("max_position_embeddings", 2048),
+                         norm_eps=cfg.get("layer_norm_eps", 1e-5), rope_theta=cfg.get("rotary_emb_base", 10000.0),
+                         **common)
+    hidden, layers, heads, ffn, vocab = need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "intermediate_size", "vocab_size")
+    attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise InputError(f"--model: {str(path)!r} sets attention_bias={attention_bias} but mlp_bias={mlp_bias}; "
+                         "memplan plans biases on every linear layer or on none (qwen2: q, k, v only)")
+    bias = attention_bias
+    if cfg.get("head_dim") not in (None, hidden // heads):
+        raise InputError(f"--model: {str(path)!r} has head_dim {cfg['head_dim']} != hidden_size / "
+                         f"num_attention_heads; memplan plans head_dim = hidden / heads only")
+    return ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=heads,
+                     kv_heads=cfg.get("num_key_value_heads") or heads, ffn=ffn, vocab=vocab,
+                     tied=bool(cfg.get("tie_word_embeddings", False)),  # LlamaConfig, MistralConfig, Qwen2Config
+                     bias=bias, qkv_bias=model_type == "qwen2" and not bias,
+                     max_positions=cfg.get("max_position_embeddings", 2048),
+                     norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                     **common)
+
+
+def resolve(params: str | None = None, model: str | None = None, **overrides) -> ModelSpec:
+    """The ModelSpec for the MODEL option group: ``--params`` or ``--model``, then the overrides.
+
+    Overrides left as None keep the base shape's values. ``--kv-heads`` defaults to ``--heads``
+    when only the head count is overridden on a multi-head base.
+    """
+    if params and model:
+        raise InputError("give --params SIZE or --model NAME|PATH, not both")
+    if model:
+        looks_like_file = model.endswith(".json") or "/" in model or Path(model).is_file()
+        spec = from_hf_config(model) if looks_like_file else preset(model)
+    else:
+        spec = from_size(params or "22m")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if not changes:
+        return spec
+    if "arch" in changes and changes["arch"] != spec.arch:
+        # a different family brings its own components
+        for field in ("norm", "pos", "mlp", "bias", "parallel_residual"):
+            changes.setdefault(field, None)
+        changes.setdefault("qkv_bias", False)
+    if "heads" in changes and "kv_heads" not in changes and spec.kv_heads == spec.heads:
+        changes["kv_heads"] = changes["heads"]
+    data = {**spec.to_dict(), **changes}
+    return ModelSpec(**data)

@@ -1,0 +1,96 @@
+"""TrainSetup: how a ModelSpec is trained (context, batch, precision, attention, checkpointing, optimizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from memplan.errors import InputError
+from memplan.units import choice_error
+
+PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16")
+ATTENTIONS = ("eager", "sdpa")
+CHECKPOINTINGS = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "adamw-fused", "sgd", "adamw8bit")
+SHARDINGS = ("none", "ddp", "fsdp")
+
+# Bytes per element of each dtype.
+FP32_BYTES = 4
+HALF_BYTES = 2  # bf16 and fp16
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSetup:
+    """One training configuration. Frozen; validates itself."""
+
+    ctx: int = 1024  # tokens per sequence
+    micro_batch: int = 1  # sequences per forward/backward
+    grad_accum: int = 1  # micro-batches per optimizer step
+    precision: str = "bf16-mixed"  # fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (pure)
+    attention: str = "sdpa"  # eager (explicit T×T scores) | sdpa (fused scaled_dot_product_attention)
+    checkpointing: str = "none"  # none | selective (recompute cheap ops) | full (recompute each layer)
+    optimizer: str = "adamw"  # adamw (foreach) | adamw-fused | sgd (momentum) | adamw8bit
+    world_size: int = 1  # data-parallel processes
+    sharding: str = "none"  # none | ddp | fsdp
+    compile: bool = False  # torch.compile the model
+
+    def __post_init__(self) -> None:
+        for field, choices in (("precision", PRECISIONS), ("attention", ATTENTIONS),
+                               ("checkpointing", CHECKPOINTINGS), ("optimizer", OPTIMIZERS),
+                               ("sharding", SHARDINGS)):
+            if getattr(self, field) not in choices:
+                raise choice_error(f"--{field}", str(getattr(self, field)), list(choices))
+        for field in ("ctx", "micro_batch", "grad_accum", "world_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                flag = {"micro_batch": "batch"}.get(field, field).replace("_", "-")
+                raise InputError(f"--{flag}: {value!r} must be a positive integer")
+        if self.world_size > 1 and self.sharding == "none":
+            raise InputError(f"--world-size {self.world_size} needs --sharding ddp or fsdp")
+        if self.world_size == 1 and self.sharding != "none":
+            object.__setattr__(self, "sharding", "none")
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.ctx * self.micro_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step across all processes."""
+        return self.ctx * self.micro_batch * self.grad_accum * self.world_size
+
+    @property
+    def mixed(self) -> bool:
+        """fp32 master weights with a low-precision autocast compute dtype."""
+        return self.precision in ("bf16-mixed", "fp16-mixed")
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per stored weight (and gradient): 2 for pure bf16, else 4 (fp32 master weights)."""
+        return HALF_BYTES if self.precision == "bf16" else FP32_BYTES
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of matmul inputs and outputs: 2 under bf16/fp16, else 4."""
+        return HALF_BYTES if self.precision in ("bf16-mixed", "fp16-mixed", "bf16") else FP32_BYTES
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype matmuls run in: fp32, tf32, bf16 or fp16 (keys of a profile's peak table)."""
+        return {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}[
+            self.precision]
+
+    def to_json(self) -> dict:
+        """The contract's ``setup`` object."""
+        return {
+            "ctx": self.ctx, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+            "precision": self.precision, "attention": self.attention, "checkpointing": self.checkpointing,
+            "optimizer": self.optimizer, "world_size": self.world_size, "sharding": self.sharding,
+        }
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "TrainSetup":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,112 @@
+"""Parsing and printing of sizes (bytes) and counts (tokens, parameters).
+
+Sizes follow the IEC/SI split exactly: ``GB`` is 10**9 bytes, ``GiB`` is 2**30 bytes.
+Counts accept ``k``/``m``/``b`` suffixes as powers of 1000, except context lengths, where
+``8k`` means 8192 (``parse_count(..., binary=True)``), as everyone writes them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+
+from memplan.errors import InputError
+
+KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
+
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMbBtT]?)\s*$")
+_DECIMAL_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_BINARY_SUFFIX = {"": 1, "k": 2**10, "m": 2**20}
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Bytes from ``"512MiB"``, ``"4GiB"``, ``"24GB"``, ``"1.5 TB"`` or a plain integer."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise InputError(
+            f"{what}: {text!r} is not a size; use a number with a unit such as 512MiB, 4GiB or 24GB "
+            "(GB = 10^9 bytes, GiB = 2^30 bytes)"
+        )
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if value <= 0:
+        raise InputError(f"{what}: {text!r} must be positive")
+    return int(round(value))
+
+
+def parse_count(text: str | int, what: str = "count", *, binary: bool = False, minimum: int = 1) -> int:
+    """A positive integer from ``"8192"``, ``"8k"``, ``"1.5m"`` or ``"2b"``.
+
+    With ``binary=True`` (context lengths), ``k`` is 1024 and ``m`` is 2**20; otherwise
+    the suffixes are decimal (``10m`` tokens is 10,000,000).
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _COUNT_RE.match(str(text))
+        suffixes = _BINARY_SUFFIX if binary else _DECIMAL_SUFFIX
+        suffix = m.group(2).lower() if m else ""
+        if not m or suffix not in suffixes:
+            example = "8192 or 8k" if binary else "1000000, 1m or 2.5b"
+            raise InputError(f"{what}: {text!r} is not a count; use an integer such as {example}")
+        value_f = float(m.group(1)) * suffixes[suffix]
+        if not math.isclose(value_f, round(value_f), rel_tol=0, abs_tol=1e-6):
+            raise InputError(f"{what}: {text!r} is not a whole number")
+        value = int(round(value_f))
+    if value < minimum:
+        raise InputError(f"{what}: {text!r} must be at least {minimum}")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``: binary units, named as such (never "MB" for 2**20)."""
+    n = float(n)
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_count(n: float) -> str:
+    """``1.10B``, ``124.4M``, ``22.9M``, ``512K``: short parameter and token counts."""
+    n = float(n)
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit in 'TB' else 1}f}{unit}"
+    return f"{int(n)}"
+
+
+def format_seconds(s: float | None) -> str:
+    """``850 ms``, ``12.3 s``, ``4.2 min``, ``3.1 h``, ``12.5 days``."""
+    if s is None:
+        return "-"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def closest(name: str, choices: list[str], n: int = 3) -> list[str]:
+    """The closest names to a misspelt one, best first (for "did you mean" hints)."""
+    return difflib.get_close_matches(name.lower(), choices, n=n, cutoff=0.4)
+
+
+def choice_error(what: str, value: str, choices: list[str]) -> InputError:
+    """An InputError for an unknown choice, suggesting the closest accepted values."""
+    near = closest(value, choices)
+    hint = f"; did you mean {', '.join(near)}?" if near else ""
+    return InputError(f"{what}: unknown {value!r}{hint} (accepted: {', '.join(choices)})")
