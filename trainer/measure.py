@@ -1,0 +1,237 @@
+"""Measuring a training step's memory: for real on the local device, or exactly under FakeTensorMode.
+
+``measure_step`` runs two real training steps of the reference model (the second one is the
+steady state, with optimizer state present) and reads the peak the way each platform allows:
+
+- CUDA / ROCm: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` after
+  ``reset_peak_memory_stats``, plus what the driver reports (nvidia-ml-py or pyrsmi).
+- Apple: ``torch.mps.current_allocated_memory`` / ``driver_allocated_memory`` sampled per op.
+- CPU: ``MemTracker`` on the real tensors (live tensor bytes by category), plus the process's
+  peak resident memory from psutil.
+
+``trace_step`` runs the same two steps on fake tensors (``FakeTensorMode``) under ``MemTracker``,
+so a 1B model at 8k context is traced on a laptop CPU without allocating its memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from memplan.model import ModelSpec
+from memplan.setup import TrainSetup
+from trainer.model import build_model
+from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+
+# MemTracker's categories, mapped onto the contract's memory keys.
+_CATEGORY_KEYS = {"Parameter": "weights", "Buffer": "weights", "Gradient": "gradients", "Optstate": "optimizer",
+                  "Activation": "activations", "Temp": "temporaries", "Other": "other"}
+
+
+@dataclass
+class StepMemory:
+    """What one measured (or traced) steady-state training step took."""
+
+    peak_allocated: int  # largest total of live tensor bytes
+    breakdown: dict[str, int] = field(default_factory=dict)  # by category at the peak (MemTracker only)
+    peak_reserved: int | None = None  # the allocator's reserve (CUDA/ROCm/MPS)
+    driver_used: int | None = None  # what the driver reports for the device (NVML, ROCm SMI)
+    peak_rss: int | None = None  # process peak resident memory (CPU)
+    baseline_rss: int | None = None  # resident memory before the model existed (CPU)
+    step_seconds: float | None = None  # wall time of the measured step
+    method: str = ""
+
+
+def _random_batches(spec: ModelSpec, setup: TrainSetup, device, generator: torch.Generator | None = None):
+    def ids():
+        return torch.randint(0, spec.vocab, (setup.micro_batch, setup.ctx), device=device, generator=generator)
+
+    return [(ids(), ids()) for _ in range(setup.grad_accum)]
+
+
+def _categories(snapshot: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, value in snapshot.items():
+        name = getattr(key, "value", key)
+        if name == "Total":
+            continue
+        out[_CATEGORY_KEYS.get(name, name)] = out.get(_CATEGORY_KEYS.get(name, name), 0) + int(value)
+    return out
+
+
+def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type: str) -> tuple[int, dict]:
+    """Two steps under MemTracker (reset_mod_stats before every forward); returns the peak and its breakdown.
+
+    The first step allocates the optimizer state; the second is the steady state. The
+    tracker's peak is over both, and the second step's is never lower (it holds everything the
+    first does, plus optimizer state from the start).
+    """
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for _ in range(2):
+            batches = batches_fn()
+            # per-module stats cover one forward; the global peak is kept across resets
+            train_step(model, optimizer, batches, setup, device_type, check_finite=False,
+                       before_forward=lambda i: tracker.reset_mod_stats())
+            del batches
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    total = int(snapshot.get("Total", sum(v for k, v in snapshot.items())))
+    return total, _categories(snapshot)
+
+
+def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda") -> StepMemory:
+    """Exact live-tensor peak of a steady-state step on fake tensors (nothing is allocated).
+
+    ``device`` is the device the fake tensors claim to live on: ``cuda`` rounds every
+    allocation to the caching allocator's 512-byte blocks, as ``max_memory_allocated`` does;
+    ``cpu`` counts bytes exactly as the CPU measurement does.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    set_matmul_precision(setup.precision)
+    with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device):
+        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
+        optimizer = make_optimizer(model, setup.optimizer)
+        total, categories = _tracked_steps(model, optimizer, setup, lambda: _random_batches(spec, setup, device),
+                                           torch.device(device).type)
+    return StepMemory(peak_allocated=total, breakdown=categories, method=f"MemTracker under FakeTensorMode ({device})")
+
+
+def _rss_sampler(stop: threading.Event, out: list[int], interval: float = 0.002) -> None:
+    import psutil
+
+    proc = psutil.Process()
+    peak = 0
+    while not stop.is_set():
+        peak = max(peak, proc.memory_info().rss)
+        time.sleep(interval)
+    out.append(max(peak, proc.memory_info().rss))
+
+
+def measure_step_cpu(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
+    """Live tensor bytes of a real steady-state step on the CPU (MemTracker), plus peak RSS."""
+    import psutil
+
+    gc.collect()
+    baseline = psutil.Process().memory_info().rss
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision))
+    optimizer = make_optimizer(model, setup.optimizer)
+    gen = torch.Generator().manual_seed(seed)
+    stop, rss = threading.Event(), []
+    sampler = threading.Thread(target=_rss_sampler, args=(stop, rss), daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    try:
+        total, categories = _tracked_steps(model, optimizer, setup, lambda: _random_batches(spec, setup, "cpu", gen),
+                                           "cpu")
+    finally:
+        stop.set()
+        sampler.join()
+    elapsed = time.perf_counter() - t0
+    del model, optimizer
+    gc.collect()
+    return StepMemory(peak_allocated=total, breakdown=categories, peak_rss=rss[0], baseline_rss=baseline,
+                      step_seconds=elapsed / 2, method="MemTracker on real tensors (cpu) + psutil RSS")
+
+
+def _driver_used_bytes(index: int = 0) -> int | None:
+    """Device memory in use as the driver reports it (NVML on NVIDIA, ROCm SMI on AMD)."""
+    if torch.version.hip:
+        try:
+            from pyrsmi import rocml
+
+            rocml.smi_initialize()
+            try:
+                used = rocml.smi_get_device_memory_used(index)
+                return int(used) if used is not None and used >= 0 else None
+            finally:
+                rocml.smi_shutdown()
+        except Exception:
+            return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def measure_step_cuda(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
+    """``max_memory_allocated`` / ``max_memory_reserved`` of a steady-state step on CUDA or ROCm."""
+    dev = torch.device("cuda")
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev)
+    optimizer = make_optimizer(model, setup.optimizer)
+    train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "cuda", check_finite=False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "cuda", check_finite=False)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    result = StepMemory(peak_allocated=int(torch.cuda.max_memory_allocated()),
+                        peak_reserved=int(torch.cuda.max_memory_reserved()), driver_used=_driver_used_bytes(),
+                        step_seconds=elapsed, method="torch.cuda.max_memory_allocated")
+    del model, optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def measure_step_mps(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
+    """Apple GPUs: the allocator has no peak counter, so sample current_allocated_memory per op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Sampler(TorchDispatchMode):
+        peak = 0
+        driver_peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, torch.mps.current_allocated_memory())
+            self.driver_peak = max(self.driver_peak, torch.mps.driver_allocated_memory())
+            return out
+
+    dev = torch.device("mps")
+    torch.manual_seed(seed)
+    model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev)
+    optimizer = make_optimizer(model, setup.optimizer)
+    train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "mps", check_finite=False)
+    torch.mps.synchronize()
+    sampler = _Sampler()
+    with sampler:
+        train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "mps", check_finite=False)
+    torch.mps.synchronize()
+    return StepMemory(peak_allocated=sampler.peak, peak_reserved=sampler.driver_peak,
+                      method="torch.mps.current_allocated_memory per op")
+
+
+def measure_step(spec: ModelSpec, setup: TrainSetup, family: str, seed: int = 0) -> StepMemory:
+    """Measure a real steady-state step on the local device of ``family`` (cuda, rocm, mps, cpu)."""
+    if family in ("cuda", "rocm"):
+        return measure_step_cuda(spec, setup, seed)
+    if family == "mps":
+        return measure_step_mps(spec, setup, seed)
+    return measure_step_cpu(spec, setup, seed)
+
+
+def local_family() -> str:
+    """The family of the device torch would train on here."""
+    if torch.cuda.is_available():
+        return "rocm" if torch.version.hip else "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"

@@ -1,0 +1,119 @@
+"""One training step, defined once: the trainer's loop, ``validate``, ``trace`` and ``autotune --verify`` all run this.
+
+A step is: ``grad_accum`` micro-batches of forward, fp32 cross-entropy and backward (loss
+scaled by 1/grad_accum), gradient clipping, the optimizer step, then ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from memplan.errors import InputError
+from memplan.setup import TrainSetup
+from trainer.model import lm_loss
+
+SGD_MOMENTUM = 0.9
+NO_DECAY_DIMS = 1  # parameters with this many dims (norms, biases) get no weight decay
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """Storage dtype of weights: bf16 for pure bf16, else fp32 (master weights under mixed precision)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+
+
+def autocast(precision: str, device_type: str):
+    """The autocast context of a precision (a no-op for fp32, tf32 and pure bf16)."""
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def set_matmul_precision(precision: str) -> None:
+    """tf32 enables TF32 tensor-core matmuls; everything else asks for full fp32 matmuls."""
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (and the embedding), none on norms and biases."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() <= NO_DECAY_DIMS else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def make_optimizer(model: torch.nn.Module, name: str, lr: float = 3e-4, weight_decay: float = 0.1,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+    """adamw (foreach), adamw-fused, sgd (momentum 0.9, foreach) or adamw8bit (bitsandbytes)."""
+    groups = param_groups(model, weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=SGD_MOMENTUM, foreach=True)
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise InputError("--optimizer adamw8bit needs the bitsandbytes package (pip install bitsandbytes); "
+                             "accepted without it: adamw, adamw-fused, sgd") from None
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
+    raise InputError(f"--optimizer: unknown {name!r} (accepted: adamw, adamw-fused, sgd, adamw8bit)")
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss over the micro-batches (0-dim, on the device)
+    grad_norm: torch.Tensor  # total gradient norm before clipping
+    skipped: bool  # the update was skipped (non-finite loss or gradients)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, setup: TrainSetup,
+               device_type: str, scaler=None, clip: float | None = 1.0, check_finite: bool = True,
+               before_forward: Callable[[int], None] | None = None) -> StepResult:
+    """Run ``len(micro_batches)`` forward/backward passes and one optimizer step.
+
+    ``micro_batches`` is a list of (inputs, targets), each (micro_batch, ctx) int64. With
+    ``check_finite`` (one device sync) a non-finite loss or gradient skips the update; the
+    FakeTensor trace turns it off, since fake tensors have no values. ``before_forward(i)`` is
+    called before micro-batch i's forward (MemTracker resets its per-module stats there).
+    """
+    total = torch.zeros((), device=next(model.parameters()).device)
+    n = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        if before_forward is not None:
+            before_forward(i)
+        with autocast(setup.precision, device_type):
+            logits = model(x)
+        loss = lm_loss(logits, y) / n
+        del logits
+        total += loss.detach()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del loss
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True) if clip
+                 else torch.zeros(()))
+    finite = not check_finite or (bool(torch.isfinite(total)) and bool(torch.isfinite(grad_norm)))
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the update itself when it found inf/nan gradients
+        scaler.update()
+    elif finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=total, grad_norm=grad_norm, skipped=not finite)
