@@ -66,6 +66,7 @@ def _group() -> None:
 
 # Each module registers its command(s) on ``app`` at import. Heavy imports (torch) stay inside
 # the command functions, so `memplan estimate` never loads torch.
+from memplan.cli import profiles  # noqa: E402,F401
 
 
 def main() -> None:
