@@ -33,7 +33,8 @@ unit their key names)::
 
 Optional tables: ``[native]`` (above), ``[interconnect]`` (the link between devices: ``kind`` such as
 nvlink4 | pcie4 | infinity-fabric | ethernet, ``bandwidth_bytes_per_second`` per direction,
-``latency_seconds`` per hop, ``source``) and ``[calibrated]`` (rates measured by ``memplan calibrate``).
+``latency_seconds`` per hop, ``peer_bandwidth_bytes_per_second`` where one peer gets less than all
+together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``memplan calibrate``).
 Every table's ``source`` ends up in ``Device.sources``. ``--device PATH`` loads any file of this schema.
 
 Nothing here imports torch: detection of the local device reads NVML, ROCm SMI, the OS and psutil.
