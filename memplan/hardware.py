@@ -31,8 +31,11 @@ unit their key names)::
     allocator_overhead = 0.05         # caching-allocator reserve beyond allocated, as a fraction
     source = "..."
 
-Optional tables: ``[interconnect]`` (multi-device links) and ``[calibrated]`` (rates measured by
-``memplan calibrate``). ``--device PATH`` loads any file of this schema.
+Optional tables: ``[native]`` (above), ``[interconnect]`` (the link between devices: ``kind`` such as
+nvlink4 | pcie4 | infinity-fabric | ethernet, ``bandwidth_bytes_per_second`` per direction,
+``latency_seconds`` per hop, ``peer_bandwidth_bytes_per_second`` where one peer gets less than all
+together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``memplan calibrate``).
+Every table's ``source`` ends up in ``Device.sources``. ``--device PATH`` loads any file of this schema.
 
 Nothing here imports torch: detection of the local device reads NVML, ROCm SMI, the OS and psutil.
 """
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -125,31 +129,57 @@ def _need(table: dict, key: str, where: str, path: str):
     return table[key]
 
 
+def _table(data: dict, key: str, path: str, required: bool = True) -> dict:
+    """A TOML table, as a copy (an absent optional one is empty)."""
+    value = _need(data, key, "", path) if required else data.get(key, {})
+    if not isinstance(value, dict):
+        raise InputError(f"profile {path}: {key} must be a table ([{key}])")
+    return dict(value)
+
+
+def _number(table: dict, key: str, where: str, path: str, minimum: float = 0.0) -> float:
+    """A required number >= minimum (TOML booleans are not numbers)."""
+    value = _need(table, key, where, path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise InputError(f"profile {path}: {where}{key} = {value!r}; expected a number >= {minimum:g}")
+    return value
+
+
 def device_from_toml(data: dict, path: str = "<toml>") -> Device:
     """A Device from a parsed profile; a missing or wrong field is an InputError naming it."""
-    mem = _need(data, "memory", "", path)
-    peak = dict(_need(data, "peak_tflops", "", path))
-    ach = dict(_need(data, "achievable", "", path))
-    runtime = _need(data, "runtime", "", path)
+    mem = _table(data, "memory", path)
+    peak = _table(data, "peak_tflops", path)
+    ach = _table(data, "achievable", path)
+    runtime = _table(data, "runtime", path)
+    native = _table(data, "native", path, required=False)
+    interconnect = _table(data, "interconnect", path, required=False)
     family = _need(data, "family", "", path)
     if family not in FAMILIES:
         raise InputError(f"profile {path}: family {family!r} is not one of {', '.join(FAMILIES)}")
     reader = data.get("memory_reader", {"cuda": "nvml", "rocm": "rocm-smi", "mps": "mps", "cpu": "psutil"}[family])
     if reader not in MEMORY_READERS:
         raise InputError(f"profile {path}: memory_reader {reader!r} is not one of {', '.join(MEMORY_READERS)}")
-    sources = {k: v.pop("source") for k, v in (("memory", dict(mem)), ("peak_tflops", peak), ("achievable", ach),
-                                                 ("runtime", dict(runtime))) if "source" in v}
-    peak.pop("source", None)
-    ach.pop("source", None)
+    sources = {k: v.pop("source") for k, v in (("memory", mem), ("peak_tflops", peak), ("achievable", ach),
+                                                 ("native", native), ("runtime", runtime),
+                                                 ("interconnect", interconnect)) if "source" in v}
     if "fp32" not in peak:
         raise InputError(f"profile {path}: missing field peak_tflops.fp32")
     for table_name, table in (("peak_tflops", peak), ("achievable", ach)):
         for k, v in table.items():
-            if k not in DTYPES or not isinstance(v, (int, float)) or v < 0:
+            if k not in DTYPES or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise InputError(f"profile {path}: {table_name}.{k} = {v!r}; keys are {', '.join(DTYPES)}, "
                                  "values non-negative numbers")
-    total = int(_need(mem, "total_bytes", "memory.", path))
-    usable = int(_need(mem, "usable_bytes", "memory.", path))
+    for k, v in ach.items():
+        if not 0 < v <= 1:
+            raise InputError(f"profile {path}: achievable.{k} = {v!r} is not a fraction of peak in (0, 1]")
+    for k, v in native.items():
+        if k not in DTYPES or not isinstance(v, bool):
+            raise InputError(f"profile {path}: native.{k} = {v!r}; keys are {', '.join(DTYPES)}, values true/false")
+    for key in ("bandwidth_bytes_per_second", "peer_bandwidth_bytes_per_second", "latency_seconds"):
+        if key in interconnect:
+            _number(interconnect, key, "interconnect.", path)
+    total = int(_number(mem, "total_bytes", "memory.", path, minimum=1))
+    usable = int(_number(mem, "usable_bytes", "memory.", path, minimum=1))
     if not 0 < usable <= total:
         raise InputError(f"profile {path}: memory.usable_bytes must be in (0, total_bytes]")
     return Device(
@@ -159,14 +189,14 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
         memory_reader=reader,
         memory_bytes=total,
         usable_bytes=usable,
-        bandwidth_bytes_per_second=float(_need(mem, "bandwidth_bytes_per_second", "memory.", path)),
+        bandwidth_bytes_per_second=float(_number(mem, "bandwidth_bytes_per_second", "memory.", path, minimum=1)),
         peak_tflops={k: float(v) for k, v in peak.items()},
         achievable={k: float(v) for k, v in ach.items()},
-        native={k: bool(v) for k, v in data.get("native", {}).items() if k != "source"},
-        runtime_context_bytes=int(_need(runtime, "context_bytes", "runtime.", path)),
-        allocator_overhead=float(_need(runtime, "allocator_overhead", "runtime.", path)),
+        native=native,
+        runtime_context_bytes=int(_number(runtime, "context_bytes", "runtime.", path)),
+        allocator_overhead=float(_number(runtime, "allocator_overhead", "runtime.", path)),
         match=tuple(data.get("match", ())),
-        interconnect=dict(data.get("interconnect", {})),
+        interconnect=interconnect,
         calibrated=dict(data.get("calibrated", {})),
         sources=sources,
         path=path,
@@ -259,14 +289,19 @@ def _apple_chip() -> str:
         return "Apple"
 
 
+def _name_matches(needle: str, reported_name: str) -> bool:
+    """``needle`` occurs in the name as whole words: "NVIDIA L4" matches "NVIDIA L4" but not "NVIDIA L40S"."""
+    return re.search(rf"(?<![a-z0-9]){re.escape(needle.lower())}(?![a-z0-9])", reported_name.lower()) is not None
+
+
 def match_profile(reported_name: str, family: str) -> Device | None:
-    """The bundled profile whose ``match`` strings occur in a driver-reported name."""
+    """The bundled profile whose ``match`` strings occur in a driver-reported name (longest match wins)."""
     best = None
     for device in all_profiles():
         if device.family != family:
             continue
         for needle in device.match:
-            if needle.lower() in reported_name.lower() and (best is None or len(needle) > best[0]):
+            if _name_matches(needle, reported_name) and (best is None or len(needle) > best[0]):
                 best = (len(needle), device)
     return best[1] if best else None
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 from typer.core import TyperGroup
+
+try:  # typer >= 0.29 runs on its own copy of click, whose exceptions are not click's
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # older typer runs on click itself
+    from click import exceptions as click_exceptions
 
 from memplan.errors import InputError
 
@@ -24,12 +28,12 @@ class _OneLineErrors(TyperGroup):
                               standalone_mode=False, **extra)
         except InputError as e:
             _fail(str(e))
-        except click.exceptions.UsageError as e:
+        except click_exceptions.UsageError as e:
             where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
             _fail(f"{e.format_message()}{where}")
-        except click.exceptions.ClickException as e:
+        except click_exceptions.ClickException as e:
             _fail(e.format_message())
-        except click.exceptions.Abort:
+        except click_exceptions.Abort:
             print("memplan: aborted", file=sys.stderr)
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
@@ -51,8 +55,18 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+@app.callback()
+def _group() -> None:
+    # A typer app with a single command and no callback collapses into that bare command (no
+    # `memplan NAME`, no _OneLineErrors); this empty callback keeps `app` a group however many
+    # commands are registered.
+    pass
+
+
 # Each module registers its command(s) on ``app`` at import. Heavy imports (torch) stay inside
 # the command functions, so `memplan estimate` never loads torch.
+from memplan.cli import profiles  # noqa: E402,F401
 
 
 def main() -> None:
