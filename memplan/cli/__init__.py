@@ -53,6 +53,7 @@ app = typer.Typer(
 
 # Each module registers its command(s) on ``app`` at import. Heavy imports (torch) stay inside
 # the command functions, so `memplan estimate` never loads torch.
+from memplan.cli import prepare as _prepare  # noqa: E402,F401  (memplan prepare)
 
 
 def main() -> None:

@@ -1,0 +1,140 @@
+"""``memplan prepare``: text corpus -> cleaned, deduplicated, tokenized shards + manifest.
+
+The work is ``trainer.data.prepare``; this module parses options, shows progress and prints the
+per-source statistics table. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from memplan.cli import app
+
+InputsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--input", "-i", help="A .txt, .jsonl or .parquet file, a directory of them (recursive), or hf:NAME; "
+                          "repeat for several sources. Default: the embedded corpus (CPython's pydoc topics "
+                          "and standard-library docstrings).", show_default=False)]
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Directory to write the prepared corpus into.",
+                                      show_default=False)]
+TokenizerOpt = Annotated[Optional[str], typer.Option(
+    "--tokenizer", help="bpe:N (train a byte-level BPE of N tokens), a tokenizer.json path, or gpt2 (tiktoken). "
+                        "Default: bpe:4096 for the embedded corpus, bpe:8192 for --input.", show_default=False)]
+ValFractionOpt = Annotated[float, typer.Option(
+    "--val-fraction", help="Hold out the last this-fraction of each source's documents, in [0, 0.5].")]
+WorkersOpt = Annotated[Optional[int], typer.Option(
+    "--workers", help="Processes for parsing and tokenizing. Default: min(4, CPUs).", show_default=False)]
+TextFieldOpt = Annotated[str, typer.Option("--text-field", help="The text field of .jsonl / .parquet / hf records.")]
+MinCharsOpt = Annotated[int, typer.Option("--min-chars", help="Drop documents shorter than this after cleaning.")]
+ShardTokensOpt = Annotated[str, typer.Option("--shard-tokens", help="Tokens per shard file, at most (e.g. 100m).")]
+MaxDocsOpt = Annotated[Optional[int], typer.Option(
+    "--max-docs", help="Keep at most this many documents per source.", show_default=False)]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace a prepared corpus already in --out.")]
+
+
+if app.registered_callback is None:
+    # With a single registered command typer runs it as the whole program (`memplan --out X`), outside
+    # the one-line-error group. An empty root callback keeps `memplan prepare` a subcommand on a branch
+    # where it is the only one; it belongs in memplan/cli/__init__.py, where this guard then skips it.
+    app.callback()(lambda: None)
+
+
+@app.command("prepare")
+def prepare_command(
+    out: OutOpt,
+    inputs: InputsOpt = None,
+    tokenizer: TokenizerOpt = None,
+    val_fraction: ValFractionOpt = 0.05,
+    workers: WorkersOpt = None,
+    text_field: TextFieldOpt = "text",
+    min_chars: MinCharsOpt = 32,
+    shard_tokens: ShardTokensOpt = "128m",
+    max_docs: MaxDocsOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """Clean, deduplicate and tokenize a corpus into token shards for `memplan train`."""
+    from rich.console import Console
+
+    from memplan.units import parse_count
+    from trainer import data
+
+    started = time.perf_counter()
+    console = Console(stderr=True)
+    config = data.PrepareConfig(
+        tokenizer=tokenizer or (data.DEFAULT_TOKENIZER_INPUTS if inputs else data.DEFAULT_TOKENIZER_EMBEDDED),
+        val_fraction=val_fraction,
+        workers=data.default_workers() if workers is None else workers,
+        clean=data.CleanConfig(min_chars=min_chars),
+        shard_tokens=parse_count(shard_tokens, "--shard-tokens"),
+        max_docs=max_docs,
+    )
+    data.check_out_dir(out, force)
+    sources = data.resolve_inputs(inputs, text_field=text_field) if inputs else data.embedded_sources()
+    with _ProgressBars(console) as bars:
+        result = data.prepare(sources, out, config, force=force, progress=bars.update)
+    _print_summary(result, config, time.perf_counter() - started)
+
+
+class _ProgressBars:
+    """rich progress for the stages ``prepare`` reports: read, tokenizer, tokenize."""
+
+    _LABELS = {"read": "reading and cleaning", "tokenizer": "building the tokenizer", "tokenize": "tokenizing"}
+
+    def __init__(self, console):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn)
+
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._progress.__exit__(*exc)
+
+    def update(self, stage: str, done: int, total: int | None) -> None:
+        if stage not in self._tasks:
+            for other in self._tasks.values():  # a new stage means the earlier ones finished
+                t = self._progress.tasks[other]
+                self._progress.update(other, total=t.completed if t.total is None else t.total,
+                                      completed=t.completed if t.total is None else t.total)
+            self._tasks[stage] = self._progress.add_task(self._LABELS.get(stage, stage), total=total)
+        self._progress.update(self._tasks[stage], completed=done, total=total)
+
+
+def _print_summary(result, config, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memplan.units import format_count
+
+    m = result.manifest
+    table = Table(title=f"Prepared corpus in {result.out}")
+    for name in ("source", "documents", "characters", "tokens", "train tokens", "val tokens",
+                 "duplicates dropped", "filtered dropped"):
+        table.add_column(name, justify="left" if name == "source" else "right")
+    totals = [0] * 7
+    for s in result.stats:
+        row = [s.documents, s.characters, s.tokens, s.train_tokens, s.val_tokens, s.duplicates_dropped,
+               s.filtered_dropped]
+        totals = [a + b for a, b in zip(totals, row)]
+        table.add_row(s.name, *(f"{v:,}" for v in row))
+    table.add_row("total", *(f"{v:,}" for v in totals), style="bold")
+    out = Console()
+    out.print(table)
+    tok = m["tokenizer"]
+    n_shards = len(m["train"]["shards"]) + len(m["val"]["shards"])
+    tok_s = result.seconds.get("tokenize", 0.0)
+    rate = f", {format_count(totals[2] / tok_s)} tokens/s with {config.workers} worker(s)" if tok_s > 0 else ""
+    out.print(f"tokenizer {tok['spec']} ({tok['kind']}, vocab {m['vocab_size']:,}, eot id {m['eot_id']}, "
+              f"sha256 {tok['sha256'][:12]}); {n_shards} {m['dtype']} shard(s); "
+              f"{seconds:.1f} s in all (tokenize {tok_s:.1f} s{rate})")
+    for s in result.stats:
+        if s.documents and not s.val_documents and config.val_fraction > 0:
+            out.print(f"[yellow]note:[/] source {s.name!r} has {s.documents} document(s): nothing held out for it")
