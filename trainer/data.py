@@ -123,7 +123,8 @@ def clean_text(text: str) -> str:
     NFC normalisation; CR/CRLF become newlines; control characters other than newline and tab
     are removed (and the BOM); within each line, whitespace runs after the indentation collapse
     to one space (leading indentation is kept, so code blocks survive) and trailing whitespace
-    goes; more than two blank lines in a row become two; blank lines at either end go.
+    goes; more than two blank lines in a row become two; whitespace at either end of the
+    document goes (including the first line's indentation).
     """
     text = unicodedata.normalize("NFC", text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")
@@ -135,7 +136,7 @@ def clean_text(text: str) -> str:
         indent = line[: len(line) - len(body)]
         lines.append(indent + _INNER_WS.sub(" ", body))
     text = _BLANK_RUN.sub("\n\n\n", "\n".join(lines))
-    return text.strip("\n")
+    return text.strip()
 
 
 @lru_cache(maxsize=65536)

@@ -18,19 +18,20 @@ InputsOpt = Annotated[Optional[list[str]], typer.Option(
     "--input", "-i", help="A .txt, .jsonl or .parquet file, a directory of them (recursive), or hf:NAME; "
                           "repeat for several sources. Default: the embedded corpus (CPython's pydoc topics "
                           "and standard-library docstrings).", show_default=False)]
-OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Directory to write the prepared corpus into.",
-                                      show_default=False)]
+# Numbers are taken as text and parsed here, so a bad one is the usual one-line InputError.
+OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Directory to write the prepared corpus into "
+                                               "(required).", show_default=False)]
 TokenizerOpt = Annotated[Optional[str], typer.Option(
     "--tokenizer", help="bpe:N (train a byte-level BPE of N tokens), a tokenizer.json path, or gpt2 (tiktoken). "
                         "Default: bpe:4096 for the embedded corpus, bpe:8192 for --input.", show_default=False)]
-ValFractionOpt = Annotated[float, typer.Option(
+ValFractionOpt = Annotated[str, typer.Option(
     "--val-fraction", help="Hold out the last this-fraction of each source's documents, in [0, 0.5].")]
-WorkersOpt = Annotated[Optional[int], typer.Option(
+WorkersOpt = Annotated[Optional[str], typer.Option(
     "--workers", help="Processes for parsing and tokenizing. Default: min(4, CPUs).", show_default=False)]
 TextFieldOpt = Annotated[str, typer.Option("--text-field", help="The text field of .jsonl / .parquet / hf records.")]
-MinCharsOpt = Annotated[int, typer.Option("--min-chars", help="Drop documents shorter than this after cleaning.")]
+MinCharsOpt = Annotated[str, typer.Option("--min-chars", help="Drop documents shorter than this after cleaning.")]
 ShardTokensOpt = Annotated[str, typer.Option("--shard-tokens", help="Tokens per shard file, at most (e.g. 100m).")]
-MaxDocsOpt = Annotated[Optional[int], typer.Option(
+MaxDocsOpt = Annotated[Optional[str], typer.Option(
     "--max-docs", help="Keep at most this many documents per source.", show_default=False)]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace a prepared corpus already in --out.")]
 
@@ -44,13 +45,13 @@ if app.registered_callback is None:
 
 @app.command("prepare")
 def prepare_command(
-    out: OutOpt,
+    out: OutOpt = None,
     inputs: InputsOpt = None,
     tokenizer: TokenizerOpt = None,
-    val_fraction: ValFractionOpt = 0.05,
+    val_fraction: ValFractionOpt = "0.05",
     workers: WorkersOpt = None,
     text_field: TextFieldOpt = "text",
-    min_chars: MinCharsOpt = 32,
+    min_chars: MinCharsOpt = "32",
     shard_tokens: ShardTokensOpt = "128m",
     max_docs: MaxDocsOpt = None,
     force: ForceOpt = False,
@@ -58,24 +59,40 @@ def prepare_command(
     """Clean, deduplicate and tokenize a corpus into token shards for `memplan train`."""
     from rich.console import Console
 
+    from memplan.errors import InputError
     from memplan.units import parse_count
     from trainer import data
 
     started = time.perf_counter()
     console = Console(stderr=True)
+    if not out:
+        raise InputError("--out: required; name the directory to write the prepared corpus into, e.g. --out data/pydoc")
     config = data.PrepareConfig(
         tokenizer=tokenizer or (data.DEFAULT_TOKENIZER_INPUTS if inputs else data.DEFAULT_TOKENIZER_EMBEDDED),
-        val_fraction=val_fraction,
-        workers=data.default_workers() if workers is None else workers,
-        clean=data.CleanConfig(min_chars=min_chars),
+        val_fraction=_fraction(val_fraction, "--val-fraction"),
+        workers=data.default_workers() if workers is None else parse_count(workers, "--workers"),
+        clean=data.CleanConfig(min_chars=parse_count(min_chars, "--min-chars")),
         shard_tokens=parse_count(shard_tokens, "--shard-tokens"),
-        max_docs=max_docs,
+        max_docs=None if max_docs is None else parse_count(max_docs, "--max-docs"),
     )
+    out = Path(out)
     data.check_out_dir(out, force)
     sources = data.resolve_inputs(inputs, text_field=text_field) if inputs else data.embedded_sources()
     with _ProgressBars(console) as bars:
         result = data.prepare(sources, out, config, force=force, progress=bars.update)
     _print_summary(result, config, time.perf_counter() - started)
+
+
+def _fraction(text: str, what: str) -> float:
+    from memplan.errors import InputError
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{what}: {text!r} is not a number; use a fraction such as 0.05") from None
+    if value != value:  # NaN
+        raise InputError(f"{what}: {text!r} is not a number; use a fraction such as 0.05")
+    return value
 
 
 class _ProgressBars:
@@ -88,7 +105,7 @@ class _ProgressBars:
                                    TimeElapsedColumn)
 
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
+                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
         self._tasks: dict[str, int] = {}
 
     def __enter__(self):
@@ -115,10 +132,12 @@ def _print_summary(result, config, seconds: float) -> None:
     from memplan.units import format_count
 
     m = result.manifest
-    table = Table(title=f"Prepared corpus in {result.out}")
-    for name in ("source", "documents", "characters", "tokens", "train tokens", "val tokens",
-                 "duplicates dropped", "filtered dropped"):
-        table.add_column(name, justify="left" if name == "source" else "right")
+    table = Table(title=f"Prepared corpus in {result.out}",
+                  caption="tokens include one end-of-text per document; duplicates and filtered are "
+                          "documents dropped; stats.json has the details")
+    table.add_column("source", no_wrap=True, min_width=max(len(s.name) for s in result.stats))
+    for name in ("documents", "characters", "tokens", "train", "val", "duplicates", "filtered"):
+        table.add_column(name, justify="right")
     totals = [0] * 7
     for s in result.stats:
         row = [s.documents, s.characters, s.tokens, s.train_tokens, s.val_tokens, s.duplicates_dropped,
@@ -132,6 +151,9 @@ def _print_summary(result, config, seconds: float) -> None:
     n_shards = len(m["train"]["shards"]) + len(m["val"]["shards"])
     tok_s = result.seconds.get("tokenize", 0.0)
     rate = f", {format_count(totals[2] / tok_s)} tokens/s with {config.workers} worker(s)" if tok_s > 0 else ""
+    t = result.seconds
+    out.print(f"read and clean {t.get('read', 0):.1f} s, tokenizer {t.get('tokenizer', 0):.1f} s, "
+              f"tokenize and write {t.get('tokenize', 0):.1f} s")
     out.print(f"tokenizer {tok['spec']} ({tok['kind']}, vocab {m['vocab_size']:,}, eot id {m['eot_id']}, "
               f"sha256 {tok['sha256'][:12]}); {n_shards} {m['dtype']} shard(s); "
               f"{seconds:.1f} s in all (tokenize {tok_s:.1f} s{rate})")
