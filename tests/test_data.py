@@ -215,16 +215,43 @@ def test_vocab_over_65535_writes_uint32_shards_end_to_end(tmp_path):
 
 
 def test_tiktoken_wrapper_encodes_without_special_tokens():
-    tiktoken = pytest.importorskip("tiktoken")
-    ranks = {bytes([b]): b for b in range(256)}
-    ranks[b"ab"] = 256
-    enc = tiktoken.Encoding("tiny", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
-                            special_tokens={EOT: 257})
-    tok = Tokenizer.from_tiktoken(enc)
+    pytest.importorskip("tiktoken")
+    tok = Tokenizer.from_tiktoken(tiny_tiktoken_encoding("tiny"))
     assert (tok.eot_id, tok.vocab_size, tok.kind) == (257, 258, "tiktoken")
     ids = tok.encode(f"ab {EOT}")
     assert ids[0] == 256 and 257 not in ids
     assert tok.decode(ids + [257]) == f"ab {EOT}{EOT}"
+
+
+def tiny_tiktoken_encoding(name: str = "gpt2"):
+    """A 258-token tiktoken Encoding (bytes, one merge, <|endoftext|>), standing in for gpt2 offline."""
+    import tiktoken
+
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks[b"ab"] = 256
+    return tiktoken.Encoding(name, pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={EOT: 257})
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_gpt2_through_tiktoken_records_the_encoding_name_and_hash(tmp_path, monkeypatch, workers):
+    tiktoken = pytest.importorskip("tiktoken")
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: tiny_tiktoken_encoding(name))
+    corpus = write_jsonl(tmp_path / "c.jsonl", [sentence(i) for i in range(10)])
+    res = run("-i", str(corpus), "--out", str(tmp_path / "o"), "--tokenizer", "gpt2", "--workers", workers)
+    assert res.exit_code == 0, res.output
+    d = PreparedData(tmp_path / "o")
+    entry = d.manifest["tokenizer"]
+    assert (entry["kind"], entry["encoding"], d.eot_id, d.vocab_size) == ("tiktoken", "gpt2", 257, 258)
+    assert "file" not in entry and not (tmp_path / "o" / "tokenizer.json").exists()
+    assert entry["sha256"] == Tokenizer.from_tiktoken(tiny_tiktoken_encoding()).sha256()
+    train = decode_documents(d.tokenizer, shard_tokens(tmp_path / "o", "train"))
+    val = decode_documents(d.tokenizer, shard_tokens(tmp_path / "o", "val"))
+    assert train + val == [sentence(i) for i in range(10)] and len(val) == 1
+    ranks = {bytes([b]): b for b in range(256)}  # a different table under the same name is refused
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: tiktoken.Encoding(
+        name, pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={EOT: 256}))
+    with pytest.raises(InputError, match="gpt2.*sha256"):
+        PreparedData(tmp_path / "o").tokenizer
 
 
 # ---- input formats ------------------------------------------------------------------------------------
@@ -278,6 +305,36 @@ def test_directory_is_one_source_read_recursively_in_path_order(tmp_path):
     assert d.source_names == ("mixed",)
     assert decode_documents(d.tokenizer, shard_tokens(tmp_path / "o", "train")) == \
         [sentence(1), sentence(2), sentence(3), sentence(4)]
+
+
+class FakeDatasets:
+    """Stands in for the `datasets` package: load_dataset(name, split, streaming) over fixed records."""
+
+    def __init__(self, records=None, error=None):
+        self.records, self.error, self.calls = records, error, []
+
+    def load_dataset(self, name, split, streaming):
+        self.calls.append((name, split, streaming))
+        if self.error:
+            raise self.error
+        return iter(self.records)
+
+
+def test_hf_dataset_is_streamed_and_named_after_the_dataset(tmp_path, monkeypatch):
+    fake = FakeDatasets(records=[{"text": sentence(i), "n": i} for i in range(8)])
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    res = run("-i", "hf:someone/TinyThing:validation", "--out", str(tmp_path / "o"), "--tokenizer", "bpe:300",
+              "--max-docs", "5", "--val-fraction", "0.2")
+    assert res.exit_code == 0, res.output
+    assert fake.calls == [("someone/TinyThing", "validation", True)]
+    d = PreparedData(tmp_path / "o")
+    assert d.source_names == ("TinyThing",) and d.sources[0].documents == 5
+
+
+def test_hf_dataset_that_cannot_be_loaded(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", FakeDatasets(error=ConnectionError("no route to host\nmore")))
+    assert_one_line_error(run("-i", "hf:someone/Thing", "--out", str(tmp_path / "o")),
+                          "hf:someone/Thing", "ConnectionError", "network")
 
 
 def test_sources_with_the_same_stem_get_distinct_names(tmp_path):
@@ -355,7 +412,7 @@ def test_val_split_holds_out_the_last_documents_of_each_source(small):
 
 def test_cli_prints_a_table_per_source_and_notes_sources_without_a_val_split(small):
     _, _, res = small
-    for word in ("alpha", "beta", "gamma", "total", "documents", "tokens"):
+    for word in ("alpha", "beta", "gamma", "total", "docs", "chars", "tokens", "dups", "filtered"):
         assert word in res.stdout
     assert "'beta' has 1 document" in " ".join(res.stdout.split())
 
@@ -506,8 +563,9 @@ def test_an_epoch_visits_every_window_once_in_a_seeded_order(toy):
 
 def test_later_epochs_shift_the_window_grid_by_a_seeded_offset(toy):
     s = TrainStream(toy, batch=8, ctx=64, seed=0)
+    offsets = [s.epoch_plan(e)[0] for e in range(6)]
+    assert offsets[0] == 0 and all(0 <= o < 64 for o in offsets) and len(set(offsets[1:])) > 1
     offset, perm = s.epoch_plan(1)
-    assert 0 <= offset < 64
     assert len(perm) == (6000 - 1 - offset) // 64
     for _ in range(s.batches_per_epoch):
         next(s)

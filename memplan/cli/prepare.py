@@ -132,31 +132,33 @@ def _print_summary(result, config, seconds: float) -> None:
     from memplan.units import format_count
 
     m = result.manifest
+    headers = ("source", "docs", "chars", "tokens", "val", "dups", "filtered")
+    rows = [[s.name, s.documents, s.characters, s.tokens, s.val_tokens, s.duplicates_dropped, s.filtered_dropped]
+            for s in result.stats]
+    rows.append(["total", *(sum(r[i] for r in rows) for i in range(1, len(headers)))])
+    cells = [[r[0], *(f"{v:,}" for v in r[1:])] for r in rows]
     table = Table(title=f"Prepared corpus in {result.out}",
-                  caption="tokens include one end-of-text per document; duplicates and filtered are "
-                          "documents dropped; stats.json has the details")
-    table.add_column("source", no_wrap=True, min_width=max(len(s.name) for s in result.stats))
-    for name in ("documents", "characters", "tokens", "train", "val", "duplicates", "filtered"):
-        table.add_column(name, justify="right")
-    totals = [0] * 7
-    for s in result.stats:
-        row = [s.documents, s.characters, s.tokens, s.train_tokens, s.val_tokens, s.duplicates_dropped,
-               s.filtered_dropped]
-        totals = [a + b for a, b in zip(totals, row)]
-        table.add_row(s.name, *(f"{v:,}" for v in row))
-    table.add_row("total", *(f"{v:,}" for v in totals), style="bold")
-    out = Console()
+                  caption="docs and chars: kept documents and their characters; tokens: all, one end-of-text "
+                          "per document included; val: tokens held out; dups and filtered: documents dropped "
+                          "(stats.json has the details)")
+    for i, name in enumerate(headers):  # never squeeze a number: columns are as wide as their widest cell
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True,
+                         min_width=max(len(c[i]) for c in cells))
+    for c in cells:
+        table.add_row(*c, style="bold" if c is cells[-1] else None)
+    out = Console(highlight=False)
+    width = sum(max(len(h), max(len(c[i]) for c in cells)) + 3 for i, h in enumerate(headers)) + 1
+    if out.width < width and not out.is_terminal:
+        out = Console(width=width, highlight=False)  # piped: print the whole table rather than cut numbers
     out.print(table)
-    tok = m["tokenizer"]
+    tok, t = m["tokenizer"], result.seconds
     n_shards = len(m["train"]["shards"]) + len(m["val"]["shards"])
-    tok_s = result.seconds.get("tokenize", 0.0)
-    rate = f", {format_count(totals[2] / tok_s)} tokens/s with {config.workers} worker(s)" if tok_s > 0 else ""
-    t = result.seconds
-    out.print(f"read and clean {t.get('read', 0):.1f} s, tokenizer {t.get('tokenizer', 0):.1f} s, "
-              f"tokenize and write {t.get('tokenize', 0):.1f} s")
-    out.print(f"tokenizer {tok['spec']} ({tok['kind']}, vocab {m['vocab_size']:,}, eot id {m['eot_id']}, "
-              f"sha256 {tok['sha256'][:12]}); {n_shards} {m['dtype']} shard(s); "
-              f"{seconds:.1f} s in all (tokenize {tok_s:.1f} s{rate})")
+    tokens = rows[-1][3]
+    rate = f" ({format_count(tokens / t['tokenize'])} tokens/s)" if t.get("tokenize") else ""
+    out.print(f"tokenizer {tok['spec']}: vocab {m['vocab_size']:,}, eot id {m['eot_id']}, sha256 {tok['sha256'][:12]}; "
+              f"{n_shards} {m['dtype']} shard(s)")
+    out.print(f"{seconds:.1f} s in all: read and clean {t.get('read', 0):.1f} s, tokenizer {t.get('tokenizer', 0):.1f} s, "
+              f"tokenize and write {t.get('tokenize', 0):.1f} s{rate} with {config.workers} worker(s)")
     for s in result.stats:
         if s.documents and not s.val_documents and config.val_fraction > 0:
             out.print(f"[yellow]note:[/] source {s.name!r} has {s.documents} document(s): nothing held out for it")
