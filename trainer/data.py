@@ -58,7 +58,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from memplan.errors import InputError
-from trainer.tokenizer import (EOT, Tokenizer, TokenizerSpec, build_tokenizer, check_tiktoken_available,
+from trainer.tokenizer import (EOT, Tokenizer, build_tokenizer, check_tiktoken_available,
                                file_sha256, parse_tokenizer_spec, token_dtype_name)
 
 FORMAT_NAME = "memplan-tokens"
@@ -988,7 +988,7 @@ class PreparedData:
 
     def val_windows(self, source: str | None = None, *, ctx: int) -> int:
         """How many ctx-token evaluation windows the val split of ``source`` (None: all) holds."""
-        offset, n = self._val_span(source)
+        _, n = self._val_span(source)
         return max(0, (n - 1) // ctx)
 
     def val_batches(self, source: str | None = None, *, batch: int, ctx: int,

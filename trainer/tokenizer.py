@@ -164,6 +164,10 @@ class Tokenizer:
     def from_manifest_entry(cls, entry: dict, directory: Path) -> "Tokenizer":
         """Load from a manifest's ``tokenizer`` entry and check its sha256 against the manifest."""
         kind = entry.get("kind")
+        needed = "encoding" if kind == "tiktoken" else "file"
+        if kind in ("tiktoken", "bpe", "file") and not isinstance(entry.get(needed), str):
+            raise InputError(f"{Path(directory) / 'manifest.json'}: the tokenizer entry lacks {needed!r}; "
+                             "re-run memplan prepare")
         if kind == "tiktoken":
             tok = cls.from_tiktoken(entry["encoding"])
             where = f"tiktoken encoding {entry['encoding']!r}"
