@@ -29,6 +29,9 @@ class _OneLineErrors(TyperGroup):
         except InputError as e:
             _fail(str(e))
         except click_exceptions.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `memplan` alone: the help is the answer
+                print(e.format_message())
+                sys.exit(0)
             where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
             _fail(f"{e.format_message()}{where}")
         except click_exceptions.ClickException as e:
@@ -66,6 +69,7 @@ def _group() -> None:
 
 # Each module registers its command(s) on ``app`` at import. Heavy imports (torch) stay inside
 # the command functions, so `memplan estimate` never loads torch.
+from memplan.cli import prepare  # noqa: E402,F401
 from memplan.cli import profiles  # noqa: E402,F401
 
 

@@ -1,0 +1,1169 @@
+"""Corpus preparation (text -> cleaned documents -> token shards + manifest) and the training data loader.
+
+Preparing (``prepare``; the CLI is ``memplan prepare``)
+------------------------------------------------------
+1. Read every source (``resolve_inputs`` / ``embedded_sources``): .txt, .jsonl, .parquet files,
+   directories of them, ``hf:NAME`` datasets, or the embedded corpus that ships with CPython.
+2. Clean each document (``clean_text``), filter it (``filter_document``), and drop exact duplicates
+   of documents already kept (by hash of the cleaned text, across all sources; the first one wins).
+3. Hold out the last ``val_fraction`` of each source's documents (``val_document_count``).
+4. Train or load the tokenizer (BPE training sees the train documents only).
+5. Tokenize in parallel; write each split as flat little-endian shards of ``uint16`` ids (``uint32``
+   when an id can exceed 65,535), every document preceded by the end-of-text id, so a split reads
+   ``EOT doc EOT doc ...``. Documents are written source by source, in reading order.
+6. Write ``manifest.json`` (everything the loader needs, with sha256 of every file) and
+   ``stats.json`` (per-source statistics). All of it goes into a temporary sibling directory that
+   is renamed into place at the end, so an interrupted prepare leaves nothing half-written.
+
+Layout of a prepared directory::
+
+    manifest.json        format, dtype, vocab_size, eot_id, tokenizer {kind, sha256, ...},
+                         train/val {tokens, documents, shards: [{file, tokens, sha256}]},
+                         sources: [{name, documents, tokens, train_tokens, val_offset, val_tokens, ...}]
+    stats.json           per-source statistics (documents, characters, tokens, duplicates, filtered)
+    tokenizer.json       the tokenizer (absent for tiktoken encodings, which are recorded by name)
+    train-00000.bin ...  raw token ids, no header (np.memmap-able with the manifest's dtype)
+    val-00000.bin ...
+
+Loading (``PreparedData``, ``TrainStream``)
+-------------------------------------------
+``PreparedData(dir)`` checks the manifest and every shard's size on open (``verify()`` also checks
+sha256). ``TrainStream`` yields seeded, resumable, rank-sliced (x, y) batches of the train split;
+``PreparedData.val_batches`` yields fixed evaluation windows per source. Only these two import
+torch, lazily, where batches become tensors.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import string
+import sys
+import sysconfig
+import time
+import tokenize as py_tokenize
+import unicodedata
+from bisect import bisect_right
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from memplan.errors import InputError
+from trainer.tokenizer import (EOT, Tokenizer, build_tokenizer, check_tiktoken_available,
+                               file_sha256, parse_tokenizer_spec, token_dtype_name)
+
+FORMAT_NAME = "memplan-tokens"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+STATS_FILE = "stats.json"
+
+INPUT_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+DEFAULT_VAL_FRACTION = 0.05
+MAX_VAL_FRACTION = 0.5  # above this, "held-out" would be most of the corpus
+DEFAULT_MIN_CHARS = 32  # shorter documents are mostly one-line docstrings ("Return self.") or debris
+MIN_TEXT_FRACTION = 0.5  # a document or line under half letters/digits/punctuation/space is not text
+DEFAULT_SHARD_TOKENS = 1 << 27  # 134M tokens: 256 MiB per uint16 shard
+DEFAULT_TOKENIZER_EMBEDDED = "bpe:4096"  # the embedded corpus is ~0.6M tokens; 4096 trains in a second
+DEFAULT_TOKENIZER_INPUTS = "bpe:8192"
+EMBEDDED_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo",
+                                "site-packages", "dist-packages", "__pycache__"})
+
+Progress = Callable[[str, int, "int | None"], None]  # (stage, done, total or None)
+
+
+def default_workers() -> int:
+    """min(4, the CPUs this process may run on)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+# =================================================================================================
+# Cleaning and filtering
+# =================================================================================================
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ufeff]")  # Unicode Cc except \t \n, and the BOM
+_INNER_WS = re.compile(r"[^\S\n]+")  # any whitespace run except newlines
+_BLANK_RUN = re.compile(r"\n{4,}")  # 3+ blank lines (after trailing whitespace is gone)
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_ASCII_NON_TEXT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_ASCII_PUNCT = frozenset(string.punctuation)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CleanConfig:
+    """How documents are filtered after cleaning."""
+
+    min_chars: int = DEFAULT_MIN_CHARS  # documents shorter than this (after cleaning) are dropped
+    min_text_fraction: float = MIN_TEXT_FRACTION  # for whole documents
+    min_line_text_fraction: float = MIN_TEXT_FRACTION  # lines under this are removed from a document
+
+    def __post_init__(self):
+        if self.min_chars < 1:
+            raise InputError(f"--min-chars: {self.min_chars} must be at least 1")
+        for name in ("min_text_fraction", "min_line_text_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise InputError(f"{name}: {getattr(self, name)} must be in [0, 1]")
+
+
+def clean_text(text: str) -> str:
+    """Normalise one document.
+
+    NFC normalisation; CR/CRLF become newlines; control characters other than newline and tab
+    are removed (and the BOM); within each line, whitespace runs after the indentation collapse
+    to one space (leading indentation is kept, so code blocks survive) and trailing whitespace
+    goes; more than two blank lines in a row become two; whitespace at either end of the
+    document goes (including the first line's indentation).
+    """
+    text = unicodedata.normalize("NFC", text)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = _CONTROL.sub("", text)
+    lines = []
+    for line in text.split("\n"):
+        line = line.rstrip()
+        body = line.lstrip()
+        indent = line[: len(line) - len(body)]
+        lines.append(indent + _INNER_WS.sub(" ", body))
+    text = _BLANK_RUN.sub("\n\n\n", "\n".join(lines))
+    return text.strip()
+
+
+@lru_cache(maxsize=65536)
+def _is_text_char(ch: str) -> bool:
+    if ch in "\n\t" or ch.isspace() or ch.isalnum() or ch in _ASCII_PUNCT:
+        return True
+    return unicodedata.category(ch).startswith("P")
+
+
+def text_fraction(text: str) -> float:
+    """The fraction of characters that are letters, digits, punctuation or whitespace.
+
+    Punctuation is Unicode's P* categories plus all ASCII punctuation (so ``=``, ``+``, ``|``
+    count, as in code). What does not count: control characters, non-ASCII symbols (box drawing,
+    emoji, math), the replacement character U+FFFD left by bad UTF-8, private-use code points.
+    An empty string is 1.0.
+    """
+    if not text:
+        return 1.0
+    if text.isascii():
+        bad = len(_ASCII_NON_TEXT.findall(text))
+    else:
+        bad = len(_ASCII_NON_TEXT.findall(text)) + sum(1 for ch in _NON_ASCII.findall(text)
+                                                        if not _is_text_char(ch))
+    return 1.0 - bad / len(text)
+
+
+def drop_nontext_lines(text: str, min_fraction: float = MIN_TEXT_FRACTION) -> str:
+    """``text`` without the lines whose ``text_fraction`` is under ``min_fraction`` (blank lines kept)."""
+    if text.isascii() and not _ASCII_NON_TEXT.search(text):
+        return text  # fast path: every printable ASCII character is text
+    kept = [line for line in text.split("\n") if not line.strip() or text_fraction(line) >= min_fraction]
+    return _BLANK_RUN.sub("\n\n\n", "\n".join(kept)).strip("\n")
+
+
+def filter_document(raw: str, config: CleanConfig = CleanConfig()) -> tuple[str | None, str | None]:
+    """``(cleaned_text, None)`` for a kept document, or ``(None, reason)``: reason "nontext" or "short"."""
+    text = clean_text(raw)
+    if text_fraction(text) < config.min_text_fraction:
+        return None, "nontext"
+    text = drop_nontext_lines(text, config.min_line_text_fraction)
+    if len(text) < config.min_chars:
+        return None, "short"
+    return text, None
+
+
+def document_hash(text: str) -> bytes:
+    """A 128-bit hash of a cleaned document, for exact-duplicate removal."""
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+class Deduplicator:
+    """Remembers hashes of documents kept so far; ``seen(text)`` is True for an exact repeat."""
+
+    def __init__(self):
+        self._hashes: set[bytes] = set()
+
+    def seen(self, text: str) -> bool:
+        h = document_hash(text)
+        if h in self._hashes:
+            return True
+        self._hashes.add(h)
+        return False
+
+
+# =================================================================================================
+# Sources
+# =================================================================================================
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """One named source of documents. ``documents()`` yields raw (uncleaned) texts in a fixed order."""
+
+    name: str
+    kind: str  # "files" | "hf" | "pydoc" | "stdlib-docstrings"
+    origin: str  # what the user gave (a path, hf:NAME) or where the embedded text comes from
+    paths: tuple[Path, ...] = ()  # for "files": every file, in reading order
+    text_field: str = "text"  # for .jsonl, .parquet and hf datasets
+    hf_split: str = "train"
+
+    def documents(self, workers: int = 1) -> Iterator[str]:
+        if self.kind == "files":
+            for path in self.paths:
+                yield from _READERS[path.suffix.lower()](path, self.text_field)
+        elif self.kind == "hf":
+            yield from _read_hf(self.origin, self.hf_split, self.text_field)
+        elif self.kind == "pydoc":
+            yield from _pydoc_topics()
+        elif self.kind == "stdlib-docstrings":
+            yield from _stdlib_docstrings(workers)
+        else:
+            raise ValueError(f"unknown source kind {self.kind!r}")
+
+
+def _read_txt(path: Path, text_field: str) -> Iterator[str]:
+    """A .txt file is one document, or several separated by ``<|endoftext|>`` (as TinyStories ships)."""
+    buffer: list[str] = []
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        for line in f:
+            if EOT in line:
+                parts = line.split(EOT)
+                buffer.append(parts[0])
+                yield from _nonblank(["".join(buffer), *parts[1:-1]])
+                buffer = [parts[-1]]
+            else:
+                buffer.append(line)
+    yield from _nonblank(["".join(buffer)])
+
+
+def _nonblank(texts: Iterable[str]) -> Iterator[str]:
+    return (t for t in texts if t.strip())
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    """One JSON object per line; the document is its ``text_field``. Blank lines are skipped."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise InputError(f"{path}:{lineno}: not a JSON object ({e.msg}); a .jsonl file holds one "
+                                 "JSON object per line") from None
+            if not isinstance(record, dict) or text_field not in record:
+                fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise InputError(f"{path}:{lineno}: no {text_field!r} field (has: {fields}); name the text "
+                                 "field with --text-field")
+            value = record[text_field]
+            if value is None:
+                value = ""
+            if not isinstance(value, str):
+                raise InputError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, not text; "
+                                 "name the text field with --text-field")
+            yield value
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    pq = _pyarrow_parquet(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise InputError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise InputError(f"{path}: no {text_field!r} column (has: {', '.join(names)}); name the text "
+                         "column with --text-field")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            if value is not None and not isinstance(value, str):
+                raise InputError(f"{path}: column {text_field!r} is not text; name the text column with --text-field")
+            yield value or ""
+
+
+def _pyarrow_parquet(path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+    return pq
+
+
+_READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
+
+
+def _read_hf(name: str, split: str, text_field: str) -> Iterator[str]:
+    datasets = _datasets_module(name)
+    try:
+        ds = datasets.load_dataset(name, split=split, streaming=True)
+        for i, record in enumerate(ds):
+            if text_field not in record:
+                raise InputError(f"hf:{name}: no {text_field!r} field (has: {', '.join(record)}); "
+                                 "name the text field with --text-field")
+            yield record[text_field] or ""
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(f"hf:{name}: could not load the dataset ({type(e).__name__}: {_first_line(e)}); "
+                         "it needs a network or a populated HF_DATASETS_CACHE") from None
+
+
+def _datasets_module(name: str):
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"--input hf:{name}: needs the `datasets` package (pip install datasets) and a "
+                         "network; or give local .txt/.jsonl/.parquet files") from None
+    return datasets
+
+
+def _pydoc_topics() -> Iterator[str]:
+    """The help topics CPython ships (``help('FORMATTING')``), one document each, by topic name."""
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        yield topics[key]
+
+
+def stdlib_source_files() -> list[Path]:
+    """The standard library's .py files, in a fixed order, minus tests, IDLE, tkinter and site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for directory, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in EMBEDDED_SKIP_DIRS and not d.startswith("."))
+        files.extend(Path(directory) / n for n in sorted(names) if n.endswith(".py"))
+    return files
+
+
+def docstrings_of_file(path: Path) -> list[str]:
+    """Module, class and function docstrings of one .py file, parsed with ast (never imported)."""
+    try:
+        with py_tokenize.open(path) as f:
+            tree = ast.parse(f.read(), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return []
+    docs = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if doc:
+                docs.append(doc)
+    return docs
+
+
+def _stdlib_docstrings(workers: int) -> Iterator[str]:
+    for docs in ordered_map(docstrings_of_file, stdlib_source_files(), workers):
+        yield from docs
+
+
+def embedded_sources() -> list[Source]:
+    """The default corpus: CPython's pydoc topics and the stdlib's docstrings; no network needed."""
+    version = f"CPython {sys.version.split()[0]}"
+    return [
+        Source(name="pydoc", kind="pydoc", origin=f"pydoc_data.topics ({version})"),
+        Source(name="stdlib-docstrings", kind="stdlib-docstrings",
+               origin=f"docstrings of {sysconfig.get_paths()['stdlib']} ({version})"),
+    ]
+
+
+def resolve_inputs(inputs: Sequence[str], *, text_field: str = "text") -> list[Source]:
+    """Sources for ``--input`` values, checked before any work starts.
+
+    A file is one source named by its stem; a directory is one source named after it, holding
+    every .txt/.jsonl/.parquet file under it (recursively, sorted by path, hidden files skipped);
+    ``hf:NAME`` or ``hf:NAME:SPLIT`` is a Hugging Face dataset. Two sources with the same name
+    become ``name`` and ``name-2``.
+    """
+    if not text_field:
+        raise InputError("--text-field: must not be empty; the default is 'text'")
+    sources: list[Source] = []
+    names: set[str] = set()
+    for raw in inputs:
+        if raw.startswith("hf:"):
+            ref = raw[3:]
+            name, _, split = ref.partition(":")
+            if not name:
+                raise InputError(f"--input {raw!r}: give a dataset name, e.g. hf:roneneldan/TinyStories")
+            _datasets_module(name)
+            source = Source(name=_unique(name.rstrip("/").split("/")[-1], names), kind="hf", origin=name,
+                            text_field=text_field, hf_split=split or "train")
+        else:
+            path = Path(raw).expanduser()
+            if path.is_dir():
+                files = tuple(sorted((p for p in path.rglob("*") if p.is_file()
+                                      and p.suffix.lower() in INPUT_EXTENSIONS
+                                      and not any(part.startswith(".") for part in p.relative_to(path).parts)),
+                                     key=lambda p: p.relative_to(path).as_posix()))
+                if not files:
+                    raise InputError(f"--input {raw}: the directory holds no {', '.join(INPUT_EXTENSIONS)} files")
+                stem = path.resolve().name or "input"
+            elif path.is_file():
+                if path.suffix.lower() not in INPUT_EXTENSIONS:
+                    raise InputError(f"--input {raw}: unknown extension {path.suffix or '(none)'!r}; accepted: "
+                                     f"{', '.join(INPUT_EXTENSIONS)}, a directory of them, or hf:NAME")
+                files = (path,)
+                stem = path.stem
+            else:
+                raise InputError(f"--input {raw}: no such file or directory")
+            if any(f.suffix.lower() == ".parquet" for f in files):
+                _pyarrow_parquet(next(f for f in files if f.suffix.lower() == ".parquet"))
+            source = Source(name=_unique(stem, names), kind="files", origin=raw, paths=files,
+                            text_field=text_field)
+        sources.append(source)
+    if not sources:
+        raise InputError("--input: no inputs given")
+    return sources
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, n = name, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{name}-{n}"
+    taken.add(candidate)
+    return candidate
+
+
+# =================================================================================================
+# Parallel map that keeps order
+# =================================================================================================
+
+def ordered_map(func, items: Iterable, workers: int, *, initializer=None, initargs=()) -> Iterator:
+    """``map(func, items)`` in order, over ``workers`` forked processes when workers > 1.
+
+    At most ``2 × workers`` items are in flight, so a long iterable is never held in memory.
+    Uses the "fork" start method (the children need nothing re-imported, and the ``python -m
+    memplan`` entry point must not re-run in them); where fork is missing (Windows) it runs
+    in-process. ``func`` must be a module-level function.
+    """
+    import multiprocessing as mp
+
+    if workers <= 1 or "fork" not in mp.get_all_start_methods():
+        if initializer is not None:
+            initializer(*initargs)
+        yield from map(func, items)
+        return
+    with mp.get_context("fork").Pool(workers, initializer=initializer, initargs=initargs) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.apply_async(func, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# =================================================================================================
+# Preparing
+# =================================================================================================
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareConfig:
+    """Everything ``prepare`` needs besides the sources and the output directory."""
+
+    tokenizer: str = DEFAULT_TOKENIZER_INPUTS  # bpe:N | a tokenizer.json path | gpt2
+    val_fraction: float = DEFAULT_VAL_FRACTION  # the last this-fraction of each source's documents
+    workers: int = field(default_factory=default_workers)  # processes for parsing and tokenizing
+    clean: CleanConfig = CleanConfig()
+    shard_tokens: int = DEFAULT_SHARD_TOKENS  # tokens per shard file, at most
+    max_docs: int | None = None  # keep at most this many documents per source (after filtering)
+
+    def __post_init__(self):
+        if not (isinstance(self.val_fraction, (int, float)) and 0.0 <= self.val_fraction <= MAX_VAL_FRACTION):
+            raise InputError(f"--val-fraction: {self.val_fraction} is outside [0, {MAX_VAL_FRACTION}]; "
+                             "use e.g. 0.05 (0 holds nothing out)")
+        if self.workers < 1:
+            raise InputError(f"--workers: {self.workers} must be at least 1")
+        if self.shard_tokens < 1:
+            raise InputError(f"--shard-tokens: {self.shard_tokens} must be at least 1")
+        if self.max_docs is not None and self.max_docs < 1:
+            raise InputError(f"--max-docs: {self.max_docs} must be at least 1")
+
+
+@dataclass(kw_only=True)
+class SourceStats:
+    """Per-source corpus statistics. ``tokens`` counts every id written, one end-of-text per document included."""
+
+    name: str
+    origin: str
+    documents: int = 0  # kept
+    characters: int = 0  # of kept documents, after cleaning
+    tokens: int = 0
+    train_documents: int = 0
+    val_documents: int = 0
+    train_tokens: int = 0
+    val_tokens: int = 0
+    train_offset: int = 0  # where this source starts in the train split, in tokens
+    val_offset: int = 0  # ... and in the val split
+    duplicates_dropped: int = 0  # exact repeats of a document kept earlier (in any source)
+    filtered_short: int = 0  # under min_chars after cleaning
+    filtered_nontext: int = 0  # mostly not text
+
+    @property
+    def filtered_dropped(self) -> int:
+        return self.filtered_short + self.filtered_nontext
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "filtered_dropped": self.filtered_dropped}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareResult:
+    """What ``prepare`` made. ``seconds`` holds wall times per stage (also in no file: they vary)."""
+
+    out: Path
+    manifest: dict
+    stats: list[SourceStats]
+    seconds: dict[str, float]
+
+
+def val_document_count(documents: int, val_fraction: float) -> int:
+    """How many of a source's last documents are held out: round(documents × fraction), at least one
+    when the source has two or more documents and the fraction is positive, and never all of them."""
+    if documents < 2 or val_fraction <= 0:
+        return 0
+    n = math.floor(documents * val_fraction + 0.5)
+    return min(max(1, n), documents - 1)
+
+
+def is_prepared(directory: str | Path) -> bool:
+    return (Path(directory) / MANIFEST_FILE).is_file()
+
+
+def check_out_dir(out: str | Path, force: bool) -> Path:
+    """``out`` as a Path, or an InputError when writing there could lose something."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_prepared(out):
+            raise InputError(f"--out {out}: exists and is not a prepared corpus; give a new or empty directory")
+        if not force:
+            raise InputError(f"--out {out}: already holds a prepared corpus; add --force to replace it")
+    return out
+
+
+def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = PrepareConfig(), *,
+            force: bool = False, progress: Progress | None = None) -> PrepareResult:
+    """Clean, dedupe, split, tokenize and shard ``sources`` into ``out`` (see the module docstring)."""
+    progress = progress or (lambda stage, done, total: None)
+    out = check_out_dir(out, force)
+    spec = parse_tokenizer_spec(config.tokenizer)
+    if spec.kind == "tiktoken":
+        check_tiktoken_available(spec.encoding)
+    elif spec.kind == "file":
+        build_tokenizer(spec)  # fail on a bad tokenizer.json before reading the corpus
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.prepare-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    seconds: dict[str, float] = {}
+    try:
+        staging = tmp / "staging"
+        staging.mkdir()
+        t0 = time.perf_counter()
+        stats = _read_clean_dedupe(sources, staging, config, progress)
+        seconds["read"] = time.perf_counter() - t0
+        for s in stats:
+            s.val_documents = val_document_count(s.documents, config.val_fraction)
+            s.train_documents = s.documents - s.val_documents
+
+        t0 = time.perf_counter()
+        progress("tokenizer", 0, None)
+        tokenizer = build_tokenizer(spec, _staged_texts(staging, stats, split="train"),
+                                    length=sum(s.train_documents for s in stats))
+        tokenizer.save(tmp)
+        progress("tokenizer", 1, 1)
+        seconds["tokenizer"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        dtype = np.dtype(token_dtype_name(tokenizer.vocab_size)).newbyteorder("<")
+        shards = _tokenize_and_write(staging, stats, tokenizer, dtype, tmp, config, progress)
+        seconds["tokenize"] = time.perf_counter() - t0
+        shutil.rmtree(staging)
+
+        manifest = _manifest(stats, shards, tokenizer, str(spec), dtype, config)
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / STATS_FILE).write_text(json.dumps(_stats_json(stats), indent=2) + "\n")
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PrepareResult(out=out, manifest=manifest, stats=stats, seconds=seconds)
+
+
+def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: Progress) -> list[SourceStats]:
+    dedupe = Deduplicator()
+    all_stats = []
+    seen = 0
+    for index, source in enumerate(sources):
+        stats = SourceStats(name=source.name, origin=source.origin)
+        with open(staging / f"{index:03d}.jsonl", "w", encoding="utf-8") as f:
+            for raw in source.documents(config.workers):
+                seen += 1
+                if seen % 1000 == 0:
+                    progress("read", seen, None)
+                text, reason = filter_document(raw, config.clean)
+                if text is None:
+                    if reason == "short":
+                        stats.filtered_short += 1
+                    else:
+                        stats.filtered_nontext += 1
+                    continue
+                if dedupe.seen(text):
+                    stats.duplicates_dropped += 1
+                    continue
+                f.write(json.dumps(text, ensure_ascii=False) + "\n")
+                stats.documents += 1
+                stats.characters += len(text)
+                if config.max_docs is not None and stats.documents >= config.max_docs:
+                    break
+        all_stats.append(stats)
+    progress("read", seen, seen)
+    if not any(s.documents for s in all_stats):
+        short = sum(s.filtered_short for s in all_stats)
+        nontext = sum(s.filtered_nontext for s in all_stats)
+        dups = sum(s.duplicates_dropped for s in all_stats)
+        raise InputError(f"empty corpus after filtering: {seen} documents read, {short} shorter than "
+                         f"--min-chars {config.clean.min_chars}, {nontext} mostly non-text, {dups} duplicates; "
+                         "lower --min-chars, check --text-field, or add inputs")
+    return all_stats
+
+
+def _staged_texts(staging: Path, stats: Sequence[SourceStats], *, split: str | None) -> Iterator[str]:
+    """Staged documents of every source in order: split "train", "val" or None (all)."""
+    for index, s in enumerate(stats):
+        with open(staging / f"{index:03d}.jsonl", encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                is_val = i >= s.train_documents
+                if split is None or (split == "val") == is_val:
+                    yield json.loads(line)
+
+
+def _chunks_of_staged(staging: Path, stats: Sequence[SourceStats], max_chars: int = 1 << 20,
+                      max_docs: int = 2048) -> Iterator[tuple[int, bool, list[str]]]:
+    """(source index, is_val, documents) chunks that never mix sources or splits."""
+    for index, s in enumerate(stats):
+        with open(staging / f"{index:03d}.jsonl", encoding="utf-8") as f:
+            chunk, chars, chunk_is_val = [], 0, False
+            for i, line in enumerate(f):
+                is_val = i >= s.train_documents
+                if chunk and (is_val != chunk_is_val or chars >= max_chars or len(chunk) >= max_docs):
+                    yield index, chunk_is_val, chunk
+                    chunk, chars = [], 0
+                text = json.loads(line)
+                chunk.append(text)
+                chunk_is_val = is_val
+                chars += len(text)
+            if chunk:
+                yield index, chunk_is_val, chunk
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker_tokenizer(payload) -> None:
+    global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    _WORKER_TOKENIZER = Tokenizer.from_worker_payload(payload)
+
+
+def _encode_chunk(job: tuple[int, bool, list[str]]) -> tuple[int, bool, np.ndarray, int]:
+    """(source, is_val, uint32 ids with an end-of-text id before every document, documents)."""
+    index, is_val, texts = job
+    tok = _WORKER_TOKENIZER
+    ids = tok.encode_batch(texts)
+    total = sum(len(x) for x in ids) + len(ids)
+    arr = np.empty(total, dtype=np.uint32)
+    pos = 0
+    for doc in ids:
+        arr[pos] = tok.eot_id
+        arr[pos + 1: pos + 1 + len(doc)] = doc
+        pos += 1 + len(doc)
+    return index, is_val, arr, len(texts)
+
+
+def encode_documents(tokenizer: Tokenizer, chunks: Iterable[tuple[int, bool, list[str]]], workers: int
+                     ) -> Iterator[tuple[int, bool, np.ndarray, int]]:
+    """Encode chunks (source index, is_val, texts) in order, with ``workers`` processes.
+
+    Each worker process runs the tokenizer single-threaded on whole chunks; results come back
+    in input order. (Measured against the tokenizers batch API's own threads: see the report.)
+    """
+    global _WORKER_TOKENIZER
+    if workers > 1:
+        yield from ordered_map(_encode_chunk, chunks, workers, initializer=_init_worker_tokenizer,
+                               initargs=(tokenizer.worker_payload(),))
+        return
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # --workers 1 means one thread
+    _WORKER_TOKENIZER = tokenizer
+    try:
+        yield from map(_encode_chunk, chunks)
+    finally:
+        _WORKER_TOKENIZER = None
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+class ShardWriter:
+    """Appends token ids to ``{prefix}-00000.bin``, ``-00001`` ... of at most ``shard_tokens`` each."""
+
+    def __init__(self, directory: Path, prefix: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.prefix, self.dtype, self.shard_tokens = Path(directory), prefix, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.tokens = 0
+        self._file = None
+        self._hash = None
+        self._in_shard = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids)
+        if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:
+            raise ValueError(f"token id {int(ids.max())} does not fit in {self.dtype}")
+        ids = ids.astype(self.dtype, copy=False)
+        while ids.size:
+            if self._file is None:
+                name = f"{self.prefix}-{len(self.shards):05d}.bin"
+                self._file = open(self.directory / name, "wb")
+                self._hash = hashlib.sha256()
+                self._in_shard = 0
+                self.shards.append({"file": name, "tokens": 0, "sha256": None})
+            take = min(ids.size, self.shard_tokens - self._in_shard)
+            data = ids[:take].tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._in_shard += take
+            self.tokens += take
+            ids = ids[take:]
+            if self._in_shard == self.shard_tokens:
+                self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        self._file.close()
+        self.shards[-1]["tokens"] = self._in_shard
+        self.shards[-1]["sha256"] = self._hash.hexdigest()
+        self._file = None
+
+    def close(self) -> list[dict]:
+        if self._file is not None:
+            self._finish_shard()
+        return self.shards
+
+
+def _tokenize_and_write(staging, stats, tokenizer, dtype, directory, config, progress) -> dict:
+    writers = {False: ShardWriter(directory, "train", dtype, config.shard_tokens),
+               True: ShardWriter(directory, "val", dtype, config.shard_tokens)}
+    total_docs = sum(s.documents for s in stats)
+    done = 0
+    progress("tokenize", 0, total_docs)
+    chunks = _chunks_of_staged(staging, stats)
+    for index, is_val, ids, n_docs in encode_documents(tokenizer, chunks, config.workers):
+        s = stats[index]
+        writers[is_val].write(ids)
+        s.tokens += ids.size
+        if is_val:
+            s.val_tokens += ids.size
+        else:
+            s.train_tokens += ids.size
+        done += n_docs
+        progress("tokenize", done, total_docs)
+    train_at = val_at = 0  # sources are written one after another, in order
+    for s in stats:
+        s.train_offset, s.val_offset = train_at, val_at
+        train_at, val_at = train_at + s.train_tokens, val_at + s.val_tokens
+    return {"train": writers[False].close(), "val": writers[True].close()}
+
+
+def _manifest(stats, shards, tokenizer: Tokenizer, spec: str, dtype: np.dtype, config: PrepareConfig) -> dict:
+    def split(name):
+        return {"tokens": sum(sh["tokens"] for sh in shards[name]),
+                "documents": sum(getattr(s, f"{name}_documents") for s in stats),
+                "shards": shards[name]}
+
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "byte_order": "little",
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "document_separator": "eot before every document",
+        "tokenizer": tokenizer.manifest_entry(spec),
+        "val_fraction": config.val_fraction,
+        "cleaning": asdict(config.clean),
+        "train": split("train"),
+        "val": split("val"),
+        "sources": [{"name": s.name, "origin": s.origin, "documents": s.documents, "characters": s.characters,
+                     "tokens": s.tokens, "train_documents": s.train_documents, "train_offset": s.train_offset,
+                     "train_tokens": s.train_tokens, "val_documents": s.val_documents, "val_offset": s.val_offset,
+                     "val_tokens": s.val_tokens} for s in stats],
+    }
+
+
+def _stats_json(stats: Sequence[SourceStats]) -> dict:
+    keys = ("documents", "characters", "tokens", "train_tokens", "val_tokens", "duplicates_dropped",
+            "filtered_dropped", "filtered_short", "filtered_nontext")
+    rows = [s.to_dict() for s in stats]
+    return {"sources": rows, "total": {k: sum(r[k] for r in rows) for k in keys}}
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; a corpus already there is removed only after the new one is in place."""
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out, old)
+        else:
+            out.rmdir()
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
+# =================================================================================================
+# Loading
+# =================================================================================================
+
+@dataclass(frozen=True, kw_only=True)
+class SourceInfo:
+    """One source of a prepared corpus, as the manifest records it (offsets and counts in tokens)."""
+
+    name: str
+    documents: int
+    tokens: int
+    train_offset: int
+    train_tokens: int
+    val_offset: int
+    val_tokens: int
+
+
+class TokenStore:
+    """One split's shards as a single read-only sequence of token ids (memory-mapped)."""
+
+    def __init__(self, directory: Path, shards: Sequence[dict], dtype: np.dtype):
+        self.directory = Path(directory)
+        self.shards = list(shards)
+        self.dtype = dtype
+        self._maps: list[np.ndarray | None] = [None] * len(self.shards)
+        self._starts = [0]
+        for sh in self.shards:
+            path = self.directory / sh["file"]
+            expected = int(sh["tokens"]) * dtype.itemsize
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise InputError(f"{path}: missing; the prepared corpus is incomplete, re-run memplan prepare") from None
+            if size != expected:
+                raise InputError(f"{path}: {size} bytes, but the manifest says {sh['tokens']} tokens of "
+                                 f"{dtype.itemsize} bytes ({expected} bytes); the shard is truncated or corrupt, "
+                                 "re-run memplan prepare")
+            self._starts.append(self._starts[-1] + int(sh["tokens"]))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _map(self, i: int) -> np.ndarray:
+        if self._maps[i] is None:
+            self._maps[i] = np.memmap(self.directory / self.shards[i]["file"], dtype=self.dtype, mode="r")
+        return self._maps[i]
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) as int64, across shard boundaries."""
+        if start < 0 or length < 0 or start + length > len(self):
+            raise IndexError(f"tokens [{start}, {start + length}) outside [0, {len(self)})")
+        out = np.empty(length, dtype=np.int64)
+        pos = 0
+        i = bisect_right(self._starts, start) - 1
+        while pos < length:
+            local = start + pos - self._starts[i]
+            take = min(length - pos, self._starts[i + 1] - self._starts[i] - local)
+            out[pos:pos + take] = self._map(i)[local:local + take]
+            pos += take
+            i += 1
+        return out
+
+    def verify(self) -> None:
+        for sh in self.shards:
+            path = self.directory / sh["file"]
+            if file_sha256(path) != sh["sha256"]:
+                raise InputError(f"{path}: sha256 differs from the manifest's; the shard is corrupt, "
+                                 "re-run memplan prepare")
+
+
+class PreparedData:
+    """A prepared corpus directory, checked on open.
+
+    Opening reads ``manifest.json`` and checks that every shard exists with the byte size its token
+    count implies (cheap); ``verify()`` also checks every file's sha256 (reads everything). Any
+    problem is an ``InputError`` naming the file.
+
+    Attributes: ``path``, ``manifest`` (the parsed dict), ``dtype``, ``vocab_size``, ``eot_id``,
+    ``sources`` (tuple of ``SourceInfo``), ``train_tokens``, ``val_tokens``, ``train`` / ``val``
+    (``TokenStore``), and ``tokenizer`` (loaded on first use, its hash checked).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = _read_manifest(self.path)
+        m = self.manifest
+        where = self.path / MANIFEST_FILE
+        try:
+            self.dtype = np.dtype(m["dtype"]).newbyteorder("<")
+            self.vocab_size = int(m["vocab_size"])
+            self.eot_id = int(m["eot_id"])
+            self.sources = tuple(SourceInfo(name=s["name"], documents=int(s["documents"]), tokens=int(s["tokens"]),
+                                            train_offset=int(s["train_offset"]), train_tokens=int(s["train_tokens"]),
+                                            val_offset=int(s["val_offset"]), val_tokens=int(s["val_tokens"]))
+                                 for s in m["sources"])
+            train_shards, val_shards = m["train"]["shards"], m["val"]["shards"]
+            split_tokens = {"train": int(m["train"]["tokens"]), "val": int(m["val"]["tokens"])}
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: corrupt manifest ({type(e).__name__}: {e}); re-run memplan prepare") from None
+        if self.dtype.name not in ("uint16", "uint32") or \
+                self.dtype.itemsize < np.dtype(token_dtype_name(self.vocab_size)).itemsize:
+            raise InputError(f"{where}: dtype {m['dtype']!r} cannot hold {self.vocab_size} token ids; "
+                             "re-run memplan prepare")
+        self.train = TokenStore(self.path, train_shards, self.dtype)
+        self.val = TokenStore(self.path, val_shards, self.dtype)
+        for name, store in (("train", self.train), ("val", self.val)):
+            if len(store) != split_tokens[name]:
+                raise InputError(f"{where}: {name} shards hold {len(store)} tokens but the manifest says "
+                                 f"{split_tokens[name]}; re-run memplan prepare")
+        for s in self.sources:
+            if s.train_offset + s.train_tokens > len(self.train) or s.val_offset + s.val_tokens > len(self.val):
+                raise InputError(f"{where}: source {s.name!r} lies outside its split; re-run memplan prepare")
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train)
+
+    @property
+    def val_tokens(self) -> int:
+        return len(self.val)
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sources)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The corpus's tokenizer (its sha256 checked against the manifest)."""
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.from_manifest_entry(self.manifest["tokenizer"], self.path)
+        return self._tokenizer
+
+    def verify(self) -> None:
+        """Check the sha256 of every shard and of the tokenizer against the manifest (reads all files)."""
+        self.train.verify()
+        self.val.verify()
+        self._tokenizer = None
+        _ = self.tokenizer
+
+    def source(self, name: str) -> SourceInfo:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise InputError(f"source {name!r} is not in {self.path} (sources: {', '.join(self.source_names)})")
+
+    def val_windows(self, source: str | None = None, *, ctx: int) -> int:
+        """How many ctx-token evaluation windows the val split of ``source`` (None: all) holds."""
+        _, n = self._val_span(source)
+        return max(0, (n - 1) // ctx)
+
+    def val_batches(self, source: str | None = None, *, batch: int, ctx: int,
+                    max_batches: int | None = None) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:  # noqa: F821
+        """Deterministic evaluation batches ``(x, y)`` from the val split of ``source`` (None: all sources).
+
+        The split is cut into non-overlapping windows of ctx + 1 tokens (x = the first ctx, y = the
+        last ctx, so y is x shifted by one). With ``max_batches``, ``max_batches × batch`` windows are
+        taken evenly spaced across the whole split (not just its start); otherwise all of them.
+        Every batch has ``batch`` rows except perhaps the last. A split with fewer than ctx + 1
+        tokens yields nothing (see ``val_windows``). Same arguments, same batches, every call.
+        """
+        _check_positive(batch=batch, ctx=ctx)
+        if max_batches is not None:
+            _check_positive(max_batches=max_batches)
+        offset, n = self._val_span(source)
+        n_windows = max(0, (n - 1) // ctx)
+        k = n_windows if max_batches is None else min(n_windows, max_batches * batch)
+        if k == 0:
+            return
+        chosen = (np.arange(k, dtype=np.int64) * n_windows) // k  # evenly spaced, distinct
+        for b in range(0, k, batch):
+            starts = offset + chosen[b:b + batch] * ctx
+            yield _to_xy(np.stack([self.val.read(int(s), ctx + 1) for s in starts]))
+
+    def _val_span(self, source: str | None) -> tuple[int, int]:
+        if source is None:
+            return 0, len(self.val)
+        s = self.source(source)
+        return s.val_offset, s.val_tokens
+
+    def __repr__(self) -> str:
+        return (f"PreparedData({str(self.path)!r}, train_tokens={self.train_tokens}, val_tokens={self.val_tokens}, "
+                f"vocab_size={self.vocab_size}, sources={list(self.source_names)})")
+
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST_FILE
+    if not directory.is_dir():
+        raise InputError(f"{directory}: no such directory; prepare one with `memplan prepare --out {directory}`")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{directory}: no {MANIFEST_FILE}; not a prepared corpus (make one with "
+                         f"`memplan prepare --out {directory}`)") from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{path}: not valid JSON ({e}); the manifest is truncated or corrupt, "
+                         "re-run memplan prepare") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise InputError(f"{path}: not a memplan token manifest; re-run memplan prepare")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise InputError(f"{path}: format version {manifest.get('format_version')!r}, this memplan reads "
+                         f"{FORMAT_VERSION}; re-run memplan prepare")
+    return manifest
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise InputError(f"{name}: {v!r} must be a positive integer")
+
+
+def _to_xy(windows: np.ndarray):
+    """(rows, ctx + 1) int64 -> x = windows[:, :-1], y = windows[:, 1:] as contiguous torch int64."""
+    import torch
+
+    return (torch.from_numpy(np.ascontiguousarray(windows[:, :-1])),
+            torch.from_numpy(np.ascontiguousarray(windows[:, 1:])))
+
+
+class TrainStream:
+    """An endless, deterministic, resumable stream of training batches ``(x, y)``.
+
+    Windows. Epoch e cuts the train split into non-overlapping windows of ctx tokens starting at
+    ``offset_e + i × ctx`` (each read with one token more, so y = x shifted by one; the extra
+    token is the next window's first). ``offset_0 = 0``; later epochs draw ``offset_e`` in
+    [0, ctx) from the seed, so window boundaries move between epochs. The epoch visits its windows
+    in a seeded permutation (``numpy.random.default_rng([seed, e])``).
+
+    Batches and ranks. The global batch is ``batch × world_size`` consecutive windows of the
+    permutation, starting at ``position``; rank r takes the r-th block of ``batch`` of them::
+
+        global batch at position p:  perm[p : p + batch*world_size]
+        rank r:                      perm[p + r*batch : p + (r+1)*batch]
+
+    so concatenating the ranks' x along dim 0, in rank order, gives exactly the batch a
+    single-process stream with ``batch × world_size`` and the same seed yields. An epoch ends when
+    fewer than a global batch of windows are left; those are skipped (a different few each epoch).
+
+    Resuming. ``state_dict()`` is a small JSON-able dict (epoch, position, seed, plus ctx and the
+    train token count to catch a mismatch); ``load_state_dict()`` continues with exactly the
+    batches that would have followed. The state counts windows, not batches, so it also resumes
+    under a different world size with the same global batch.
+
+    Yields int64 tensors of shape (batch, ctx) on the CPU; pin or move them in the loop.
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(self, data: PreparedData, batch: int, ctx: int, seed: int = 0, rank: int = 0, world_size: int = 1):
+        _check_positive(batch=batch, ctx=ctx, world_size=world_size)
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise InputError(f"seed: {seed!r} must be a non-negative integer")
+        if not 0 <= rank < world_size:
+            raise InputError(f"rank: {rank} must be in [0, world_size={world_size})")
+        self.data, self.batch, self.ctx, self.seed = data, int(batch), int(ctx), int(seed)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.global_batch = self.batch * self.world_size
+        self.n_tokens = data.train_tokens
+        fewest_windows = (self.n_tokens - self.ctx) // self.ctx  # with the largest offset, ctx - 1
+        if fewest_windows < self.global_batch:
+            need = (self.global_batch + 1) * self.ctx
+            raise InputError(f"the train split holds {self.n_tokens} tokens, too few for a global batch of "
+                             f"{self.global_batch} × ctx {self.ctx} (needs at least {need}); use a smaller "
+                             "--ctx or --batch, or more data")
+        self.epoch = 0
+        self.position = 0  # windows of the current epoch's permutation already served (all ranks)
+        self._plan_epoch: int | None = None
+        self._plan: tuple[int, np.ndarray] | None = None
+
+    def epoch_plan(self, epoch: int) -> tuple[int, np.ndarray]:
+        """(offset, permutation of window indices) of ``epoch``; window i starts at offset + i × ctx."""
+        if self._plan_epoch != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            offset = 0 if epoch == 0 else int(rng.integers(0, self.ctx))
+            n_windows = (self.n_tokens - 1 - offset) // self.ctx
+            self._plan = (offset, rng.permutation(n_windows))
+            self._plan_epoch = epoch
+        return self._plan
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches in the current epoch (the count can differ by one between epochs)."""
+        return len(self.epoch_plan(self.epoch)[1]) // self.global_batch
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens of x in one global batch (all ranks)."""
+        return self.global_batch * self.ctx
+
+    def __iter__(self) -> "TrainStream":
+        return self
+
+    def __next__(self):
+        offset, perm = self.epoch_plan(self.epoch)
+        if self.position + self.global_batch > len(perm):
+            self.epoch, self.position = self.epoch + 1, 0
+            offset, perm = self.epoch_plan(self.epoch)
+        first = self.position + self.rank * self.batch
+        starts = offset + perm[first:first + self.batch] * self.ctx
+        self.position += self.global_batch
+        windows = np.stack([self.data.train.read(int(s), self.ctx + 1) for s in starts])
+        return _to_xy(windows)
+
+    def state_dict(self) -> dict:
+        return {"version": self.STATE_VERSION, "seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "ctx": self.ctx, "train_tokens": self.n_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; its seed replaces the one given at construction."""
+        try:
+            version, seed, epoch, position = state["version"], state["seed"], state["epoch"], state["position"]
+            ctx, n_tokens = state["ctx"], state["train_tokens"]
+        except (KeyError, TypeError):
+            raise InputError(f"data stream state {state!r} lacks version/seed/epoch/position/ctx/train_tokens") from None
+        if version != self.STATE_VERSION:
+            raise InputError(f"data stream state version {version!r}; this memplan reads {self.STATE_VERSION}")
+        if ctx != self.ctx:
+            raise InputError(f"data stream state is for ctx {ctx}, this run uses ctx {self.ctx}")
+        if n_tokens != self.n_tokens:
+            raise InputError(f"data stream state is for a train split of {n_tokens} tokens, this corpus has "
+                             f"{self.n_tokens}; resume on the same prepared data")
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int) and position >= 0):
+            raise InputError(f"data stream state: bad epoch {epoch!r} or position {position!r}")
+        self.seed, self.epoch, self.position = int(seed), epoch, position
+        self._plan_epoch = None
