@@ -1,13 +1,18 @@
-"""Memory of a training step, term by term. Pure functions of (ModelSpec, TrainSetup) returning bytes.
+"""Memory of a training step: one small pure function per tensor, and a walk over the step that finds the peak.
 
-Every term names the tensors of ``trainer/model.py`` and ``trainer/step.py`` it counts. Notation
-in the docstrings: B micro-batch, T context, H hidden, F ffn, V vocab, L layers, kv = kv_heads ·
-head_dim, n = B·T tokens, a = bytes of an activation in the compute dtype (2 under bf16/fp16,
-else 4), r = bytes of the residual stream (4 unless pure bf16), p = bytes of a stored weight.
+Every term names the tensors of ``trainer/model.py`` and ``trainer/step.py`` it counts and returns
+bytes. Notation in the docstrings: B micro-batch, T context, n = B·T tokens, H hidden, F ffn,
+V vocab, L layers, kv = kv_heads·head_dim, h heads, a = bytes of an activation in the compute
+dtype (2 under bf16/fp16, else 4), r = bytes of the residual stream (4 unless pure bf16),
+p = bytes of a stored weight (2 under pure bf16, else 4).
 
-The peak is found by phase (``step_moments``): the live total at each moment of a steady-state
-step where memory can peak (end of forward, start of backward, the LM head's backward, the last
-layer's backward, the end of backward, the optimizer step); the largest is peak_allocated.
+``peak_memory`` walks one steady-state step in order (``_StepWalk``): the forward of the last
+block, the loss, the LM head's and final norm's backward, the last block's backward (after its
+recomputation under checkpointing), the first block's backward, the embedding's, and the
+optimizer step, allocating and freeing these terms as PyTorch does. The largest live total on
+the way is peak_allocated; where it happened is peak_phase. Blocks between the last and the
+first are not walked one by one: each holds the same tensors, so live memory changes linearly
+from one to the next and the peak over them is at one of the two ends.
 """
 
 from __future__ import annotations
@@ -18,19 +23,22 @@ from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
 
 INDEX_BYTES = 8  # token ids are int64
+MASK_BYTES = 1  # torch.bool
 ADAMW_STATES_PER_PARAM = 2  # exp_avg, exp_avg_sq
 SGD_STATES_PER_PARAM = 1  # momentum_buffer
 ADAM_STEP_BYTES = 4  # AdamW keeps a 0-dim fp32 `step` tensor per parameter tensor
 BNB_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantise states in blocks of 256 values ...
-BNB_MIN_NUMEL = 4096  # ... for tensors of at least 4096 elements; smaller ones keep 32-bit states
-CE_LIVE_FP32_COPIES = 3  # at the start of backward: log-probs, their gradient, the logits' gradient
-LOWP_WEIGHT_BYTES = HALF_BYTES  # autocast's cached bf16/fp16 copy of each matmul weight
+LOWP_WEIGHT_BYTES = HALF_BYTES  # autocast's cached bf16/fp16 copy of a matmul weight
+NORM_BACKWARD_FP32_BUFFERS = 2  # RMSNorm backward: the normalised input and the scaled gradient, fp32
+NORM_FORWARD_FP32_BUFFERS = 2  # RMSNorm forward: x², then x·rstd before the weight, fp32
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
 
 
-# ---- dtype sizes ---------------------------------------------------------------------------
+# ---- dtype sizes and shapes ----------------------------------------------------------------
 
 def act_bytes(setup: TrainSetup) -> int:
-    """a: bytes per activation element: matmul outputs are in the compute dtype."""
+    """a: bytes per activation element; matmul outputs are in the compute dtype."""
     return setup.compute_bytes
 
 
@@ -44,6 +52,21 @@ def tokens(setup: TrainSetup) -> int:
     return setup.micro_batch * setup.ctx
 
 
+def _up_width(spec: ModelSpec) -> int:
+    """Output width of the first MLP matmul: 2F for SwiGLU's fused gate|up, F for GELU."""
+    return (2 if spec.mlp == "swiglu" else 1) * spec.ffn
+
+
+def _qkv_width(spec: ModelSpec) -> int:
+    return spec.hidden + 2 * spec.kv_dim
+
+
+def _layer_matrices(spec: ModelSpec) -> dict[str, int]:
+    """Elements of each weight matrix in a block."""
+    h = spec.hidden
+    return {"qkv": h * _qkv_width(spec), "proj": h * h, "up": h * _up_width(spec), "down": spec.ffn * h}
+
+
 # ---- weights, gradients, optimizer ---------------------------------------------------------
 
 def weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -52,21 +75,21 @@ def weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def rope_buffer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """RoPE tables: cos and sin buffers (T × rotary_dim/2, fp32), plus their per-forward copies
-    in the compute dtype when that is not fp32. 0 for learned positions."""
-    if spec.pos != "rope":
+    """RoPE's cos and sin buffers, T × rotary_dim/2 each, fp32. 0 for learned positions."""
+    return 2 * setup.ctx * (spec.rotary_dim // 2) * FP32_BYTES if spec.pos == "rope" else 0
+
+
+def rope_cast_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The cos/sin tables cast to the compute dtype once per forward (saved by every rotary op);
+    0 when the compute dtype is fp32."""
+    if spec.pos != "rope" or act_bytes(setup) == FP32_BYTES:
         return 0
-    table = setup.ctx * (spec.rotary_dim // 2)
-    n = 2 * table * FP32_BYTES
-    if setup.compute_bytes != FP32_BYTES or setup.precision == "bf16":
-        n += 2 * table * setup.compute_bytes
-    return n
+    return 2 * setup.ctx * (spec.rotary_dim // 2) * act_bytes(setup)
 
 
 def lowp_weight_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Autocast's low-precision copies of the matmul weights: matmul_params × 2 under
-    bf16-mixed / fp16-mixed, else 0. Each matmul saves its copy for backward, so they live
-    from the forward until that layer's backward."""
+    """Autocast's low-precision copies of all matmul weights, matmul_params × 2 under
+    bf16-mixed / fp16-mixed, else 0. Each matmul saves its copy for backward."""
     return spec.matmul_params * LOWP_WEIGHT_BYTES if setup.mixed else 0
 
 
@@ -75,15 +98,19 @@ def gradient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return spec.params * setup.param_bytes
 
 
+def layer_gradient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The gradients of one block's parameters: layer_params·p."""
+    return spec.layer_params * setup.param_bytes
+
+
 def decay_params(spec: ModelSpec) -> int:
-    """Parameters in the weight-decay group: every matrix and the embedding (norms and biases are not)."""
-    per_layer_vectors = 2 * spec.norm_params
+    """Parameters in the weight-decay group: every matrix and the embeddings (norms and biases are not)."""
+    vectors = 2 * spec.norm_params
     if spec.bias:
-        per_layer_vectors += spec.hidden + 2 * spec.kv_dim + spec.hidden
-        per_layer_vectors += (2 if spec.mlp == "swiglu" else 1) * spec.ffn + spec.hidden
+        vectors += _qkv_width(spec) + spec.hidden + _up_width(spec) + spec.hidden
     elif spec.qkv_bias:
-        per_layer_vectors += spec.hidden + 2 * spec.kv_dim
-    return spec.params - spec.layers * per_layer_vectors - spec.norm_params
+        vectors += _qkv_width(spec)
+    return spec.params - spec.layers * vectors - spec.norm_params
 
 
 def optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -92,28 +119,27 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     - adamw, adamw-fused: exp_avg and exp_avg_sq in the parameter dtype (2·N·p), plus a
       0-dim fp32 ``step`` per parameter tensor.
     - sgd: momentum_buffer (N·p).
-    - adamw8bit: two uint8 states (2·N) plus one fp32 absmax per 256-value block, for tensors
-      of ≥ 4096 elements; smaller tensors keep fp32 states (bitsandbytes).
+    - adamw8bit: two uint8 states per matrix element plus one fp32 absmax per 256-value block
+      (bitsandbytes); norms and biases, under 4096 elements, keep fp32 states.
     """
     n = spec.params
     if setup.optimizer in ("adamw", "adamw-fused"):
         return ADAMW_STATES_PER_PARAM * n * setup.param_bytes + spec.n_tensors * ADAM_STEP_BYTES
     if setup.optimizer == "sgd":
         return SGD_STATES_PER_PARAM * n * setup.param_bytes
-    big = decay_params(spec)  # matrices: quantised
-    small = n - big  # norms and biases: under 4096 elements at any planned width, fp32 states
+    big = decay_params(spec)
     quantised = ADAMW_STATES_PER_PARAM * (big + -(-big // BNB_BLOCK) * FP32_BYTES)
-    return quantised + ADAMW_STATES_PER_PARAM * small * FP32_BYTES + spec.n_tensors * ADAM_STEP_BYTES
+    return quantised + ADAMW_STATES_PER_PARAM * (n - big) * FP32_BYTES + spec.n_tensors * ADAM_STEP_BYTES
 
 
 def optimizer_temporary_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """Scratch memory of the optimizer step.
 
     foreach AdamW computes ``sqrt(exp_avg_sq)`` for a whole parameter group at once
-    (``torch._foreach_sqrt``), so it holds one parameter-sized temporary of the largest group,
-    the weight-decay group; foreach SGD with weight decay adds ``weight_decay·param`` to the
-    gradients out of place (``torch._foreach_add``), the same size. The fused AdamW kernel and
-    bitsandbytes' 8-bit kernel update in place: 0.
+    (``torch._foreach_sqrt``): one parameter-sized temporary of the largest group, the
+    weight-decay group. foreach SGD adds ``weight_decay·param`` to the gradients out of place
+    (``torch._foreach_add``), the same size. The fused AdamW kernel and bitsandbytes' 8-bit
+    kernel update in place: 0.
     """
     if setup.optimizer in ("adamw", "sgd"):
         return decay_params(spec) * setup.param_bytes
@@ -125,7 +151,7 @@ def input_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return setup.grad_accum * 2 * tokens(setup) * INDEX_BYTES
 
 
-# ---- activations saved for backward, per layer ---------------------------------------------
+# ---- activations one block saves for backward ----------------------------------------------
 
 def residual_stream_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """The block's input (saved by the first norm) and, unless the residual is parallel, the
@@ -135,138 +161,122 @@ def residual_stream_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def norm_stat_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Per-token statistics of the two norms: RMSNorm's rstd (n·4 each, always fp32),
-    LayerNorm's mean and rstd (2·n·r each: the input's dtype on CPU; CUDA keeps them fp32 for
-    bf16 input, 2·n·2 bytes more per norm under pure bf16)."""
-    return 2 * _norm_stats_per_token_bytes(spec, setup) * tokens(setup)
-
-
-def _norm_stats_per_token_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    if spec.norm == "rmsnorm":
-        return FP32_BYTES
-    return 2 * residual_bytes_per_element(setup)
+    """One norm's per-token statistics: RMSNorm's rstd (n·4, fp32); LayerNorm's mean and rstd
+    (2·n·r: the input's dtype on the CPU; CUDA keeps them fp32 under pure bf16)."""
+    per_token = FP32_BYTES if spec.norm == "rmsnorm" else 2 * residual_bytes_per_element(setup)
+    return per_token * tokens(setup)
 
 
 def norm_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """The two norms' outputs, saved as the inputs of the qkv and MLP-up matmuls: 2·n·H·a
-    (under autocast, the bf16 copy made for the matmul; the fp32 norm output is freed)."""
-    return 2 * tokens(setup) * spec.hidden * act_bytes(setup)
-
-
-def _kv_repeated(spec: ModelSpec, setup: TrainSetup) -> bool:
-    """Eager attention repeats K and V to the query head count under grouped-query attention."""
-    return setup.attention == "eager" and spec.kv_heads != spec.heads
+    """A norm's output as the next matmul saves it, n·H·a (under autocast, the bf16 copy made
+    for the matmul; the fp32 norm output itself is freed)."""
+    return tokens(setup) * spec.hidden * act_bytes(setup)
 
 
 def qkv_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """The fused qkv matmul's output, n·(H + 2·kv)·a, kept alive while attention saves a view of it.
-
-    SDPA saves v as a view of it (and q and k too without rotary). Eager attention saves it
-    only without rotary (q and k are views); with rotary it saves its own copies of k and v.
-    """
-    if setup.attention == "sdpa" or spec.pos != "rope":
-        return tokens(setup) * (spec.hidden + 2 * spec.kv_dim) * act_bytes(setup)
-    return 0
+    """The fused qkv matmul's output, n·(H + 2·kv)·a."""
+    return tokens(setup) * _qkv_width(spec) * act_bytes(setup)
 
 
-def rotary_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Rotated q (n·H·a) and, unless eager attention repeats it, rotated k (n·kv·a), saved by
-    attention. 0 for learned positions (q and k are views of the qkv output)."""
-    if spec.pos != "rope":
-        return 0
-    k = 0 if _kv_repeated(spec, setup) else spec.kv_dim
-    return tokens(setup) * (spec.hidden + k) * act_bytes(setup)
+def rotated_q_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Rotary's output for q, n·H·a (0 for learned positions)."""
+    return tokens(setup) * spec.hidden * act_bytes(setup) if spec.pos == "rope" else 0
+
+
+def rotated_k_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Rotary's output for k, n·kv·a (0 for learned positions)."""
+    return tokens(setup) * spec.kv_dim * act_bytes(setup) if spec.pos == "rope" else 0
+
+
+def sdpa_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """SDPA's output, n·H·a, in (B, T, heads, hd) layout, so the output projection saves a view of it."""
+    return tokens(setup) * spec.hidden * act_bytes(setup)
+
+
+def sdpa_logsumexp_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """SDPA's log-sum-exp per head and query, fp32: n·heads·4."""
+    return tokens(setup) * spec.heads * FP32_BYTES
+
+
+def attention_scores_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Eager attention's T×T scores or probabilities for all heads: B·heads·T²·a."""
+    return setup.micro_batch * spec.heads * setup.ctx * setup.ctx * act_bytes(setup)
+
+
+def causal_mask_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Eager attention's boolean causal mask, T², made once per forward and shared by all blocks."""
+    return setup.ctx * setup.ctx * MASK_BYTES if setup.attention == "eager" else 0
+
+
+def eager_q_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The contiguous (B, heads, T, hd) copy of q that eager attention's first matmul makes and saves: n·H·a."""
+    return tokens(setup) * spec.hidden * act_bytes(setup)
 
 
 def eager_kv_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Eager attention's own copies of K and V.
-
-    Under grouped-query attention, K and V repeated to all heads (``repeat_interleave``):
-    2·n·H·a. Without it and with rotary, the second matmul's contiguous copy of the transposed
-    v view: n·kv·a. 0 for SDPA, and for eager without rotary (the qkv output holds them).
-    """
-    if setup.attention != "eager":
-        return 0
-    if _kv_repeated(spec, setup):
-        return 2 * tokens(setup) * spec.hidden * act_bytes(setup)
-    if spec.pos == "rope":
-        return tokens(setup) * spec.kv_dim * act_bytes(setup)
-    return 0
+    """Eager attention's copy of k or of v, saved by its matmul: repeated to all heads under
+    grouped-query attention (``repeat_interleave``, n·H·a), else a contiguous copy (n·kv·a)."""
+    width = spec.hidden if spec.kv_heads != spec.heads else spec.kv_dim
+    return tokens(setup) * width * act_bytes(setup)
 
 
-def attention_core_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """What the attention kernel saves besides q, k, v.
-
-    - sdpa: its output (n·H·a) and the log-sum-exp per head and query (n·heads·4).
-    - eager: the softmax probabilities B·heads·T²·a (saved once, used by softmax's and the
-      second matmul's backward) and the T×T boolean causal mask.
-    """
-    n = tokens(setup)
-    if setup.attention == "sdpa":
-        return n * spec.hidden * act_bytes(setup) + n * spec.heads * FP32_BYTES
-    return setup.micro_batch * spec.heads * setup.ctx * setup.ctx * act_bytes(setup) + setup.ctx * setup.ctx
-
-
-def attention_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+def attention_output_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """Eager attention's output transposed back to (B, T, H), a contiguous copy saved by the
-    output projection: n·H·a. SDPA returns its output in (B, T, heads, hd) layout, so the
-    transpose back is a view of the output SDPA saves anyway: 0."""
-    return tokens(setup) * spec.hidden * act_bytes(setup) if setup.attention == "eager" else 0
+    output projection: n·H·a."""
+    return tokens(setup) * spec.hidden * act_bytes(setup)
 
 
-def mlp_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """MLP intermediates saved for backward.
+def mlp_up_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The first MLP matmul's output: SwiGLU's fused gate|up n·2F·a (its halves are saved by
+    silu and the product), GELU's n·F·a (saved by gelu)."""
+    return tokens(setup) * _up_width(spec) * act_bytes(setup)
 
-    - SwiGLU: the fused gate|up output (n·2F, saved through its halves by silu and the
-      product), silu(gate) (n·F) and the product (n·F, the down matmul's input): n·4F·a.
-    - GELU: the up output (n·F, saved by gelu) and gelu's output (n·F): n·2F·a.
-    """
-    widths = 4 if spec.mlp == "swiglu" else 2
-    return tokens(setup) * widths * spec.ffn * act_bytes(setup)
+
+def mlp_inner_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One n·F·a MLP intermediate: silu(gate), the SwiGLU product, or gelu's output."""
+    return tokens(setup) * spec.ffn * act_bytes(setup)
+
+
+def layer_lowp_weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One block's autocast weight copies: its matmul weights × 2 (mixed precision only)."""
+    return sum(_layer_matrices(spec).values()) * LOWP_WEIGHT_BYTES if setup.mixed else 0
 
 
 def layer_activation_terms(spec: ModelSpec, setup: TrainSetup) -> dict[str, int]:
     """Everything one block saves for backward without checkpointing, by tensor."""
-    return {
+    terms = {
         "residual": residual_stream_bytes(spec, setup),
-        "norm_stats": norm_stat_bytes(spec, setup),
-        "norm_outputs": norm_output_bytes(spec, setup),
-        "qkv": qkv_output_bytes(spec, setup),
-        "rotary": rotary_bytes(spec, setup),
-        "eager_kv": eager_kv_bytes(spec, setup),
-        "attention": attention_core_bytes(spec, setup),
-        "attention_output": attention_output_bytes(spec, setup),
-        "mlp": mlp_bytes(spec, setup),
+        "norm_stats": 2 * norm_stat_bytes(spec, setup),
+        "norm_outputs": 2 * norm_output_bytes(spec, setup),
     }
-
-
-def layer_lowp_weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """One block's share of the autocast weight copies: its matmul weights × 2 (mixed only)."""
-    if not setup.mixed:
-        return 0
-    per_layer = 2 * spec.hidden * spec.hidden + 2 * spec.hidden * spec.kv_dim
-    per_layer += (3 if spec.mlp == "swiglu" else 2) * spec.hidden * spec.ffn
-    return per_layer * LOWP_WEIGHT_BYTES
-
-
-def layer_matmul_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """What selective checkpointing keeps of a block besides its input: the outputs of its
-    linear layers and of attention, in the compute dtype.
-
-    qkv n·(H+2kv), out-projection n·H, MLP up n·2F (SwiGLU) or n·F, MLP down n·H; SDPA's
-    output n·H and log-sum-exp n·heads·4, or eager attention's softmax probabilities B·heads·T².
-    """
-    n, a = tokens(setup), act_bytes(setup)
-    up = (2 if spec.mlp == "swiglu" else 1) * spec.ffn
-    total = (n * (spec.hidden + 2 * spec.kv_dim) + n * spec.hidden + n * up + n * spec.hidden) * a
     if setup.attention == "sdpa":
-        return total + n * spec.hidden * a + n * spec.heads * FP32_BYTES
-    return total + setup.micro_batch * spec.heads * setup.ctx * setup.ctx * a
+        terms["qkv"] = qkv_output_bytes(spec, setup)
+        terms["rotary"] = rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup)
+        terms["attention"] = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+    else:
+        terms["attention_qkv_copies"] = eager_q_bytes(spec, setup) + 2 * eager_kv_bytes(spec, setup)
+        terms["attention"] = attention_scores_bytes(spec, setup)
+        terms["attention_output"] = attention_output_copy_bytes(spec, setup)
+    inner = 2 if spec.mlp == "swiglu" else 1
+    terms["mlp"] = mlp_up_bytes(spec, setup) + inner * mlp_inner_bytes(spec, setup)
+    terms["lowp_weights"] = layer_lowp_weight_bytes(spec, setup)
+    return terms
 
 
 def block_input_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """A checkpointed block's input, the one tensor full checkpointing keeps per layer: n·H·r."""
+    """A block's input, n·H·r: what full checkpointing keeps of a block."""
     return tokens(setup) * spec.hidden * residual_bytes_per_element(setup)
+
+
+def selective_kept_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """What selective checkpointing keeps of a block besides its input: the outputs of its
+    matmuls (qkv n·(H+2kv), out-projection n·H, MLP up, MLP down n·H) and of attention
+    (SDPA's output and log-sum-exp, or eager attention's softmax probabilities)."""
+    n, a = tokens(setup), act_bytes(setup)
+    kept = qkv_output_bytes(spec, setup) + 2 * n * spec.hidden * a + mlp_up_bytes(spec, setup)
+    if setup.attention == "sdpa":
+        return kept + sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+    return kept + attention_scores_bytes(spec, setup)
 
 
 def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -274,62 +284,29 @@ def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     if setup.checkpointing == "full":
         return block_input_bytes(spec, setup)
     if setup.checkpointing == "selective":
-        return block_input_bytes(spec, setup) + layer_matmul_output_bytes(spec, setup)
-    return sum(layer_activation_terms(spec, setup).values()) + layer_lowp_weight_bytes(spec, setup)
+        return block_input_bytes(spec, setup) + selective_kept_bytes(spec, setup)
+    return sum(layer_activation_terms(spec, setup).values())
 
 
-def recomputed_layer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Under checkpointing, the one block being recomputed in backward holds everything it
-    would have saved without checkpointing."""
-    if setup.checkpointing == "none":
-        return 0
-    return sum(layer_activation_terms(spec, setup).values()) + layer_lowp_weight_bytes(spec, setup)
-
-
-def final_stage_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """After the last block: its output (saved by the final norm, n·H·r), the norm's statistics,
-    the norm output (saved by the LM head, n·H·a), and the head's low-precision weight copy."""
-    n = tokens(setup)
-    stats = _norm_stats_per_token_bytes(spec, setup) * n
-    lowp = spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES if setup.mixed else 0
-    return n * spec.hidden * (residual_bytes_per_element(setup) + act_bytes(setup)) + stats + lowp
-
-
-# ---- logits and the loss -------------------------------------------------------------------
+# ---- the loss ------------------------------------------------------------------------------
 
 def logits_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """The LM head's output, n·V·a."""
     return tokens(setup) * spec.vocab * act_bytes(setup)
 
 
-def loss_forward_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Inside the fp32 cross-entropy's forward: the logits (n·V·a), their fp32 copy if a < 4
-    (n·V·4), and the log-probabilities (n·V·4)."""
-    n_v = tokens(setup) * spec.vocab
-    copy = n_v * FP32_BYTES if act_bytes(setup) != FP32_BYTES else 0
-    return logits_bytes(spec, setup) + copy + n_v * FP32_BYTES
+def fp32_logits_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One fp32 (n, V) tensor of the loss: the logits' fp32 copy, the log-probabilities, or
+    either's gradient: n·V·4. The loss is always computed in fp32."""
+    return tokens(setup) * spec.vocab * FP32_BYTES
 
 
-def loss_backward_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """At the start of backward: the log-probabilities, their gradient and the logits' gradient,
-    all fp32: 3·n·V·4. This is what dominates memory for a 50k vocabulary."""
-    return CE_LIVE_FP32_COPIES * tokens(setup) * spec.vocab * FP32_BYTES
+def head_weight_grad_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The LM head's (or tied embedding's) weight gradient, V·H·p."""
+    return spec.vocab * spec.hidden * setup.param_bytes
 
 
-def head_backward_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """The LM head's backward: the logits' gradient in the compute dtype (n·V·a), the input's
-    gradient (n·H·a), the weight's gradient in the compute dtype (V·H·a) and, under autocast,
-    its fp32 cast (V·H·4) before it lands in ``.grad``."""
-    n = tokens(setup)
-    a = act_bytes(setup)
-    w = spec.vocab * spec.hidden
-    return n * spec.vocab * a + n * spec.hidden * a + w * a + (w * FP32_BYTES if setup.mixed else 0)
-
-
-# ---- the step's moments and the peak -------------------------------------------------------
-
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
-
+# ---- the walk ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Moment:
@@ -344,65 +321,429 @@ class Moment:
         return sum(self.bytes.values())
 
 
-def embedding_grad_temporary_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Gradient buffers at the end of backward, beyond the gradients themselves.
+class _StepWalk:
+    """Live bytes by category through a step's allocations and frees, remembering the peak."""
 
-    Tied: the LM head's gradient waits in autograd's input buffer until the embedding's
-    gradient arrives, and the two are summed out of place (the sum is the new gradient):
-    2·V·H·p more; with gradient accumulation the sum is then added to ``.grad``: 3·V·H·p.
-    Untied with accumulation: the embedding's new gradient before it is added in place: V·H·p.
+    def __init__(self, spec: ModelSpec, setup: TrainSetup):
+        self.spec, self.setup = spec, setup
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.peak: Moment | None = None
+        self.phase = "forward"
+        self.where = "start of step"
+        self.marks: list[Moment] = []  # the live totals at named points, for reports
+
+    def alloc(self, category: str, nbytes: int, where: str | None = None) -> None:
+        self.live[category] += int(nbytes)
+        total = sum(self.live.values())
+        if self.peak is None or total > self.peak.total:
+            self.peak = Moment(where or self.where, self.phase, dict(self.live))
+
+    def free(self, category: str, nbytes: int) -> None:
+        self.live[category] -= int(nbytes)
+
+    def mark(self, name: str) -> None:
+        self.marks.append(Moment(name, self.phase, dict(self.live)))
+
+
+def _norm_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> int:
+    """A norm's forward: its fp32 working buffers, its statistics and its output.
+
+    Returns the bytes of the output as the next matmul sees it (the autocast copy under mixed
+    precision; the fp32 output is then freed); the caller owns it and the statistics.
     """
-    vh = spec.vocab * spec.hidden * setup.param_bytes
+    n, hidden = tokens(setup), spec.hidden
+    r = residual_bytes_per_element(setup)
+    if spec.norm == "rmsnorm":
+        work = NORM_FORWARD_FP32_BUFFERS * n * hidden * FP32_BYTES
+        w.alloc("temporaries", work)
+        w.free("temporaries", work)
+    w.alloc("activations", norm_stat_bytes(spec, setup))
+    w.alloc("activations", n * hidden * r)  # the norm's output, in the residual dtype
+    if setup.mixed:  # autocast casts it for the matmul; the fp32 output is not saved
+        w.alloc("activations", norm_output_bytes(spec, setup))
+        w.free("activations", n * hidden * r)
+    return norm_output_bytes(spec, setup)
+
+
+def _linear_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: str, out_bytes: int) -> None:
+    """A matmul's forward: under autocast, its weight's bf16 copy (cached, saved), then its output."""
+    if setup.mixed:
+        w.alloc("weights", _layer_matrices(spec)[matrix] * LOWP_WEIGHT_BYTES)
+    w.alloc("activations", out_bytes)
+
+
+def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) -> None:
+    """One block's forward, each tensor allocated where it is made and freed where its last user is done.
+
+    ``mode``: none keeps what autograd saves; full keeps nothing (the block input is kept by the
+    caller); selective keeps the outputs of matmuls and of attention (what the selective
+    policy in trainer/model.py saves); recompute rebuilds, in a checkpointed block's backward,
+    what ``none`` keeps (under selective the kept outputs are reused, not recomputed) and stops
+    once the down matmul's input exists, as non-reentrant checkpointing does.
+
+    The block input is live before. Afterwards the block's output (n·H·r) is live too, except
+    after recompute.
+    """
+    n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
+    r = residual_bytes_per_element(setup)
+    keep_all = mode in ("none", "recompute")
+    keep_outputs = mode == "selective"  # forward under selective checkpointing
+    reuse = mode == "recompute" and setup.checkpointing == "selective"
+    m = _layer_matrices(spec)
+
+    def make(nbytes: int, reused: bool = False) -> int:
+        if not reused:
+            w.alloc("activations", nbytes)
+        return nbytes
+
+    def drop(nbytes: int, keep: bool) -> None:
+        if not keep:
+            w.free("activations", nbytes)
+
+    def weight_copy(matrix: str) -> None:
+        if setup.mixed:
+            w.alloc("weights", m[matrix] * LOWP_WEIGHT_BYTES)
+
+    w.where = "block forward: attention"
+    norm_out = _norm_forward(w, spec, setup)
+    drop(norm_stat_bytes(spec, setup), keep_all)
+    weight_copy("qkv")
+    qkv = make(qkv_output_bytes(spec, setup), reuse)
+    drop(norm_out, keep_all)
+    q_rot = make(rotated_q_bytes(spec, setup))
+    k_rot = make(rotated_k_bytes(spec, setup))
+    if setup.attention == "sdpa":
+        out = make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), reuse)
+        drop(q_rot + k_rot, keep_all)
+        drop(qkv, keep_all or keep_outputs)
+        proj_in = out
+        w.where = "block forward: output projection"
+        weight_copy("proj")
+    else:
+        scores = attention_scores_bytes(spec, setup)
+        q = make(eager_q_bytes(spec, setup))  # contiguous copies for the matmuls
+        k = make(eager_kv_bytes(spec, setup))
+        drop(q_rot + k_rot, False)
+        make(scores)  # q·kᵀ, scaled and masked in place; recomputed even when the probabilities are reused
+        probs = make(scores, reuse)
+        drop(scores, False)
+        v = make(eager_kv_bytes(spec, setup))
+        drop(qkv, keep_outputs)
+        make(n * hidden * a)  # probs·v, (B, heads, T, hd)
+        proj_in = make(attention_output_copy_bytes(spec, setup))  # transposed back to (B, T, H)
+        drop(n * hidden * a, False)
+        drop(q + k + v, keep_all)
+        drop(probs, keep_all or keep_outputs)
+        w.where = "block forward: output projection"
+        weight_copy("proj")
+    o = make(n * hidden * a, reuse)  # out-projection output
+    if setup.attention == "sdpa":
+        drop(proj_in, keep_all or keep_outputs)
+    else:
+        drop(proj_in, keep_all)
+    x_mid = 0 if spec.parallel_residual else make(n * hidden * r)  # x + attention
+    drop(o, keep_outputs)
+    w.where = "block forward: MLP"
+    norm_out = _norm_forward(w, spec, setup)
+    drop(norm_stat_bytes(spec, setup), keep_all)
+    weight_copy("up")
+    up = make(mlp_up_bytes(spec, setup), reuse)
+    drop(norm_out, keep_all)
+    inner = make(mlp_inner_bytes(spec, setup))  # silu(gate), or gelu(up)
+    if spec.mlp == "swiglu":
+        inner += make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
+    weight_copy("down")
+    if mode == "recompute":  # stops here: everything the backward needs exists
+        return
+    d = make(n * hidden * a)  # down-projection output
+    make(n * hidden * r)  # the block's output
+    if spec.parallel_residual:
+        drop(o, keep_outputs)
+    drop(d, keep_outputs)
+    drop(x_mid + inner, keep_all)
+    drop(up, keep_all or keep_outputs)
+
+
+def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_elems: int, grad_in_bytes: int,
+                     saved_input_bytes: int, input_grad_bytes: int, input_cast: bool) -> None:
+    """A matmul's backward: the input's gradient and the weight's gradient, then the saved input
+    and the weight copy are released. Under autocast the weight gradient is computed in bf16
+    and cast to fp32 (and, if the input was cast from fp32, the input gradient too). With
+    gradient accumulation the new weight gradient is added into ``.grad`` and freed; otherwise
+    it becomes ``.grad``."""
+    a = act_bytes(setup)
+    w.alloc("temporaries", input_grad_bytes)
+    w.alloc("temporaries", weight_elems * a)
+    w.free("activations", saved_input_bytes)
+    w.free("temporaries", grad_in_bytes)
+    if setup.mixed:
+        w.free("weights", weight_elems * LOWP_WEIGHT_BYTES)
+        if input_cast:
+            w.alloc("temporaries", input_grad_bytes // a * FP32_BYTES)
+            w.free("temporaries", input_grad_bytes)
+        w.alloc("temporaries", weight_elems * FP32_BYTES)
+        w.free("temporaries", weight_elems * a)
+    w.free("temporaries", weight_elems * setup.param_bytes)
+    if setup.grad_accum == 1:
+        w.alloc("gradients", weight_elems * setup.param_bytes)
+
+
+def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_bytes: int) -> int:
+    """A norm's backward: RMSNorm's two fp32 buffers (plus an fp32 copy of a bf16 gradient),
+    LayerNorm's none; the input's gradient n·H·r. Releases the saved input and statistics."""
+    n, hidden = tokens(setup), spec.hidden
+    r = residual_bytes_per_element(setup)
+    out = n * hidden * r
+    if spec.norm == "rmsnorm":
+        work = NORM_BACKWARD_FP32_BUFFERS * n * hidden * FP32_BYTES
+        w.alloc("temporaries", work)
+        if grad_in_bytes != n * hidden * FP32_BYTES:  # grad.float(), freed once the scaled gradient exists
+            w.alloc("temporaries", n * hidden * FP32_BYTES)
+            w.free("temporaries", n * hidden * FP32_BYTES)
+        if r == FP32_BYTES:  # the scaled gradient, updated in place, is the output
+            w.free("temporaries", work - out)
+        else:  # cast to the input's dtype
+            w.alloc("temporaries", out)
+            w.free("temporaries", work)
+    else:
+        w.alloc("temporaries", out)
+    w.free("temporaries", grad_in_bytes)
+    w.free("activations", norm_stat_bytes(spec, setup))
+    return out
+
+
+def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int) -> int:
+    """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
+    to the gradient of its input (returned, live). Releases everything the block saved."""
+    n, hidden, a, ffn = tokens(setup), spec.hidden, act_bytes(setup), spec.ffn
+    r = residual_bytes_per_element(setup)
+    m = _layer_matrices(spec)
+    inner = mlp_inner_bytes(spec, setup)
+    branch_cast = r != a  # fp32 residual, bf16 branch: the gradient is cast for the branch
+
+    w.where = "block backward: MLP"
+    g_branch = grad_bytes
+    if branch_cast:
+        g_branch = n * hidden * a
+        w.alloc("temporaries", g_branch)
+    # down: input gradient n·F·a
+    _linear_backward(w, spec, setup, m["down"], g_branch if branch_cast else 0, inner, inner, input_cast=False)
+    if spec.mlp == "swiglu":
+        w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
+        w.free("temporaries", inner)  # the product's gradient
+        w.free("activations", inner)  # silu(gate)
+        w.alloc("temporaries", inner)  # silu's input gradient
+        w.free("temporaries", inner)
+        w.free("activations", mlp_up_bytes(spec, setup))  # gate|up released
+        w.alloc("temporaries", mlp_up_bytes(spec, setup))  # the fused gradient
+        w.free("temporaries", 2 * inner)
+    else:
+        w.alloc("temporaries", inner)  # gelu's input gradient
+        w.free("temporaries", inner)
+        w.free("activations", mlp_up_bytes(spec, setup))
+    _linear_backward(w, spec, setup, m["up"], mlp_up_bytes(spec, setup), norm_output_bytes(spec, setup),
+                     n * hidden * a, input_cast=setup.mixed)
+    w.where = "block backward: norm"
+    g_norm = n * hidden * (FP32_BYTES if setup.mixed else a)
+    part = _norm_backward(w, spec, setup, g_norm)
+    if not spec.parallel_residual:
+        w.free("activations", n * hidden * r)  # x + attention, saved by the norm
+        w.alloc("temporaries", n * hidden * r)  # the residual's two gradients summed
+        w.free("temporaries", part + grad_bytes)
+        grad_bytes = n * hidden * r
+    w.where = "block backward: attention"
+    g_branch = grad_bytes
+    if branch_cast:
+        g_branch = n * hidden * a
+        w.alloc("temporaries", g_branch)
+    proj_saved = attention_output_copy_bytes(spec, setup) if setup.attention == "eager" else 0
+    _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * hidden * a,
+                     input_cast=False)
+    dq, dkv = n * hidden * a, n * spec.kv_dim * a
+    if setup.attention == "sdpa":
+        w.alloc("temporaries", dq + 2 * dkv)
+        w.free("temporaries", n * hidden * a)
+        w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+               + rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup) + qkv_output_bytes(spec, setup))
+    else:
+        scores = attention_scores_bytes(spec, setup)
+        kv_copy = eager_kv_bytes(spec, setup)
+        w.alloc("temporaries", n * hidden * a)  # the output gradient, contiguous in (B, heads, T, hd)
+        w.free("temporaries", n * hidden * a)  # ... replaces the projection's input gradient
+        w.alloc("temporaries", kv_copy + scores)  # probs·v backward: dv, dprobs
+        w.free("activations", kv_copy)  # v
+        w.free("temporaries", n * hidden * a)
+        w.alloc("temporaries", scores)  # softmax backward
+        w.free("temporaries", scores)
+        w.free("activations", scores)  # probabilities
+        w.alloc("temporaries", scores)  # masked_fill backward
+        w.free("temporaries", scores)
+        w.alloc("temporaries", scores)  # scaling backward
+        w.free("temporaries", scores)
+        w.alloc("temporaries", n * hidden * a + kv_copy)  # q·kᵀ backward: dq, dk
+        w.free("temporaries", scores)
+        w.free("activations", eager_q_bytes(spec, setup) + kv_copy)
+        if kv_copy != dkv:  # repeat_interleave backward sums the groups
+            w.alloc("temporaries", 2 * dkv)
+            w.free("temporaries", 2 * kv_copy)
+    if spec.pos == "rope":
+        w.alloc("temporaries", dkv)  # k rotated back
+        w.free("temporaries", dkv)
+        w.alloc("temporaries", dq)  # q rotated back
+        w.free("temporaries", dq)
+    w.alloc("temporaries", qkv_output_bytes(spec, setup))  # the three gradients concatenated
+    w.free("temporaries", dq + 2 * dkv)
+    _linear_backward(w, spec, setup, m["qkv"], qkv_output_bytes(spec, setup), norm_output_bytes(spec, setup),
+                     n * hidden * a, input_cast=setup.mixed)
+    w.where = "block backward: norm"
+    part = _norm_backward(w, spec, setup, g_norm)
+    w.free("activations", n * hidden * r)  # the block input, saved by the first norm
+    w.alloc("temporaries", n * hidden * r)  # its gradient: the residual's and the norm's summed
+    w.free("temporaries", part + grad_bytes)
+    return n * hidden * r
+
+
+def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
+    """Walk one steady-state step (its last micro-batch) and return the walk with its peak."""
+    w = _StepWalk(spec, setup)
+    n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
+    r = residual_bytes_per_element(setup)
     accum = setup.grad_accum > 1
-    return (3 if accum else 2) * vh if spec.tied else (vh if accum else 0)
+    ckpt = setup.checkpointing != "none"
+    mode = setup.checkpointing
+    vh_grad = head_weight_grad_bytes(spec, setup)
 
+    # persistent state
+    w.alloc("weights", weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup), "start of step")
+    w.alloc("optimizer", optimizer_state_bytes(spec, setup))
+    if accum:
+        w.alloc("gradients", gradient_bytes(spec, setup))  # earlier micro-batches' gradients
+    w.alloc("activations", input_bytes(spec, setup))
 
-def block_backward_temporary_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Inside a block's backward, at its largest: the gradient flowing in along the residual
-    (n·H·r), the gradient of the MLP's inner activation (n·F·a) and the one being computed
-    from it (n·F·a: silu's or gelu's input gradient)."""
-    n = tokens(setup)
-    return n * spec.hidden * residual_bytes_per_element(setup) + 2 * n * spec.ffn * act_bytes(setup)
+    # ---- forward
+    w.where = "forward: embedding"
+    w.alloc("activations", rope_cast_bytes(spec, setup) + causal_mask_bytes(spec, setup))
+    w.alloc("activations", n * hidden * r)  # token embeddings
+    if spec.pos == "learned":
+        w.alloc("activations", setup.ctx * hidden * r)
+        w.alloc("activations", n * hidden * r)  # + positions
+        w.free("activations", n * hidden * r + setup.ctx * hidden * r)
+    lowp = layer_lowp_weight_bytes(spec, setup)
+    # what each earlier block left alive: its saved tensors (its input included) and, under
+    # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
+    stored = saved_per_layer_bytes(spec, setup) - (lowp if not ckpt else 0)
+    w.alloc("activations", (spec.layers - 1) * stored)
+    w.alloc("weights", (spec.layers - 1) * lowp)
+    _block_forward(w, spec, setup, mode)
+    w.where = "forward: final norm and LM head"
+    head_in = _norm_forward(w, spec, setup)
+    if setup.mixed:
+        w.alloc("weights", spec.vocab * hidden * LOWP_WEIGHT_BYTES)
+    w.alloc("logits", logits_bytes(spec, setup))
+    if ckpt and setup.mixed:  # leaving autocast frees the cached copies nothing saved
+        w.free("weights", spec.layers * layer_lowp_weight_bytes(spec, setup))
+    w.where = "forward: loss"
+    if a != FP32_BYTES:
+        w.alloc("logits", fp32_logits_bytes(spec, setup))  # logits.float()
+    w.alloc("logits", fp32_logits_bytes(spec, setup))  # log-softmax, saved
+    if a != FP32_BYTES:
+        w.free("logits", fp32_logits_bytes(spec, setup))
+    w.free("logits", logits_bytes(spec, setup))  # `del logits`: log_softmax saved its output only
+    w.mark("end of forward")
 
+    # ---- backward: loss, LM head, final norm
+    w.phase = "backward"
+    w.where = "backward: loss"
+    w.alloc("logits", fp32_logits_bytes(spec, setup))  # gradient of the log-probabilities
+    w.alloc("logits", fp32_logits_bytes(spec, setup))  # gradient of the logits, fp32
+    w.free("logits", 2 * fp32_logits_bytes(spec, setup))
+    if a != FP32_BYTES:
+        w.alloc("logits", logits_bytes(spec, setup))
+        w.free("logits", fp32_logits_bytes(spec, setup))
+    w.where = "backward: LM head"
+    w.alloc("temporaries", n * hidden * a)  # input gradient
+    w.alloc("temporaries", spec.vocab * hidden * a)  # weight gradient in the compute dtype
+    w.free("activations", head_in)
+    w.free("logits", logits_bytes(spec, setup) if a != FP32_BYTES else fp32_logits_bytes(spec, setup))
+    if setup.mixed:
+        w.free("weights", spec.vocab * hidden * LOWP_WEIGHT_BYTES)
+        w.alloc("temporaries", n * hidden * FP32_BYTES)  # the norm output's cast, backward
+        w.free("temporaries", n * hidden * a)
+        w.alloc("temporaries", spec.vocab * hidden * FP32_BYTES)
+        w.free("temporaries", spec.vocab * hidden * a)
+    w.free("temporaries", vh_grad)
+    if not accum or spec.tied:  # tied: waits in autograd's buffer for the embedding's gradient
+        w.alloc("gradients", vh_grad)
+    w.where = "backward: final norm"
+    grad = _norm_backward(w, spec, setup, n * hidden * (FP32_BYTES if setup.mixed else a))
+    w.free("activations", n * hidden * r)  # the last block's output
 
-def step_moments(spec: ModelSpec, setup: TrainSetup) -> list[Moment]:
-    """The moments of a steady-state step at which memory can peak, each with its live bytes."""
-    w = weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup)
-    g = gradient_bytes(spec, setup)
-    s = optimizer_state_bytes(spec, setup)
-    g_accum = g if setup.grad_accum > 1 else 0  # earlier micro-batches' gradients
-    inputs = input_bytes(spec, setup)
-    stored = spec.layers * saved_per_layer_bytes(spec, setup)
-    final = final_stage_bytes(spec, setup)
-    acts = inputs + stored + final
-    # the last block's backward: the others as stored, this one whole (recomputed if checkpointed)
-    last_block = inputs + stored - saved_per_layer_bytes(spec, setup) + \
-        sum(layer_activation_terms(spec, setup).values()) + layer_lowp_weight_bytes(spec, setup)
-    head_grad = spec.vocab * spec.hidden * setup.param_bytes  # in .grad, or autograd's buffer if tied
-    down_grad = spec.ffn * spec.hidden * setup.param_bytes
+    # ---- backward: the last block (recomputed first under checkpointing)
+    def block_backward(grad: int, which: str) -> int:
+        if ckpt:
+            w.where = f"backward: recomputing the {which} block"
+            _block_forward(w, spec, setup, "recompute")
+        w.mark(f"start of the {which} block's backward")
+        grad = _block_backward(w, spec, setup, grad)
+        if setup.checkpointing == "selective":  # kept outputs the recomputation never reached
+            w.free("activations", n * hidden * a)  # the down-projection's
+        return grad
 
-    def moment(name, phase, **b):
-        return Moment(name, phase, {c: int(b.get(c, 0)) for c in CATEGORIES})
+    grad = block_backward(grad, "last")
+    # ---- the blocks in between: each releases what it kept and adds its gradients
+    middle = spec.layers - 2
+    if middle > 0:
+        w.free("activations", middle * stored)
+        if not ckpt:  # (checkpointed blocks make and free their copies in their own backward)
+            w.free("weights", middle * lowp)
+        if not accum:
+            w.alloc("gradients", middle * sum(_layer_matrices(spec).values()) * setup.param_bytes)
+    # ---- the first block, with almost every gradient present
+    if spec.layers > 1:
+        grad = block_backward(grad, "first")
+    # norm weights (and biases) of every block, which _block_backward did not add
+    if not accum:
+        vectors = spec.layer_params - sum(_layer_matrices(spec).values())
+        w.alloc("gradients", spec.layers * vectors * setup.param_bytes + spec.norm_params * setup.param_bytes)
 
-    return [
-        moment("end of forward (loss)", "forward", weights=w, gradients=g_accum, optimizer=s, activations=acts,
-               logits=loss_forward_bytes(spec, setup)),
-        moment("start of backward (loss gradient)", "backward", weights=w, gradients=g_accum, optimizer=s,
-               activations=acts, logits=loss_backward_bytes(spec, setup)),
-        moment("LM head backward", "backward", weights=w, gradients=g_accum, optimizer=s, activations=acts,
-               logits=head_backward_bytes(spec, setup)),
-        moment("last block's backward", "backward", weights=w, gradients=max(g_accum, head_grad + down_grad),
-               optimizer=s, activations=last_block, temporaries=block_backward_temporary_bytes(spec, setup)),
-        moment("end of backward", "backward", weights=w, gradients=g, optimizer=s, activations=inputs,
-               temporaries=embedding_grad_temporary_bytes(spec, setup)),
-        moment("optimizer step", "optimizer", weights=w, gradients=g, optimizer=s,
-               temporaries=optimizer_temporary_bytes(spec, setup)),
-    ]
+    # ---- backward: embeddings
+    w.where = "backward: embedding"
+    if spec.pos == "learned":
+        pos_grad = spec.max_positions * hidden * setup.param_bytes
+        w.alloc("temporaries", setup.ctx * hidden * r)  # summed over the batch
+        w.alloc("gradients" if not accum else "temporaries", pos_grad)
+        w.free("temporaries", setup.ctx * hidden * r)
+        if accum:
+            w.free("temporaries", pos_grad)
+    w.alloc("temporaries", vh_grad)  # embedding_dense_backward
+    w.free("temporaries", grad)
+    if spec.tied:
+        w.alloc("temporaries", vh_grad)  # head + embedding, summed out of place
+        w.free("temporaries", vh_grad)
+        w.free("gradients", vh_grad)  # the head's part, from autograd's buffer
+        if accum:
+            w.free("temporaries", vh_grad)  # added into .grad
+        else:
+            w.alloc("gradients", vh_grad)
+            w.free("temporaries", vh_grad)
+    else:
+        w.free("temporaries", vh_grad)
+        if not accum:
+            w.alloc("gradients", vh_grad)
+    w.free("activations", rope_cast_bytes(spec, setup) + causal_mask_bytes(spec, setup))
+    w.mark("end of backward")
+
+    # ---- optimizer step
+    w.phase = "optimizer"
+    w.where = "optimizer step"
+    w.alloc("temporaries", optimizer_temporary_bytes(spec, setup))
+    w.free("temporaries", optimizer_temporary_bytes(spec, setup))
+    return w
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """The contract's ``memory`` object, plus the moments it was found from."""
+    """The contract's ``memory`` object: live bytes by category at the peak, plus the runtime."""
 
     weights: int
     gradients: int
@@ -413,8 +754,8 @@ class MemoryBreakdown:
     runtime: int
     peak_allocated: int
     peak_reserved: int
-    peak_phase: str
-    peak_moment: str
+    peak_phase: str  # forward | backward | optimizer
+    peak_moment: str  # where in the step, e.g. "block backward: MLP"
     moments: tuple[Moment, ...] = field(default=())
     terms: dict[str, int] = field(default_factory=dict)
 
@@ -425,25 +766,25 @@ class MemoryBreakdown:
 
 
 def activation_terms(spec: ModelSpec, setup: TrainSetup) -> dict[str, int]:
-    """All activation terms of a step, for reports: per-layer terms × layers, then the rest."""
+    """Activation terms of a step without checkpointing, for reports: per-layer terms × layers."""
     terms = {f"layer.{k}": v * spec.layers for k, v in layer_activation_terms(spec, setup).items()}
-    terms["layer.lowp_weights"] = layer_lowp_weight_bytes(spec, setup) * spec.layers
-    terms["final_stage"] = final_stage_bytes(spec, setup)
+    terms["loss.fp32_logits"] = fp32_logits_bytes(spec, setup)
     terms["inputs"] = input_bytes(spec, setup)
     return terms
 
 
+def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_overhead: float) -> int:
+    """What the device's monitor shows beyond live tensors: the caching allocator's reserve
+    (allocator_overhead × peak_allocated) and the runtime context (CUDA/HIP context, libraries)."""
+    return int(peak_allocated * allocator_overhead) + int(runtime_context_bytes)
+
+
 def peak_memory(spec: ModelSpec, setup: TrainSetup, runtime_context_bytes: int = 0,
                 allocator_overhead: float = 0.0) -> MemoryBreakdown:
-    """The peak of a steady-state step: the largest moment, by category, plus the runtime.
-
-    peak_reserved = peak_allocated · (1 + allocator_overhead) + runtime_context_bytes, the
-    figure a device monitor shows and that must fit in the device's usable memory.
-    """
-    moments = step_moments(spec, setup)
-    peak = max(moments, key=lambda m: m.total)
-    allocated = peak.total
-    runtime = int(allocated * allocator_overhead) + int(runtime_context_bytes)
-    return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=allocated,
-                           peak_reserved=allocated + runtime, peak_phase=peak.phase, peak_moment=peak.name,
-                           moments=tuple(moments), terms=activation_terms(spec, setup))
+    """The peak of a steady-state step, by category, with the runtime on top for peak_reserved."""
+    w = _walk_step(spec, setup)
+    peak = w.peak
+    runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
+    return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,
+                           peak_reserved=peak.total + runtime, peak_phase=peak.phase, peak_moment=peak.name,
+                           moments=tuple(w.marks), terms=activation_terms(spec, setup))

@@ -163,6 +163,9 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # eager attention has to repeat K/V for grouped-query attention
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # contiguous (B, heads, T, hd) copies: the matmuls would copy the transposed views anyway
+    # whenever B > 1; copying always makes what is saved the same for every batch size
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     scores = q @ k.transpose(-2, -1)  # (B, heads, T, T)
     scores.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(mask, float("-inf"))
     # softmax in the scores' dtype on every device (CUDA autocast would otherwise upcast it to fp32)
