@@ -8,9 +8,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from memplan.cli import app
 from memplan.cli.options import JsonOpt, print_json
 from memplan.hardware import Device, all_profiles
@@ -66,6 +63,9 @@ def _short_path(path: str) -> str:
 
 @app.command("profiles")
 def profiles(as_json: JsonOpt = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     """List the bundled device profiles: memory, bandwidth, and the fastest native dtype."""
     devices = all_profiles()
     if as_json:

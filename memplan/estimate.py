@@ -1,0 +1,80 @@
+"""The estimate: memory and time of a (ModelSpec, TrainSetup) on a Device, and the largest micro-batch that fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.hardware import Device
+from memplan.memory import MemoryBreakdown, peak_memory
+from memplan.model import ModelSpec
+from memplan.setup import TrainSetup
+from memplan.timing import TimeBreakdown, step_time
+
+MAX_MICRO_BATCH = 1 << 20  # search bound for max_micro_batch
+
+
+@dataclass(frozen=True)
+class Estimate:
+    model: ModelSpec
+    setup: TrainSetup
+    device: Device
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    fits: bool  # peak_reserved ≤ the device's usable memory
+    max_micro_batch: int  # largest micro-batch that fits with the rest held, 0 if none
+    tokens: int | None = None  # tokens in one epoch, if given
+
+    def to_json(self) -> dict:
+        """The contract's JSON of ``memplan estimate``."""
+        return {
+            "model": self.model.to_json(),
+            "setup": self.setup.to_json(),
+            "device": self.device.to_json(),
+            "memory": self.memory.to_json(),
+            "fits": self.fits,
+            "max_micro_batch": self.max_micro_batch,
+            "time": self.time.to_json(),
+        }
+
+
+def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device) -> MemoryBreakdown:
+    """peak_memory with the device family's runtime context and allocator reserve."""
+    return peak_memory(spec, setup, device.runtime_context_bytes, device.allocator_overhead)
+
+
+def fits_on(spec: ModelSpec, setup: TrainSetup, device: Device, budget: int | None = None) -> bool:
+    """Whether peak_reserved ≤ budget (default: the device's usable memory)."""
+    return memory_on(spec, setup, device).peak_reserved <= (device.usable_bytes if budget is None else budget)
+
+
+def max_micro_batch(spec: ModelSpec, setup: TrainSetup, device: Device, budget: int | None = None) -> int:
+    """The largest micro-batch that fits, everything else held; 0 if even 1 does not.
+
+    Memory grows with the micro-batch, so: double until it does not fit, then bisect.
+    """
+    def ok(b: int) -> bool:
+        return fits_on(spec, setup.replace(micro_batch=b), device, budget)
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_MICRO_BATCH and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_MICRO_BATCH:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def estimate(spec: ModelSpec, setup: TrainSetup, device: Device, tokens: int | None = None) -> Estimate:
+    """Memory, fit, largest micro-batch and step time of one setup."""
+    memory = memory_on(spec, setup, device)
+    return Estimate(
+        model=spec, setup=setup, device=device, memory=memory,
+        time=step_time(spec, setup, device, tokens),
+        fits=memory.peak_reserved <= device.usable_bytes,
+        max_micro_batch=max_micro_batch(spec, setup, device),
+        tokens=tokens,
+    )

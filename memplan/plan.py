@@ -1,0 +1,76 @@
+"""A training plan: the model, the setup chosen for it, the device and budget it was chosen for, and what was predicted.
+
+``memplan autotune --out plan.toml`` writes one; ``memplan train --plan plan.toml`` trains on it
+and writes it again into the run directory as ``RUN/plan.toml``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from memplan.errors import InputError
+from memplan.model import ModelSpec
+from memplan.setup import TrainSetup
+
+PLAN_VERSION = 1
+_CONTRACT_PLAN_KEYS = ("micro_batch", "grad_accum", "checkpointing", "attention", "precision", "optimizer", "compile",
+                       "ctx")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: ModelSpec
+    setup: TrainSetup
+    device: str = ""  # profile name or path the plan was made for
+    budget_bytes: int = 0  # the memory budget it was made within
+    predicted: dict = field(default_factory=dict)  # peak_reserved, step_seconds, tokens_per_second, epoch_seconds
+
+    def contract_plan(self) -> dict:
+        """The contract's ``plan`` object (autotune --json)."""
+        setup = self.setup.to_dict()
+        return {k: setup[k] for k in _CONTRACT_PLAN_KEYS}
+
+    def to_dict(self) -> dict:
+        data = {"version": PLAN_VERSION, "device": self.device, "budget_bytes": self.budget_bytes,
+                "model": {k: v for k, v in self.model.to_dict().items() if v is not None},
+                "setup": self.setup.to_dict(),
+                "predicted": {k: v for k, v in self.predicted.items() if v is not None}}
+        return data
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as TOML (to a temporary file, then renamed: never a half-written plan)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_toml())
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
+        for key in ("model", "setup"):
+            if key not in data or not isinstance(data[key], dict):
+                raise InputError(f"{where}: missing table [{key}]")
+        try:
+            model = ModelSpec(**data["model"])
+            setup = TrainSetup(**data["setup"])
+        except TypeError as e:
+            raise InputError(f"{where}: {e}") from None
+        return cls(model=model, setup=setup, device=str(data.get("device", "")),
+                   budget_bytes=int(data.get("budget_bytes", 0)), predicted=dict(data.get("predicted", {})))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise InputError(f"--plan: no such file {str(path)!r}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"--plan: {str(path)!r} is not valid TOML ({e})") from None
+        return cls.from_dict(data, f"--plan {path}")
