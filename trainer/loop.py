@@ -331,6 +331,8 @@ class Trainer:
         self._events: list[Callable[[dict], None]] = []
         self._writer: _MetricsWriter | None = None
         self._report_written = -math.inf
+        self._recent: list[float] = []  # the latest step times, for the ETA
+        self._started = time.perf_counter()
         self._resume_from = resume_from
         self.tokenizer = data.tokenizer
 
@@ -448,12 +450,6 @@ class Trainer:
 
         Raises ``TrainingStopped`` (after logging and writing the report) when the run cannot go on.
         """
-        started = time.perf_counter()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
-        if self._resume_from is None:
-            self.plan.save(self.run_dir / PLAN_FILE)
-        self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for s in previous:
@@ -461,18 +457,32 @@ class Trainer:
         except ValueError:  # not the main thread: no signal handling
             previous = {}
         try:
-            if self.schedule is None:
-                self.schedule = self._fix_schedule(started)
-            self._emit(self._start_line())
-            reason = self._loop(started)
-            summary = self._finish(reason, started)
+            self.open()
+            while (reason := self._stop_reason()) is None:
+                self.advance()
+            return self._finish(reason)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            self.monitor.close()
-            if self._writer is not None:
-                self._writer.close()
-        return summary
+            self.close()
+
+    def open(self) -> None:
+        """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
+        (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
+        self._started = time.perf_counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
+        if self._resume_from is None:
+            self.plan.save(self.run_dir / PLAN_FILE)
+        self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
+        if self.schedule is None:
+            self.schedule = self._fix_schedule(self._started)
+        self._emit(self._start_line())
+
+    def close(self) -> None:
+        self.monitor.close()
+        if self._writer is not None:
+            self._writer.close()
 
     def _on_signal(self, signum, frame) -> None:
         if self._stop_signal is not None:  # a second Ctrl-C: stop now
@@ -559,7 +569,7 @@ class Trainer:
         return train_step(self.step_model, self.optimizer, batches, self.setup, self.device.type, scaler=self.scaler,
                           clip=self.config.clip or None)
 
-    def _stop_reason(self, started: float) -> str | None:
+    def _stop_reason(self) -> str | None:
         c = self.config
         if self._stop_signal is not None:
             return "interrupted"
@@ -569,75 +579,70 @@ class Trainer:
             return "max_tokens"
         if c.max_steps is None and c.max_tokens is None and self.step >= self.schedule.total_steps:
             return "max_minutes" if c.max_minutes is not None else "epoch"
-        if c.max_minutes is not None and time.perf_counter() - started >= c.max_minutes * 60.0 * (
+        if c.max_minutes is not None and time.perf_counter() - self._started >= c.max_minutes * 60.0 * (
                 1.0 - TIME_LIMIT_ALLOWANCE):
             return "max_minutes"
         return None
 
-    def _loop(self, started: float) -> str:
-        recent: list[float] = []
-        while True:
-            reason = self._stop_reason(started)
-            if reason is not None:
-                return reason
-            step = self.step + 1
-            lr = self.schedule.lr(step)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            loss, grad_norm, skipped, seconds, memory = self._run_step(step)
-            self.step = step
-            self.tokens += self.setup.tokens_per_step
-            self.train_seconds += seconds
-            recent = (recent + [seconds])[-ETA_WINDOW:]
-            finite = math.isfinite(loss)
-            self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
-            line = {
-                "kind": "train", "step": step, "loss": _finite_or_none(loss),
-                "tokens_per_second": self.setup.tokens_per_step / seconds, "lr": lr,
-                "grad_norm": _finite_or_none(grad_norm), "tokens": self.tokens, "step_seconds": seconds,
-                "time": self.train_seconds, "mfu": self.flops_per_step / seconds / self.peak_flops,
-                "memory_bytes": memory.peak_bytes, "micro_batch": self.setup.micro_batch,
-                "grad_accum": self.setup.grad_accum, "skipped": skipped,
-                "eta_seconds": self._eta(recent, started),
-                "total_steps": self.schedule.total_steps,
-            }
-            if memory.allocated_bytes is not None:
-                line["memory_allocated_bytes"] = memory.allocated_bytes
-            if not finite:
-                line["nonfinite"] = str(loss)
-            self._emit(line)
-            if not finite:
-                self._emit({"kind": "event", "event": "nonfinite", "step": step, "loss": str(loss),
-                            "in_a_row": self.nonfinite_run, "lr": lr})
-                if self.nonfinite_run >= self.config.max_nonfinite:
-                    self._write_report()
-                    raise TrainingStopped(
-                        f"step {step}: the loss was not finite ({loss}) for {self.nonfinite_run} steps in a row, "
-                        f"so the run stopped (updates were skipped; the newest checkpoint is from step "
-                        f"{max(self.last_saved_step, 0)}); lower the learning rate (--lr, now {self.config.lr:g}), "
-                        + ("use bf16-mixed instead of fp16-mixed, " if self.setup.precision == "fp16-mixed" else "")
-                        + "or lower --clip, then start again or --resume")
-            if self.eval_every and step % self.eval_every == 0:
-                self._evaluate(step)
-            if self.save_every and step % self.save_every == 0:
-                self.save()
+    def advance(self) -> dict:
+        """One optimizer step with everything around it (learning rate, logging, evaluation and checkpoint
+        when due); returns the step's metrics line."""
+        step = self.step + 1
+        lr = self.schedule.lr(step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        loss, grad_norm, skipped, seconds, memory = self._run_step(step)
+        self.step = step
+        self.tokens += self.setup.tokens_per_step
+        self.train_seconds += seconds
+        self._recent = (self._recent + [seconds])[-ETA_WINDOW:]
+        finite = math.isfinite(loss)
+        self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
+        line = {
+            "kind": "train", "step": step, "loss": _finite_or_none(loss),
+            "tokens_per_second": self.setup.tokens_per_step / seconds, "lr": lr,
+            "grad_norm": _finite_or_none(grad_norm), "tokens": self.tokens, "step_seconds": seconds,
+            "time": self.train_seconds, "mfu": self.flops_per_step / seconds / self.peak_flops,
+            "memory_bytes": memory.peak_bytes, "micro_batch": self.setup.micro_batch,
+            "grad_accum": self.setup.grad_accum, "skipped": skipped,
+            "eta_seconds": self._eta(),
+            "total_steps": self.schedule.total_steps,
+        }
+        if memory.allocated_bytes is not None:
+            line["memory_allocated_bytes"] = memory.allocated_bytes
+        if not finite:
+            line["nonfinite"] = str(loss)
+        self._emit(line)
+        if not finite:
+            self._emit({"kind": "event", "event": "nonfinite", "step": step, "loss": str(loss),
+                        "in_a_row": self.nonfinite_run, "lr": lr})
+            if self.nonfinite_run >= self.config.max_nonfinite:
+                self._write_report()
+                raise TrainingStopped(
+                    f"step {step}: the loss was not finite ({loss}) for {self.nonfinite_run} steps in a row, "
+                    f"so the run stopped (updates were skipped; the newest checkpoint is from step "
+                    f"{max(self.last_saved_step, 0)}); lower the learning rate (--lr, now {self.config.lr:g}), "
+                    + ("use bf16-mixed instead of fp16-mixed, " if self.setup.precision == "fp16-mixed" else "")
+                    + "or lower --clip, then start again or --resume")
+        if self.eval_every and step % self.eval_every == 0:
+            self._evaluate(step)
+        if self.save_every and step % self.save_every == 0:
+            self.save()
+        return line
 
-    def _eta(self, recent: list[float], started: float) -> float | None:
-        remaining = []
+    def _eta(self) -> float:
+        """Seconds left: steps to the nearest step or token limit (else the schedule's end) at the median
+        recent step time, or the time left when a time limit comes first."""
         c = self.config
-        per_step = statistics.median(recent)
-        if c.max_steps is not None or c.max_tokens is not None or c.max_minutes is None:
-            steps_left = self.schedule.total_steps - self.step
-            if c.max_steps is not None:
-                steps_left = c.max_steps - self.step
-            if c.max_tokens is not None:
-                steps_left = min(steps_left, math.ceil((c.max_tokens - self.tokens) / self.setup.tokens_per_step))
-            remaining.append(max(0, steps_left) * per_step)
-        else:
-            remaining.append(max(0, self.schedule.total_steps - self.step) * per_step)
+        steps_left = self.schedule.total_steps - self.step
+        if c.max_steps is not None:
+            steps_left = c.max_steps - self.step
+        if c.max_tokens is not None:
+            steps_left = min(steps_left, math.ceil((c.max_tokens - self.tokens) / self.setup.tokens_per_step))
+        eta = max(0, steps_left) * statistics.median(self._recent)
         if c.max_minutes is not None:
-            remaining.append(max(0.0, c.max_minutes * 60.0 - (time.perf_counter() - started)))
-        return min(remaining) if remaining else None
+            eta = min(eta, max(0.0, c.max_minutes * 60.0 - (time.perf_counter() - self._started)))
+        return eta
 
     def _run_step(self, step: int):
         """One optimizer step, redone with half the micro-batch when it runs out of memory."""
@@ -694,67 +699,39 @@ class Trainer:
     # ---- evaluation ------------------------------------------------------------------------------
 
     def sample_prompts(self) -> list[str]:
-        """The configured prompts, else the first few tokens of each source's first held-out document."""
-        if self.config.prompts:
-            return list(self.config.prompts)
-        prompts = []
-        for s in self.data.sources:
-            if s.val_tokens >= 9:
-                ids = self.data.val.read(s.val_offset, 9).tolist()
-                ids = [i for i in ids if i != self.data.eot_id][:8]
-                text = self.tokenizer.decode(ids) if ids else ""
-                if text.strip():
-                    prompts.append(text)
-        return prompts or ["The"]
+        """The configured prompts, else the start of each source's first held-out document."""
+        return list(self.config.prompts) or default_prompts(self.data, self.tokenizer)
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out loss per source and overall (the mean over every evaluated token), and perplexity."""
-        model = self.model
-        was_training = model.training
-        model.eval()
-        by_source, tokens_by_source = {}, {}
-        total_loss, total_tokens = 0.0, 0
-        try:
-            for s in self.data.sources:
-                loss_sum, n = 0.0, 0
-                for x, y in self.data.val_batches(s.name, batch=self.setup.micro_batch, ctx=self.setup.ctx,
-                                                  max_batches=self.config.eval_batches):
-                    x, y = self._to_device((x, y))
-                    with autocast(self.setup.precision, self.device.type):
-                        logits = model(x)
-                    loss_sum += float(lm_loss(logits, y)) * y.numel()
-                    n += y.numel()
-                    del logits
-                if n:
-                    by_source[s.name] = loss_sum / n
-                    tokens_by_source[s.name] = n
-                    total_loss += loss_sum
-                    total_tokens += n
-        finally:
-            model.train(was_training)
-        if not total_tokens:
-            return {}
-        overall = total_loss / total_tokens
-        return {"eval_loss": overall, "eval_ppl": _ppl(overall), "eval_tokens": total_tokens,
-                "eval_loss_by_source": by_source,
-                "eval_ppl_by_source": {k: _ppl(v) for k, v in by_source.items()},
-                "eval_tokens_by_source": tokens_by_source}
+        """Held-out loss per source and overall, and perplexity (``evaluate`` with this run's settings)."""
+        return evaluate(self.model, self.data, self.setup, self.device, self.config.eval_batches)
 
     def samples(self, step: int) -> list[dict]:
+        """One sample per prompt, seeded by the run's seed, the step and the prompt's index."""
         if not self.config.sample_tokens:
             return []
-        out = []
-        for i, prompt in enumerate(self.sample_prompts()):
-            text = sample_text(self.model, self.tokenizer, prompt, self.config.sample_tokens, ctx=self.setup.ctx,
-                               seed=self.config.seed * 1_000_003 + step * 101 + i, precision=self.setup.precision)
-            out.append({"prompt": prompt, "text": text})
-        return out
+        return [{"prompt": prompt,
+                 "text": sample_text(self.model, self.tokenizer, prompt, self.config.sample_tokens, ctx=self.setup.ctx,
+                                     seed=self.config.seed * 1_000_003 + step * 101 + i,
+                                     precision=self.setup.precision)}
+                for i, prompt in enumerate(self.sample_prompts())]
 
     def _evaluate(self, step: int, emit: bool = True) -> dict | None:
         t0 = time.perf_counter()
-        result = self.evaluate()
-        samples = self.samples(step)
+        oom = None
+        try:
+            result = self.evaluate()
+            samples = self.samples(step)
+        except torch.OutOfMemoryError as e:
+            oom = str(e).strip().splitlines()[0][:300] if str(e).strip() else "out of memory"
+        if oom is not None:  # outside the except block, so the traceback no longer pins tensors
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if emit:
+                self.last_eval_step = step
+                self._emit({"kind": "event", "event": "eval_oom", "step": step, "message": oom})
+            return None
         if not emit:
             return None
         self.last_eval_step = step
@@ -820,7 +797,7 @@ class Trainer:
                         "error": f"{type(e).__name__}: {e}"[:300]})
             return None
 
-    def _finish(self, reason: str, started: float) -> RunSummary:
+    def _finish(self, reason: str) -> RunSummary:
         if self.step > self.last_eval_step:
             self._evaluate(self.step)
         checkpoint = None
@@ -831,7 +808,7 @@ class Trainer:
             checkpoint = ref.path if ref else None
         last_train = next((l for l in reversed(read_metrics(self.run_dir)) if l.get("kind") == "train"), None)
         self._emit({"kind": "event", "event": "stop", "step": self.step, "reason": reason, "tokens": self.tokens,
-                    "time": self.train_seconds, "wall_seconds": time.perf_counter() - started})
+                    "time": self.train_seconds, "wall_seconds": time.perf_counter() - self._started})
         report = self._write_report()
         return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
                           train_seconds=self.train_seconds, last_loss=last_train.get("loss") if last_train else None,
@@ -852,6 +829,64 @@ def _json_safe(v):
     if isinstance(v, dict):
         return {k: _json_safe(x) for k, x in v.items()}
     return v
+
+
+# =================================================================================================
+# Evaluation
+# =================================================================================================
+
+PROMPT_TOKENS = 12  # default prompts: at most this many tokens of a held-out document, cut at a word
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: PreparedData, setup: TrainSetup, device: torch.device,
+             max_batches: int) -> dict:
+    """Mean next-token loss on held-out windows: per source (``max_batches`` batches of ``setup.micro_batch``
+    windows of ``setup.ctx`` tokens, evenly spaced over the source's val split) and overall (the mean over
+    every evaluated token), with perplexities. Empty when no source holds a full window."""
+    was_training = model.training
+    model.eval()
+    by_source, tokens_by_source = {}, {}
+    total_loss, total_tokens = 0.0, 0
+    try:
+        for s in data.sources:
+            loss_sum, n = 0.0, 0
+            for x, y in data.val_batches(s.name, batch=setup.micro_batch, ctx=setup.ctx, max_batches=max_batches):
+                x, y = x.to(device), y.to(device)
+                with autocast(setup.precision, device.type):
+                    logits = model(x)
+                loss_sum += float(lm_loss(logits, y)) * y.numel()
+                n += y.numel()
+                del logits
+            if n:
+                by_source[s.name], tokens_by_source[s.name] = loss_sum / n, n
+                total_loss += loss_sum
+                total_tokens += n
+    finally:
+        model.train(was_training)
+    if not total_tokens:
+        return {}
+    overall = total_loss / total_tokens
+    return {"eval_loss": overall, "eval_ppl": _ppl(overall), "eval_tokens": total_tokens,
+            "eval_loss_by_source": by_source, "eval_ppl_by_source": {k: _ppl(v) for k, v in by_source.items()},
+            "eval_tokens_by_source": tokens_by_source}
+
+
+def default_prompts(data: PreparedData, tokenizer) -> list[str]:
+    """The first words (up to PROMPT_TOKENS tokens, cut after the last whole word) of each source's
+    first held-out document: prompts in the corpus's own style, the same on every run."""
+    prompts = []
+    for s in data.sources:
+        n = min(s.val_tokens, PROMPT_TOKENS + 1)
+        ids = [i for i in data.val.read(s.val_offset, n).tolist() if i != data.eot_id][:PROMPT_TOKENS] if n else []
+        text = tokenizer.decode(ids) if ids else ""
+        cut = max(text.rfind(" "), text.rfind("\n"))
+        if cut > 0:
+            text = text[:cut]
+        text = text.rstrip()
+        if text and text not in prompts:
+            prompts.append(text)
+    return prompts or ["The"]
 
 
 # =================================================================================================

@@ -529,7 +529,15 @@ def _print_summary(trainer, summary, console) -> None:
         text = sample_text(trainer.model, trainer.tokenizer, prompts[0], 96, ctx=trainer.setup.ctx,
                            seed=trainer.config.seed, precision=trainer.setup.precision)
         out.print("[bold]Sample[/] (top-k 40, temperature 0.8):")
-        out.print(f"{prompts[0]}{text}", markup=False)
+        out.print(printable(f"{prompts[0]}{text}"), markup=False)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters other than newline and tab shown as U+FFFD (an undertrained model
+    emits stray bytes; a terminal must not interpret them)."""
+    import unicodedata
+
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch) != "Cc" else "\ufffd" for ch in text)
 
 
 def _report_only(out: str | None, console) -> None:
