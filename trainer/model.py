@@ -49,13 +49,15 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        n = x.float().mul_(rstd) if x.dtype != torch.float32 else x * rstd  # normalised input, fp32
-        g = grad.float() * weight.float()  # gradient w.r.t. the normalised input, fp32
+        n = x.float().mul_(rstd) if x.dtype != torch.float32 else x * rstd  # normalised input n̂, fp32
+        g = grad.float() * n  # first grad ⊙ n̂, in the second fp32 buffer ...
         grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.einsum("...h,...h->h", grad.float(), n).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # ... for the weight's gradient, Σ over tokens of grad ⊙ n̂ (a plain
+            # reduction: einsum("...h,...h->h") runs as H tiny strided matmuls, each copying its inputs)
+            grad_w = g.sum(dim=tuple(range(g.dim() - 1))).to(weight.dtype)
+        torch.mul(grad.float(), weight.float(), out=g)  # ... then the gradient w.r.t. n̂, grad ⊙ weight
         dot = torch.einsum("...h,...h->...", g, n).unsqueeze(-1).div_(x.shape[-1])  # (B, T, 1)
-        g.sub_(n.mul_(dot)).mul_(rstd)  # in place: rstd · (g − n·mean(g·n))
+        g.sub_(n.mul_(dot)).mul_(rstd)  # in place: rstd · (g − n̂·mean(g·n̂))
         return g.to(x.dtype), grad_w, None
 
 
