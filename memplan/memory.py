@@ -441,7 +441,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) 
         drop(proj_in, keep_all or keep_outputs)
     else:
         drop(proj_in, keep_all)
-    x_mid = 0 if spec.parallel_residual else make(n * hidden * r)  # x + attention
+    x_mid = make(n * hidden * r)  # x + attention (parallel residual: a partial sum nothing saves)
     drop(o, keep_outputs)
     w.where = "block forward: MLP"
     norm_out = _norm_forward(w, spec, setup)
@@ -454,13 +454,14 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) 
         inner += make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
     weight_copy("down")
     if mode == "recompute":  # stops here: everything the backward needs exists
+        if spec.parallel_residual:
+            w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
         return
     d = make(n * hidden * a)  # down-projection output
     make(n * hidden * r)  # the block's output
-    if spec.parallel_residual:
-        drop(o, keep_outputs)
     drop(d, keep_outputs)
-    drop(x_mid + inner, keep_all)
+    drop(x_mid, keep_all and not spec.parallel_residual)
+    drop(inner, keep_all)
     drop(up, keep_all or keep_outputs)
 
 
@@ -546,7 +547,10 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     w.where = "block backward: norm"
     g_norm = n * hidden * (FP32_BYTES if setup.mixed else a)
     part = _norm_backward(w, spec, setup, g_norm)
-    if not spec.parallel_residual:
+    pending = 0  # input-gradient parts still to be summed (parallel residual: the MLP norm's)
+    if spec.parallel_residual:
+        pending = part
+    else:
         w.free("activations", n * hidden * r)  # x + attention, saved by the norm
         w.alloc("temporaries", n * hidden * r)  # the residual's two gradients summed
         w.free("temporaries", part + grad_bytes)
@@ -598,8 +602,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     w.where = "block backward: norm"
     part = _norm_backward(w, spec, setup, g_norm)
     w.free("activations", n * hidden * r)  # the block input, saved by the first norm
-    w.alloc("temporaries", n * hidden * r)  # its gradient: the residual's and the norm's summed
-    w.free("temporaries", part + grad_bytes)
+    w.alloc("temporaries", n * hidden * r)  # its gradient: the residual's and the norms' summed
+    w.free("temporaries", part + pending + grad_bytes)
     return n * hidden * r
 
 
