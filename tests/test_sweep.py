@@ -316,3 +316,12 @@ def test_html_into_a_directory_is_refused_and_an_existing_page_is_replaced_whole
     assert run("--params", "22m", "--device", "cpu", "--ctx", "1k", "--html", str(out)).exit_code == 0
     assert out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_html_path_that_cannot_be_written_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run("--params", "22m", "--device", "cpu", "--ctx", "1k", "--html", str(blocker / "sweep.html"))
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "--html: cannot write" in result.stderr
+    assert blocker.read_text() == "not a directory"

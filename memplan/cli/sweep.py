@@ -21,6 +21,7 @@ from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
                                  ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, device_from, model_from, print_json,
                                  setup_from)
+from memplan.errors import InputError
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count
 
 _S = "Setup"
@@ -510,8 +511,7 @@ def sweep_command(
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)
     dev = device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
-    if html is not None and html.exists() and html.is_dir():
-        from memplan.errors import InputError
+    if html is not None and html.is_dir():
         raise InputError(f"--html: {str(html)!r} is a directory; give a file name such as sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens)
     if json:
@@ -521,5 +521,8 @@ def sweep_command(
     if html is not None:
         from memplan.report import write_page
 
-        path = write_page(sweep_page(sw), html)
+        try:
+            path = write_page(sweep_page(sw), html)
+        except OSError as e:  # a path the user gave that cannot be written: their input, one line
+            raise InputError(f"--html: cannot write {str(html)!r}: {e.strerror or e}") from None
         print(f"wrote {path}", file=sys.stderr if json else sys.stdout)
