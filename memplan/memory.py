@@ -620,6 +620,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
         w.alloc("gradients", gradient_bytes(spec, setup))  # earlier micro-batches' gradients
     w.alloc("activations", input_bytes(spec, setup))
 
+    w.mark("start of forward")
+
     # ---- forward
     w.where = "forward: embedding"
     w.alloc("activations", rope_cast_bytes(spec, setup) + causal_mask_bytes(spec, setup))
