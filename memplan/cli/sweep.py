@@ -96,8 +96,10 @@ def fixed_words(sw) -> str:
     return ", ".join(words)
 
 
-def _tokens_per_second(x: float) -> str:
-    return f"{format_count(x)} tok/s"
+def gib_text(n_bytes: float) -> str:
+    """GiB with three significant figures at most (``3.32``, ``27.3``, ``431``): table cells stay narrow."""
+    gib = n_bytes / GiB
+    return f"{gib:.0f}" if gib >= 100 else f"{gib:.1f}" if gib >= 10 else f"{gib:.2f}"
 
 
 # ---- terminal ------------------------------------------------------------------------------
@@ -113,32 +115,33 @@ def print_sweep(sw) -> None:
                   f"{format_bytes(dev.usable_bytes)} usable")
     console.print(f"[bold]Setup[/]  {fixed_words(sw)}; {sw.axes.cells} settings, "
                   f"{len(sw.fitting)} fit")
-    per_row = len(sw.axes.micro_batch)
-    rows = [sw.cells[i:i + per_row] for i in range(0, len(sw.cells), per_row)]
-    rows_per_variant = len(sw.axes.ctx)
+    per_row = len(sw.axes.micro_batch)  # cells are in rows of micro-batches, rows in order of context
+    per_variant = len(sw.axes.ctx) * per_row
     for v, (attention, checkpointing, precision) in enumerate(sw.axes.variants):
         table = Table(title=variant_words(attention, checkpointing, precision), title_justify="left")
         table.add_column("ctx", justify="right")
         for b in sw.axes.micro_batch:
             table.add_column(f"batch {b}", justify="right")
         table.add_column("max\nbatch", justify="right")
-        for row in rows[v * rows_per_variant:(v + 1) * rows_per_variant]:
+        for first in range(v * per_variant, (v + 1) * per_variant, per_row):
+            row = sw.cells[first:first + per_row]
             texts = []
-            for est in row:
-                i = sw.cells.index(est)
-                mem = format_bytes(est.memory.peak_reserved)
-                lines = [f"[bold]{mem}[/] ★" if i in sw.pareto else mem]
+            for i, est in enumerate(row, start=first):
+                mem = gib_text(est.memory.peak_reserved)
                 if not est.fits:
                     lines = [f"[red]✗ {mem}[/]"]
-                lines.append(f"[dim]{_tokens_per_second(est.time.tokens_per_second)}[/]")
+                else:
+                    lines = [f"★ [bold]{mem}[/]" if i in sw.pareto else mem]
+                lines.append(f"[dim]{format_count(est.time.tokens_per_second)}[/]")
                 if sw.tokens is not None and est.fits:
-                    lines.append(f"[dim]epoch {format_seconds(est.time.epoch_seconds)}[/]")
+                    lines.append(f"[dim]{format_seconds(est.time.epoch_seconds)}[/]")
                 texts.append("\n".join(lines))
             table.add_row(format_ctx(row[0].setup.ctx), *texts, str(row[0].max_micro_batch))
         console.print(table)
-    console.print(f"Peak reserved memory and tokens/s per cell; [red]✗[/] does not fit in "
-                  f"{format_bytes(dev.usable_bytes)} usable on {dev.name}; ★ on the Pareto front "
-                  "(no setup that fits uses less memory and runs faster).")
+    console.print("Each cell: peak reserved memory in GiB, tokens/s (K = 10³)"
+                  + (f", time for {format_count(sw.tokens)} tokens" if sw.tokens is not None else "")
+                  + f". [red]✗[/] does not fit in {format_bytes(dev.usable_bytes)} usable on {dev.name}; "
+                  "★ on the Pareto front (no setup that fits uses less memory and runs faster).")
     best = sw.best
     if best is None:
         console.print("[red]Nothing in this grid fits[/]: try checkpointing, a smaller batch or context, "
