@@ -72,6 +72,7 @@ def _group() -> None:
 from memplan.cli import estimate  # noqa: E402,F401
 from memplan.cli import prepare  # noqa: E402,F401
 from memplan.cli import profiles  # noqa: E402,F401
+from memplan.cli import sweep  # noqa: E402,F401
 from memplan.cli import trace  # noqa: E402,F401
 from memplan.cli import validate  # noqa: E402,F401
 
