@@ -269,6 +269,31 @@ def test_resume_after_sigkill_gives_bit_identical_losses(tmp_path, corpus):
     assert events.count("start") == 1 and events.count("resume") == 1
 
 
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, corpus):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(memplan_subprocess("--data", str(corpus), "--out", str(run), *TINY, "--batch", "4",
+                                               "--max-steps", "200", "--eval-every", "1000", "--sample-tokens", "0"),
+                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(l.get("kind") == "train" for l in read_metrics(run)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()
+    stop = [l for l in read_metrics(run) if l.get("event") == "stop"][-1]
+    assert stop["reason"] == "interrupted" and stop["signal"] == "SIGTERM"
+    last = max(losses(run))
+    assert last < 200 and (run / "checkpoints" / f"step-{last:08d}").is_dir()  # the last step done is saved
+    result = cli("--out", str(run), "--resume", "--max-steps", str(last + 2))
+    assert result.exit_code == 0, result.output
+    assert sorted(losses(run)) == list(range(1, last + 3))
+
+
 def test_resume_refuses_another_model_shape_and_touches_nothing(tmp_path, corpus):
     run = tmp_path / "run"
     assert cli("--data", str(corpus), "--out", str(run), *TINY, "--batch", "2", "--max-steps", "2",

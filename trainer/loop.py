@@ -247,7 +247,7 @@ class RunSummary:
     run_dir: Path
     step: int
     tokens: int
-    stop_reason: str  # max_steps | max_tokens | max_minutes | interrupted
+    stop_reason: str  # max_steps | max_tokens | max_minutes | epoch | interrupted (by SIGINT or SIGTERM)
     train_seconds: float
     last_loss: float | None
     last_eval: dict | None
@@ -327,7 +327,7 @@ class Trainer:
         self.last_eval: dict | None = None
         self.last_saved_step = -1
         self.last_eval_step = -1
-        self._stop_signal: str | None = None
+        self.stop_signal: int | None = None  # the signal (SIGINT, SIGTERM) that asked the run to stop
         self._events: list[Callable[[dict], None]] = []
         self._writer: _MetricsWriter | None = None
         self._report_written = -math.inf
@@ -485,9 +485,9 @@ class Trainer:
             self._writer.close()
 
     def _on_signal(self, signum, frame) -> None:
-        if self._stop_signal is not None:  # a second Ctrl-C: stop now
+        if self.stop_signal is not None:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
-        self._stop_signal = signal.Signals(signum).name
+        self.stop_signal = int(signum)
 
     def _fix_schedule(self, started: float) -> Schedule:
         """The schedule's length: from --max-steps / --tokens, or for --max-minutes alone from timed steps."""
@@ -571,7 +571,7 @@ class Trainer:
 
     def _stop_reason(self) -> str | None:
         c = self.config
-        if self._stop_signal is not None:
+        if self.stop_signal is not None:
             return "interrupted"
         if c.max_steps is not None and self.step >= c.max_steps:
             return "max_steps"
@@ -808,7 +808,8 @@ class Trainer:
             checkpoint = ref.path if ref else None
         last_train = next((l for l in reversed(read_metrics(self.run_dir)) if l.get("kind") == "train"), None)
         self._emit({"kind": "event", "event": "stop", "step": self.step, "reason": reason, "tokens": self.tokens,
-                    "time": self.train_seconds, "wall_seconds": time.perf_counter() - self._started})
+                    "time": self.train_seconds, "wall_seconds": time.perf_counter() - self._started,
+                    **({"signal": signal.Signals(self.stop_signal).name} if self.stop_signal else {})})
         report = self._write_report()
         return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
                           train_seconds=self.train_seconds, last_loss=last_train.get("loss") if last_train else None,

@@ -12,7 +12,10 @@ read, and how it compares with memplan's prediction:
   (there is no peak counter).
 - CPU: the process's peak resident memory (Linux ``VmHWM``, reset each step through
   ``/proc/self/clear_refs``; elsewhere the current RSS from psutil), compared with ``peak_reserved``,
-  which includes the process's runtime context.
+  which includes the process's runtime context. The token shards are memory-mapped, and every
+  page of them the data loader has touched counts as resident; so on Linux the growth of the
+  file-backed resident memory since the monitor started (``RssFile``) is subtracted, or a corpus
+  read once would look like a leak as large as the corpus.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class MemoryMonitor:
         self._rocm = False
         self._proc = None
         self._clear_refs = False
+        self._file_baseline = None
         if self.kind == "cuda":
             self.source = "torch.cuda.max_memory_allocated/reserved"
             self._open_driver()
@@ -58,8 +62,9 @@ class MemoryMonitor:
 
             self._proc = psutil.Process()
             self._clear_refs = _can_reset_hwm()
-            self.source = ("peak resident memory (VmHWM, reset per step)" if self._clear_refs
-                           else "resident memory (psutil)")
+            self._file_baseline = _status_bytes("RssFile")
+            self.source = ("peak resident memory (VmHWM, reset per step, less the token shards' mapped pages)"
+                           if self._clear_refs else "resident memory (psutil)")
 
     def _open_driver(self) -> None:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -122,9 +127,10 @@ class MemoryMonitor:
             allocated = int(torch.mps.current_allocated_memory())
             return MemoryReading(peak_bytes=int(torch.mps.driver_allocated_memory()), allocated_bytes=allocated)
         if self._clear_refs:
-            hwm = _status_bytes("VmHWM")
+            hwm, file_now = _status_bytes("VmHWM"), _status_bytes("RssFile")
             if hwm is not None:
-                return MemoryReading(peak_bytes=hwm)
+                mapped = max(0, file_now - self._file_baseline) if None not in (file_now, self._file_baseline) else 0
+                return MemoryReading(peak_bytes=hwm - mapped)
         return MemoryReading(peak_bytes=int(self._proc.memory_info().rss))
 
     def close(self) -> None:

@@ -326,7 +326,8 @@ def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_ba
         raise InputError("planning needs memplan.autotune, which this build of memplan lacks; give --plan FILE or "
                          "the setup yourself (e.g. --params 22m --batch 8 --ctx 256)") from None
     if spec is None:
-        spec, tps, rate = quickstart_model(prepared.vocab_size, profile, minutes or QUICKSTART_MINUTES, ctx)
+        minutes = minutes or QUICKSTART_MINUTES  # with a step or token limit instead, size it for the default
+        spec, tps, rate = quickstart_model(prepared.vocab_size, profile, minutes, ctx)
         console.print(f"Model for a {minutes:g}-minute run: [bold]{spec.describe()}[/] — about "
                       f"{TOKENS_PER_PARAM} tokens per parameter at ~{format_count(tps)} tokens/s predicted "
                       f"(local matmul measured at {rate / 1e9:,.0f} GFLOP/s)")
@@ -402,6 +403,8 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
         console.print(f"Report: {run_dir / 'report.html'}")
         raise typer.Exit(1)
     _print_summary(trainer, summary, console)
+    if trainer.stop_signal is not None:  # the shell's convention for a process ended by a signal
+        raise typer.Exit(128 + trainer.stop_signal)
 
 
 def _print_plan(trainer, console) -> None:
@@ -420,6 +423,10 @@ def _print_plan(trainer, console) -> None:
                   f"live tensors), {pred['tokens_per_second']:,.0f} tokens/s, MFU {pred['mfu']:.0%}")
     if trainer.step:
         console.print(f"  from step {trainer.step:,} ({format_count(trainer.tokens)} tokens seen)")
+    family = {"cuda": ("cuda", "rocm"), "mps": ("mps",), "cpu": ("cpu",)}.get(trainer.device.type, ())
+    if trainer.profile.family not in family:
+        console.print(f"[yellow]note[/]: training runs on {trainer.device} but the predictions are for the "
+                      f"{trainer.profile.name} profile ({trainer.profile.family}); measured and predicted will differ")
 
 
 class _ProgressView:
