@@ -239,9 +239,8 @@ def test_resume_after_sigkill_gives_bit_identical_losses(tmp_path, corpus):
     args = ["--data", str(corpus), *TINY, "--batch", "4", "--grad-accum", "2", "--max-steps", "20",
             "--save-every", "5", "--eval-every", "10", "--sample-tokens", "4", "--seed", "3"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(memplan_subprocess(*args, "--out", str(straight)), env=env(), check=True, capture_output=True,
-                   timeout=300)
-
+    uninterrupted = subprocess.Popen(memplan_subprocess(*args, "--out", str(straight)), env=env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(memplan_subprocess(*args, "--out", str(killed)), env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
@@ -262,6 +261,7 @@ def test_resume_after_sigkill_gives_bit_identical_losses(tmp_path, corpus):
     result = subprocess.run(memplan_subprocess("--out", str(killed), "--resume"), env=env(), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
     expected, got = losses(straight), losses(killed)
     assert sorted(got) == list(range(1, 21))
     assert got == expected  # exact float equality, every step
@@ -269,29 +269,33 @@ def test_resume_after_sigkill_gives_bit_identical_losses(tmp_path, corpus):
     assert events.count("start") == 1 and events.count("resume") == 1
 
 
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, corpus):
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, corpus, monkeypatch):
+    """SIGTERM (a scheduler's preemption, or Ctrl-C's SIGINT) finishes the step, evaluates, saves, writes the
+    report and exits 128 + 15; --resume goes on from that step."""
+    from trainer import loop
+
+    real, calls = loop.Trainer._train_step, {"n": 0}
+
+    def step_then_sigterm(self, batches):
+        calls["n"] += 1
+        if calls["n"] == 3:  # during step 3, as `kill PID` would
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, batches)
+
+    monkeypatch.setattr(loop.Trainer, "_train_step", step_then_sigterm)
     run = tmp_path / "run"
-    proc = subprocess.Popen(memplan_subprocess("--data", str(corpus), "--out", str(run), *TINY, "--batch", "4",
-                                               "--max-steps", "200", "--eval-every", "1000", "--sample-tokens", "0"),
-                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not any(l.get("kind") == "train" for l in read_metrics(run)):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()
+    result = cli("--data", str(corpus), "--out", str(run), *TINY, "--batch", "4", "--max-steps", "200",
+                 "--eval-every", "1000", "--sample-tokens", "0")
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
     stop = [l for l in read_metrics(run) if l.get("event") == "stop"][-1]
-    assert stop["reason"] == "interrupted" and stop["signal"] == "SIGTERM"
-    last = max(losses(run))
-    assert last < 200 and (run / "checkpoints" / f"step-{last:08d}").is_dir()  # the last step done is saved
-    result = cli("--out", str(run), "--resume", "--max-steps", str(last + 2))
+    assert stop["reason"] == "interrupted" and stop["signal"] == "SIGTERM" and stop["step"] == 3
+    assert sorted(losses(run)) == [1, 2, 3] and (run / "checkpoints" / "step-00000003").is_dir()
+    assert [l["step"] for l in read_metrics(run) if l["kind"] == "eval"] == [3]
+    monkeypatch.undo()
+    result = cli("--out", str(run), "--resume", "--max-steps", "5")
     assert result.exit_code == 0, result.output
-    assert sorted(losses(run)) == list(range(1, last + 3))
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5]
 
 
 def test_resume_refuses_another_model_shape_and_touches_nothing(tmp_path, corpus):

@@ -469,7 +469,7 @@ class Trainer:
     def open(self) -> None:
         """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
         (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
-        self._started = time.perf_counter()
+        self._started = self._report_written = time.perf_counter()  # the first refresh a minute in
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
         if self._resume_from is None:
