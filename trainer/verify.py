@@ -63,6 +63,8 @@ DEFAULT_STEPS = 3  # per trial: one warm-up step, two timed (Lightning's BatchSi
 DEFAULT_MAX_MICRO_BATCHES = 4  # micro-batches a trial step runs at most (the peak is the same with more)
 DEFAULT_MAX_PLANS = 6  # plans tried at most before giving up
 WARMUP_CTX = 16  # the tiny warm-up model's context (CPU only)
+# (attention, checkpointing, optimizer) the trial server runs once on the CPU before forking any trial
+SERVER_WARM_UPS = (("sdpa", "none", "adamw-fused"), ("eager", "full", "adamw"), ("sdpa", "selective", "adamw"))
 
 # Substrings of the messages PyTorch raises when memory runs out, lower-cased:
 OOM_MARKERS = (
@@ -399,6 +401,14 @@ def _serve() -> None:
     import trainer.model  # noqa: F401
     import trainer.step  # noqa: F401
 
+    # Load the code of a training step once, here, so that no child pays for it (seconds each). With
+    # one thread no OpenMP pool exists yet, so forking stays safe; CUDA is never touched before a fork.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tiny = ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, tied=True)
+    for attention, checkpointing, optimizer in SERVER_WARM_UPS:
+        _warm_up(tiny, TrainSetup(ctx=WARMUP_CTX, micro_batch=1, grad_accum=2, precision="fp32", attention=attention,
+                                  checkpointing=checkpointing, optimizer=optimizer), "cpu")
     out = sys.stdout
     out.write(json.dumps({"ready": True, "family": local_family(), "pid": os.getpid()}) + "\n")
     out.flush()
@@ -411,6 +421,7 @@ def _serve() -> None:
         if pid == 0:  # the trial
             os.close(read_fd)
             os.dup2(2, 1)  # anything printed goes to stderr, never into the protocol
+            torch.set_num_threads(threads)
             try:
                 result = run_trial(request)
             except BaseException as e:  # noqa: BLE001
@@ -517,14 +528,20 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
         raise InputError(f"--verify-steps: {steps} must be at least 2 (a warm-up step and a measured one)")
     if result.plan is None:
         raise InputError("--verify: nothing fits the budget, so there is no plan to run")
-    own = runner is None
-    if own:
-        runner = TrialRunner().__enter__()
-    try:
-        if runner.family != result.device.family:
-            raise InputError(f"--verify runs the plan on this machine's {runner.family}, but it was made for "
+    def check(family: str) -> None:
+        if family != result.device.family:
+            raise InputError(f"--verify runs the plan on this machine's {family}, but it was made for "
                              f"{result.device.name} ({result.device.family}); plan for the local device "
                              f"(omit --device) or drop --verify")
+
+    own = runner is None
+    if own:
+        from memplan.hardware import detect_local
+
+        check(detect_local().family)  # before starting torch: NVML, ROCm SMI and the OS say enough
+        runner = TrialRunner().__enter__()
+    try:
+        check(runner.family)
         budget = result.budget_bytes
         context = result.device.runtime_context_bytes
         attempts: list[Attempt] = []
