@@ -16,7 +16,7 @@ A trial builds the trainer's model (``trainer.model.build_model``) and runs ``st
 the first micro-batch on, so the peak of a step of 2 or 4 micro-batches is that of one of 64 (the
 inputs of all of them are made and held, as in a real step); tokens/s is measured on the step that
 ran and compared with the prediction for that same step. The first step is a warm-up (optimizer
-state appears, kernels load); tokens/s is timed over the others. The peak is over all steps.
+state appears, kernels load); tokens/s is that of the median of the others. The peak is over all steps.
 
 What "measured peak" means, per platform, so that it compares with the predicted ``peak_reserved``:
 
@@ -46,6 +46,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,8 @@ DEFAULT_MAX_MICRO_BATCHES = 4  # micro-batches a trial step runs at most (the pe
 DEFAULT_MAX_PLANS = 6  # plans tried at most before giving up
 WARMUP_CTX = 16  # the tiny warm-up model's context (CPU only)
 # (attention, checkpointing, optimizer) the trial server runs once on the CPU before forking any trial
-SERVER_WARM_UPS = (("sdpa", "none", "adamw-fused"), ("eager", "full", "adamw"), ("sdpa", "selective", "adamw"))
+SERVER_WARM_UPS = tuple((a, c, o) for a in ("sdpa", "eager") for c in ("none", "selective", "full")
+                        for o in ("adamw", "adamw-fused"))
 
 # Substrings of the messages PyTorch raises when memory runs out, lower-cased:
 OOM_MARKERS = (
@@ -150,8 +152,8 @@ def _trim_heap() -> None:
         pass
 
 
-def _warm_up(spec: ModelSpec, setup: TrainSetup, device: str) -> None:
-    """Two steps of a tiny model with the plan's configuration: loads every kernel's code (tens of MB of
+def _warm_up(spec: ModelSpec, setup: TrainSetup, device: str, steps: int = 2) -> None:
+    """Steps of a tiny model with the plan's configuration: loads every kernel's code (tens of MB of
     resident pages on a CPU) so that the baseline after it holds them and the growth is the plan's."""
     import torch
 
@@ -166,7 +168,7 @@ def _warm_up(spec: ModelSpec, setup: TrainSetup, device: str) -> None:
     optimizer = make_optimizer(model, warm.optimizer)
     batches = [(torch.randint(0, tiny.vocab, (1, warm.ctx), device=device),
                 torch.randint(0, tiny.vocab, (1, warm.ctx), device=device)) for _ in range(warm.grad_accum)]
-    for _ in range(2):
+    for _ in range(steps):
         train_step(model, optimizer, batches, warm, device)
     del model, optimizer, batches
     gc.collect()
@@ -195,7 +197,8 @@ def run_trial(request: dict) -> dict:
            "tokens_per_second": None, "step_seconds": []}
     baseline = 0
     if family == "cpu":
-        _warm_up(spec, setup, device)
+        # the trial server has run every configuration once already (fork mode): one step reloads nothing
+        _warm_up(spec, setup, device, steps=1 if request.get("server_warmed") else 2)
         _trim_heap()
         out["hwm_reset"] = _reset_peak_rss()
         baseline = _current_rss()
@@ -240,8 +243,8 @@ def run_trial(request: dict) -> dict:
 
     tokens_per_step = setup.micro_batch * setup.ctx * run_accum
     timed = out["step_seconds"][1:] or out["step_seconds"]
-    if out["status"] == "ok" and timed:
-        out["tokens_per_second"] = tokens_per_step * len(timed) / sum(timed)
+    if out["status"] == "ok" and timed:  # the median step: robust to another process taking the CPU a while
+        out["tokens_per_second"] = tokens_per_step / statistics.median(timed)
     if family == "cpu":
         out["peak_rss"] = _peak_rss()
         out["peak_bytes"] = int(request["context_bytes"]) + max(0, out["peak_rss"] - baseline)
@@ -409,13 +412,15 @@ def _serve() -> None:
     for attention, checkpointing, optimizer in SERVER_WARM_UPS:
         _warm_up(tiny, TrainSetup(ctx=WARMUP_CTX, micro_batch=1, grad_accum=2, precision="fp32", attention=attention,
                                   checkpointing=checkpointing, optimizer=optimizer), "cpu")
+    gc.collect()
+    gc.freeze()  # children's collections skip everything made so far (else each one touches every page: ~1 s)
     out = sys.stdout
     out.write(json.dumps({"ready": True, "family": local_family(), "pid": os.getpid()}) + "\n")
     out.flush()
     for line in sys.stdin:
         if not line.strip():
             continue
-        request = json.loads(line)
+        request = {**json.loads(line), "server_warmed": True}
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the trial
