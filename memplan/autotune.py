@@ -236,23 +236,20 @@ class AutotuneResult:
     def to_json(self, verified=None) -> dict:
         """The contract's JSON of ``memplan autotune`` (plus additions).
 
-        ``verified`` is a ``trainer.verify.Verification`` (or its JSON dict) from ``--verify``; when it
-        settled on a plan, the top-level plan and prediction are that plan's.
+        ``verified`` is the ``trainer.verify.Verification`` of ``--verify`` (None without it). After a
+        verification the top-level plan and prediction are those of the plan it settled on (null if
+        no plan's measured peak fit the budget).
         """
-        vjson = verified.to_json() if hasattr(verified, "to_json") else verified
         plan, predicted = self.plan, self.chosen.predicted if self.chosen else None
-        final = getattr(verified, "plan", None) if verified is not None else None
         if verified is not None:
-            plan = final
-            predicted = dict(final.predicted) if final is not None else None
-            if predicted is not None and "epoch_seconds" not in predicted:
-                predicted["epoch_seconds"] = None
+            plan = verified.plan
+            predicted = {"epoch_seconds": None, **plan.predicted} if plan is not None else None
         return {
             "plan": plan.contract_plan() if plan is not None else None,
             "predicted": _contract_predicted(predicted) if predicted is not None else None,
             "budget_bytes": self.budget_bytes,
             "candidates": [c.to_json() for c in self.candidates],
-            "verified": vjson,
+            "verified": verified.to_json() if verified is not None else None,
             # additions
             "margin": self.margin,
             "limit_bytes": self.limit_bytes,
