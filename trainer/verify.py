@@ -397,15 +397,45 @@ class TrialRunner:
         return TrialResult.from_json(setup, data)
 
 
-def _serve() -> None:
-    """The trial server: import torch, say hello, then fork one child per request line (Linux)."""
-    import torch  # noqa: F401  (imported once, inherited by every child)
+def _in_child(work: Callable[[], dict]) -> dict:
+    """Run ``work`` in a forked child and return its JSON result (or what its death says)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        os.dup2(2, 1)  # anything printed goes to stderr, never into the protocol
+        try:
+            result = work()
+        except BaseException as e:  # noqa: BLE001
+            result = {"status": "oom" if is_out_of_memory(e) else "error", "error": f"{type(e).__name__}: {e}"[:500]}
+        data = json.dumps(result).encode()
+        while data:
+            data = data[os.write(write_fd, data):]
+        os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(read_fd)
+    _, status = os.waitpid(pid, 0)
+    if chunks:
+        return json.loads(b"".join(chunks))
+    return _signal_result(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status), "")
 
-    import trainer.model  # noqa: F401
+
+def _serve() -> None:
+    """The trial server: import torch, say hello, then fork one child per request line (Linux).
+
+    The server itself never initialises CUDA (a forked child could not use it then): even the
+    device family is asked of a child.
+    """
+    import torch
+
+    import trainer.model  # noqa: F401  (imported once, inherited by every child)
     import trainer.step  # noqa: F401
 
     # Load the code of a training step once, here, so that no child pays for it (seconds each). With
-    # one thread no OpenMP pool exists yet, so forking stays safe; CUDA is never touched before a fork.
+    # one thread no OpenMP pool exists yet, so forking stays safe.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     tiny = ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, tied=True)
@@ -414,41 +444,20 @@ def _serve() -> None:
                                   checkpointing=checkpointing, optimizer=optimizer), "cpu")
     gc.collect()
     gc.freeze()  # children's collections skip everything made so far (else each one touches every page: ~1 s)
+    family = _in_child(lambda: {"family": local_family()}).get("family", "cpu")
     out = sys.stdout
-    out.write(json.dumps({"ready": True, "family": local_family(), "pid": os.getpid()}) + "\n")
+    out.write(json.dumps({"ready": True, "family": family, "pid": os.getpid()}) + "\n")
     out.flush()
+
+    def trial(request: dict) -> dict:
+        torch.set_num_threads(threads)
+        return run_trial(request)
+
     for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = {**json.loads(line), "server_warmed": True}
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the trial
-            os.close(read_fd)
-            os.dup2(2, 1)  # anything printed goes to stderr, never into the protocol
-            torch.set_num_threads(threads)
-            try:
-                result = run_trial(request)
-            except BaseException as e:  # noqa: BLE001
-                result = {"status": "oom" if is_out_of_memory(e) else "error",
-                          "error": f"{type(e).__name__}: {e}"[:500]}
-            data = json.dumps(result).encode()
-            while data:
-                data = data[os.write(write_fd, data):]
-            os._exit(0)
-        os.close(write_fd)
-        chunks = []
-        while chunk := os.read(read_fd, 1 << 16):
-            chunks.append(chunk)
-        os.close(read_fd)
-        _, status = os.waitpid(pid, 0)
-        if chunks:
-            result = json.loads(b"".join(chunks))
-        else:
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            result = _signal_result(code, "")
-        out.write(json.dumps(result) + "\n")
-        out.flush()
+        if line.strip():
+            request = {**json.loads(line), "server_warmed": True}
+            out.write(json.dumps(_in_child(lambda: trial(request))) + "\n")
+            out.flush()
 
 
 # ---- verify: trials until one fits -------------------------------------------------------
