@@ -473,15 +473,31 @@ def test_cli_prints_a_stopped_run_on_one_line_with_exit_1(tmp_path, corpus, monk
 
 # ---- planning ---------------------------------------------------------------------------------------
 
-def test_without_a_plan_train_autotunes_or_says_it_cannot(tmp_path, corpus):
-    try:
-        import memplan.autotune  # noqa: F401
-    except ImportError:
-        result = cli("--data", str(corpus), "--out", str(tmp_path / "run"), "--max-steps", "1")
-        assert_one_line_error(result, "autotune", "--plan")
-        assert not (tmp_path / "run").exists()
-        return
+def test_without_a_plan_train_picks_a_model_autotunes_it_and_trains_for_the_time_given(tmp_path, corpus):
+    """The quick start's path (what `memplan train` alone does, on this corpus and for 6 seconds): a model
+    sized for the time, its setup from autotune, a time-limited schedule, a sample at the end."""
     run = tmp_path / "run"
-    result = cli("--data", str(corpus), "--out", str(run), "--max-steps", "2", "--sample-tokens", "0")
+    result = cli("--data", str(corpus), "--out", str(run), "--max-minutes", "0.1", "--sample-tokens", "4")
     assert result.exit_code == 0, result.output
-    assert Plan.load(run / "plan.toml").model.vocab == PreparedData(corpus).vocab_size
+    assert "Model for a 0.1-minute run" in result.stderr and "Sample" in result.stdout
+    plan = Plan.load(run / "plan.toml")
+    assert plan.model.vocab == PreparedData(corpus).vocab_size and plan.model.layers == 2  # the smallest rung
+    assert plan.predicted["peak_reserved"] > 0  # autotune's prediction, kept in the plan
+    lines = read_metrics(run)
+    assert lines[0]["schedule"]["total_steps"] >= 1
+    assert lines[-1]["event"] == "stop" and lines[-1]["reason"] == "max_minutes"
+    assert lines[-1]["wall_seconds"] < 6 * 2
+
+
+def test_autotune_options_reach_autotune(tmp_path, corpus):
+    result = cli("--data", str(corpus), "--out", str(tmp_path / "run"), "--layers", "2", "--hidden", "64",
+                 "--heads", "2", "--ffn", "128", "--ctx", "64", "--budget", "1MiB", "--max-steps", "1")
+    assert_one_line_error(result, "nothing fits")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_plan_that_does_not_fit_this_device_is_refused_before_it_starts(tmp_path, corpus):
+    result = cli("--data", str(corpus), "--out", str(tmp_path / "run"), *TINY, "--batch", "2",
+                 "--device-memory", "100MiB", "--max-steps", "1")
+    assert_one_line_error(result, "predicted peak", "usable")
+    assert not (tmp_path / "run").exists()

@@ -66,6 +66,7 @@ WARMUP_MAX_STEPS = 100  # ... but at most this many
 EVALS_PER_RUN = 5  # default eval (and checkpoint) cadence: this many times over the run ...
 EVAL_EVERY_MAX = 1000  # ... but at least every this many steps
 PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to fix the schedule's length
+EVAL_TIME_SHARE = 0.2  # ... and give evaluations at most this share of the time
 TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
 ETA_WINDOW = 20  # steps whose median step time predicts the rest
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)
@@ -302,6 +303,18 @@ def check_plan_for_data(plan: Plan, data: PreparedData) -> None:
                          "--world-size 1")
 
 
+def check_plan_fits(plan: Plan, profile: Device) -> None:
+    """A plan whose predicted peak exceeds the device's usable memory is refused before it starts (on a CPU
+    the operating system would kill the process or swap, with no out-of-memory error to back off from)."""
+    from memplan.units import format_bytes
+
+    peak = predicted_for(plan, profile)["peak_reserved"]
+    if peak > profile.usable_bytes:
+        raise InputError(f"the plan needs {format_bytes(peak)} (predicted peak) but {profile.name} has "
+                         f"{format_bytes(profile.usable_bytes)} usable; plan for this device (`memplan autotune "
+                         f"... --device {profile.name}`), or lower --batch / --ctx, or use --checkpointing full")
+
+
 class Trainer:
     """One training run. Build it with ``Trainer.start`` (a new run) or ``Trainer.resume``; both check
     everything before anything is written. Then ``run()``.
@@ -365,6 +378,7 @@ class Trainer:
         elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
             raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
         check_plan_for_data(plan, data)
+        check_plan_fits(plan, profile)
         if config.verify_data:
             data.verify()
         return cls(run_dir, plan, data, config, profile, device, None)
@@ -508,13 +522,16 @@ class Trainer:
         if self.eval_every is None:
             self.eval_every = default_eval_every(total)
         if self.save_every is None:
-            self.save_every = self.eval_every
+            self.save_every = self.eval_every or default_eval_every(total)
         return Schedule(peak_lr=c.lr, min_lr=c.lr * c.min_lr_ratio, warmup_steps=min(warmup, total),
                         total_steps=total)
 
     def _probe_steps(self, budget_seconds: float) -> int:
-        """How many steps fit in ``budget_seconds``: time PROBE_STEPS real steps at learning rate 0 (the
-        weights do not move; optimizer and scaler state are reset after) and one evaluation."""
+        """How many steps fit in ``budget_seconds``, from PROBE_STEPS real steps timed at learning rate 0 (the
+        weights do not move; optimizer and scaler state are reset after) and one timed evaluation.
+
+        Evaluations get at most EVAL_TIME_SHARE of the budget: with the default cadence, as many of
+        EVALS_PER_RUN as fit in it (sets ``eval_every``; 0 means only the final one)."""
         data_state = self.stream.state_dict()
         batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
         self.stream.load_state_dict(data_state)
@@ -534,14 +551,14 @@ class Trainer:
         t0 = time.perf_counter()
         self._evaluate(step=0, emit=False)
         eval_seconds = time.perf_counter() - t0
-        budget = budget_seconds * (1.0 - TIME_LIMIT_ALLOWANCE) - sum(times) - eval_seconds
-        # with the default cadence there are EVALS_PER_RUN evaluations and one at the end
-        evals = EVALS_PER_RUN + 1 if self.config.eval_every is None else None
-        if evals is not None:
-            total = int((budget - evals * eval_seconds) / step_seconds)
-        else:  # evaluations every k steps: each step carries 1/k of one
-            total = int(budget / (step_seconds + eval_seconds / self.config.eval_every))
-        return max(1, total)
+        budget = budget_seconds * (1.0 - TIME_LIMIT_ALLOWANCE) - sum(times) - eval_seconds  # the final eval
+        if self.config.eval_every is None:
+            evals = max(0, min(EVALS_PER_RUN, int(EVAL_TIME_SHARE * budget / max(eval_seconds, 1e-9))))
+            total = max(1, int((budget - evals * eval_seconds) / step_seconds))
+            self.eval_every = total // evals if evals and total >= evals else 0
+            return total
+        # evaluations every k steps: each step carries 1/k of one
+        return max(1, int(budget / (step_seconds + eval_seconds / self.config.eval_every)))
 
     def _start_line(self) -> dict:
         spec, s = self.plan.model, self.setup
