@@ -123,6 +123,15 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
     assert all(s.lr(k) >= s.lr(k + 1) for k in range(10, 120))
 
 
+def test_wsd_schedule_holds_the_peak_until_the_decay_is_fixed_then_decays_like_cosine():
+    s = Schedule(peak_lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=100, kind="wsd")
+    assert s.lr(5) == pytest.approx(5e-4) and not s.fixed
+    assert s.lr(10) == s.lr(500) == 1e-3  # no decay before its length is known
+    d = s.with_decay(last_stable_step=300, decay_steps=100)
+    assert d.fixed and d.total_steps == 400
+    assert d.lr(300) == 1e-3 and d.lr(350) == pytest.approx(1e-4 + 0.5 * 9e-4) and d.lr(400) == pytest.approx(1e-4)
+
+
 def test_train_config_rejects_bad_values():
     for bad in (dict(lr=0), dict(lr=-1e-3), dict(max_steps=0), dict(min_lr_ratio=1.5), dict(eval_batches=0),
                 dict(beta2=1.0), dict(clip=-1.0), dict(keep=0)):
@@ -212,9 +221,15 @@ def test_time_limited_run_fixes_its_schedule_from_timed_steps(tmp_path, corpus):
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     summary = trainer.run()
     assert summary.stop_reason == "max_minutes"
-    assert trainer.schedule.total_steps >= 1
-    start_line = read_metrics(run)[0]
-    assert start_line["schedule"]["total_steps"] == trainer.schedule.total_steps
+    lines = read_metrics(run)
+    assert lines[0]["schedule"]["kind"] == "wsd" and lines[0]["schedule"]["decay_start"] is None
+    decay = [l for l in lines if l.get("event") == "decay"]
+    assert len(decay) == 1 and trainer.schedule.decay_start == decay[0]["step"]  # fixed once, 80% into the time
+    train = [l for l in lines if l["kind"] == "train"]
+    peak = trainer.config.lr
+    assert all(l["lr"] == peak for l in train if trainer.schedule.warmup_steps < l["step"] <= decay[0]["step"])
+    assert train[-1]["lr"] < peak  # decaying at the end
+    assert lines[-1]["wall_seconds"] <= 6.0 + 2.0
     # the probe steps ran at learning rate 0: step 1's loss is the untrained model's
     first = start(tmp_path / "fresh", corpus, max_steps=1, sample_tokens=0)
     assert all(torch.equal(weights[k], v) for k, v in first.model.state_dict().items())
@@ -501,3 +516,31 @@ def test_a_plan_that_does_not_fit_this_device_is_refused_before_it_starts(tmp_pa
                  "--device-memory", "100MiB", "--max-steps", "1")
     assert_one_line_error(result, "predicted peak", "usable")
     assert not (tmp_path / "run").exists()
+
+
+# ---- the trained model, for sampling and generation ---------------------------------------------------
+
+def test_load_trained_rebuilds_the_model_and_tokenizer_from_the_run_alone(tmp_path, corpus):
+    from trainer.loop import load_trained
+    from trainer.sample import sample_text
+
+    run = tmp_path / "run"
+    trainer = start(run, corpus, plan=tiny_plan(PreparedData(corpus).vocab_size, checkpointing="full"), max_steps=3)
+    trainer.run()
+    model, tokenizer, meta = load_trained(run)
+    assert meta["step"] == 3 and not model.training
+    live = {k.replace(".block.", "."): v for k, v in trainer.model.state_dict().items()}
+    assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())  # checkpointing wrapper gone
+    assert tokenizer.encode("def main():") == trainer.tokenizer.encode("def main():")
+    first = sample_text(model, tokenizer, "Once upon a time", 12, ctx=64, greedy=True)
+    assert sample_text(model, tokenizer, "Once upon a time", 12, ctx=64, greedy=True) == first
+
+
+def test_sampling_leaves_the_global_rng_alone_and_is_seeded(tmp_path, corpus):
+    from trainer.sample import sample_text
+
+    trainer = start(tmp_path / "run", corpus)
+    state = torch.get_rng_state()
+    a = sample_text(trainer.model, trainer.tokenizer, "The", 16, ctx=64, seed=7)
+    b = sample_text(trainer.model, trainer.tokenizer, "The", 16, ctx=64, seed=7)
+    assert a == b and torch.equal(torch.get_rng_state(), state)

@@ -67,6 +67,7 @@ EVALS_PER_RUN = 5  # default eval (and checkpoint) cadence: this many times over
 EVAL_EVERY_MAX = 1000  # ... but at least every this many steps
 PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to fix the schedule's length
 EVAL_TIME_SHARE = 0.2  # ... and give evaluations at most this share of the time
+DECAY_SHARE = 0.2  # a time-limited run decays its learning rate over the last fifth of its time
 TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
 ETA_WINDOW = 20  # steps whose median step time predicts the rest
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)
@@ -145,21 +146,46 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
-    """Linear warmup to ``peak_lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``total_steps``
-    (Loshchilov & Hutter 2017, without restarts); ``min_lr`` after that."""
+    """The learning rate of every step.
+
+    ``cosine`` (a known number of steps): linear warmup to ``peak_lr`` over ``warmup_steps``, then cosine
+    decay to ``min_lr`` at ``total_steps`` (Loshchilov & Hutter 2017, without restarts), ``min_lr`` after.
+
+    ``wsd`` (a time limit, where the number of steps is not known in advance): warmup, then ``peak_lr``
+    until the last DECAY_SHARE of the time, when the loop fixes ``decay_start`` and ``total_steps`` from
+    the step time measured so far (``with_decay``); then the same cosine decay over those steps
+    (warmup-stable-decay: Hu et al. 2024, MiniCPM; Hägele et al. 2024 find it matches a cosine of known
+    length). Until then ``total_steps`` is an estimate (from timed probe steps), used for the ETA only.
+    """
 
     peak_lr: float
     min_lr: float
     warmup_steps: int
     total_steps: int
+    kind: str = "cosine"  # cosine | wsd
+    decay_start: int | None = None  # wsd: the last step at peak_lr, once fixed
 
     def lr(self, step: int) -> float:
         """The learning rate of step ``step`` (1-based)."""
         if self.warmup_steps and step <= self.warmup_steps:
             return self.peak_lr * step / self.warmup_steps
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
+        start = self.warmup_steps
+        if self.kind == "wsd":
+            if self.decay_start is None or step <= self.decay_start:
+                return self.peak_lr
+            start = self.decay_start
+        span = max(1, self.total_steps - start)
+        progress = min(1.0, max(0.0, (step - start) / span))
         return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+    @property
+    def fixed(self) -> bool:
+        """Whether total_steps is final (always for cosine; for wsd once the decay has started)."""
+        return self.kind == "cosine" or self.decay_start is not None
+
+    def with_decay(self, last_stable_step: int, decay_steps: int) -> "Schedule":
+        """A wsd schedule whose decay runs over the ``decay_steps`` steps after ``last_stable_step``."""
+        return dataclasses.replace(self, decay_start=last_stable_step, total_steps=last_stable_step + max(1, decay_steps))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -345,6 +371,7 @@ class Trainer:
         self._writer: _MetricsWriter | None = None
         self._report_written = -math.inf
         self._recent: list[float] = []  # the latest step times, for the ETA
+        self._eval_seconds: list[float] = []  # the latest evaluations' times
         self._started = time.perf_counter()
         self._resume_from = resume_from
         self.tokenizer = data.tokenizer
@@ -512,10 +539,12 @@ class Trainer:
             candidates.append(c.max_steps)
         if c.max_tokens is not None:
             candidates.append(max(1, math.ceil(c.max_tokens / tokens_per_step)))
+        kind = "cosine"
         if candidates:
             total = min(candidates)
-        elif c.max_minutes is not None:
+        elif c.max_minutes is not None:  # an estimate until the decay starts (see Schedule)
             total = self._probe_steps(c.max_minutes * 60.0 - (time.perf_counter() - started))
+            kind = "wsd"
         else:  # one epoch of the train split
             total = max(1, len(self.stream.epoch_plan(0)[1]) // (self.setup.micro_batch * self.setup.grad_accum))
         warmup = c.warmup_steps if c.warmup_steps is not None else default_warmup(total)
@@ -524,7 +553,7 @@ class Trainer:
         if self.save_every is None:
             self.save_every = self.eval_every or default_eval_every(total)
         return Schedule(peak_lr=c.lr, min_lr=c.lr * c.min_lr_ratio, warmup_steps=min(warmup, total),
-                        total_steps=total)
+                        total_steps=total, kind=kind)
 
     def _probe_steps(self, budget_seconds: float) -> int:
         """How many steps fit in ``budget_seconds``, from PROBE_STEPS real steps timed at learning rate 0 (the
@@ -551,6 +580,7 @@ class Trainer:
         t0 = time.perf_counter()
         self._evaluate(step=0, emit=False)
         eval_seconds = time.perf_counter() - t0
+        self._eval_seconds.append(eval_seconds)
         budget = budget_seconds * (1.0 - TIME_LIMIT_ALLOWANCE) - sum(times) - eval_seconds  # the final eval
         if self.config.eval_every is None:
             evals = max(0, min(EVALS_PER_RUN, int(EVAL_TIME_SHARE * budget / max(eval_seconds, 1e-9))))
@@ -594,7 +624,8 @@ class Trainer:
             return "max_steps"
         if c.max_tokens is not None and self.tokens >= c.max_tokens:
             return "max_tokens"
-        if c.max_steps is None and c.max_tokens is None and self.step >= self.schedule.total_steps:
+        if c.max_steps is None and c.max_tokens is None and self.schedule.fixed \
+                and self.step >= self.schedule.total_steps:
             return "max_minutes" if c.max_minutes is not None else "epoch"
         if c.max_minutes is not None and time.perf_counter() - self._started >= c.max_minutes * 60.0 * (
                 1.0 - TIME_LIMIT_ALLOWANCE):
@@ -605,6 +636,8 @@ class Trainer:
         """One optimizer step with everything around it (learning rate, logging, evaluation and checkpoint
         when due); returns the step's metrics line."""
         step = self.step + 1
+        if not self.schedule.fixed:
+            self._maybe_start_decay()
         lr = self.schedule.lr(step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -646,6 +679,23 @@ class Trainer:
         if self.save_every and step % self.save_every == 0:
             self.save()
         return line
+
+    def _maybe_start_decay(self) -> None:
+        """wsd: once DECAY_SHARE of the time is left, fix the decay's length from the measured step time
+        (the median of the latest steps, plus the evaluations' share) and log it."""
+        budget = self.config.max_minutes * 60.0 * (1.0 - TIME_LIMIT_ALLOWANCE)
+        elapsed = time.perf_counter() - self._started
+        if elapsed < budget * (1.0 - DECAY_SHARE) or not self._recent or self.step <= self.schedule.warmup_steps:
+            return
+        per_step = statistics.median(self._recent)
+        if self.eval_every and self._eval_seconds:
+            per_step += statistics.median(self._eval_seconds) / self.eval_every
+        final_eval = statistics.median(self._eval_seconds) if self._eval_seconds else 0.0
+        steps = int((budget - elapsed - final_eval) / per_step)
+        self.schedule = self.schedule.with_decay(self.step, steps)
+        self._emit({"kind": "event", "event": "decay", "step": self.step, "decay_steps": max(1, steps),
+                    "total_steps": self.schedule.total_steps, "seconds_left": budget - elapsed,
+                    "step_seconds": per_step})
 
     def _eta(self) -> float:
         """Seconds left: steps to the nearest step or token limit (else the schedule's end) at the median
@@ -754,8 +804,9 @@ class Trainer:
         self.last_eval_step = step
         if not result:
             return None
+        self._eval_seconds = (self._eval_seconds + [time.perf_counter() - t0])[-ETA_WINDOW:]
         line = {"kind": "eval", "step": step, **{k: _json_safe(v) for k, v in result.items()},
-                "samples": samples, "eval_seconds": time.perf_counter() - t0, "tokens": self.tokens}
+                "samples": samples, "eval_seconds": self._eval_seconds[-1], "tokens": self.tokens}
         self.last_eval = line
         self._emit(line)
         return line
