@@ -377,6 +377,7 @@ class Trainer:
         self.tokenizer = data.tokenizer
 
         set_matmul_precision(self.setup.precision)
+        self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
         torch.manual_seed(config.seed)
         self.model = build_model(plan.model, self.setup.attention, self.setup.checkpointing,
                                  param_dtype(self.setup.precision), device=self.device)
@@ -601,6 +602,7 @@ class Trainer:
             "predicted": self.predicted, "schedule": self.schedule.to_dict(),
             "eval_every": self.eval_every, "save_every": self.save_every,
             "tokens_per_step": s.tokens_per_step, "memory_source": self.monitor.source,
+            "baseline_memory_bytes": self.baseline_bytes,
             "mfu_peak_flops_per_second": self.peak_flops, "data": str(self.data.path),
             "config": self.config.to_dict(),
             **({"checkpoint": str(self._resume_from.path)} if self._resume_from is not None else {}),
@@ -883,6 +885,15 @@ class Trainer:
                           train_seconds=self.train_seconds, last_loss=last_train.get("loss") if last_train else None,
                           last_eval=self.last_eval, checkpoint=checkpoint, report=report,
                           samples=(self.last_eval or {}).get("samples", []))
+
+
+def _process_rss() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:
+        return None
 
 
 def _ppl(loss: float) -> float | None:

@@ -175,6 +175,9 @@ def build_run_page(run_dir: str | Path) -> Page:
         m = max(meas)
         summary["peak memory"] = (f"measured {format_bytes(m)} (largest step), predicted {format_bytes(peak_pred)} "
                                   f"({(peak_pred - m) / m:+.1%})")
+        if first.get("baseline_memory_bytes") and str(first.get("torch_device", "")).startswith("cpu"):
+            summary["peak memory"] += (f"; the process held {format_bytes(first['baseline_memory_bytes'])} before "
+                                       "the model existed")
     alloc = [l["memory_allocated_bytes"] for l in steady if l.get("memory_allocated_bytes")]
     if alloc and predicted.get("peak_allocated"):
         m, p = max(alloc), predicted["peak_allocated"]
