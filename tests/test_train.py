@@ -544,3 +544,34 @@ def test_sampling_leaves_the_global_rng_alone_and_is_seeded(tmp_path, corpus):
     a = sample_text(trainer.model, trainer.tokenizer, "The", 16, ctx=64, seed=7)
     b = sample_text(trainer.model, trainer.tokenizer, "The", 16, ctx=64, seed=7)
     assert a == b and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed", "bf16"])
+def test_low_precision_runs_train_and_resume_with_their_scaler(tmp_path, corpus, precision):
+    """bf16/fp16 autocast and pure bf16 train on the CPU too; fp16 carries a GradScaler whose state the
+    checkpoint keeps and a resume restores."""
+    run = tmp_path / "run"
+    base = tiny_plan(PreparedData(corpus).vocab_size, micro_batch=2)
+    trainer = start(run, corpus, plan=Plan(model=base.model, setup=base.setup.replace(precision=precision)),
+                    max_steps=2, sample_tokens=0)
+    trainer.run()
+    assert all(math.isfinite(v) for v in losses(run).values())
+    state = torch.load(run / "checkpoints" / "step-00000002" / "state.pt", weights_only=True)
+    assert (state["scaler"] is not None) == (precision == "fp16-mixed")
+    resumed = Trainer.resume(run, PreparedData(corpus), load_profile("cpu"), overrides={"max_steps": 3})
+    if precision == "fp16-mixed":
+        assert resumed.scaler.get_scale() == trainer.scaler.get_scale()
+    resumed.run()
+    assert sorted(losses(run)) == [1, 2, 3]
+
+
+def test_rotary_has_a_form_torch_compile_can_trace_with_the_same_values(monkeypatch):
+    """--compile: torch.compile cannot trace the eager rotary's writes into views of a new tensor, so under
+    compilation the rotation is written functionally; both forms give the same numbers."""
+    from trainer import model as model_module
+
+    x, cos, sin = torch.randn(2, 8, 3, 16), torch.randn(8, 1, 6), torch.randn(8, 1, 6)  # partial rotary: 12 of 16
+    eager = model_module._rotate(x, cos, sin)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced_form = model_module._rotate(x, cos, sin)
+    assert torch.allclose(eager, traced_form, atol=1e-6) and torch.equal(eager[..., 12:], x[..., 12:])

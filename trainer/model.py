@@ -91,8 +91,10 @@ def rotary_tables(rotary_dim: int, ctx: int, theta: float, device=None) -> tuple
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[x1·cos − x2·sin, x2·cos + x1·sin] on the first rotary dims, the rest copied; into one new tensor."""
     half = cos.shape[-1]
-    out = torch.empty_like(x)
     x1, x2 = x[..., :half], x[..., half:2 * half]
+    if torch.compiler.is_compiling():  # torch.compile cannot trace writes into views of a new tensor; it fuses this
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], dim=-1)
+    out = torch.empty_like(x)
     torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)
     torch.mul(x2, cos, out=out[..., half:2 * half]).addcmul_(x1, sin)
     if 2 * half < x.shape[-1]:
