@@ -23,11 +23,16 @@ SMOOTHING = 0.9  # exponential moving average of the training loss (plotted besi
 
 
 def _ema(values: list[float | None], alpha: float = SMOOTHING) -> list[float | None]:
-    out, avg = [], None
+    """Exponential moving average with Adam's bias correction (so the first points are not pulled to 0 or to
+    the first value)."""
+    out, avg, n = [], 0.0, 0
     for v in values:
-        if v is not None:
-            avg = v if avg is None else alpha * avg + (1 - alpha) * v
-        out.append(avg if v is not None else None)
+        if v is None:
+            out.append(None)
+            continue
+        n += 1
+        avg = alpha * avg + (1 - alpha) * v
+        out.append(avg / (1 - alpha**n))
     return out
 
 
@@ -97,7 +102,7 @@ def build_run_page(run_dir: str | Path) -> Page:
     scale, unit = _unit(biggest)
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=times_min, y=[m / scale if m else None for m in measured], mode="lines+markers",
-                             marker=dict(size=3), name=f"measured peak ({first.get('memory_source', 'measured')})"))
+                             marker=dict(size=3), name="measured peak (each step)"))
     if any(a is not None for a in allocated):
         fig.add_trace(go.Scatter(x=times_min, y=[a / scale if a else None for a in allocated], mode="lines",
                                  name="measured live tensors (max_memory_allocated)"))
@@ -130,8 +135,14 @@ def build_run_page(run_dir: str | Path) -> Page:
     fig.add_trace(go.Scatter(x=steps, y=[(l.get("mfu") or 0) * 100 for l in train], mode="lines", name="MFU (%)",
                              line=dict(width=1, color="#2ca02c")), secondary_y=True)
     fig.update_xaxes(title="step")
-    fig.update_yaxes(title="tokens/s", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title="MFU (%)", rangemode="tozero", secondary_y=True)
+    measured_tps = [t for t in tps if t]
+    far = predicted.get("tokens_per_second") and measured_tps and not (
+        0.1 < predicted["tokens_per_second"] / statistics.median(measured_tps) < 10)
+    if far:  # a prediction an order of magnitude away would flatten the measured line: log scale
+        fig.update_yaxes(title="tokens/s (log scale)", type="log", secondary_y=False)
+    else:
+        fig.update_yaxes(title="tokens/s", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title="MFU (%)", rangemode="tozero", tickformat=".2~f", secondary_y=True)
     figures.append(style_figure(fig, "Throughput"))
 
     # ---- lr and gradient norm
