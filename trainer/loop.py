@@ -7,7 +7,8 @@ A run directory (the contract in DESIGN.md)::
                         "train" (step, loss, tokens_per_second, lr, grad_norm, tokens, step_seconds,
                         time, mfu, memory_bytes, ...), "eval" (step, eval_loss, eval_ppl,
                         eval_loss_by_source, samples, ...) or "event" (event = start | resume | oom |
-                        nonfinite | checkpoint | stop, with details). A step can appear twice when a
+                        eval_oom | nonfinite | decay | checkpoint | report_failed | stop, with details).
+                        Non-finite numbers are written as null (JSON has no NaN). A step can appear twice when a
                         run was killed after logging it and resumed from an earlier checkpoint: the
                         later line is the one that counts (``read_metrics(..., latest=True)``).
     RUN/plan.toml       the plan trained on (rewritten if an out-of-memory step halves the micro-batch)
@@ -15,7 +16,9 @@ A run directory (the contract in DESIGN.md)::
     RUN/report.html     the run report (trainer/run_report.py)
 
 Each step is ``trainer.step.train_step``, the step memplan's memory model describes, with the
-learning rate of a linear warmup then cosine decay to ``min_lr_ratio`` of the peak (``Schedule``).
+learning rate of a linear warmup then cosine decay to ``min_lr_ratio`` of the peak; a run limited
+only by time (``--max-minutes``) holds the peak and decays over its last fifth, the decay's length
+fixed from the step time measured by then (``Schedule``).
 Around it the loop handles what long runs on small machines meet:
 
 - out of memory in a step: halve the micro-batch, double the accumulation (the global batch and
@@ -65,7 +68,7 @@ WARMUP_FRACTION = 0.05  # default warmup: 5% of the steps ...
 WARMUP_MAX_STEPS = 100  # ... but at most this many
 EVALS_PER_RUN = 5  # default eval (and checkpoint) cadence: this many times over the run ...
 EVAL_EVERY_MAX = 1000  # ... but at least every this many steps
-PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to fix the schedule's length
+PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
 EVAL_TIME_SHARE = 0.2  # ... and give evaluations at most this share of the time
 DECAY_SHARE = 0.2  # a time-limited run decays its learning rate over the last fifth of its time
 TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
