@@ -40,3 +40,79 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
         seconds=time.perf_counter() - t0,
     )
 
+
+
+# ---- inference: prefill and decode peaks of real generation ------------------------------------
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _tracked_peak(fn, external: list) -> int:
+    """Peak live tensor bytes (MemTracker on real tensors) while ``fn`` runs, counting ``external``
+    (modules and tensors made before) as live from the start. The list is emptied, so that
+    what ``fn`` frees is not kept alive by it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*external)
+    external.clear()
+    with tracker:
+        fn()
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return int(snapshot.get("Total", sum(int(v) for v in snapshot.values())))
+
+
+def measure_generation(spec, setup, seed: int = 0) -> dict:
+    """Measured peaks of generation on the CPU, as ``trainer.generate.generate_ids`` runs it.
+
+    ``prefill_peak_allocated``: the prompt's forward (``forward_cached`` over P tokens into a cache
+    of C positions) and choosing the first token. ``decode_peak_allocated``: the last decode step
+    (the cache full to C, the RoPE tables grown step by step as generation grows them, the ids of
+    the whole context and the previous logits live) and choosing the next token. Live tensor
+    bytes by MemTracker, as ``measure_step_cpu`` counts a training step. Also the wall time of the
+    decode steps (their median, seconds).
+    """
+    import statistics
+
+    import torch
+
+    from memplan.errors import InputError
+    from trainer.generate import KVCache, SamplingConfig, choose, forward_cached
+    from trainer.model import build_model
+
+    if setup.weights_dtype not in _TORCH_DTYPES:
+        raise InputError(f"--weights-dtype {setup.weights_dtype}: generation here runs fp32, bf16 or fp16 weights "
+                         "only (int8/int4 are planned for llama.cpp-style runtimes)")
+    dtype = getattr(torch, _TORCH_DTYPES[setup.weights_dtype])
+    torch.manual_seed(seed)
+    model = build_model(spec, "sdpa", "none", dtype).eval()
+    B, P, C = setup.batch, setup.prompt_tokens, setup.ctx
+    cache = KVCache(model, B, C, dtype=getattr(torch, _TORCH_DTYPES.get(setup.cache_dtype, "float32")))
+    gen = torch.Generator().manual_seed(seed)
+    config = SamplingConfig(greedy=setup.sampling == "greedy", seed=seed)
+    ids = torch.randint(0, spec.vocab, (B, C), generator=gen)
+    prompt = ids[:, :P].clone()
+    out: dict = {}
+    with torch.no_grad():
+        def prefill():
+            out["logits"] = forward_cached(model, prompt, cache, 0)
+            choose(out["logits"], config, prompt, gen)
+
+        prefill_peak = _tracked_peak(prefill, [model, *cache.k, *cache.v, prompt])
+        del prompt
+        times = []
+        while cache.length < C - 1:  # decode up to the last step (the cache holds the prompt's ids as written)
+            t0 = time.perf_counter()
+            out["logits"] = forward_cached(model, ids[:, cache.length:cache.length + 1], cache, cache.length)
+            times.append(time.perf_counter() - t0)
+        if cache.length != C - 1:
+            raise InputError(f"--prompt-tokens {P} leaves no decode step in a cache of {C}; accepted: "
+                             "--prompt-tokens below --ctx")
+
+        def decode():
+            out["logits"] = forward_cached(model, ids[:, C - 1:C], cache, C - 1)
+            choose(out["logits"], config, ids, gen)
+
+        decode_peak = _tracked_peak(decode, [model, *cache.k, *cache.v, ids, out["logits"]])
+    return {"prefill_peak_allocated": prefill_peak, "decode_peak_allocated": decode_peak,
+            "decode_step_seconds": statistics.median(times) if times else None, "decode_steps": len(times)}
