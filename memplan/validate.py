@@ -152,3 +152,124 @@ def validation_json(device: str, rows: list[ValidationRow]) -> dict:
     summary = summarize(rows)
     return {"device": device, "rows": [r.to_json() for r in rows], "median_abs_error": summary.median_abs_error,
             "max_abs_error": summary.max_abs_error, "trace_max_abs_error": summary.trace_max_abs_error}
+
+
+# ---- inference: prefill and decode peaks of real generation ------------------------------------
+
+from memplan.inference import InferenceSetup  # noqa: E402
+
+_INFERENCE_FIELDS = {f.name for f in dataclasses.fields(InferenceSetup)}
+INFERENCE_BAR = 0.05  # the issue's bar: predicted prefill and decode peaks within 5% of measured
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    name: str
+    spec: ModelSpec
+    setup: InferenceSetup
+    quick: bool = False
+
+
+def _inference_matrices_dir() -> Path:
+    return _matrices_dir() / "inference"
+
+
+def load_inference_matrix(name_or_path: str = "default") -> list[InferenceConfig]:
+    """The configs of a bundled inference matrix (``benchmarks/matrices/inference/*.toml``) or of
+    any TOML of ``[[config]]`` tables with ModelSpec and InferenceSetup fields."""
+    path = Path(name_or_path)
+    if not (name_or_path.endswith(".toml") or path.is_file()):
+        names = sorted(p.stem for p in _inference_matrices_dir().glob("*.toml"))
+        if name_or_path not in names:
+            raise choice_error("--matrix", name_or_path, names)
+        path = _inference_matrices_dir() / f"{name_or_path}.toml"
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"--matrix: no such file {str(path)!r}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--matrix: {str(path)!r} is not valid TOML ({e})") from None
+    rows = data.get("config")
+    if not isinstance(rows, list) or not rows:
+        raise InputError(f"--matrix: {str(path)!r} has no [[config]] tables")
+    configs = []
+    for i, row in enumerate(rows):
+        unknown = set(row) - _SPEC_FIELDS - _INFERENCE_FIELDS - {"quick"}
+        if unknown:
+            raise InputError(f"--matrix: config {i} in {str(path)!r} has unknown key(s) {', '.join(sorted(unknown))}")
+        try:
+            spec = ModelSpec(**{k: v for k, v in row.items() if k in _SPEC_FIELDS and k not in ("name", "ctx")})
+            setup = InferenceSetup(**{k: v for k, v in row.items() if k in _INFERENCE_FIELDS})
+        except TypeError as e:
+            raise InputError(f"--matrix: config {i} in {str(path)!r}: {e}") from None
+        configs.append(InferenceConfig(name=row.get("name") or f"config-{i}", spec=spec, setup=setup,
+                                       quick=bool(row.get("quick", False))))
+    return configs
+
+
+@dataclass
+class InferenceRow:
+    """One inference config: predicted and measured prefill and decode peaks (live tensor bytes)."""
+
+    name: str
+    spec: ModelSpec
+    setup: InferenceSetup
+    predicted_prefill: int
+    measured_prefill: int
+    predicted_decode: int
+    measured_decode: int
+    prefill_moment: str = ""
+    decode_moment: str = ""
+    decode_step_seconds: float | None = None  # median measured decode step (wall time, noisy)
+    roofline_step_seconds: float | None = None  # the bandwidth roofline's decode step
+    seconds: float = 0.0
+
+    @property
+    def prefill_error(self) -> float:
+        return (self.predicted_prefill - self.measured_prefill) / self.measured_prefill
+
+    @property
+    def decode_error(self) -> float:
+        return (self.predicted_decode - self.measured_decode) / self.measured_decode
+
+    @property
+    def predicted_allocated(self) -> int:
+        return max(self.predicted_prefill, self.predicted_decode)
+
+    @property
+    def measured_allocated(self) -> int:
+        return max(self.measured_prefill, self.measured_decode)
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_allocated - self.measured_allocated) / self.measured_allocated
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "model": self.spec.to_json(), "inference": self.setup.to_json(),
+                "predicted_allocated": self.predicted_allocated, "measured_allocated": self.measured_allocated,
+                "error": self.error, "predicted_prefill": self.predicted_prefill,
+                "measured_prefill": self.measured_prefill, "prefill_error": self.prefill_error,
+                "predicted_decode": self.predicted_decode, "measured_decode": self.measured_decode,
+                "decode_error": self.decode_error, "prefill_moment": self.prefill_moment,
+                "decode_moment": self.decode_moment, "decode_step_seconds": self.decode_step_seconds,
+                "roofline_step_seconds": self.roofline_step_seconds, "seconds": self.seconds}
+
+
+def inference_bars(rows: list[InferenceRow]) -> list[tuple[str, float, float, bool]]:
+    """(what, worst |error|, bar, met) for the prefill and the decode peaks."""
+    out = []
+    for what, errors in (("prefill peak worst |error|", [abs(r.prefill_error) for r in rows]),
+                         ("decode peak worst |error|", [abs(r.decode_error) for r in rows])):
+        worst = max(errors)
+        out.append((what, worst, INFERENCE_BAR, worst <= INFERENCE_BAR))
+    return out
+
+
+def inference_validation_json(device: str, rows: list[InferenceRow]) -> dict:
+    """validate's contract JSON (rows, median and max |error| of the larger peak), with both phases per row."""
+    errors = [abs(r.error) for r in rows]
+    phases = [abs(e) for r in rows for e in (r.prefill_error, r.decode_error)]
+    return {"device": device, "mode": "inference", "rows": [r.to_json() for r in rows],
+            "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+            "phase_median_abs_error": statistics.median(phases), "phase_max_abs_error": max(phases),
+            "bars": [{"what": w, "value": v, "bar": b, "met": m} for w, v, b, m in inference_bars(rows)]}

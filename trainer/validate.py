@@ -44,6 +44,7 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
 
 # ---- inference: prefill and decode peaks of real generation ------------------------------------
 
+TIMED_DECODE_STEPS = 16  # decode steps timed before the measured last one
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -68,7 +69,9 @@ def measure_generation(spec, setup, seed: int = 0) -> dict:
     ``prefill_peak_allocated``: the prompt's forward (``forward_cached`` over P tokens into a cache
     of C positions) and choosing the first token. ``decode_peak_allocated``: the last decode step
     (the cache full to C, the RoPE tables grown step by step as generation grows them, the ids of
-    the whole context and the previous logits live) and choosing the next token. Live tensor
+    the whole context and the previous logits live) and choosing the next token. The cache is
+    filled to its last position by one forward over the tokens after the prompt, then
+    ``TIMED_DECODE_STEPS`` single-token steps, as generation leaves it. Live tensor
     bytes by MemTracker, as ``measure_step_cpu`` counts a training step. Also the wall time of the
     decode steps (their median, seconds).
     """
@@ -101,7 +104,11 @@ def measure_generation(spec, setup, seed: int = 0) -> dict:
         prefill_peak = _tracked_peak(prefill, [model, *cache.k, *cache.v, prompt])
         del prompt
         times = []
-        while cache.length < C - 1:  # decode up to the last step (the cache holds the prompt's ids as written)
+        timed = min(TIMED_DECODE_STEPS, C - 1 - P)
+        if C - 1 - timed > P:  # fill the cache up to the timed steps in one forward (the same end state:
+            # the cache, the ids and the RoPE tables as one-by-one decoding leaves them)
+            out["logits"] = forward_cached(model, ids[:, P:C - 1 - timed], cache, P)
+        while cache.length < C - 1:  # decode up to the last step, timing each
             t0 = time.perf_counter()
             out["logits"] = forward_cached(model, ids[:, cache.length:cache.length + 1], cache, cache.length)
             times.append(time.perf_counter() - t0)
@@ -116,3 +123,22 @@ def measure_generation(spec, setup, seed: int = 0) -> dict:
         decode_peak = _tracked_peak(decode, [model, *cache.k, *cache.v, ids, out["logits"]])
     return {"prefill_peak_allocated": prefill_peak, "decode_peak_allocated": decode_peak,
             "decode_step_seconds": statistics.median(times) if times else None, "decode_steps": len(times)}
+
+
+def run_inference_config(config, device: Device):
+    """Predict and measure one inference config on this CPU."""
+    from memplan.inference import decode_bytes_per_step, inference_memory
+    from memplan.validate import InferenceRow
+
+    t0 = time.perf_counter()
+    predicted = inference_memory(config.spec, config.setup)
+    measured = measure_generation(config.spec, config.setup)
+    roofline = decode_bytes_per_step(config.spec, config.setup) / device.bandwidth_bytes_per_second
+    return InferenceRow(name=config.name, spec=config.spec, setup=config.setup,
+                        predicted_prefill=predicted.prefill_peak_allocated,
+                        measured_prefill=measured["prefill_peak_allocated"],
+                        predicted_decode=predicted.decode_peak_allocated,
+                        measured_decode=measured["decode_peak_allocated"],
+                        prefill_moment=predicted.prefill_moment, decode_moment=predicted.decode_moment,
+                        decode_step_seconds=measured["decode_step_seconds"], roofline_step_seconds=roofline,
+                        seconds=time.perf_counter() - t0)

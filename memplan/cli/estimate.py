@@ -11,10 +11,26 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
                                  WorldSizeOpt, device_from, model_from, print_json, setup_from)
+from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
 
 TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
+
+ModeOpt = Annotated[str, typer.Option(
+    "--mode", help="training: one training step (the default). inference: generation with a KV cache (weights, "
+                   "cache, one forward over the prompt, decode), the largest context and batch, tokens/s.")]
+WeightsDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--weights-dtype", help="Inference: fp32 | bf16 | fp16 | int8 (GGUF Q8_0) | int4 (GGUF Q4_0); default bf16 "
+                            "where the device runs it natively, else fp32.", show_default=False)]
+KvDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--kv-dtype", help="Inference: the KV cache's dtype, fp32 | bf16 | fp16 | int8; default the activations' "
+                       "(fp16 with int8/int4 weights, as llama.cpp).", show_default=False)]
+PromptTokensOpt = Annotated[Optional[str], typer.Option(
+    "--prompt-tokens", help="Inference: prompt tokens prefilled in one forward (default: --ctx, the worst case); "
+                            "--ctx is what the cache holds, prompt plus new tokens.", show_default=False)]
+SamplingOpt = Annotated[str, typer.Option("--sampling", help="Inference: top-k | greedy (how each token is chosen).")]
+MODES = ("training", "inference")
 
 _TERM_HELP = {
     "weights": "parameters; autocast's bf16 copies",
@@ -81,6 +97,53 @@ def print_estimate(est) -> None:
     console.print(line)
 
 
+_INFERENCE_HELP = {
+    "weights": "parameters in the weights' dtype",
+    "kv_cache": "K and V of every layer, whole context",
+    "activations": "one forward's working tensors, token ids",
+    "logits": "last position's fp32 logits, sampling",
+    "runtime": "context + allocator reserve",
+}
+
+
+def print_inference(est) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    spec, s, device, mem, t = est.model, est.setup, est.device, est.memory, est.time
+    console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
+    console.print(f"[bold]Run[/]    cache {s.ctx} tokens, prompt {s.prompt_tokens}, batch {s.batch}, weights "
+                  f"{s.weights_dtype}, KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}")
+    console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
+                  f"{format_bytes(device.usable_bytes)} usable")
+    table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
+    table.add_column("term")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("what it holds", style="dim")
+    for key in ("weights", "kv_cache", "activations", "logits", "runtime"):
+        value = getattr(mem, key)
+        table.add_row(key.replace("_", " "), format_bytes(value), f"{value / mem.peak_reserved:.0%}",
+                      _INFERENCE_HELP[key])
+    table.add_section()
+    table.add_row("prefill peak", format_bytes(mem.prefill_peak_allocated), "", f"live tensors, at {mem.prefill_moment}")
+    table.add_row("decode peak", format_bytes(mem.decode_peak_allocated), "", f"live tensors, at {mem.decode_moment}")
+    verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
+    table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]", "",
+                  f"{verdict} in {format_bytes(device.usable_bytes)}")
+    console.print(table)
+    console.print(f"Largest context at batch {s.batch}: [bold]{est.max_ctx:,}[/] tokens; largest batch at context "
+                  f"{s.ctx}: [bold]{est.max_batch:,}[/]")
+    console.print(f"Prefill: {format_seconds(t.prefill_seconds)} for {s.batch * s.prompt_tokens:,} tokens "
+                  f"({t.prefill_tokens_per_second:,.0f} tokens/s, compute)")
+    console.print(f"Decode: {t.decode_tokens_per_second:,.1f} tokens/s at the full context "
+                  f"({t.decode_tokens_per_second_start:,.1f} after the prompt), {t.decode_bound}-bound "
+                  f"({format_bytes(t.bandwidth_bytes_per_second)}/s)")
+    for note in est.notes:
+        console.print(f"[yellow]note[/]: {note}")
+
+
 @app.command("estimate")
 def estimate_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
@@ -90,12 +153,39 @@ def estimate_command(
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
     world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    tokens: TokensOpt = None, json: JsonOpt = False,
+    tokens: TokensOpt = None, json: JsonOpt = False, mode: ModeOpt = "training",
+    weights_dtype: WeightsDtypeOpt = None, kv_dtype: KvDtypeOpt = None, prompt_tokens: PromptTokensOpt = None,
+    sampling: SamplingOpt = "top-k",
 ) -> None:
-    """Predict memory (term by term), whether it fits, the largest micro-batch, and step and epoch time."""
-    from memplan.estimate import estimate
+    """Predict memory (term by term), whether it fits, the largest micro-batch, and step and epoch time.
 
+    With --mode inference: the memory of generation (weights, KV cache, prefill and decode peaks), the
+    largest context and batch that fit, and prefill and decode tokens/s."""
+    from memplan.estimate import estimate
+    from memplan.units import choice_error
+
+    if mode not in MODES:
+        raise choice_error("--mode", mode, list(MODES))
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    if mode == "inference":
+        from memplan.inference import InferenceSetup, estimate_inference
+
+        dev = device_from(device, device_memory)
+        setup = InferenceSetup(
+            ctx=parse_count(ctx, "--ctx", binary=True), batch=parse_count(batch, "--batch"),
+            prompt=parse_count(prompt_tokens, "--prompt-tokens", binary=True) if prompt_tokens else None,
+            weights_dtype=weights_dtype or ("bf16" if dev.supports("bf16") else "fp32"),
+            kv_dtype=kv_dtype, sampling=sampling)
+        est = estimate_inference(spec, setup, dev)
+        if json:
+            print_json(est.to_json())
+        else:
+            print_inference(est)
+        return
+    for flag, value in (("--weights-dtype", weights_dtype), ("--kv-dtype", kv_dtype),
+                        ("--prompt-tokens", prompt_tokens)):
+        if value is not None:
+            raise InputError(f"{flag} applies to --mode inference only; accepted with --mode training: none")
     setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
                        compile)
     dev = device_from(device, device_memory)

@@ -14,6 +14,10 @@ QuickOpt = Annotated[bool, typer.Option("--quick", help="Only the matrix's repre
 HtmlOpt = Annotated[Optional[str], typer.Option("--html", help="Write a self-contained HTML report to this file.",
                                                 show_default=False)]
 NoTraceOpt = Annotated[bool, typer.Option("--no-trace", help="Skip the FakeTensor trace of each config.")]
+ModeOpt = Annotated[str, typer.Option(
+    "--mode", help="training: a real training step per config (the default). inference: real generation per "
+                   "config, its prefill and decode peaks against `estimate --mode inference` (matrices in "
+                   "benchmarks/matrices/inference/).")]
 
 
 def validation_page(device_name: str, rows, summary):
@@ -74,10 +78,18 @@ def validation_page(device_name: str, rows, summary):
 def validate_command(
     matrix: MatrixOpt = "default", quick: QuickOpt = False, json: JsonOpt = False, html: HtmlOpt = None,
     no_trace: NoTraceOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    mode: ModeOpt = "training",
 ) -> None:
     """Predict, trace and really measure each config of a matrix on this device; print the errors and the bars."""
     import sys
     from pathlib import Path
+
+    from memplan.units import choice_error
+
+    if mode not in ("training", "inference"):
+        raise choice_error("--mode", mode, ["training", "inference"])
+    if mode == "inference":
+        return validate_inference(matrix, quick, json, html, device, device_memory)
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -135,3 +147,94 @@ def validate_command(
     if html:
         console.print(f"report: {html}")
     sys.stdout.flush()
+
+
+def inference_page(device_name: str, rows):
+    """The HTML report of ``validate --mode inference``: predicted against measured, per phase."""
+    import plotly.graph_objects as go
+
+    from memplan.report import Page, style_figure
+    from memplan.validate import inference_bars
+
+    names = [r.name for r in rows]
+    peaks = go.Figure()
+    for phase in ("prefill", "decode"):
+        peaks.add_trace(go.Bar(x=names, y=[getattr(r, f"measured_{phase}") / 2**20 for r in rows],
+                               name=f"{phase} measured"))
+        peaks.add_trace(go.Bar(x=names, y=[getattr(r, f"predicted_{phase}") / 2**20 for r in rows],
+                               name=f"{phase} predicted"))
+    peaks.update_layout(barmode="group")
+    peaks.update_yaxes(title="peak live tensors (MiB)")
+    peaks.update_xaxes(tickangle=-45)
+    style_figure(peaks, "Prefill and decode peaks: predicted and measured", height=520)
+    errors = go.Figure()
+    for phase in ("prefill", "decode"):
+        errors.add_trace(go.Bar(x=names, y=[100 * getattr(r, f"{phase}_error") for r in rows], name=phase,
+                                hovertemplate="%{x}<br>%{y:+.3f}%"))
+    errors.update_yaxes(title="error (%) = (predicted − measured) / measured")
+    errors.update_xaxes(tickangle=-45)
+    style_figure(errors, "Error per config and phase", height=520)
+    bars = "; ".join(f"{what} {value:.2%} (bar {bar:.0%}: {'met' if met else 'MISSED'})"
+                     for what, value, bar, met in inference_bars(rows))
+    return Page(title="Inference memory validation", model=f"{len(rows)} configs", device=device_name,
+                summary={"bars": bars}, figures=[peaks, errors],
+                notes=["Measured: trainer/generate.py's cached forward and token choice on real tensors, "
+                       "MemTracker's live tensor bytes: the prompt's forward (prefill) and the last decode step "
+                       "with the cache full (decode)."])
+
+
+def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, device: str | None,
+                       device_memory: str | None) -> None:
+    """``validate --mode inference``: each config of an inference matrix generated for real here."""
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from memplan.cli.options import device_from
+    from memplan.errors import InputError
+    from memplan.units import format_bytes
+    from memplan.validate import inference_bars, inference_validation_json, load_inference_matrix
+
+    configs = load_inference_matrix(matrix)
+    if quick:
+        configs = [c for c in configs if c.quick]
+        if not configs:
+            raise InputError(f"--quick: matrix {matrix!r} has no config with quick = true")
+    if html and Path(html).is_dir():
+        raise InputError(f"--html: {html!r} is a directory; give a file name such as validate.html")
+    dev = device_from(device, device_memory)
+    if dev.family != "cpu":
+        raise InputError(f"--mode inference measures generation on the CPU (MemTracker); the device is {dev.name}; "
+                         "accepted: --device cpu")
+
+    from trainer.validate import run_inference_config
+
+    console = Console(stderr=json)
+    if not console.is_terminal:
+        console = Console(stderr=json, width=140)
+    rows = []
+    with console.status("") as status:
+        for config in configs:
+            status.update(f"generating {config.name}")
+            rows.append(run_inference_config(config, dev))
+    if html:
+        from memplan.report import write_page
+
+        write_page(inference_page(dev.name, rows), html)
+    if json:
+        print_json(inference_validation_json(dev.name, rows))
+        return
+    table = Table(title=f"Generation peaks: predicted vs measured on {dev.name}", title_justify="left")
+    for col in ("config", "prefill measured", "error", "decode measured", "error", "decode step", "roofline"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        table.add_row(r.name, format_bytes(r.measured_prefill), f"{r.prefill_error:+.2%}",
+                      format_bytes(r.measured_decode), f"{r.decode_error:+.2%}",
+                      f"{r.decode_step_seconds * 1e3:.1f} ms" if r.decode_step_seconds else "-",
+                      f"{r.roofline_step_seconds * 1e3:.2f} ms" if r.roofline_step_seconds else "-")
+    console.print(table)
+    for what, value, bar, met in inference_bars(rows):
+        console.print(f"  {what}: {value:.2%} (bar ≤ {bar:.0%}) {'[green]met[/]' if met else '[red]MISSED[/]'}")
+    if html:
+        console.print(f"report: {html}")
