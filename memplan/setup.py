@@ -13,6 +13,7 @@ ATTENTIONS = ("eager", "sdpa")
 CHECKPOINTINGS = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-fused", "sgd", "adamw8bit")
 SHARDINGS = ("none", "ddp", "fsdp")
+LORA_TARGETS = ("qkv", "proj", "up", "down")  # the reference model's block matrices an adapter can sit on
 
 # Bytes per element of each dtype.
 FP32_BYTES = 4
@@ -33,6 +34,8 @@ class TrainSetup:
     world_size: int = 1  # data-parallel processes
     sharding: str = "none"  # none | ddp | fsdp
     compile: bool = False  # torch.compile the model
+    lora_rank: int = 0  # > 0: LoRA finetuning, base weights frozen, rank-r adapters on lora_targets train
+    lora_targets: str = "qkv,proj,up,down"  # comma-separated subset of LORA_TARGETS
 
     def __post_init__(self) -> None:
         for field, choices in (("precision", PRECISIONS), ("attention", ATTENTIONS),
@@ -45,6 +48,13 @@ class TrainSetup:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 flag = {"micro_batch": "batch"}.get(field, field).replace("_", "-")
                 raise InputError(f"--{flag}: {value!r} must be a positive integer")
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise InputError(f"--lora-rank: {self.lora_rank!r} must be 0 (no LoRA) or a positive integer")
+        targets = tuple(t.strip() for t in str(self.lora_targets).split(",") if t.strip())
+        if not targets or any(t not in LORA_TARGETS for t in targets):
+            raise InputError(f"--lora-targets: {self.lora_targets!r} must be a comma-separated subset of "
+                             f"{', '.join(LORA_TARGETS)}")
+        object.__setattr__(self, "lora_targets", ",".join(t for t in LORA_TARGETS if t in targets))
         if self.world_size > 1 and self.sharding == "none":
             raise InputError(f"--world-size {self.world_size} needs --sharding ddp or fsdp")
         if self.world_size == 1 and self.sharding != "none":
@@ -87,7 +97,12 @@ class TrainSetup:
             "ctx": self.ctx, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "precision": self.precision, "attention": self.attention, "checkpointing": self.checkpointing,
             "optimizer": self.optimizer, "world_size": self.world_size, "sharding": self.sharding,
-        }
+        } | ({"lora_rank": self.lora_rank, "lora_targets": self.lora_targets} if self.lora_rank else {})
+
+    @property
+    def lora(self) -> tuple[str, ...]:
+        """The matrices that carry adapters; () without LoRA."""
+        return tuple(self.lora_targets.split(",")) if self.lora_rank else ()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

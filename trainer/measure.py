@@ -26,6 +26,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
+from trainer.lora import frozen_params_tracked, lora_for
 from trainer.model import build_model
 from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
@@ -123,7 +124,7 @@ def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type:
         return int(sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("current").values()))
 
     probe = None
-    with tracker:
+    with frozen_params_tracked(), tracker:
         for step in range(2):
             batches = batches_fn()
             last = step == 1 and probe_terms
@@ -158,7 +159,7 @@ def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda") -> Step
 
     set_matmul_precision(setup.precision)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device):
-        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
+        model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device), setup)
         optimizer = make_optimizer(model, setup.optimizer)
         total, categories, _ = _tracked_steps(model, optimizer, setup,
                                               lambda: _random_batches(spec, setup, device), torch.device(device).type)
@@ -184,7 +185,7 @@ def measure_step_cpu(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepM
     baseline = psutil.Process().memory_info().rss
     torch.manual_seed(seed)
     set_matmul_precision(setup.precision)
-    model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision))
+    model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision)), setup)
     optimizer = make_optimizer(model, setup.optimizer)
     gen = torch.Generator().manual_seed(seed)
     stop, rss = threading.Event(), []
@@ -236,7 +237,7 @@ def measure_step_cuda(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> Step
     dev = torch.device("cuda")
     torch.manual_seed(seed)
     set_matmul_precision(setup.precision)
-    model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev)
+    model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev), setup)
     optimizer = make_optimizer(model, setup.optimizer)
     train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "cuda", check_finite=False)
     torch.cuda.synchronize()
@@ -275,7 +276,7 @@ def measure_step_mps(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepM
 
     dev = torch.device("mps")
     torch.manual_seed(seed)
-    model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev)
+    model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev), setup)
     optimizer = make_optimizer(model, setup.optimizer)
     train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "mps", check_finite=False)
     torch.mps.synchronize()
