@@ -67,11 +67,58 @@ def _layer_matrices(spec: ModelSpec) -> dict[str, int]:
     return {"qkv": h * _qkv_width(spec), "proj": h * h, "up": h * _up_width(spec), "down": spec.ffn * h}
 
 
+# ---- LoRA ------------------------------------------------------------------------------------
+
+def _matrix_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each block matrix."""
+    h = spec.hidden
+    return {"qkv": (h, _qkv_width(spec)), "proj": (h, h), "up": (h, _up_width(spec)), "down": (spec.ffn, h)}
+
+
+def lora_matrix_params(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
+    """One adapter on one block matrix (in → out): A (r × in) and B (out × r), r·(in + out);
+    0 if the matrix carries none (``trainer/lora.py``)."""
+    if matrix not in setup.lora:
+        return 0
+    fan_in, fan_out = _matrix_shapes(spec)[matrix]
+    return setup.lora_rank * (fan_in + fan_out)
+
+
+def lora_params(spec: ModelSpec, setup: TrainSetup) -> int:
+    """All adapters: layers × Σ over the targeted matrices of r·(in + out). 0 without LoRA."""
+    return spec.layers * sum(lora_matrix_params(spec, setup, m) for m in setup.lora)
+
+
+def lora_tensors(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Adapter parameter tensors (A and B per targeted matrix per block)."""
+    return 2 * spec.layers * len(setup.lora)
+
+
+def trainable_params(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Parameters that get gradients and optimizer state: all N, or under LoRA only the adapters."""
+    return lora_params(spec, setup) if setup.lora_rank else spec.params
+
+
+def lora_saved_bytes(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
+    """What one adapter saves for backward: x·Aᵀ (n·r·a, B's matmul input), plus under autocast
+    the bf16 copies of A and B (r·(in + out)·2, cached and saved); under selective checkpointing
+    also the adapter's output (x·Aᵀ)·Bᵀ (n·out·a: an mm output, which the policy keeps)."""
+    if matrix not in setup.lora:
+        return 0
+    saved = tokens(setup) * setup.lora_rank * act_bytes(setup)
+    if setup.mixed:
+        saved += lora_matrix_params(spec, setup, matrix) * LOWP_WEIGHT_BYTES
+    if setup.checkpointing == "selective":
+        saved += tokens(setup) * _matrix_shapes(spec)[matrix][1] * act_bytes(setup)
+    return saved
+
+
 # ---- weights, gradients, optimizer ---------------------------------------------------------
 
 def weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """All parameters in their storage dtype: N·p (fp32 master weights under mixed precision)."""
-    return spec.params * setup.param_bytes
+    """All parameters in their storage dtype: N·p (fp32 master weights under mixed precision),
+    plus LoRA's adapters (their parameters · p)."""
+    return (spec.params + lora_params(spec, setup)) * setup.param_bytes
 
 
 def rope_buffer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -94,8 +141,8 @@ def lowp_weight_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def gradient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """One gradient per parameter, in the parameter's dtype: N·p."""
-    return spec.params * setup.param_bytes
+    """One gradient per trainable parameter, in the parameter's dtype: N·p (LoRA: the adapters' only)."""
+    return trainable_params(spec, setup) * setup.param_bytes
 
 
 def layer_gradient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -121,12 +168,24 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     - sgd: momentum_buffer (N·p).
     - adamw8bit: two uint8 states per matrix element plus one fp32 absmax per 256-value block
       (bitsandbytes); norms and biases, under 4096 elements, keep fp32 states.
+
+    Under LoRA only the adapters have state (frozen weights have none); 8-bit states for
+    adapter matrices of 4096 elements and more, fp32 below.
     """
-    n = spec.params
+    n = trainable_params(spec, setup)
+    n_tensors = lora_tensors(spec, setup) if setup.lora_rank else spec.n_tensors
     if setup.optimizer in ("adamw", "adamw-fused"):
-        return ADAMW_STATES_PER_PARAM * n * setup.param_bytes + spec.n_tensors * ADAM_STEP_BYTES
+        return ADAMW_STATES_PER_PARAM * n * setup.param_bytes + n_tensors * ADAM_STEP_BYTES
     if setup.optimizer == "sgd":
         return SGD_STATES_PER_PARAM * n * setup.param_bytes
+    if setup.lora_rank:
+        total = n_tensors * ADAM_STEP_BYTES
+        for m in setup.lora:
+            fan_in, fan_out = _matrix_shapes(spec)[m]
+            for elems in (setup.lora_rank * fan_in, setup.lora_rank * fan_out):
+                per = (elems + -(-elems // BNB_BLOCK) * FP32_BYTES) if elems >= 4096 else elems * FP32_BYTES
+                total += spec.layers * ADAMW_STATES_PER_PARAM * per
+        return total
     big = decay_params(spec)
     quantised = ADAMW_STATES_PER_PARAM * (big + -(-big // BNB_BLOCK) * FP32_BYTES)
     return quantised + ADAMW_STATES_PER_PARAM * (n - big) * FP32_BYTES + spec.n_tensors * ADAM_STEP_BYTES
@@ -139,10 +198,10 @@ def optimizer_temporary_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     (``torch._foreach_sqrt``): one parameter-sized temporary of the largest group, the
     weight-decay group. foreach SGD adds ``weight_decay·param`` to the gradients out of place
     (``torch._foreach_add``), the same size. The fused AdamW kernel and bitsandbytes' 8-bit
-    kernel update in place: 0.
+    kernel update in place: 0. Under LoRA the group is the adapters (all matrices).
     """
     if setup.optimizer in ("adamw", "sgd"):
-        return decay_params(spec) * setup.param_bytes
+        return (lora_params(spec, setup) if setup.lora_rank else decay_params(spec)) * setup.param_bytes
     return 0
 
 
@@ -298,9 +357,10 @@ def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool =
     """What one block holds between its forward and its backward, by checkpointing mode."""
     if setup.checkpointing == "full":
         return block_input_bytes(spec, setup)
+    adapters = sum(lora_saved_bytes(spec, setup, m) for m in setup.lora)
     if setup.checkpointing == "selective":
-        return block_input_bytes(spec, setup) + selective_kept_bytes(spec, setup)
-    return sum(layer_activation_terms(spec, setup, gqa_repeat).values())
+        return block_input_bytes(spec, setup) + selective_kept_bytes(spec, setup) + adapters
+    return sum(layer_activation_terms(spec, setup, gqa_repeat).values()) + adapters
 
 
 # ---- the loss ------------------------------------------------------------------------------
@@ -419,11 +479,28 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
         if setup.mixed:
             w.alloc("weights", m[matrix] * LOWP_WEIGHT_BYTES)
 
+    def adapter(matrix: str) -> None:
+        """LoRA on this matrix: x·Aᵀ and the adapter's output, added in place to the base output."""
+        if matrix not in setup.lora:
+            return
+        if setup.mixed and mode != "full":
+            w.alloc("weights", lora_matrix_params(spec, setup, matrix) * LOWP_WEIGHT_BYTES)
+        low = n * setup.lora_rank * a
+        out = n * _matrix_shapes(spec)[matrix][1] * a
+        w.alloc("activations", low)
+        w.alloc("temporaries", out)
+        w.free("temporaries", out)
+        if keep_outputs and not reuse:  # selective keeps both mm outputs
+            w.alloc("activations", out)
+        if mode == "full":
+            w.free("activations", low)
+
     w.where = "block forward: attention"
     norm_out = _norm_forward(w, spec, setup)
     drop(norm_stat_bytes(spec, setup), keep_all)
     weight_copy("qkv")
     qkv = make(qkv_output_bytes(spec, setup), reuse)
+    adapter("qkv")
     drop(norm_out, keep_all)
     q_rot = make(rotated_q_bytes(spec, setup))
     k_rot = make(rotated_k_bytes(spec, setup))
@@ -462,6 +539,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
         w.where = "block forward: output projection"
         weight_copy("proj")
     o = make(n * hidden * a, reuse)  # out-projection output
+    adapter("proj")
     if setup.attention == "sdpa":
         drop(proj_in, keep_all or keep_outputs)
     else:
@@ -473,6 +551,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
     drop(norm_stat_bytes(spec, setup), keep_all)
     weight_copy("up")
     up = make(mlp_up_bytes(spec, setup), reuse)
+    adapter("up")
     drop(norm_out, keep_all)
     inner = make(mlp_inner_bytes(spec, setup))  # silu(gate), or gelu(up)
     if spec.mlp == "swiglu":
@@ -483,6 +562,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
             w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
         return
     d = make(n * hidden * a)  # down-projection output
+    adapter("down")
     make(n * hidden * r)  # the block's output
     drop(d, keep_outputs)
     drop(x_mid, keep_all and not spec.parallel_residual)
@@ -490,13 +570,63 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
     drop(up, keep_all or keep_outputs)
 
 
+def _lora_linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: str, weight_elems: int,
+                          grad_in_bytes: int, saved_input_bytes: int, input_grad_bytes: int, input_cast: bool,
+                          needs_input_grad: bool) -> None:
+    """A frozen matmul with (or without) an adapter, backward. The adapter first (autograd runs
+    the later-recorded branch first): B's input gradient (n·r) and weight gradient (out·r), then
+    A's (n·in, summed with the base's) and A's weight gradient (r·in); the base matmul gives only
+    its input's gradient (its weight is frozen). No input gradient at all where nothing before
+    needs one (the first block's qkv: the embedding and norm below are frozen)."""
+    a, p, n, rank = act_bytes(setup), setup.param_bytes, tokens(setup), setup.lora_rank
+
+    def weight_grad(elems: int) -> None:
+        w.alloc("temporaries", elems * a)
+        if setup.mixed:
+            w.free("weights", elems * LOWP_WEIGHT_BYTES)
+            w.alloc("temporaries", elems * FP32_BYTES)
+            w.free("temporaries", elems * a)
+        w.free("temporaries", elems * p)
+        if setup.grad_accum == 1:
+            w.alloc("gradients", elems * p)
+
+    adapted = matrix in setup.lora
+    if adapted:
+        fan_in, fan_out = _matrix_shapes(spec)[matrix]
+        low = n * rank * a
+        w.alloc("temporaries", low)  # gradient of x·Aᵀ
+        weight_grad(fan_out * rank)
+        w.free("activations", low)
+        if needs_input_grad:
+            w.alloc("temporaries", input_grad_bytes)
+        weight_grad(rank * fan_in)
+        w.free("temporaries", low)
+    if needs_input_grad:
+        w.alloc("temporaries", input_grad_bytes)  # the base's input gradient
+        if adapted:  # ... summed with the adapter's
+            w.alloc("temporaries", input_grad_bytes)
+            w.free("temporaries", 2 * input_grad_bytes)
+    w.free("activations", saved_input_bytes)
+    w.free("temporaries", grad_in_bytes)
+    if setup.mixed:
+        w.free("weights", weight_elems * LOWP_WEIGHT_BYTES)
+        if input_cast and needs_input_grad:
+            w.alloc("temporaries", input_grad_bytes // a * FP32_BYTES)
+            w.free("temporaries", input_grad_bytes)
+
+
 def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_elems: int, grad_in_bytes: int,
-                     saved_input_bytes: int, input_grad_bytes: int, input_cast: bool) -> None:
+                     saved_input_bytes: int, input_grad_bytes: int, input_cast: bool, matrix: str = "",
+                     needs_input_grad: bool = True) -> None:
     """A matmul's backward: the input's gradient and the weight's gradient, then the saved input
     and the weight copy are released. Under autocast the weight gradient is computed in bf16
     and cast to fp32 (and, if the input was cast from fp32, the input gradient too). With
     gradient accumulation the new weight gradient is added into ``.grad`` and freed; otherwise
-    it becomes ``.grad``."""
+    it becomes ``.grad``. Under LoRA: ``_lora_linear_backward``."""
+    if setup.lora_rank:
+        _lora_linear_backward(w, spec, setup, matrix, weight_elems, grad_in_bytes, saved_input_bytes,
+                              input_grad_bytes, input_cast, needs_input_grad)
+        return
     a = act_bytes(setup)
     w.alloc("temporaries", input_grad_bytes)
     w.alloc("temporaries", weight_elems * a)
@@ -539,7 +669,7 @@ def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_byt
 
 
 def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int,
-                    gqa_repeat: bool = False) -> int:
+                    gqa_repeat: bool = False, first: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
     to the gradient of its input (returned, live). Releases everything the block saved."""
     n, hidden, a, ffn = tokens(setup), spec.hidden, act_bytes(setup), spec.ffn
@@ -554,7 +684,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
     # down: input gradient n·F·a
-    _linear_backward(w, spec, setup, m["down"], g_branch if branch_cast else 0, inner, inner, input_cast=False)
+    _linear_backward(w, spec, setup, m["down"], g_branch if branch_cast else 0, inner, inner, input_cast=False,
+                     matrix="down")
     if spec.mlp == "swiglu":
         w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
         w.free("temporaries", inner)  # the product's gradient
@@ -569,7 +700,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", inner)
         w.free("activations", mlp_up_bytes(spec, setup))
     _linear_backward(w, spec, setup, m["up"], mlp_up_bytes(spec, setup), norm_output_bytes(spec, setup),
-                     n * hidden * a, input_cast=setup.mixed)
+                     n * hidden * a, input_cast=setup.mixed, matrix="up")
     w.where = "block backward: norm"
     g_norm = n * hidden * (FP32_BYTES if setup.mixed else a)
     part = _norm_backward(w, spec, setup, g_norm)
@@ -588,7 +719,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.alloc("temporaries", g_branch)
     proj_saved = attention_output_copy_bytes(spec, setup) if setup.attention == "eager" else 0
     _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * hidden * a,
-                     input_cast=False)
+                     input_cast=False, matrix="proj")
     dq, dkv = n * hidden * a, n * spec.kv_dim * a
     repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
     if setup.attention == "sdpa" and repeated:
@@ -631,8 +762,12 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", dq)
     w.alloc("temporaries", qkv_output_bytes(spec, setup))  # the three gradients concatenated
     w.free("temporaries", dq + 2 * dkv)
+    frozen_below = bool(setup.lora_rank) and first  # LoRA: nothing below the first block's qkv trains
     _linear_backward(w, spec, setup, m["qkv"], qkv_output_bytes(spec, setup), norm_output_bytes(spec, setup),
-                     n * hidden * a, input_cast=setup.mixed)
+                     n * hidden * a, input_cast=setup.mixed, matrix="qkv", needs_input_grad=not frozen_below)
+    if frozen_below:  # the block input and norm statistics were never saved (see _walk_step)
+        w.free("temporaries", pending + grad_bytes)
+        return 0
     w.where = "block backward: norm"
     part = _norm_backward(w, spec, setup, g_norm)
     w.free("activations", n * hidden * r)  # the block input, saved by the first norm
@@ -652,7 +787,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     accum = setup.grad_accum > 1
     ckpt = setup.checkpointing != "none"
     mode = setup.checkpointing
-    vh_grad = head_weight_grad_bytes(spec, setup)
+    vh_grad = head_weight_grad_bytes(spec, setup) if not setup.lora_rank else 0  # LoRA: the head is frozen
+    lora = bool(setup.lora_rank)
 
     # persistent state
     w.alloc("weights", weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup), "start of step")
@@ -675,7 +811,9 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     # what each earlier block left alive: its saved tensors (its input included) and, under
     # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
     stored = saved_per_layer_bytes(spec, setup, gqa_repeat) - (lowp if not ckpt else 0)
-    w.alloc("activations", (spec.layers - 1) * stored)
+    # LoRA without checkpointing: the first block's norm saves nothing (its input and weight are frozen)
+    first_unsaved = (n * hidden * r + norm_stat_bytes(spec, setup)) if lora and mode == "none" and spec.layers > 1 else 0
+    w.alloc("activations", (spec.layers - 1) * stored - first_unsaved)
     w.alloc("weights", (spec.layers - 1) * lowp)
     _block_forward(w, spec, setup, mode, gqa_repeat)
     w.where = "forward: final norm and LM head"
@@ -683,6 +821,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     if setup.mixed:
         w.alloc("weights", spec.vocab * hidden * LOWP_WEIGHT_BYTES)
     w.alloc("logits", logits_bytes(spec, setup))
+    if lora:  # the head's weight is frozen: its input is not saved
+        w.free("activations", head_in)
     if ckpt and setup.mixed:  # leaving autocast frees the cached copies nothing saved
         w.free("weights", spec.layers * layer_lowp_weight_bytes(spec, setup))
     w.where = "forward: loss"
@@ -704,16 +844,18 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
         w.alloc("logits", logits_bytes(spec, setup))
         w.free("logits", fp32_logits_bytes(spec, setup))
     w.where = "backward: LM head"
+    head_grad = spec.vocab * hidden if not lora else 0
     w.alloc("temporaries", n * hidden * a)  # input gradient
-    w.alloc("temporaries", spec.vocab * hidden * a)  # weight gradient in the compute dtype
-    w.free("activations", head_in)
+    w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
+    if not lora:
+        w.free("activations", head_in)
     w.free("logits", logits_bytes(spec, setup) if a != FP32_BYTES else fp32_logits_bytes(spec, setup))
     if setup.mixed:
         w.free("weights", spec.vocab * hidden * LOWP_WEIGHT_BYTES)
         w.alloc("temporaries", n * hidden * FP32_BYTES)  # the norm output's cast, backward
         w.free("temporaries", n * hidden * a)
-        w.alloc("temporaries", spec.vocab * hidden * FP32_BYTES)
-        w.free("temporaries", spec.vocab * hidden * a)
+        w.alloc("temporaries", head_grad * FP32_BYTES)
+        w.free("temporaries", head_grad * a)
     w.free("temporaries", vh_grad)
     if not accum or spec.tied:  # tied: waits in autograd's buffer for the embedding's gradient
         w.alloc("gradients", vh_grad)
@@ -727,7 +869,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
             w.where = f"backward: recomputing the {which} block"
             _block_forward(w, spec, setup, "recompute", gqa_repeat)
         w.mark(f"start of the {which} block's backward")
-        grad = _block_backward(w, spec, setup, grad, gqa_repeat)
+        grad = _block_backward(w, spec, setup, grad, gqa_repeat, first=which == "first" and bool(first_unsaved))
         if setup.checkpointing == "selective":  # kept outputs the recomputation never reached
             w.free("activations", n * hidden * a)  # the down-projection's
         return grad
@@ -740,39 +882,44 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
         if not ckpt:  # (checkpointed blocks make and free their copies in their own backward)
             w.free("weights", middle * lowp)
         if not accum:
-            w.alloc("gradients", middle * sum(_layer_matrices(spec).values()) * setup.param_bytes)
+            trained = sum(lora_matrix_params(spec, setup, mm) for mm in setup.lora) if lora \
+                else sum(_layer_matrices(spec).values())
+            w.alloc("gradients", middle * trained * setup.param_bytes)
     # ---- the first block, with almost every gradient present
     if spec.layers > 1:
         grad = block_backward(grad, "first")
     # norm weights (and biases) of every block, which _block_backward did not add
-    if not accum:
+    if not accum and not lora:  # (LoRA: norms and biases are frozen)
         vectors = spec.layer_params - sum(_layer_matrices(spec).values())
         w.alloc("gradients", spec.layers * vectors * setup.param_bytes + spec.norm_params * setup.param_bytes)
 
-    # ---- backward: embeddings
+    # ---- backward: embeddings (frozen under LoRA: nothing to do)
     w.where = "backward: embedding"
-    if spec.pos == "learned":
-        pos_grad = spec.max_positions * hidden * setup.param_bytes
-        w.alloc("temporaries", setup.ctx * hidden * r)  # summed over the batch
-        w.alloc("gradients" if not accum else "temporaries", pos_grad)
-        w.free("temporaries", setup.ctx * hidden * r)
-        if accum:
-            w.free("temporaries", pos_grad)
-    w.alloc("temporaries", vh_grad)  # embedding_dense_backward
-    w.free("temporaries", grad)
-    if spec.tied:
-        w.alloc("temporaries", vh_grad)  # head + embedding, summed out of place
-        w.free("temporaries", vh_grad)
-        w.free("gradients", vh_grad)  # the head's part, from autograd's buffer
-        if accum:
-            w.free("temporaries", vh_grad)  # added into .grad
-        else:
-            w.alloc("gradients", vh_grad)
-            w.free("temporaries", vh_grad)
+    if lora:
+        w.free("temporaries", grad)
     else:
-        w.free("temporaries", vh_grad)
-        if not accum:
-            w.alloc("gradients", vh_grad)
+        if spec.pos == "learned":
+            pos_grad = spec.max_positions * hidden * setup.param_bytes
+            w.alloc("temporaries", setup.ctx * hidden * r)  # summed over the batch
+            w.alloc("gradients" if not accum else "temporaries", pos_grad)
+            w.free("temporaries", setup.ctx * hidden * r)
+            if accum:
+                w.free("temporaries", pos_grad)
+        w.alloc("temporaries", vh_grad)  # embedding_dense_backward
+        w.free("temporaries", grad)
+        if spec.tied:
+            w.alloc("temporaries", vh_grad)  # head + embedding, summed out of place
+            w.free("temporaries", vh_grad)
+            w.free("gradients", vh_grad)  # the head's part, from autograd's buffer
+            if accum:
+                w.free("temporaries", vh_grad)  # added into .grad
+            else:
+                w.alloc("gradients", vh_grad)
+                w.free("temporaries", vh_grad)
+        else:
+            w.free("temporaries", vh_grad)
+            if not accum:
+                w.alloc("gradients", vh_grad)
     w.free("activations", rope_cast_bytes(spec, setup) + causal_mask_bytes(spec, setup))
     w.mark("end of backward")
 
