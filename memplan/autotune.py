@@ -381,8 +381,11 @@ def _validate(spec: ModelSpec, ctx: int, global_batch_tokens, global_batch, budg
 
 def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: int | None = None,
              global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
-             tokens: int | None = None, world_size: int = 1) -> AutotuneResult:
+             tokens: int | None = None, world_size: int = 1, lora_rank: int = 0,
+             lora_targets: str = "qkv,proj,up,down") -> AutotuneResult:
     """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
+
+    ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
 
     ``global_batch_tokens`` or ``global_batch`` (sequences, all processes) fixes micro_batch ·
     grad_accum · ctx · world_size; with neither, ``default_global_batch_tokens(spec)``. ``budget_bytes``
@@ -419,7 +422,8 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
                     for compiled in compiles:
                         base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
                                           attention=attention, checkpointing=checkpointing, optimizer=optimizer,
-                                          world_size=world_size, sharding=sharding, compile=compiled)
+                                          world_size=world_size, sharding=sharding, compile=compiled,
+                                          lora_rank=lora_rank, lora_targets=lora_targets)
 
                         def at(m: int, base=base) -> TrainSetup:
                             return base.replace(micro_batch=m, grad_accum=per // m)

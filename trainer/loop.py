@@ -382,11 +382,10 @@ class Trainer:
         set_matmul_precision(self.setup.precision)
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
         torch.manual_seed(config.seed)
-        self.model = build_model(plan.model, self.setup.attention, self.setup.checkpointing,
-                                 param_dtype(self.setup.precision), device=self.device)
+        self.model = self._build_model()
         self.optimizer = self._make_optimizer()
         self.scaler = self._make_scaler()
-        self.stream = TrainStream(data, batch=self.setup.micro_batch, ctx=self.setup.ctx, seed=config.seed)
+        self.stream = self._make_stream(self.setup.micro_batch)
         self.step_model = torch.compile(self.model) if self.setup.compile else self.model
         self.monitor = MemoryMonitor(self.device)
         self.predicted = predicted_for(plan, profile)
@@ -447,6 +446,15 @@ class Trainer:
         if config.verify_data:
             data.verify()
         return cls(run_dir, saved_plan, data, config, profile, device, ref)
+
+    def _build_model(self):
+        """The model to train (finetuning builds it from a trained run instead: trainer/finetune.py)."""
+        return build_model(self.plan.model, self.setup.attention, self.setup.checkpointing,
+                           param_dtype(self.setup.precision), device=self.device)
+
+    def _make_stream(self, micro_batch: int):
+        """The training batches, resumable (finetuning streams its examples instead)."""
+        return TrainStream(self.data, batch=micro_batch, ctx=self.setup.ctx, seed=self.config.seed)
 
     def _make_optimizer(self):
         return make_optimizer(self.model, self.setup.optimizer, lr=self.config.lr,
@@ -755,7 +763,7 @@ class Trainer:
         self.plan = dataclasses.replace(self.plan, setup=self.setup)
         self.predicted = predicted_for(self.plan, self.profile)
         self.flops_per_step = model_flops_per_step(self.plan)
-        stream = TrainStream(self.data, batch=new_micro, ctx=self.setup.ctx, seed=self.config.seed)
+        stream = self._make_stream(new_micro)
         stream.load_state_dict(data_state)  # the same windows, in the same order, in smaller pieces
         self.stream = stream
         if self.scaler is not None:  # a step cut short may have left the scaler mid-step
@@ -1052,7 +1060,14 @@ def load_trained(run_dir: str | Path, device=None, checkpoint: str | Path | None
     plan = Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE))
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_model(plan.model, plan.setup.attention, "none", param_dtype(plan.setup.precision), device=device)
+    if plan.setup.lora_rank:  # a LoRA finetune: its adapters, folded into the weights once loaded
+        from trainer.lora import apply_lora, merge_lora
+
+        lora = meta.get("finetune", {}).get("lora", {})
+        apply_lora(model, plan.setup.lora_rank, float(lora.get("alpha", 16.0)), plan.setup.lora)
     ckpt.load_weights(model, ckpt.read_weights(path / ckpt.MODEL_FILE), str(path / ckpt.MODEL_FILE))
+    if plan.setup.lora_rank:
+        merge_lora(model)
     model.eval()
     tok = meta.get("tokenizer", {})
     if tok.get("kind") == "tiktoken":

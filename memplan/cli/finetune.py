@@ -1,0 +1,170 @@
+"""``memplan finetune``: supervised finetuning of a trained run on JSONL instructions, fully or with LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from memplan.cli import app
+from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, OptimizerOpt,
+                                 device_from)
+from memplan.errors import InputError
+
+RunOpt = Annotated[str, typer.Option("--run", help="The trained run to start from (its newest checkpoint).")]
+DataOpt = Annotated[str, typer.Option(
+    "--data", help='JSONL, one example a line: {"prompt": ..., "response": ...} or {"messages": [{"role": '
+                   '"system"|"user"|"assistant", "content": ...}, ...]}. The loss is on the responses only.')]
+OutOpt = Annotated[str, typer.Option("--out", help="The finetune's run directory (checkpoints, metrics, report).")]
+LoraRankOpt = Annotated[int, typer.Option("--lora-rank", help="LoRA rank; 0 finetunes every weight.")]
+LoraAlphaOpt = Annotated[float, typer.Option("--lora-alpha", help="LoRA scale numerator: updates are B·A·alpha/rank.")]
+LoraTargetsOpt = Annotated[str, typer.Option(
+    "--lora-targets", help="The block matrices that get adapters: all, or a comma-separated subset of qkv, proj, "
+                           "up, down.")]
+TemplateOpt = Annotated[str, typer.Option(
+    "--template", help="chat: '### User:\\n{prompt}\\n\\n### Assistant:\\n{response}' (prompt the finetuned model "
+                       "the same way); plain: prompt and response as they are.")]
+PackingOpt = Annotated[str, typer.Option(
+    "--packing", help="packed: examples back to back in rows of --ctx tokens; padded: one example a row.")]
+FtCtxOpt = Annotated[Optional[str], typer.Option("--ctx", help="Context of a row; default: the base run's.",
+                                                 show_default=False)]
+FtBatchOpt = Annotated[Optional[str], typer.Option(
+    "--batch", help="Micro-batch; default: autotuned (with --grad-accum) for the device and the LoRA setup.",
+    show_default=False)]
+FtAccumOpt = Annotated[Optional[str], typer.Option("--grad-accum", help="Micro-batches per step (with --batch).",
+                                                   show_default=False)]
+FtPrecisionOpt = Annotated[Optional[str], typer.Option(
+    "--precision", help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16; default: the base run's.", show_default=False)]
+GlobalBatchOpt = Annotated[Optional[str], typer.Option(
+    "--global-batch-tokens", help="Tokens per optimizer step for autotune; default 8 rows of --ctx.",
+    show_default=False)]
+BudgetOpt = Annotated[Optional[str], typer.Option("--budget", help="Memory budget for autotune (e.g. 6GiB).",
+                                                  show_default=False)]
+MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Optimizer steps; default: one epoch.",
+                                                    show_default=False)]
+LrOpt = Annotated[Optional[float], typer.Option(
+    "--lr", help="Peak learning rate; default 2e-4 with LoRA, 3e-5 for a full finetune.", show_default=False)]
+SaveEveryOpt = Annotated[Optional[int], typer.Option("--save-every", help="Steps between checkpoints.",
+                                                     show_default=False)]
+EvalEveryOpt = Annotated[Optional[int], typer.Option("--eval-every", help="Steps between held-out evaluations.",
+                                                     show_default=False)]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Adapter initialisation and data order.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the finetune in --out from its newest checkpoint.")]
+
+
+@app.command("finetune")
+def finetune_command(
+    run: RunOpt, data: DataOpt, out: OutOpt, lora_rank: LoraRankOpt = 0, lora_alpha: LoraAlphaOpt = 16.0,
+    lora_targets: LoraTargetsOpt = "all", template: TemplateOpt = "chat", packing: PackingOpt = "packed",
+    ctx: FtCtxOpt = None, batch: FtBatchOpt = None, grad_accum: FtAccumOpt = None, precision: FtPrecisionOpt = None,
+    attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
+    global_batch_tokens: GlobalBatchOpt = None, budget: BudgetOpt = None, max_steps: MaxStepsOpt = None,
+    lr: LrOpt = None, save_every: SaveEveryOpt = None, eval_every: EvalEveryOpt = None, seed: SeedOpt = 0,
+    resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+) -> None:
+    """Finetune a trained run on instructions (loss on the responses only), with LoRA or every weight; planned,
+    checkpointed and resumable like `memplan train`."""
+    from rich.console import Console
+
+    from memplan.plan import Plan
+    from memplan.setup import TrainSetup
+    from memplan.units import format_bytes, parse_count, parse_size
+
+    console = Console()
+    profile = device_from(device, device_memory)
+    out_dir = Path(out)
+    if lora_rank < 0:
+        raise InputError(f"--lora-rank: {lora_rank} must be 0 (full finetune) or a positive integer")
+    from trainer import checkpoint as ckpt
+    from trainer.finetune import FinetuneTrainer, base_of, load_sft
+    from trainer.lora import parse_targets
+    from trainer.loop import CHECKPOINT_DIR, TrainConfig
+
+    targets = ",".join(parse_targets(lora_targets))
+    if resume:
+        ref = ckpt.latest_checkpoint(out_dir / CHECKPOINT_DIR)
+        if ref is None:
+            raise InputError(f"--resume: {out_dir / CHECKPOINT_DIR} holds no checkpoint to resume from")
+        meta = ckpt.verify_checkpoint(ref.path)
+        ft = meta.get("finetune")
+        if not ft:
+            raise InputError(f"--resume: {out_dir} is a training run, not a finetune; resume it with memplan train")
+        plan = Plan.from_dict(meta["plan"], str(ref.path / ckpt.META_FILE))
+        _, tokenizer, tok, _ = base_of(run)
+        if tok.get("sha256") != meta.get("tokenizer_sha256"):
+            raise InputError(f"--run {run}: its tokenizer is not the one {out_dir} was finetuned with")
+        sft = load_sft(data, tokenizer, tok, ctx=plan.setup.ctx, template=ft["template"], packing=ft["packing"],
+                       base_checkpoint=Path(ft["base_checkpoint"]), base_run=Path(ft["base_run"]),
+                       lora_alpha=float((ft.get("lora") or {}).get("alpha", lora_alpha)))
+        if sft.sha256 != ft["data_sha256"]:
+            raise InputError(f"--data {data}: not the file {out_dir} was finetuned on (sha256 differs); resume with "
+                             "the same data")
+        overrides = {k: v for k, v in {"max_steps": max_steps, "save_every": save_every,
+                                       "eval_every": eval_every}.items() if v is not None}
+        trainer = FinetuneTrainer.resume(out_dir, sft, profile, overrides=overrides)
+    else:
+        base_plan, tokenizer, tok, base_ckpt = base_of(run)
+        ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx else base_plan.setup.ctx
+        sft = load_sft(data, tokenizer, tok, ctx=ctx_n, template=template, packing=packing, base_checkpoint=base_ckpt,
+                       base_run=Path(run), lora_alpha=lora_alpha)
+        spec = base_plan.model
+        prec = precision or base_plan.setup.precision
+        if batch is not None:
+            setup = TrainSetup(ctx=ctx_n, micro_batch=parse_count(batch, "--batch"),
+                               grad_accum=parse_count(grad_accum, "--grad-accum") if grad_accum else 1,
+                               precision=prec, attention=attention, checkpointing=checkpointing,
+                               optimizer=optimizer, lora_rank=lora_rank, lora_targets=targets)
+        else:
+            if grad_accum is not None:
+                raise InputError("--grad-accum goes with --batch; without --batch autotune picks both")
+            from memplan.autotune import autotune
+
+            rows = 8 * ctx_n
+            tokens_per_step = parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else rows
+            result = autotune(spec, profile, ctx=ctx_n, global_batch_tokens=tokens_per_step,
+                              budget_bytes=parse_size(budget, "--budget") if budget else None,
+                              lora_rank=lora_rank, lora_targets=targets)
+            if result.plan is None:
+                raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx_n}"
+                                 + (" with LoRA" if lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
+                                 "--checkpointing full")
+            setup = result.plan.setup
+        plan = Plan(model=spec, setup=setup, device=profile.name)
+        from memplan.estimate import memory_on
+
+        predicted = memory_on(spec, setup, profile)
+        plan = Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes,
+                    predicted={"peak_reserved": predicted.peak_reserved, "peak_allocated": predicted.peak_allocated})
+        config = TrainConfig(max_steps=max_steps, lr=lr if lr is not None else (2e-4 if lora_rank else 3e-5),
+                             weight_decay=0.0 if lora_rank else 0.1, save_every=save_every, eval_every=eval_every,
+                             seed=seed)
+        trainer = FinetuneTrainer.start(out_dir, plan, sft, config, profile)
+        s = sft.stats
+        console.print(f"[bold]Data[/]   {s['examples']} examples ({s['train_examples']} train, {s['val_examples']} "
+                      f"held out), {s['train_rows']} {sft.packing} rows of {ctx_n} tokens, {s['response_tokens']:,} "
+                      f"response tokens trained" + (f"; {s['truncated']} cut to --ctx" if s["truncated"] else "")
+                      + (f"; {s['dropped']} dropped (no response left)" if s["dropped"] else ""))
+        what = (f"LoRA rank {lora_rank} (alpha {lora_alpha:g}) on {targets}" if lora_rank else "every weight")
+        console.print(f"[bold]Tuning[/] {what}; predicted peak {format_bytes(predicted.peak_reserved)} of "
+                      f"{format_bytes(profile.usable_bytes)}")
+    _run(console, trainer, out_dir)
+
+
+def _run(console, trainer, out_dir: Path) -> None:
+    from memplan.cli.train import _print_plan, _print_summary, _ProgressView
+    from trainer.loop import TrainingStopped
+
+    _print_plan(trainer, console)
+    view = _ProgressView(console, trainer)
+    trainer.on_event(view.update)
+    try:
+        with view:
+            summary = trainer.run()
+    except TrainingStopped as e:
+        console.print(f"[red]memplan: finetuning stopped[/]: {e}", soft_wrap=True)
+        console.print(f"Report: {out_dir / 'report.html'}")
+        raise typer.Exit(1)
+    _print_summary(trainer, summary, console)
+    if trainer.stop_signal is not None:
+        raise typer.Exit(128 + trainer.stop_signal)

@@ -1,0 +1,359 @@
+"""Supervised finetuning of a trained run on instruction data: what ``memplan finetune`` runs.
+
+Data: a JSONL file, one example per line, in either form
+
+- ``{"prompt": "...", "response": "..."}``
+- ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``
+
+Each example is rendered with a template and tokenized with the base run's own tokenizer. The loss
+is on the responses only: every prompt token (system and user turns, the role headers) gets the
+label -100, which ``trainer.model.lm_loss`` ignores. The ``chat`` template (the default) writes
+
+    ### User:\\n{prompt}\\n\\n### Assistant:\\n{response}<end-of-text>
+
+(``### System:`` for a system turn), so prompt a finetuned model the same way (``memplan generate
+--prompt "### User:\\n...\\n\\n### Assistant:\\n"``). ``plain`` concatenates prompt and response
+as they are. Every example ends with the end-of-text token, labelled, so the model learns to stop.
+
+Batches are ``packed`` (examples one after another, cut into rows of ctx + 1 tokens: no padding,
+an example may straddle two rows) or ``padded`` (one example per row, right-padded with the
+end-of-text token, whose labels are -100). An example longer than the context is cut to it; one
+with no response token left is dropped (both counted in ``SFTData.stats``). Every tenth example
+is held out for the evaluation loss (responses only).
+
+Training reuses ``trainer.loop.Trainer`` whole (schedule, logging, atomic checkpoints, resume,
+the report): ``FinetuneTrainer`` only builds its model from the base run's newest checkpoint
+(with LoRA adapters if the plan has ``lora_rank`` > 0, ``trainer/lora.py``), streams these rows
+instead of a prepared corpus, and evaluates on the held-out examples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memplan.errors import InputError
+from memplan.plan import Plan
+from trainer import checkpoint as ckpt
+from trainer.loop import CHECKPOINT_DIR, Trainer, _ppl
+from trainer.lora import DEFAULT_ALPHA, apply_lora
+from trainer.model import apply_checkpointing, build_model, lm_loss
+from trainer.step import autocast, param_dtype
+
+IGNORE = -100
+TEMPLATES = ("chat", "plain")
+PACKINGS = ("packed", "padded")
+HEADERS = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
+VAL_EVERY = 10  # every tenth example is held out
+
+
+def render(example: dict, template: str) -> list[tuple[str, bool]]:
+    """An example as (text, trained) pieces in order; ``trained`` marks response text."""
+    if "messages" in example:
+        pieces = []
+        for m in example["messages"]:
+            role, content = m["role"], m["content"]
+            if template == "chat":
+                pieces.append((HEADERS[role], False))
+                pieces.append((content, role == "assistant"))
+                pieces.append(("\n\n", role == "assistant"))
+            else:
+                pieces.append((content, role == "assistant"))
+        if template == "chat" and pieces:
+            pieces.pop()  # no separator after the last turn: the end-of-text token follows
+        return pieces
+    if template == "chat":
+        return [(f"{HEADERS['user']}{example['prompt']}\n\n{HEADERS['assistant']}", False), (example["response"], True)]
+    return [(example["prompt"], False), (example["response"], True)]
+
+
+def prompt_text(example: dict, template: str) -> str:
+    """The text a finetuned model is prompted with for this example: everything before its first response."""
+    out = []
+    for text, trained in render(example, template):
+        if trained:
+            break
+        out.append(text)
+    return "".join(out)
+
+
+def _check_example(obj, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: each line must be a JSON object with prompt/response or messages")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise InputError(f"{where}: messages must be a non-empty list")
+        for m in msgs:
+            if not isinstance(m, dict) or m.get("role") not in HEADERS or not isinstance(m.get("content"), str):
+                raise InputError(f"{where}: each message needs a role ({', '.join(HEADERS)}) and a string content")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise InputError(f"{where}: the conversation has no assistant message to learn")
+        return obj
+    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+        return obj
+    raise InputError(f"{where}: expected keys prompt and response (strings) or messages (accepted forms: "
+                     '{"prompt": ..., "response": ...} or {"messages": [{"role": ..., "content": ...}]})')
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The examples of a JSONL file, each checked; a bad line is an InputError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--data: no such file {str(path)!r} (a JSONL file of prompt/response or messages)")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"--data {path}: line {i} is not JSON ({e.msg})") from None
+            examples.append(_check_example(obj, f"--data {path}: line {i}"))
+    if not examples:
+        raise InputError(f"--data {path}: holds no examples")
+    return examples
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    trained: list[bool]  # per token: part of a response (its prediction is trained)
+
+
+def tokenize(example: dict, tokenizer, template: str) -> Example:
+    ids, trained = [], []
+    for text, is_response in render(example, template):
+        piece = tokenizer.encode(text) if text else []
+        ids += piece
+        trained += [is_response] * len(piece)
+    ids.append(tokenizer.eot_id)
+    trained.append(True)
+    return Example(ids, trained)
+
+
+def _rows(examples: list[Example], ctx: int, packing: str, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, ctx + 1) token ids and targets-mask rows; the inputs are row[:-1], the targets row[1:]."""
+    if not examples:
+        return torch.zeros((0, ctx + 1), dtype=torch.long), torch.zeros((0, ctx + 1), dtype=torch.bool)
+    if packing == "padded":
+        ids = torch.full((len(examples), ctx + 1), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(examples), ctx + 1), dtype=torch.bool)
+        for i, e in enumerate(examples):
+            ids[i, :len(e.ids)] = torch.tensor(e.ids)
+            mask[i, :len(e.trained)] = torch.tensor(e.trained)
+        return ids, mask
+    flat = torch.tensor([t for e in examples for t in e.ids], dtype=torch.long)
+    flags = torch.tensor([t for e in examples for t in e.trained], dtype=torch.bool)
+    rows = max(1, math.ceil((len(flat) - 1) / ctx))
+    ids = torch.full((rows, ctx + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, ctx + 1), dtype=torch.bool)
+    for r in range(rows):  # rows overlap by one token: the last target of a row is the next row's first input
+        chunk = flat[r * ctx: r * ctx + ctx + 1]
+        ids[r, :len(chunk)] = chunk
+        mask[r, :len(chunk)] = flags[r * ctx: r * ctx + ctx + 1]
+    return ids, mask
+
+
+def batch_of(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of rows: targets are the next tokens, -100 where they are not a response's."""
+    x = ids[:, :-1].contiguous()
+    y = torch.where(mask[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE))
+    return x, y
+
+
+@dataclass
+class SFTData:
+    """Finetuning data, tokenized with the base run's tokenizer; offers what ``Trainer`` asks of prepared data."""
+
+    path: Path
+    tokenizer: object
+    manifest: dict  # {"tokenizer": the base run's tokenizer record}
+    template: str
+    packing: str
+    ctx: int
+    train_ids: torch.Tensor
+    train_mask: torch.Tensor
+    val_ids: torch.Tensor
+    val_mask: torch.Tensor
+    sha256: str
+    prompts: list[str]
+    base_checkpoint: Path
+    base_run: Path
+    lora_alpha: float = DEFAULT_ALPHA
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens in the training rows (each row counts ctx inputs)."""
+        return int(self.train_ids.shape[0]) * self.ctx
+
+    @property
+    def source_names(self) -> list[str]:
+        return [self.path.name]
+
+    def verify(self) -> None:
+        """The JSONL file is still the one that was read."""
+        if hashlib.sha256(self.path.read_bytes()).hexdigest() != self.sha256:
+            raise InputError(f"--data {self.path}: changed while it was being read; run again")
+
+
+def load_sft(path: str | Path, tokenizer, tokenizer_record: dict, *, ctx: int, template: str = "chat",
+             packing: str = "packed", base_checkpoint: Path, base_run: Path,
+             lora_alpha: float = DEFAULT_ALPHA) -> SFTData:
+    if template not in TEMPLATES:
+        raise InputError(f"--template: unknown {template!r} (accepted: {', '.join(TEMPLATES)})")
+    if packing not in PACKINGS:
+        raise InputError(f"--packing: unknown {packing!r} (accepted: {', '.join(PACKINGS)})")
+    path = Path(path)
+    raw = read_jsonl(path)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    train, val, truncated, dropped = [], [], 0, 0
+    for i, ex in enumerate(raw):
+        e = tokenize(ex, tokenizer, template)
+        if len(e.ids) > ctx + 1:
+            truncated += 1
+            e = Example(e.ids[:ctx + 1], e.trained[:ctx + 1])
+        if not any(e.trained[1:]):  # nothing to predict (a target is a token after the first)
+            dropped += 1
+            continue
+        held_out = len(raw) >= 2 and (i % VAL_EVERY == VAL_EVERY - 1 or (len(raw) < VAL_EVERY and i == len(raw) - 1))
+        (val if held_out else train).append((ex, e))
+    if not train:
+        raise InputError(f"--data {path}: no example keeps a response token within --ctx {ctx} (dropped {dropped}); "
+                         "use a longer --ctx or shorter examples")
+    pad = tokenizer.eot_id
+    train_ids, train_mask = _rows([e for _, e in train], ctx, packing, pad)
+    val_ids, val_mask = _rows([e for _, e in val], ctx, packing, pad)
+    prompts = [prompt_text(ex, template) for ex, _ in (val or train)[:2]]
+    return SFTData(path=path, tokenizer=tokenizer, manifest={"tokenizer": tokenizer_record}, template=template,
+                   packing=packing, ctx=ctx, train_ids=train_ids, train_mask=train_mask, val_ids=val_ids,
+                   val_mask=val_mask, sha256=sha, prompts=prompts, base_checkpoint=Path(base_checkpoint),
+                   base_run=Path(base_run), lora_alpha=lora_alpha,
+                   stats={"examples": len(raw), "train_examples": len(train), "val_examples": len(val),
+                          "truncated": truncated, "dropped": dropped, "train_rows": int(train_ids.shape[0]),
+                          "response_tokens": int(train_mask[:, 1:].sum())})
+
+
+class SFTStream:
+    """Batches of training rows, shuffled per epoch with a seeded generator; resumable."""
+
+    def __init__(self, data: SFTData, batch: int, seed: int):
+        self.data, self.batch, self.seed = data, batch, seed
+        self.epoch, self.index = 0, 0
+
+    def epoch_plan(self, epoch: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return epoch, torch.randperm(self.data.train_ids.shape[0], generator=g).tolist()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        order = self.epoch_plan(self.epoch)[1]
+        while len(rows) < self.batch:
+            if self.index >= len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+                order = self.epoch_plan(self.epoch)[1]
+            rows.append(order[self.index])
+            self.index += 1
+        return batch_of(self.data.train_ids[rows], self.data.train_mask[rows])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+@torch.no_grad()
+def evaluate_sft(model, data: SFTData, setup, device, max_batches: int) -> dict:
+    """Mean loss over the held-out examples' response tokens, and its perplexity."""
+    if data.val_ids.shape[0] == 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        B = setup.micro_batch
+        for start in range(0, min(data.val_ids.shape[0], B * max_batches), B):
+            x, y = batch_of(data.val_ids[start:start + B], data.val_mask[start:start + B])
+            n = int((y != IGNORE).sum())
+            if not n:
+                continue
+            with autocast(setup.precision, device.type):
+                logits = model(x.to(device))
+            total += float(lm_loss(logits, y.to(device))) * n
+            count += n
+    finally:
+        model.train(was_training)
+    if not count:
+        return {}
+    loss = total / count
+    name = data.path.name
+    return {"eval_loss": loss, "eval_ppl": _ppl(loss), "eval_tokens": count, "eval_loss_by_source": {name: loss},
+            "eval_ppl_by_source": {name: _ppl(loss)}, "eval_tokens_by_source": {name: count}}
+
+
+class FinetuneTrainer(Trainer):
+    """``Trainer`` on SFT rows, its model the base run's (plus LoRA adapters when the plan asks)."""
+
+    def _build_model(self):
+        s = self.setup
+        model = build_model(self.plan.model, s.attention, "none", param_dtype(s.precision), device=self.device)
+        if self._resume_from is None:  # a resumed finetune's checkpoint holds every weight
+            path = self.data.base_checkpoint / ckpt.MODEL_FILE
+            ckpt.load_weights(model, ckpt.read_weights(path), str(path))
+        if s.lora_rank:
+            apply_lora(model, s.lora_rank, self.data.lora_alpha, s.lora)
+        return apply_checkpointing(model, s.checkpointing)
+
+    def _make_stream(self, micro_batch: int):
+        return SFTStream(self.data, micro_batch, self.config.seed)
+
+    def evaluate(self) -> dict:
+        return evaluate_sft(self.model, self.data, self.setup, self.device, self.config.eval_batches)
+
+    def sample_prompts(self) -> list[str]:
+        return list(self.config.prompts) or self.data.prompts
+
+    def meta(self) -> dict:
+        meta = super().meta()
+        d = self.data
+        meta["finetune"] = {"base_run": str(d.base_run.resolve()), "base_checkpoint": str(d.base_checkpoint.resolve()),
+                            "data_sha256": d.sha256, "template": d.template, "packing": d.packing, "stats": d.stats,
+                            "lora": ({"rank": self.setup.lora_rank, "alpha": d.lora_alpha,
+                                      "targets": self.setup.lora_targets} if self.setup.lora_rank else None)}
+        return meta
+
+
+def base_of(run_dir: str | Path) -> tuple[Plan, object, dict, Path]:
+    """A trained run's plan, tokenizer, tokenizer record and newest checkpoint (what finetuning starts from)."""
+    from trainer.loop import TOKENIZER_FILE
+    from trainer.tokenizer import Tokenizer
+
+    run_dir = Path(run_dir)
+    ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
+    if ref is None:
+        raise InputError(f"--run {run_dir}: no checkpoint in {run_dir / CHECKPOINT_DIR}; train one with "
+                         f"`memplan train --out {run_dir}`")
+    meta = ckpt.verify_checkpoint(ref.path)
+    plan = Plan.from_dict(meta["plan"], str(ref.path / ckpt.META_FILE))
+    tok = dict(meta.get("tokenizer", {}))
+    tok.setdefault("sha256", meta.get("tokenizer_sha256"))
+    if tok.get("kind") == "tiktoken":
+        tokenizer = Tokenizer.from_tiktoken(tok["encoding"])
+    else:
+        tokenizer = Tokenizer.from_file(ref.path / TOKENIZER_FILE, kind=tok.get("kind", "file"))
+    return plan, tokenizer, tok, ref.path
