@@ -29,6 +29,12 @@ KvDtypeOpt = Annotated[Optional[str], typer.Option(
 PromptTokensOpt = Annotated[Optional[str], typer.Option(
     "--prompt-tokens", help="Inference: prompt tokens prefilled in one forward (default: --ctx, the worst case); "
                             "--ctx is what the cache holds, prompt plus new tokens.", show_default=False)]
+LoraRankOpt = Annotated[str, typer.Option(
+    "--lora-rank", help="Training: LoRA finetuning with rank-R adapters (frozen weights: no gradients or optimizer "
+                        "state; adapters get both); 0 trains every weight.")]
+LoraTargetsOpt = Annotated[str, typer.Option(
+    "--lora-targets", help="Training with --lora-rank: the block matrices with adapters (comma-separated subset "
+                           "of qkv, proj, up, down).")]
 SamplingOpt = Annotated[str, typer.Option("--sampling", help="Inference: top-k | greedy (how each token is chosen).")]
 MODES = ("training", "inference")
 
@@ -54,7 +60,8 @@ def print_estimate(est) -> None:
         console.print(f"        shape from {spec.source}")
     console.print(f"[bold]Setup[/]  ctx {setup.ctx}, micro-batch {setup.micro_batch} × {setup.grad_accum} accumulation, "
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
-                  f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else ""))
+                  f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
+                  + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else ""))
     console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                   f"{format_bytes(device.usable_bytes)} usable")
 
@@ -155,7 +162,7 @@ def estimate_command(
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
     tokens: TokensOpt = None, json: JsonOpt = False, mode: ModeOpt = "training",
     weights_dtype: WeightsDtypeOpt = None, kv_dtype: KvDtypeOpt = None, prompt_tokens: PromptTokensOpt = None,
-    sampling: SamplingOpt = "top-k",
+    sampling: SamplingOpt = "top-k", lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
 ) -> None:
     """Predict memory (term by term), whether it fits, the largest micro-batch, and step and epoch time.
 
@@ -188,6 +195,9 @@ def estimate_command(
             raise InputError(f"{flag} applies to --mode inference only; accepted with --mode training: none")
     setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
                        compile)
+    rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
+    if rank:
+        setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
     dev = device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
     if json:
