@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.model import ModelSpec
-from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
+from memplan.setup import FP32_BYTES, HALF_BYTES, LORA_TARGETS as LORA_MATRICES, TrainSetup
 
 INDEX_BYTES = 8  # token ids are int64
 MASK_BYTES = 1  # torch.bool
@@ -360,7 +360,47 @@ def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool =
     adapters = sum(lora_saved_bytes(spec, setup, m) for m in setup.lora)
     if setup.checkpointing == "selective":
         return block_input_bytes(spec, setup) + selective_kept_bytes(spec, setup) + adapters
-    return sum(layer_activation_terms(spec, setup, gqa_repeat).values()) + adapters
+    return sum(layer_activation_terms(spec, setup, gqa_repeat).values()) + adapters - lora_unsaved_bytes(spec, setup)
+
+
+def first_block_unsaved_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> int:
+    """Under LoRA without checkpointing, what the first block saves less than the others: nothing
+    before it trains, so nothing is saved until the first adapter. Always its input and first
+    norm's statistics (n·H·r + the norm's); without a qkv adapter also everything attention
+    saves (except the output a proj adapter keeps); with neither a qkv nor a proj adapter also
+    the second norm's input and statistics."""
+    if not setup.lora_rank or setup.checkpointing != "none":
+        return 0
+    n, r = tokens(setup), residual_bytes_per_element(setup)
+    out = n * spec.hidden * r + norm_stat_bytes(spec, setup)
+    if "qkv" not in setup.lora:
+        terms = layer_activation_terms(spec, setup, gqa_repeat)
+        out += sum(terms.get(k, 0) for k in ("qkv", "rotary", "repeated_kv", "attention", "attention_qkv_copies"))
+        if "proj" in setup.lora and setup.attention == "sdpa":  # the proj adapter keeps SDPA's output
+            out -= sdpa_output_bytes(spec, setup)
+        if "proj" not in setup.lora and not spec.parallel_residual:
+            out += n * spec.hidden * r + norm_stat_bytes(spec, setup)
+    return out
+
+
+def lora_unsaved_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Under LoRA, the matmul inputs a block no longer saves: a frozen matrix without an adapter
+    needs no input for backward (its weight gets no gradient). qkv's and up's: a norm output
+    (n·H·a each); down's: the SwiGLU product or GELU output (n·F·a); proj's, under eager
+    attention, the transposed attention output (n·H·a; SDPA saves its output itself)."""
+    if not setup.lora_rank:
+        return 0
+    out = 0
+    for matrix in LORA_MATRICES:
+        if matrix in setup.lora:
+            continue
+        if matrix in ("qkv", "up"):
+            out += norm_output_bytes(spec, setup)
+        elif matrix == "down":
+            out += mlp_inner_bytes(spec, setup)
+        elif setup.attention == "eager":
+            out += attention_output_copy_bytes(spec, setup)
+    return out
 
 
 # ---- the loss ------------------------------------------------------------------------------
@@ -479,6 +519,10 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
         if setup.mixed:
             w.alloc("weights", m[matrix] * LOWP_WEIGHT_BYTES)
 
+    def saves(matrix: str) -> bool:
+        """Whether the matmul's input is saved: not for a frozen matrix without an adapter (LoRA)."""
+        return not setup.lora_rank or matrix in setup.lora
+
     def adapter(matrix: str) -> None:
         """LoRA on this matrix: x·Aᵀ and the adapter's output, added in place to the base output."""
         if matrix not in setup.lora:
@@ -501,7 +545,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
     weight_copy("qkv")
     qkv = make(qkv_output_bytes(spec, setup), reuse)
     adapter("qkv")
-    drop(norm_out, keep_all)
+    drop(norm_out, keep_all and saves("qkv"))
     q_rot = make(rotated_q_bytes(spec, setup))
     k_rot = make(rotated_k_bytes(spec, setup))
     repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
@@ -543,7 +587,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
     if setup.attention == "sdpa":
         drop(proj_in, keep_all or keep_outputs)
     else:
-        drop(proj_in, keep_all)
+        drop(proj_in, keep_all and saves("proj"))
     x_mid = make(n * hidden * r)  # x + attention (parallel residual: a partial sum nothing saves)
     drop(o, keep_outputs)
     w.where = "block forward: MLP"
@@ -552,7 +596,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
     weight_copy("up")
     up = make(mlp_up_bytes(spec, setup), reuse)
     adapter("up")
-    drop(norm_out, keep_all)
+    drop(norm_out, keep_all and saves("up"))
     inner = make(mlp_inner_bytes(spec, setup))  # silu(gate), or gelu(up)
     if spec.mlp == "swiglu":
         inner += make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
@@ -560,9 +604,14 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
     if mode == "recompute":  # stops here: everything the backward needs exists
         if spec.parallel_residual:
             w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
+        if not saves("down"):  # a frozen down matmul without an adapter keeps none of its input
+            w.free("activations", mlp_inner_bytes(spec, setup))
         return
     d = make(n * hidden * a)  # down-projection output
     adapter("down")
+    if keep_all and not saves("down"):
+        w.free("activations", mlp_inner_bytes(spec, setup))
+        inner -= mlp_inner_bytes(spec, setup)
     make(n * hidden * r)  # the block's output
     drop(d, keep_outputs)
     drop(x_mid, keep_all and not spec.parallel_residual)
@@ -591,6 +640,8 @@ def _lora_linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matr
             w.alloc("gradients", elems * p)
 
     adapted = matrix in setup.lora
+    if not adapted:  # its input was never saved (lora_unsaved_bytes)
+        saved_input_bytes = 0
     if adapted:
         fan_in, fan_out = _matrix_shapes(spec)[matrix]
         low = n * rank * a
@@ -812,7 +863,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
     stored = saved_per_layer_bytes(spec, setup, gqa_repeat) - (lowp if not ckpt else 0)
     # LoRA without checkpointing: the first block's norm saves nothing (its input and weight are frozen)
-    first_unsaved = (n * hidden * r + norm_stat_bytes(spec, setup)) if lora and mode == "none" and spec.layers > 1 else 0
+    first_unsaved = first_block_unsaved_bytes(spec, setup, gqa_repeat) if spec.layers > 1 else 0
     w.alloc("activations", (spec.layers - 1) * stored - first_unsaved)
     w.alloc("weights", (spec.layers - 1) * lowp)
     _block_forward(w, spec, setup, mode, gqa_repeat)
