@@ -57,12 +57,13 @@ INDEX_BYTES = 8  # token ids are int64
 # (llm-tracker post). Median 0.8.
 STREAM_FRACTION = 0.8
 # Per dispatched aten op (views included), host side: the Python op call, the dispatcher, autograd
-# bookkeeping and the launch. "~5-25 us of CPU-side work per op" (jiahuanglin.xyz, "From PyTorch op to kernel
-# launch": Python ~1, pybind ~1, autograd 1-3, dispatcher 1-2, backend 1-5, cudaLaunchKernel 1-3 us); the
-# reference block's ~195 dispatches per layer include views, which skip the backend and the launch, so we take
-# the low end for a desktop CPU feeding a GPU. Measured on this repo's build machine (a 2.45 GHz EPYC KVM guest,
-# one thread): 20-35 us per dispatch for the CPU backend, kernels included.
-DEFAULT_LAUNCH_SECONDS = {"cuda": 6e-6, "rocm": 8e-6, "mps": 1e-5, "cpu": 2e-5}
+# bookkeeping and the launch. Measured: "4 us per op on CUDA" for a dispatch-bound model on an A100
+# (pytorch/pytorch #82793); 7 us per `2*x` with requires_grad on the CPU, ~2 us without (pytorch/pytorch
+# #41383); 8 us per add submitted to an A100 (flagos-ai/Torch-FL PR #27). The reference block's ~195 dispatches
+# per layer include views (~1-2 us) and autograd nodes, so 6 us on average for CUDA; ROCm's launch is slower
+# and Apple's MPS encodes command buffers (estimates, no measurement found). The CPU figure is this repo's build
+# machine (a 2.45 GHz EPYC KVM guest, one thread, `memplan calibrate`): 12-16 us per dispatch, kernels included.
+DEFAULT_LAUNCH_SECONDS = {"cuda": 6e-6, "rocm": 8e-6, "mps": 1e-5, "cpu": 1.4e-5}
 # FlashAttention-2 reaches 50-73% of A100's peak FLOP/s in the forward (Dao 2023, abstract), less in the
 # backward and with head dim 64 (its Fig. 5-6); PyTorch's SDPA runs FA2 or memory-efficient kernels. We take the
 # low end, 0.5, of the dtype's dense peak, for the causal FLOPs actually done.
@@ -391,14 +392,17 @@ def block_kernels(spec: ModelSpec, setup: TrainSetup, term: str, direction: str)
 
 
 def recompute_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
-    """What checkpointing runs again in backward: the whole block forward (full), or its cheap ops,
-    norms, rotary and activation (selective keeps the matmul and attention outputs)."""
+    """What checkpointing runs again in backward: the whole block forward (full), or all but the saved
+    matmul and attention outputs (selective)."""
     if setup.checkpointing == "none":
         return []
     forward = block_kernels(spec, setup, "recompute", "forward")
     if setup.checkpointing == "full":
         return forward
-    return [k for k in forward if k.kind not in ("matmul", "attention") and "cast" not in k.name]
+    # the selective policy (trainer/model.py) keeps the outputs of mm/addmm, SDPA and eager attention's
+    # softmax; everything else runs again, eager attention's score matmuls, scaling and mask included
+    keep = ("matmul",) if setup.attention == "eager" else ("matmul", "attention")
+    return [k for k in forward if k.kind not in keep]
 
 
 def ends_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
@@ -762,7 +766,7 @@ def kernel_seconds(k: Kernel, rates: Rates) -> tuple[float, float, float]:
 @dataclass(frozen=True)
 class TimeTerm:
     seconds: float
-    bound: str  # compute | memory | launch
+    bound: str  # compute | memory | launch (none for a term that takes no time)
     flops: float = 0.0
     bytes: float = 0.0
     compute_seconds: float = 0.0  # of its kernels, the time of those bound by compute
@@ -872,7 +876,8 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         if name == "launch":
             terms[name] = TimeTerm(launch, "launch")
             continue
-        terms[name] = TimeTerm(c + m, "compute" if c >= m and c > 0 else "memory", flops, nbytes, c, m)
+        bound = "none" if c + m == 0 else "compute" if c >= m else "memory"
+        terms[name] = TimeTerm(c + m, bound, flops, nbytes, c, m)
     seconds = sum(t.seconds for t in terms.values())
     n_tokens = step_tokens(setup) * setup.world_size
     dtype = rates.matmul_dtype(setup.compute_dtype)
