@@ -220,6 +220,15 @@ def eager_kv_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return tokens(setup) * width * act_bytes(setup)
 
 
+def sdpa_repeated_kv_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool) -> int:
+    """K and V repeated to all heads for SDPA under grouped-query attention where no flash kernel
+    takes them unrepeated (``Device.flash_attention``): 2·n·H·a, saved by SDPA instead of k
+    and the qkv output."""
+    if not gqa_repeat or setup.attention != "sdpa" or spec.kv_heads == spec.heads:
+        return 0
+    return 2 * tokens(setup) * spec.hidden * act_bytes(setup)
+
+
 def attention_output_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """Eager attention's output transposed back to (B, T, H), a contiguous copy saved by the
     output projection: n·H·a."""
@@ -242,14 +251,20 @@ def layer_lowp_weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return sum(_layer_matrices(spec).values()) * LOWP_WEIGHT_BYTES if setup.mixed else 0
 
 
-def layer_activation_terms(spec: ModelSpec, setup: TrainSetup) -> dict[str, int]:
+def layer_activation_terms(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> dict[str, int]:
     """Everything one block saves for backward without checkpointing, by tensor."""
     terms = {
         "residual": residual_stream_bytes(spec, setup),
         "norm_stats": 2 * norm_stat_bytes(spec, setup),
         "norm_outputs": 2 * norm_output_bytes(spec, setup),
     }
-    if setup.attention == "sdpa":
+    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
+    if setup.attention == "sdpa" and repeated:
+        terms["qkv"] = qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0
+        terms["rotary"] = rotated_q_bytes(spec, setup)
+        terms["repeated_kv"] = repeated
+        terms["attention"] = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+    elif setup.attention == "sdpa":
         terms["qkv"] = qkv_output_bytes(spec, setup)
         terms["rotary"] = rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup)
         terms["attention"] = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
@@ -279,13 +294,13 @@ def selective_kept_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return kept + attention_scores_bytes(spec, setup)
 
 
-def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> int:
     """What one block holds between its forward and its backward, by checkpointing mode."""
     if setup.checkpointing == "full":
         return block_input_bytes(spec, setup)
     if setup.checkpointing == "selective":
         return block_input_bytes(spec, setup) + selective_kept_bytes(spec, setup)
-    return sum(layer_activation_terms(spec, setup).values())
+    return sum(layer_activation_terms(spec, setup, gqa_repeat).values())
 
 
 # ---- the loss ------------------------------------------------------------------------------
@@ -372,7 +387,7 @@ def _linear_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: st
     w.alloc("activations", out_bytes)
 
 
-def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) -> None:
+def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, gqa_repeat: bool = False) -> None:
     """One block's forward, each tensor allocated where it is made and freed where its last user is done.
 
     ``mode``: none keeps what autograd saves; full keeps nothing (the block input is kept by the
@@ -412,7 +427,17 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) 
     drop(norm_out, keep_all)
     q_rot = make(rotated_q_bytes(spec, setup))
     k_rot = make(rotated_k_bytes(spec, setup))
-    if setup.attention == "sdpa":
+    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
+    if setup.attention == "sdpa" and repeated:  # K and V repeated to every head, then SDPA
+        make(repeated)
+        drop(k_rot, False)
+        out = make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), reuse)
+        drop(q_rot + repeated, keep_all)
+        drop(qkv, keep_outputs or (keep_all and spec.pos != "rope"))
+        proj_in = out
+        w.where = "block forward: output projection"
+        weight_copy("proj")
+    elif setup.attention == "sdpa":
         out = make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), reuse)
         drop(q_rot + k_rot, keep_all)
         drop(qkv, keep_all or keep_outputs)
@@ -441,7 +466,7 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) 
         drop(proj_in, keep_all or keep_outputs)
     else:
         drop(proj_in, keep_all)
-    x_mid = 0 if spec.parallel_residual else make(n * hidden * r)  # x + attention
+    x_mid = make(n * hidden * r)  # x + attention (parallel residual: a partial sum nothing saves)
     drop(o, keep_outputs)
     w.where = "block forward: MLP"
     norm_out = _norm_forward(w, spec, setup)
@@ -454,13 +479,14 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) 
         inner += make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
     weight_copy("down")
     if mode == "recompute":  # stops here: everything the backward needs exists
+        if spec.parallel_residual:
+            w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
         return
     d = make(n * hidden * a)  # down-projection output
     make(n * hidden * r)  # the block's output
-    if spec.parallel_residual:
-        drop(o, keep_outputs)
     drop(d, keep_outputs)
-    drop(x_mid + inner, keep_all)
+    drop(x_mid, keep_all and not spec.parallel_residual)
+    drop(inner, keep_all)
     drop(up, keep_all or keep_outputs)
 
 
@@ -512,7 +538,8 @@ def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_byt
     return out
 
 
-def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int) -> int:
+def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int,
+                    gqa_repeat: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
     to the gradient of its input (returned, live). Releases everything the block saved."""
     n, hidden, a, ffn = tokens(setup), spec.hidden, act_bytes(setup), spec.ffn
@@ -546,7 +573,10 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     w.where = "block backward: norm"
     g_norm = n * hidden * (FP32_BYTES if setup.mixed else a)
     part = _norm_backward(w, spec, setup, g_norm)
-    if not spec.parallel_residual:
+    pending = 0  # input-gradient parts still to be summed (parallel residual: the MLP norm's)
+    if spec.parallel_residual:
+        pending = part
+    else:
         w.free("activations", n * hidden * r)  # x + attention, saved by the norm
         w.alloc("temporaries", n * hidden * r)  # the residual's two gradients summed
         w.free("temporaries", part + grad_bytes)
@@ -560,7 +590,15 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * hidden * a,
                      input_cast=False)
     dq, dkv = n * hidden * a, n * spec.kv_dim * a
-    if setup.attention == "sdpa":
+    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
+    if setup.attention == "sdpa" and repeated:
+        w.alloc("temporaries", dq + repeated)  # dq and the repeated dk, dv
+        w.free("temporaries", n * hidden * a)
+        w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+               + rotated_q_bytes(spec, setup) + repeated + (qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0))
+        w.alloc("temporaries", 2 * dkv)  # repeat_interleave backward sums the groups
+        w.free("temporaries", repeated)
+    elif setup.attention == "sdpa":
         w.alloc("temporaries", dq + 2 * dkv)
         w.free("temporaries", n * hidden * a)
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
@@ -598,13 +636,16 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     w.where = "block backward: norm"
     part = _norm_backward(w, spec, setup, g_norm)
     w.free("activations", n * hidden * r)  # the block input, saved by the first norm
-    w.alloc("temporaries", n * hidden * r)  # its gradient: the residual's and the norm's summed
-    w.free("temporaries", part + grad_bytes)
+    w.alloc("temporaries", n * hidden * r)  # its gradient: the residual's and the norms' summed
+    w.free("temporaries", part + pending + grad_bytes)
     return n * hidden * r
 
 
-def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
-    """Walk one steady-state step (its last micro-batch) and return the walk with its peak."""
+def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> _StepWalk:
+    """Walk one steady-state step (its last micro-batch) and return the walk with its peak.
+
+    ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for
+    grouped-query attention; see ``sdpa_gqa_repeats``)."""
     w = _StepWalk(spec, setup)
     n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
     r = residual_bytes_per_element(setup)
@@ -620,6 +661,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
         w.alloc("gradients", gradient_bytes(spec, setup))  # earlier micro-batches' gradients
     w.alloc("activations", input_bytes(spec, setup))
 
+    w.mark("start of forward")
+
     # ---- forward
     w.where = "forward: embedding"
     w.alloc("activations", rope_cast_bytes(spec, setup) + causal_mask_bytes(spec, setup))
@@ -631,10 +674,10 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
     lowp = layer_lowp_weight_bytes(spec, setup)
     # what each earlier block left alive: its saved tensors (its input included) and, under
     # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
-    stored = saved_per_layer_bytes(spec, setup) - (lowp if not ckpt else 0)
+    stored = saved_per_layer_bytes(spec, setup, gqa_repeat) - (lowp if not ckpt else 0)
     w.alloc("activations", (spec.layers - 1) * stored)
     w.alloc("weights", (spec.layers - 1) * lowp)
-    _block_forward(w, spec, setup, mode)
+    _block_forward(w, spec, setup, mode, gqa_repeat)
     w.where = "forward: final norm and LM head"
     head_in = _norm_forward(w, spec, setup)
     if setup.mixed:
@@ -682,9 +725,9 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
     def block_backward(grad: int, which: str) -> int:
         if ckpt:
             w.where = f"backward: recomputing the {which} block"
-            _block_forward(w, spec, setup, "recompute")
+            _block_forward(w, spec, setup, "recompute", gqa_repeat)
         w.mark(f"start of the {which} block's backward")
-        grad = _block_backward(w, spec, setup, grad)
+        grad = _block_backward(w, spec, setup, grad, gqa_repeat)
         if setup.checkpointing == "selective":  # kept outputs the recomputation never reached
             w.free("activations", n * hidden * a)  # the down-projection's
         return grad
@@ -779,10 +822,20 @@ def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_ove
     return int(peak_allocated * allocator_overhead) + int(runtime_context_bytes)
 
 
+def sdpa_gqa_repeats(spec: ModelSpec, setup: TrainSetup, flash_attention: bool, family: str) -> bool:
+    """Whether the reference model repeats K/V for SDPA: grouped-query attention where no flash
+    kernel takes them as they are (the CPU's always does; CUDA/ROCm flash needs fp16/bf16)."""
+    if setup.attention != "sdpa" or spec.kv_heads == spec.heads:
+        return False
+    if family == "cpu":
+        return False
+    return not (flash_attention and setup.compute_dtype in ("bf16", "fp16"))
+
+
 def peak_memory(spec: ModelSpec, setup: TrainSetup, runtime_context_bytes: int = 0,
-                allocator_overhead: float = 0.0) -> MemoryBreakdown:
+                allocator_overhead: float = 0.0, gqa_repeat: bool = False) -> MemoryBreakdown:
     """The peak of a steady-state step, by category, with the runtime on top for peak_reserved."""
-    w = _walk_step(spec, setup)
+    w = _walk_step(spec, setup, gqa_repeat)
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,

@@ -169,14 +169,16 @@ class ModelSpec:
 
     @property
     def n_tensors(self) -> int:
-        """Number of parameter tensors (the optimizer's foreach lists have this many entries)."""
-        per_layer = 4 + (3 if self.mlp == "swiglu" else 2)  # q, k, v, o, MLP matrices
-        per_layer += 2 * (2 if self.norm == "layernorm" else 1)  # two norms
+        """Parameter tensors of memplan's reference model (the optimizer keeps per-tensor state
+        such as AdamW's ``step``): per block the fused qkv, out-projection, MLP up (SwiGLU's gate
+        and up fused) and down matrices, their biases, and two norms; then the final norm, the
+        embedding, the position table and the untied head."""
+        per_layer = 4 + 2 * (2 if self.norm == "layernorm" else 1)
         if self.bias:
-            per_layer += 4 + (2 if self.mlp == "swiglu" else 2)
+            per_layer += 4
         elif self.qkv_bias:
-            per_layer += 3
-        n = self.layers * per_layer + 1 + (1 if self.norm == "layernorm" else 0) + 1  # final norm, embedding
+            per_layer += 1
+        n = self.layers * per_layer + (2 if self.norm == "layernorm" else 1) + 1
         n += 0 if self.tied else 1
         n += 1 if self.pos == "learned" else 0
         return n

@@ -15,17 +15,21 @@ from pathlib import Path
 
 GIB = 2**30
 PAGE_CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto; max-width: 1200px;
-       padding: 1.5rem; color: #1f2933; background: #fff; }
-h1 { font-size: 1.5rem; margin: 0 0 .25rem 0; }
-.subtitle { color: #52606d; margin: 0 0 1rem 0; }
-.summary { border-collapse: collapse; margin: .5rem 0 1.5rem 0; font-size: .95rem; }
-.summary td { padding: .2rem 1rem .2rem 0; vertical-align: top; }
-.summary td:first-child { color: #52606d; }
-.plot { margin: 1rem 0 2rem 0; min-height: 420px; }
-.note { color: #52606d; font-size: .9rem; }
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto; max-width: 1240px;
+       padding: 1.25rem 1.5rem; color: #1f2933; background: #fff; line-height: 1.4; }
+h1 { font-size: 1.45rem; margin: 0 0 .2rem 0; }
+.subtitle { color: #52606d; margin: 0 0 .9rem 0; }
+.summary { border-collapse: collapse; margin: .25rem 0 1rem 0; font-size: .92rem; }
+.summary td { padding: .15rem 1rem .15rem 0; vertical-align: top; }
+.summary td:first-child { color: #52606d; white-space: nowrap; }
+.plot { margin: .5rem 0 1.5rem 0; min-height: 420px; border-top: 1px solid #e4e7eb; padding-top: .5rem; }
+.note { color: #52606d; font-size: .9rem; max-width: 72rem; }
 footer { color: #9aa5b1; font-size: .8rem; margin-top: 2rem; }
 """
+
+
+PLOT_CONFIG = {"displaylogo": False, "responsive": True,
+               "toImageButtonOptions": {"format": "png", "scale": 2}}  # the camera button saves a sharp PNG
 
 
 @dataclass
@@ -41,12 +45,17 @@ class Page:
     date: str = field(default_factory=lambda: _dt.date.today().isoformat())
 
 
+FONT_FAMILY = 'system-ui, -apple-system, "Segoe UI", Roboto, sans-serif'
+
+
 def style_figure(fig, title: str | None = None, height: int = 460):
-    """The common look: white background, readable fonts, a legend that does not cover the plot."""
+    """The common look: white background, readable fonts, the title top left, the legend to the right of
+    the plot (where it covers neither the data, the title nor subplot titles, however many entries)."""
     fig.update_layout(
-        template="plotly_white", height=height, margin=dict(l=70, r=30, t=60, b=60),
-        font=dict(size=13), legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0),
-        **({"title": dict(text=title, x=0, xanchor="left")} if title else {}),
+        template="plotly_white", height=height, margin=dict(l=70, r=30, t=70, b=60),
+        font=dict(size=13, family=FONT_FAMILY), hoverlabel=dict(font_size=13),
+        legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.01, font=dict(size=12)),
+        **({"title": dict(text=title, x=0, xanchor="left", font=dict(size=16))} if title else {}),
     )
     return fig
 
@@ -60,7 +69,9 @@ def render_page(page: Page) -> str:
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{html.escape(page.title)} — {html.escape(page.model)} on {html.escape(page.device)}</title>",
+        f"<title>{html.escape(page.title)}: {html.escape(page.model)} on {html.escape(page.device)}, "
+        f"{html.escape(page.date)}</title>",
+        '<link rel="icon" href="data:,">',  # no favicon request: the page fetches nothing
         f"<style>{PAGE_CSS}</style>",
         f'<script type="text/javascript">{get_plotlyjs()}</script>',
         "</head><body>",
@@ -73,7 +84,7 @@ def render_page(page: Page) -> str:
         parts.append(f'<table class="summary">{rows}</table>')
     for i, fig in enumerate(page.figures):
         div = pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=f"plot-{i}",
-                          config={"displaylogo": False, "responsive": True})
+                          config=PLOT_CONFIG)
         parts.append(f'<div class="plot">{div}</div>')
     for note in page.notes:
         parts.append(f'<p class="note">{html.escape(note)}</p>')

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ class StepMemory:
     baseline_rss: int | None = None  # resident memory before the model existed (CPU)
     step_seconds: float | None = None  # wall time of the measured step
     method: str = ""
+    terms: dict[str, int] = field(default_factory=dict)  # weights, gradients, optimizer, forward_saved
 
 
 def _random_batches(spec: ModelSpec, setup: TrainSetup, device, generator: torch.Generator | None = None):
@@ -64,8 +66,51 @@ def _categories(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type: str) -> tuple[int, dict]:
-    """Two steps under MemTracker (reset_mod_stats before every forward); returns the peak and its breakdown.
+def _tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else id(storage)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+class _TermProbe:
+    """Reads each memory term of the last step from the tensors themselves: parameters and
+    buffers, the gradients just before the optimizer step, the optimizer state after it, and
+    what the last micro-batch's forward left alive (live bytes after it minus before it)."""
+
+    def __init__(self, model, optimizer, live_bytes: Callable[[], int]):
+        self.model, self.optimizer, self.live_bytes = model, optimizer, live_bytes
+        self.before = self.after = 0
+        self.terms: dict[str, int] = {}
+        self._handle = optimizer.register_step_pre_hook(self._grads)
+
+    def before_forward(self, i: int) -> None:
+        self.before = self.live_bytes()
+
+    def after_forward(self, i: int) -> None:
+        self.after = self.live_bytes()
+
+    def _grads(self, optimizer, args, kwargs) -> None:
+        self.terms["gradients"] = _tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
+
+    def finish(self) -> dict[str, int]:
+        self._handle.remove()
+        self.terms["weights"] = _tensor_bytes([*self.model.parameters(), *self.model.buffers()])
+        self.terms["optimizer"] = _tensor_bytes(v for state in self.optimizer.state.values() for v in state.values()
+                                                if isinstance(v, torch.Tensor))
+        self.terms["forward_saved"] = self.after - self.before
+        return self.terms
+
+
+def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type: str,
+                   probe_terms: bool = False) -> tuple[int, dict, dict]:
+    """Two steps under MemTracker (reset_mod_stats before every forward); returns the peak, its
+    breakdown, and (with ``probe_terms``) the terms read by ``_TermProbe`` in the second step.
 
     The first step allocates the optimizer state; the second is the steady state. The
     tracker's peak is over both, and the second step's is never lower (it holds everything the
@@ -73,16 +118,33 @@ def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type:
     """
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
+
+    def live() -> int:
+        return int(sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("current").values()))
+
+    probe = None
     with tracker:
-        for _ in range(2):
+        for step in range(2):
             batches = batches_fn()
-            # per-module stats cover one forward; the global peak is kept across resets
-            train_step(model, optimizer, batches, setup, device_type, check_finite=False,
-                       before_forward=lambda i: tracker.reset_mod_stats())
+            last = step == 1 and probe_terms
+            if last:
+                probe = _TermProbe(model, optimizer, live)
+
+            def before(i, last=last):
+                tracker.reset_mod_stats()  # per-module stats cover one forward; the global peak is kept
+                if last and i == len(batches) - 1:
+                    probe.before_forward(i)
+
+            def after(i, last=last):
+                if last and i == len(batches) - 1:
+                    probe.after_forward(i)
+
+            train_step(model, optimizer, batches, setup, device_type, check_finite=False, before_forward=before,
+                       after_forward=after)
             del batches
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     total = int(snapshot.get("Total", sum(v for k, v in snapshot.items())))
-    return total, _categories(snapshot)
+    return total, _categories(snapshot), (probe.finish() if probe else {})
 
 
 def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda") -> StepMemory:
@@ -98,8 +160,8 @@ def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda") -> Step
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device):
         model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
         optimizer = make_optimizer(model, setup.optimizer)
-        total, categories = _tracked_steps(model, optimizer, setup, lambda: _random_batches(spec, setup, device),
-                                           torch.device(device).type)
+        total, categories, _ = _tracked_steps(model, optimizer, setup,
+                                              lambda: _random_batches(spec, setup, device), torch.device(device).type)
     return StepMemory(peak_allocated=total, breakdown=categories, method=f"MemTracker under FakeTensorMode ({device})")
 
 
@@ -130,8 +192,9 @@ def measure_step_cpu(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepM
     sampler.start()
     t0 = time.perf_counter()
     try:
-        total, categories = _tracked_steps(model, optimizer, setup, lambda: _random_batches(spec, setup, "cpu", gen),
-                                           "cpu")
+        total, categories, terms = _tracked_steps(model, optimizer, setup,
+                                                  lambda: _random_batches(spec, setup, "cpu", gen), "cpu",
+                                                  probe_terms=True)
     finally:
         stop.set()
         sampler.join()
@@ -139,7 +202,7 @@ def measure_step_cpu(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepM
     del model, optimizer
     gc.collect()
     return StepMemory(peak_allocated=total, breakdown=categories, peak_rss=rss[0], baseline_rss=baseline,
-                      step_seconds=elapsed / 2, method="MemTracker on real tensors (cpu) + psutil RSS")
+                      step_seconds=elapsed / 2, method="MemTracker on real tensors (cpu) + psutil RSS", terms=terms)
 
 
 def _driver_used_bytes(index: int = 0) -> int | None:
@@ -178,13 +241,18 @@ def measure_step_cuda(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> Step
     train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "cuda", check_finite=False)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    probe = _TermProbe(model, optimizer, torch.cuda.memory_allocated)
+    batches = _random_batches(spec, setup, dev)
+    last = len(batches) - 1
     t0 = time.perf_counter()
-    train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "cuda", check_finite=False)
+    train_step(model, optimizer, batches, setup, "cuda", check_finite=False,
+               before_forward=lambda i: probe.before_forward(i) if i == last else None,
+               after_forward=lambda i: probe.after_forward(i) if i == last else None)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     result = StepMemory(peak_allocated=int(torch.cuda.max_memory_allocated()),
                         peak_reserved=int(torch.cuda.max_memory_reserved()), driver_used=_driver_used_bytes(),
-                        step_seconds=elapsed, method="torch.cuda.max_memory_allocated")
+                        step_seconds=elapsed, method="torch.cuda.max_memory_allocated", terms=probe.finish())
     del model, optimizer
     gc.collect()
     torch.cuda.empty_cache()

@@ -85,13 +85,15 @@ class StepResult:
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, setup: TrainSetup,
                device_type: str, scaler=None, clip: float | None = 1.0, check_finite: bool = True,
-               before_forward: Callable[[int], None] | None = None) -> StepResult:
+               before_forward: Callable[[int], None] | None = None,
+               after_forward: Callable[[int], None] | None = None) -> StepResult:
     """Run ``len(micro_batches)`` forward/backward passes and one optimizer step.
 
     ``micro_batches`` is a list of (inputs, targets), each (micro_batch, ctx) int64. With
     ``check_finite`` (one device sync) a non-finite loss or gradient skips the update; the
     FakeTensor trace turns it off, since fake tensors have no values. ``before_forward(i)`` is
-    called before micro-batch i's forward (MemTracker resets its per-module stats there).
+    called before micro-batch i's forward (MemTracker resets its per-module stats there), and
+    ``after_forward(i)`` once its loss exists, before its backward (validate reads memory there).
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     n = len(micro_batches)
@@ -102,6 +104,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
             logits = model(x)
         loss = lm_loss(logits, y) / n
         del logits
+        if after_forward is not None:
+            after_forward(i)
         total += loss.detach()
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del loss

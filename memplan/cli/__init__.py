@@ -36,7 +36,7 @@ class _OneLineErrors(TyperGroup):
             _fail(f"{e.format_message()}{where}")
         except click_exceptions.ClickException as e:
             _fail(e.format_message())
-        except click_exceptions.Abort:
+        except getattr(click_exceptions, "Abort", KeyboardInterrupt):  # typer's own click copy has no Abort
             print("memplan: aborted", file=sys.stderr)
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
@@ -73,6 +73,9 @@ from memplan.cli import calibrate  # noqa: E402,F401
 from memplan.cli import estimate  # noqa: E402,F401
 from memplan.cli import prepare  # noqa: E402,F401
 from memplan.cli import profiles  # noqa: E402,F401
+from memplan.cli import sweep  # noqa: E402,F401
+from memplan.cli import trace  # noqa: E402,F401
+from memplan.cli import validate  # noqa: E402,F401
 
 
 def main() -> None:

@@ -1,0 +1,95 @@
+"""``memplan trace``: the exact live-tensor peak of two real training steps of the reference model, on fake tensors."""
+
+from __future__ import annotations
+
+from memplan.cli import app
+from memplan.cli.estimate import TokensOpt
+from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
+                                 DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
+                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
+                                 WorldSizeOpt, device_from, model_from, print_json, setup_from)
+from memplan.units import format_bytes, parse_count
+
+TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
+
+
+def traced_json(est, traced) -> dict:
+    """The contract's estimate JSON with the memory object replaced by the trace.
+
+    The tracer sorts tensors by when they were made (MemTracker: forward → activations, backward
+    → temporaries, ``.grad`` → gradients, optimizer step → optimizer), so its split differs
+    from the planner's; peak_allocated is the exact figure. ``fits`` follows the traced peak;
+    ``max_micro_batch`` and ``time`` stay analytic.
+    """
+    from memplan.memory import runtime_bytes
+
+    device = est.device
+    runtime = runtime_bytes(traced.peak_allocated, device.runtime_context_bytes, device.allocator_overhead)
+    memory = {k: int(traced.breakdown.get(k, 0)) for k in TRACE_CATEGORIES}
+    memory["weights"] += int(traced.breakdown.get("other", 0))
+    memory.update(runtime=runtime, peak_allocated=traced.peak_allocated, peak_reserved=traced.peak_allocated + runtime,
+                  peak_phase=est.memory.peak_phase)
+    data = est.to_json()
+    data["memory"] = memory
+    data["fits"] = memory["peak_reserved"] <= device.usable_bytes
+    data["trace"] = {"method": traced.method, "analytic_peak_allocated": est.memory.peak_allocated,
+                     "analytic_error": (est.memory.peak_allocated - traced.peak_allocated) / traced.peak_allocated}
+    return data
+
+
+@app.command("trace")
+def trace_command(
+    params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
+    hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None,
+    ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: PrecisionOpt = "bf16-mixed",
+    attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
+    world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
+    device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    tokens: TokensOpt = None, json: JsonOpt = False,
+) -> None:
+    """Trace two training steps of the reference model on fake tensors (nothing is allocated) and report the exact peak."""
+    from memplan.errors import InputError
+    from memplan.estimate import estimate
+
+    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
+                       compile)
+    if setup.world_size > 1:
+        raise InputError("trace follows one process; use --world-size 1 (per-device memory of sharded runs is "
+                         "measured by `memplan validate --world-size N`)")
+    if setup.optimizer == "adamw8bit":
+        raise InputError("trace cannot run bitsandbytes' 8-bit optimizer on fake tensors; accepted: adamw, "
+                         "adamw-fused, sgd")
+    dev = device_from(device, device_memory)
+    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
+
+    import torch
+
+    from trainer.measure import trace_step
+
+    fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
+    traced = trace_step(spec, setup, fake_device)
+    data = traced_json(est, traced)
+    if json:
+        print_json(data)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]Model[/]  {spec.describe()}   [bold]Setup[/] ctx {setup.ctx}, batch {setup.micro_batch}, "
+                  f"{setup.precision}, {setup.attention}, checkpointing {setup.checkpointing}, {setup.optimizer}")
+    table = Table(title=f"Traced peak ({traced.method})", title_justify="left")
+    table.add_column("category (by when a tensor was made)")
+    table.add_column("bytes", justify="right")
+    for key in (*TRACE_CATEGORIES, "runtime"):
+        if data["memory"][key]:
+            table.add_row(key, format_bytes(data["memory"][key]))
+    table.add_section()
+    table.add_row("peak allocated", format_bytes(traced.peak_allocated))
+    table.add_row("peak reserved", format_bytes(data["memory"]["peak_reserved"]))
+    console.print(table)
+    console.print(f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
+                  f"({data['trace']['analytic_error']:+.2%} against the trace); "
+                  f"{'fits' if data['fits'] else 'does not fit'} in {format_bytes(dev.usable_bytes)} on {dev.name}")

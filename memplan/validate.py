@@ -1,0 +1,154 @@
+"""Validation matrices and their results: which (ModelSpec, TrainSetup) pairs to check, and how to summarise the check.
+
+A matrix is a TOML file (``benchmarks/matrices/*.toml``) of ``[[config]]`` tables, each with the
+ModelSpec and TrainSetup fields, an optional ``name`` and ``quick = true`` for the subset
+``memplan validate --quick`` runs. The measuring itself is in ``trainer/validate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from memplan.errors import InputError
+from memplan.model import ModelSpec
+from memplan.setup import TrainSetup
+from memplan.units import choice_error
+
+_SPEC_FIELDS = {f.name for f in dataclasses.fields(ModelSpec)}
+_SETUP_FIELDS = {f.name for f in dataclasses.fields(TrainSetup)}
+
+# The bars every run prints (CPU): analytic against measured, and the exact trace against measured.
+ANALYTIC_MEDIAN_BAR = 0.03
+ANALYTIC_WORST_BAR = 0.10
+TRACE_BAR = 0.01
+
+
+@dataclass(frozen=True)
+class MatrixConfig:
+    name: str
+    spec: ModelSpec
+    setup: TrainSetup
+    quick: bool = False
+
+
+def _matrices_dir() -> Path:
+    checkout = Path(__file__).resolve().parents[1] / "benchmarks" / "matrices"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(resources.files("memplan_matrices")))
+
+
+def matrix_names() -> list[str]:
+    return sorted(p.stem for p in _matrices_dir().glob("*.toml"))
+
+
+def load_matrix(name_or_path: str = "default") -> list[MatrixConfig]:
+    """The configs of a bundled matrix by name, or of any matrix TOML file."""
+    path = Path(name_or_path)
+    if not (name_or_path.endswith(".toml") or path.is_file()):
+        if name_or_path not in matrix_names():
+            raise choice_error("--matrix", name_or_path, matrix_names())
+        path = _matrices_dir() / f"{name_or_path}.toml"
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"--matrix: no such file {str(path)!r}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--matrix: {str(path)!r} is not valid TOML ({e})") from None
+    rows = data.get("config")
+    if not isinstance(rows, list) or not rows:
+        raise InputError(f"--matrix: {str(path)!r} has no [[config]] tables")
+    configs = []
+    for i, row in enumerate(rows):
+        unknown = set(row) - _SPEC_FIELDS - _SETUP_FIELDS - {"quick"}
+        if unknown:
+            raise InputError(f"--matrix: config {i} in {str(path)!r} has unknown key(s) {', '.join(sorted(unknown))}")
+        try:
+            spec = ModelSpec(**{k: v for k, v in row.items() if k in _SPEC_FIELDS and k != "name"})
+            setup = TrainSetup(**{k: v for k, v in row.items() if k in _SETUP_FIELDS})
+        except TypeError as e:
+            raise InputError(f"--matrix: config {i} in {str(path)!r}: {e}") from None
+        configs.append(MatrixConfig(name=row.get("name") or f"config-{i}", spec=spec, setup=setup,
+                                    quick=bool(row.get("quick", False))))
+    return configs
+
+
+@dataclass
+class ValidationRow:
+    """One config: the analytic prediction, the exact trace, and the real measurement."""
+
+    name: str
+    spec: ModelSpec
+    setup: TrainSetup
+    predicted_allocated: int
+    measured_allocated: int
+    trace_allocated: int | None = None
+    predicted_reserved: int | None = None
+    measured_reserved: int | None = None  # allocator reserve (CUDA/ROCm/MPS)
+    driver_used: int | None = None  # what NVML / ROCm SMI reported
+    measured_rss_delta: int | None = None  # CPU: peak RSS over the baseline before the model existed
+    peak_moment: str = ""
+    predicted_terms: dict[str, int] = field(default_factory=dict)
+    measured_terms: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def error(self) -> float:
+        """(predicted − measured) / measured, of peak_allocated."""
+        return (self.predicted_allocated - self.measured_allocated) / self.measured_allocated
+
+    @property
+    def trace_error(self) -> float | None:
+        if self.trace_allocated is None:
+            return None
+        return (self.trace_allocated - self.measured_allocated) / self.measured_allocated
+
+    def to_json(self) -> dict:
+        row = {"name": self.name, "model": self.spec.to_json(), "setup": self.setup.to_json(),
+               "predicted_allocated": self.predicted_allocated, "measured_allocated": self.measured_allocated,
+               "error": self.error}
+        extra = {"trace_allocated": self.trace_allocated, "trace_error": self.trace_error,
+                 "predicted_reserved": self.predicted_reserved, "measured_reserved": self.measured_reserved,
+                 "driver_used": self.driver_used, "measured_rss_delta": self.measured_rss_delta,
+                 "peak_moment": self.peak_moment, "predicted_terms": self.predicted_terms,
+                 "measured_terms": self.measured_terms, "seconds": self.seconds}
+        row.update({k: v for k, v in extra.items() if v not in (None, {}, "")})
+        return row
+
+
+@dataclass(frozen=True)
+class Summary:
+    median_abs_error: float
+    max_abs_error: float
+    worst: str
+    trace_max_abs_error: float | None
+
+    def bars(self) -> list[tuple[str, float, float, bool]]:
+        """(what, value, bar, met) for every bar of the issue."""
+        out = [("analytic median |error|", self.median_abs_error, ANALYTIC_MEDIAN_BAR,
+                self.median_abs_error <= ANALYTIC_MEDIAN_BAR),
+               ("analytic worst |error|", self.max_abs_error, ANALYTIC_WORST_BAR, self.max_abs_error <= ANALYTIC_WORST_BAR)]
+        if self.trace_max_abs_error is not None:
+            out.append(("trace worst |error|", self.trace_max_abs_error, TRACE_BAR,
+                        self.trace_max_abs_error <= TRACE_BAR))
+        return out
+
+
+def summarize(rows: list[ValidationRow]) -> Summary:
+    errors = [abs(r.error) for r in rows]
+    worst = max(rows, key=lambda r: abs(r.error))
+    traces = [abs(r.trace_error) for r in rows if r.trace_error is not None]
+    return Summary(median_abs_error=statistics.median(errors), max_abs_error=max(errors), worst=worst.name,
+                   trace_max_abs_error=max(traces) if traces else None)
+
+
+def validation_json(device: str, rows: list[ValidationRow]) -> dict:
+    """The contract's JSON of ``memplan validate``."""
+    summary = summarize(rows)
+    return {"device": device, "rows": [r.to_json() for r in rows], "median_abs_error": summary.median_abs_error,
+            "max_abs_error": summary.max_abs_error, "trace_max_abs_error": summary.trace_max_abs_error}

@@ -1,0 +1,20 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_memplan(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`memplan ARGS` as a separate process (as a user runs it), from this checkout."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=ROOT)
+
+
+@pytest.fixture
+def memplan_cli():
+    return run_memplan

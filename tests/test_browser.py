@@ -1,0 +1,409 @@
+"""Every kind of HTML report, opened in a real headless Chromium: no console errors, every plot drawn,
+nothing fetched from outside the file, and screenshots that are not blank.
+
+Chromium is driven over the DevTools protocol (``--remote-debugging-port`` and the
+``websocket-client`` package). `.ci/run` installs Debian's ``chromium`` where it is missing, so CI
+never skips; elsewhere these tests skip, saying so, when no Chromium is installed.
+
+To add a report: write a builder ``(tmp_path) -> Path`` that makes the page from data made in the
+test, and add one line to ``REPORTS``.
+
+``MEMPLAN_SCREENSHOTS=docs python -m pytest tests/test_browser.py`` also saves a whole-page screenshot
+of each report marked ``docs=True`` as ``docs/NAME.png`` (the README's pictures).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+VIEWPORT = (1366, 768)  # a common laptop screen
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+                  "--disable-default-apps", "--disable-extensions", "--mute-audio", "--hide-scrollbars",
+                  "--no-default-browser-check")
+START_SECONDS = 60  # chromium's start on a loaded 2-core machine
+RENDER_SECONDS = 60  # loading ~4.7 MB of inlined plotly.js and drawing every figure
+DOCS_SCALE = 0.75  # the README's screenshots: the whole page, 1366 px wide scaled to 1025
+
+
+# ---- report builders: one line each in REPORTS ---------------------------------------------
+
+def sweep_report(tmp_path: Path) -> Path:
+    """The full page: four variants, facets per micro-batch, context buttons, the epoch figure."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    out = tmp_path / "sweep.html"
+    result = CliRunner().invoke(app, ["sweep", "--params", "124m", "--device", "rtx-4090", "--ctx", "1k,2k,4k,8k",
+                                      "--batch", "1,4,16", "--checkpointing", "none,full",
+                                      "--attention", "eager,sdpa", "--tokens", "2b", "--html", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def sweep_report_one_setup(tmp_path: Path) -> Path:
+    """One variant (no facets, no slider) on a small device where most cells do not fit."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    out = tmp_path / "sweep-small.html"
+    result = CliRunner().invoke(app, ["sweep", "--params", "350m", "--device", "gtx-1650", "--ctx", "2k",
+                                      "--batch", "1,2,4", "--html", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def report_module_page(tmp_path: Path) -> Path:
+    """A page made directly with memplan/report.py, with the kinds of figure other reports draw."""
+    import plotly.graph_objects as go
+
+    from memplan.report import Page, style_figure, write_page
+
+    steps = list(range(0, 200, 10))
+    loss = [10.0 * 0.98 ** s + 2.0 for s in steps]
+    line = style_figure(go.Figure(go.Scatter(x=steps, y=loss, mode="lines+markers", name="loss")),
+                        title="Loss against step")
+    line.update_xaxes(title_text="step")
+    line.update_yaxes(title_text="loss (nats/token)")
+    bars = style_figure(go.Figure([go.Bar(x=["a", "b", "c"], y=[1.5, 2.5, 0.7], name="predicted"),
+                                   go.Bar(x=["a", "b", "c"], y=[1.4, 2.7, 0.8], name="measured")]),
+                        title="Predicted and measured memory")
+    bars.update_yaxes(title_text="GiB")
+    heat = style_figure(go.Figure(go.Heatmap(z=[[0.01, -0.02], [0.03, 0.00]], x=["1k", "2k"], y=["b1", "b2"],
+                                             colorscale="RdBu", zmid=0)), title="Relative error")
+    page = Page(title="Report module", model="llama 22.9M", device="cpu (24 GiB)",
+                summary={"what": "the shared page of memplan/report.py", "figures": "3"},
+                figures=[line, bars, heat], notes=["A note under the figures."])
+    return write_page(page, tmp_path / "report.html")
+
+
+def validate_report(tmp_path: Path) -> Path:
+    """`memplan validate`'s page, from rows made here: the real predictions of a small matrix, with
+    "measured" figures set a few percent off them (no torch, no measuring)."""
+    from memplan.cli.validate import validation_page
+    from memplan.estimate import memory_on
+    from memplan.hardware import load_profile
+    from memplan.report import write_page
+    from memplan.validate import ValidationRow, load_matrix, summarize
+
+    cpu = load_profile("cpu")
+    rows = []
+    for i, config in enumerate(load_matrix("default")[:8]):
+        mem = memory_on(config.spec, config.setup, cpu)
+        off = 1 + 0.01 * ((i % 5) - 2)  # -2 % .. +2 %
+        terms = {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
+                 "forward_saved": mem.activations}
+        rows.append(ValidationRow(name=config.name, spec=config.spec, setup=config.setup,
+                                  predicted_allocated=mem.peak_allocated, measured_allocated=int(mem.peak_allocated / off),
+                                  trace_allocated=int(mem.peak_allocated / off * 1.001), predicted_terms=terms,
+                                  measured_terms={k: int(v / off) for k, v in terms.items()}))
+    return write_page(validation_page("cpu", rows, summarize(rows)), tmp_path / "validate.html")
+
+
+@dataclass(frozen=True)
+class Report:
+    name: str
+    build: Callable[[Path], Path]  # writes the page under the test's tmp_path, returns its path
+    docs: bool = False  # MEMPLAN_SCREENSHOTS=DIR saves its screenshot as DIR/NAME.png (the README's pictures)
+
+
+REPORTS = [  # add validate, calibrate and train reports here as they land, one line each
+    Report("sweep", sweep_report, docs=True),
+    Report("sweep-one-setup", sweep_report_one_setup),
+    Report("validate", validate_report),  # made-up measurements: no README picture from it
+    Report("report-module", report_module_page),
+]
+
+
+# ---- a small DevTools client ---------------------------------------------------------------
+
+def chromium_path() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+class Tab:
+    """One page target: commands with their results, and the events that arrive meanwhile."""
+
+    def __init__(self, ws_url: str):
+        import websocket
+
+        # Chromium refuses DevTools websockets that carry an Origin it was not told to allow.
+        self.ws = websocket.create_connection(ws_url, timeout=RENDER_SECONDS, suppress_origin=True,
+                                              enable_multithread=False)
+        self.next_id = 0
+        self.events: list[dict] = []
+
+    def send(self, method: str, **params):
+        self.next_id += 1
+        msg_id = self.next_id
+        self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == msg_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+            if "method" in msg:
+                self.events.append(msg)
+
+    def wait_for_event(self, method: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        seen = next((e for e in self.events if e["method"] == method), None)
+        while seen is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {method} within {timeout:.0f} s")
+            self.ws.settimeout(max(0.1, deadline - time.monotonic()))
+            msg = json.loads(self.ws.recv())
+            if "method" in msg:
+                self.events.append(msg)
+                if msg["method"] == method:
+                    seen = msg
+        return seen
+
+    def evaluate(self, expression: str):
+        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+class Chromium:
+    """A headless Chromium with a fresh profile, its DevTools port read from DevToolsActivePort."""
+
+    def __init__(self, executable: str, profile_dir: Path):
+        self.profile_dir = profile_dir
+        self.proc = subprocess.Popen(
+            [executable, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}", "--remote-debugging-port=0",
+             f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        port_file = profile_dir / "DevToolsActivePort"
+        deadline = time.monotonic() + START_SECONDS
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"chromium exited with {self.proc.returncode}: "
+                                   f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}")
+            if time.monotonic() > deadline:
+                self.quit()
+                raise TimeoutError(f"chromium did not open its DevTools port within {START_SECONDS} s")
+            time.sleep(0.1)
+        self.port = int(port_file.read_text().split()[0])
+
+    def new_tab(self) -> Tab:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/json/new?about:blank", method="PUT")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            target = json.load(resp)
+        return Tab(target["webSocketDebuggerUrl"])
+
+    def quit(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the browser process ends its own renderers
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the process group this test started
+                self.proc.wait(timeout=15)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+
+
+# ---- what a check of one page finds --------------------------------------------------------
+
+PLOT_STATUS_JS = """
+(() => {
+  const meets = (a, b) => a.right > b.left && a.left < b.right && a.bottom > b.top && a.top < b.bottom;
+  return Array.from(document.querySelectorAll('div.plot')).map((box, i) => {
+    const gd = box.querySelector('.js-plotly-plot');
+    const svg = gd ? gd.querySelector('svg.main-svg') : null;
+    const r = box.getBoundingClientRect();
+    // The plot areas (one per subplot), and the data marks drawn inside one: markers, bars, lines,
+    // heatmap images, pie slices. A mark drawn wholly outside its axes' ranges does not count.
+    const areas = gd ? Array.from(gd.querySelectorAll('.draglayer .nsewdrag')).map(e => e.getBoundingClientRect()) : [];
+    const marks = gd ? Array.from(gd.querySelectorAll(
+      'g.trace .point, g.trace path.js-line, g.trace path.js-fill, g.hm image, g.imagelayer image, .pielayer path.surface')) : [];
+    const inView = marks.filter(m => { const b = m.getBoundingClientRect();
+      return (b.width > 0 || b.height > 0) && (areas.length === 0 || areas.some(a => meets(b, a))); });
+    return {
+      index: i, plotly: !!gd, svg: !!svg,
+      traces: gd && gd._fullData ? gd._fullData.filter(t => t.visible === true).length : 0,
+      marks: marks.length, marks_in_view: inView.length,
+      x: r.left + window.scrollX, y: r.top + window.scrollY, width: r.width, height: r.height,
+    };
+  });
+})()
+"""
+
+SETTLED_JS = """
+(() => document.readyState === 'complete' &&
+  Array.from(document.querySelectorAll('.js-plotly-plot')).every(gd => gd._fullLayout && !gd._transitioning))()
+"""  # every plot that plotly has started is laid out (a page that never starts one settles at once)
+
+
+@dataclass
+class PageCheck:
+    console_errors: list[str] = field(default_factory=list)
+    outside_requests: list[str] = field(default_factory=list)  # URLs neither file: nor data: nor blob:
+    plots: list[dict] = field(default_factory=list)
+    plot_pixels: list[dict] = field(default_factory=list)  # per plot: distinct colours, share off the background
+    viewport_pixels: dict = field(default_factory=dict)
+    page_png: bytes = b""  # the whole page, when asked for
+
+
+def pixel_stats(png: bytes) -> dict:
+    """How far an image is from blank: distinct colours and the share of pixels off the commonest colour."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    colors = img.getcolors(maxcolors=1 << 24)
+    total = img.width * img.height
+    common = max(count for count, _ in colors)
+    return {"width": img.width, "height": img.height, "colors": len(colors), "off_background": 1 - common / total}
+
+
+def check_page(browser: Chromium, path: Path, page_scale: float | None = None) -> PageCheck:
+    """Open ``path`` at a laptop's viewport, wait for plotly, and gather what ``problems`` judges.
+    With ``page_scale``, also a screenshot of the whole page at that scale."""
+    tab = browser.new_tab()
+    try:
+        tab.send("Emulation.setDeviceMetricsOverride", width=VIEWPORT[0], height=VIEWPORT[1],
+                 deviceScaleFactor=1, mobile=False)
+        for domain in ("Page", "Runtime", "Log", "Network"):
+            tab.send(f"{domain}.enable")
+        tab.send("Page.navigate", url=path.resolve().as_uri())
+        tab.wait_for_event("Page.loadEventFired", RENDER_SECONDS)
+        deadline = time.monotonic() + RENDER_SECONDS
+        while not tab.evaluate(SETTLED_JS) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        tab.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        check = PageCheck(plots=tab.evaluate(PLOT_STATUS_JS))
+        shot = tab.send("Page.captureScreenshot", format="png")
+        check.viewport_pixels = pixel_stats(base64.b64decode(shot["data"]))
+        for plot in check.plots:
+            if plot["width"] > 0 and plot["height"] > 0:
+                clip = {k: plot[k] for k in ("x", "y", "width", "height")} | {"scale": 1}
+                shot = tab.send("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)
+                check.plot_pixels.append(pixel_stats(base64.b64decode(shot["data"])))
+            else:
+                check.plot_pixels.append({"width": 0, "height": 0, "colors": 0, "off_background": 0.0})
+        if page_scale:
+            height = tab.evaluate("document.documentElement.scrollHeight")
+            shot = tab.send("Page.captureScreenshot", format="png", captureBeyondViewport=True,
+                            clip={"x": 0, "y": 0, "width": VIEWPORT[0], "height": height, "scale": page_scale})
+            check.page_png = base64.b64decode(shot["data"])
+        tab.send("Runtime.evaluate", expression="0")  # collect the events that arrived meanwhile
+    finally:
+        tab.close()
+    for e in tab.events:
+        p = e.get("params", {})
+        if e["method"] == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
+            check.console_errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p["args"]))
+        elif e["method"] == "Runtime.exceptionThrown":
+            d = p["exceptionDetails"]
+            check.console_errors.append(d.get("exception", {}).get("description") or d.get("text", "exception"))
+        elif e["method"] == "Log.entryAdded" and p["entry"]["level"] == "error":
+            check.console_errors.append(f"{p['entry']['source']}: {p['entry']['text']} {p['entry'].get('url', '')}")
+        elif e["method"] == "Network.requestWillBeSent":
+            url = p["request"]["url"]
+            if not url.startswith(("file:", "data:", "blob:", "about:")):
+                check.outside_requests.append(url)
+    return check
+
+
+def problems(check: PageCheck) -> list[str]:
+    """What is wrong with a checked page, in words; empty when nothing is."""
+    found = [f"console error: {e}" for e in check.console_errors]
+    found += [f"fetched from outside the file: {u}" for u in check.outside_requests]
+    if not check.plots:
+        found.append("no div.plot on the page")
+    for plot, px in zip(check.plots, check.plot_pixels):
+        where = f"plot {plot['index']}"
+        if not (plot["plotly"] and plot["svg"]):
+            found.append(f"{where}: no rendered plotly plot (.js-plotly-plot with svg.main-svg)")
+        elif plot["traces"] == 0 or plot["marks"] == 0:
+            found.append(f"{where}: no trace drawn")
+        elif plot["marks_in_view"] == 0:
+            found.append(f"{where}: all {plot['marks']} data marks lie outside the axes' ranges")
+        if plot["height"] < 200 or plot["width"] < 300:
+            found.append(f"{where}: only {plot['width']:.0f}×{plot['height']:.0f} px")
+        if px["colors"] < 8 or px["off_background"] < 0.01:
+            found.append(f"{where}: screenshot is blank ({px['colors']} colours, "
+                         f"{px['off_background']:.1%} off the background)")
+    vp = check.viewport_pixels
+    if vp and (vp["colors"] < 8 or vp["off_background"] < 0.01):
+        found.append(f"the first screen is blank ({vp['colors']} colours)")
+    return found
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    executable = chromium_path()
+    if executable is None:
+        if os.environ.get("CI"):  # .ci/run installs it: a CI without it is broken, not excused
+            pytest.fail("Chromium is missing on CI; .ci/run should have installed Debian's chromium")
+        pytest.skip("Chromium is not installed (`apt-get install -y chromium`; .ci/run installs it)")
+    pytest.importorskip("websocket", reason="websocket-client is not installed (pip install -e '.[test]')")
+    b = Chromium(executable, tmp_path_factory.mktemp("chromium-profile"))
+    yield b
+    b.quit()
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=[r.name for r in REPORTS])
+def test_report_renders_in_a_real_browser(report, browser, tmp_path):
+    name = report.name
+    path = report.build(tmp_path)
+    html = path.read_text(encoding="utf-8")
+    assert "<script src=" not in html.replace(" ", "").lower(), "the page loads a script from elsewhere"
+    shots = os.environ.get("MEMPLAN_SCREENSHOTS") if report.docs else None
+    check = check_page(browser, path, page_scale=DOCS_SCALE if shots else None)
+    assert problems(check) == [], f"{name}: {problems(check)}"
+    assert len(check.plots) == html.count('<div class="plot">')
+    if shots:
+        Path(shots).mkdir(parents=True, exist_ok=True)
+        (Path(shots) / f"{name}.png").write_bytes(check.page_png)
+
+
+def test_the_check_finds_what_is_wrong_with_a_broken_page(browser, tmp_path):
+    """The checks above can fail: a page with a script error, an empty plot container, a plot with no
+    data, a plot whose data lie outside its axes and a request to the outside gets each one reported."""
+    from plotly.offline import get_plotlyjs
+
+    page = tmp_path / "broken.html"
+    page.write_text(
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<script>{get_plotlyjs()}</script></head><body>"
+        "<div class='plot' style='height:300px;width:600px'></div>"  # nothing drawn in it
+        "<div class='plot' style='height:300px;width:600px'><div id='p' style='height:300px'></div></div>"
+        "<div class='plot' style='height:300px;width:600px'><div id='q' style='height:300px'></div></div>"
+        "<script>Plotly.newPlot('p', [], {xaxis: {visible: false}, yaxis: {visible: false}});"
+        "Plotly.newPlot('q', [{x: [1, 2], y: [10, 11], mode: 'lines+markers'}], {yaxis: {range: [0, 4]}});"
+        "console.error('deliberate failure'); fetch('http://192.0.2.1/x.js').catch(() => {});"
+        "</script></body></html>", encoding="utf-8")
+    found = problems(check_page(browser, page))
+    assert any("deliberate failure" in p for p in found), found
+    assert any(p.startswith("plot 0: no rendered plotly plot") for p in found), found
+    assert any(p.startswith("plot 1: no trace drawn") for p in found), found
+    assert any(p.startswith("plot 2: all 3 data marks lie outside") for p in found), found
+    assert any("192.0.2.1" in p for p in found), found
