@@ -345,19 +345,24 @@ def write_html(result: dict, path: str) -> None:
         summary={
             "calibrated: median |error|": f"{result['median_abs_error']:.1%} (bar {MEDIAN_BAR:.0%})",
             "calibrated: worst |error|": f"{result['max_abs_error']:.1%} (bar {WORST_BAR:.0%})",
+            "calibrated once, at the start: median / worst |error|":
+                f"{result['start_calibration_median_abs_error']:.1%} / {result['start_calibration_max_abs_error']:.1%}",
             "static cpu profile: median |error|": f"{result['static_median_abs_error']:.0%}",
             "static cpu profile: worst |error|": f"{result['static_max_abs_error']:.0%}",
             "bars met": "yes" if result["passed"] else "no",
             "noise: reference matmul max/min over the run": f"{n['reference_probe_max_over_min']:.2f}",
             "noise: median step spread (IQR/median)": f"{n['median_step_spread']:.1%}",
+            "noise: a config's pass-to-pass max/min (median)": f"{n['median_pass_to_pass']:.2f}",
+            "noise: fp32 matmul rate across calibrations, max/min":
+                f"{n['calibration_fp32_max_over_min']:.2f}" if n.get("calibration_fp32_max_over_min") else "n/a",
             "noise: wall / clock time (median, max)": f"{n['median_wall_over_clock']:.2f}, "
                                                      f"{n['max_wall_over_clock']:.2f}",
             "torch": result["torch"],
         },
         figures=[scatter, errors, stack, mfu],
-        notes=["Each config: the median of the measured steps after warm-up of trainer.step.train_step on the "
-               "reference model; the calibrated prediction uses a profile measured at the start of the same run with "
-               "the same threads and clock. The static prediction uses profiles/cpu.toml (a nominal 8-core AVX2 "
+        notes=["Each config: the median of all measured steps (over the passes, each after warm-up) of "
+               "trainer.step.train_step on the reference model; the calibrated prediction uses the median of the "
+               "calibrations taken before, between and after the passes, with the same threads and clock. The static prediction uses profiles/cpu.toml (a nominal 8-core AVX2 "
                "desktop, no bf16: it times bf16 matmuls at its fp32 rate and knows nothing of first-touch page "
                "faults or dispatch cost on this machine).",
                "The prediction excludes the data-loading term (the benchmark feeds prepared batches)."],

@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 from memplan.hardware import Device
+from memplan.memory import sdpa_gqa_repeats
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
 
@@ -189,8 +190,9 @@ def _dtype_name(nbytes: int, setup: TrainSetup) -> str:
 class _Builder:
     """Collects the kernels of one micro-batch of one block (or of the model's ends)."""
 
-    def __init__(self, spec: ModelSpec, setup: TrainSetup):
+    def __init__(self, spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False):
         self.spec, self.setup = spec, setup
+        self.repeat_kv = repeat_kv  # SDPA with grouped-query attention where no flash kernel takes it
         self.n = tokens(setup)
         self.a = setup.compute_bytes  # activations in the compute dtype
         self.r = HALF_BYTES if setup.precision == "bf16" else FP32_BYTES  # residual stream
@@ -294,8 +296,9 @@ class _Builder:
 
     def attention(self, term: str, direction: str) -> None:
         """The attention core: SDPA, or eager attention's copies, score matmuls, scale, mask and softmax
-        (timed as one by calibration). Eager also copies its output back to (B, T, H); with grouped-query
-        attention eager attention repeats k and v to every head (and sums their gradients back)."""
+        (timed as one by calibration). Eager also copies its output back to (B, T, H). With grouped-query
+        attention, eager attention repeats k and v to every head (and sums their gradients back), and so
+        does the model before SDPA where no flash kernel takes them (``memory.sdpa_gqa_repeats``)."""
         s, spec = self.setup, self.spec
         bh = s.micro_batch * spec.heads
         scores = bh * s.ctx * s.ctx * self.a
@@ -312,14 +315,14 @@ class _Builder:
                                    read_bytes=traffic, write_bytes=out_bytes, fresh=fresh, dtype=s.compute_dtype,
                                    shape=(s.ctx, bh, spec.head_dim), direction=direction, impl=s.attention,
                                    dispatches=ATTENTION_DISPATCHES[s.attention][direction == "backward"]))
-        if s.attention == "eager":
+        if s.attention == "eager" or self.repeat_kv:
             e = self.n * spec.hidden * self.a
             if spec.kv_heads != spec.heads:
                 if direction == "forward":
                     self.ew(term, "repeat k, v", 2 * self.n * spec.kv_dim * self.a, 2 * e, self.a, dispatches=0)
                 else:
                     self.ew(term, "sum k, v grads", 2 * e, 2 * self.n * spec.kv_dim * self.a, self.a, dispatches=0)
-            if direction == "forward":
+            if direction == "forward" and s.attention == "eager":
                 self.ew(term, "attention output copy", e, e, self.a)
 
     def activation(self, term: str, direction: str) -> None:
@@ -353,11 +356,12 @@ class _Builder:
         self.ew(term, "cat q, k, v grads", e, e, self.a)
 
 
-def block_kernels(spec: ModelSpec, setup: TrainSetup, term: str, direction: str) -> list[Kernel]:
+def block_kernels(spec: ModelSpec, setup: TrainSetup, term: str, direction: str,
+                  repeat_kv: bool = False) -> list[Kernel]:
     """One block's kernels for one micro-batch, in the order trainer/model.py runs them (``direction``
     forward) or autograd runs their backward. Attention kernels go to the ``attention`` term unless
     ``term`` is recompute."""
-    b = _Builder(spec, setup)
+    b = _Builder(spec, setup, repeat_kv)
     bias, h, kv, f = bool(spec.bias), spec.hidden, spec.kv_dim, spec.ffn
     qkv_bias = bias or spec.qkv_bias
     up = (2 if spec.mlp == "swiglu" else 1) * f
@@ -391,12 +395,12 @@ def block_kernels(spec: ModelSpec, setup: TrainSetup, term: str, direction: str)
     return b.kernels
 
 
-def recompute_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
+def recompute_kernels(spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False) -> list[Kernel]:
     """What checkpointing runs again in backward: the whole block forward (full), or all but the saved
     matmul and attention outputs (selective)."""
     if setup.checkpointing == "none":
         return []
-    forward = block_kernels(spec, setup, "recompute", "forward")
+    forward = block_kernels(spec, setup, "recompute", "forward", repeat_kv)
     if setup.checkpointing == "full":
         return forward
     # the selective policy (trainer/model.py) keeps the outputs of mm/addmm, SDPA and eager attention's
@@ -450,11 +454,12 @@ def optimizer_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
             Kernel(term="optimizer", name=setup.optimizer, kind="optimizer", read_bytes=traffic, fresh=fresh)]
 
 
-def step_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
-    """Every kernel of one optimizer step, ``calls`` set to how often it runs per step."""
+def step_kernels(spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False) -> list[Kernel]:
+    """Every kernel of one optimizer step, ``calls`` set to how often it runs per step. ``repeat_kv``:
+    the model repeats grouped-query K/V before SDPA on this device (``memory.sdpa_gqa_repeats``)."""
     per_micro = ends_kernels(spec, setup)
-    per_layer = (block_kernels(spec, setup, "forward", "forward") + recompute_kernels(spec, setup)
-                 + block_kernels(spec, setup, "backward", "backward"))
+    per_layer = (block_kernels(spec, setup, "forward", "forward", repeat_kv) + recompute_kernels(spec, setup, repeat_kv)
+                 + block_kernels(spec, setup, "backward", "backward", repeat_kv))
     out = [dataclasses.replace(k, calls=setup.grad_accum) for k in per_micro]
     out += [dataclasses.replace(k, calls=setup.grad_accum * spec.layers) for k in per_layer]
     out += optimizer_kernels(spec, setup)
@@ -469,15 +474,15 @@ def _family(spec: ModelSpec) -> str:
     return spec.arch if spec.arch in LAYER_DISPATCHES else "llama"
 
 
-def layer_dispatches(spec: ModelSpec, setup: TrainSetup) -> int:
+def layer_dispatches(spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False) -> int:
     """aten ops (views included) one block dispatches per micro-batch: forward, backward and
     recomputation, counted on the reference model (see LAYER_DISPATCHES)."""
     fam = _family(spec)
     fwd, bwd = LAYER_DISPATCHES[fam]
     if setup.attention == "eager":
         fwd, bwd = fwd + EAGER_DISPATCHES[0], bwd + EAGER_DISPATCHES[1]
-        if spec.kv_heads != spec.heads:
-            fwd, bwd = fwd + EAGER_GQA_DISPATCHES[0], bwd + EAGER_GQA_DISPATCHES[1]
+    if spec.kv_heads != spec.heads and (setup.attention == "eager" or repeat_kv):
+        fwd, bwd = fwd + EAGER_GQA_DISPATCHES[0], bwd + EAGER_GQA_DISPATCHES[1]
     extra = MIXED_DISPATCHES[fam] if setup.mixed else PURE_BF16_DISPATCHES[fam] if setup.precision == "bf16" \
         else (0, 0)
     fwd, bwd = fwd + extra[0], bwd + extra[1]
@@ -501,9 +506,9 @@ def base_dispatches(spec: ModelSpec, setup: TrainSetup) -> int:
     return n
 
 
-def step_dispatches(spec: ModelSpec, setup: TrainSetup) -> int:
+def step_dispatches(spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False) -> int:
     """aten ops dispatched by the forward and backward passes of one step (the optimizer's excluded)."""
-    return setup.grad_accum * (spec.layers * layer_dispatches(spec, setup) + base_dispatches(spec, setup))
+    return setup.grad_accum * (spec.layers * layer_dispatches(spec, setup, repeat_kv) + base_dispatches(spec, setup))
 
 
 def param_tensors(spec: ModelSpec) -> int:
@@ -835,7 +840,8 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
     """Predicted seconds per optimizer step on ``device`` (one process), by term."""
     rates = rates_for(device)
     acc: dict[str, list[float]] = {t: [0.0, 0.0, 0.0, 0.0] for t in TERMS}  # compute, memory, flops, bytes
-    kernels = step_kernels(spec, setup)
+    repeat_kv = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
+    kernels = step_kernels(spec, setup, repeat_kv)
     device_seconds = 0.0
     for k in kernels:
         compute, memory, first = kernel_seconds(k, rates)
@@ -859,7 +865,7 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         device_seconds += k.calls * (seconds + first)
     comm = communication_seconds(spec, setup, device)
     acc["communication"][1] = comm
-    dispatches = step_dispatches(spec, setup) + DATA_DISPATCHES_PER_MICRO_BATCH * setup.grad_accum
+    dispatches = step_dispatches(spec, setup, repeat_kv) + DATA_DISPATCHES_PER_MICRO_BATCH * setup.grad_accum
     # calibrated kernel times (linears, attention, modules) include their own dispatches; static ones do not
     timed = sum(k.calls * k.dispatches for k in kernels if rates.includes_dispatch(k))
     host = max(0, dispatches - timed) * rates.launch_seconds()
