@@ -49,6 +49,7 @@ from memplan.errors import InputError
 
 MiB = 2**20
 MATMUL_TOKENS = (64, 512, 4096)  # rows of a linear's input: micro_batch × ctx of small runs
+MATMUL_MIN_TOKENS = 16  # the fewest tokens a shape too costly for the budget is measured with
 MATMUL_IN = (64, 256, 1024)  # hidden and ffn widths of 100k-1B models
 MATMUL_OUT = (64, 256, 1024, 4096, 32768)  # qkv/mlp widths up to the LM head's vocabulary
 ATTENTION_CTX = (64, 256, 1024)  # sequence lengths; 4096 is added on accelerators
@@ -67,7 +68,8 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Shares of the time budget per stage (the matmul share is split among dtypes: fp32 first).
 BUDGET_SHARES = {"launch": 0.04, "memory": 0.07, "transcendental": 0.03, "modules": 0.10, "optimizer": 0.07,
                  "attention": 0.22, "matmul": 0.47}
-MATMUL_DTYPE_SHARES = {"fp32": 0.6, "tf32": 0.15, "bf16": 0.2, "fp16": 0.2}
+PLANNED_SHARE = 0.8  # of --seconds, planned for measurements; the rest absorbs overruns and start-up
+MATMUL_DTYPE_SHARES = {"fp32": 0.55, "tf32": 0.15, "bf16": 0.25, "fp16": 0.2}
 
 
 @dataclass
@@ -472,10 +474,15 @@ def measure_transcendental(clock: _Clock, cal: Calibration, budget: float) -> No
 
 def _matmul_shapes() -> list[tuple[int, int, int]]:
     """The grid, fewest tokens first and within a token count by FLOPs: every (in, out) pair is measured
-    at 64 tokens before any at 512, so a slow dtype still covers the LM head's width (rates change less
-    along tokens, where the table holds the last measured value, than across widths)."""
-    shapes = [(m, k, n) for m in MATMUL_TOKENS for k in MATMUL_IN for n in MATMUL_OUT]
-    return sorted(shapes, key=lambda s: (s[0], s[1] * s[2], s))
+    at 64 tokens (the LM head's width at 16) before any at 512, so a slow dtype still covers the widths
+    (rates change less along tokens, where the table follows the nearest pair measured further, than
+    across widths)."""
+    first = MATMUL_TOKENS[0]
+    # the LM head's width first at 16 tokens: the widest shapes cost the most and matter most for small models
+    shapes = [(MATMUL_MIN_TOKENS if m == first and n == MATMUL_OUT[-1] else m, k, n)
+              for m in MATMUL_TOKENS for k in MATMUL_IN for n in MATMUL_OUT]
+    plane = {m: i for i, m in enumerate(MATMUL_TOKENS)}
+    return sorted(shapes, key=lambda s: (plane.get(s[0], 0), s[0] * s[1] * s[2], s))
 
 
 def measure_matmul(clock: _Clock, cal: Calibration, dtype: str, budget: float) -> None:
@@ -491,13 +498,23 @@ def measure_matmul(clock: _Clock, cal: Calibration, dtype: str, budget: float) -
     seconds_per_flop = None
     size = _BYTES.get(dtype, 4)
     try:
+        measured = set()
         for m, k, n in _matmul_shapes():
-            flops = 2.0 * m * k * n
             left = end - time.perf_counter()
-            # a measurement costs at least four forward + backward pairs (a warm-up and 3 timed)
-            if rows and (left <= 0 or (seconds_per_flop and 4 * 3 * flops * seconds_per_flop > left)):
+            # a measurement costs at least four forward + backward pairs (a warm-up and 3 timed). A shape too
+            # costly for what is left is measured with a quarter (then a sixteenth) of the tokens, down to 16,
+            # where a slow dtype runs at nearly the same rate per FLOP: the widths are what matters most
+            # (an emulated bf16's backward at the LM head's width is 2-3 times slower than at 4096)
+            for tokens_tried in (m, m // 4, m // 16):
+                flops = 2.0 * tokens_tried * k * n
+                fits = not rows or (left > 0 and not (seconds_per_flop and 4 * 3 * flops * seconds_per_flop > left))
+                if tokens_tried >= MATMUL_MIN_TOKENS and (tokens_tried, k, n) not in measured and fits:
+                    break
+            else:
                 cal.skipped.append(f"matmul {dtype} {m}x{k}x{n}")
                 continue
+            m = tokens_tried
+            measured.add((m, k, n))
             # copies of the inputs, used in turn, so that each call finds them out of the L2 cache as in a
             # step, where other kernels run between two matmuls (8 MiB at least, 16 copies at most)
             copies = max(1, min(16, -(-ROTATE_BYTES // ((m * k + n * k) * size))))
@@ -524,7 +541,7 @@ def measure_matmul(clock: _Clock, cal: Calibration, dtype: str, budget: float) -
     finally:
         if dev.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
-    cal.matmul[dtype] = rows
+    cal.matmul[dtype] = sorted(rows, key=lambda r: (r[0], r[1] * r[2], r[:3]))
 
 
 def measure_attention(clock: _Clock, cal: Calibration, dtypes: list[str], budget: float) -> None:
@@ -604,9 +621,12 @@ def measure_optimizer(clock: _Clock, cal: Calibration, budget: float) -> None:
     from trainer.step import make_optimizer
 
     dev = clock.device
-    big = (16, 2**20) if dev.type == "cpu" else (32, 2**21)  # 32M / 128M params, each tensor < 32 MiB
-    if budget < 2.0:
-        big = (8, 2**18)  # a short calibration: 4M params
+    if dev.type == "cpu":
+        # sized to the budget at ~20 ns per parameter and ~6 steps per optimizer: 1M-16M params, 16 tensors
+        params = int(min(2**24, max(2**20, budget / (6 * len(("adamw", "adamw-fused", "sgd"))) / 2e-8)))
+        big = (16, params // 32)
+    else:
+        big = (32, 2**21)  # 128M params, each tensor below 32 MiB
     small = (256, 64)
     names = ("adamw", "adamw-fused", "sgd")
     per_run = budget / (2 * len(names))
@@ -684,12 +704,13 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
                       torch_version=torch.__version__, started=_dt.datetime.now().isoformat(timespec="seconds"),
                       memory_total_bytes=total, memory_usable_bytes=usable, memory_source=source,
                       runtime_context_bytes=runtime_context_bytes(family))
-    timer = _Clock(device, deadline=t0 + seconds, clock=clock)
+    plan = seconds * PLANNED_SHARE  # measurements overrun their shares a little (the smallest cases always run)
+    timer = _Clock(device, deadline=t0 + plan, clock=clock)
     cal.clock = clock
     report = progress or (lambda stage, done: None)
 
     def share(stage: str) -> float:
-        return seconds * BUDGET_SHARES[stage]
+        return plan * BUDGET_SHARES[stage]
 
     was_grad = torch.is_grad_enabled()
     torch.set_grad_enabled(True)
@@ -719,11 +740,11 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
             measure_matmul(timer, cal, d, budget)
             done += 0.46 * weights[d] / sum(weights.values())
         report("attention", 0.70)
-        budget = max(share("attention"), t0 + seconds * (1 - BUDGET_SHARES["optimizer"]) - time.perf_counter())
+        budget = max(share("attention"), t0 + plan * (1 - BUDGET_SHARES["optimizer"]) - time.perf_counter())
         timer.deadline = time.perf_counter() + budget
         measure_attention(timer, cal, ["fp32", "bf16", "fp16"], budget)
         report("optimizer", 0.92)
-        budget = max(share("optimizer") / 2, t0 + seconds - time.perf_counter())
+        budget = max(share("optimizer") / 2, t0 + plan - time.perf_counter())
         timer.deadline = time.perf_counter() + budget
         measure_optimizer(timer, cal, budget)
         report("done", 1.0)
