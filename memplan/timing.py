@@ -894,13 +894,14 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
     mflops = model_flops(spec, setup)
     tps = n_tokens / seconds
     if rates.matmul_dtype(setup.compute_dtype) != setup.compute_dtype:
-        notes.append(f"{device.name} has no fast native {setup.compute_dtype}; matmuls are timed at its fp32 rate")
+        notes.append(f"{device.name} has no fast native {setup.compute_dtype}; the time below uses its fp32 rate "
+                     "(see `memplan autotune` for the precision it runs best)")
     if setup.compile:
         notes.append("torch.compile is not modelled: the prediction is for eager PyTorch (compile fuses elementwise "
                      "kernels and is usually faster)")
     measured = [d for d in (setup.compute_dtype,) if d in device.calibrated.get("matmul", {})]
-    source = (f"calibrated ({device.calibrated.get('date', 'unknown date')}, "
-              f"{device.calibrated.get('threads', '?')} thread(s))" if rates.calibrated and measured else
+    source = (f"calibrated {str(device.calibrated.get('date', ''))[:10]}, "
+              f"{device.calibrated.get('threads', '?')} thread(s)" if rates.calibrated and measured else
               "profile peak × achievable fraction")
     return TimeBreakdown(
         terms=terms, flops_per_step=flops, model_flops_per_step=mflops, step_seconds=seconds,

@@ -246,13 +246,13 @@ class _Clock:
         self.spreads: list[float] = []
 
     def left(self) -> float:
-        return self.deadline - time.perf_counter()
+        return self.deadline - self.now()
 
     def time(self, fn: Callable[[], object], setup: Callable[[], object] | None = None,
              min_seconds: float = MIN_REPEAT_SECONDS, max_repeats: int = MAX_REPEATS) -> float:
         """Median seconds of one call of ``fn`` (``setup`` runs untimed before each), after one warm-up."""
         times: list[float] = []
-        start = time.perf_counter()
+        start = self.now()
         for i in range(max_repeats + 1):
             if setup is not None:
                 setup()
@@ -262,10 +262,10 @@ class _Clock:
             self.sync()
             if i:  # the first call warms up
                 times.append(self.now() - t0)
-            spent = time.perf_counter() - start
-            if i >= 3 and (spent >= min_seconds or time.perf_counter() > self.deadline):
+            spent = self.now() - start
+            if i >= 3 and (spent >= min_seconds or self.now() > self.deadline):
                 break
-            if i >= 1 and spent > 4 * min_seconds and time.perf_counter() > self.deadline:
+            if i >= 1 and spent > 4 * min_seconds and self.now() > self.deadline:
                 break
         return self._median(times)
 
@@ -282,7 +282,7 @@ class _Clock:
         """Median seconds of ``forward(i)`` and of the ``backward()`` that follows it, alternating as in a
         training step (``i`` picks which copy of the inputs to use), after one warm-up pair."""
         fwd, bwd = [], []
-        start = time.perf_counter()
+        start = self.now()
         for i in range(max_repeats + 1):
             self.sync()
             t0 = self.now()
@@ -295,10 +295,10 @@ class _Clock:
             if i:
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
-            spent = time.perf_counter() - start
+            spent = self.now() - start
             # three timed pairs, or two when one pair alone takes longer than the whole allowance
             if i >= 3 or (i >= 2 and spent > 3 * max(min_seconds, 0.1)):
-                if spent >= min_seconds or time.perf_counter() > self.deadline:
+                if spent >= min_seconds or self.now() > self.deadline:
                     break
         return self._median(fwd), self._median(bwd)
 
@@ -349,7 +349,7 @@ def measure_launch(clock: _Clock, cal: Calibration) -> None:
 def measure_memory(clock: _Clock, cal: Calibration, budget: float) -> None:
     """Copy bandwidth (a large copy) and elementwise-add bandwidth per dtype at a few working-set sizes."""
     dev = clock.device
-    end = time.perf_counter() + budget
+    end = clock.now() + budget
     big = 64 * MiB if dev.type == "cpu" else 512 * MiB
     src = torch.empty(big // 4, device=dev).normal_()
     dst = torch.empty_like(src)
@@ -360,7 +360,7 @@ def measure_memory(clock: _Clock, cal: Calibration, budget: float) -> None:
     for name in ("fp32", "bf16", "fp16"):
         rows = []
         for size in sizes:
-            if time.perf_counter() > end and rows:
+            if clock.now() > end and rows:
                 cal.skipped.append(f"elementwise {name} {size // MiB} MiB")
                 continue
             # operands cycled through a working set beyond the caches a step's other tensors evict
@@ -428,12 +428,12 @@ def measure_modules(clock: _Clock, cal: Calibration, budget: float) -> None:
     Their ops broadcast, stride and compute exp/tanh, so they run below the streaming bandwidth; each
     is timed whole, its dispatches included. Rows: [output elements, forward s, backward s]."""
     dev = clock.device
-    end = time.perf_counter() + budget
+    end = clock.now() + budget
     jobs = [(op, d) for d in ("fp32", "bf16") for op in ("rmsnorm", "rotary", "swiglu", "layernorm", "gelu")]
     for j, (op, dtype) in enumerate(jobs):
         rows = []
         for elements in MODULE_ELEMENTS:
-            left = end - time.perf_counter()
+            left = end - clock.now()
             if rows and left <= 0:
                 cal.skipped.append(f"module {op} {dtype} {elements}")
                 continue
@@ -489,7 +489,7 @@ def measure_matmul(clock: _Clock, cal: Calibration, dtype: str, budget: float) -
     """F.linear forward and backward (through autograd) on the shape grid, smallest first, while the
     dtype's budget lasts. Rows: [tokens, in, out, net forward TFLOPS, net backward TFLOPS]."""
     dev = clock.device
-    end = time.perf_counter() + budget
+    end = clock.now() + budget
     torch_dtype = torch.float32 if dtype == "tf32" else DTYPES[dtype]
     if dtype in ("tf32", "fp32") and dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
@@ -500,7 +500,7 @@ def measure_matmul(clock: _Clock, cal: Calibration, dtype: str, budget: float) -
     try:
         measured = set()
         for m, k, n in _matmul_shapes():
-            left = end - time.perf_counter()
+            left = end - clock.now()
             # a measurement costs at least four forward + backward pairs (a warm-up and 3 timed). A shape too
             # costly for what is left is measured with a quarter (then a sixteenth) of the tokens, down to 16,
             # where a slow dtype runs at nearly the same rate per FLOP: the widths are what matters most
@@ -556,7 +556,7 @@ def measure_attention(clock: _Clock, cal: Calibration, dtypes: list[str], budget
     from trainer.model import causal_mask, eager_attention
 
     dev = clock.device
-    end = time.perf_counter() + budget
+    end = clock.now() + budget
     net = _Net(cal)
     ctxs = ATTENTION_CTX + ((4096,) if dev.type != "cpu" else ())
     points = [(T, hd) for T in ctxs for hd in ATTENTION_HEAD_DIMS]
@@ -569,7 +569,7 @@ def measure_attention(clock: _Clock, cal: Calibration, dtypes: list[str], budget
         guess = 0.25 * best.get(dtype, best.get("fp32", 1e-3)) * 1e12
         job_share = weight[dtype] / sum(weight[d] for _, d in jobs[j:])
         for i, (T, hd) in enumerate(points):
-            left = end - time.perf_counter()
+            left = end - clock.now()
             share = left * job_share / (len(points) - i)  # this job's share of the time left, per point
             # a measurement runs at least 4 forward + backward pairs, ~12 forward-equivalents (the backward
             # does about twice the forward's work)
@@ -682,7 +682,9 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
               progress: Callable[[str, float], None] | None = None) -> Calibration:
     """Measure the local device within about ``seconds`` (the smallest case of every table is measured
     even when the budget is spent). ``threads`` pins torch's CPU threads (default: as they are);
-    ``clock`` is ``wall`` or, for a one-thread CPU calibration on a shared machine, ``cpu``.
+    ``clock`` is ``wall`` or, for a one-thread CPU calibration on a shared machine, ``cpu``: timings and
+    the budget then run on the process's CPU time, so a loaded machine measures the same shapes (in
+    more wall time) as an idle one.
 
     ``progress(stage, fraction_done)`` is called as the stages advance.
     """
@@ -698,14 +700,16 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         raise InputError(f"--clock cpu measures one CPU thread; this run has device {family} and "
                          f"{torch.get_num_threads()} thread(s) (use --threads 1 on a CPU, or --clock wall)")
     device = _torch_device(family)
-    t0 = time.perf_counter()
+    wall0 = time.perf_counter()
     total, usable, source = device_memory(family)
     cal = Calibration(family=family, title=device_title(family), threads=torch.get_num_threads(),
                       torch_version=torch.__version__, started=_dt.datetime.now().isoformat(timespec="seconds"),
                       memory_total_bytes=total, memory_usable_bytes=usable, memory_source=source,
                       runtime_context_bytes=runtime_context_bytes(family))
     plan = seconds * PLANNED_SHARE  # measurements overrun their shares a little (the smallest cases always run)
-    timer = _Clock(device, deadline=t0 + plan, clock=clock)
+    timer = _Clock(device, deadline=0.0, clock=clock)  # budgets run on the measuring clock: CPU time with cpu
+    t0 = timer.now()
+    timer.deadline = t0 + plan
     cal.clock = clock
     report = progress or (lambda stage, done: None)
 
@@ -716,19 +720,19 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     torch.set_grad_enabled(True)
     try:
         report("launch overhead", 0.0)
-        timer.deadline = time.perf_counter() + share("launch")
+        timer.deadline = timer.now() + share("launch")
         measure_launch(timer, cal)
         report("memory bandwidth", 0.04)
-        timer.deadline = time.perf_counter() + share("memory") * 0.7
+        timer.deadline = timer.now() + share("memory") * 0.7
         measure_memory(timer, cal, share("memory") * 0.7)
         report("first touch", 0.10)
-        timer.deadline = time.perf_counter() + share("memory") * 0.3
+        timer.deadline = timer.now() + share("memory") * 0.3
         measure_first_touch(timer, cal)
         report("transcendental", 0.12)
-        timer.deadline = time.perf_counter() + share("transcendental")
+        timer.deadline = timer.now() + share("transcendental")
         measure_transcendental(timer, cal, share("transcendental"))
         report("modules", 0.14)
-        timer.deadline = time.perf_counter() + share("modules")
+        timer.deadline = timer.now() + share("modules")
         measure_modules(timer, cal, share("modules"))
         dtypes = matmul_dtypes(family)
         weights = {d: MATMUL_DTYPE_SHARES[d] for d in dtypes}
@@ -736,22 +740,22 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         for d in dtypes:
             report(f"matmul {d}", done)
             budget = share("matmul") * weights[d] / sum(weights.values())
-            timer.deadline = time.perf_counter() + budget
+            timer.deadline = timer.now() + budget
             measure_matmul(timer, cal, d, budget)
             done += 0.46 * weights[d] / sum(weights.values())
         report("attention", 0.70)
-        budget = max(share("attention"), t0 + plan * (1 - BUDGET_SHARES["optimizer"]) - time.perf_counter())
-        timer.deadline = time.perf_counter() + budget
+        budget = max(share("attention"), t0 + plan * (1 - BUDGET_SHARES["optimizer"]) - timer.now())
+        timer.deadline = timer.now() + budget
         measure_attention(timer, cal, ["fp32", "bf16", "fp16"], budget)
         report("optimizer", 0.92)
-        budget = max(share("optimizer") / 2, t0 + plan - time.perf_counter())
-        timer.deadline = time.perf_counter() + budget
+        budget = max(share("optimizer") / 2, t0 + plan - timer.now())
+        timer.deadline = timer.now() + budget
         measure_optimizer(timer, cal, budget)
         report("done", 1.0)
     finally:
         torch.set_grad_enabled(was_grad)
     cal.noise = statistics.median(timer.spreads) if timer.spreads else 0.0
-    cal.seconds = time.perf_counter() - t0
+    cal.seconds = time.perf_counter() - wall0
     return cal
 
 

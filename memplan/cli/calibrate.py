@@ -20,7 +20,8 @@ DeviceNameOpt = Annotated[Optional[str], typer.Option(
     "--device-name", help="The profile's name (what `--device` reports); default: <bundled name>-calibrated or "
                           "the device's model name.", show_default=False)]
 SecondsOpt = Annotated[str, typer.Option(
-    "--seconds", help="Time budget of the measurements (the smallest case of every table is always measured).")]
+    "--seconds", help="Time budget of the measurements (the smallest case of every table is always measured); "
+                      "CPU seconds with --clock cpu.")]
 ThreadsOpt = Annotated[Optional[str], typer.Option(
     "--threads", help="torch CPU threads to measure with (recorded in the profile; train with the same). "
                       "Default: torch's default, the physical cores.", show_default=False)]

@@ -42,9 +42,8 @@ def print_estimate(est) -> None:
     console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                   f"{format_bytes(device.usable_bytes)} usable")
 
-    if not device.supports(setup.compute_dtype) and setup.compute_dtype != "tf32":
-        console.print(f"[yellow]note[/]: {device.name} has no fast native {setup.compute_dtype}; the time below "
-                      "uses its fp32 rate (see `memplan autotune` for the precision it runs best)")
+    for note in t.notes:  # what the step-time model assumed (memplan/timing.py): e.g. an fp32 fallback
+        console.print(f"[yellow]note[/]: {note}")
     table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
     table.add_column("term")
     table.add_column("bytes", justify="right")
