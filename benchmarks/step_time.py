@@ -362,7 +362,8 @@ def write_html(result: dict, path: str) -> None:
         figures=[scatter, errors, stack, mfu],
         notes=["Each config: the median of all measured steps (over the passes, each after warm-up) of "
                "trainer.step.train_step on the reference model; the calibrated prediction uses the median of the "
-               "calibrations taken before, between and after the passes, with the same threads and clock. The static prediction uses profiles/cpu.toml (a nominal 8-core AVX2 "
+               "calibrations taken before, between and after the passes, with the same threads and clock. "
+               "The static prediction uses profiles/cpu.toml (a nominal 8-core AVX2 "
                "desktop, no bf16: it times bf16 matmuls at its fp32 rate and knows nothing of first-touch page "
                "faults or dispatch cost on this machine).",
                "The prediction excludes the data-loading term (the benchmark feeds prepared batches)."],

@@ -108,6 +108,8 @@ class Calibration:
 # ---- the device ----------------------------------------------------------------------------
 
 def local_family() -> str:
+    """cuda | rocm | mps | cpu: the device torch would train on (as trainer.measure.local_family, without
+    importing the memory tracker)."""
     if torch.cuda.is_available():
         return "rocm" if torch.version.hip else "cuda"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -664,9 +666,6 @@ def measure_optimizer(clock: _Clock, cal: Calibration, budget: float) -> None:
 
 
 # ---- the whole run -------------------------------------------------------------------------
-
-STAGES = ("launch overhead", "memory bandwidth", "first touch", "transcendental", "modules", "matmul", "attention",
-          "optimizer")
 
 
 def matmul_dtypes(family: str) -> list[str]:

@@ -134,8 +134,9 @@ def calibrate_command(
     from memplan.hardware import match_profile
 
     console = Console(stderr=True)
-    with Progress(TextColumn("[bold]calibrating[/] {task.description:<18}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TimeElapsedColumn(), console=console, transient=True, disable=json) as progress:
+    columns = (TextColumn("[bold]calibrating[/] {task.description:<18}"), BarColumn(),
+               TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=json) as progress:
         task = progress.add_task("starting", total=1.0)
         cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock,
                                 progress=lambda stage, done: progress.update(task, description=stage, completed=done))
