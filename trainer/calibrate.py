@@ -50,7 +50,7 @@ from memplan.errors import InputError
 MiB = 2**20
 MATMUL_TOKENS = (64, 512, 4096)  # rows of a linear's input: micro_batch × ctx of small runs
 MATMUL_MIN_TOKENS = 16  # the fewest tokens a shape too costly for the budget is measured with
-MATMUL_IN = (64, 256, 1024)  # hidden and ffn widths of 100k-1B models
+MATMUL_IN = (64, 384, 1024)  # input widths: the smallest models', memplan's 22m hidden (384), 350m's (1024)
 MATMUL_OUT = (64, 256, 1024, 4096, 32768)  # qkv/mlp widths up to the LM head's vocabulary
 ATTENTION_CTX = (64, 256, 1024)  # sequence lengths; 4096 is added on accelerators
 ATTENTION_HEAD_DIMS = (32, 128)  # head widths bracketing small models' (32-128): the score work per FLOP differs
