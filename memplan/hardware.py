@@ -37,6 +37,8 @@ counts repeated K/V elsewhere; default true for the CPU, false otherwise), ``[na
 nvlink4 | pcie4 | infinity-fabric | ethernet, ``bandwidth_bytes_per_second`` per direction,
 ``latency_seconds`` per hop, ``peer_bandwidth_bytes_per_second`` where one peer gets less than all
 together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``memplan calibrate``).
+``[calibrated]`` may also hold ``compile_speedup``, the eager step time over the ``torch.compile``d
+one (e.g. 1.25): ``memplan autotune`` proposes torch.compile only where it is present and above 1.
 Every table's ``source`` ends up in ``Device.sources``. ``--device PATH`` loads any file of this schema.
 
 ``[calibrated]``, written by ``memplan calibrate`` (``trainer/calibrate.py`` measures, ``memplan/timing.py``

@@ -69,12 +69,14 @@ def _group() -> None:
 
 # Each module registers its command(s) on ``app`` at import. Heavy imports (torch) stay inside
 # the command functions, so `memplan estimate` never loads torch.
+from memplan.cli import autotune  # noqa: E402,F401
 from memplan.cli import calibrate  # noqa: E402,F401
 from memplan.cli import estimate  # noqa: E402,F401
 from memplan.cli import prepare  # noqa: E402,F401
 from memplan.cli import profiles  # noqa: E402,F401
 from memplan.cli import sweep  # noqa: E402,F401
 from memplan.cli import trace  # noqa: E402,F401
+from memplan.cli import train  # noqa: E402,F401
 from memplan.cli import validate  # noqa: E402,F401
 
 
