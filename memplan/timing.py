@@ -77,7 +77,7 @@ DATA_DISPATCHES_PER_MICRO_BATCH = 4  # two tensors made from the loader's arrays
 # ---- dispatch counts of the reference model (TorchDispatchMode over trainer/model.py, torch 2.13) -------------
 # Per block, forward and backward, fp32, SDPA, no checkpointing, multi-head attention; views included.
 # tests/test_timing.py recounts them on a real step.
-LAYER_DISPATCHES = {"llama": (66, 129), "gpt2": (32, 68), "gpt_neox": (54, 88)}
+LAYER_DISPATCHES = {"llama": (66, 113), "gpt2": (32, 68), "gpt_neox": (54, 88)}
 EAGER_DISPATCHES = (19, 20)  # the explicit score path instead of one SDPA call
 EAGER_GQA_DISPATCHES = (6, 5)  # repeat_interleave of k and v for grouped-query attention
 MIXED_DISPATCHES = {"llama": (6, 8), "gpt2": (10, 12), "gpt_neox": (10, 12)}  # autocast casts
@@ -85,7 +85,7 @@ PURE_BF16_DISPATCHES = {"llama": (6, 12), "gpt2": (0, 0), "gpt_neox": (0, 0)}  #
 RECOMPUTE_EXTRA_DISPATCHES = {"full": 33, "selective": 29}  # checkpoint's own ops beyond the re-run forward
 SELECTIVE_FORWARD_DISPATCHES = 5  # the selective policy's context in the forward
 # Per micro-batch outside the blocks (embedding, final norm, head, loss), forward + backward.
-BASE_DISPATCHES = {"llama": 62, "gpt2": 37, "gpt_neox": 32}
+BASE_DISPATCHES = {"llama": 54, "gpt2": 37, "gpt_neox": 32}
 BASE_EXTRA_DISPATCHES = {"eager": 2, "mixed": {"llama": 8, "gpt2": 6, "gpt_neox": 8},
                          "bf16": {"llama": 13, "gpt2": 2, "gpt_neox": 4}}
 # Dispatches inside a linear and inside attention: their calibrated times include them, so the launch term
@@ -94,7 +94,7 @@ BASE_EXTRA_DISPATCHES = {"eager": 2, "mixed": {"llama": 8, "gpt2": 6, "gpt_neox"
 LINEAR_DISPATCHES = (4, 6)
 ATTENTION_DISPATCHES = {"sdpa": (2, 4), "eager": (17, 19)}
 # Modules timed as one by calibration (forward, backward), counted on the module alone in a step.
-RMSNORM_DISPATCHES = (6, 27)
+RMSNORM_DISPATCHES = (6, 19)
 LAYERNORM_DISPATCHES = (1, 1)
 ROTARY_DISPATCHES = {False: (11, 10), True: (14, 13)}  # full / partial rotary (the pass-through copy)
 SWIGLU_DISPATCHES = (3, 4)
@@ -221,9 +221,10 @@ class _Builder:
 
     def norm(self, term: str, direction: str) -> None:
         """RMSNorm (trainer/model.py ``_RMSNormFunction``). Forward: x², its mean, x·rstd, ·weight in fp32
-        (4 reads and 3 writes of n·H fp32); backward: x·rstd, grad·weight, the weight gradient and the
-        per-token dot (reductions over (n, H)), then three in-place updates (10 reads, 5 writes). A bf16
-        input is upcast (twice forward, three times backward) and the result cast back.
+        (4 reads and 3 writes of n·H fp32); backward: n̂ = x·rstd, grad·n̂ and its sum over tokens (the
+        weight gradient), grad·weight written into that buffer, the per-token dot g·n̂ (a reduction over
+        H), then three in-place updates (11 reads, 6 writes of n·H fp32). A bf16 input is upcast (twice
+        forward, three times backward) and the result cast back.
         LayerNorm: one fused kernel each way (``native_layer_norm``)."""
         nh, r, f = self.n * self.spec.hidden, self.r, FP32_BYTES
         if self.spec.norm == "layernorm":
@@ -238,8 +239,8 @@ class _Builder:
             passes += [(nh * f, nh * r, True)] if r != f else []
             passes += [(nh * r, nh * r, True)]
         else:
-            passes += [(nh * f, nh * f, True), (nh * f, nh * f, True), (4 * nh * f, 0, False),
-                       (4 * nh * f, 3 * nh * f, False)]
+            passes += [(nh * f, nh * f, True), (2 * nh * f, nh * f, True), (nh * f, 0, False),
+                       (nh * f, nh * f, False), (2 * nh * f, 0, False), (4 * nh * f, 3 * nh * f, False)]
             passes += [(nh * f, nh * r, True)] if r != f else []
         self.module(term, "rmsnorm", direction, nh, r, passes, RMSNORM_DISPATCHES[direction == "backward"])
 
