@@ -24,7 +24,8 @@ measures the way a dedicated machine would.
 
     PYTHONPATH=. python benchmarks/step_time.py --json step_time.json --html step_time.html
     PYTHONPATH=. python benchmarks/step_time.py --quick            # 6 configs, a 20 s calibration
-    PYTHONPATH=. python benchmarks/step_time.py --profile my.toml  # reuse a calibration (same threads/clock)
+    PYTHONPATH=. python -m memplan calibrate --threads 1 --clock cpu --out cal.toml
+    PYTHONPATH=. python benchmarks/step_time.py --device cal.toml   # reuse that calibration (same threads/clock)
 """
 
 from __future__ import annotations
@@ -379,7 +380,9 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=2,
                    help="measure every config in this many passes, calibrating before, between and after them; "
                         "predictions use the median calibration, measurements the median of all steps")
-    p.add_argument("--profile", help="a calibrated profile TOML to use instead of calibrating")
+    p.add_argument("--device", "--profile", dest="profile",
+                   help="a profile TOML written by `memplan calibrate` to use instead of calibrating here "
+                        "(calibrate with the same --threads and --clock)")
     p.add_argument("--save-profile", default="step_time_calibrated.toml", help="where the run's calibration goes")
     p.add_argument("--steps", type=int, default=6, help="measured steps per config, over all passes (>= 5)")
     p.add_argument("--warmup", type=int, default=2)

@@ -779,7 +779,8 @@ class TimeTerm:
     memory_seconds: float = 0.0  # ... by memory (first touch included)
 
     def to_json(self) -> dict:
-        return {"seconds": self.seconds, "bound": self.bound, "flops": self.flops, "bytes": self.bytes}
+        return {"seconds": self.seconds, "bound": self.bound, "flops": self.flops, "bytes": self.bytes,
+                "compute_seconds": self.compute_seconds, "memory_seconds": self.memory_seconds}
 
 
 @dataclass(frozen=True)

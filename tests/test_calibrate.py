@@ -180,6 +180,26 @@ def test_merged_calibrations_take_the_median_of_each_measurement():
     assert merged.optimizer["adamw"] == [2e-9, 1e-5]
 
 
+def test_progress_moves_within_stages_and_never_backwards():
+    pytest.importorskip("torch")
+    import torch
+
+    from trainer.calibrate import calibrate
+
+    seen: list[tuple[str, float]] = []
+    threads = torch.get_num_threads()
+    try:
+        calibrate(1.0, threads=1, progress=lambda stage, done: seen.append((stage, done)))
+    finally:
+        torch.set_num_threads(threads)
+    fractions = [done for _, done in seen]
+    assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
+    stages = [stage for stage, _ in seen]
+    assert {"launch overhead", "matmul fp32", "attention", "optimizer"} <= set(stages)
+    # the bar is told after every measurement, not only when a stage starts
+    assert len(seen) > 3 * len(set(stages))
+
+
 def test_profile_of_a_gpu_keeps_the_vendor_peaks():
     pytest.importorskip("torch")
     from trainer.calibrate import Calibration, profile_data, profile_toml

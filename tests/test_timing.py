@@ -210,6 +210,24 @@ def test_estimate_json_carries_the_breakdown():
     assert all(p["bound"] == "none" for p in parts.values() if p["seconds"] == 0)
 
 
+def test_estimate_table_shows_each_term_with_what_bounds_it():
+    r = CliRunner().invoke(app, ["estimate", "--params", "22m", "--ctx", "256", "--batch", "2", "--precision", "fp32",
+                                 "--device", "cpu"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    lines = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:]]
+             for line in r.output.splitlines() if line.startswith("│") and line.count("│") > 4}
+    data = json.loads(CliRunner().invoke(app, ["estimate", "--params", "22m", "--ctx", "256", "--batch", "2",
+                                               "--precision", "fp32", "--device", "cpu", "--json"]).output)["time"]
+    shown = {name for name, part in data["breakdown"].items() if part["seconds"] > 0}
+    assert shown <= set(lines) and {"forward", "backward", "optimizer", "launch"} <= shown
+    label = {"compute": "compute", "memory": "bandwidth", "launch": "launch"}
+    for name in shown:
+        time, share, bound = lines[name][:3]
+        assert bound.startswith(label[data["breakdown"][name]["bound"]]), (name, bound)
+        assert share == f"{data['breakdown'][name]['seconds'] / data['step_seconds']:.0%}"
+    assert "rates: profile peak × achievable fraction" in r.output
+
+
 # ---- dispatch counts against real steps -----------------------------------------------------
 
 VARIANTS = [

@@ -246,6 +246,7 @@ class _Clock:
         self.device, self.sync, self.deadline = device, _sync(device), deadline
         self.now = clock_function(clock)
         self.spreads: list[float] = []
+        self.tick: Callable[[], None] = lambda: None  # called after every measurement (progress)
 
     def left(self) -> float:
         return self.deadline - self.now()
@@ -272,6 +273,7 @@ class _Clock:
         return self._median(times)
 
     def _median(self, times: list[float]) -> float:
+        self.tick()
         med = statistics.median(times)
         if len(times) >= 4:
             q = statistics.quantiles(times, n=4)
@@ -710,7 +712,15 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     t0 = timer.now()
     timer.deadline = t0 + plan
     cal.clock = clock
-    report = progress or (lambda stage, done: None)
+    shown = {"stage": "starting", "done": 0.0}
+
+    def report(stage: str, done: float) -> None:
+        """The stage, and the larger of its start and the share of the budget spent (never backwards)."""
+        shown["stage"], shown["done"] = stage, max(shown["done"], done)
+        if progress is not None:
+            progress(stage, shown["done"])
+
+    timer.tick = lambda: report(shown["stage"], min(0.99, (timer.now() - t0) / plan))
 
     def share(stage: str) -> float:
         return plan * BUDGET_SHARES[stage]

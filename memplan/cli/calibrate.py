@@ -31,6 +31,11 @@ ClockOpt = Annotated[str, typer.Option(
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")]
 
 
+NOISY = 0.15  # a median spread of repeated timings above this gets a note: the machine was busy
+
+DEFAULT_SECONDS = "50"  # measurements plan 80% of it; with torch's import the command ends within a minute
+
+
 def _slug(text: str) -> str:
     out = "".join(c if c.isalnum() else "-" for c in text.lower())
     return "-".join(p for p in out.split("-") if p)[:48] or "device"
@@ -78,10 +83,14 @@ def _print_summary(console, device, cal, out: Path) -> None:
     t.add_column("measure")
     t.add_column("value", justify="right")
     t.add_column("", style="dim")
-    for dtype, rate in cal.matmul_tflops().items():
+    rates = cal.matmul_tflops()
+    for dtype, rate in rates.items():
         peak = device.peak_tflops.get(dtype)
-        t.add_row(f"matmul {dtype}", f"{rate * 1e3:,.1f} GFLOPS" if rate < 1 else f"{rate:,.1f} TFLOPS",
-                  f"{rate / peak:.0%} of {peak:.3g} TFLOPS peak" if peak else "")
+        if dtype != "fp32" and not device.native.get(dtype) and rates.get("fp32"):
+            note = f"not native here: {rate / rates['fp32']:.0%} of the fp32 rate"
+        else:
+            note = f"{rate / peak:.0%} of {peak:.3g} TFLOPS peak" if peak else ""
+        t.add_row(f"matmul {dtype}", f"{rate * 1e3:,.1f} GFLOPS" if rate < 1 else f"{rate:,.1f} TFLOPS", note)
     t.add_row("copy bandwidth", f"{cal.bandwidth_bytes_per_second / 1e9:,.1f} GB/s", "read + written")
     t.add_row("launch overhead", f"{cal.launch_overhead_seconds * 1e6:,.1f} µs", "per dispatched op")
     if cal.first_touch_bytes_per_second:
@@ -93,6 +102,10 @@ def _print_summary(console, device, cal, out: Path) -> None:
     t.add_row("threads", str(cal.threads), f"clock: {cal.clock}")
     t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings")
     console.print(t)
+    if cal.noise > NOISY:
+        console.print(f"[yellow]note[/]: repeated timings spread by {cal.noise:.0%} (IQR / median): other processes "
+                      "are competing for the device. On a shared CPU, `--threads 1 --clock cpu` times by CPU time "
+                      "(and train with one thread); otherwise calibrate again when the machine is idle.")
     if cal.skipped:
         console.print(f"[dim]{len(cal.skipped)} measurement(s) skipped to stay within the budget "
                       "(the model interpolates and holds the nearest measured rates).[/]")
@@ -101,7 +114,8 @@ def _print_summary(console, device, cal, out: Path) -> None:
 
 @app.command("calibrate")
 def calibrate_command(
-    out: OutOpt = None, device_name: DeviceNameOpt = None, seconds: SecondsOpt = "60", threads: ThreadsOpt = None,
+    out: OutOpt = None, device_name: DeviceNameOpt = None, seconds: SecondsOpt = DEFAULT_SECONDS,
+    threads: ThreadsOpt = None,
     clock: ClockOpt = "wall", force: ForceOpt = False, json: JsonOpt = False,
 ) -> None:
     """Measure this machine's device (matmul per dtype and shape, memory bandwidth, attention, optimizer, launch
