@@ -338,6 +338,24 @@ def write_html(result: dict, path: str) -> None:
     mfu.update_yaxes(title="model FLOPs/s ÷ calibrated matmul peak, %")
     style_figure(mfu, "MFU against the calibrated matmul peak of the config's compute dtype", height=440)
 
+    def ms(x: float) -> str:
+        return f"{x * 1e3:,.1f}"
+
+    top = [max(r["breakdown"], key=r["breakdown"].get) for r in rows]
+    table = go.Figure(go.Table(
+        header=dict(values=["config", "measured ms", "calibrated ms", "error", "static ms", "static error",
+                            "MFU (calibrated peak)", "largest term", "pass medians ms"], align="left"),
+        cells=dict(values=[names, [ms(r["measured_seconds"]) for r in rows],
+                           [ms(r["predicted_seconds"]) for r in rows], [f"{r['error']:+.1%}" for r in rows],
+                           [ms(r["static_predicted_seconds"]) for r in rows],
+                           [f"{r['static_error']:+.0%}" for r in rows],
+                           [f"{r['mfu_calibrated_peak']:.0%}" for r in rows],
+                           [f"{t} ({r['breakdown'][t] / r['predicted_seconds']:.0%})" for t, r in zip(top, rows)],
+                           [" / ".join(f"{x * 1e3:.0f}" for x in r["pass_medians"]) for r in rows]], align="left",
+                   height=26),
+        columnwidth=[3.2, 1, 1.1, 0.8, 0.9, 0.9, 1.1, 1.5, 1.5]))
+    style_figure(table, "Per config", height=170 + 27 * len(rows))
+
     n = result["noise"]
     page = Page(
         title="Step time", model=f"{len(rows)} configs, {min(r['params'] for r in rows) / 1e6:.2f}M-"
@@ -360,7 +378,7 @@ def write_html(result: dict, path: str) -> None:
                                                      f"{n['max_wall_over_clock']:.2f}",
             "torch": result["torch"],
         },
-        figures=[scatter, errors, stack, mfu],
+        figures=[table, scatter, errors, stack, mfu],
         notes=["Each config: the median of all measured steps (over the passes, each after warm-up) of "
                "trainer.step.train_step on the reference model; the calibrated prediction uses the median of the "
                "calibrations taken before, between and after the passes, with the same threads and clock. "
