@@ -7,15 +7,15 @@ from memplan.units import format_bytes, format_count
 
 # What each term of memplan.timing.TERMS counts, for the table's last column.
 TERM_HELP = {
-    "forward": "linears, norms, rotary, activation, residual adds, casts; embedding, LM head",
-    "backward": "their gradients (two matmuls per linear)",
-    "recompute": "the forward re-run by activation checkpointing",
-    "attention": "scores, softmax and values (SDPA or eager), forward + backward",
-    "loss": "fp32 log-softmax and its gradient over (tokens, vocab)",
-    "optimizer": "clip_grad_norm_, optimizer step, zero_grad",
+    "forward": "linears, norms, rotary, MLP, adds, casts",
+    "backward": "their gradients (2 matmuls per linear)",
+    "recompute": "forward re-run by checkpointing",
+    "attention": "SDPA or eager core, fwd + bwd",
+    "loss": "fp32 log-softmax and its gradient",
+    "optimizer": "clip, optimizer step, zero_grad",
     "data": "token ids to the device",
-    "communication": "gradient all-reduce (DDP) / gathers and reduce-scatter (FSDP)",
-    "launch": "dispatching every aten op (dispatcher, autograd, kernel launch)",
+    "communication": "all-reduce (DDP) / gathers (FSDP)",
+    "launch": "dispatching each aten op (host)",
 }
 
 # The JSON says "memory" for a term limited by memory traffic; a person reads "bandwidth".
