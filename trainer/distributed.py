@@ -1,0 +1,289 @@
+"""Training on several devices with PyTorch's own engine: DDP or FSDP2, one process per device.
+
+A run is launched by ``torchrun --nproc-per-node N -m trainer ...`` (or ``memplan train --nproc N``,
+which runs that). Each process reads its rank from the environment torchrun sets, joins the
+process group (NCCL on NVIDIA, RCCL through the same ``nccl`` backend on ROCm, gloo on the CPU)
+and wraps the reference model:
+
+- ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True, broadcast_buffers=False)``.
+  Each rank holds the whole model and optimizer; the gradients live in DDP's flat buckets for the
+  whole run (``.grad`` are views into them), all-reduced (averaged) bucket by bucket as the
+  backward produces them. Under gradient accumulation every micro-batch but the last runs in
+  ``no_sync`` (``trainer.step.train_step``), so a step all-reduces once.
+- ``fsdp``: FSDP2, ``fully_shard`` on every block and then on the root (FSDP2's defaults: blocks
+  reshard after forward, the root keeps its parameters from forward to backward).
+  Parameters, gradients and optimizer states are sharded on dim 0 across ranks; a block's
+  parameters are all-gathered before its forward and again before its backward, and its
+  gradients reduce-scattered after its backward. Under bf16-mixed / fp16-mixed the
+  ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` replaces autocast: the
+  all-gathered parameters are in the low precision, the sharded master weights, gradients and
+  optimizer states stay fp32.
+
+The memory each rank takes is what ``memplan.memory`` predicts for ``world_size`` and
+``sharding`` (``memplan validate --world-size 2`` measures it in each rank with MemTracker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from memplan.errors import InputError
+from memplan.setup import TrainSetup
+
+BACKENDS = {"cuda": "nccl", "rocm": "nccl", "cpu": "gloo", "mps": "gloo"}  # ROCm's torch maps nccl to RCCL
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only one that prints and writes reports."""
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the variables torchrun sets; (0, 1, 0) without them."""
+    def get(name: str, default: int) -> int:
+        raw = os.environ.get(name)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise InputError(f"environment variable {name}={raw!r} is not an integer") from None
+
+    return get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0)
+
+
+def device_for(family: str, local_rank: int) -> torch.device:
+    """The torch device of this process: its GPU by local rank on CUDA/ROCm, else the CPU."""
+    if family in ("cuda", "rocm"):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init(family: str | None = None) -> DistContext:
+    """Join the process group torchrun described (a no-op context for a single process)."""
+    from trainer.measure import local_family
+
+    family = family or local_family()
+    rank, world_size, local_rank = env_world()
+    device = device_for(family, local_rank)
+    backend = BACKENDS[family]
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=TIMEOUT,
+                                device_id=device if device.type == "cuda" else None)
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fsdp_mixed_precision(setup: TrainSetup):
+    """FSDP2's policy for a precision: bf16/fp16 all-gathered parameters and fp32 gradient
+    reduction under bf16-mixed / fp16-mixed; otherwise parameters and reductions in the storage dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(setup.precision)
+    if low is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def wrap_model(model: torch.nn.Module, setup: TrainSetup, device: torch.device, mesh=None,
+               init_sync: bool = True) -> torch.nn.Module:
+    """DDP or FSDP2 around the reference model, as ``setup.sharding`` says (the model itself for none).
+
+    ``mesh``: FSDP2's device mesh (default: one dimension over the whole process group); the
+    FakeTensor trace makes it before entering fake mode, and turns off DDP's ``init_sync`` (the
+    check and broadcast of rank 0's parameters, which fake tensors cannot take part in)."""
+    if setup.sharding == "none" or setup.world_size == 1 and not dist.is_initialized():
+        return model
+    if not dist.is_initialized():
+        raise InputError(f"--sharding {setup.sharding} needs a process group: launch with torchrun "
+                         f"--nproc-per-node {setup.world_size} -m trainer (or memplan train --nproc N)")
+    if dist.get_world_size() != setup.world_size:
+        raise InputError(f"the plan's --world-size {setup.world_size} differs from the {dist.get_world_size()} "
+                         "processes launched")
+    if setup.sharding == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True, broadcast_buffers=False, init_sync=init_sync)
+    from torch.distributed.fsdp import fully_shard
+
+    policy = fsdp_mixed_precision(setup)
+    for block in model.blocks:  # resharded after forward (FSDP2's default for non-root modules)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root keeps its parameters unsharded from forward to backward
+    return model
+
+
+def is_ddp(model: torch.nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference model inside a DDP wrapper (FSDP2 keeps the module itself)."""
+    return model.module if is_ddp(model) else model
+
+
+def no_sync(model: torch.nn.Module, last: bool):
+    """DDP's ``no_sync`` for every micro-batch but the last of a step (a no-op otherwise)."""
+    if not last and is_ddp(model):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a 0-dim tensor over all ranks (itself in a single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    out = value.detach().clone().float()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / dist.get_world_size()
+
+
+# =================================================================================================
+# Measuring a rank's memory: for real in W gloo processes, or one rank under FakeTensorMode
+# =================================================================================================
+
+WARMUP_STEPS = 2  # DDP rebuilds its buckets in the second step; FSDP2 initialises lazily in the first
+
+
+def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int = 0, fake: bool = False):
+    """Build, wrap and warm up the model in this rank, then MemTracker one steady-state step.
+
+    Everything that outlives a step (parameters and their shards, gradients, DDP's buckets,
+    optimizer state) is registered with ``track_external``; the step's batches are made inside
+    the tracker, as ``trainer.measure`` does for a single process.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainer.measure import StepMemory, _categories, _random_batches
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    mesh = None
+    if setup.sharding == "fsdp" and fake:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (setup.world_size,))  # made outside fake mode
+    context = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        context = FakeTensorMode(allow_non_fake_inputs=False)
+    with context, torch.device(device):
+        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
+        model = wrap_model(model, setup, device, mesh=mesh, init_sync=not fake)
+        if fake and is_ddp(model):  # a fake process group's all-reduce returns nothing: hand back the bucket
+            model.register_comm_hook(None, _in_place_hook)
+        optimizer = make_optimizer(model, setup.optimizer)
+        gen = None if fake else torch.Generator(device).manual_seed(seed + 1 + dist.get_rank())
+        for _ in range(WARMUP_STEPS):
+            train_step(model, optimizer, _random_batches(spec, setup, device, gen), setup, device.type,
+                       check_finite=False)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            batches = _random_batches(spec, setup, device, gen)
+            train_step(model, optimizer, batches, setup, device.type, check_finite=False,
+                       before_forward=lambda i: tracker.reset_mod_stats())
+            del batches
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    total = int(snapshot.get("Total", sum(snapshot.values())))
+    method = "MemTracker under FakeTensorMode, fake process group" if fake else "MemTracker on real tensors, gloo"
+    return StepMemory(peak_allocated=total, breakdown=_categories(snapshot), method=f"{method} (rank {dist.get_rank()})")
+
+
+def _in_place_hook(state, bucket):
+    """A DDP comm hook that returns the bucket as it is, like the default in-place all-reduce."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def trace_rank_step(spec, setup: TrainSetup, rank: int = 0, device: str = "cpu"):
+    """Exact live-tensor peak of one rank's steady-state DDP/FSDP2 step on fake tensors, in this
+    process: a fake process group of ``setup.world_size`` ranks stands in for the others
+    (torch.testing's FakeStore; collectives return at once), so a 1B model sharded over 8 GPUs
+    is traced on a laptop CPU."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("trace_rank_step makes its own (fake) process group; this process is already in one")
+    dist.init_process_group("fake", rank=rank, world_size=setup.world_size, store=FakeStore())
+    try:
+        return _rank_step_memory(spec, setup, torch.device(device), fake=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, out_dir: str) -> None:
+    """One rank of ``measure_ranks``: every config in turn, its StepMemory pickled to out_dir."""
+    import pickle
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
+                            timeout=TIMEOUT)
+    try:
+        results = []
+        for spec, setup in configs:
+            results.append(_rank_step_memory(spec, setup, torch.device("cpu")))
+            import gc
+
+            gc.collect()
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ranks(configs: list, world_size: int) -> list[list]:
+    """Measure each (spec, setup) for real on the CPU in ``world_size`` gloo processes started
+    here; returns, per config, every rank's StepMemory (MemTracker's peak in that rank)."""
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    for _, setup in configs:
+        if setup.world_size != world_size:
+            raise InputError(f"--world-size {world_size}: a config asks for world size {setup.world_size}")
+    with tempfile.TemporaryDirectory(prefix="memplan-ranks-") as tmp:
+        mp.start_processes(_measure_worker, args=(world_size, os.path.join(tmp, "store"), configs, tmp),
+                           nprocs=world_size, join=True, start_method="spawn")
+        per_rank = []
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                per_rank.append(pickle.load(f))
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(configs))]
