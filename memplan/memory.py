@@ -32,6 +32,8 @@ LOWP_WEIGHT_BYTES = HALF_BYTES  # autocast's cached bf16/fp16 copy of a matmul w
 NORM_BACKWARD_FP32_BUFFERS = 2  # RMSNorm backward: the normalised input and the scaled gradient, fp32
 NORM_FORWARD_FP32_BUFFERS = 2  # RMSNorm forward: x², then x·rstd before the weight, fp32
 
+COLLECTIVES = ("nccl", "gloo")  # process-group backends: NCCL (RCCL on ROCm), gloo (CPU)
+COLLECTIVES_OF_FAMILY = {"cuda": "nccl", "rocm": "nccl", "cpu": "gloo", "mps": "gloo"}
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
 
 
@@ -899,6 +901,13 @@ def fsdp_optimizer_temporary_bytes(spec: ModelSpec, setup: TrainSetup, rank: int
     return 0
 
 
+def gloo_reduce_scatter_copy_bytes(spec: ModelSpec, setup: TrainSetup, group: str, collectives: str) -> int:
+    """gloo (CPU) reduce-scatters a copy of its input, W·pad(G)·g, made and freed within the
+    call; NCCL/RCCL work on the buffers they are given (their own staging is outside PyTorch's
+    allocator). 0 unless ``collectives`` is gloo."""
+    return fsdp_reduce_scatter_input_bytes(spec, setup, group) if collectives == "gloo" else 0
+
+
 def fsdp_compute_setup(setup: TrainSetup) -> TrainSetup:
     """The setup the activations of an FSDP2 step follow. Under bf16-mixed / fp16-mixed the
     MixedPrecisionPolicy replaces autocast: the gathered parameters are 16-bit, so the embedding,
@@ -908,7 +917,7 @@ def fsdp_compute_setup(setup: TrainSetup) -> TrainSetup:
                          sharding="none")
 
 
-def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0) -> _StepWalk:
+def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl") -> _StepWalk:
     """Walk one steady-state FSDP2 step (its last micro-batch) of ``rank``, as _walk_step walks a
     single-process step: the same forward and backward, op by op, in the compute setup
     (``fsdp_compute_setup``), with FSDP2's own tensors where FSDP2 makes and frees them.
@@ -937,6 +946,7 @@ def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0) -> _StepW
     copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in ("block", "root")}
     rs_input = {g: fsdp_reduce_scatter_input_bytes(spec, setup, g) for g in ("block", "root")}
     sharded_grad = {g: fsdp_sharded_grad_bytes(spec, setup, g) for g in ("block", "root")}
+    gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, setup, g, collectives) for g in ("block", "root")}
     root_params = spec.params - spec.layers * spec.layer_params  # embedding, positions, final norm, untied head
     vectors = spec.layer_params - sum(_layer_matrices(spec).values())  # a block's norms and biases
     vh_grad = head_weight_grad_bytes(spec, act)
@@ -957,10 +967,10 @@ def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0) -> _StepW
         w.free("temporaries", held)  # the previous group's reduce-scatter input
         w.alloc("temporaries", rs_input[group])
         w.free("gradients", unsharded_grad_bytes - last)
-        if first_micro:
-            w.alloc("gradients", sharded_grad[group])
-        else:  # added into the sharded gradients of the earlier micro-batches, then freed
-            w.alloc("temporaries", sharded_grad[group])
+        w.alloc("gradients" if first_micro else "temporaries", sharded_grad[group])
+        w.alloc("temporaries", gloo_copy[group])  # gloo's flat copy of the input, while it reduces
+        w.free("temporaries", gloo_copy[group])
+        if not first_micro:  # added into the sharded gradients of the earlier micro-batches, then freed
             w.free("temporaries", sharded_grad[group])
         w.free("gradients", last)
         return rs_input[group]
@@ -1143,19 +1153,23 @@ def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_ove
 
 
 def peak_memory(spec: ModelSpec, setup: TrainSetup, runtime_context_bytes: int = 0,
-                allocator_overhead: float = 0.0) -> MemoryBreakdown:
+                allocator_overhead: float = 0.0, collectives: str = "nccl") -> MemoryBreakdown:
     """The peak of a steady-state step, by category, with the runtime on top for peak_reserved.
 
     Under FSDP the step of rank 0, which holds the largest shards (every rank's within a few
     rows of it); ``peak_memory_of_rank`` gives any other rank's.
     """
-    return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead)
+    return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead, collectives)
 
 
 def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_context_bytes: int = 0,
-                        allocator_overhead: float = 0.0) -> MemoryBreakdown:
-    """``peak_memory`` of one rank (the ranks of a DDP or single-process step are alike)."""
-    w = _walk_fsdp_step(spec, setup, rank) if setup.sharding == "fsdp" else _walk_step(spec, setup)
+                        allocator_overhead: float = 0.0, collectives: str = "nccl") -> MemoryBreakdown:
+    """``peak_memory`` of one rank (the ranks of a DDP or single-process step are alike).
+    ``collectives``: the process group's backend, nccl (NVIDIA, and RCCL on ROCm) or gloo (CPU),
+    which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``)."""
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
+    w = _walk_fsdp_step(spec, setup, rank, collectives) if setup.sharding == "fsdp" else _walk_step(spec, setup)
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,
