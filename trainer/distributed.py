@@ -5,7 +5,7 @@ which runs that). Each process reads its rank from the environment torchrun sets
 process group (NCCL on NVIDIA, RCCL through the same ``nccl`` backend on ROCm, gloo on the CPU)
 and wraps the reference model:
 
-- ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True, broadcast_buffers=False)``.
+- ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)``, no buffer syncing.
   Each rank holds the whole model and optimizer; the gradients live in DDP's flat buckets for the
   whole run (``.grad`` are views into them), all-reduced (averaged) bucket by bucket as the
   backward produces them. Under gradient accumulation every micro-batch but the last runs in
@@ -125,10 +125,16 @@ def wrap_model(model: torch.nn.Module, setup: TrainSetup, device: torch.device, 
         raise InputError(f"the plan's --world-size {setup.world_size} differs from the {dist.get_world_size()} "
                          "processes launched")
     if setup.sharding == "ddp":
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel
 
+        # The model's only buffers are RoPE's tables, the same in every rank: no buffer syncing.
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                          else {"broadcast_buffers": False})
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True, broadcast_buffers=False, init_sync=init_sync)
+                                       gradient_as_bucket_view=True, init_sync=init_sync, **no_buffer_sync)
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_mixed_precision(setup)
@@ -187,7 +193,7 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from trainer.measure import StepMemory, _categories, _random_batches
+    from trainer.measure import StepMemory, _categories, _random_batches, _TermProbe
     from trainer.model import build_model
     from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
@@ -215,15 +221,29 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
                        check_finite=False)
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
+
+        def live() -> int:
+            return int(sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("current").values()))
+
+        probe = None if fake else _TermProbe(model, optimizer, live)  # fake tensors have no storages to count
+        last = setup.grad_accum - 1
+
+        def before(i: int) -> None:
+            tracker.reset_mod_stats()
+            if probe is not None and i == last:
+                probe.before_forward(i)
+
         with tracker:
             batches = _random_batches(spec, setup, device, gen)
-            train_step(model, optimizer, batches, setup, device.type, check_finite=False,
-                       before_forward=lambda i: tracker.reset_mod_stats())
+            train_step(model, optimizer, batches, setup, device.type, check_finite=False, before_forward=before,
+                       after_forward=lambda i: probe.after_forward(i) if probe is not None and i == last else None)
             del batches
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        terms = probe.finish() if probe is not None else {}
     total = int(snapshot.get("Total", sum(snapshot.values())))
     method = "MemTracker under FakeTensorMode, fake process group" if fake else "MemTracker on real tensors, gloo"
-    return StepMemory(peak_allocated=total, breakdown=_categories(snapshot), method=f"{method} (rank {dist.get_rank()})")
+    return StepMemory(peak_allocated=total, breakdown=_categories(snapshot), terms=terms,
+                      method=f"{method} (rank {dist.get_rank()})")
 
 
 def _in_place_hook(state, bucket):
@@ -287,3 +307,208 @@ def measure_ranks(configs: list, world_size: int) -> list[list]:
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
                 per_rank.append(pickle.load(f))
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(configs))]
+
+
+# =================================================================================================
+# Checkpoints: torch.distributed.checkpoint, readable at any world size
+# =================================================================================================
+
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_META = "meta.json"  # step, data stream state, plan: written by rank 0 next to DCP's files
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def checkpoint_path(run_dir, step: int):
+    from pathlib import Path
+
+    return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:08d}"
+
+
+def latest_checkpoint(run_dir):
+    """The newest complete checkpoint of a run (complete = renamed into place with its meta.json), or None."""
+    from pathlib import Path
+
+    found = sorted(p for p in (Path(run_dir) / CHECKPOINT_DIR).glob("step-*")
+                   if p.is_dir() and (p / CHECKPOINT_META).is_file())
+    return found[-1] if found else None
+
+
+def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> None:
+    """Save model and optimizer with ``torch.distributed.checkpoint`` (every rank writes its own
+    shards; no rank gathers the whole model) into ``path``, atomically: into a hidden directory
+    first, renamed by rank 0 once every rank has written and the meta is on disk."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    _barrier()
+    if rank0:
+        with open(tmp / CHECKPOINT_META, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    _barrier()
+
+
+def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load a checkpoint of ``save_checkpoint`` into this run's (wrapped) model and optimizer,
+    whatever the world size and sharding it was saved with (DCP reshards on load); returns its meta."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    try:
+        meta = json.loads((path / CHECKPOINT_META).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"checkpoint {path}: cannot read {CHECKPOINT_META} ({e})") from None
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return meta
+
+
+# =================================================================================================
+# The run: python -m trainer (under torchrun for several processes)
+# =================================================================================================
+
+METRICS_FILE = "metrics.jsonl"
+PLAN_FILE = "plan.toml"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What ``python -m trainer`` was asked for, beyond the plan."""
+
+    data: str
+    out: str
+    max_steps: int
+    save_every: int = 0  # 0: only at the end
+    seed: int = 0
+    lr: float = 6e-4
+    resume: bool = False
+    sharding: str | None = None  # asked for on the command line (else the plan's, else ddp)
+
+
+def rescaled_for_world(setup: TrainSetup, world_size: int, sharding: str | None = None) -> TrainSetup:
+    """The setup with ``world_size`` ranks and the same global batch: gradient accumulation
+    scaled by old/new world size (micro-batches, and so the memory of each, stay as they were)."""
+    if world_size == setup.world_size:
+        return setup
+    tokens = setup.grad_accum * setup.world_size
+    if tokens % world_size:
+        raise InputError(f"a global batch of {setup.grad_accum} × {setup.world_size} micro-batches cannot be split "
+                         f"evenly over {world_size} processes; use a world size dividing {tokens}")
+    sharding = "none" if world_size == 1 else (sharding or (setup.sharding if setup.sharding != "none" else "ddp"))
+    return setup.replace(grad_accum=tokens // world_size, world_size=world_size, sharding=sharding)
+
+
+def run(plan, config: RunConfig) -> None:
+    """Train ``plan`` on the prepared data in every rank of this process group (or alone).
+
+    Each rank builds the same initial model (same seed), wraps it (``wrap_model``), reads its
+    own share of every global micro-batch (``TrainStream`` with rank and world size: no window
+    is read by two ranks, and together they read what one process with the same global batch
+    reads) and runs ``train_step``. Rank 0 alone writes RUN/metrics.jsonl and RUN/plan.toml; all
+    ranks take part in checkpoints (``save_checkpoint``).
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    from memplan.plan import Plan
+    from trainer.data import PreparedData, TrainStream
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+
+    ctx = init()
+    try:
+        out = Path(config.out)
+        data = PreparedData(config.data)
+        spec, setup = plan.model, plan.setup
+        if spec.vocab != data.vocab_size:
+            spec = spec.replace(vocab=data.vocab_size)
+        checkpoint, meta = None, None
+        if config.resume:
+            checkpoint = latest_checkpoint(out)
+            if checkpoint is None:
+                raise InputError(f"--resume: {out} has no checkpoint to resume from")
+            meta = json.loads((checkpoint / CHECKPOINT_META).read_text(encoding="utf-8"))
+            saved = Plan.from_dict(meta["plan"], f"checkpoint {checkpoint}")
+            spec, setup = saved.model, saved.setup
+        setup = rescaled_for_world(setup, ctx.world_size,
+                                   config.sharding or (setup.sharding if setup.sharding != "none" else None))
+        plan = Plan(model=spec, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes,
+                    predicted=plan.predicted)
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            plan.save(out / PLAN_FILE)
+
+        torch.manual_seed(config.seed)
+        set_matmul_precision(setup.precision)
+        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision),
+                            device=ctx.device)
+        model = wrap_model(model, setup, ctx.device)
+        optimizer = make_optimizer(model, setup.optimizer, lr=config.lr)
+        scaler = None
+        if setup.precision == "fp16-mixed" and ctx.device.type == "cuda":
+            scaler = torch.amp.GradScaler("cuda")
+        stream = TrainStream(data, batch=setup.micro_batch, ctx=setup.ctx, seed=config.seed, rank=ctx.rank,
+                             world_size=ctx.world_size)
+        step = 0
+        if checkpoint is not None:
+            load_checkpoint(checkpoint, model, optimizer)
+            stream.load_state_dict(meta["data"])
+            step = int(meta["step"])
+        metrics = open(out / METRICS_FILE, "a", encoding="utf-8") if ctx.is_main else None
+        try:
+            if metrics is not None and checkpoint is not None:
+                metrics.write(json.dumps({"kind": "event", "event": "resume", "step": step,
+                                          "world_size": ctx.world_size, "sharding": setup.sharding,
+                                          "from": str(checkpoint)}) + "\n")
+            tokens_per_step = setup.tokens_per_step
+            while step < config.max_steps:
+                batches = [tuple(t.to(ctx.device, non_blocking=True) for t in next(stream))
+                           for _ in range(setup.grad_accum)]
+                t0 = time.perf_counter()
+                result = train_step(model, optimizer, batches, setup, ctx.device.type, scaler=scaler)
+                loss = float(mean_across_ranks(result.loss))
+                seconds = time.perf_counter() - t0
+                step += 1
+                if metrics is not None:
+                    metrics.write(json.dumps({
+                        "kind": "train", "step": step, "loss": loss, "tokens_per_second": tokens_per_step / seconds,
+                        "grad_norm": float(result.grad_norm), "step_seconds": seconds, "skipped": result.skipped,
+                        "world_size": ctx.world_size, "sharding": setup.sharding}) + "\n")
+                    metrics.flush()
+                if step == config.max_steps or (config.save_every and step % config.save_every == 0):
+                    save_checkpoint(checkpoint_path(out, step), model, optimizer,
+                                    {"step": step, "data": stream.state_dict(), "plan": plan.to_dict(),
+                                     "world_size": ctx.world_size, "sharding": setup.sharding})
+        finally:
+            if metrics is not None:
+                metrics.close()
+    finally:
+        shutdown()
