@@ -273,6 +273,7 @@ def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, 
     """One rank of ``measure_ranks``: every config in turn, its StepMemory pickled to out_dir."""
     import pickle
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as torchrun does: the ranks share the cores
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
     try:
@@ -322,6 +323,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes a single process when there is no process group: so it is."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
 def checkpoint_path(run_dir, step: int):
     from pathlib import Path
 
@@ -356,7 +367,8 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         tmp.mkdir(parents=True)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     _barrier()
     if rank0:
         with open(tmp / CHECKPOINT_META, "w", encoding="utf-8") as f:
@@ -385,7 +397,8 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         raise InputError(f"checkpoint {path}: cannot read {CHECKPOINT_META} ({e})") from None
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta
 

@@ -1,0 +1,366 @@
+"""Beyond one device: DDP and FSDP2 training on gloo, per-rank memory, communication time.
+
+The training tests launch `torchrun --nproc-per-node 2 -m trainer` on this CPU (gloo) with a tiny
+model and compare its loss curve with one process training the same global batch.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memplan import comm
+from memplan import memory as m
+from memplan.errors import InputError
+from memplan.hardware import load_profile
+from memplan.model import ModelSpec
+from memplan.setup import TrainSetup
+
+LLAMA = ModelSpec(arch="llama", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, tied=True)
+GPT2 = ModelSpec(arch="gpt2", layers=3, hidden=96, heads=3, kv_heads=3, ffn=200, vocab=1001, tied=False,
+                 max_positions=64)
+SETUP = TrainSetup(ctx=64, micro_batch=2, precision="fp32")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sharded(setup: TrainSetup, world_size: int, sharding: str) -> TrainSetup:
+    return setup.replace(world_size=world_size, sharding=sharding)
+
+
+# ---- DDP memory --------------------------------------------------------------------------------
+
+def test_ddp_holds_every_gradient_in_its_buckets_for_the_whole_step():
+    ddp = sharded(SETUP, 2, "ddp")
+    assert m.ddp_bucket_bytes(LLAMA, ddp) == LLAMA.params * 4
+    walk = m.peak_memory(LLAMA, ddp)
+    start = {mark.name: mark for mark in walk.moments}["start of forward"]
+    assert start.bytes["gradients"] == LLAMA.params * 4  # before the first op of the step
+    single = m.peak_memory(LLAMA, SETUP)
+    assert walk.peak_allocated > single.peak_allocated
+    # DDP's step is the step with accumulation's gradient handling: new gradients are added into .grad
+    accum = m.peak_memory(LLAMA, SETUP.replace(grad_accum=2))
+    assert walk.peak_allocated == accum.peak_allocated - m.input_bytes(LLAMA, SETUP)
+
+
+def test_every_ddp_rank_is_alike_and_world_size_does_not_change_it():
+    two, eight = m.peak_memory(LLAMA, sharded(SETUP, 2, "ddp")), m.peak_memory(LLAMA, sharded(SETUP, 8, "ddp"))
+    assert two.to_json() == eight.to_json()
+    assert m.peak_memory_of_rank(LLAMA, sharded(SETUP, 2, "ddp"), 1).to_json() == two.to_json()
+
+
+# ---- FSDP memory -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", [LLAMA, GPT2, LLAMA.replace(tied=False), ModelSpec(arch="gpt_neox", layers=2, hidden=64,
+                                                                                     heads=4, kv_heads=4, ffn=256,
+                                                                                     vocab=300, tied=False)])
+def test_parameter_shapes_are_the_reference_models_and_add_up_to_the_parameter_count(spec):
+    import torch
+
+    from trainer.model import build_model
+
+    shapes = m.param_shapes(spec)
+    assert spec.layers * sum(r * c for r, c in shapes["block"]) + sum(r * c for r, c in shapes["root"]) == spec.params
+    model = build_model(spec, device="meta")
+    block = [tuple(p.shape) + (1,) * (2 - p.dim()) for p in model.blocks[0].parameters()]
+    assert block == shapes["block"]
+    root = [tuple(p.shape) + (1,) * (2 - p.dim()) for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    assert root == shapes["root"]
+    assert isinstance(model.embed.weight, torch.nn.Parameter)
+
+
+def test_shards_split_rows_as_torch_chunk_does():
+    import torch
+
+    for rows in (1, 5, 7, 8, 1001):
+        for world in (2, 3, 4, 8):
+            chunks = [len(c) for c in torch.arange(rows).chunk(world)]
+            chunks += [0] * (world - len(chunks))
+            assert [m.shard_rows(rows, world, r) for r in range(world)] == chunks
+    assert m.padded_shard_numel([(5, 3), (4, 1)], 4) == 2 * 3 + 1 * 1
+
+
+def test_fsdp_shards_weights_gradients_and_optimizer_states():
+    fsdp = sharded(SETUP, 2, "fsdp")
+    n = LLAMA.params  # every tensor's rows divide by 2
+    assert m.fsdp_sharded_weight_bytes(LLAMA, fsdp) == n * 4 // 2
+    assert m.fsdp_all_sharded_grad_bytes(LLAMA, fsdp) == n * 4 // 2
+    assert m.fsdp_optimizer_state_bytes(LLAMA, fsdp) == 2 * n * 4 // 2 + LLAMA.n_tensors * 4
+    # uneven rows: every rank stores the padded shard, the optimizer state only its own rows
+    uneven = sharded(SETUP, 3, "fsdp")
+    padded = m.fsdp_sharded_weight_bytes(GPT2, uneven)
+    assert padded > GPT2.params * 4 / 3
+    states = [m.fsdp_optimizer_state_bytes(GPT2, uneven.replace(optimizer="sgd"), r) for r in range(3)]
+    assert sum(states) == GPT2.params * 4 and states[0] >= states[1] >= states[2]
+
+
+def test_fsdp_mixed_precision_gathers_bf16_and_reduces_fp32():
+    mixed = sharded(SETUP.replace(precision="bf16-mixed"), 4, "fsdp")
+    block = m.fsdp_group_numel(LLAMA, mixed, "block")
+    assert m.fsdp_unsharded_bytes(LLAMA, mixed, "block") == 4 * block * 2
+    assert m.fsdp_copy_in_bytes(LLAMA, mixed, "block") == block * 2
+    assert m.fsdp_reduce_scatter_input_bytes(LLAMA, mixed, "block") == 4 * block * 4
+    assert m.fsdp_copy_in_bytes(LLAMA, sharded(SETUP, 4, "fsdp"), "block") == 0  # fp32: the shard itself is sent
+    assert m.gloo_reduce_scatter_copy_bytes(LLAMA, mixed, "block", "nccl") == 0
+    assert m.gloo_reduce_scatter_copy_bytes(LLAMA, mixed, "block", "gloo") == 4 * block * 4
+
+
+def test_fsdp_per_device_memory_falls_with_more_devices_and_rank_zero_holds_the_most():
+    big = ModelSpec(arch="llama", layers=8, hidden=1024, heads=8, kv_heads=8, ffn=2816, vocab=32000, tied=True)
+    setup = TrainSetup(ctx=512, micro_batch=1, precision="bf16-mixed")
+    peaks = [m.peak_memory(big, sharded(setup, w, "fsdp")).peak_allocated for w in (2, 4, 8)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert peaks[0] < m.peak_memory(big, setup).peak_allocated
+    gpt = sharded(SETUP, 3, "fsdp")
+    ranks = [m.peak_memory_of_rank(GPT2, gpt, r).peak_allocated for r in range(3)]
+    assert ranks[0] == max(ranks) == m.peak_memory(GPT2, gpt).peak_allocated
+
+
+def test_the_fsdp_walk_matches_the_exact_trace_of_a_rank():
+    """FakeTensor trace of the last rank (uneven shards) of a 3-way FSDP2 step, the others a fake
+    process group: the walk names every tensor FSDP2 allocates (within 0.1%)."""
+    from trainer.distributed import trace_rank_step
+
+    setup = sharded(SETUP.replace(precision="bf16-mixed", checkpointing="selective", grad_accum=2), 3, "fsdp")
+    traced = trace_rank_step(GPT2, setup, rank=2)
+    predicted = m.peak_memory_of_rank(GPT2, setup, 2, collectives="nccl")
+    assert abs(predicted.peak_allocated - traced.peak_allocated) <= 0.001 * traced.peak_allocated
+
+
+def test_unknown_collectives_and_fsdp_with_8bit_adam_are_refused():
+    with pytest.raises(ValueError):
+        m.peak_memory(LLAMA, SETUP, collectives="mpi")
+    with pytest.raises(InputError, match="adamw8bit does not run under --sharding fsdp"):
+        sharded(SETUP.replace(optimizer="adamw8bit"), 2, "fsdp")
+
+
+# ---- communication -----------------------------------------------------------------------------
+
+def test_ring_collectives_by_hand():
+    link = comm.Link(kind="test", bandwidth_bytes_per_second=100e9, latency_seconds=1e-5)
+    assert comm.all_reduce_seconds(8e9, 8, link) == pytest.approx(2 * 7 / 8 * 0.08 + 14e-5)
+    assert comm.all_gather_seconds(8e9, 4, link) == pytest.approx(3 / 4 * 0.08 + 3e-5)
+    assert comm.reduce_scatter_seconds(8e9, 4, link) == comm.all_gather_seconds(8e9, 4, link)
+    assert comm.all_reduce_seconds(8e9, 1, link) == 0.0
+
+
+def test_links_come_from_the_profiles_and_mi300x_scales_with_its_peers():
+    h100 = comm.link_of(load_profile("h100-sxm"), 8)
+    assert h100.bandwidth_bytes_per_second == 450e9 and h100.kind == "nvlink4" and "nccl" in h100.source
+    mi = load_profile("mi300x")
+    assert comm.link_of(mi, 2).bandwidth_bytes_per_second == 64e9
+    assert comm.link_of(mi, 8).bandwidth_bytes_per_second == 448e9
+    with pytest.raises(InputError, match="no \\[interconnect\\]"):
+        comm.link_of(mi.replace(interconnect={}), 2)
+
+
+def test_a_step_communicates_what_ddp_and_fsdp_move():
+    setup = SETUP.replace(precision="bf16-mixed", grad_accum=3)
+    ddp = comm.step_collectives(LLAMA, sharded(setup, 4, "ddp"))
+    assert sum(c.nbytes * c.count for c in ddp) == LLAMA.params * 4  # all gradients, once per step
+    assert all(c.op == "all-reduce" for c in ddp)
+    fsdp = comm.step_collectives(LLAMA, sharded(setup, 4, "fsdp"))
+    moved = {op: sum(c.nbytes * c.count for c in fsdp if c.op == op) for op in ("all-gather", "reduce-scatter")}
+    n = LLAMA.params  # divisible by 4: no padding
+    # per micro-batch: root + every block gathered for forward, blocks again for backward, in bf16
+    assert moved["all-gather"] == 3 * (2 * n - (n - LLAMA.layers * LLAMA.layer_params)) * 2
+    assert moved["reduce-scatter"] == 3 * n * 4  # fp32 gradients, every micro-batch
+    assert comm.step_collectives(LLAMA, SETUP) == []
+    assert comm.ddp_buckets(60 * comm.MIB) == [comm.MIB, 25 * comm.MIB, 25 * comm.MIB, 9 * comm.MIB]
+
+
+def test_overlap_hides_communication_behind_the_backward_on_gpus_only():
+    spec = ModelSpec(arch="llama", layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=32000, tied=True)
+    setup = sharded(TrainSetup(ctx=2048, micro_batch=4), 8, "fsdp")
+    h100 = load_profile("h100-sxm")
+    c = comm.communication(spec, setup, h100, forward_seconds=1.0, backward_seconds=2.0)
+    assert c.overlapped and 0 < c.exposed_seconds < c.total_seconds
+    bare = comm.communication(spec, setup, h100, forward_seconds=0.0, backward_seconds=0.0)
+    assert bare.exposed_seconds == pytest.approx(bare.total_seconds)
+    cpu = comm.communication(spec, setup, load_profile("cpu"), forward_seconds=1.0, backward_seconds=2.0)
+    assert not cpu.overlapped and cpu.exposed_seconds == cpu.total_seconds
+    assert cpu.total_seconds > 100 * c.total_seconds  # 1 Gbit/s Ethernet against NVLink 4
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def test_estimate_plans_per_device_memory_for_sharded_runs(memplan_cli):
+    base = ["estimate", "--params", "1b", "--ctx", "2048", "--device", "h100-sxm", "--json"]
+    single = json.loads(memplan_cli(*base).stdout)
+    fsdp = json.loads(memplan_cli(*base, "--world-size", "8", "--sharding", "fsdp").stdout)
+    ddp = json.loads(memplan_cli(*base, "--world-size", "8", "--sharding", "ddp").stdout)
+    assert fsdp["setup"]["world_size"] == 8 and fsdp["setup"]["sharding"] == "fsdp"
+    assert fsdp["memory"]["optimizer"] < single["memory"]["optimizer"] / 7
+    assert fsdp["memory"]["peak_allocated"] < single["memory"]["peak_allocated"] < ddp["memory"]["peak_allocated"]
+    assert fsdp["max_micro_batch"] > single["max_micro_batch"]
+    bad = memplan_cli("estimate", "--params", "22m", "--world-size", "2")
+    assert bad.returncode == 2 and "needs --sharding ddp or fsdp" in bad.stderr
+    bad = memplan_cli("trace", "--params", "22m", "--world-size", "2", "--sharding", "ddp")
+    assert bad.returncode == 2 and "DDP's C++ reducer cannot run on fake tensors" in bad.stderr
+
+
+def test_validate_world_size_2_measures_every_rank_within_the_bars(memplan_cli):
+    result = memplan_cli("validate", "--world-size", "2", "--quick", "--json", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    from memplan.validate import load_matrix
+
+    quick = [c for c in load_matrix("distributed") if c.quick]
+    assert len(data["rows"]) == 2 * len(quick)
+    assert {r["setup"]["sharding"] for r in data["rows"]} == {"ddp", "fsdp"}
+    assert sorted(r["rank"] for r in data["rows"]) == sorted([0, 1] * len(quick))
+    assert data["median_abs_error"] <= 0.03 and data["max_abs_error"] <= 0.10
+    for row in data["rows"]:
+        for term in ("weights", "gradients", "optimizer"):  # read off the rank's own tensors
+            assert row["predicted_terms"][term] == row["measured_terms"][term], (row["name"], term)
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+STEPS = 20
+MODEL = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+         "--ctx", "32", "--precision", "fp32", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A prepared corpus of 400 short documents, a 320-token BPE."""
+    import random
+
+    from trainer.data import PrepareConfig, prepare, resolve_inputs
+
+    root = tmp_path_factory.mktemp("dist-corpus")
+    rng = random.Random(0)
+    words = ("the model trains on tokens while the planner predicts memory for each step and the ranks share "
+             "every batch of windows").split()
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 60)))
+                                + f" document {i}."}) + "\n")
+    prepare(resolve_inputs([str(root / "docs.jsonl")]), root / "data", PrepareConfig(tokenizer="bpe:320", workers=1))
+    return root / "data"
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Popen:
+    """`torchrun --standalone --nproc-per-node N -m trainer ARGS`, started (not waited for)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "trainer", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def trainer_here(*args: str) -> int:
+    """`python -m trainer ARGS` in this process (one rank, no process group); its exit code."""
+    import torch
+
+    from trainer.__main__ import entry
+
+    argv, threads = sys.argv, torch.get_num_threads()
+    sys.argv = ["python -m trainer", *args]
+    torch.set_num_threads(1)  # as torchrun sets each rank: tiny models, and cores shared with other work
+    try:
+        entry()
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    return 0
+
+
+def losses(run_dir) -> dict[int, float]:
+    out = {}
+    for line in open(run_dir / "metrics.jsonl"):
+        row = json.loads(line)
+        if row.get("kind") == "train":
+            out[row["step"]] = row["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """One process, the global batch of the 2-rank runs: 2 micro-batches of 2 windows per step."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    assert trainer_here("--data", str(corpus), "--out", str(run), *MODEL, "--batch", "2", "--grad-accum", "2",
+                        "--max-steps", str(STEPS)) == 0
+    return losses(run)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(corpus, tmp_path_factory):
+    """`torchrun --nproc-per-node 2 -m trainer` under DDP and under FSDP2 (side by side), checkpoints
+    every 10 steps."""
+    runs, launched = {}, {}
+    for sharding in ("ddp", "fsdp"):
+        runs[sharding] = tmp_path_factory.mktemp(sharding) / "run"
+        launched[sharding] = torchrun("--data", str(corpus), "--out", str(runs[sharding]), *MODEL, "--batch", "2",
+                                      "--grad-accum", "1", "--sharding", sharding, "--max-steps", str(STEPS),
+                                      "--save-every", "10")
+    for sharding, proc in launched.items():
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+    return runs
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_ranks_follow_the_single_process_loss_curve(two_ranks, reference, sharding):
+    run = two_ranks[sharding]
+    curve = losses(run)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    assert reference[STEPS] < reference[1] - 0.5  # it learns
+    for step in curve:
+        assert curve[step] == pytest.approx(reference[step], abs=1e-3), step
+    lines = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    assert len(lines) == STEPS and all(x["world_size"] == 2 and x["sharding"] == sharding for x in lines)
+    assert "world_size = 2" in (run / "plan.toml").read_text()
+    shards = sorted(p.name for p in (run / "checkpoints" / "step-00000010").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]  # each rank wrote its own
+
+
+def test_saved_by_two_ranks_resumed_by_one(corpus, reference, two_ranks, tmp_path):
+    """The FSDP run's step-10 checkpoint (sharded over 2 ranks) continued in one process."""
+    run = tmp_path / "run"
+    shutil.copytree(two_ranks["fsdp"], run)
+    shutil.rmtree(run / "checkpoints" / "step-00000020")
+    (run / "metrics.jsonl").write_text("".join(open(run / "metrics.jsonl").readlines()[:10]))
+    assert trainer_here("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(STEPS)) == 0
+    lines = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    assert lines[10] == {"kind": "event", "event": "resume", "step": 10, "world_size": 1, "sharding": "none",
+                         "from": str(run / "checkpoints" / "step-00000010")}
+    after = {x["step"]: x for x in lines[11:]}
+    assert sorted(after) == list(range(11, STEPS + 1)) and all(x["world_size"] == 1 for x in after.values())
+    for step, row in after.items():
+        assert row["loss"] == pytest.approx(reference[step], abs=1e-3), step
+    assert all(math.isfinite(x["loss"]) for x in after.values())
+    assert "grad_accum = 2" in (run / "plan.toml").read_text()  # the same global batch on one process
+
+
+def test_ranks_read_disjoint_windows_that_make_up_the_single_process_batch(corpus):
+    import torch
+
+    from trainer.data import PreparedData, TrainStream
+
+    data = PreparedData(corpus)
+    ranks = [TrainStream(data, batch=2, ctx=32, seed=3, rank=r, world_size=2) for r in range(2)]
+    single = TrainStream(data, batch=4, ctx=32, seed=3)
+    for _ in range(30):
+        (x0, y0), (x1, y1), (x, y) = next(ranks[0]), next(ranks[1]), next(single)
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+        assert not any(torch.equal(a, b) for a in x0 for b in x1)
+
+
+def test_a_plan_for_two_devices_is_refused_in_one_process(corpus, tmp_path, capsys):
+    from memplan.plan import Plan
+
+    plan = tmp_path / "plan.toml"
+    Plan(model=LLAMA, setup=sharded(SETUP, 2, "ddp")).save(plan)
+    assert trainer_here("--data", str(corpus), "--out", str(tmp_path / "run"), "--plan", str(plan)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m trainer: error: the plan is for --world-size 2: launch it with torchrun --nproc-per-node 2 -m "
+        "trainer ..."]
+    assert not (tmp_path / "run").exists()
