@@ -31,10 +31,14 @@ unit their key names)::
     allocator_overhead = 0.05         # caching-allocator reserve beyond allocated, as a fraction
     source = "..."
 
-Optional tables: ``[native]`` (above), ``[interconnect]`` (the link between devices: ``kind`` such as
+Optional tables: ``[kernels]`` (``flash_attention = true`` where SDPA's flash kernel runs: it is
+the only CUDA/ROCm backend that takes grouped-query K/V without repeating them, so the planner
+counts repeated K/V elsewhere; default true for the CPU, false otherwise), ``[native]`` (above), ``[interconnect]`` (the link between devices: ``kind`` such as
 nvlink4 | pcie4 | infinity-fabric | ethernet, ``bandwidth_bytes_per_second`` per direction,
 ``latency_seconds`` per hop, ``peer_bandwidth_bytes_per_second`` where one peer gets less than all
 together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``memplan calibrate``).
+``[calibrated]`` may also hold ``compile_speedup``, the eager step time over the ``torch.compile``d
+one (e.g. 1.25): ``memplan autotune`` proposes torch.compile only where it is present and above 1.
 Every table's ``source`` ends up in ``Device.sources``. ``--device PATH`` loads any file of this schema.
 
 Nothing here imports torch: detection of the local device reads NVML, ROCm SMI, the OS and psutil.
@@ -74,6 +78,7 @@ class Device:
     native: dict[str, bool]  # dtypes that run natively and fast
     runtime_context_bytes: int  # memory outside the allocator: CUDA/HIP context, libraries
     allocator_overhead: float  # reserved beyond allocated by the caching allocator, as a fraction
+    flash_attention: bool = False  # SDPA's flash kernel runs here (it alone takes grouped-query K/V unrepeated)
     match: tuple[str, ...] = ()  # substrings of the driver's name that identify this device
     interconnect: dict = field(default_factory=dict)  # bandwidth_bytes_per_second, kind, latency_seconds
     calibrated: dict = field(default_factory=dict)  # rates measured by memplan calibrate
@@ -153,6 +158,7 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
     runtime = _table(data, "runtime", path)
     native = _table(data, "native", path, required=False)
     interconnect = _table(data, "interconnect", path, required=False)
+    kernels = _table(data, "kernels", path, required=False)
     family = _need(data, "family", "", path)
     if family not in FAMILIES:
         raise InputError(f"profile {path}: family {family!r} is not one of {', '.join(FAMILIES)}")
@@ -161,7 +167,10 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
         raise InputError(f"profile {path}: memory_reader {reader!r} is not one of {', '.join(MEMORY_READERS)}")
     sources = {k: v.pop("source") for k, v in (("memory", mem), ("peak_tflops", peak), ("achievable", ach),
                                                  ("native", native), ("runtime", runtime),
-                                                 ("interconnect", interconnect)) if "source" in v}
+                                                 ("interconnect", interconnect), ("kernels", kernels)) if "source" in v}
+    flash = kernels.get("flash_attention", family == "cpu")
+    if not isinstance(flash, bool):
+        raise InputError(f"profile {path}: kernels.flash_attention = {flash!r}; expected true or false")
     if "fp32" not in peak:
         raise InputError(f"profile {path}: missing field peak_tflops.fp32")
     for table_name, table in (("peak_tflops", peak), ("achievable", ach)):
@@ -195,6 +204,7 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
         native=native,
         runtime_context_bytes=int(_number(runtime, "context_bytes", "runtime.", path)),
         allocator_overhead=float(_number(runtime, "allocator_overhead", "runtime.", path)),
+        flash_attention=flash,
         match=tuple(data.get("match", ())),
         interconnect=interconnect,
         calibrated=dict(data.get("calibrated", {})),

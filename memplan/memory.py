@@ -222,6 +222,15 @@ def eager_kv_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return tokens(setup) * width * act_bytes(setup)
 
 
+def sdpa_repeated_kv_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool) -> int:
+    """K and V repeated to all heads for SDPA under grouped-query attention where no flash kernel
+    takes them unrepeated (``Device.flash_attention``): 2·n·H·a, saved by SDPA instead of k
+    and the qkv output."""
+    if not gqa_repeat or setup.attention != "sdpa" or spec.kv_heads == spec.heads:
+        return 0
+    return 2 * tokens(setup) * spec.hidden * act_bytes(setup)
+
+
 def attention_output_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """Eager attention's output transposed back to (B, T, H), a contiguous copy saved by the
     output projection: n·H·a."""
@@ -244,14 +253,20 @@ def layer_lowp_weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return sum(_layer_matrices(spec).values()) * LOWP_WEIGHT_BYTES if setup.mixed else 0
 
 
-def layer_activation_terms(spec: ModelSpec, setup: TrainSetup) -> dict[str, int]:
+def layer_activation_terms(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> dict[str, int]:
     """Everything one block saves for backward without checkpointing, by tensor."""
     terms = {
         "residual": residual_stream_bytes(spec, setup),
         "norm_stats": 2 * norm_stat_bytes(spec, setup),
         "norm_outputs": 2 * norm_output_bytes(spec, setup),
     }
-    if setup.attention == "sdpa":
+    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
+    if setup.attention == "sdpa" and repeated:
+        terms["qkv"] = qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0
+        terms["rotary"] = rotated_q_bytes(spec, setup)
+        terms["repeated_kv"] = repeated
+        terms["attention"] = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+    elif setup.attention == "sdpa":
         terms["qkv"] = qkv_output_bytes(spec, setup)
         terms["rotary"] = rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup)
         terms["attention"] = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
@@ -281,13 +296,13 @@ def selective_kept_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return kept + attention_scores_bytes(spec, setup)
 
 
-def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> int:
     """What one block holds between its forward and its backward, by checkpointing mode."""
     if setup.checkpointing == "full":
         return block_input_bytes(spec, setup)
     if setup.checkpointing == "selective":
         return block_input_bytes(spec, setup) + selective_kept_bytes(spec, setup)
-    return sum(layer_activation_terms(spec, setup).values())
+    return sum(layer_activation_terms(spec, setup, gqa_repeat).values())
 
 
 # ---- the loss ------------------------------------------------------------------------------
@@ -391,7 +406,7 @@ def _linear_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: st
     w.alloc("activations", out_bytes)
 
 
-def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) -> None:
+def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, gqa_repeat: bool = False) -> None:
     """One block's forward, each tensor allocated where it is made and freed where its last user is done.
 
     ``mode``: none keeps what autograd saves; full keeps nothing (the block input is kept by the
@@ -431,7 +446,17 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str) 
     drop(norm_out, keep_all)
     q_rot = make(rotated_q_bytes(spec, setup))
     k_rot = make(rotated_k_bytes(spec, setup))
-    if setup.attention == "sdpa":
+    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
+    if setup.attention == "sdpa" and repeated:  # K and V repeated to every head, then SDPA
+        make(repeated)
+        drop(k_rot, False)
+        out = make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), reuse)
+        drop(q_rot + repeated, keep_all)
+        drop(qkv, keep_outputs or (keep_all and spec.pos != "rope"))
+        proj_in = out
+        w.where = "block forward: output projection"
+        weight_copy("proj")
+    elif setup.attention == "sdpa":
         out = make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), reuse)
         drop(q_rot + k_rot, keep_all)
         drop(qkv, keep_all or keep_outputs)
@@ -532,7 +557,8 @@ def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_byt
     return out
 
 
-def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int) -> int:
+def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int,
+                    gqa_repeat: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
     to the gradient of its input (returned, live). Releases everything the block saved."""
     n, hidden, a, ffn = tokens(setup), spec.hidden, act_bytes(setup), spec.ffn
@@ -583,7 +609,15 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * hidden * a,
                      input_cast=False)
     dq, dkv = n * hidden * a, n * spec.kv_dim * a
-    if setup.attention == "sdpa":
+    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
+    if setup.attention == "sdpa" and repeated:
+        w.alloc("temporaries", dq + repeated)  # dq and the repeated dk, dv
+        w.free("temporaries", n * hidden * a)
+        w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+               + rotated_q_bytes(spec, setup) + repeated + (qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0))
+        w.alloc("temporaries", 2 * dkv)  # repeat_interleave backward sums the groups
+        w.free("temporaries", repeated)
+    elif setup.attention == "sdpa":
         w.alloc("temporaries", dq + 2 * dkv)
         w.free("temporaries", n * hidden * a)
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
@@ -626,8 +660,11 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     return n * hidden * r
 
 
-def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
-    """Walk one steady-state step (its last micro-batch) and return the walk with its peak."""
+def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> _StepWalk:
+    """Walk one steady-state step (its last micro-batch) and return the walk with its peak.
+
+    ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for
+    grouped-query attention; see ``sdpa_gqa_repeats``)."""
     w = _StepWalk(spec, setup)
     n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
     r = residual_bytes_per_element(setup)
@@ -656,10 +693,10 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
     lowp = layer_lowp_weight_bytes(spec, setup)
     # what each earlier block left alive: its saved tensors (its input included) and, under
     # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
-    stored = saved_per_layer_bytes(spec, setup) - (lowp if not ckpt else 0)
+    stored = saved_per_layer_bytes(spec, setup, gqa_repeat) - (lowp if not ckpt else 0)
     w.alloc("activations", (spec.layers - 1) * stored)
     w.alloc("weights", (spec.layers - 1) * lowp)
-    _block_forward(w, spec, setup, mode)
+    _block_forward(w, spec, setup, mode, gqa_repeat)
     w.where = "forward: final norm and LM head"
     head_in = _norm_forward(w, spec, setup)
     if setup.mixed:
@@ -707,9 +744,9 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup) -> _StepWalk:
     def block_backward(grad: int, which: str) -> int:
         if ckpt:
             w.where = f"backward: recomputing the {which} block"
-            _block_forward(w, spec, setup, "recompute")
+            _block_forward(w, spec, setup, "recompute", gqa_repeat)
         w.mark(f"start of the {which} block's backward")
-        grad = _block_backward(w, spec, setup, grad)
+        grad = _block_backward(w, spec, setup, grad, gqa_repeat)
         if setup.checkpointing == "selective":  # kept outputs the recomputation never reached
             w.free("activations", n * hidden * a)  # the down-projection's
         return grad
@@ -917,7 +954,8 @@ def fsdp_compute_setup(setup: TrainSetup) -> TrainSetup:
                          sharding="none")
 
 
-def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl") -> _StepWalk:
+def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl",
+                    gqa_repeat: bool = False) -> _StepWalk:
     """Walk one steady-state FSDP2 step (its last micro-batch) of ``rank``, as _walk_step walks a
     single-process step: the same forward and backward, op by op, in the compute setup
     (``fsdp_compute_setup``), with FSDP2's own tensors where FSDP2 makes and frees them.
@@ -994,7 +1032,7 @@ def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectiv
         w.alloc("activations", act.ctx * hidden * a)
         w.alloc("activations", n * hidden * a)
         w.free("activations", n * hidden * a + act.ctx * hidden * a)
-    stored = saved_per_layer_bytes(spec, act)
+    stored = saved_per_layer_bytes(spec, act, gqa_repeat)
     w.where = "forward: block all-gather"
     all_gather("block")  # block 0
     w.alloc("weights", gathered["block"])
@@ -1005,7 +1043,7 @@ def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectiv
         all_gather("block")  # the last block's, the one before still held
         w.alloc("weights", gathered["block"])
         w.free("temporaries", gathered["block"])
-    _block_forward(w, spec, act, mode)
+    _block_forward(w, spec, act, mode, gqa_repeat)
     w.free("weights", gathered["block"])  # resharded after forward
     w.where = "forward: final norm and LM head"
     head_in = _norm_forward(w, spec, act)
@@ -1055,9 +1093,9 @@ def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectiv
             all_gather("block")
         if ckpt:
             w.where = f"backward: recomputing the {which} block"
-            _block_forward(w, spec, act, "recompute")
+            _block_forward(w, spec, act, "recompute", gqa_repeat)
         w.mark(f"start of the {which} block's backward")
-        grad = _block_backward(w, spec, act, grad)
+        grad = _block_backward(w, spec, act, grad, gqa_repeat)
         if act.checkpointing == "selective":
             w.free("activations", n * hidden * a)
         w.alloc("gradients", vectors * c)  # its norms' (and biases') gradients
@@ -1152,24 +1190,39 @@ def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_ove
     return int(peak_allocated * allocator_overhead) + int(runtime_context_bytes)
 
 
+def sdpa_gqa_repeats(spec: ModelSpec, setup: TrainSetup, flash_attention: bool, family: str) -> bool:
+    """Whether the reference model repeats K/V for SDPA: grouped-query attention where no flash
+    kernel takes them as they are (the CPU's always does; CUDA/ROCm flash needs fp16/bf16)."""
+    if setup.attention != "sdpa" or spec.kv_heads == spec.heads:
+        return False
+    if family == "cpu":
+        return False
+    return not (flash_attention and setup.compute_dtype in ("bf16", "fp16"))
+
+
 def peak_memory(spec: ModelSpec, setup: TrainSetup, runtime_context_bytes: int = 0,
-                allocator_overhead: float = 0.0, collectives: str = "nccl") -> MemoryBreakdown:
+                allocator_overhead: float = 0.0, gqa_repeat: bool = False,
+                collectives: str = "nccl") -> MemoryBreakdown:
     """The peak of a steady-state step, by category, with the runtime on top for peak_reserved.
 
     Under FSDP the step of rank 0, which holds the largest shards (every rank's within a few
     rows of it); ``peak_memory_of_rank`` gives any other rank's.
     """
-    return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead, collectives)
+    return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead, gqa_repeat, collectives)
 
 
 def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_context_bytes: int = 0,
-                        allocator_overhead: float = 0.0, collectives: str = "nccl") -> MemoryBreakdown:
+                        allocator_overhead: float = 0.0, gqa_repeat: bool = False,
+                        collectives: str = "nccl") -> MemoryBreakdown:
     """``peak_memory`` of one rank (the ranks of a DDP or single-process step are alike).
     ``collectives``: the process group's backend, nccl (NVIDIA, and RCCL on ROCm) or gloo (CPU),
     which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``)."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
-    w = _walk_fsdp_step(spec, setup, rank, collectives) if setup.sharding == "fsdp" else _walk_step(spec, setup)
+    if setup.sharding == "fsdp":
+        w = _walk_fsdp_step(spec, setup, rank, collectives, gqa_repeat)
+    else:
+        w = _walk_step(spec, setup, gqa_repeat)
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,

@@ -28,6 +28,7 @@ class Plan:
     device: str = ""  # profile name or path the plan was made for
     budget_bytes: int = 0  # the memory budget it was made within
     predicted: dict = field(default_factory=dict)  # peak_reserved, step_seconds, tokens_per_second, epoch_seconds
+    verified: dict = field(default_factory=dict)  # what autotune --verify measured (peak_measured, tokens/s, ...)
 
     def contract_plan(self) -> dict:
         """The contract's ``plan`` object (autotune --json)."""
@@ -39,6 +40,8 @@ class Plan:
                 "model": {k: v for k, v in self.model.to_dict().items() if v is not None},
                 "setup": self.setup.to_dict(),
                 "predicted": {k: v for k, v in self.predicted.items() if v is not None}}
+        if self.verified:
+            data["verified"] = {k: v for k, v in self.verified.items() if v is not None}
         return data
 
     def to_toml(self) -> str:
@@ -62,7 +65,8 @@ class Plan:
         except TypeError as e:
             raise InputError(f"{where}: {e}") from None
         return cls(model=model, setup=setup, device=str(data.get("device", "")),
-                   budget_bytes=int(data.get("budget_bytes", 0)), predicted=dict(data.get("predicted", {})))
+                   budget_bytes=int(data.get("budget_bytes", 0)), predicted=dict(data.get("predicted", {})),
+                   verified=dict(data.get("verified", {})))
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

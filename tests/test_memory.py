@@ -122,3 +122,23 @@ def test_the_analytic_peak_matches_a_real_step(spec, setup):
     measured = measure_step_cpu(spec, setup).peak_allocated
     predicted = m.peak_memory(spec, setup).peak_allocated
     assert abs(predicted - measured) / measured < 0.01
+
+
+def test_repeated_kv_where_no_flash_kernel_takes_gqa(monkeypatch):
+    """GTX 1650, Apple, fp32 on CUDA: the model repeats K/V for SDPA; the plan counts them."""
+    import trainer.model as model
+    from memplan.estimate import memory_on
+    from memplan.hardware import load_profile
+    from trainer.measure import trace_step
+
+    spec = SPEC.replace(heads=8, kv_heads=2, vocab=256)
+    setup = FP32.replace(ctx=256, micro_batch=4)
+    assert m.sdpa_gqa_repeats(spec, setup, flash_attention=False, family="cuda")
+    assert not m.sdpa_gqa_repeats(spec, setup, flash_attention=True, family="cpu")
+    assert not m.sdpa_gqa_repeats(spec, MIXED, flash_attention=True, family="cuda")
+    assert m.sdpa_gqa_repeats(spec, setup, flash_attention=True, family="cuda")  # flash needs fp16/bf16
+    monkeypatch.setattr(model, "sdpa_takes_gqa", lambda q, k, v: False)
+    traced = trace_step(spec, setup, "cpu").peak_allocated
+    assert abs(m.peak_memory(spec, setup, gqa_repeat=True).peak_allocated - traced) / traced < 0.001
+    gtx = load_profile("gtx-1650")
+    assert memory_on(spec, setup, gtx).peak_allocated == m.peak_memory(spec, setup, gqa_repeat=True).peak_allocated

@@ -147,11 +147,34 @@ class Attention(nn.Module):
         # attention wants (B, heads, T, hd): a transposed view, no copy
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+            if self.kv_heads != self.heads and not sdpa_takes_gqa(q, k, v):
+                groups = self.heads // self.kv_heads
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != self.heads)
         else:
             y = eager_attention(q, k, v, causal_mask(T, x.device) if mask is None else mask)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, H): a view after SDPA, a copy after eager
         return self.proj(y)
+
+
+def sdpa_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA will run grouped-query attention without repeating K/V.
+
+    Only the flash kernels do (CPU's, and CUDA/ROCm's where ``can_use_flash_attention`` says the
+    inputs qualify: sm80+, fp16/bf16, head_dim ≤ 256); any other backend would fall back to
+    the math kernel, which materialises the T×T scores. Then K/V are repeated here instead, so
+    the memory-efficient kernel runs (memplan counts the repeated K/V: ``Device.flash_attention``).
+    """
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda":
+        return False
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True), False))
+    except (ImportError, TypeError, RuntimeError):
+        return False
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ def run_distributed(configs: list[MatrixConfig], device: Device, world_size: int
     for config, ranks in zip(configs, measured):
         for rank, m in enumerate(ranks):
             predicted = peak_memory_of_rank(config.spec, config.setup, rank, device.runtime_context_bytes,
-                                            device.allocator_overhead, collectives)
+                                            device.allocator_overhead, collectives=collectives)
             rows.append(ValidationRow(
                 name=f"{config.name} rank {rank}", spec=config.spec, setup=config.setup,
                 predicted_allocated=predicted.peak_allocated, measured_allocated=m.peak_allocated,

@@ -76,13 +76,14 @@ def trace_command(
 
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
     if setup.world_size > 1:  # rank 0 of an FSDP2 step, the other ranks a fake process group
-        from memplan.memory import peak_memory
+        from memplan.memory import peak_memory, sdpa_gqa_repeats
         from trainer.distributed import trace_rank_step
 
         traced = trace_rank_step(spec, setup, 0, fake_device)
         # the fake process group allocates as NCCL does: compare with that prediction
+        repeat = sdpa_gqa_repeats(spec, setup, dev.flash_attention, dev.family)
         est = dataclasses.replace(est, memory=peak_memory(spec, setup, dev.runtime_context_bytes,
-                                                          dev.allocator_overhead, "nccl"))
+                                                          dev.allocator_overhead, repeat, collectives="nccl"))
     else:
         traced = trace_step(spec, setup, fake_device)
     data = traced_json(est, traced)

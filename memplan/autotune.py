@@ -1,0 +1,646 @@
+"""Autotune: the fastest training setup that fits a memory budget, chosen from the analytic model alone.
+
+The search space, for one model at one context length on one device:
+
+- micro-batch × gradient accumulation, such that micro_batch · grad_accum · ctx · world_size is
+  the global batch the user asked for (every divisor of the per-process sequence count is a
+  micro-batch; the accumulation follows);
+- checkpointing none | selective | full;
+- attention sdpa | eager;
+- precision: the device's fast mixed precision (``bf16-mixed`` where ``Device.supports("bf16")``;
+  else ``fp16-mixed``, with loss scaling, if the profile says fp16 is native and faster than fp32)
+  and its full precision (``tf32`` where native, else ``fp32``) as the fallback that needs no
+  autocast weight copies. Pure bf16 is never proposed: it drops the fp32 master weights and
+  changes the training, not just its speed;
+- optimizer: AdamW with the foreach implementation (``adamw``) or the fused kernel (``adamw-fused``);
+- ``torch.compile``, only where the profile's ``[calibrated] compile_speedup`` says it helps (> 1).
+  The memory of a compiled step is taken as that of the eager one (compile usually saves some).
+
+The objective: the highest predicted tokens/s whose predicted peak_reserved ≤ budget × (1 − margin).
+Ties (equal predicted speed, such as fused and foreach AdamW, whose time terms are the same) go to
+the plan without checkpointing, then to less memory. Checkpointing therefore wins only when it is
+strictly faster (a larger micro-batch that pays for the recomputation) or the only thing that fits.
+
+Speed: for a fixed (checkpointing, attention, precision, optimizer, compile) the predicted step
+time depends on the micro-batch only through kernel launches, which fall as the micro-batch grows,
+so the fastest fitting micro-batch of a configuration is its largest fitting one. With accumulation
+(grad_accum ≥ 2) every gradient is held from the first micro-batch on and memory grows with the
+micro-batch, so the largest fitting one is found by bisection over the divisors; without it
+(micro-batch = the whole per-process batch) the gradients appear during the backward only, so
+that point is evaluated on its own (it can fit when a smaller, accumulating micro-batch does not).
+A configuration costs about five walks of ``memplan.memory``; the whole search well under a second.
+
+Nothing here imports torch. ``trainer.verify.verify`` runs the chosen plan for real.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memplan.errors import InputError
+from memplan.estimate import memory_on
+from memplan.hardware import Device
+from memplan.memory import MemoryBreakdown
+from memplan.model import ModelSpec
+from memplan.plan import Plan
+from memplan.setup import CHECKPOINTINGS, TrainSetup
+from memplan.timing import TimeBreakdown, step_time
+from memplan.units import format_bytes, format_count
+
+DEFAULT_MARGIN = 0.1  # share of the budget kept free for what the model does not see
+ATTENTIONS = ("sdpa", "eager")
+OPTIMIZERS = ("adamw-fused", "adamw")  # fused first: it wins the tie with foreach (same time, less memory)
+TIE_DIGITS = 9  # predicted tokens/s equal to this many significant digits are a tie
+
+# Default global batch in tokens when none is given, by parameter count (a demanding user wants the
+# batch recipes use for models of that size, not whatever fits):
+# - below 100M: 131,072 tokens, llama2.c's TinyStories recipe (128 sequences × 256 tokens × 4 accumulation
+#   steps, "tokens per iteration will be: 131,072", karpathy/llama2.c train.py);
+# - 100M to 1B: 524,288 (GPT-3's 0.5M tokens for its 125M-760M models, Brown et al. 2020 Table 2.1;
+#   nanoGPT's GPT-2 124M uses 491,520);
+# - 1B and up: 1,048,576 (GPT-3's 1M tokens for its 1.3B and 2.7B models, same table).
+DEFAULT_GLOBAL_BATCH_TOKENS = ((100_000_000, 131_072), (1_000_000_000, 524_288), (None, 1_048_576))
+
+FSDP_MAX_DEVICES = 1024  # the largest device count the "more devices" advice considers
+ADVICE_CTX_STEP = 64  # the shorter-context advice rounds down to a multiple of this
+
+
+def default_global_batch_tokens(spec: ModelSpec) -> int:
+    """The global batch (tokens) used when neither --global-batch-tokens nor --global-batch is given."""
+    for below, tokens in DEFAULT_GLOBAL_BATCH_TOKENS:
+        if below is None or spec.params < below:
+            return tokens
+    raise AssertionError("unreachable")
+
+
+def divisors(n: int) -> list[int]:
+    """All divisors of n, ascending."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def device_ref(device: Device) -> str:
+    """How a plan names its device: the profile name for a bundled profile, else the file it came from."""
+    from memplan.hardware import _profiles_dir
+
+    if not device.path:
+        return device.name
+    path = Path(device.path).resolve()
+    return device.name if path.parent == _profiles_dir().resolve() and path.stem == device.name else str(path)
+
+
+def precision_candidates(device: Device) -> tuple[str, ...]:
+    """The precisions worth trying on ``device``: its fast mixed precision, then its full precision.
+
+    bf16-mixed where bf16 is native; else fp16-mixed (with loss scaling) where fp16 is native and
+    the profile rates it faster than fp32; then tf32 where native, else fp32. The GTX 1650 (no
+    bf16, fp16 slower than fp32 in PyTorch) gets fp32 alone.
+    """
+    full = "tf32" if device.supports("tf32") else "fp32"
+    if device.supports("bf16"):
+        return ("bf16-mixed", full)
+    if device.supports("fp16") and device.matmul_flops_per_second("fp16") > device.matmul_flops_per_second(full):
+        return ("fp16-mixed", full)
+    return (full,)
+
+
+def compile_speedup(device: Device) -> float | None:
+    """The profile's ``[calibrated] compile_speedup`` (eager step time over compiled), if it has one."""
+    value = device.calibrated.get("compile_speedup")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InputError(f"profile {device.path or device.name}: calibrated.compile_speedup = {value!r}; "
+                         "expected a number > 0 (eager step time / compiled step time)")
+    return float(value)
+
+
+# ---- results -------------------------------------------------------------------------------
+
+def predicted_json(memory: MemoryBreakdown, time_: TimeBreakdown, step_seconds: float, tokens_per_second: float,
+                   epoch_tokens: int | None) -> dict:
+    """The contract's ``predicted`` object, plus peak_allocated and peak_phase."""
+    return {"peak_reserved": memory.peak_reserved, "step_seconds": step_seconds,
+            "tokens_per_second": tokens_per_second,
+            "epoch_seconds": epoch_tokens / tokens_per_second if epoch_tokens else None,
+            "peak_allocated": memory.peak_allocated, "peak_phase": memory.peak_phase}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One evaluated setup: the plan it would be, what was predicted, whether it fits, and why it was not chosen."""
+
+    plan: Plan
+    predicted: dict  # peak_reserved, step_seconds, tokens_per_second, epoch_seconds, peak_allocated, peak_phase
+    fits: bool  # predicted peak_reserved ≤ budget × (1 − margin)
+    why: str  # "chosen: ...", "fits; 12.0% slower ...", "does not fit: ... over ..."
+
+    @property
+    def setup(self) -> TrainSetup:
+        return self.plan.setup
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.predicted["peak_reserved"]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.predicted["tokens_per_second"]
+
+    def to_json(self) -> dict:
+        return {"plan": self.plan.contract_plan(), "predicted": dict(self.predicted), "fits": self.fits,
+                "why": self.why}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigSearch:
+    """What the search found for one (checkpointing, attention, precision, optimizer, compile)."""
+
+    setup: TrainSetup  # micro_batch 1 / grad_accum 1 placeholder carrying the configuration
+    largest_accumulating: int  # largest micro-batch < the per-process batch that fits with accumulation, 0 if none
+    whole_fits: bool  # the whole per-process batch as one micro-batch (no accumulation) fits
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutotuneResult:
+    """The answer of ``autotune``: the chosen plan (None when nothing fits), the candidates and why."""
+
+    model: ModelSpec
+    device: Device
+    ctx: int
+    world_size: int
+    plan: Plan | None  # the fastest plan that fits; None when nothing does
+    candidates: list[Candidate]  # the chosen one first, then the best of every other configuration, then rejects
+    budget_bytes: int  # the memory budget (default: the device's usable memory)
+    margin: float  # share of the budget kept free
+    limit_bytes: int  # budget × (1 − margin): what predicted peak_reserved must not exceed
+    global_batch_tokens: int  # the global batch searched, in tokens (all processes)
+    global_batch_sequences: int  # the same in sequences (all processes)
+    requested_global_batch_tokens: int  # what was asked for (or the default), in tokens
+    default_global_batch: bool  # no global batch was given; the size-based default was used
+    exact_global_batch: bool  # the global batch searched is exactly the one asked for
+    advice: list[str] = field(default_factory=list)  # what would fit, when nothing does
+    notes: list[str] = field(default_factory=list)  # the global batch's rounding, precision choices, ...
+    space: dict = field(default_factory=dict)  # the options searched
+    search_seconds: float = 0.0  # wall time of the analytic search
+    evaluated: int = 0  # setups whose memory was walked
+    tokens: int | None = None  # tokens in one epoch (--tokens), for epoch_seconds
+    configs: tuple[ConfigSearch, ...] = ()
+    _evaluator: "_Evaluator | None" = field(default=None, repr=False, compare=False)
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.candidates[0] if self.plan is not None else None
+
+    @property
+    def sequences_per_process(self) -> int:
+        return self.global_batch_sequences // self.world_size
+
+    def ranked_fitting(self) -> list[Candidate]:
+        """Every fitting (configuration, micro-batch) of the space, in the objective's order (the chosen first).
+
+        ``trainer.verify.verify`` walks this list when a measured plan has to step down. The
+        accumulating micro-batches below a configuration's largest fitting one fit too (memory grows
+        with the micro-batch), so they are listed without a second search.
+        """
+        ev = self._evaluator
+        if ev is None:
+            raise ValueError("ranked_fitting needs the result of autotune() (it keeps the evaluator)")
+        per = self.sequences_per_process
+        setups = []
+        for cfg in self.configs:
+            sizes = [m for m in divisors(per) if m < per and m <= cfg.largest_accumulating]
+            if cfg.whole_fits:
+                sizes.append(per)
+            setups += [cfg.setup.replace(micro_batch=m, grad_accum=per // m) for m in sizes]
+        setups = [s for s in setups if ev.peak(s) <= self.limit_bytes]
+        setups.sort(key=ev.rank_key)
+        return [Candidate(plan=self.plan_for(s), predicted=ev.predicted(s), fits=True, why="fits") for s in setups]
+
+    def plan_for(self, setup: TrainSetup, predicted: dict | None = None) -> Plan:
+        """The Plan of any setup of this search (with its prediction)."""
+        if predicted is None:
+            predicted = self._evaluator.predicted(setup)
+        return Plan(model=self.model, setup=setup, device=device_ref(self.device),
+                    budget_bytes=self.budget_bytes, predicted=_plan_predicted(predicted))
+
+    def to_json(self, verified=None) -> dict:
+        """The contract's JSON of ``memplan autotune`` (plus additions).
+
+        ``verified`` is the ``trainer.verify.Verification`` of ``--verify`` (None without it). After a
+        verification the top-level plan and prediction are those of the plan it settled on (null if
+        no plan's measured peak fit the budget).
+        """
+        plan, predicted = self.plan, self.chosen.predicted if self.chosen else None
+        if verified is not None:
+            plan = verified.plan
+            predicted = {"epoch_seconds": None, **plan.predicted} if plan is not None else None
+        return {
+            "plan": plan.contract_plan() if plan is not None else None,
+            "predicted": _contract_predicted(predicted) if predicted is not None else None,
+            "budget_bytes": self.budget_bytes,
+            "candidates": [c.to_json() for c in self.candidates],
+            "verified": verified.to_json() if verified is not None else None,
+            # additions
+            "margin": self.margin,
+            "limit_bytes": self.limit_bytes,
+            "model": self.model.to_json(),
+            "device": self.device.to_json(),
+            "world_size": self.world_size,
+            "global_batch": {"tokens": self.global_batch_tokens, "sequences": self.global_batch_sequences,
+                             "requested_tokens": self.requested_global_batch_tokens,
+                             "default": self.default_global_batch},
+            "exact_global_batch": self.exact_global_batch,
+            "advice": list(self.advice),
+            "notes": list(self.notes),
+            "space": dict(self.space),
+            "search_seconds": self.search_seconds,
+            "evaluated": self.evaluated,
+        }
+
+
+def _contract_predicted(predicted: dict) -> dict:
+    keys = ("peak_reserved", "step_seconds", "tokens_per_second", "epoch_seconds", "peak_allocated", "peak_phase")
+    return {k: predicted.get(k) for k in keys if k in predicted or k == "epoch_seconds"}
+
+
+def _plan_predicted(predicted: dict) -> dict:
+    """What a Plan stores of a prediction (TOML has no null: epoch_seconds only when known)."""
+    return {k: v for k, v in predicted.items() if v is not None}
+
+
+def _sig(x: float) -> float:
+    """x rounded to TIE_DIGITS significant digits: predicted speeds equal to that precision tie."""
+    return float(f"{x:.{TIE_DIGITS}g}")
+
+
+# ---- the search ----------------------------------------------------------------------------
+
+class _Evaluator:
+    """Memory walks and step times of setups, each computed once.
+
+    Memory does not depend on ``compile`` (a compiled step is planned with the eager step's
+    memory), so walks are shared between the two.
+    """
+
+    def __init__(self, spec: ModelSpec, device: Device, speedup: float | None, epoch_tokens: int | None):
+        self.spec, self.device, self.speedup, self.epoch_tokens = spec, device, speedup, epoch_tokens
+        self._memory: dict[TrainSetup, MemoryBreakdown] = {}
+        self._time: dict[TrainSetup, TimeBreakdown] = {}
+
+    @property
+    def walks(self) -> int:
+        return len(self._memory)
+
+    def memory(self, setup: TrainSetup) -> MemoryBreakdown:
+        key = setup.replace(compile=False) if setup.compile else setup
+        if key not in self._memory:
+            self._memory[key] = memory_on(self.spec, key, self.device)
+        return self._memory[key]
+
+    def time(self, setup: TrainSetup) -> TimeBreakdown:
+        key = setup.replace(compile=False) if setup.compile else setup
+        if key not in self._time:
+            self._time[key] = step_time(self.spec, key, self.device)
+        return self._time[key]
+
+    def seconds(self, setup: TrainSetup) -> float:
+        """Predicted step seconds; a compiled step is the eager one over the profile's compile speedup."""
+        seconds = self.time(setup).step_seconds
+        return seconds / self.speedup if setup.compile and self.speedup else seconds
+
+    def tokens_per_second(self, setup: TrainSetup) -> float:
+        return setup.tokens_per_step / self.seconds(setup)
+
+    def peak(self, setup: TrainSetup) -> int:
+        return self.memory(setup).peak_reserved
+
+    def rank_key(self, s: TrainSetup) -> tuple:
+        """The objective's order: fastest first; on a tie, no checkpointing, then less memory."""
+        return (-_sig(self.tokens_per_second(s)), s.checkpointing != "none", self.peak(s), s.attention != "sdpa",
+                s.optimizer != "adamw-fused", s.precision, s.compile)
+
+    def predicted(self, setup: TrainSetup) -> dict:
+        return predicted_json(self.memory(setup), self.time(setup), self.seconds(setup),
+                              self.tokens_per_second(setup), self.epoch_tokens)
+
+
+def _global_batch(spec: ModelSpec, ctx: int, world_size: int, global_batch_tokens: int | None,
+                  global_batch: int | None) -> tuple[int, int, bool, bool, list[str]]:
+    """(sequences per process, requested tokens, default used, exact, notes) for the global batch asked."""
+    notes = []
+    default = global_batch_tokens is None and global_batch is None
+    if global_batch is not None:
+        requested_tokens = global_batch * ctx
+        per, exact = divmod(global_batch, world_size)
+        if exact:  # remainder: round to the nearest multiple of the world size
+            per = max(1, round(global_batch / world_size))
+            notes.append(f"global batch: {global_batch} sequences do not split evenly over {world_size} processes; "
+                         f"searching {per * world_size} ({per} per process)")
+        return per, requested_tokens, default, exact == 0, notes
+    requested_tokens = default_global_batch_tokens(spec) if default else global_batch_tokens
+    unit = ctx * world_size
+    per = max(1, round(requested_tokens / unit))
+    exact = per * unit == requested_tokens
+    if default:
+        notes.append(f"global batch: {format_count(per * unit)} tokens ({per * world_size} sequences of {ctx}), "
+                     f"the default for a model of {format_count(spec.params)} parameters; "
+                     "pass --global-batch-tokens or --global-batch to choose another")
+    elif not exact:
+        got = per * unit
+        change = (got - requested_tokens) / requested_tokens
+        notes.append(f"global batch: {requested_tokens:,} tokens is not a multiple of ctx × world size ({unit:,}); "
+                     f"searching {per * world_size} sequences = {got:,} tokens ({change:+.2%})")
+    return per, requested_tokens, default, exact, notes
+
+
+def _validate(spec: ModelSpec, ctx: int, global_batch_tokens, global_batch, budget_bytes, margin, tokens,
+              world_size) -> None:
+    for name, value in (("--ctx", ctx), ("--world-size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{name}: {value!r} must be a positive integer")
+    if global_batch_tokens is not None and global_batch is not None:
+        raise InputError("give --global-batch-tokens N or --global-batch N (sequences), not both")
+    for name, value in (("--global-batch-tokens", global_batch_tokens), ("--global-batch", global_batch),
+                        ("--budget", budget_bytes), ("--tokens", tokens)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"{name}: {value!r} must be a positive integer")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise InputError(f"--margin: {margin!r} must be a fraction of the budget in [0, 1), such as 0.1")
+    if spec.pos == "learned" and ctx > spec.max_positions:
+        raise InputError(f"--ctx {ctx} exceeds the model's {spec.max_positions} learned positions "
+                         f"(max_positions); use --ctx {spec.max_positions} or less")
+
+
+def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: int | None = None,
+             global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
+             tokens: int | None = None, world_size: int = 1) -> AutotuneResult:
+    """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
+
+    ``global_batch_tokens`` or ``global_batch`` (sequences, all processes) fixes micro_batch ·
+    grad_accum · ctx · world_size; with neither, ``default_global_batch_tokens(spec)``. ``budget_bytes``
+    defaults to the device's usable memory. ``tokens`` (one epoch) gives epoch_seconds.
+    """
+    started = time.perf_counter()
+    _validate(spec, ctx, global_batch_tokens, global_batch, budget_bytes, margin, tokens, world_size)
+    budget = device.usable_bytes if budget_bytes is None else budget_bytes
+    limit = int(budget * (1 - margin))
+    per, requested, default, exact, notes = _global_batch(spec, ctx, world_size, global_batch_tokens, global_batch)
+    if budget_bytes is not None and budget_bytes > device.usable_bytes:
+        notes.append(f"--budget {format_bytes(budget_bytes)} is more than {device.name}'s usable memory "
+                     f"({format_bytes(device.usable_bytes)}); planning for the budget as given")
+
+    speedup = compile_speedup(device)
+    compiles = (False, True) if speedup and speedup > 1 else (False,)
+    if speedup is None:
+        notes.append("torch.compile not considered: the profile has no [calibrated] compile_speedup")
+    elif speedup <= 1:
+        notes.append(f"torch.compile not considered: the profile's compile_speedup is {speedup:g} (no gain)")
+    precisions = precision_candidates(device)
+    ev = _Evaluator(spec, device, speedup, tokens)
+    sharding = "ddp" if world_size > 1 else "none"
+    sizes = divisors(per)
+    accumulating = sizes[:-1]  # micro-batches that leave grad_accum ≥ 2
+
+    configs: list[ConfigSearch] = []
+    best_points: list[TrainSetup] = []  # the fastest fitting micro-batch of each configuration
+    rejected_points: list[TrainSetup] = []  # the next micro-batch up, which does not fit
+    for precision in precisions:
+        for checkpointing in CHECKPOINTINGS:
+            for attention in ATTENTIONS:
+                for optimizer in OPTIMIZERS:
+                    for compiled in compiles:
+                        base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
+                                          attention=attention, checkpointing=checkpointing, optimizer=optimizer,
+                                          world_size=world_size, sharding=sharding, compile=compiled)
+
+                        def at(m: int, base=base) -> TrainSetup:
+                            return base.replace(micro_batch=m, grad_accum=per // m)
+
+                        # bisection over the accumulating micro-batches: memory grows with the micro-batch
+                        lo, hi = -1, len(accumulating)
+                        while hi - lo > 1:
+                            mid = (lo + hi) // 2
+                            if ev.peak(at(accumulating[mid])) <= limit:
+                                lo = mid
+                            else:
+                                hi = mid
+                        largest = accumulating[lo] if lo >= 0 else 0
+                        whole_fits = ev.peak(at(per)) <= limit
+                        configs.append(ConfigSearch(setup=base, largest_accumulating=largest, whole_fits=whole_fits))
+                        if whole_fits:
+                            best_points.append(at(per))
+                        else:
+                            if largest:
+                                best_points.append(at(largest))
+                            # the first micro-batch that does not fit
+                            rejected_points.append(at(accumulating[hi]) if hi < len(accumulating) else at(per))
+
+    best_points.sort(key=ev.rank_key)
+    rejected_points.sort(key=lambda s: (-ev.tokens_per_second(s), ev.peak(s)))
+    result_kw = dict(model=spec, device=device, ctx=ctx, world_size=world_size, budget_bytes=budget, margin=margin,
+                     limit_bytes=limit, global_batch_tokens=per * world_size * ctx,
+                     global_batch_sequences=per * world_size, requested_global_batch_tokens=requested,
+                     default_global_batch=default, exact_global_batch=exact, tokens=tokens,
+                     configs=tuple(configs), _evaluator=ev,
+                     space={"micro_batch": sizes, "checkpointing": list(CHECKPOINTINGS), "attention": list(ATTENTIONS),
+                            "precision": list(precisions), "optimizer": list(OPTIMIZERS),
+                            "compile": list(compiles)})
+
+    def plan_of(s: TrainSetup) -> Plan:
+        return Plan(model=spec, setup=s, device=device_ref(device), budget_bytes=budget,
+                    predicted=_plan_predicted(ev.predicted(s)))
+
+    candidates: list[Candidate] = []
+    advice: list[str] = []
+    chosen = best_points[0] if best_points else None
+    if chosen is not None:
+        best_tps, best_peak = ev.tokens_per_second(chosen), ev.peak(chosen)
+        candidates.append(Candidate(plan=plan_of(chosen), predicted=ev.predicted(chosen), fits=True,
+                                    why=_chosen_why(chosen, best_points, ev)))
+        for s in best_points[1:]:
+            candidates.append(Candidate(plan=plan_of(s), predicted=ev.predicted(s), fits=True,
+                                        why=_slower_why(s, ev, best_tps, best_peak)))
+    else:
+        best_tps = None
+        advice = _advice(spec, device, ctx, per, world_size, budget, budget_bytes is not None, margin, limit,
+                         precisions, ev)
+    for s in rejected_points:
+        candidates.append(Candidate(plan=plan_of(s), predicted=ev.predicted(s), fits=False,
+                                    why=_reject_why(s, ev, limit, budget, margin, best_tps)))
+    return AutotuneResult(plan=candidates[0].plan if chosen is not None else None, candidates=candidates,
+                          advice=advice, notes=notes, search_seconds=time.perf_counter() - started,
+                          evaluated=ev.walks, **result_kw)
+
+
+# ---- why -----------------------------------------------------------------------------------
+
+def _describe(s: TrainSetup) -> str:
+    parts = [f"micro-batch {s.micro_batch} × {s.grad_accum}", f"checkpointing {s.checkpointing}", s.attention,
+             s.precision, s.optimizer]
+    if s.compile:
+        parts.append("compiled")
+    return ", ".join(parts)
+
+
+def _chosen_why(chosen: TrainSetup, best_points: list[TrainSetup], ev: _Evaluator) -> str:
+    why = "chosen: the fastest predicted plan that fits"
+    if chosen.checkpointing != "none":
+        plain = [s for s in best_points if s.checkpointing == "none"]
+        if plain:
+            gain = ev.tokens_per_second(chosen) / ev.tokens_per_second(plain[0]) - 1
+            why += (f"; checkpointing {chosen.checkpointing} buys micro-batch {chosen.micro_batch} over "
+                    f"{plain[0].micro_batch} without it, {gain:.1%} faster")
+        else:
+            why += f"; checkpointing {chosen.checkpointing} is needed to fit"
+    return why
+
+
+def _slower_why(s: TrainSetup, ev: _Evaluator, best_tps: float, best_peak: int) -> str:
+    tps = ev.tokens_per_second(s)
+    if _sig(tps) == _sig(best_tps):
+        if s.checkpointing != "none" and ev.peak(s) < best_peak:
+            return "fits; as fast as the chosen plan, but checkpointing is chosen only when it is faster or needed"
+        if ev.peak(s) == best_peak:
+            return "fits; a tie with the chosen plan in speed and peak memory (ties go to fused AdamW and SDPA)"
+        return f"fits; as fast as the chosen plan but needs {format_bytes(ev.peak(s) - best_peak)} more"
+    return f"fits; {1 - tps / best_tps:.1%} slower than the chosen plan ({tps:,.0f} vs {best_tps:,.0f} tokens/s)"
+
+
+def _reject_why(s: TrainSetup, ev: _Evaluator, limit: int, budget: int, margin: float,
+                best_tps: float | None) -> str:
+    peak = ev.peak(s)
+    why = (f"does not fit: needs {format_bytes(peak)}, {format_bytes(peak - limit)} over the limit of "
+           f"{format_bytes(limit)} (budget {format_bytes(budget)} less {margin:.0%})")
+    if best_tps:
+        tps = ev.tokens_per_second(s)
+        change = tps / best_tps - 1
+        why += f"; would be {abs(change):.1%} {'faster' if change > 0 else 'slower'} than the chosen plan"
+    return why
+
+
+# ---- advice when nothing fits --------------------------------------------------------------
+
+def _lightest(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, precisions,
+              memory: Callable[[TrainSetup], MemoryBreakdown] | None = None,
+              checkpointings=CHECKPOINTINGS, attentions=ATTENTIONS,
+              optimizers=OPTIMIZERS) -> tuple[TrainSetup, MemoryBreakdown]:
+    """The setup with the least predicted memory: micro-batch 1 (accumulating the rest), and of the
+    configurations the one whose walk is lowest (usually full checkpointing, SDPA, fused AdamW)."""
+    best = None
+    sharding = "ddp" if world_size > 1 else "none"
+    for precision in precisions:
+        for checkpointing in checkpointings:
+            for attention in attentions:
+                for optimizer in optimizers:
+                    s = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=per, precision=precision, attention=attention,
+                                   checkpointing=checkpointing, optimizer=optimizer, world_size=world_size,
+                                   sharding=sharding)
+                    mem = memory(s) if memory is not None else memory_on(spec, s, device)
+                    if best is None or mem.peak_reserved < best[1].peak_reserved:
+                        best = (s, mem)
+    return best
+
+
+def _advice(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, budget: int, budget_given: bool,
+            margin: float, limit: int, precisions, ev: _Evaluator) -> list[str]:
+    """What would fit when nothing does: a shorter context, a smaller model, more memory, more devices."""
+    lightest, mem = _lightest(spec, device, ctx, per, world_size, precisions, ev.memory)
+    light = (f"the lightest plan (micro-batch 1, checkpointing {lightest.checkpointing}, {lightest.attention}, "
+             f"{lightest.precision}, {lightest.optimizer}) needs {format_bytes(mem.peak_reserved)}, "
+             f"{format_bytes(mem.peak_reserved - limit)} over the limit of {format_bytes(limit)}")
+    advice = [f"nothing fits: {light}"]
+
+    def fits_with(s: TrainSetup, model: ModelSpec = spec) -> int:
+        return memory_on(model, s, device).peak_reserved
+
+    # a shorter context (same global batch in sequences is meaningless across contexts: micro-batch 1)
+    step = ADVICE_CTX_STEP if ctx > ADVICE_CTX_STEP else 1
+    lo, hi = 0, (ctx - 1) // step  # in units of step
+    while hi > lo:
+        mid = (lo + hi + 1) // 2
+        if fits_with(lightest.replace(ctx=mid * step)) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo > 0:
+        short = lo * step
+        advice.append(f"a shorter context: --ctx {short} fits "
+                      f"({format_bytes(fits_with(lightest.replace(ctx=short)))} with the lightest plan)")
+    else:
+        advice.append("a shorter context does not help enough: even a few tokens per sequence do not fit")
+
+    # a smaller model: the same shape with fewer layers
+    if spec.layers > 1:
+        lo, hi = 0, spec.layers - 1
+        while hi > lo:
+            mid = (lo + hi + 1) // 2
+            if fits_with(lightest, spec.replace(layers=mid)) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo > 0:
+            small = spec.replace(layers=lo)
+            advice.append(f"a smaller model: the same shape with {lo} of its {spec.layers} layers "
+                          f"({format_count(small.params)} parameters, --layers {lo}) fits "
+                          f"({format_bytes(fits_with(lightest, small))})")
+        else:
+            one = spec.replace(layers=1)
+            advice.append(f"a smaller model: even 1 layer of this width does not fit "
+                          f"({format_bytes(fits_with(lightest, one))}); a narrower model or a smaller vocabulary "
+                          f"({spec.vocab:,} × {spec.hidden:,} embedding) is needed")
+
+    # more memory: a larger --budget, or a bundled device that fits the lightest plan
+    need_budget = math.ceil(mem.peak_reserved / (1 - margin))
+    if budget_given and budget < device.usable_bytes:
+        advice.append(f"more memory: a --budget of at least {format_bytes(need_budget)} "
+                      f"({device.name} has {format_bytes(device.usable_bytes)} usable)")
+    advice.append(_bigger_devices(spec, device, ctx, per, world_size, margin, need_budget))
+
+    # more devices: FSDP shards weights, gradients and optimizer state k ways (the allocator's share shrinks
+    # with them; the runtime context does not)
+    state = mem.weights + mem.gradients + mem.optimizer
+
+    def sharded(k: int) -> float:
+        allocated = mem.peak_allocated - state + state / k
+        return allocated * (1 + device.allocator_overhead) + device.runtime_context_bytes
+
+    if sharded(FSDP_MAX_DEVICES) > limit:
+        advice.append(f"more devices do not help at this context: with the weights, gradients and optimizer "
+                      f"state sharded away, one sequence still needs {format_bytes(sharded(10**9))} per device")
+    else:
+        k = next(k for k in range(2, FSDP_MAX_DEVICES + 1) if sharded(k) <= limit)
+        advice.append(f"more devices: FSDP over about {k} devices like this one splits the "
+                      f"{format_bytes(state)} of weights, gradients and optimizer state enough to fit (approximate: "
+                      "memplan does not yet model FSDP's gathered layers; DDP does not reduce memory per device)")
+    return advice
+
+
+def _bigger_devices(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, margin: float,
+                    need_budget: int) -> str:
+    """The bundled profiles on which the lightest plan of the space fits, smallest first."""
+    from memplan.hardware import all_profiles
+
+    fitting = []
+    for other in all_profiles():
+        if other.family == "cpu" or other.name == device.name:
+            continue
+        lightest, mem = _lightest(spec, other, ctx, per, world_size, precision_candidates(other),
+                                  checkpointings=("full",), attentions=("sdpa",), optimizers=("adamw-fused",))
+        if mem.peak_reserved <= other.usable_bytes * (1 - margin):
+            fitting.append(other)
+    fitting.sort(key=lambda d: d.usable_bytes)
+    head = f"a device with more memory: at least {format_bytes(need_budget)} usable"
+    if not fitting:
+        return head + "; none of the bundled profiles has that much"
+    names = ", ".join(f"{d.name} ({format_bytes(d.usable_bytes)})" for d in fitting[:4])
+    return head + f"; of the bundled profiles: {names}" + (" and larger" if len(fitting) > 4 else "")

@@ -1,0 +1,254 @@
+"""``memplan autotune``: the fastest setup that fits, from the analytic model; ``--verify`` runs it for real."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from memplan.cli import app
+from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
+                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, TiedOpt, VocabOpt, device_from, model_from,
+                                 print_json)
+from memplan.errors import InputError
+from memplan.units import format_bytes, format_count, format_seconds, parse_count, parse_size
+
+_A = "Autotune"
+GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
+    "--global-batch-tokens", help="Tokens per optimizer step over all processes (e.g. 524288 or 0.5m); kept exactly "
+                                  "when it is a whole number of sequences. Default: by model size (131,072 below "
+                                  "100M parameters, 524,288 below 1B, 1,048,576 from 1B).",
+    rich_help_panel=_A, show_default=False)]
+GlobalBatchOpt = Annotated[Optional[str], typer.Option(
+    "--global-batch", help="Sequences per optimizer step over all processes (instead of --global-batch-tokens).",
+    rich_help_panel=_A, show_default=False)]
+BudgetOpt = Annotated[Optional[str], typer.Option(
+    "--budget", help="Memory budget, e.g. 3GiB or 24GB (default: the device's usable memory).", rich_help_panel=_A,
+    show_default=False)]
+MarginOpt = Annotated[str, typer.Option(
+    "--margin", help="Share of the budget kept free: the predicted peak must fit budget × (1 − margin).",
+    rich_help_panel=_A)]
+TokensOpt = Annotated[Optional[str], typer.Option(
+    "--tokens", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", rich_help_panel=_A,
+    show_default=False)]
+VerifyOpt = Annotated[bool, typer.Option(
+    "--verify", help="Run a few real steps of the chosen plan on this machine; step down while the measured peak "
+                     "exceeds the budget or runs out of memory.", rich_help_panel=_A)]
+VerifyStepsOpt = Annotated[int, typer.Option(
+    "--verify-steps", help="Real steps per trial under --verify (the first is a warm-up).", rich_help_panel=_A)]
+OutOpt = Annotated[Optional[str], typer.Option(
+    "--out", help="Write the chosen plan as TOML (what `memplan train --plan` takes).", rich_help_panel=_A,
+    show_default=False)]
+WorldSizeOpt = Annotated[str, typer.Option(
+    "--world-size", help="Data-parallel processes (DDP) sharing the global batch.", rich_help_panel=_A)]
+TopOpt = Annotated[int, typer.Option("--top", help="Rows of each table (fitting candidates, rejected ones).",
+                                     rich_help_panel=_A)]
+
+
+def _parse_margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"--margin: {text!r} is not a number; use a fraction in [0, 1) such as 0.1") from None
+    if not 0 <= value < 1:
+        raise InputError(f"--margin: {text!r} must be a fraction of the budget in [0, 1), such as 0.1")
+    return value
+
+
+_OPT_SHORT = {"adamw-fused": "fused", "adamw": "foreach"}
+
+
+def _merged(candidates):
+    """Candidates whose only difference is fused or foreach AdamW, with equal predictions, as one row."""
+    rows, seen = [], {}
+    for c in candidates:
+        s = c.setup
+        key = (s.replace(optimizer="adamw"), round(c.tokens_per_second, 6), c.peak_reserved, c.fits)
+        if key in seen and s.optimizer in _OPT_SHORT:
+            seen[key][1].append(_OPT_SHORT[s.optimizer])
+            continue
+        seen[key] = (c, [_OPT_SHORT.get(s.optimizer, s.optimizer)])
+        rows.append(seen[key])
+    return rows
+
+
+def _table(title: str, columns: list[tuple[str, str]]):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 0, 0, 1), collapse_padding=True)
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True)
+    return table
+
+
+def _cells(c, opts: list[str]) -> list[str]:
+    s = c.setup
+    return [f"{s.micro_batch}×{s.grad_accum}", s.checkpointing, s.attention, s.precision,
+            ("either" if len(opts) > 1 else opts[0]) + (" +compile" if s.compile else "")]
+
+
+def print_result(result, top: int) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    spec, device = result.model, result.device
+    console.print(f"[bold]Model[/]  {escape(spec.name or 'custom')}: {escape(spec.describe())}  "
+                  f"({spec.params:,} parameters)")
+    console.print(f"[bold]Device[/] {escape(device.name)} ({escape(device.title)}): "
+                  f"{format_bytes(device.usable_bytes)} usable")
+    console.print(f"[bold]Budget[/] {format_bytes(result.budget_bytes)}: the predicted peak must stay under "
+                  f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})")
+    exact = "" if result.exact_global_batch else f" [yellow](asked {result.requested_global_batch_tokens:,})[/]"
+    console.print(f"[bold]Global batch[/] {result.global_batch_tokens:,} tokens = {result.global_batch_sequences} "
+                  f"sequences of {result.ctx}" + (f" over {result.world_size} processes" if result.world_size > 1
+                                                  else "") + exact)
+    space = result.space
+    console.print(f"[dim]Searched micro-batches {_short(space['micro_batch'])} × checkpointing "
+                  f"{'/'.join(space['checkpointing'])} × attention {'/'.join(space['attention'])} × precision "
+                  f"{'/'.join(space['precision'])} × AdamW fused/foreach × compile "
+                  f"{'/'.join('yes' if c else 'no' for c in space['compile'])}: {result.evaluated} memory walks in "
+                  f"{format_seconds(result.search_seconds)}[/]")
+
+    fitting = _merged([c for c in result.candidates if c.fits])
+    rejected = _merged([c for c in result.candidates if not c.fits])
+    if fitting:
+        table = _table("Fastest fitting micro-batch of each configuration",
+                       [("", "right"), ("batch", "right"), ("ckpt", "left"), ("attn", "left"), ("precision", "left"),
+                        ("adamw", "left"), ("peak", "right"), ("tokens/s", "right"), ("vs plan", "right")])
+        best = fitting[0][0].tokens_per_second
+        for i, (c, opts) in enumerate(fitting[:top]):
+            table.add_row("[green]→[/]" if i == 0 else str(i + 1), *_cells(c, opts), format_bytes(c.peak_reserved),
+                          f"{c.tokens_per_second:,.0f}",
+                          "plan" if i == 0 else f"{c.tokens_per_second / best - 1:+.1%}")
+        if len(fitting) > top:
+            table.caption = f"{len(fitting) - top} more fit (--top N, or --json for all)"
+        console.print(table)
+    if rejected:
+        table = _table("Rejected: the next micro-batch up of each configuration does not fit",
+                       [("batch", "right"), ("ckpt", "left"), ("attn", "left"), ("precision", "left"),
+                        ("adamw", "left"), ("peak", "right"), ("over", "right"), ("tokens/s", "right")])
+        for c, opts in rejected[:top]:
+            table.add_row(*_cells(c, opts), format_bytes(c.peak_reserved),
+                          f"[red]+{format_bytes(c.peak_reserved - result.limit_bytes)}[/]",
+                          f"{c.tokens_per_second:,.0f}")
+        if len(rejected) > top:
+            table.caption = f"{len(rejected) - top} more (--top N, or --json for all)"
+        console.print(table)
+
+    chosen = result.chosen
+    if chosen is not None:
+        s, p = chosen.setup, chosen.predicted
+        console.print(f"[bold green]Plan[/]: micro-batch {s.micro_batch} × {s.grad_accum} accumulation, "
+                      f"checkpointing {s.checkpointing}, {s.attention} attention, {s.precision}, {s.optimizer}"
+                      + (", torch.compile" if s.compile else ""))
+        line = (f"  predicted peak {format_bytes(p['peak_reserved'])} of {format_bytes(result.limit_bytes)}, "
+                f"{p['tokens_per_second']:,.0f} tokens/s, {format_seconds(p['step_seconds'])} per step")
+        if p.get("epoch_seconds") is not None:
+            line += f"; {format_count(result.tokens)} tokens take [bold]{format_seconds(p['epoch_seconds'])}[/]"
+        console.print(line)
+        console.print(f"  [dim]{escape(chosen.why)}[/]")
+    elif result.advice:
+        console.print(f"[bold red]Nothing fits[/]: {escape(result.advice[0].removeprefix('nothing fits: '))}")
+        console.print("What would:")
+        for line in result.advice[1:]:
+            console.print(f"  • {escape(line)}")
+    for note in result.notes:
+        console.print(f"[dim]note: {escape(note)}[/]")
+
+
+def _short(values: list[int]) -> str:
+    return ", ".join(map(str, values)) if len(values) <= 8 else ", ".join(map(str, values[:4])) + f", … {values[-1]}"
+
+
+def print_attempt(attempt) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    t, p = attempt.trial, attempt.plan.predicted
+    measured = format_bytes(t.peak_bytes) if t.peak_bytes is not None else "-"
+    speed = f"{t.tokens_per_second:,.0f}" if t.tokens_per_second else "-"
+    color = {"fits": "green", "over budget": "yellow"}.get(attempt.outcome, "red")
+    Console().print(f"  trial: micro-batch {attempt.plan.setup.micro_batch} × {attempt.plan.setup.grad_accum}, "
+                    f"checkpointing {attempt.plan.setup.checkpointing}, {attempt.plan.setup.attention}, "
+                    f"{attempt.plan.setup.optimizer}: peak {measured} (predicted {format_bytes(p['peak_reserved'])}), "
+                    f"{speed} tokens/s (predicted {attempt.predicted_trial_tokens_per_second:,.0f}), "
+                    f"{t.steps_run} steps → [{color}]{attempt.outcome}[/]"
+                    + (f" [dim]{escape(t.error)}[/]" if t.error else ""))
+
+
+def print_verification(v) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    if v.plan is not None:
+        s = v.plan.setup
+        console.print(f"[bold green]Verified[/]: micro-batch {s.micro_batch} × {s.grad_accum}, checkpointing "
+                      f"{s.checkpointing}, {s.attention}, {s.precision}, {s.optimizer}: measured peak "
+                      f"{format_bytes(v.peak_measured)} ≤ budget {format_bytes(v.budget_bytes)}, "
+                      f"{v.tokens_per_second:,.0f} tokens/s; {v.trials} trial steps over {len(v.attempts)} plan(s)")
+    else:
+        console.print(f"[bold red]Not verified[/]: {escape('; '.join(v.notes) or 'no plan was tried')} "
+                      f"({v.trials} trial steps over {len(v.attempts)} plan(s), {v.skipped} skipped)")
+    if v.method:
+        console.print(f"[dim]measured: {escape(v.method)}[/]")
+
+
+@app.command("autotune")
+def autotune_command(
+    params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
+    hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None,
+    device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
+    budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
+    verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
+    json: JsonOpt = False,
+) -> None:
+    """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
+    plan that fits the memory budget at the global batch asked; --verify runs it for real."""
+    from memplan.autotune import autotune
+
+    if global_batch_tokens is not None and global_batch is not None:
+        raise InputError("give --global-batch-tokens N or --global-batch N (sequences), not both")
+    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    dev = device_from(device, device_memory)
+    result = autotune(
+        spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
+        global_batch_tokens=parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else None,
+        global_batch=parse_count(global_batch, "--global-batch") if global_batch else None,
+        budget_bytes=parse_size(budget, "--budget") if budget else None, margin=_parse_margin(margin),
+        tokens=parse_count(tokens, "--tokens") if tokens else None,
+        world_size=parse_count(world_size, "--world-size"))
+    if not json:
+        print_result(result, top)
+
+    verification = None
+    if verify and result.plan is not None:
+        from trainer.verify import verify as run_verify
+
+        if not json:
+            print(f"Verifying on this machine ({verify_steps} steps per trial)...", flush=True)
+        started = time.perf_counter()
+        verification = run_verify(result, steps=verify_steps, on_attempt=None if json else print_attempt)
+        if not json:
+            print_verification(verification)
+            print(f"verify took {format_seconds(time.perf_counter() - started)}")
+    elif verify:
+        print("memplan: --verify skipped: nothing fits, so there is no plan to run", file=sys.stderr)
+
+    final = verification.plan if verification is not None else result.plan
+    if out:
+        if final is None:
+            print("memplan: no plan written (nothing fits)", file=sys.stderr)
+        else:
+            final.save(out)
+            if not json:
+                print(f"Wrote {out}")
+    if json:
+        print_json(result.to_json(verification))
