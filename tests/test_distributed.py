@@ -364,3 +364,45 @@ def test_a_plan_for_two_devices_is_refused_in_one_process(corpus, tmp_path, caps
         "python -m trainer: error: the plan is for --world-size 2: launch it with torchrun --nproc-per-node 2 -m "
         "trainer ..."]
     assert not (tmp_path / "run").exists()
+
+
+# ---- autotune over several devices -------------------------------------------------------------
+
+def test_autotune_tries_ddp_and_fsdp_over_the_devices_given():
+    from memplan.autotune import autotune
+    from memplan.model import from_size
+
+    result = autotune(from_size("7b"), load_profile("rtx-4090"), ctx=2048, world_size=8)
+    assert result.space["sharding"] == ["ddp", "fsdp"]
+    plan = result.plan.setup
+    assert plan.world_size == 8 and plan.sharding == "fsdp"
+    assert "FSDP is needed to fit" in result.chosen.why
+    assert not any(c.fits for c in result.candidates if c.setup.sharding == "ddp")  # 7B does not fit one 4090
+    assert result.to_json()["plan"]["sharding"] == "fsdp" and result.to_json()["plan"]["world_size"] == 8
+    single = autotune(from_size("7b"), load_profile("rtx-4090"), ctx=2048)
+    assert single.space["sharding"] == ["none"] and single.plan is None
+
+
+def test_autotune_says_when_more_devices_are_the_only_way_and_how_many():
+    from memplan.autotune import autotune, fsdp_devices_needed, precision_candidates
+    from memplan.estimate import memory_on
+    from memplan.model import from_size
+
+    spec, gtx = from_size("3b"), load_profile("gtx-1650")
+    result = autotune(spec, gtx, ctx=512, global_batch=8)
+    assert result.plan is None
+    line = next(a for a in result.advice if a.startswith("more devices"))
+    assert "the only way to fit this model at this context" in line
+    k = int(line.split("--world-size ")[1].split()[0])
+    needed, setup, mem = fsdp_devices_needed(spec, gtx, 512, 8, precision_candidates(gtx), result.limit_bytes)
+    assert needed == k and setup.sharding == "fsdp" and mem.peak_reserved <= result.limit_bytes
+    fewer = setup.replace(world_size=k - 1, grad_accum=max(1, round(8 / (k - 1))))
+    assert memory_on(spec, fewer, gtx).peak_reserved > result.limit_bytes  # one device fewer does not fit
+    again = autotune(spec, gtx, ctx=512, global_batch=k, world_size=k)  # one sequence per device, as advised
+    assert again.plan is not None and again.plan.setup.sharding == "fsdp"
+
+
+def test_autotune_verify_refuses_a_plan_for_several_devices(memplan_cli):
+    result = memplan_cli("autotune", "--params", "22m", "--device", "cpu", "--ctx", "256", "--world-size", "2",
+                         "--verify")
+    assert result.returncode == 2 and "memplan validate --world-size 2" in result.stderr

@@ -27,6 +27,13 @@ _TERM_HELP = {
 }
 
 
+_SHARDED_HELP = {  # per device, under --world-size N
+    "ddp": {"gradients": "DDP's buckets, the whole step"},
+    "fsdp": {"weights": "this rank's shards; gathered layers", "gradients": "unsharded in flight; shards",
+             "optimizer": "this rank's shards", "temporaries": "all-gather/reduce-scatter buffers"},
+}
+
+
 def print_estimate(est) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -50,9 +57,10 @@ def print_estimate(est) -> None:
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
     table.add_column("what it holds", style="dim")
+    helps = {**_TERM_HELP, **(_SHARDED_HELP.get(setup.sharding, {}))}
     for key in ("weights", "gradients", "optimizer", "activations", "logits", "temporaries", "runtime"):
         value = getattr(mem, key)
-        table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", _TERM_HELP[key])
+        table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", helps[key])
     table.add_section()
     table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors")
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
