@@ -380,9 +380,7 @@ def _validate(spec: ModelSpec, ctx: int, global_batch_tokens, global_batch, budg
             raise InputError(f"{name}: {value!r} must be a positive integer")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise InputError(f"--margin: {margin!r} must be a fraction of the budget in [0, 1), such as 0.1")
-    if spec.pos == "learned" and ctx > spec.max_positions:
-        raise InputError(f"--ctx {ctx} exceeds the model's {spec.max_positions} learned positions "
-                         f"(max_positions); use --ctx {spec.max_positions} or less")
+    spec.check_context(ctx)
 
 
 def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: int | None = None,

@@ -73,6 +73,7 @@ def max_micro_batch(spec: ModelSpec, setup: TrainSetup, device: Device, budget: 
 
 def estimate(spec: ModelSpec, setup: TrainSetup, device: Device, tokens: int | None = None) -> Estimate:
     """Memory, fit, largest micro-batch and step time of one setup."""
+    spec.check_context(setup.ctx)
     memory = memory_on(spec, setup, device)
     return Estimate(
         model=spec, setup=setup, device=device, memory=memory,

@@ -183,6 +183,12 @@ class ModelSpec:
         n += 1 if self.pos == "learned" else 0
         return n
 
+    def check_context(self, ctx: int) -> None:
+        """A learned position table has max_positions rows: a longer context cannot be trained."""
+        if self.pos == "learned" and ctx > self.max_positions:
+            raise InputError(f"--ctx {ctx} exceeds the {self.max_positions} learned positions of this {self.arch} "
+                             f"model; accepted: --ctx up to {self.max_positions}")
+
     def describe(self) -> str:
         """One line: ``llama 22.9M: 6 layers, hidden 384, 6 heads (6 kv), ffn 1024, vocab 32000, tied``."""
         kv = f"{self.kv_heads} kv" if self.kv_heads != self.heads else "MHA"
@@ -416,4 +422,8 @@ def resolve(params: str | None = None, model: str | None = None, **overrides) ->
     if "heads" in changes and "kv_heads" not in changes and spec.kv_heads == spec.heads:
         changes["kv_heads"] = changes["heads"]
     data = {**spec.to_dict(), **changes}
+    shape_changes = sorted(k for k in changes if k not in ("name", "source"))
+    if shape_changes:  # no longer the preset or size it started from
+        data["name"] = f"{spec.name}, custom" if spec.name else "custom"
+        data["source"] = f"{spec.source or spec.name}, with --{', --'.join(k.replace('_', '-') for k in shape_changes)}"
     return ModelSpec(**data)

@@ -125,7 +125,7 @@ def test_cpu_profile_takes_this_hosts_memory():
     d = load_profile("cpu")
     assert d.memory_bytes == psutil.virtual_memory().total
     assert 0 < d.usable_bytes <= d.memory_bytes
-    assert d.allocator_overhead == 0
+    assert 0 <= d.allocator_overhead < 0.2 and "benchmarks/cpu_runtime.py" in d.sources["runtime"]
     assert d.native.get("bf16") is False
 
 
