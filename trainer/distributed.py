@@ -438,6 +438,36 @@ def rescaled_for_world(setup: TrainSetup, world_size: int, sharding: str | None 
     return setup.replace(grad_accum=tokens // world_size, world_size=world_size, sharding=sharding)
 
 
+def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int) -> torch.nn.Module:
+    """The reference model with the initial weights of a single-process run with ``seed``, wrapped.
+
+    DDP: every rank builds it on its device (DDP then broadcasts rank 0's weights anyway). FSDP:
+    no rank ever holds the whole model on its device. The model is built on the meta device,
+    sharded, and given storage for its shards only; rank 0 builds the initial weights in host
+    memory and broadcasts them, each rank keeping its shards
+    (``set_model_state_dict(..., broadcast_from_rank0=True)``).
+    """
+    from trainer.model import build_model
+    from trainer.step import param_dtype
+
+    dtype = param_dtype(setup.precision)
+    if setup.sharding != "fsdp":
+        torch.manual_seed(seed)
+        return wrap_model(build_model(spec, setup.attention, setup.checkpointing, dtype, device=ctx.device),
+                          setup, ctx.device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = wrap_model(build_model(spec, setup.attention, setup.checkpointing, dtype, device="meta"), setup,
+                       ctx.device)
+    model.to_empty(device=ctx.device)
+    full = {}
+    if ctx.is_main:
+        torch.manual_seed(seed)
+        full = build_model(spec, setup.attention, setup.checkpointing, dtype, device="cpu").state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
 def run(plan, config: RunConfig) -> None:
     """Train ``plan`` on the prepared data in every rank of this process group (or alone).
 
@@ -453,8 +483,7 @@ def run(plan, config: RunConfig) -> None:
 
     from memplan.plan import Plan
     from trainer.data import PreparedData, TrainStream
-    from trainer.model import build_model
-    from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+    from trainer.step import make_optimizer, set_matmul_precision, train_step
 
     ctx = init()
     try:
@@ -479,11 +508,8 @@ def run(plan, config: RunConfig) -> None:
             out.mkdir(parents=True, exist_ok=True)
             plan.save(out / PLAN_FILE)
 
-        torch.manual_seed(config.seed)
         set_matmul_precision(setup.precision)
-        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision),
-                            device=ctx.device)
-        model = wrap_model(model, setup, ctx.device)
+        model = build_wrapped_model(spec, setup, ctx, config.seed)
         optimizer = make_optimizer(model, setup.optimizer, lr=config.lr)
         scaler = None
         if setup.precision == "fp16-mixed" and ctx.device.type == "cuda":
