@@ -109,13 +109,11 @@ def fsdp_mixed_precision(setup: TrainSetup):
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
-def wrap_model(model: torch.nn.Module, setup: TrainSetup, device: torch.device, mesh=None,
-               init_sync: bool = True) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, setup: TrainSetup, device: torch.device, mesh=None) -> torch.nn.Module:
     """DDP or FSDP2 around the reference model, as ``setup.sharding`` says (the model itself for none).
 
     ``mesh``: FSDP2's device mesh (default: one dimension over the whole process group); the
-    FakeTensor trace makes it before entering fake mode, and turns off DDP's ``init_sync`` (the
-    check and broadcast of rank 0's parameters, which fake tensors cannot take part in)."""
+    FakeTensor trace makes it before entering fake mode."""
     if setup.sharding == "none" or setup.world_size == 1 and not dist.is_initialized():
         return model
     if not dist.is_initialized():
@@ -134,7 +132,7 @@ def wrap_model(model: torch.nn.Module, setup: TrainSetup, device: torch.device, 
         no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
                           else {"broadcast_buffers": False})
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True, init_sync=init_sync, **no_buffer_sync)
+                                       gradient_as_bucket_view=True, **no_buffer_sync)
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_mixed_precision(setup)
@@ -211,9 +209,7 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
         context = FakeTensorMode(allow_non_fake_inputs=False)
     with context, torch.device(device):
         model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
-        model = wrap_model(model, setup, device, mesh=mesh, init_sync=not fake)
-        if fake and is_ddp(model):  # a fake process group's all-reduce returns nothing: hand back the bucket
-            model.register_comm_hook(None, _in_place_hook)
+        model = wrap_model(model, setup, device, mesh=mesh)
         optimizer = make_optimizer(model, setup.optimizer)
         gen = None if fake else torch.Generator(device).manual_seed(seed + 1 + dist.get_rank())
         for _ in range(WARMUP_STEPS):
@@ -246,20 +242,17 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
                       method=f"{method} (rank {dist.get_rank()})")
 
 
-def _in_place_hook(state, bucket):
-    """A DDP comm hook that returns the bucket as it is, like the default in-place all-reduce."""
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-
 def trace_rank_step(spec, setup: TrainSetup, rank: int = 0, device: str = "cpu"):
-    """Exact live-tensor peak of one rank's steady-state DDP/FSDP2 step on fake tensors, in this
+    """Exact live-tensor peak of one rank's steady-state FSDP2 step on fake tensors, in this
     process: a fake process group of ``setup.world_size`` ranks stands in for the others
-    (torch.testing's FakeStore; collectives return at once), so a 1B model sharded over 8 GPUs
-    is traced on a laptop CPU."""
+    (torch.testing's FakeStore; collectives return at once and allocate nothing, as NCCL's), so a
+    1B model sharded over 8 GPUs is traced on a laptop CPU. DDP cannot be traced: its C++ reducer
+    rebuilds its buckets from real storage."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if setup.sharding != "fsdp":
+        raise InputError("trace_rank_step traces FSDP2 ranks (--sharding fsdp); DDP's reducer cannot run on fake "
+                         "tensors")
     if dist.is_initialized():
         raise RuntimeError("trace_rank_step makes its own (fake) process group; this process is already in one")
     dist.init_process_group("fake", rank=rank, world_size=setup.world_size, store=FakeStore())
@@ -271,6 +264,7 @@ def trace_rank_step(spec, setup: TrainSetup, rank: int = 0, device: str = "cpu")
 
 def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, out_dir: str) -> None:
     """One rank of ``measure_ranks``: every config in turn, its StepMemory pickled to out_dir."""
+    import gc
     import pickle
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as torchrun does: the ranks share the cores
@@ -280,8 +274,6 @@ def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, 
         results = []
         for spec, setup in configs:
             results.append(_rank_step_memory(spec, setup, torch.device("cpu")))
-            import gc
-
             gc.collect()
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
