@@ -115,6 +115,34 @@ def validate_report(tmp_path: Path) -> Path:
     return write_page(validation_page("cpu", rows, summarize(rows)), tmp_path / "validate.html")
 
 
+def train_report(tmp_path: Path) -> Path:
+    """`memplan train`'s run report: a tiny Llama trained 8 steps on a corpus made here (an OOM-free,
+    resumed-free run: loss, eval per source, memory with its predicted line, throughput, lr)."""
+    import json
+
+    from memplan.hardware import load_profile
+    from memplan.model import ModelSpec
+    from memplan.plan import Plan
+    from memplan.setup import TrainSetup
+    from trainer import data
+    from trainer.loop import TrainConfig, Trainer
+
+    corpus = tmp_path / "notes.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Note {i}: the {w} sat by the window and counted {i * 7} "
+                                                   f"birds before the {w} fell asleep."}) + "\n"
+                              for i in range(200) for w in ("cat", "dog")[i % 2:i % 2 + 1]))
+    prepared = data.prepare(data.resolve_inputs([str(corpus)]), tmp_path / "prepared",
+                            data.PrepareConfig(tokenizer="bpe:300", workers=1, val_fraction=0.1)).out
+    prepared = data.PreparedData(prepared)
+    spec = ModelSpec(arch="llama", layers=2, hidden=64, heads=2, kv_heads=2, ffn=128, vocab=prepared.vocab_size,
+                     tied=True)
+    plan = Plan(model=spec, setup=TrainSetup(ctx=32, micro_batch=4, precision="fp32"), device="cpu")
+    run = tmp_path / "run"
+    Trainer.start(run, plan, prepared, TrainConfig(max_steps=8, eval_every=4, sample_tokens=8),
+                  load_profile("cpu")).run()
+    return run / "report.html"
+
+
 @dataclass(frozen=True)
 class Report:
     name: str
@@ -127,6 +155,7 @@ REPORTS = [  # add validate, calibrate and train reports here as they land, one 
     Report("sweep-one-setup", sweep_report_one_setup),
     Report("validate", validate_report),  # made-up measurements: no README picture from it
     Report("report-module", report_module_page),
+    Report("train", train_report),
 ]
 
 

@@ -37,7 +37,7 @@ class _RMSNormFunction(torch.autograd.Function):
     a composite of pointwise ops) and not on others (fused CUDA kernel), so the memory it takes
     would depend on the device. This function takes the same on every device: its input
     (shared with the residual stream) plus rstd (B·T fp32), and in backward two fp32
-    (B, T, H) buffers beyond its output (memplan's ``norm_backward_temporary_bytes``).
+    (B, T, H) buffers beyond its output (``memplan.memory._norm_backward``).
     """
 
     @staticmethod
@@ -49,13 +49,15 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        n = x.float().mul_(rstd) if x.dtype != torch.float32 else x * rstd  # normalised input, fp32
-        g = grad.float() * weight.float()  # gradient w.r.t. the normalised input, fp32
+        n = x.float().mul_(rstd) if x.dtype != torch.float32 else x * rstd  # normalised input n̂, fp32
+        g = grad.float() * n  # first grad ⊙ n̂, in the second fp32 buffer ...
         grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.einsum("...h,...h->h", grad.float(), n).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # ... for the weight's gradient, Σ over tokens of grad ⊙ n̂ (a plain
+            # reduction: einsum("...h,...h->h") runs as H tiny strided matmuls, each copying its inputs)
+            grad_w = g.sum(dim=tuple(range(g.dim() - 1))).to(weight.dtype)
+        torch.mul(grad.float(), weight.float(), out=g)  # ... then the gradient w.r.t. n̂, grad ⊙ weight
         dot = torch.einsum("...h,...h->...", g, n).unsqueeze(-1).div_(x.shape[-1])  # (B, T, 1)
-        g.sub_(n.mul_(dot)).mul_(rstd)  # in place: rstd · (g − n·mean(g·n))
+        g.sub_(n.mul_(dot)).mul_(rstd)  # in place: rstd · (g − n̂·mean(g·n̂))
         return g.to(x.dtype), grad_w, None
 
 
@@ -89,8 +91,10 @@ def rotary_tables(rotary_dim: int, ctx: int, theta: float, device=None) -> tuple
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[x1·cos − x2·sin, x2·cos + x1·sin] on the first rotary dims, the rest copied; into one new tensor."""
     half = cos.shape[-1]
-    out = torch.empty_like(x)
     x1, x2 = x[..., :half], x[..., half:2 * half]
+    if torch.compiler.is_compiling():  # torch.compile cannot trace writes into views of a new tensor; it fuses this
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], dim=-1)
+    out = torch.empty_like(x)
     torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)
     torch.mul(x2, cos, out=out[..., half:2 * half]).addcmul_(x1, sin)
     if 2 * half < x.shape[-1]:

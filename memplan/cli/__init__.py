@@ -75,6 +75,7 @@ from memplan.cli import prepare  # noqa: E402,F401
 from memplan.cli import profiles  # noqa: E402,F401
 from memplan.cli import sweep  # noqa: E402,F401
 from memplan.cli import trace  # noqa: E402,F401
+from memplan.cli import train  # noqa: E402,F401
 from memplan.cli import validate  # noqa: E402,F401
 
 

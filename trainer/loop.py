@@ -1,0 +1,1062 @@
+"""The training loop of ``memplan train``: a plan, a prepared corpus and a run directory in; a trained model,
+its measurements and a report out.
+
+A run directory (the contract in DESIGN.md)::
+
+    RUN/metrics.jsonl   one JSON object per line, append-only across resumes; every line has "kind":
+                        "train" (step, loss, tokens_per_second, lr, grad_norm, tokens, step_seconds,
+                        time, mfu, memory_bytes, ...), "eval" (step, eval_loss, eval_ppl,
+                        eval_loss_by_source, samples, ...) or "event" (event = start | resume | oom |
+                        eval_oom | nonfinite | decay | checkpoint | report_failed | stop, with details).
+                        Non-finite numbers are written as null (JSON has no NaN). A step can appear twice when a
+                        run was killed after logging it and resumed from an earlier checkpoint: the
+                        later line is the one that counts (``read_metrics(..., latest=True)``).
+    RUN/plan.toml       the plan trained on (rewritten if an out-of-memory step halves the micro-batch)
+    RUN/checkpoints/    atomic checkpoints (trainer/checkpoint.py)
+    RUN/report.html     the run report (trainer/run_report.py)
+
+Each step is ``trainer.step.train_step``, the step memplan's memory model describes, with the
+learning rate of a linear warmup then cosine decay to ``min_lr_ratio`` of the peak; a run limited
+only by time (``--max-minutes``) holds the peak and decays over its last fifth, the decay's length
+fixed from the step time measured by then (``Schedule``).
+Around it the loop handles what long runs on small machines meet:
+
+- out of memory in a step: halve the micro-batch, double the accumulation (the global batch and
+  the data order stay the same), log it, redo the step; at micro-batch 1, stop with advice;
+- a non-finite loss: the update is skipped; ``max_nonfinite`` in a row stop the run with a message
+  naming the step;
+- SIGINT / SIGTERM: finish the step, save a checkpoint, write the report, stop;
+- resuming: everything that decides the next step (weights, optimizer, grad scaler, schedule,
+  data position, RNG states) is restored, so on a CPU the losses after a resume are bit-identical
+  to those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from memplan.errors import InputError
+from memplan.hardware import Device
+from memplan.plan import Plan
+from memplan.setup import TrainSetup
+from trainer import checkpoint as ckpt
+from trainer.data import PreparedData, TrainStream
+from trainer.model import build_model, lm_loss
+from trainer.monitor import MemoryMonitor
+from trainer.sample import sample_text
+from trainer.step import autocast, make_optimizer, param_dtype, set_matmul_precision, train_step
+
+METRICS_FILE = "metrics.jsonl"
+PLAN_FILE = "plan.toml"
+REPORT_FILE = "report.html"
+CHECKPOINT_DIR = "checkpoints"
+TOKENIZER_FILE = "tokenizer.json"
+
+WARMUP_FRACTION = 0.05  # default warmup: 5% of the steps ...
+WARMUP_MAX_STEPS = 100  # ... but at most this many
+EVALS_PER_RUN = 5  # default eval (and checkpoint) cadence: this many times over the run ...
+EVAL_EVERY_MAX = 1000  # ... but at least every this many steps
+PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
+EVAL_TIME_SHARE = 0.2  # ... and give evaluations at most this share of the time
+DECAY_SHARE = 0.2  # a time-limited run decays its learning rate over the last fifth of its time
+TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
+ETA_WINDOW = 20  # steps whose median step time predicts the rest
+REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)
+
+
+# =================================================================================================
+# Configuration
+# =================================================================================================
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How to train, beyond the plan's model and setup. Frozen; validates itself."""
+
+    lr: float = 6e-4  # peak learning rate (GPT-3 Small's, Brown et al. 2020, Table 2.1)
+    min_lr_ratio: float = 0.1  # cosine decay ends at this share of the peak (Chinchilla, Hoffmann et al. 2022)
+    warmup_steps: int | None = None  # None: 5% of the steps, at most 100
+    weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices and embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float | None = 1.0  # gradient-norm clipping; None or 0 turns it off
+    max_steps: int | None = None  # stop after this many optimizer steps (counted from the run's start)
+    max_tokens: int | None = None  # ... or after this many training tokens
+    max_minutes: float | None = None  # ... or after this many minutes of this invocation
+    save_every: int | None = None  # steps between checkpoints; None: as eval_every
+    eval_every: int | None = None  # steps between evaluations; None: 5 times per run, at least every 1000
+    eval_batches: int = 4  # batches of held-out windows per source in an evaluation
+    sample_tokens: int = 32  # tokens per generated sample (0: no samples)
+    prompts: tuple[str, ...] = ()  # sample prompts; empty: the start of each source's first held-out document
+    keep: int = 3  # checkpoints kept
+    seed: int = 0  # model initialisation and data order
+    max_nonfinite: int = 5  # this many non-finite losses in a row stop the run
+    verify_data: bool = True  # check every shard's sha256 before training
+
+    def __post_init__(self):
+        def positive(name, allow_none=True):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+                raise InputError(f"--{name.replace('_', '-')}: {v!r} must be a positive number")
+
+        for name in ("lr", "max_steps", "max_tokens", "max_minutes", "save_every", "eval_every", "eval_batches",
+                     "keep", "max_nonfinite"):
+            positive(name)
+        for name in ("max_steps", "max_tokens", "save_every", "eval_every", "eval_batches", "keep", "max_nonfinite",
+                     "warmup_steps", "sample_tokens", "seed"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise InputError(f"--{name.replace('_', '-')}: {v!r} must be a whole number ≥ 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise InputError(f"--min-lr-ratio: {self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 <= self.weight_decay < 1.0:
+            raise InputError(f"--weight-decay: {self.weight_decay} must be in [0, 1)")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise InputError(f"--{name}: {getattr(self, name)} must be in [0, 1)")
+        if self.clip is not None and (self.clip < 0 or not math.isfinite(self.clip)):
+            raise InputError(f"--clip: {self.clip} must be ≥ 0 (0 turns clipping off)")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["prompts"] = list(self.prompts)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if "prompts" in d:
+            d["prompts"] = tuple(d["prompts"])
+        return cls(**d)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """The learning rate of every step.
+
+    ``cosine`` (a known number of steps): linear warmup to ``peak_lr`` over ``warmup_steps``, then cosine
+    decay to ``min_lr`` at ``total_steps`` (Loshchilov & Hutter 2017, without restarts), ``min_lr`` after.
+
+    ``wsd`` (a time limit, where the number of steps is not known in advance): warmup, then ``peak_lr``
+    until the last DECAY_SHARE of the time, when the loop fixes ``decay_start`` and ``total_steps`` from
+    the step time measured so far (``with_decay``); then the same cosine decay over those steps
+    (warmup-stable-decay: Hu et al. 2024, MiniCPM; Hägele et al. 2024 find it matches a cosine of known
+    length). Until then ``total_steps`` is an estimate (from timed probe steps), used for the ETA only.
+    """
+
+    peak_lr: float
+    min_lr: float
+    warmup_steps: int
+    total_steps: int
+    kind: str = "cosine"  # cosine | wsd
+    decay_start: int | None = None  # wsd: the last step at peak_lr, once fixed
+
+    def lr(self, step: int) -> float:
+        """The learning rate of step ``step`` (1-based)."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.peak_lr * step / self.warmup_steps
+        start = self.warmup_steps
+        if self.kind == "wsd":
+            if self.decay_start is None or step <= self.decay_start:
+                return self.peak_lr
+            start = self.decay_start
+        span = max(1, self.total_steps - start)
+        progress = min(1.0, max(0.0, (step - start) / span))
+        return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+    @property
+    def fixed(self) -> bool:
+        """Whether total_steps is final (always for cosine; for wsd once the decay has started)."""
+        return self.kind == "cosine" or self.decay_start is not None
+
+    def with_decay(self, last_stable_step: int, decay_steps: int) -> "Schedule":
+        """A wsd schedule whose decay runs over the ``decay_steps`` steps after ``last_stable_step``."""
+        return dataclasses.replace(self, decay_start=last_stable_step, total_steps=last_stable_step + max(1, decay_steps))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_warmup(total_steps: int) -> int:
+    """5% of the steps, at most 100, at least 1 when there are 20 steps or more."""
+    return min(WARMUP_MAX_STEPS, int(total_steps * WARMUP_FRACTION))
+
+
+def default_eval_every(total_steps: int) -> int:
+    return max(1, min(EVAL_EVERY_MAX, total_steps // EVALS_PER_RUN))
+
+
+class TrainingStopped(Exception):
+    """The run stopped on its own for a reason the user must act on (diverged, no memory left).
+    The message is one line; checkpoints and metrics written so far stay."""
+
+
+# =================================================================================================
+# Metrics
+# =================================================================================================
+
+def read_metrics(run_dir: str | Path, latest: bool = False) -> list[dict]:
+    """The lines of RUN/metrics.jsonl (a malformed line, such as one cut by a kill, is skipped).
+
+    With ``latest``, a train or eval line for a step that a later line of the same kind repeats
+    (a run resumed from a checkpoint before it) is dropped, so each step appears once.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    lines = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for raw in f:
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    lines.append(obj)
+    except FileNotFoundError:
+        return []
+    if not latest:
+        return lines
+    last = {}
+    for i, obj in enumerate(lines):
+        if obj.get("kind") in ("train", "eval"):
+            last[(obj["kind"], obj.get("step"))] = i
+    return [obj for i, obj in enumerate(lines)
+            if obj.get("kind") not in ("train", "eval") or last[(obj["kind"], obj.get("step"))] == i]
+
+
+class _MetricsWriter:
+    def __init__(self, path: Path):
+        self.path = path
+        needs_newline = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+        self._f = open(path, "a", encoding="utf-8")
+        if needs_newline:  # a kill cut the last line: start on a fresh one
+            self._f.write("\n")
+
+    def write(self, obj: dict) -> None:
+        self._f.write(json.dumps(obj, allow_nan=False) + "\n")
+        self._f.flush()
+
+    def sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+# =================================================================================================
+# The run
+# =================================================================================================
+
+@dataclass
+class RunSummary:
+    """What a finished (or stopped) run did."""
+
+    run_dir: Path
+    step: int
+    tokens: int
+    stop_reason: str  # max_steps | max_tokens | max_minutes | epoch | interrupted (by SIGINT or SIGTERM)
+    train_seconds: float
+    last_loss: float | None
+    last_eval: dict | None
+    checkpoint: Path | None
+    report: Path | None
+    samples: list[dict] = field(default_factory=list)
+
+
+def torch_device_for(profile: Device | None = None) -> torch.device:
+    """Where to train: the first CUDA/ROCm GPU, else Apple's GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def model_flops_per_step(plan: Plan) -> float:
+    from memplan.timing import model_flops
+
+    return model_flops(plan.model, plan.setup)
+
+
+def peak_flops_per_second(profile: Device, setup: TrainSetup) -> float:
+    """The device's dense peak for the setup's compute dtype (fp32 where that dtype is not native), as MFU uses."""
+    dtype = setup.compute_dtype
+    if not profile.supports(dtype) and dtype != "tf32":
+        dtype = "fp32"
+    return profile.peak_tflops.get(dtype, profile.peak_tflops["fp32"]) * 1e12
+
+
+def predicted_for(plan: Plan, profile: Device) -> dict:
+    """What memplan predicts for this plan on this device (the figures the run is measured against)."""
+    from memplan.estimate import memory_on
+    from memplan.timing import step_time
+
+    mem = memory_on(plan.model, plan.setup, profile)
+    t = step_time(plan.model, plan.setup, profile)
+    return {"peak_allocated": mem.peak_allocated, "peak_reserved": mem.peak_reserved, "peak_phase": mem.peak_phase,
+            "step_seconds": t.step_seconds, "tokens_per_second": t.tokens_per_second, "mfu": t.mfu}
+
+
+def check_plan_for_data(plan: Plan, data: PreparedData) -> None:
+    """The model must embed the data's vocabulary and, with learned positions, hold the context."""
+    if plan.model.vocab != data.vocab_size:
+        raise InputError(f"the model's vocabulary is {plan.model.vocab} but {data.path}'s tokenizer has "
+                         f"{data.vocab_size} tokens; the vocabulary comes from the prepared data")
+    if plan.model.pos == "learned" and plan.setup.ctx > plan.model.max_positions:
+        raise InputError(f"--ctx {plan.setup.ctx} exceeds the model's {plan.model.max_positions} learned positions")
+    if plan.setup.world_size != 1:
+        raise InputError(f"--world-size {plan.setup.world_size}: memplan train runs one process; plan with "
+                         "--world-size 1")
+
+
+def check_plan_fits(plan: Plan, profile: Device) -> None:
+    """A plan whose predicted peak exceeds the device's usable memory is refused before it starts (on a CPU
+    the operating system would kill the process or swap, with no out-of-memory error to back off from)."""
+    from memplan.units import format_bytes
+
+    peak = predicted_for(plan, profile)["peak_reserved"]
+    if peak > profile.usable_bytes:
+        raise InputError(f"the plan needs {format_bytes(peak)} (predicted peak) but {profile.name} has "
+                         f"{format_bytes(profile.usable_bytes)} usable; plan for this device (`memplan autotune "
+                         f"... --device {profile.name}`), or lower --batch / --ctx, or use --checkpointing full")
+
+
+class Trainer:
+    """One training run. Build it with ``Trainer.start`` (a new run) or ``Trainer.resume``; both check
+    everything before anything is written. Then ``run()``.
+
+    Attributes a caller (or a test) may use between construction and ``run()``: ``model`` (the
+    plain ``nn.Module``; forward hooks registered on it fire during training), ``optimizer``,
+    ``plan``, ``schedule`` (None until ``run`` fixes it for a time-limited run), ``step``.
+    """
+
+    def __init__(self, run_dir: Path, plan: Plan, data: PreparedData, config: TrainConfig, profile: Device,
+                 device: torch.device | None, resume_from: ckpt.CheckpointRef | None):
+        self.run_dir = Path(run_dir)
+        self.plan, self.data, self.config, self.profile = plan, data, config, profile
+        self.device = device or torch_device_for(profile)
+        self.setup = plan.setup
+        self.step = 0
+        self.tokens = 0
+        self.train_seconds = 0.0  # cumulative over all invocations (restored on resume)
+        self.schedule: Schedule | None = None
+        self.eval_every = config.eval_every
+        self.save_every = config.save_every
+        self.nonfinite_run = 0
+        self.last_eval: dict | None = None
+        self.last_saved_step = -1
+        self.last_eval_step = -1
+        self.stop_signal: int | None = None  # the signal (SIGINT, SIGTERM) that asked the run to stop
+        self._events: list[Callable[[dict], None]] = []
+        self._writer: _MetricsWriter | None = None
+        self._report_written = -math.inf
+        self._recent: list[float] = []  # the latest step times, for the ETA
+        self._eval_seconds: list[float] = []  # the latest evaluations' times
+        self._started = time.perf_counter()
+        self._resume_from = resume_from
+        self.tokenizer = data.tokenizer
+
+        set_matmul_precision(self.setup.precision)
+        self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
+        torch.manual_seed(config.seed)
+        self.model = build_model(plan.model, self.setup.attention, self.setup.checkpointing,
+                                 param_dtype(self.setup.precision), device=self.device)
+        self.optimizer = self._make_optimizer()
+        self.scaler = self._make_scaler()
+        self.stream = TrainStream(data, batch=self.setup.micro_batch, ctx=self.setup.ctx, seed=config.seed)
+        self.step_model = torch.compile(self.model) if self.setup.compile else self.model
+        self.monitor = MemoryMonitor(self.device)
+        self.predicted = predicted_for(plan, profile)
+        self.flops_per_step = model_flops_per_step(plan)
+        self.peak_flops = peak_flops_per_second(profile, self.setup)
+        if resume_from is not None:  # Trainer.resume verified the files already
+            meta, state = ckpt.load_checkpoint(resume_from.path, self.model, map_location=self.device, verify=False)
+            self._restore(meta, state)
+
+    # ---- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, run_dir: str | Path, plan: Plan, data: PreparedData, config: TrainConfig, profile: Device,
+              device: torch.device | None = None, allow_existing: bool = False) -> "Trainer":
+        """A new run in ``run_dir``, which must not hold a run already (``allow_existing``: it may hold
+        one that never reached a checkpoint; its metrics.jsonl is appended to)."""
+        run_dir = Path(run_dir)
+        if not allow_existing:
+            check_run_dir_free(run_dir)
+        elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
+            raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
+        check_plan_for_data(plan, data)
+        check_plan_fits(plan, profile)
+        if config.verify_data:
+            data.verify()
+        return cls(run_dir, plan, data, config, profile, device, None)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, data: PreparedData, profile: Device, *, plan: Plan | None = None,
+               overrides: dict | None = None, device: torch.device | None = None) -> "Trainer":
+        """Continue the run in ``run_dir`` from its newest checkpoint.
+
+        ``plan``, if given, must describe the same model and setup as the run's (else an
+        ``InputError`` and nothing on disk is touched); ``overrides`` may change the run-control
+        settings (max_steps, max_tokens, max_minutes, save_every, eval_every, eval_batches, keep,
+        sample_tokens, prompts, verify_data) and must leave the others as the run has them.
+        """
+        run_dir = Path(run_dir)
+        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
+        if ref is None:
+            raise InputError(f"--resume: {run_dir / CHECKPOINT_DIR} holds no checkpoint to resume from")
+        meta = ckpt.verify_checkpoint(ref.path)
+        saved_plan = Plan.from_dict(meta["plan"], f"{ref.path / ckpt.META_FILE}")
+        config = TrainConfig.from_dict(meta["config"])
+        if plan is not None:
+            check_same_plan(saved_plan, plan, run_dir)
+        tok_sha = data.manifest["tokenizer"]["sha256"]
+        if tok_sha != meta.get("tokenizer_sha256"):
+            raise InputError(f"--resume: {run_dir} was trained with another tokenizer (sha256 "
+                             f"{str(meta.get('tokenizer_sha256'))[:12]}) than {data.path}'s ({tok_sha[:12]}); "
+                             "resume with the run's own prepared data")
+        if data.train_tokens != meta.get("data", {}).get("train_tokens"):
+            raise InputError(f"--resume: {run_dir} was trained on a train split of "
+                             f"{meta.get('data', {}).get('train_tokens')} tokens, {data.path} has "
+                             f"{data.train_tokens}; resume with the run's own prepared data")
+        config = _apply_overrides(config, overrides or {})
+        check_plan_for_data(saved_plan, data)
+        if config.verify_data:
+            data.verify()
+        return cls(run_dir, saved_plan, data, config, profile, device, ref)
+
+    def _make_optimizer(self):
+        return make_optimizer(self.model, self.setup.optimizer, lr=self.config.lr,
+                              weight_decay=self.config.weight_decay, betas=(self.config.beta1, self.config.beta2))
+
+    def _make_scaler(self):
+        if self.setup.precision != "fp16-mixed":
+            return None
+        return torch.amp.GradScaler(self.device.type)
+
+    def _restore(self, meta: dict, state: dict) -> None:
+        where = f"{self._resume_from.path / ckpt.STATE_FILE}"
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.schedule = Schedule(**state["scheduler"])
+            self.stream.load_state_dict(state["data"])
+            ckpt.set_rng_state(state["rng"])
+            self.step = int(state["step"])
+            self.tokens = int(state["tokens"])
+            self.train_seconds = float(state.get("train_seconds", 0.0))
+            self.eval_every = state["eval_every"] if self.config.eval_every is None else self.config.eval_every
+            self.save_every = state["save_every"] if self.config.save_every is None else self.config.save_every
+            self.nonfinite_run = int(state.get("nonfinite_run", 0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: incomplete training state ({type(e).__name__}: {e}); the checkpoint "
+                             "is corrupt") from None
+        self.last_saved_step = self.step
+        self.last_eval_step = self.step
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def on_event(self, callback: Callable[[dict], None]) -> None:
+        """Call ``callback(line)`` for every metrics line, as it is written."""
+        self._events.append(callback)
+
+    def _emit(self, line: dict) -> None:
+        if self._writer is not None:
+            self._writer.write(line)
+        for cb in self._events:
+            cb(line)
+
+    def run(self) -> RunSummary:
+        """Train until a stop criterion is met (or a signal arrives); returns what happened.
+
+        Raises ``TrainingStopped`` (after logging and writing the report) when the run cannot go on.
+        """
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for s in previous:
+                signal.signal(s, self._on_signal)
+        except ValueError:  # not the main thread: no signal handling
+            previous = {}
+        try:
+            self.open()
+            while (reason := self._stop_reason()) is None:
+                self.advance()
+            return self._finish(reason)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            self.close()
+
+    def open(self) -> None:
+        """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
+        (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
+        self._started = self._report_written = time.perf_counter()  # the first refresh a minute in
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
+        if self._resume_from is None:
+            self.plan.save(self.run_dir / PLAN_FILE)
+        self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
+        if self.schedule is None:
+            self.schedule = self._fix_schedule(self._started)
+        self._emit(self._start_line())
+
+    def close(self) -> None:
+        self.monitor.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.stop_signal = int(signum)
+
+    def _fix_schedule(self, started: float) -> Schedule:
+        """The schedule's length: from --max-steps / --tokens, or for --max-minutes alone from timed steps."""
+        c = self.config
+        tokens_per_step = self.setup.tokens_per_step
+        candidates = []
+        if c.max_steps is not None:
+            candidates.append(c.max_steps)
+        if c.max_tokens is not None:
+            candidates.append(max(1, math.ceil(c.max_tokens / tokens_per_step)))
+        kind = "cosine"
+        if candidates:
+            total = min(candidates)
+        elif c.max_minutes is not None:  # an estimate until the decay starts (see Schedule)
+            total = self._probe_steps(c.max_minutes * 60.0 - (time.perf_counter() - started))
+            kind = "wsd"
+        else:  # one epoch of the train split
+            total = max(1, len(self.stream.epoch_plan(0)[1]) // (self.setup.micro_batch * self.setup.grad_accum))
+        warmup = c.warmup_steps if c.warmup_steps is not None else default_warmup(total)
+        if self.eval_every is None:
+            self.eval_every = default_eval_every(total)
+        if self.save_every is None:
+            self.save_every = self.eval_every or default_eval_every(total)
+        return Schedule(peak_lr=c.lr, min_lr=c.lr * c.min_lr_ratio, warmup_steps=min(warmup, total),
+                        total_steps=total, kind=kind)
+
+    def _probe_steps(self, budget_seconds: float) -> int:
+        """How many steps fit in ``budget_seconds``, from PROBE_STEPS real steps timed at learning rate 0 (the
+        weights do not move; optimizer and scaler state are reset after) and one timed evaluation.
+
+        Evaluations get at most EVAL_TIME_SHARE of the budget: with the default cadence, as many of
+        EVALS_PER_RUN as fit in it (sets ``eval_every``; 0 means only the final one)."""
+        data_state = self.stream.state_dict()
+        batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
+        self.stream.load_state_dict(data_state)
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        times = []
+        for _ in range(PROBE_STEPS):
+            t0 = time.perf_counter()
+            result = self._train_step(batches)
+            float(result.loss)
+            times.append(time.perf_counter() - t0)
+        del batches
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+        self.scaler = self._make_scaler()
+        step_seconds = times[-1]
+        t0 = time.perf_counter()
+        self._evaluate(step=0, emit=False)
+        eval_seconds = time.perf_counter() - t0
+        self._eval_seconds.append(eval_seconds)
+        budget = budget_seconds * (1.0 - TIME_LIMIT_ALLOWANCE) - sum(times) - eval_seconds  # the final eval
+        if self.config.eval_every is None:
+            evals = max(0, min(EVALS_PER_RUN, int(EVAL_TIME_SHARE * budget / max(eval_seconds, 1e-9))))
+            total = max(1, int((budget - evals * eval_seconds) / step_seconds))
+            self.eval_every = total // evals if evals and total >= evals else 0
+            return total
+        # evaluations every k steps: each step carries 1/k of one
+        return max(1, int(budget / (step_seconds + eval_seconds / self.config.eval_every)))
+
+    def _start_line(self) -> dict:
+        spec, s = self.plan.model, self.setup
+        return {
+            "kind": "event", "event": "resume" if self._resume_from is not None else "start", "step": self.step,
+            "tokens": self.tokens, "time": self.train_seconds, "unix_time": time.time(),
+            "model": {**spec.to_json(), "describe": spec.describe()},
+            "setup": {**s.to_json(), "compile": s.compile}, "device": self.profile.name,
+            "torch_device": str(self.device), "torch": torch.__version__,
+            "predicted": self.predicted, "schedule": self.schedule.to_dict(),
+            "eval_every": self.eval_every, "save_every": self.save_every,
+            "tokens_per_step": s.tokens_per_step, "memory_source": self.monitor.source,
+            "baseline_memory_bytes": self.baseline_bytes,
+            "mfu_peak_flops_per_second": self.peak_flops, "data": str(self.data.path),
+            "config": self.config.to_dict(),
+            **({"checkpoint": str(self._resume_from.path)} if self._resume_from is not None else {}),
+        }
+
+    def _to_device(self, xy):
+        x, y = xy
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def _train_step(self, batches):
+        return train_step(self.step_model, self.optimizer, batches, self.setup, self.device.type, scaler=self.scaler,
+                          clip=self.config.clip or None)
+
+    def _stop_reason(self) -> str | None:
+        c = self.config
+        if self.stop_signal is not None:
+            return "interrupted"
+        if c.max_steps is not None and self.step >= c.max_steps:
+            return "max_steps"
+        if c.max_tokens is not None and self.tokens >= c.max_tokens:
+            return "max_tokens"
+        if c.max_steps is None and c.max_tokens is None and self.schedule.fixed \
+                and self.step >= self.schedule.total_steps:
+            return "max_minutes" if c.max_minutes is not None else "epoch"
+        if c.max_minutes is not None and time.perf_counter() - self._started >= c.max_minutes * 60.0 * (
+                1.0 - TIME_LIMIT_ALLOWANCE):
+            return "max_minutes"
+        return None
+
+    def advance(self) -> dict:
+        """One optimizer step with everything around it (learning rate, logging, evaluation and checkpoint
+        when due); returns the step's metrics line."""
+        step = self.step + 1
+        if not self.schedule.fixed:
+            self._maybe_start_decay()
+        lr = self.schedule.lr(step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        loss, grad_norm, skipped, seconds, memory = self._run_step(step)
+        self.step = step
+        self.tokens += self.setup.tokens_per_step
+        self.train_seconds += seconds
+        self._recent = (self._recent + [seconds])[-ETA_WINDOW:]
+        finite = math.isfinite(loss)
+        self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
+        line = {
+            "kind": "train", "step": step, "loss": _finite_or_none(loss),
+            "tokens_per_second": self.setup.tokens_per_step / seconds, "lr": lr,
+            "grad_norm": _finite_or_none(grad_norm), "tokens": self.tokens, "step_seconds": seconds,
+            "time": self.train_seconds, "mfu": self.flops_per_step / seconds / self.peak_flops,
+            "memory_bytes": memory.peak_bytes, "micro_batch": self.setup.micro_batch,
+            "grad_accum": self.setup.grad_accum, "skipped": skipped,
+            "eta_seconds": self._eta(),
+            "total_steps": self.schedule.total_steps,
+        }
+        if memory.allocated_bytes is not None:
+            line["memory_allocated_bytes"] = memory.allocated_bytes
+        if not finite:
+            line["nonfinite"] = str(loss)
+        self._emit(line)
+        if not finite:
+            self._emit({"kind": "event", "event": "nonfinite", "step": step, "loss": str(loss),
+                        "in_a_row": self.nonfinite_run, "lr": lr})
+            if self.nonfinite_run >= self.config.max_nonfinite:
+                self._write_report()
+                raise TrainingStopped(
+                    f"step {step}: the loss was not finite ({loss}) for {self.nonfinite_run} steps in a row, "
+                    f"so the run stopped (updates were skipped; the newest checkpoint is from step "
+                    f"{max(self.last_saved_step, 0)}); lower the learning rate (--lr, now {self.config.lr:g}), "
+                    + ("use bf16-mixed instead of fp16-mixed, " if self.setup.precision == "fp16-mixed" else "")
+                    + "or lower --clip, then start again or --resume")
+        if self.eval_every and step % self.eval_every == 0:
+            self._evaluate(step)
+        if self.save_every and step % self.save_every == 0:
+            self.save()
+        return line
+
+    def _maybe_start_decay(self) -> None:
+        """wsd: once DECAY_SHARE of the time is left, fix the decay's length from the measured step time
+        (the median of the latest steps, plus the evaluations' share) and log it."""
+        budget = self.config.max_minutes * 60.0 * (1.0 - TIME_LIMIT_ALLOWANCE)
+        elapsed = time.perf_counter() - self._started
+        if elapsed < budget * (1.0 - DECAY_SHARE) or not self._recent or self.step <= self.schedule.warmup_steps:
+            return
+        per_step = statistics.median(self._recent)
+        if self.eval_every and self._eval_seconds:
+            per_step += statistics.median(self._eval_seconds) / self.eval_every
+        final_eval = statistics.median(self._eval_seconds) if self._eval_seconds else 0.0
+        steps = int((budget - elapsed - final_eval) / per_step)
+        self.schedule = self.schedule.with_decay(self.step, steps)
+        self._emit({"kind": "event", "event": "decay", "step": self.step, "decay_steps": max(1, steps),
+                    "total_steps": self.schedule.total_steps, "seconds_left": budget - elapsed,
+                    "step_seconds": per_step})
+
+    def _eta(self) -> float:
+        """Seconds left: steps to the nearest step or token limit (else the schedule's end) at the median
+        recent step time, or the time left when a time limit comes first."""
+        c = self.config
+        steps_left = self.schedule.total_steps - self.step
+        if c.max_steps is not None:
+            steps_left = c.max_steps - self.step
+        if c.max_tokens is not None:
+            steps_left = min(steps_left, math.ceil((c.max_tokens - self.tokens) / self.setup.tokens_per_step))
+        eta = max(0, steps_left) * statistics.median(self._recent)
+        if c.max_minutes is not None:
+            eta = min(eta, max(0.0, c.max_minutes * 60.0 - (time.perf_counter() - self._started)))
+        return eta
+
+    def _run_step(self, step: int):
+        """One optimizer step, redone with half the micro-batch when it runs out of memory."""
+        while True:
+            data_state = self.stream.state_dict()
+            batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
+            self.monitor.reset()
+            oom = None
+            t0 = time.perf_counter()
+            try:
+                result = self._train_step(batches)
+                loss = float(result.loss)  # waits for the device
+                seconds = time.perf_counter() - t0
+                grad_norm = float(result.grad_norm)
+                return loss, grad_norm, bool(result.skipped), seconds, self.monitor.read()
+            except torch.OutOfMemoryError as e:
+                oom = str(e).strip().splitlines()[0][:300] if str(e).strip() else "out of memory"
+            # outside the except block, so the traceback no longer pins the step's tensors
+            del batches
+            self._recover_from_oom(step, data_state, oom)
+
+    def _recover_from_oom(self, step: int, data_state: dict, message: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        old = self.setup
+        if old.micro_batch == 1:
+            self._write_report()
+            raise TrainingStopped(
+                f"step {step}: out of memory at micro-batch 1 ({message}); nothing smaller to try: use "
+                "--checkpointing full, a shorter --ctx, a smaller model, or let `memplan autotune` plan it")
+        # halve the micro-batch, double the accumulation; an odd micro-batch m goes to its largest
+        # divisor d < m with the accumulation times m/d, so the global batch never changes
+        new_micro = max(d for d in range(1, old.micro_batch) if old.micro_batch % d == 0)
+        new_accum = old.grad_accum * (old.micro_batch // new_micro)
+        self.setup = old.replace(micro_batch=new_micro, grad_accum=new_accum)
+        self.plan = dataclasses.replace(self.plan, setup=self.setup)
+        self.predicted = predicted_for(self.plan, self.profile)
+        self.flops_per_step = model_flops_per_step(self.plan)
+        stream = TrainStream(self.data, batch=new_micro, ctx=self.setup.ctx, seed=self.config.seed)
+        stream.load_state_dict(data_state)  # the same windows, in the same order, in smaller pieces
+        self.stream = stream
+        if self.scaler is not None:  # a step cut short may have left the scaler mid-step
+            scaler_state = self.scaler.state_dict()
+            self.scaler = self._make_scaler()
+            self.scaler.load_state_dict(scaler_state)
+        self.plan.save(self.run_dir / PLAN_FILE)
+        self._emit({"kind": "event", "event": "oom", "step": step, "time": self.train_seconds, "message": message,
+                    "micro_batch": new_micro, "grad_accum": new_accum,
+                    "previous": {"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
+                    "predicted": self.predicted})
+
+    # ---- evaluation ------------------------------------------------------------------------------
+
+    def sample_prompts(self) -> list[str]:
+        """The configured prompts, else the start of each source's first held-out document."""
+        return list(self.config.prompts) or default_prompts(self.data, self.tokenizer)
+
+    def evaluate(self) -> dict:
+        """Held-out loss per source and overall, and perplexity (``evaluate`` with this run's settings)."""
+        return evaluate(self.model, self.data, self.setup, self.device, self.config.eval_batches)
+
+    def samples(self, step: int) -> list[dict]:
+        """One sample per prompt, seeded by the run's seed, the step and the prompt's index."""
+        if not self.config.sample_tokens:
+            return []
+        return [{"prompt": prompt,
+                 "text": sample_text(self.model, self.tokenizer, prompt, self.config.sample_tokens, ctx=self.setup.ctx,
+                                     seed=self.config.seed * 1_000_003 + step * 101 + i,
+                                     precision=self.setup.precision)}
+                for i, prompt in enumerate(self.sample_prompts())]
+
+    def _evaluate(self, step: int, emit: bool = True) -> dict | None:
+        t0 = time.perf_counter()
+        oom = None
+        try:
+            result = self.evaluate()
+            samples = self.samples(step)
+        except torch.OutOfMemoryError as e:
+            oom = str(e).strip().splitlines()[0][:300] if str(e).strip() else "out of memory"
+        if oom is not None:  # outside the except block, so the traceback no longer pins tensors
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if emit:
+                self.last_eval_step = step
+                self._emit({"kind": "event", "event": "eval_oom", "step": step, "message": oom})
+            return None
+        if not emit:
+            return None
+        self.last_eval_step = step
+        if not result:
+            return None
+        self._eval_seconds = (self._eval_seconds + [time.perf_counter() - t0])[-ETA_WINDOW:]
+        line = {"kind": "eval", "step": step, **{k: _json_safe(v) for k, v in result.items()},
+                "samples": samples, "eval_seconds": self._eval_seconds[-1], "tokens": self.tokens}
+        self.last_eval = line
+        self._emit(line)
+        return line
+
+    # ---- checkpoints and the end ---------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scheduler": self.schedule.to_dict(),
+            "data": self.stream.state_dict(),
+            "rng": ckpt.rng_state(),
+            "step": self.step, "tokens": self.tokens, "train_seconds": self.train_seconds,
+            "eval_every": self.eval_every, "save_every": self.save_every, "nonfinite_run": self.nonfinite_run,
+        }
+
+    def meta(self) -> dict:
+        tok = self.data.manifest["tokenizer"]
+        return {
+            "tokens": self.tokens, "plan": self.plan.to_dict(), "config": self.config.to_dict(),
+            "schedule": self.schedule.to_dict(), "tokenizer_sha256": tok["sha256"],
+            "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256",
+                                              "encoding") if k in tok},
+            "data": {"path": str(self.data.path.resolve()), "train_tokens": self.data.train_tokens,
+                     "sources": list(self.data.source_names)},
+            "torch": torch.__version__, "device": self.profile.name, "torch_device": str(self.device),
+            "saved_unix_time": time.time(),
+        }
+
+    def save(self) -> Path:
+        """Checkpoint now (atomically), keep the newest ``keep``, refresh the report."""
+        t0 = time.perf_counter()
+        extra = {}
+        if self.tokenizer.kind != "tiktoken":
+            extra[TOKENIZER_FILE] = self.tokenizer.to_json_str().encode("utf-8")
+        path = ckpt.save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.step, self.model, self.state(), self.meta(),
+                                    keep=self.config.keep, extra_files=extra)
+        self.last_saved_step = self.step
+        if self._writer is not None:
+            self._writer.sync()
+        self._emit({"kind": "event", "event": "checkpoint", "step": self.step, "path": str(path),
+                    "seconds": time.perf_counter() - t0})
+        if time.perf_counter() - self._report_written >= REPORT_REFRESH_SECONDS:
+            self._write_report()
+        return path
+
+    def _write_report(self) -> Path | None:
+        from trainer.run_report import write_run_report
+
+        self._report_written = time.perf_counter()
+        try:
+            return write_run_report(self.run_dir)
+        except Exception as e:  # a report must never cost the run
+            self._emit({"kind": "event", "event": "report_failed", "step": self.step,
+                        "error": f"{type(e).__name__}: {e}"[:300]})
+            return None
+
+    def _finish(self, reason: str) -> RunSummary:
+        if self.step > self.last_eval_step:
+            self._evaluate(self.step)
+        checkpoint = None
+        if self.step > self.last_saved_step:
+            checkpoint = self.save()
+        else:
+            ref = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
+            checkpoint = ref.path if ref else None
+        last_train = next((l for l in reversed(read_metrics(self.run_dir)) if l.get("kind") == "train"), None)
+        self._emit({"kind": "event", "event": "stop", "step": self.step, "reason": reason, "tokens": self.tokens,
+                    "time": self.train_seconds, "wall_seconds": time.perf_counter() - self._started,
+                    **({"signal": signal.Signals(self.stop_signal).name} if self.stop_signal else {})})
+        report = self._write_report()
+        return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
+                          train_seconds=self.train_seconds, last_loss=last_train.get("loss") if last_train else None,
+                          last_eval=self.last_eval, checkpoint=checkpoint, report=report,
+                          samples=(self.last_eval or {}).get("samples", []))
+
+
+def _process_rss() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:
+        return None
+
+
+def _ppl(loss: float) -> float | None:
+    try:
+        return math.exp(loss) if math.isfinite(loss) else None
+    except OverflowError:
+        return None
+
+
+def _json_safe(v):
+    if isinstance(v, float):
+        return _finite_or_none(v)
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    return v
+
+
+# =================================================================================================
+# Evaluation
+# =================================================================================================
+
+PROMPT_TOKENS = 12  # default prompts: at most this many tokens of a held-out document, cut at a word
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: PreparedData, setup: TrainSetup, device: torch.device,
+             max_batches: int) -> dict:
+    """Mean next-token loss on held-out windows: per source (``max_batches`` batches of ``setup.micro_batch``
+    windows of ``setup.ctx`` tokens, evenly spaced over the source's val split) and overall (the mean over
+    every evaluated token), with perplexities. Empty when no source holds a full window."""
+    was_training = model.training
+    model.eval()
+    by_source, tokens_by_source = {}, {}
+    total_loss, total_tokens = 0.0, 0
+    try:
+        for s in data.sources:
+            loss_sum, n = 0.0, 0
+            for x, y in data.val_batches(s.name, batch=setup.micro_batch, ctx=setup.ctx, max_batches=max_batches):
+                x, y = x.to(device), y.to(device)
+                with autocast(setup.precision, device.type):
+                    logits = model(x)
+                loss_sum += float(lm_loss(logits, y)) * y.numel()
+                n += y.numel()
+                del logits
+            if n:
+                by_source[s.name], tokens_by_source[s.name] = loss_sum / n, n
+                total_loss += loss_sum
+                total_tokens += n
+    finally:
+        model.train(was_training)
+    if not total_tokens:
+        return {}
+    overall = total_loss / total_tokens
+    return {"eval_loss": overall, "eval_ppl": _ppl(overall), "eval_tokens": total_tokens,
+            "eval_loss_by_source": by_source, "eval_ppl_by_source": {k: _ppl(v) for k, v in by_source.items()},
+            "eval_tokens_by_source": tokens_by_source}
+
+
+def default_prompts(data: PreparedData, tokenizer) -> list[str]:
+    """The first words (up to PROMPT_TOKENS tokens, cut after the last whole word) of each source's
+    first held-out document: prompts in the corpus's own style, the same on every run."""
+    prompts = []
+    for s in data.sources:
+        n = min(s.val_tokens, PROMPT_TOKENS + 1)
+        ids = [i for i in data.val.read(s.val_offset, n).tolist() if i != data.eot_id][:PROMPT_TOKENS] if n else []
+        text = tokenizer.decode(ids) if ids else ""
+        cut = max(text.rfind(" "), text.rfind("\n"))
+        if cut > 0:
+            text = text[:cut]
+        text = text.rstrip()
+        if text and text not in prompts:
+            prompts.append(text)
+    return prompts or ["The"]
+
+
+# =================================================================================================
+# Checks before anything is written
+# =================================================================================================
+
+def check_run_dir_free(run_dir: Path) -> None:
+    """A new run needs an absent or empty directory (or one that is not a run: then it must be empty)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise InputError(f"--out {run_dir}: is a file; give a directory for the run")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINT_DIR).exists():
+            raise InputError(f"--out {run_dir}: already holds a run; add --resume to continue it, or choose "
+                             "another --out")
+        raise InputError(f"--out {run_dir}: exists and is not empty; give a new or empty directory")
+
+
+_SPEC_IGNORED = ("name", "source")  # where a shape came from does not change it
+_RUN_CONTROL = ("max_steps", "max_tokens", "max_minutes", "save_every", "eval_every", "eval_batches", "keep",
+                "sample_tokens", "prompts", "verify_data", "max_nonfinite")
+
+
+def check_same_plan(saved: Plan, asked: Plan, run_dir: Path) -> None:
+    """The plan given on a resume must be the run's: same model shape, same setup (the micro-batch may
+    have been halved after an out-of-memory step, so only the global batch is compared)."""
+    a = {k: v for k, v in saved.model.to_dict().items() if k not in _SPEC_IGNORED}
+    b = {k: v for k, v in asked.model.to_dict().items() if k not in _SPEC_IGNORED}
+    diff = [k for k in a if a[k] != b.get(k)]
+    if diff:
+        k = diff[0]
+        raise InputError(f"--resume: {run_dir} trains a model with {k} = {a[k]!r}, this command asks for "
+                         f"{b.get(k)!r}; drop the model options to resume it, or start a new run with another --out")
+    s, t = saved.setup, asked.setup
+    for k in ("ctx", "precision", "attention", "checkpointing", "optimizer", "compile"):
+        if getattr(s, k) != getattr(t, k):
+            raise InputError(f"--resume: {run_dir} trains with {k} = {getattr(s, k)!r}, this command asks for "
+                             f"{getattr(t, k)!r}; drop the option to resume it, or start a new run with another --out")
+    if s.micro_batch * s.grad_accum != t.micro_batch * t.grad_accum:
+        raise InputError(f"--resume: {run_dir} trains with a global batch of {s.micro_batch} × {s.grad_accum} "
+                         f"sequences, this command asks for {t.micro_batch} × {t.grad_accum}; drop --batch/"
+                         "--grad-accum to resume it")
+
+
+def _apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
+    changes = {}
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        if k in _RUN_CONTROL:
+            changes[k] = tuple(v) if k == "prompts" else v
+        elif getattr(config, k) != v:
+            raise InputError(f"--resume: the run trains with {k.replace('_', '-')} = {getattr(config, k)!r}, this "
+                             f"command asks for {v!r}; drop --{k.replace('_', '-')} to resume it")
+    return config.replace(**changes) if changes else config
+
+
+# =================================================================================================
+# A trained model, for sampling and generation
+# =================================================================================================
+
+def load_trained(run_dir: str | Path, device=None, checkpoint: str | Path | None = None):
+    """``(model, tokenizer, meta)`` from a run's newest (or the given) checkpoint, model in eval mode.
+
+    The model is built without checkpointing or compile, in fp32 weights unless the plan trained
+    pure bf16. The tokenizer comes from the checkpoint itself (tokenizer.json, or the tiktoken
+    encoding it names), so the prepared data need not be present.
+    """
+    from trainer.tokenizer import Tokenizer
+
+    run_dir = Path(run_dir)
+    if checkpoint is None:
+        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
+        if ref is None:
+            raise InputError(f"--run {run_dir}: no checkpoint in {run_dir / CHECKPOINT_DIR}; train one with "
+                             f"`memplan train --out {run_dir}`")
+        path = ref.path
+    else:
+        path = Path(checkpoint)
+    meta = ckpt.verify_checkpoint(path)
+    plan = Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE))
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model = build_model(plan.model, plan.setup.attention, "none", param_dtype(plan.setup.precision), device=device)
+    ckpt.load_weights(model, ckpt.read_weights(path / ckpt.MODEL_FILE), str(path / ckpt.MODEL_FILE))
+    model.eval()
+    tok = meta.get("tokenizer", {})
+    if tok.get("kind") == "tiktoken":
+        tokenizer = Tokenizer.from_tiktoken(tok["encoding"])
+    else:
+        tokenizer = Tokenizer.from_file(path / TOKENIZER_FILE, kind=tok.get("kind", "file"))
+    return model, tokenizer, meta

@@ -1,0 +1,233 @@
+"""The run report, RUN/report.html: what a run measured beside what memplan predicted for it.
+
+Built from RUN/metrics.jsonl alone (so it can be rebuilt at any time, also while the run goes on:
+``memplan train --out RUN --report``), rendered by ``memplan.report``:
+
+- loss: training loss per step (raw and smoothed) and held-out loss, overall and per source;
+- memory over training time: the measured peak of every step, with the predicted peak as a line
+  (and, where torch can tell, the measured live-tensor peak beside the predicted peak_allocated);
+- throughput: tokens/s per step with the predicted rate as a line, and MFU;
+- learning rate and gradient norm.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from memplan.report import Page, style_figure, write_page
+from memplan.units import format_bytes, format_count, format_seconds
+
+SMOOTHING = 0.9  # exponential moving average of the training loss (plotted beside the raw loss)
+
+
+def _ema(values: list[float | None], alpha: float = SMOOTHING) -> list[float | None]:
+    """Exponential moving average with Adam's bias correction (so the first points are not pulled to 0 or to
+    the first value)."""
+    out, avg, n = [], 0.0, 0
+    for v in values:
+        if v is None:
+            out.append(None)
+            continue
+        n += 1
+        avg = alpha * avg + (1 - alpha) * v
+        out.append(avg / (1 - alpha**n))
+    return out
+
+
+def _unit(max_bytes: float) -> tuple[float, str]:
+    return (2**30, "GiB") if max_bytes >= 2**30 else (2**20, "MiB")
+
+
+def _predicted_segments(starts: list[dict], events: list[dict], key: str) -> list[tuple[float, float, float]]:
+    """(from_time, to_time, predicted value) pieces: the prediction changes at a start/resume or an OOM."""
+    marks = sorted([(e.get("time", 0.0), e["predicted"][key]) for e in starts if e.get("predicted", {}).get(key)]
+                   + [(e.get("time", None), e["predicted"][key]) for e in events
+                      if e.get("event") == "oom" and e.get("predicted", {}).get(key) and e.get("time") is not None],
+                   key=lambda m: m[0])
+    return marks
+
+
+def build_run_page(run_dir: str | Path) -> Page:
+    """The report's page for the run in ``run_dir`` (its metrics.jsonl)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from trainer.loop import read_metrics
+
+    run_dir = Path(run_dir)
+    lines = read_metrics(run_dir, latest=True)
+    train = sorted((l for l in lines if l.get("kind") == "train"), key=lambda l: l["step"])
+    evals = sorted((l for l in lines if l.get("kind") == "eval"), key=lambda l: l["step"])
+    events = [l for l in lines if l.get("kind") == "event"]
+    starts = [e for e in events if e.get("event") in ("start", "resume")]
+    first = starts[0] if starts else {}
+    last_start = starts[-1] if starts else {}
+    model = first.get("model", {})
+    setup = last_start.get("setup", {})
+    predicted = last_start.get("predicted", {})
+    ooms = [e for e in events if e.get("event") == "oom"]
+    if ooms:
+        predicted = ooms[-1].get("predicted", predicted)
+    stop = next((e for e in reversed(events) if e.get("event") == "stop"), None)
+
+    figures = []
+    steps = [l["step"] for l in train]
+    # ---- loss
+    fig = go.Figure()
+    losses = [l.get("loss") for l in train]
+    fig.add_trace(go.Scatter(x=steps, y=losses, mode="lines", name="train loss", line=dict(width=1, color="#9fb3c8")))
+    fig.add_trace(go.Scatter(x=steps, y=_ema(losses), mode="lines", name=f"train loss (EMA {SMOOTHING})",
+                             line=dict(width=2, color="#1f77b4")))
+    if evals:
+        fig.add_trace(go.Scatter(x=[e["step"] for e in evals], y=[e.get("eval_loss") for e in evals],
+                                 mode="lines+markers", name="held-out loss (all sources)",
+                                 line=dict(width=2, color="#d62728")))
+        sources = sorted({s for e in evals for s in e.get("eval_loss_by_source", {})})
+        for s in sources:
+            pts = [(e["step"], e["eval_loss_by_source"][s]) for e in evals if s in e.get("eval_loss_by_source", {})]
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
+                                     name=f"held-out: {s}", line=dict(dash="dash")))
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(title="cross-entropy (nats/token)")
+    figures.append(style_figure(fig, "Loss"))
+
+    # ---- memory over time
+    times_min = [l.get("time", 0.0) / 60 for l in train]
+    measured = [l.get("memory_bytes") for l in train]
+    allocated = [l.get("memory_allocated_bytes") for l in train]
+    peak_pred = predicted.get("peak_reserved")
+    biggest = max([m for m in measured if m] + [peak_pred or 0] + [1])
+    scale, unit = _unit(biggest)
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=times_min, y=[m / scale if m else None for m in measured], mode="lines+markers",
+                             marker=dict(size=3), name="measured peak (each step)"))
+    if any(a is not None for a in allocated):
+        fig.add_trace(go.Scatter(x=times_min, y=[a / scale if a else None for a in allocated], mode="lines",
+                                 name="measured live tensors (max_memory_allocated)"))
+    for key, label, dash in (("peak_reserved", "predicted peak (peak_reserved)", "dash"),
+                             ("peak_allocated", "predicted live tensors (peak_allocated)", "dot")):
+        if key == "peak_allocated" and not any(a is not None for a in allocated):
+            continue
+        marks = _predicted_segments(starts, ooms, key)
+        if not marks or not times_min:
+            continue
+        xs, ys = [], []
+        end = max(times_min)
+        for i, (t0, v) in enumerate(marks):
+            t1 = marks[i + 1][0] if i + 1 < len(marks) else end * 60
+            xs += [t0 / 60, t1 / 60, None]
+            ys += [v / scale, v / scale, None]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label, line=dict(dash=dash, width=2)))
+    fig.update_xaxes(title="training time (minutes)")
+    fig.update_yaxes(title=unit, rangemode="tozero")
+    figures.append(style_figure(fig, "Memory over time: measured per step, predicted as a line"))
+
+    # ---- throughput
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    tps = [l.get("tokens_per_second") for l in train]
+    fig.add_trace(go.Scatter(x=steps, y=tps, mode="lines", name="tokens/s (measured)", line=dict(width=1)),
+                  secondary_y=False)
+    if predicted.get("tokens_per_second") and steps:
+        fig.add_trace(go.Scatter(x=[steps[0], steps[-1]], y=[predicted["tokens_per_second"]] * 2, mode="lines",
+                                 name="tokens/s (predicted)", line=dict(dash="dash", width=2)), secondary_y=False)
+    fig.add_trace(go.Scatter(x=steps, y=[(l.get("mfu") or 0) * 100 for l in train], mode="lines", name="MFU (%)",
+                             line=dict(width=1, color="#2ca02c")), secondary_y=True)
+    fig.update_xaxes(title="step")
+    measured_tps = [t for t in tps if t]
+    far = predicted.get("tokens_per_second") and measured_tps and not (
+        0.1 < predicted["tokens_per_second"] / statistics.median(measured_tps) < 10)
+    if far:  # a prediction an order of magnitude away would flatten the measured line: log scale
+        fig.update_yaxes(title="tokens/s (log scale)", type="log", secondary_y=False)
+    else:
+        fig.update_yaxes(title="tokens/s", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title="MFU (%)", rangemode="tozero", tickformat=".2~f", secondary_y=True)
+    figures.append(style_figure(fig, "Throughput"))
+
+    # ---- lr and gradient norm
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Scatter(x=steps, y=[l.get("lr") for l in train], mode="lines", name="learning rate"),
+                  secondary_y=False)
+    fig.add_trace(go.Scatter(x=steps, y=[l.get("grad_norm") for l in train], mode="lines",
+                             name="gradient norm (before clipping)", line=dict(width=1)), secondary_y=True)
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(title="learning rate", secondary_y=False)
+    fig.update_yaxes(title="gradient norm", secondary_y=True)
+    figures.append(style_figure(fig, "Learning rate and gradient norm", height=360))
+
+    # ---- summary
+    summary: dict[str, str] = {"run": str(run_dir)}
+    if model:
+        summary["model"] = f"{model.get('describe', '')} ({model.get('params', 0):,} parameters)"
+    if setup:
+        summary["setup"] = (f"ctx {setup.get('ctx')}, micro-batch {setup.get('micro_batch')} × "
+                            f"{setup.get('grad_accum')} accumulation, {setup.get('precision')}, "
+                            f"{setup.get('attention')} attention, checkpointing {setup.get('checkpointing')}, "
+                            f"{setup.get('optimizer')}" + (", compiled" if setup.get("compile") else ""))
+    if train:
+        last = train[-1]
+        total = last.get("total_steps")
+        summary["progress"] = (f"step {last['step']:,}" + (f" of {total:,}" if total else "")
+                               + f", {format_count(last.get('tokens', 0))} tokens, "
+                               f"{format_seconds(last.get('time'))} of training")
+        finite = [l["loss"] for l in train[-20:] if l.get("loss") is not None]
+        if finite:
+            summary["train loss"] = f"{statistics.mean(finite):.4f} (mean of the last {len(finite)} steps)"
+    if evals:
+        e = evals[-1]
+        per = ", ".join(f"{k} {v:.4f}" for k, v in e.get("eval_loss_by_source", {}).items() if v is not None)
+        if e.get("eval_loss") is not None:
+            summary["held-out loss"] = (f"{e['eval_loss']:.4f} (perplexity {e.get('eval_ppl') or math.inf:,.1f}) at "
+                                        f"step {e['step']:,}" + (f"; {per}" if per else ""))
+    steady = train[1:] or train
+    meas = [l["memory_bytes"] for l in steady if l.get("memory_bytes")]
+    if meas and peak_pred:
+        m = max(meas)
+        summary["peak memory"] = (f"measured {format_bytes(m)} (largest step), predicted {format_bytes(peak_pred)} "
+                                  f"({(peak_pred - m) / m:+.1%})")
+        if first.get("baseline_memory_bytes") and str(first.get("torch_device", "")).startswith("cpu"):
+            summary["peak memory"] += (f"; the process held {format_bytes(first['baseline_memory_bytes'])} before "
+                                       "the model existed")
+    alloc = [l["memory_allocated_bytes"] for l in steady if l.get("memory_allocated_bytes")]
+    if alloc and predicted.get("peak_allocated"):
+        m, p = max(alloc), predicted["peak_allocated"]
+        summary["live tensors"] = f"measured {format_bytes(m)}, predicted {format_bytes(p)} ({(p - m) / m:+.1%})"
+    rates = [l["tokens_per_second"] for l in steady if l.get("tokens_per_second")]
+    if rates:
+        med = statistics.median(rates)
+        line = f"{med:,.0f} tokens/s (median)"
+        if predicted.get("tokens_per_second"):
+            line += f", predicted {predicted['tokens_per_second']:,.0f} ({(predicted['tokens_per_second'] - med) / med:+.0%})"
+        mfus = [l["mfu"] for l in steady if l.get("mfu") is not None]
+        if mfus:
+            line += f"; MFU {statistics.median(mfus):.1%} of the device's dense peak"
+        summary["throughput"] = line
+    happened = []
+    if len(starts) > 1:
+        happened.append(f"resumed {len(starts) - 1}×")
+    if ooms:
+        happened.append(f"{len(ooms)} out-of-memory step(s), micro-batch now {ooms[-1].get('micro_batch')}")
+    bad = [e for e in events if e.get("event") == "nonfinite"]
+    if bad:
+        happened.append(f"{len(bad)} non-finite loss(es), updates skipped")
+    if stop:
+        happened.append(f"stopped at step {stop.get('step')}: {stop.get('reason')}")
+    if happened:
+        summary["events"] = "; ".join(happened)
+
+    notes = []
+    if evals and evals[-1].get("samples"):
+        for s in evals[-1]["samples"]:
+            notes.append(f"Sample at step {evals[-1]['step']}: “{s['prompt']}” → {s['text']!r}")
+    notes.append("Measured memory: " + str(first.get("memory_source", "n/a")) + ". Predicted figures: memplan's "
+                 f"estimate for this model and setup on the {first.get('device', '?')} profile.")
+    desc = model.get("describe", "model")
+    device = f"{first.get('device', '?')} ({first.get('torch_device', '?')})"
+    return Page(title="Training run", model=desc, device=device, summary=summary, figures=figures, notes=notes)
+
+
+def write_run_report(run_dir: str | Path) -> Path:
+    """Write RUN/report.html (atomically) and return its path."""
+    run_dir = Path(run_dir)
+    return write_page(build_run_page(run_dir), run_dir / "report.html")

@@ -1,0 +1,68 @@
+"""A small sampler for the trainer's evaluation samples: greedy or temperature / top-k, no KV cache.
+
+Each new token runs the model on the last ``ctx`` tokens (the context the model was trained
+at), so it is quadratic in the sample length: fine for the few dozen tokens an evaluation
+prints. ``memplan generate`` (trainer/generate.py) is the fast path with a KV cache.
+
+Sampling draws from its own ``torch.Generator``, never the global RNG, so evaluating during
+training does not change what training does next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.step import autocast
+
+
+@torch.no_grad()
+def sample_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, *, ctx: int,
+               greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
+               generator: torch.Generator | None = None, stop_id: int | None = None,
+               precision: str = "fp32") -> list[int]:
+    """The ids that follow ``prompt_ids`` (the prompt not included); stops early at ``stop_id``.
+
+    Greedy takes the most likely token; otherwise logits / temperature, cut to the ``top_k``
+    largest, then one draw from the softmax with ``generator``.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+    out: list[int] = []
+    try:
+        for _ in range(max_new_tokens):
+            window = ids[:, -ctx:]
+            with autocast(precision, device.type):
+                logits = model(window)[0, -1].float()  # (vocab,)
+            if greedy:
+                nxt = int(torch.argmax(logits))
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.numel():
+                    kth = torch.topk(logits, top_k).values[-1]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+            if stop_id is not None and nxt == stop_id:
+                break
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]], dtype=torch.long, device=device)], dim=1)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def sample_text(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int, *, ctx: int,
+                seed: int = 0, greedy: bool = False, temperature: float = 0.8, top_k: int | None = 40,
+                precision: str = "fp32") -> str:
+    """``prompt`` continued by the model (the prompt not included), decoded; end-of-text ends it."""
+    prompt_ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    generator = torch.Generator().manual_seed(seed)
+    ids = sample_ids(model, prompt_ids, max_new_tokens, ctx=ctx, greedy=greedy, temperature=temperature,
+                     top_k=top_k, generator=generator, stop_id=tokenizer.eot_id, precision=precision)
+    return tokenizer.decode(ids)
