@@ -303,131 +303,50 @@ def measure_ranks(configs: list, world_size: int) -> list[list]:
 
 
 # =================================================================================================
-# Checkpoints: torch.distributed.checkpoint, readable at any world size
+# Agreeing across ranks
 # =================================================================================================
 
-CHECKPOINT_DIR = "checkpoints"
-CHECKPOINT_META = "meta.json"  # step, data stream state, plan: written by rank 0 next to DCP's files
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns that it assumes a single process when there is no process group: so it is."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
-
-
-def checkpoint_path(run_dir, step: int):
-    from pathlib import Path
-
-    return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:08d}"
+def from_rank0(obj):
+    """Rank 0's ``obj`` in every rank (itself in a single process): for what must be the same
+    everywhere but is decided by time or measurement (a plan autotuned on a timed matmul, a run
+    directory named by the clock, when a time-limited run stops)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
-def latest_checkpoint(run_dir):
-    """The newest complete checkpoint of a run (complete = renamed into place with its meta.json), or None."""
-    from pathlib import Path
-
-    found = sorted(p for p in (Path(run_dir) / CHECKPOINT_DIR).glob("step-*")
-                   if p.is_dir() and (p / CHECKPOINT_META).is_file())
-    return found[-1] if found else None
-
-
-def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> None:
-    """Save model and optimizer with ``torch.distributed.checkpoint`` (every rank writes its own
-    shards; no rank gathers the whole model) into ``path``, atomically: into a hidden directory
-    first, renamed by rank 0 once every rank has written and the meta is on disk."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _single_process_quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    _barrier()
-    if rank0:
-        with open(tmp / CHECKPOINT_META, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    _barrier()
-
-
-def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Load a checkpoint of ``save_checkpoint`` into this run's (wrapped) model and optimizer,
-    whatever the world size and sharding it was saved with (DCP reshards on load); returns its meta."""
-    import json
-    from pathlib import Path
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    path = Path(path)
-    try:
-        meta = json.loads((path / CHECKPOINT_META).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InputError(f"checkpoint {path}: cannot read {CHECKPOINT_META} ({e})") from None
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return meta
-
-
-# =================================================================================================
-# The run: python -m trainer (under torchrun for several processes)
-# =================================================================================================
-
-METRICS_FILE = "metrics.jsonl"
-PLAN_FILE = "plan.toml"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """What ``python -m trainer`` was asked for, beyond the plan."""
-
-    data: str
-    out: str
-    max_steps: int
-    save_every: int = 0  # 0: only at the end
-    seed: int = 0
-    lr: float = 6e-4
-    resume: bool = False
-    sharding: str | None = None  # asked for on the command line (else the plan's, else ddp)
+def max_across_ranks(value: int, device: torch.device) -> int:
+    """The largest of an integer over all ranks (a stop signal any rank received, a peak memory)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def rescaled_for_world(setup: TrainSetup, world_size: int, sharding: str | None = None) -> TrainSetup:
-    """The setup with ``world_size`` ranks and the same global batch: gradient accumulation
-    scaled by old/new world size (micro-batches, and so the memory of each, stay as they were)."""
-    if world_size == setup.world_size:
+    """The setup with ``world_size`` ranks and the same global batch: gradient accumulation scaled by
+    old/new world size, so each micro-batch (and its memory) stays as it was. An InputError if the
+    global batch does not split evenly."""
+    if world_size == setup.world_size and (sharding is None or sharding == setup.sharding or world_size == 1):
         return setup
-    tokens = setup.grad_accum * setup.world_size
-    if tokens % world_size:
-        raise InputError(f"a global batch of {setup.grad_accum} × {setup.world_size} micro-batches cannot be split "
-                         f"evenly over {world_size} processes; use a world size dividing {tokens}")
-    sharding = "none" if world_size == 1 else (sharding or (setup.sharding if setup.sharding != "none" else "ddp"))
-    return setup.replace(grad_accum=tokens // world_size, world_size=world_size, sharding=sharding)
+    micro_batches = setup.grad_accum * setup.world_size
+    if micro_batches % world_size:
+        raise InputError(f"the run's global batch of {setup.grad_accum} × {setup.world_size} micro-batches of "
+                         f"{setup.micro_batch} cannot be split evenly over {world_size} processes; launch a number "
+                         f"of processes that divides {micro_batches}")
+    if world_size == 1:
+        sharding = "none"
+    else:
+        sharding = sharding or (setup.sharding if setup.sharding != "none" else "ddp")
+    return setup.replace(grad_accum=micro_batches // world_size, world_size=world_size, sharding=sharding)
 
 
 def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int) -> torch.nn.Module:
@@ -460,86 +379,67 @@ def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int) ->
     return model
 
 
-def run(plan, config: RunConfig) -> None:
-    """Train ``plan`` on the prepared data in every rank of this process group (or alone).
+# =================================================================================================
+# Checkpoints: torch.distributed.checkpoint, readable at any world size
+# =================================================================================================
 
-    Each rank builds the same initial model (same seed), wraps it (``wrap_model``), reads its
-    own share of every global micro-batch (``TrainStream`` with rank and world size: no window
-    is read by two ranks, and together they read what one process with the same global batch
-    reads) and runs ``train_step``. Rank 0 alone writes RUN/metrics.jsonl and RUN/plan.toml; all
-    ranks take part in checkpoints (``save_checkpoint``).
-    """
-    import json
-    import time
-    from pathlib import Path
+SHARDED_DIR = "dcp"  # inside a checkpoint of a distributed run: model and optimizer, every rank's shards
 
-    from memplan.plan import Plan
-    from trainer.data import PreparedData, TrainStream
-    from trainer.step import make_optimizer, set_matmul_precision, train_step
 
-    ctx = init()
-    try:
-        out = Path(config.out)
-        data = PreparedData(config.data)
-        spec, setup = plan.model, plan.setup
-        if spec.vocab != data.vocab_size:
-            spec = spec.replace(vocab=data.vocab_size)
-        checkpoint, meta = None, None
-        if config.resume:
-            checkpoint = latest_checkpoint(out)
-            if checkpoint is None:
-                raise InputError(f"--resume: {out} has no checkpoint to resume from")
-            meta = json.loads((checkpoint / CHECKPOINT_META).read_text(encoding="utf-8"))
-            saved = Plan.from_dict(meta["plan"], f"checkpoint {checkpoint}")
-            spec, setup = saved.model, saved.setup
-        setup = rescaled_for_world(setup, ctx.world_size,
-                                   config.sharding or (setup.sharding if setup.sharding != "none" else None))
-        plan = Plan(model=spec, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes,
-                    predicted=plan.predicted)
-        if ctx.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            plan.save(out / PLAN_FILE)
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes a single process when there is no process group: so it is."""
+    import warnings
 
-        set_matmul_precision(setup.precision)
-        model = build_wrapped_model(spec, setup, ctx, config.seed)
-        optimizer = make_optimizer(model, setup.optimizer, lr=config.lr)
-        scaler = None
-        if setup.precision == "fp16-mixed" and ctx.device.type == "cuda":
-            scaler = torch.amp.GradScaler("cuda")
-        stream = TrainStream(data, batch=setup.micro_batch, ctx=setup.ctx, seed=config.seed, rank=ctx.rank,
-                             world_size=ctx.world_size)
-        step = 0
-        if checkpoint is not None:
-            load_checkpoint(checkpoint, model, optimizer)
-            stream.load_state_dict(meta["data"])
-            step = int(meta["step"])
-        metrics = open(out / METRICS_FILE, "a", encoding="utf-8") if ctx.is_main else None
-        try:
-            if metrics is not None and checkpoint is not None:
-                metrics.write(json.dumps({"kind": "event", "event": "resume", "step": step,
-                                          "world_size": ctx.world_size, "sharding": setup.sharding,
-                                          "from": str(checkpoint)}) + "\n")
-            tokens_per_step = setup.tokens_per_step
-            while step < config.max_steps:
-                batches = [tuple(t.to(ctx.device, non_blocking=True) for t in next(stream))
-                           for _ in range(setup.grad_accum)]
-                t0 = time.perf_counter()
-                result = train_step(model, optimizer, batches, setup, ctx.device.type, scaler=scaler)
-                loss = float(mean_across_ranks(result.loss))
-                seconds = time.perf_counter() - t0
-                step += 1
-                if metrics is not None:
-                    metrics.write(json.dumps({
-                        "kind": "train", "step": step, "loss": loss, "tokens_per_second": tokens_per_step / seconds,
-                        "grad_norm": float(result.grad_norm), "step_seconds": seconds, "skipped": result.skipped,
-                        "world_size": ctx.world_size, "sharding": setup.sharding}) + "\n")
-                    metrics.flush()
-                if step == config.max_steps or (config.save_every and step % config.save_every == 0):
-                    save_checkpoint(checkpoint_path(out, step), model, optimizer,
-                                    {"step": step, "data": stream.state_dict(), "plan": plan.to_dict(),
-                                     "world_size": ctx.world_size, "sharding": setup.sharding})
-        finally:
-            if metrics is not None:
-                metrics.close()
-    finally:
-        shutdown()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer through ``torch.distributed.checkpoint`` into ``directory``: every rank
+    writes its own shards (no rank gathers the optimizer), under the parameters' names, so any
+    world size and sharding (or one process) can load them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+
+
+def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what ``save_sharded`` wrote into this run's model and optimizer, whatever the world size and
+    sharding they were saved with (DCP reshards on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Every parameter whole, on rank 0's CPU (None on the other ranks); all ranks must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+def load_single_process_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plain_model,
+                              plain_optimizer, is_main: bool) -> None:
+    """Spread a single-process checkpoint over the ranks: rank 0 has loaded it into a plain CPU
+    model and optimizer of the same shape (``plain_*``, None elsewhere); the state is broadcast from
+    it, each rank keeping its shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model_sd, optim_sd = get_state_dict(plain_model, plain_optimizer) if is_main else ({}, {})
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # Two calls, not set_state_dict: given an empty model state (every rank but 0), set_state_dict takes
+    # it for an optimizer-only load and the ranks' collectives no longer pair up (a hang).
+    set_model_state_dict(model, model_sd, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
