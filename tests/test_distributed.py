@@ -245,99 +245,174 @@ def corpus(tmp_path_factory):
     return root / "data"
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Popen:
-    """`torchrun --standalone --nproc-per-node N -m trainer ARGS`, started (not waited for)."""
+def launch(*args: str, nproc: int = 2, via: str = "torchrun") -> subprocess.Popen:
+    """Start (not wait for) a 2-process run: `torchrun --standalone --nproc-per-node N -m trainer ARGS`,
+    or `memplan train --nproc N ARGS` (via="memplan"), in a session of its own (killable as a group)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "trainer", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    if via == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "trainer", *args]
+    else:
+        cmd = [sys.executable, "-m", "memplan", "train", "--nproc", str(nproc), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
 
 
 def trainer_here(*args: str) -> int:
-    """`python -m trainer ARGS` in this process (one rank, no process group); its exit code."""
+    """`python -m trainer ARGS` in this process (one process, no process group); its exit code."""
     import torch
 
     from trainer.__main__ import entry
 
-    argv, threads = sys.argv, torch.get_num_threads()
-    sys.argv = ["python -m trainer", *args]
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as torchrun sets each rank: tiny models, and cores shared with other work
     try:
-        entry()
+        entry(list(args))
     except SystemExit as e:
         return int(e.code or 0)
     finally:
-        sys.argv = argv
         torch.set_num_threads(threads)
     return 0
 
 
 def losses(run_dir) -> dict[int, float]:
-    out = {}
-    for line in open(run_dir / "metrics.jsonl"):
-        row = json.loads(line)
-        if row.get("kind") == "train":
-            out[row["step"]] = row["loss"]
-    return out
+    """Step → loss of the run as it stands (a resumed run's steps from the resume on)."""
+    from trainer.loop import read_metrics
+
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir, latest=True) if row.get("kind") == "train"}
+
+
+def events(run_dir, name: str) -> list[dict]:
+    return [row for row in map(json.loads, open(run_dir / "metrics.jsonl")) if row.get("event") == name]
+
+
+QUIET = ["--sample-tokens", "0", "--eval-batches", "1", "--eval-every", "10", "--seed", "0"]
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """One process, the global batch of the 2-rank runs: 2 micro-batches of 2 windows per step."""
+    """One process, the global batch of the 2-rank runs: 2 micro-batches of 2 windows per step; a
+    checkpoint at step 10."""
     run = tmp_path_factory.mktemp("single") / "run"
-    assert trainer_here("--data", str(corpus), "--out", str(run), *MODEL, "--batch", "2", "--grad-accum", "2",
-                        "--max-steps", str(STEPS)) == 0
-    return losses(run)
+    assert trainer_here("--data", str(corpus), "--out", str(run), *MODEL, *QUIET, "--batch", "2", "--grad-accum", "2",
+                        "--max-steps", str(STEPS), "--save-every", "10") == 0
+    return run
 
 
 @pytest.fixture(scope="module")
 def two_ranks(corpus, tmp_path_factory):
-    """`torchrun --nproc-per-node 2 -m trainer` under DDP and under FSDP2 (side by side), checkpoints
-    every 10 steps."""
+    """DDP through `torchrun -m trainer`, FSDP2 through `memplan train --nproc 2` (side by side), each
+    rank a micro-batch of 2 windows per step; checkpoints every 10 steps. Returns (run, stdout, stderr)."""
     runs, launched = {}, {}
-    for sharding in ("ddp", "fsdp"):
+    for sharding, via in (("ddp", "torchrun"), ("fsdp", "memplan")):
         runs[sharding] = tmp_path_factory.mktemp(sharding) / "run"
-        launched[sharding] = torchrun("--data", str(corpus), "--out", str(runs[sharding]), *MODEL, "--batch", "2",
-                                      "--grad-accum", "1", "--sharding", sharding, "--max-steps", str(STEPS),
-                                      "--save-every", "10")
+        launched[sharding] = launch("--data", str(corpus), "--out", str(runs[sharding]), *MODEL, *QUIET, "--batch", "2",
+                                    "--grad-accum", "1", "--sharding", sharding, "--max-steps", str(STEPS),
+                                    "--save-every", "10", via=via)
+    out = {}
     for sharding, proc in launched.items():
-        _, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
-    return runs
+        out[sharding] = (runs[sharding], stdout, stderr)
+    return out
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_two_ranks_follow_the_single_process_loss_curve(two_ranks, reference, sharding):
-    run = two_ranks[sharding]
-    curve = losses(run)
+    run, stdout, stderr = two_ranks[sharding]
+    curve, single = losses(run), losses(reference)
     assert sorted(curve) == list(range(1, STEPS + 1))
-    assert reference[STEPS] < reference[1] - 0.5  # it learns
+    assert single[STEPS] < single[1] - 0.5  # it learns
     for step in curve:
-        assert curve[step] == pytest.approx(reference[step], abs=1e-3), step
-    lines = [json.loads(x) for x in open(run / "metrics.jsonl")]
-    assert len(lines) == STEPS and all(x["world_size"] == 2 and x["sharding"] == sharding for x in lines)
+        assert curve[step] == pytest.approx(single[step], abs=1e-3), step
+    (start,) = events(run, "start")
+    assert start["setup"]["world_size"] == 2 and start["setup"]["sharding"] == sharding
+    assert start["tokens_per_step"] == 2 * 2 * 32  # the single process's global batch
     assert "world_size = 2" in (run / "plan.toml").read_text()
-    shards = sorted(p.name for p in (run / "checkpoints" / "step-00000010").iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]  # each rank wrote its own
+    # rank 0 alone prints: one plan, one summary
+    assert stderr.count("Training ") == 1 and stdout.count("Done: 20 steps") == 1
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_distributed_checkpoint_holds_every_ranks_shards_and_the_whole_weights(two_ranks, reference, sharding):
+    from trainer import checkpoint as ckpt
+
+    run = two_ranks[sharding][0]
+    path = run / "checkpoints" / "step-00000010"
+    assert sorted(p.name for p in (path / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    meta = ckpt.verify_checkpoint(path)  # every file, the shards too, listed with its sha256
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "model.safetensors"} <= set(meta["files"])
+    assert meta["distributed"] == {"world_size": 2, "sharding": sharding, "sharded": "dcp"}
+    # rank 0 gathered the whole model: the same weights as the single process's at the same step
+    mine = ckpt.read_weights(path / ckpt.MODEL_FILE)
+    single = ckpt.read_weights(reference / "checkpoints" / "step-00000010" / ckpt.MODEL_FILE)
+    assert mine.keys() == single.keys()
+    for name in mine:
+        assert (mine[name] - single[name]).abs().max() < 1e-4, name
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # nothing left behind
 
 
 def test_saved_by_two_ranks_resumed_by_one(corpus, reference, two_ranks, tmp_path):
     """The FSDP run's step-10 checkpoint (sharded over 2 ranks) continued in one process."""
     run = tmp_path / "run"
-    shutil.copytree(two_ranks["fsdp"], run)
+    shutil.copytree(two_ranks["fsdp"][0], run)
     shutil.rmtree(run / "checkpoints" / "step-00000020")
-    (run / "metrics.jsonl").write_text("".join(open(run / "metrics.jsonl").readlines()[:10]))
     assert trainer_here("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(STEPS)) == 0
-    lines = [json.loads(x) for x in open(run / "metrics.jsonl")]
-    assert lines[10] == {"kind": "event", "event": "resume", "step": 10, "world_size": 1, "sharding": "none",
-                         "from": str(run / "checkpoints" / "step-00000010")}
-    after = {x["step"]: x for x in lines[11:]}
-    assert sorted(after) == list(range(11, STEPS + 1)) and all(x["world_size"] == 1 for x in after.values())
-    for step, row in after.items():
-        assert row["loss"] == pytest.approx(reference[step], abs=1e-3), step
-    assert all(math.isfinite(x["loss"]) for x in after.values())
-    assert "grad_accum = 2" in (run / "plan.toml").read_text()  # the same global batch on one process
+    (resume,) = events(run, "resume")
+    assert resume["step"] == 10 and resume["checkpoint"] == str(run / "checkpoints" / "step-00000010")
+    assert resume["setup"]["world_size"] == 1 and resume["setup"]["grad_accum"] == 2  # the same global batch
+    curve, single = losses(run), losses(reference)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    for step in range(11, STEPS + 1):
+        assert curve[step] == pytest.approx(single[step], abs=1e-3), step
+    assert "grad_accum = 2" in (run / "plan.toml").read_text() and "world_size = 1" in (run / "plan.toml").read_text()
+
+
+def test_saved_by_one_process_resumed_by_two_then_killed_mid_save(corpus, reference, tmp_path):
+    """The single process's step-10 checkpoint continued by 2 FSDP2 ranks (rank 0 reads it, the ranks
+    keep their shards), saving every step; the launcher and both ranks are killed (SIGKILL) while a
+    checkpoint is being written. The newest complete checkpoint verifies and one process resumes
+    from it; the half-written one is never taken for a checkpoint and is cleaned away."""
+    import signal
+    import time
+
+    import psutil
+
+    from trainer import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "checkpoints" / "step-00000020")
+    proc = launch("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(STEPS), "--save-every",
+                  "1", "--sharding", "fsdp", via="memplan")
+    checkpoints, caught = run / "checkpoints", None
+    deadline = time.monotonic() + 300
+    while caught is None and proc.poll() is None and time.monotonic() < deadline:
+        if (checkpoints / "step-00000012").is_dir():  # two saved by the ranks: catch the next one being written
+            caught = next((p for p in checkpoints.iterdir() if p.name.startswith(".tmp-")), None)
+        time.sleep(0.005)
+    for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        process.send_signal(signal.SIGKILL)  # the launcher and every rank (each in a session of its own)
+    _, stderr = proc.communicate()
+    assert caught is not None, f"no save was caught in progress: {stderr[-3000:]}"
+
+    lines = [json.loads(x) for x in open(run / "metrics.jsonl") if x.strip()]
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    assert resume["setup"]["world_size"] == 2 and resume["setup"]["grad_accum"] == 1  # the same global batch
+    resumed = {x["step"]: x["loss"] for x in lines[lines.index(resume):] if x.get("kind") == "train"}
+    single = losses(reference)
+    assert len(resumed) >= 2
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(single[step], abs=1e-3), step
+
+    ref = ckpt.latest_checkpoint(checkpoints)
+    assert ref.step >= 12 and (ref.path / "dcp" / ".metadata").is_file()
+    ckpt.verify_checkpoint(ref.path)
+    assert trainer_here("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(ref.step + 1)) == 0
+    assert ckpt.latest_checkpoint(checkpoints).step == ref.step + 1
+    assert losses(run)[ref.step + 1] == pytest.approx(single[ref.step + 1], abs=1e-3)
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]  # the leftovers were cleaned
 
 
 def test_ranks_read_disjoint_windows_that_make_up_the_single_process_batch(corpus):
@@ -358,11 +433,33 @@ def test_a_plan_for_two_devices_is_refused_in_one_process(corpus, tmp_path, caps
     from memplan.plan import Plan
 
     plan = tmp_path / "plan.toml"
-    Plan(model=LLAMA, setup=sharded(SETUP, 2, "ddp")).save(plan)
+    Plan(model=LLAMA.replace(vocab=320), setup=sharded(SETUP, 2, "ddp")).save(plan)
     assert trainer_here("--data", str(corpus), "--out", str(tmp_path / "run"), "--plan", str(plan)) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "python -m trainer: error: the plan is for --world-size 2: launch it with torchrun --nproc-per-node 2 -m "
-        "trainer ..."]
+        "python -m trainer: error: the plan is for --world-size 2 but 1 process(es) run it; launch it with "
+        "`memplan train --nproc 2` (torchrun)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_distributed_options_are_one_line_errors(corpus, tmp_path):
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    from memplan.plan import Plan
+
+    plan = tmp_path / "plan.toml"
+    Plan(model=LLAMA.replace(vocab=320), setup=sharded(SETUP, 3, "ddp")).save(plan)
+    out = str(tmp_path / "run")
+    for args, message in [
+        (["--nproc", "2", "--plan", str(plan)], "the plan is for --world-size 3; launch it with `memplan train "
+                                                "--nproc 3`"),
+        (["--nproc", "2", "--sharding", "zero"], "--sharding: 'zero' (accepted: ddp, fsdp;"),
+        (["--sharding", "fsdp", *MODEL], "--sharding fsdp: needs several processes; add --nproc N"),
+        (["--nproc", "0", *MODEL], "--nproc"),
+    ]:
+        result = CliRunner().invoke(app, ["train", "--data", str(corpus), "--out", out, *args])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert result.stderr.startswith("memplan: error: " + message), result.stderr
     assert not (tmp_path / "run").exists()
 
 

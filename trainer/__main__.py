@@ -38,7 +38,8 @@ def entry(argv: list[str] | None = None) -> None:
     else:
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
     if os.environ.get("RANK", "0") == "0":
-        print(f"{PROG}: error: " + " ".join(message.split()), file=sys.stderr)
+        prog = "memplan" if os.environ.get("MEMPLAN_LAUNCHED_BY") == "memplan" else PROG
+        print(f"{prog}: error: " + " ".join(message.split()), file=sys.stderr)
     sys.exit(2)
 
 

@@ -34,6 +34,8 @@ QUICKSTART_MIN_STEPS = 200  # the quick start's global batch is sized for at lea
 QUICKSTART_LAYERS = (2, 3, 4, 6, 8, 10, 12)  # the model ladder: hidden = 64·layers (memplan's size rule)
 MATMUL_PROBE = 1024  # side of the square fp32 matmul timed to rate the local device for the quick start
 
+LAUNCHED_BY_ENV = "MEMPLAN_LAUNCHED_BY"  # set by `memplan train --nproc` for the ranks it starts
+
 _R = "Run"
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan TOML (from `memplan autotune --out`) to "
                                                 "train on, as given.", show_default=False, rich_help_panel=_R)]
@@ -656,14 +658,24 @@ def _launch(click_ctx, nproc: int, data: str | None, out: str | None, resume: bo
     from torch.distributed.run import parse_args, run
 
     argv = _argv_without(click_ctx, ("nproc", "data", "out"))
+    plan = click_ctx.params.get("plan")
+    if plan:  # refused here, before N processes start, rather than by each of them
+        from memplan.plan import Plan
+
+        world_size = Plan.load(plan).setup.world_size
+        if world_size not in (1, nproc):
+            raise InputError(f"the plan is for --world-size {world_size}; launch it with `memplan train --nproc "
+                             f"{world_size}`")
     if not data and not resume:
         data = str(ensure_embedded_data(console))
     if not out and not resume:
         out = str(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
     argv += [*(["--data", data] if data else []), *(["--out", out] if out else [])]
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "trainer", *argv])
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # the launcher's own chatter; the ranks speak for the run
+    for name in list(logging.root.manager.loggerDict):  # the launcher's own chatter: the ranks speak for the run
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHED_BY_ENV] = "memplan"  # the ranks' errors read as this command's
     try:
         run(args)
     except ChildFailedError as e:
