@@ -124,7 +124,7 @@ def kernel_launches(spec: ModelSpec, setup: TrainSetup) -> int:
 @dataclass(frozen=True)
 class TimeTerm:
     seconds: float
-    bound: str  # compute | memory | launch
+    bound: str  # compute | memory | launch | communication
     flops: float = 0.0
     bytes: float = 0.0
 
@@ -142,6 +142,7 @@ class TimeBreakdown:
     epoch_seconds: float | None
     rate_source: str = ""  # "calibrated" or "profile peak × achievable"
     notes: list[str] = field(default_factory=list)
+    communication: object = None  # memplan.comm.Communication of a data-parallel step (world_size > 1)
 
     def to_json(self) -> dict:
         return {
@@ -151,6 +152,7 @@ class TimeBreakdown:
             "mfu": self.mfu,
             "epoch_seconds": self.epoch_seconds,
             "breakdown": {k: {"seconds": t.seconds, "bound": t.bound} for k, t in self.terms.items()},
+            **({"communication": self.communication.to_json()} if self.communication is not None else {}),
         }
 
 
@@ -179,6 +181,14 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         "optimizer": _roofline(0.0, optimizer_bytes(spec, setup), rate, bw),
         "launch": TimeTerm(kernel_launches(spec, setup) * launch, "launch"),
     }
+    communication = None
+    if setup.world_size > 1 and setup.sharding != "none":  # what the compute does not hide (memplan.comm)
+        from memplan.comm import communication as step_communication
+
+        communication = step_communication(
+            spec, setup, device, forward_seconds=terms["forward"].seconds,
+            backward_seconds=terms["backward"].seconds + terms["recompute"].seconds)
+        terms["communication"] = TimeTerm(communication.exposed_seconds, "communication")
     seconds = sum(t.seconds for t in terms.values())
     n_tokens = step_tokens(setup) * setup.world_size
     peak = device.peak_tflops.get(dtype, device.peak_tflops["fp32"]) * 1e12
@@ -191,4 +201,5 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         epoch_seconds=(epoch_tokens / tps) if epoch_tokens else None,
         rate_source="calibrated" if dtype in device.calibrated.get("matmul_tflops", {}) else
         "profile peak × achievable fraction",
+        communication=communication,
     )

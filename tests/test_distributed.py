@@ -203,6 +203,26 @@ def test_estimate_plans_per_device_memory_for_sharded_runs(memplan_cli):
     assert bad.returncode == 2 and "DDP's C++ reducer cannot run on fake tensors" in bad.stderr
 
 
+def test_estimate_adds_the_exposed_communication_to_the_step_and_shows_the_collectives(memplan_cli):
+    base = ["estimate", "--params", "125m", "--ctx", "1024", "--json", "--world-size", "8", "--sharding"]
+    for device, sharding in (("h100-sxm", "fsdp"), ("h100-sxm", "ddp"), ("cpu", "ddp")):
+        data = json.loads(memplan_cli(*base, sharding, "--device", device).stdout)
+        t, c = data["time"], data["time"]["communication"]
+        assert c["total_seconds"] == pytest.approx(sum(c["collectives"].values()))
+        assert t["breakdown"]["communication"]["seconds"] == pytest.approx(c["exposed_seconds"])
+        assert t["step_seconds"] == pytest.approx(sum(x["seconds"] for x in t["breakdown"].values()))
+        if device == "cpu":  # gloo: nothing hidden
+            assert not c["overlapped"] and c["exposed_seconds"] == c["total_seconds"]
+        else:  # NVLink, hidden behind the backward but for what nothing precedes or follows
+            assert c["overlapped"] and 0 < c["exposed_seconds"] < c["total_seconds"]
+            assert c["link"]["kind"] == "nvlink4"
+        names = set(c["collectives"])
+        assert (any(n.startswith("all-reduce") for n in names) if sharding == "ddp" else
+                any(n.startswith("all-gather") for n in names) and any(n.startswith("reduce-scatter") for n in names))
+    single = json.loads(memplan_cli("estimate", "--params", "125m", "--ctx", "1024", "--json").stdout)
+    assert "communication" not in single["time"] and "communication" not in single["time"]["breakdown"]
+
+
 def test_validate_world_size_2_measures_every_rank_within_the_bars(memplan_cli):
     result = memplan_cli("validate", "--world-size", "2", "--quick", "--json", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

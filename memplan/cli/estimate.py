@@ -84,6 +84,12 @@ def print_estimate(est) -> None:
     console.print(times)
     line = (f"{format_count(t.flops_per_step)}FLOP per step, {t.tokens_per_second:,.0f} tokens/s, "
             f"MFU {t.mfu:.0%}")
+    c = t.communication
+    if c is not None and c.link is not None:
+        console.print(f"Communication per step: {format_seconds(c.total_seconds)} of collectives "
+                      f"({format_bytes(c.bytes_per_step)} over {c.link.kind}), "
+                      + (f"{format_seconds(c.exposed_seconds)} of it not hidden behind the compute"
+                         if c.overlapped else "none hidden (collectives block the compute on this device)"))
     if t.epoch_seconds is not None:
         line += f"; {format_count(est.tokens)} tokens take [bold]{format_seconds(t.epoch_seconds)}[/]"
     console.print(line)
