@@ -512,7 +512,8 @@ def _print_plan(trainer, console) -> None:
     pred = trainer.predicted
     what = "Resuming" if trainer.step else "Training"
     console.print(f"[bold]{what}[/] {trainer.run_dir}: {p.model.describe()} ({p.model.params:,} parameters)")
-    console.print(f"  setup: ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation "
+    ranks = f" × {s.world_size} ranks ({s.sharding.upper()})" if s.world_size > 1 else ""
+    console.print(f"  setup: ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation{ranks} "
                   f"({s.tokens_per_step:,} tokens/step), {s.precision}, {s.attention} attention, checkpointing "
                   f"{s.checkpointing}, {s.optimizer}" + (", compiled" if s.compile else ""))
     console.print(f"  data: {trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, sources "
