@@ -37,7 +37,7 @@ class _RMSNormFunction(torch.autograd.Function):
     a composite of pointwise ops) and not on others (fused CUDA kernel), so the memory it takes
     would depend on the device. This function takes the same on every device: its input
     (shared with the residual stream) plus rstd (B·T fp32), and in backward two fp32
-    (B, T, H) buffers beyond its output (memplan's ``norm_backward_temporary_bytes``).
+    (B, T, H) buffers beyond its output (``memplan.memory._norm_backward``).
     """
 
     @staticmethod
