@@ -71,6 +71,7 @@ def _group() -> None:
 # the command functions, so `memplan estimate` never loads torch.
 from memplan.cli import autotune  # noqa: E402,F401
 from memplan.cli import estimate  # noqa: E402,F401
+from memplan.cli import eval  # noqa: E402,F401
 from memplan.cli import generate  # noqa: E402,F401
 from memplan.cli import prepare  # noqa: E402,F401
 from memplan.cli import profiles  # noqa: E402,F401
