@@ -64,6 +64,7 @@ def write_onnx(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
                 warnings.simplefilter("ignore")
                 program = torch.onnx.export(wrapped, (example,), dynamo=True, verbose=False,
                                             input_names=["input_ids"], output_names=["logits"], opset_version=OPSET,
+                                            optimize=False,  # ONNX Runtime optimizes the graph when it loads it
                                             dynamic_shapes={"input_ids": {0: batch, 1: sequence}})
         finally:
             quiet.setLevel(level)
