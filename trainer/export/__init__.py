@@ -252,6 +252,7 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path, *, force: bool = 
     run = load_run(run_dir, checkpoint)
     check_exportable(run.spec, fmt)
     resolved = resolve_dtype(dtype, run, fmt)
+    _check_packages(fmt)
     t0 = time.perf_counter()
     if fmt == "hf":
         from trainer.export.hf import write_hf as write
@@ -263,6 +264,17 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path, *, force: bool = 
     return ExportResult(format=fmt, path=out, files=files_of(out) if fmt == "hf" else _written_files(out),
                         arch=arch, params=run.spec.params, step=run.step, dtype=resolved,
                         seconds=time.perf_counter() - t0, notes=tuple(notes))
+
+
+def _check_packages(fmt: str) -> None:
+    """A missing optional package is a one-line error naming what to install."""
+    import importlib.util
+
+    needed = {"gguf": ["gguf"], "onnx": ["onnxscript", "onnx"]}.get(fmt, [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InputError(f"--format {fmt}: needs the {' and '.join(missing)} package(s); "
+                         f"pip install {' '.join(missing)} (or pip install 'memplan[export]')")
 
 
 def _written_files(out: Path) -> tuple[tuple[str, int], ...]:
