@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
     return {
         "llama": tiny_run(root / "llama", corpus, arch="llama", steps=8),  # GQA (4 heads, 2 kv), tied
         "llama-untied": tiny_run(root / "llama-untied", corpus, arch="llama", steps=8, tied=False, kv_heads=4),
+        "qwen2": tiny_run(root / "qwen2", corpus, arch="llama", steps=8, qkv_bias=True),
         "gpt2": tiny_run(root / "gpt2", corpus, arch="gpt2", steps=8),
         "gpt2-untied": tiny_run(root / "gpt2-untied", corpus, arch="gpt2", steps=8, tied=False),
         "gpt_neox": tiny_run(root / "gpt_neox", corpus, arch="gpt_neox", steps=8, rotary_pct=0.25, tied=False),
@@ -69,7 +70,7 @@ def batch_of(run):
 # ---- hf ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,cls", [("llama", "LlamaForCausalLM"), ("llama-untied", "LlamaForCausalLM"),
-                                      ("gpt2", "GPT2LMHeadModel"), ("gpt2-untied", "GPT2LMHeadModel"),
+                                      ("qwen2", "Qwen2ForCausalLM"), ("gpt2", "GPT2LMHeadModel"), ("gpt2-untied", "GPT2LMHeadModel"),
                                       ("gpt_neox", "GPTNeoXForCausalLM")])
 def test_transformers_loads_the_hf_export_with_no_custom_code_and_computes_the_trainers_logits(runs, name, cls,
                                                                                                tmp_path):
@@ -224,6 +225,16 @@ def test_a_missing_or_incomplete_run_is_a_clear_error(runs, tmp_path):
     (newest / "model.safetensors").write_bytes(b"truncated")
     one_line_error(cli("--run", str(broken), "--format", "hf", "--out", str(tmp_path / "o")), "model.safetensors")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_missing_optional_package_names_what_to_install(runs, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    one_line_error(cli("--run", str(runs["llama"]), "--format", "gguf", "--out", str(tmp_path / "m.gguf")),
+                   "pip install gguf")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("args,needle", [(["--format", "safetensors"], "hf, gguf, onnx"),

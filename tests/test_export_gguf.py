@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
     return {
         "llama": tiny_run(root / "llama", corpus, arch="llama", steps=8),  # GQA: 4 heads, 2 kv heads; tied
         "llama-untied": tiny_run(root / "llama-untied", corpus, arch="llama", steps=8, tied=False),
+        "qwen2": tiny_run(root / "qwen2", corpus, arch="llama", steps=8, qkv_bias=True),
         "gpt2": tiny_run(root / "gpt2", corpus, arch="gpt2", steps=8),
         "gpt_neox": tiny_run(root / "gpt_neox", corpus, arch="gpt_neox", steps=8, rotary_pct=0.25, tied=False),
     }
@@ -119,14 +120,15 @@ def gguf_forward(fields, W, ids):
     for i in range(L):
         p = f"blk.{i}."
         h = norm(x, p + "attn_norm")
-        if arch == "llama":
+        if arch in ("llama", "qwen2"):
             q, k, v = lin(h, p + "attn_q"), lin(h, p + "attn_k"), lin(h, p + "attn_v")
         else:
             q, k, v = np.split(lin(h, p + "attn_qkv"), [H, H + kv_heads * d], axis=-1)
         q, k, v = q.reshape(T, heads, d), k.reshape(T, kv_heads, d), v.reshape(T, kv_heads, d)
-        if arch in ("llama", "gptneox"):
-            q = _rope(q, key("rope.dimension_count"), key("rope.freq_base"), neox=arch == "gptneox")
-            k = _rope(k, key("rope.dimension_count"), key("rope.freq_base"), neox=arch == "gptneox")
+        if arch in ("llama", "qwen2", "gptneox"):
+            neox = arch in ("qwen2", "gptneox")  # llama.cpp's rope type of each architecture
+            q = _rope(q, key("rope.dimension_count"), key("rope.freq_base"), neox=neox)
+            k = _rope(k, key("rope.dimension_count"), key("rope.freq_base"), neox=neox)
         a = lin(_attention(q, k, v), p + "attn_output")
         if arch == "gptneox" and key("use_parallel_residual"):
             h2 = norm(x, p + "ffn_norm")
@@ -134,7 +136,7 @@ def gguf_forward(fields, W, ids):
             continue
         x = x + a
         h = norm(x, p + "ffn_norm")
-        if arch == "llama":
+        if arch in ("llama", "qwen2"):
             g = lin(h, p + "ffn_gate")
             x = x + lin(g / (1 + np.exp(-g)) * lin(h, p + "ffn_up"), p + "ffn_down")
         else:
@@ -143,10 +145,12 @@ def gguf_forward(fields, W, ids):
     return x @ W.get("output.weight", W["token_embd.weight"]).T
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-untied", "gpt2", "gpt_neox"])
-def test_a_numpy_forward_over_the_gguf_tensors_reproduces_the_trainers_logits(runs, name, tmp_path):
-    export(runs[name], tmp_path / "m.gguf")
+@pytest.mark.parametrize("name,arch", [("llama", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
+                                       ("gpt2", "gpt2"), ("gpt_neox", "gptneox")])
+def test_a_numpy_forward_over_the_gguf_tensors_reproduces_the_trainers_logits(runs, name, arch, tmp_path):
+    assert export(runs[name], tmp_path / "m.gguf")["arch"] == arch
     fields, W, _ = read(tmp_path / "m.gguf")
+    assert fields["general.architecture"] == arch
     model, tok, _ = load_trained(runs[name])
     ids = tok.encode(TEXT)
     with torch.no_grad():

@@ -32,13 +32,13 @@ from memplan.model import ModelSpec
 
 FORMATS = ("hf", "gguf", "onnx")
 DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the dtype the run's weights are stored in
-SUPPORTED = ("llama (RMSNorm, RoPE, SwiGLU, no biases)", "gpt2 (LayerNorm, learned positions, GELU, biases)",
+SUPPORTED = ("llama (RMSNorm, RoPE, SwiGLU, no biases)", "qwen2 (llama with q/k/v biases)", "gpt2 (LayerNorm, learned positions, GELU, biases)",
              "gpt_neox (LayerNorm, RoPE, GELU, biases, parallel residual, no GQA)")
 
 # the layout each family must have to be a transformers / llama.cpp model: (field, value) pairs
 _FAMILY_LAYOUT = {
-    "llama": {"norm": "rmsnorm", "pos": "rope", "mlp": "swiglu", "bias": False, "qkv_bias": False,
-              "parallel_residual": False, "rotary_pct": 1.0},
+    "llama": {"norm": "rmsnorm", "pos": "rope", "mlp": "swiglu", "bias": False, "parallel_residual": False,
+              "rotary_pct": 1.0},
     "gpt2": {"norm": "layernorm", "pos": "learned", "mlp": "gelu", "bias": True, "parallel_residual": False},
     "gpt_neox": {"norm": "layernorm", "pos": "rope", "mlp": "gelu", "bias": True, "parallel_residual": True},
 }
@@ -95,8 +95,14 @@ class LoadedRun:
         return self.tensors[name]
 
 
+def family_of(spec: ModelSpec) -> str:
+    """llama | qwen2 (a llama with biases on q, k and v only) | gpt2 | gpt_neox."""
+    return "qwen2" if spec.arch == "llama" and spec.qkv_bias else spec.arch
+
+
 def check_exportable(spec: ModelSpec, fmt: str) -> str:
-    """The family of ``spec`` if ``fmt`` can carry it, else an InputError naming the supported families."""
+    """The family (``family_of``) of ``spec`` if ``fmt`` can carry it, else an InputError naming the supported
+    families."""
     if fmt not in FORMATS:
         raise InputError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     layout = _FAMILY_LAYOUT[spec.arch]
@@ -106,7 +112,7 @@ def check_exportable(spec: ModelSpec, fmt: str) -> str:
     if off:
         raise InputError(f"--format {fmt}: this {spec.arch} model has {', '.join(off)}, which no {fmt} runtime "
                          f"class takes; exportable families: {'; '.join(SUPPORTED)}")
-    return spec.arch
+    return family_of(spec)
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> LoadedRun:

@@ -8,6 +8,8 @@ llama    token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_
          llama.cpp's llama graph applies RoPE to adjacent pairs (dims 2i, 2i+1), the trainer (like HF
          Llama) to halves (dims i, i + d/2); so the rows of each head of attn_q and attn_k are
          permuted as the converter's ``LlamaModel.permute`` does: (heads, 2, d/2, H) -> (heads, d/2, 2, H).
+qwen2    as llama plus blk.N.attn_{q,k,v}.bias; llama.cpp's qwen2 graph uses NEOX RoPE (halves), so no
+         permutation.
 gpt2     token_embd, position_embd, blk.N.{attn_norm, attn_qkv, attn_output, ffn_norm, ffn_up, ffn_down}
          with .weight and .bias, output_norm, output (written even when tied).
 gptneox  token_embd, blk.N.{attn_norm, attn_qkv, attn_output, ffn_norm, ffn_up, ffn_down} (+ biases),
@@ -36,9 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from memplan.errors import InputError
-from trainer.export import MARKER, LoadedRun, commit_files, temp_sibling
+from trainer.export import MARKER, LoadedRun, commit_files, family_of, temp_sibling
 
-GGUF_ARCH = {"llama": "llama", "gpt2": "gpt2", "gpt_neox": "gptneox"}
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2", "gpt_neox": "gptneox"}
 PRE_TOKENIZER = "gpt-2"
 
 
@@ -63,9 +65,14 @@ def gguf_tensors(run: LoadedRun) -> dict[str, np.ndarray]:
         names = {"attn_norm": "norm1", "attn_output": "attn.proj", "ffn_norm": "norm2", "ffn_down": "mlp.down"}
         if spec.arch == "llama":
             q, k, v = np.split(t(b + "attn.qkv.weight"), [H, H + kv], axis=0)
-            out[g + "attn_q.weight"] = permute_rotary(q, spec.heads)
-            out[g + "attn_k.weight"] = permute_rotary(k, spec.kv_heads)
-            out[g + "attn_v.weight"] = v
+            if spec.qkv_bias:  # qwen2: llama.cpp's qwen2 graph rotates halves (NEOX mode), as the trainer
+                out[g + "attn_q.weight"], out[g + "attn_k.weight"], out[g + "attn_v.weight"] = q, k, v
+                qb, kb, vb = np.split(t(b + "attn.qkv.bias"), [H, H + kv])
+                out[g + "attn_q.bias"], out[g + "attn_k.bias"], out[g + "attn_v.bias"] = qb, kb, vb
+            else:
+                out[g + "attn_q.weight"] = permute_rotary(q, spec.heads)
+                out[g + "attn_k.weight"] = permute_rotary(k, spec.kv_heads)
+                out[g + "attn_v.weight"] = v
             gate, up = np.split(t(b + "mlp.up.weight"), [F], axis=0)
             out[g + "ffn_gate.weight"], out[g + "ffn_up.weight"] = gate, up
         else:
@@ -127,7 +134,7 @@ def write_gguf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
     import gguf
 
     spec = run.spec
-    arch = GGUF_ARCH[spec.arch]
+    arch = GGUF_ARCH[family_of(spec)]
     tokens, types, merges = gguf_vocab(run)
     tensors = gguf_tensors(run)
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,

@@ -1,9 +1,10 @@
-"""Hugging Face export: a directory ``transformers`` loads as LlamaForCausalLM, GPT2LMHeadModel or
-GPTNeoXForCausalLM with no custom code (``AutoModelForCausalLM.from_pretrained(DIR)``).
+"""Hugging Face export: a directory ``transformers`` loads as LlamaForCausalLM, Qwen2ForCausalLM,
+GPT2LMHeadModel or GPTNeoXForCausalLM with no custom code (``AutoModelForCausalLM.from_pretrained(DIR)``).
 
 Weight names and layouts, from the trainer's canonical names (``trainer/model.py``):
 
-llama   embed -> model.embed_tokens; blocks.i.attn.qkv (rows [q; k; v]) -> self_attn.{q,k,v}_proj;
+llama   (and qwen2, the same with q/k/v biases)
+        embed -> model.embed_tokens; blocks.i.attn.qkv (rows [q; k; v]) -> self_attn.{q,k,v}_proj;
         attn.proj -> o_proj; mlp.up (rows [gate; up]) -> mlp.{gate,up}_proj; mlp.down -> down_proj;
         norm1/norm2 -> input_layernorm/post_attention_layernorm; norm -> model.norm; head -> lm_head.
         Rotary needs no permutation: the trainer rotates in HF Llama's half-split layout (rotate_half).
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from trainer.export import MARKER, LoadedRun, commit_dir, temp_sibling
+from trainer.export import MARKER, LoadedRun, commit_dir, family_of, temp_sibling
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CLASS_NAMES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}
+CLASS_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel",
+               "gpt_neox": "GPTNeoXForCausalLM"}
 
 
 def hf_tensors(run: LoadedRun) -> dict[str, torch.Tensor]:
@@ -42,6 +44,10 @@ def hf_tensors(run: LoadedRun) -> dict[str, torch.Tensor]:
             q, k, v = t(b + "attn.qkv.weight").split([H, kv, kv], dim=0)
             out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
             out[p + "self_attn.v_proj.weight"] = v
+            if spec.qkv_bias:  # qwen2
+                qb, kb, vb = t(b + "attn.qkv.bias").split([H, kv, kv], dim=0)
+                out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = qb, kb
+                out[p + "self_attn.v_proj.bias"] = vb
             out[p + "self_attn.o_proj.weight"] = t(b + "attn.proj.weight")
             gate, up = t(b + "mlp.up.weight").split([F, F], dim=0)  # trainer: gate, up = h.chunk(2)
             out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
@@ -99,7 +105,8 @@ def hf_tensors(run: LoadedRun) -> dict[str, torch.Tensor]:
 def hf_config(run: LoadedRun, dtype: str) -> dict:
     """config.json: the class's own keys (transformers 4.45 through 5 read them)."""
     spec = run.spec
-    common = {"architectures": [CLASS_NAMES[spec.arch]], "vocab_size": spec.vocab,
+    family = family_of(spec)
+    common = {"architectures": [CLASS_NAMES[family]], "vocab_size": spec.vocab,
               "tie_word_embeddings": spec.tied, "bos_token_id": run.eot_id, "eos_token_id": run.eot_id,
               "torch_dtype": dtype, "dtype": dtype, "use_cache": True, "initializer_range": 0.02}
     # RoPE extrapolates poorly beyond what it trained at: advertise that; a learned table has its rows
@@ -111,6 +118,10 @@ def hf_config(run: LoadedRun, dtype: str) -> dict:
                "max_position_embeddings": context, "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
                "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
                "pretraining_tp": 1}
+        if family == "qwen2":
+            cfg = {**{k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")},
+                   "model_type": "qwen2", "use_sliding_window": False, "sliding_window": None,
+                   "max_window_layers": spec.layers}
     elif spec.arch == "gpt2":
         cfg = {"model_type": "gpt2", "n_embd": spec.hidden, "n_layer": spec.layers, "n_head": spec.heads,
                "n_inner": spec.ffn, "n_positions": spec.max_positions, "n_ctx": spec.max_positions,
@@ -166,4 +177,4 @@ def write_hf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
     notes = [] if run.tokenizer_json is not None else [
         "the run used tiktoken's gpt2 encoding: no tokenizer files written; load the `gpt2` tokenizer from "
         "transformers (the same vocabulary)"]
-    return CLASS_NAMES[run.spec.arch], notes
+    return CLASS_NAMES[family_of(run.spec)], notes
