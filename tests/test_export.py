@@ -188,6 +188,26 @@ def test_an_existing_output_is_kept_unless_force(runs, tmp_path):
     assert gguf.read_bytes() == b"precious"
 
 
+def test_leftovers_of_a_killed_export_are_cleaned_up_and_others_kept(runs, tmp_path):
+    dead = tmp_path / ".model.gguf.tmp-999999999-1"  # no such process
+    dead.mkdir()
+    (dead / "model.gguf").write_bytes(b"half")
+    unrelated = tmp_path / ".model.gguf.backup"
+    unrelated.write_bytes(b"mine")
+    assert cli("--run", str(runs["llama"]), "--format", "gguf", "--out", str(tmp_path / "model.gguf")).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.gguf.backup", "model.gguf"]
+
+
+def test_checkpoint_exports_an_older_step(runs, tmp_path):
+    older = sorted((runs["llama"] / "checkpoints").iterdir())[0]
+    result = cli("--run", str(runs["llama"]), "--checkpoint", str(older), "--format", "hf", "--out",
+                 str(tmp_path / "hf"), "--json")
+    assert result.exit_code == 0, result.output
+    step = json.loads((older / "meta.json").read_text())["step"]
+    assert json.loads(result.stdout)["step"] == step < json.loads(
+        (sorted((runs["llama"] / "checkpoints").iterdir())[-1] / "meta.json").read_text())["step"]
+
+
 def test_force_never_replaces_a_directory_an_export_did_not_write(runs, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -194,11 +194,30 @@ def _is_hf_export(directory: Path) -> bool:
 
 
 def temp_sibling(out: Path) -> Path:
-    """A fresh temporary directory beside ``out`` (same filesystem, so the final rename is atomic)."""
+    """A fresh temporary directory beside ``out`` (same filesystem, so the final rename is atomic).
+
+    Leftovers of an export of the same ``out`` that was killed (``.NAME.tmp-PID-…``, ``.NAME.old-PID-…``
+    whose process is gone) are removed first.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
+    for p in out.parent.glob(f".{out.name}.*-*-*"):
+        kind, _, rest = p.name[len(out.name) + 2:].partition("-")
+        pid = rest.split("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fsync(path: Path) -> None:
