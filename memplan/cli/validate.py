@@ -34,8 +34,8 @@ def validation_page(device_name: str, rows, summary):
     if traced:
         scatter.add_trace(go.Scatter(x=[t[0] for t in traced], y=[t[1] for t in traced], mode="markers", name="trace",
                                      marker=dict(symbol="x", size=8), text=[t[2] for t in traced]))
-    scatter.update_xaxes(title="measured peak allocated (GiB)", type="log")
-    scatter.update_yaxes(title="predicted peak allocated (GiB)", type="log")
+    scatter.update_xaxes(title="measured peak allocated (GiB)", type="log", dtick=1)  # decades only
+    scatter.update_yaxes(title="predicted peak allocated (GiB)", type="log", dtick=1)
     style_figure(scatter, "Predicted against measured peak allocated")
 
     errors = go.Figure(go.Bar(x=names, y=[100 * r.error for r in rows], name="analytic",
