@@ -96,8 +96,10 @@ def _ppl(loss: float | None) -> float | None:
     return math.exp(loss) if loss < 700 else float("inf")
 
 
-def resolve_data(run_dir: Path, meta: dict, data_dir: str | Path | None) -> tuple[PreparedData, bool]:
-    """The corpus to evaluate on and whether it is the run's own; a different tokenizer is an InputError."""
+def resolve_data(run_dir: Path, meta: dict, data_dir: str | Path | None,
+                 checkpoint: Path | None = None) -> tuple[PreparedData, bool]:
+    """The corpus to evaluate on and whether it is the run's own; a different tokenizer is an InputError
+    (naming the checkpoint's tokenizer.json to prepare with)."""
     own_path = (meta.get("data") or {}).get("path")
     if data_dir is None:
         if not own_path:
@@ -110,7 +112,7 @@ def resolve_data(run_dir: Path, meta: dict, data_dir: str | Path | None) -> tupl
     run_sha = meta.get("tokenizer_sha256") or (meta.get("tokenizer") or {}).get("sha256")
     data_sha = data.manifest["tokenizer"]["sha256"]
     if run_sha != data_sha:
-        hint = f"{Path(meta['_checkpoint']) / 'tokenizer.json'}" if meta.get("_checkpoint") else "the run's tokenizer.json"
+        hint = checkpoint / "tokenizer.json" if checkpoint is not None else "the run's tokenizer.json"
         raise InputError(f"--data {data_dir}: prepared with another tokenizer (sha256 {data_sha[:12]}) than the "
                          f"run's ({str(run_sha)[:12]}); prepare it with `memplan prepare --tokenizer {hint}`")
     own = bool(own_path) and Path(own_path).resolve() == Path(data_dir).resolve()
@@ -132,7 +134,7 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path | None = None, config
                                                                     "path", None)
     device = device or torch.device("cpu")
     model, _, meta = load_trained(run_dir, device=device, checkpoint=checkpoint)
-    data, own = resolve_data(run_dir, {**meta, "_checkpoint": str(ref)}, data_dir)
+    data, own = resolve_data(run_dir, meta, data_dir, ref)
     spec = model.spec
     setup = dataclasses.replace(_plan_setup(meta), checkpointing="none", compile=False)
     ctx = config.ctx or setup.ctx

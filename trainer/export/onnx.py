@@ -5,7 +5,7 @@ Input ``input_ids`` (batch, sequence) int64; output ``logits`` (batch, sequence,
 is the trainer's forward with eager attention (explicit causal mask and softmax: every ONNX runtime has
 those ops) on a freshly built model, so the rotary tables are computed in the graph for whatever
 sequence length comes in. The sequence may be up to the model's max_positions (a learned position
-table's rows). A model over 2 GiB (protobuf's limit) keeps its weights in ``OUT.data`` beside it.
+table's rows; for RoPE, or the context it trained at if longer). A model over 2 GiB (protobuf's limit) keeps its weights in ``OUT.data`` beside it.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def write_onnx(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
     wrapped = _Logits(model)
     example = torch.zeros((2, min(16, spec.max_positions)), dtype=torch.long)
     batch = torch.export.Dim("batch", min=1)
-    sequence = torch.export.Dim("sequence", min=1, max=spec.max_positions)
+    longest = spec.max_positions if spec.pos == "learned" else max(spec.max_positions, run.ctx)
+    sequence = torch.export.Dim("sequence", min=1, max=longest)
     external = spec.params * 4 > PROTOBUF_LIMIT_BYTES * 0.9
     tmp = temp_sibling(out)
     try:
