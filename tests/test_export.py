@@ -259,6 +259,7 @@ def test_a_missing_optional_package_names_what_to_install(runs, tmp_path, monkey
 
 @pytest.mark.parametrize("args,needle", [(["--format", "safetensors"], "hf, gguf, onnx"),
                                          (["--format", "hf", "--dtype", "fp8"], "float32, float16, bfloat16"),
-                                         (["--format", "onnx", "--dtype", "float16"], "onnx")])
+                                         (["--format", "onnx", "--dtype", "float16"], "onnx"),
+                                         (["--format", "hf", "--dtype", "q8_0"], "only in GGUF")])
 def test_bad_flags_are_one_line_errors(runs, tmp_path, args, needle):
     one_line_error(cli("--run", str(runs["llama"]), "--out", str(tmp_path / "o"), *args), needle)

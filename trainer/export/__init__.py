@@ -31,7 +31,7 @@ from memplan.errors import InputError
 from memplan.model import ModelSpec
 
 FORMATS = ("hf", "gguf", "onnx")
-DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the dtype the run's weights are stored in
+DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")  # auto: the run's weights' own; q8_0: GGUF only
 SUPPORTED = ("llama (RMSNorm, RoPE, SwiGLU, no biases)", "qwen2 (llama with q/k/v biases)", "gpt2 (LayerNorm, learned positions, GELU, biases)",
              "gpt_neox (LayerNorm, RoPE, GELU, biases, parallel residual, no GQA)")
 
@@ -54,7 +54,7 @@ class ExportResult:
     arch: str  # the runtime's name for the architecture (LlamaForCausalLM, llama, ...)
     params: int
     step: int  # the checkpoint's step
-    dtype: str  # float32 | float16 | bfloat16 (of the matrices; norms stay float32 in GGUF)
+    dtype: str  # float32 | float16 | bfloat16 | q8_0 (of the matrices; norms stay float32 in GGUF)
     seconds: float
     notes: tuple[str, ...] = ()  # things the user should know (e.g. the pre-tokenizer named in GGUF)
 
@@ -153,6 +153,9 @@ def resolve_dtype(dtype: str, run: LoadedRun, fmt: str = "hf") -> str:
     """float32 | float16 | bfloat16 from --dtype (auto: the weights' own; float32 for onnx)."""
     if dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype == "q8_0" and fmt != "gguf":
+        raise InputError(f"--dtype q8_0: llama.cpp's 8-bit blocks exist only in GGUF; for --format {fmt} use "
+                         "float32, float16 or bfloat16")
     if dtype == "auto" and fmt == "onnx":
         return "float32"
     if dtype == "auto":

@@ -17,7 +17,10 @@ gptneox  token_embd, blk.N.{attn_norm, attn_qkv, attn_output, ffn_norm, ffn_up, 
          interleave to get the same); RoPE is llama.cpp's NEOX mode (halves) on the first
          rope.dimension_count dims, so no permutation.
 
-Norm weights and biases stay float32 whatever --dtype says (llama.cpp reads them as float32).
+Norm weights and biases stay float32 whatever --dtype says (llama.cpp reads them as float32). ``q8_0``
+stores each matrix in llama.cpp's Q8_0 blocks (32 weights, one f16 scale: 8.5 bits a weight), quantized by
+``gguf.quants``; a matrix whose rows are not a multiple of 32 falls back to float16, as llama.cpp's
+converter does.
 
 Vocabulary (``tokenizer.ggml.*``): model ``gpt2`` (byte-level BPE): every token string in id order,
 its type (CONTROL for special tokens such as <|endoftext|>, NORMAL otherwise, UNUSED for embedding rows
@@ -42,6 +45,7 @@ from trainer.export import MARKER, LoadedRun, commit_files, family_of, temp_sibl
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2", "gpt_neox": "gptneox"}
 PRE_TOKENIZER = "gpt-2"
+Q8_BLOCK = 32  # weights per Q8_0 block (each block: 32 int8 and one f16 scale)
 
 
 def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
@@ -138,7 +142,7 @@ def write_gguf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
     tokens, types, merges = gguf_vocab(run)
     tensors = gguf_tensors(run)
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
-                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     tmp = temp_sibling(out)
     try:
         w = gguf.GGUFWriter(str(tmp / out.name), arch)
@@ -176,12 +180,12 @@ def write_gguf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
         for name, array in tensors.items():
             if array.ndim == 1 or dtype == "float32":  # norms and biases stay float32
                 w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-            elif dtype == "float16":
+            elif dtype == "float16" or (dtype == "q8_0" and array.shape[-1] % Q8_BLOCK):
                 w.add_tensor(name, array.astype(np.float16))
             else:
-                bf16 = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32),
-                                            gguf.GGMLQuantizationType.BF16)
-                w.add_tensor(name, bf16, raw_shape=bf16.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+                qtype = gguf.GGMLQuantizationType.BF16 if dtype == "bfloat16" else gguf.GGMLQuantizationType.Q8_0
+                packed = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
+                w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
