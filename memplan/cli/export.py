@@ -21,8 +21,8 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing out
 CheckpointOpt = Annotated[Optional[str], typer.Option(
     "--checkpoint", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
 DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", help="auto (the weights' own) | float32 | float16 | bfloat16; GGUF keeps norms in float32; onnx "
-                    "takes float32.")]
+    "--dtype", help="auto (the weights' own) | float32 | float16 | bfloat16 | q8_0 (GGUF only: llama.cpp's 8-bit "
+                    "blocks); GGUF keeps norms in float32; onnx writes float32.")]
 
 
 @app.command("export")
