@@ -2,7 +2,7 @@
 
 For each exportable family (llama tied and untied, qwen2, gpt2, gpt_neox with partial rotary) this trains a
 tiny model on generated stories (150 steps, seconds each), exports it with ``memplan export --format gguf``
-in float32 and float16, loads the file in llama.cpp (node-llama-cpp's prebuilt CPU build), and compares
+in float32, float16 and q8_0, loads the file in llama.cpp (node-llama-cpp's prebuilt CPU build), and compares
 
 - tokenization: llama.cpp's ids for each prompt (through the GGUF vocabulary, merges and the ``gpt-2``
   pre-tokenizer) against the run's own tokenizer;
@@ -14,7 +14,10 @@ It needs Node.js and node-llama-cpp, which are not Python dependencies of mempla
     mkdir /tmp/llcpp && cd /tmp/llcpp && npm init -y && npm i -E node-llama-cpp@3.21.1
     python benchmarks/export_llama_cpp.py --node-project /tmp/llcpp [--tokens 24]
 
-Exit status 1 if any comparison disagrees.
+Exit status 1 if llama.cpp tokenizes any prompt differently, or decodes a float32 export differently. float16 and
+q8_0 exports round the weights, so near-ties among the tiny models' next tokens may flip: those greedy counts
+are reported, not judged (measured on 2026-11-30: float16 72/72 for every family; q8_0 72/72 for llama and gpt2,
+70/72 for qwen2 and gpt_neox, the last two tokens of one prompt).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def main() -> int:
         for name, shape in CASES.items():
             run = tiny_run(root / f"run-{name}", corpus, steps=args.steps, **shape)
             model, tok, meta = load_trained(run)
-            for dtype in ("float32", "float16"):
+            for dtype in ("float32", "float16", "q8_0"):
                 out = root / f"{name}-{dtype}.gguf"
                 export_run(run, "gguf", out, dtype=dtype)
                 tok_ok = gen_ok = 0
@@ -97,7 +100,7 @@ def main() -> int:
                     stopped_at_eot = same == len(theirs["output_ids"]) < args.tokens and ours[same] == tok.eot_id
                     gen_ok += args.tokens if (same == args.tokens or stopped_at_eot) else same
                 total = args.tokens * len(PROMPTS)
-                failures += (tok_ok != len(PROMPTS)) + (gen_ok != total)
+                failures += (tok_ok != len(PROMPTS)) + (dtype == "float32" and gen_ok != total)
                 print(f"{name:<13} {dtype:<8} {f'{tok_ok}/{len(PROMPTS)}':>12} {f'{gen_ok}/{total}':>14}", flush=True)
     print("all equal" if not failures else f"{failures} disagreement(s)")
     return 1 if failures else 0
