@@ -17,7 +17,7 @@ It needs Node.js and node-llama-cpp, which are not Python dependencies of mempla
 Exit status 1 if llama.cpp tokenizes any prompt differently, or decodes a float32 export differently. float16 and
 q8_0 exports round the weights, so near-ties among the tiny models' next tokens may flip: those greedy counts
 are reported, not judged (measured on 2026-11-30: float16 72/72 for every family; q8_0 72/72 for llama and gpt2,
-70/72 for qwen2 and gpt_neox, the last two tokens of one prompt).
+70/72 for qwen2 and gpt_neox).
 """
 
 from __future__ import annotations
