@@ -150,7 +150,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> Loade
 
 
 def resolve_dtype(dtype: str, run: LoadedRun, fmt: str = "hf") -> str:
-    """float32 | float16 | bfloat16 from --dtype (auto: the weights' own; float32 for onnx)."""
+    """float32 | float16 | bfloat16 | q8_0 (GGUF only) from --dtype (auto: the weights' own; float32 for onnx)."""
     if dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if dtype == "q8_0" and fmt != "gguf":
