@@ -41,6 +41,46 @@ together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``me
 one (e.g. 1.25): ``memplan autotune`` proposes torch.compile only where it is present and above 1.
 Every table's ``source`` ends up in ``Device.sources``. ``--device PATH`` loads any file of this schema.
 
+``[calibrated]``, written by ``memplan calibrate`` (``trainer/calibrate.py`` measures, ``memplan/timing.py``
+uses). Every field is optional; a missing one falls back to the profile's peaks and bandwidth. Kernel
+times are *net*: the first-touch cost of fresh outputs is taken out (timing adds it back)::
+
+    [calibrated]
+    date = "2026-01-01T12:00:00"      # when it was measured
+    torch = "2.13.0+cpu"              # the torch it was measured with
+    threads = 1                       # torch.get_num_threads() while measuring: train with the same
+    seconds = 58.2                    # how long the calibration took
+    noise = 0.04                      # median relative spread (IQR / median) of repeated timings
+    launch_overhead_seconds = 2.1e-5  # per dispatched aten op (views included), forward + backward of a
+                                      # tiny reference block divided by memplan's count of its ops
+    copy_bytes_per_second = 5.3e9     # bytes read + written per second by a large copy
+    first_touch_bytes_per_second = 7e8  # CPU: fresh pages written per second (kernel page zeroing)
+    first_touch_threshold_bytes = 33554432  # CPU: tensors above this are fresh pages (glibc mmap threshold)
+    skipped = ["matmul bf16 4096x1024x32768"]  # measurements the time budget did not allow
+    source = "measured by memplan calibrate on ..."
+
+    [calibrated.matmul_tflops]        # best net forward F.linear rate per dtype (Device.matmul_flops_per_second)
+    fp32 = 0.075
+
+    [calibrated.matmul]               # per dtype: rows [tokens, in, out, forward_tflops, backward_tflops]
+    fp32 = [[64, 64, 64, 0.02, 0.025], ...]   # forward: x(tokens, in) · W(out, in)ᵀ; backward: both
+                                              # gradient matmuls through autograd, 4·tokens·in·out FLOPs
+    [calibrated.elementwise]          # per dtype: rows [operand_bytes, bytes_per_second] of an add (2 reads,
+    fp32 = [[262144, 1.1e10], ...]    # 1 write), operands cycled through 32 MiB as a step's tensors are
+
+    [calibrated.modules]              # "<rmsnorm|layernorm|rotary|swiglu|gelu>_<dtype>": rows [output
+    rmsnorm_fp32 = [[16384, 1e-4, 3e-4], ...] # elements, forward_seconds, backward_seconds], each module timed
+                                              # whole through autograd (its dispatches included)
+
+    [calibrated.transcendental]       # elements per second: silu_fp32, silu_bf16, log_softmax_fp32, ...
+    silu_fp32 = 3.1e8
+
+    [calibrated.attention]            # "<sdpa|eager>_<dtype>": rows [ctx, head_dim, forward_tflops,
+    sdpa_fp32 = [[64, 32, 0.01, 0.008], ...]  # backward_tflops] against nominal 4·B·heads·T²·head_dim forward
+                                              # FLOPs and twice that backward (causal masking not discounted)
+    [calibrated.optimizer]            # clip_grad_norm_ + step() + zero_grad(): [seconds_per_param,
+    adamw = [3.0e-9, 2.0e-5]          #   seconds_per_tensor], for adamw (foreach), adamw-fused, sgd
+
 Nothing here imports torch: detection of the local device reads NVML, ROCm SMI, the OS and psutil.
 """
 
@@ -207,10 +247,42 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
         flash_attention=flash,
         match=tuple(data.get("match", ())),
         interconnect=interconnect,
-        calibrated=dict(data.get("calibrated", {})),
+        calibrated=_calibrated(data, path),
         sources=sources,
         path=path,
     )
+
+
+_CALIBRATED_NUMBERS = ("threads", "seconds", "noise", "launch_overhead_seconds", "copy_bytes_per_second",
+                       "first_touch_bytes_per_second", "first_touch_threshold_bytes")
+_CALIBRATED_ROWS = {"matmul": 5, "elementwise": 2, "attention": 4, "modules": 3}  # table -> numbers per row
+
+
+def _calibrated(data: dict, path: str) -> dict:
+    """The ``[calibrated]`` table, checked: non-negative numbers, positive rates, rows of the documented width."""
+    cal = _table(data, "calibrated", path, required=False)
+    for key in _CALIBRATED_NUMBERS:
+        if key in cal:
+            _number(cal, key, "calibrated.", path)
+    for name in ("matmul_tflops", "transcendental", "optimizer", *_CALIBRATED_ROWS):
+        table = cal.get(name, {})
+        if not isinstance(table, dict):
+            raise InputError(f"profile {path}: calibrated.{name} must be a table")
+        for key, value in table.items():
+            width = _CALIBRATED_ROWS.get(name, 2 if name == "optimizer" else 0)
+            values = [value] if not width else value
+            if width and name != "optimizer":
+                if not isinstance(value, list) or not value:
+                    raise InputError(f"profile {path}: calibrated.{name}.{key} must be a list of rows")
+                values = [x for row in value for x in (row if isinstance(row, list) and len(row) == width
+                                                       else [None])]
+            elif name == "optimizer" and (not isinstance(value, list) or len(value) != 2):
+                values = [None]
+            for x in values:
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not (x > 0 or (x == 0 and name == "optimizer")):
+                    what = f"rows of {width} positive numbers" if width else "a positive number"
+                    raise InputError(f"profile {path}: calibrated.{name}.{key} = {value!r:.60}; expected {what}")
+    return cal
 
 
 def load_profile_file(path: str | Path) -> Device:

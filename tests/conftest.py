@@ -18,3 +18,16 @@ def run_memplan(*args: str, timeout: float = 600, env: dict | None = None) -> su
 @pytest.fixture
 def memplan_cli():
     return run_memplan
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """memplan's cache (the embedded corpus, the local calibration) lives in a directory of this test
+    session, never in the user's ~/.cache."""
+    saved = os.environ.get("MEMPLAN_CACHE")
+    os.environ["MEMPLAN_CACHE"] = str(tmp_path_factory.mktemp("memplan-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("MEMPLAN_CACHE", None)
+    else:
+        os.environ["MEMPLAN_CACHE"] = saved

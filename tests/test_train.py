@@ -495,6 +495,9 @@ def test_without_a_plan_train_picks_a_model_autotunes_it_and_trains_for_the_time
     result = cli("--data", str(corpus), "--out", str(run), "--max-minutes", "0.1", "--sample-tokens", "4")
     assert result.exit_code == 0, result.output
     assert "Model for a 0.1-minute run" in result.stderr and "Sample" in result.stdout
+    assert "rates: measured on this machine in" in result.stderr  # a short calibration, kept for next time
+    cached = list((Path(os.environ["MEMPLAN_CACHE"]) / "calibrated").glob("*.toml"))
+    assert len(cached) == 1 and load_profile(str(cached[0])).calibrated["matmul_tflops"]["fp32"] > 0
     plan = Plan.load(run / "plan.toml")
     assert plan.model.vocab == PreparedData(corpus).vocab_size and plan.model.layers == 2  # the smallest rung
     assert plan.predicted["peak_reserved"] > 0  # autotune's prediction, kept in the plan
@@ -502,6 +505,10 @@ def test_without_a_plan_train_picks_a_model_autotunes_it_and_trains_for_the_time
     assert lines[0]["schedule"]["total_steps"] >= 1
     assert lines[-1]["event"] == "stop" and lines[-1]["reason"] == "max_minutes"
     assert lines[-1]["wall_seconds"] < 6 * 2
+
+    again = cli("--data", str(corpus), "--out", str(tmp_path / "again"), "--max-minutes", "0.05", "--sample-tokens", "0")
+    assert again.exit_code == 0, again.output
+    assert f"rates: measured on this machine ({cached[0]})" in " ".join(again.stderr.split())
 
 
 def test_autotune_options_reach_autotune(tmp_path, corpus):

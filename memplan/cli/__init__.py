@@ -70,6 +70,7 @@ def _group() -> None:
 # Each module registers its command(s) on ``app`` at import. Heavy imports (torch) stay inside
 # the command functions, so `memplan estimate` never loads torch.
 from memplan.cli import autotune  # noqa: E402,F401
+from memplan.cli import calibrate  # noqa: E402,F401
 from memplan.cli import estimate  # noqa: E402,F401
 from memplan.cli import eval  # noqa: E402,F401
 from memplan.cli import export  # noqa: E402,F401

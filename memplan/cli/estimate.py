@@ -42,9 +42,8 @@ def print_estimate(est) -> None:
     console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                   f"{format_bytes(device.usable_bytes)} usable")
 
-    if not device.supports(setup.compute_dtype) and setup.compute_dtype != "tf32":
-        console.print(f"[yellow]note[/]: {device.name} has no fast native {setup.compute_dtype}; the time below "
-                      "uses its fp32 rate (see `memplan autotune` for the precision it runs best)")
+    for note in t.notes:  # what the step-time model assumed (memplan/timing.py): e.g. an fp32 fallback
+        console.print(f"[yellow]note[/]: {note}")
     table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
     table.add_column("term")
     table.add_column("bytes", justify="right")
@@ -64,16 +63,9 @@ def print_estimate(est) -> None:
     else:
         console.print("[red]No micro-batch fits[/]: try checkpointing, a shorter context, or `memplan autotune`.")
 
-    times = Table(title=f"Time per step (rates: {t.rate_source})", title_justify="left")
-    times.add_column("term")
-    times.add_column("seconds", justify="right")
-    times.add_column("bound")
-    for name, term in t.terms.items():
-        if term.seconds > 0:
-            times.add_row(name, format_seconds(term.seconds), term.bound)
-    times.add_section()
-    times.add_row("[bold]step[/]", f"[bold]{format_seconds(t.step_seconds)}[/]", "")
-    console.print(times)
+    from memplan.cli.time_table import time_table
+
+    console.print(time_table(t))
     line = (f"{format_count(t.flops_per_step)}FLOP per step, {t.tokens_per_second:,.0f} tokens/s, "
             f"MFU {t.mfu:.0%}")
     if t.epoch_seconds is not None:

@@ -32,6 +32,7 @@ DEFAULT_CTX = 1024  # with MODEL flags, as the other commands
 TOKENS_PER_PARAM = 20  # compute-optimal tokens per parameter (Hoffmann et al. 2022, Chinchilla)
 QUICKSTART_MIN_STEPS = 200  # the quick start's global batch is sized for at least this many steps
 QUICKSTART_LAYERS = (2, 3, 4, 6, 8, 10, 12)  # the model ladder: hidden = 64·layers (memplan's size rule)
+QUICKSTART_CALIBRATE_SECONDS = 15.0  # the quick start's first calibration of this machine (then cached)
 MATMUL_PROBE = 1024  # side of the square fp32 matmul timed to rate the local device for the quick start
 
 _R = "Run"
@@ -167,6 +168,8 @@ def train_command(
     quickstart = not plan and not given_model and not given_setup and not resume
 
     profile = device_from(device, device_memory)
+    if device is None:  # the local device: plan with its measured rates where memplan has them
+        profile = local_calibration(profile, console, measure_now=quickstart)
     if resume:
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
@@ -277,6 +280,59 @@ def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, con
     return p
 
 
+def calibration_cache(family: str, title: str, threads: int, torch_version: str) -> Path:
+    """Where the local device's calibration is kept: one TOML per device, torch threads and torch version."""
+    from memplan.cli.calibrate import _slug
+
+    return cache_dir() / "calibrated" / f"{family}-{_slug(title)}-{threads}t-torch{_slug(torch_version)}.toml"
+
+
+def local_calibration(profile, console, measure_now: bool):
+    """The local ``profile`` with rates this machine measured: a cached ``memplan calibrate``-style
+    calibration if there is one; else, with ``measure_now`` (the quick start), a short calibration
+    (QUICKSTART_CALIBRATE_SECONDS) run now and cached; else the profile as it is. A profile that
+    already carries calibrated rates (``--device my.toml``) is never reached here."""
+    import tomllib
+
+    import torch
+
+    from memplan.cli.calibrate import write_atomically
+    from memplan.hardware import device_from_toml
+    from trainer import calibrate as cal_mod
+
+    if profile.calibrated:
+        return profile
+    family = cal_mod.local_family()
+    path = calibration_cache(family, cal_mod.device_title(family), torch.get_num_threads(), torch.__version__)
+    if path.is_file():
+        try:
+            cached = device_from_toml(tomllib.loads(path.read_text()), str(path))
+        except (InputError, tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
+            console.print(f"[yellow]note[/]: ignoring an unreadable calibration {path}")
+        else:
+            console.print(f"rates: measured on this machine ({path})", soft_wrap=True)
+            return profile.replace(calibrated=cached.calibrated)
+    if not measure_now:
+        console.print("[dim]rates: the profile's nominal figures; `memplan calibrate` measures this machine "
+                      "(predictions of time are far closer afterwards)[/]")
+        return profile
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]measuring this machine[/] {task.description:<18}"), BarColumn(),
+               TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("starting", total=1.0)
+        cal = cal_mod.calibrate(QUICKSTART_CALIBRATE_SECONDS,
+                                progress=lambda stage, done: progress.update(task, description=stage, completed=done))
+    text = cal_mod.profile_toml(cal_mod.profile_data(cal, profile.name, None))
+    measured = device_from_toml(tomllib.loads(text), str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, text)
+    console.print(f"rates: measured on this machine in {cal.seconds:.0f} s (kept in {path}; "
+                  "`memplan calibrate` measures longer)", soft_wrap=True)
+    return profile.replace(calibrated=measured.calibrated)
+
+
 def measured_matmul_rate(seconds: float = 0.5) -> float:
     """FLOP/s of a square fp32 matmul on the local torch device (a quick rate for the quick start's model choice)."""
     import torch
@@ -303,9 +359,12 @@ def quickstart_model(vocab: int, profile, minutes: float, ctx: int):
     from memplan.setup import TrainSetup
     from memplan.timing import step_time
 
-    rate = measured_matmul_rate()
-    rated = profile.replace(calibrated={**profile.calibrated, "matmul_tflops": {
-        **profile.calibrated.get("matmul_tflops", {}), "fp32": rate / 1e12}})
+    if profile.calibrated.get("matmul_tflops", {}).get("fp32"):
+        rated, rate = profile, profile.calibrated["matmul_tflops"]["fp32"] * 1e12
+    else:
+        rate = measured_matmul_rate()
+        rated = profile.replace(calibrated={**profile.calibrated, "matmul_tflops": {
+            **profile.calibrated.get("matmul_tflops", {}), "fp32": rate / 1e12}})
     chosen = None
     for layers in QUICKSTART_LAYERS:
         hidden = 64 * layers

@@ -1,0 +1,174 @@
+"""``memplan calibrate``: measure the local device and write a profile TOML that ``--device PATH`` uses."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from memplan.cli import app
+from memplan.cli.options import JsonOpt, print_json
+from memplan.errors import InputError
+
+OutOpt = Annotated[Optional[str], typer.Option(
+    "--out", help="Profile TOML to write (default: calibrated-<device>.toml in the current directory).",
+    show_default=False)]
+DeviceNameOpt = Annotated[Optional[str], typer.Option(
+    "--device-name", help="The profile's name (what `--device` reports); default: <bundled name>-calibrated or "
+                          "the device's model name.", show_default=False)]
+SecondsOpt = Annotated[str, typer.Option(
+    "--seconds", help="Time budget of the measurements (the smallest case of every table is always measured); "
+                      "CPU seconds with --clock cpu.")]
+ThreadsOpt = Annotated[Optional[str], typer.Option(
+    "--threads", help="torch CPU threads to measure with (recorded in the profile; train with the same). "
+                      "Default: torch's default, the physical cores.", show_default=False)]
+ClockOpt = Annotated[str, typer.Option(
+    "--clock", help="wall | cpu. cpu times one CPU thread by its process CPU time, which leaves out the time "
+                    "other processes hold the core (shared machines); needs --threads 1.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")]
+
+
+NOISY = 0.15  # a median spread of repeated timings above this gets a note: the machine was busy
+
+DEFAULT_SECONDS = "50"  # measurements plan 80% of it; with torch's import the command ends within a minute
+
+
+def _slug(text: str) -> str:
+    out = "".join(c if c.isalnum() else "-" for c in text.lower())
+    return "-".join(p for p in out.split("-") if p)[:48] or "device"
+
+
+def check_out(out: Path, force: bool) -> None:
+    """--out must be a writable file path; an existing file needs --force (nothing is touched before)."""
+    if out.is_dir():
+        raise InputError(f"--out: {str(out)!r} is a directory; give a file name such as my-device.toml")
+    if out.exists() and not force:
+        raise InputError(f"--out: {str(out)!r} exists; pass --force to overwrite it, or choose another file")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"--out: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"--out: cannot write to the directory {str(parent)!r}")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise InputError(f"--out: {str(out)!r} is not writable")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary file beside ``path``, then rename it over (the old file survives any failure)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent or Path(".")))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a profile is an ordinary file
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _print_summary(console, device, cal, out: Path) -> None:
+    from rich.table import Table
+
+    from memplan.units import format_bytes
+
+    t = Table(title=f"Calibrated {device.title}", title_justify="left")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    t.add_column("", style="dim")
+    rates = cal.matmul_tflops()
+    for dtype, rate in rates.items():
+        peak = device.peak_tflops.get(dtype)
+        if dtype != "fp32" and not device.native.get(dtype) and rates.get("fp32"):
+            note = f"not native here: {rate / rates['fp32']:.0%} of the fp32 rate"
+        else:
+            note = f"{rate / peak:.0%} of {peak:.3g} TFLOPS peak" if peak else ""
+        t.add_row(f"matmul {dtype}", f"{rate * 1e3:,.1f} GFLOPS" if rate < 1 else f"{rate:,.1f} TFLOPS", note)
+    t.add_row("copy bandwidth", f"{cal.bandwidth_bytes_per_second / 1e9:,.1f} GB/s", "read + written")
+    t.add_row("launch overhead", f"{cal.launch_overhead_seconds * 1e6:,.1f} µs", "per dispatched op")
+    if cal.first_touch_bytes_per_second:
+        t.add_row("first touch", f"{cal.first_touch_bytes_per_second / 1e9:,.2f} GB/s",
+                  f"fresh tensors above {format_bytes(cal.first_touch_threshold_bytes or 0)}")
+    for name, (per_param, per_tensor) in cal.optimizer.items():
+        t.add_row(f"optimizer {name}", f"{per_param * 1e9:,.2f} ns/param", f"+ {per_tensor * 1e6:,.1f} µs/tensor")
+    t.add_row("memory", format_bytes(cal.memory_total_bytes), f"{format_bytes(cal.memory_usable_bytes)} usable")
+    t.add_row("threads", str(cal.threads), f"clock: {cal.clock}")
+    t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings")
+    console.print(t)
+    if cal.noise > NOISY:
+        console.print(f"[yellow]note[/]: repeated timings spread by {cal.noise:.0%} (IQR / median): other processes "
+                      "are competing for the device. On a shared CPU, `--threads 1 --clock cpu` times by CPU time "
+                      "(and train with one thread); otherwise calibrate again when the machine is idle.")
+    if cal.skipped:
+        console.print(f"[dim]{len(cal.skipped)} measurement(s) skipped to stay within the budget "
+                      "(the model interpolates and holds the nearest measured rates).[/]")
+    console.print(f"Wrote [bold]{out}[/] in {cal.seconds:.0f} s; use it with [bold]--device {out}[/]")
+
+
+@app.command("calibrate")
+def calibrate_command(
+    out: OutOpt = None, device_name: DeviceNameOpt = None, seconds: SecondsOpt = DEFAULT_SECONDS,
+    threads: ThreadsOpt = None,
+    clock: ClockOpt = "wall", force: ForceOpt = False, json: JsonOpt = False,
+) -> None:
+    """Measure this machine's device (matmul per dtype and shape, memory bandwidth, attention, optimizer, launch
+    overhead, memory) and write a profile TOML with the measured rates."""
+    from memplan.units import parse_count
+
+    try:
+        budget = float(seconds)
+    except ValueError:
+        raise InputError(f"--seconds: {seconds!r} is not a number; use a positive number of seconds such as 60") \
+            from None
+    if not budget > 0 or budget != budget or budget == float("inf"):
+        raise InputError(f"--seconds: {seconds!r} must be a positive number of seconds, such as 60")
+    n_threads = parse_count(threads, "--threads") if threads is not None else None
+    if clock not in ("wall", "cpu"):
+        raise InputError(f"--clock: {clock!r} is not one of wall, cpu")
+    if clock == "cpu" and n_threads != 1:
+        raise InputError("--clock cpu times one CPU thread: pass --threads 1 with it")
+    if device_name is not None and not device_name.strip():
+        raise InputError("--device-name: give a non-empty name, such as my-laptop")
+    target = Path(out) if out else None
+    if target is not None:
+        check_out(target, force)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trainer import calibrate as cal_mod
+
+    from memplan.hardware import match_profile
+
+    console = Console(stderr=True)
+    columns = (TextColumn("[bold]calibrating[/] {task.description:<18}"), BarColumn(),
+               TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=json) as progress:
+        task = progress.add_task("starting", total=1.0)
+        cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock,
+                                progress=lambda stage, done: progress.update(task, description=stage, completed=done))
+    base = match_profile(cal.title, cal.family) if cal.family != "cpu" else None
+    name = device_name.strip() if device_name else (f"{base.name}-calibrated" if base else _slug(cal.title))
+    if target is None:
+        target = Path(f"calibrated-{_slug(name)}.toml")
+        check_out(target, force)
+    data = cal_mod.profile_data(cal, name, base)
+    text = cal_mod.profile_toml(data)
+    # the file must load as a profile before it replaces anything
+    import tomllib
+
+    from memplan.hardware import device_from_toml
+
+    device = device_from_toml(tomllib.loads(text), str(target))
+    write_atomically(target, text)
+    if json:
+        print_json({"out": str(target), "profile": data})
+    else:
+        _print_summary(Console(), device, cal, target)
