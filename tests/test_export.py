@@ -34,10 +34,11 @@ def runs(tmp_path_factory):
     return {
         "llama": tiny_run(root / "llama", corpus, arch="llama", steps=8),  # GQA (4 heads, 2 kv), tied
         "llama-untied": tiny_run(root / "llama-untied", corpus, arch="llama", steps=8, tied=False, kv_heads=4),
-        "qwen2": tiny_run(root / "qwen2", corpus, arch="llama", steps=8, qkv_bias=True),
+        "qwen2": tiny_run(root / "qwen2", corpus, arch="llama", steps=8, qkv_bias=True, rope_theta=500.0),
         "gpt2": tiny_run(root / "gpt2", corpus, arch="gpt2", steps=8),
         "gpt2-untied": tiny_run(root / "gpt2-untied", corpus, arch="gpt2", steps=8, tied=False),
-        "gpt_neox": tiny_run(root / "gpt_neox", corpus, arch="gpt_neox", steps=8, rotary_pct=0.25, tied=False),
+        "gpt_neox": tiny_run(root / "gpt_neox", corpus, arch="gpt_neox", steps=8, rotary_pct=0.25, tied=False,
+                             rope_theta=500.0),  # a non-default base must reach the runtime
         "llama-mixed": tiny_run(root / "llama-mixed", corpus, arch="llama", steps=2, norm="layernorm"),
     }
 
