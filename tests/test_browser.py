@@ -143,6 +143,24 @@ def train_report(tmp_path: Path) -> Path:
     return run / "report.html"
 
 
+def step_time_report(tmp_path: Path) -> Path:
+    """benchmarks/step_time.py's page (the calibrate report): a 2-second calibration of this machine,
+    then one config measured for three steps against its prediction."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    profile, out = tmp_path / "cal.toml", tmp_path / "step_time.html"
+    r = subprocess.run([sys.executable, "-m", "memplan", "calibrate", "--seconds", "2", "--threads", "1",
+                        "--out", str(profile)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "step_time.py"), "--device", str(profile),
+                        "--threads", "1", "--only", "300k ctx64 b1 fp32", "--steps", "3", "--passes", "1",
+                        "--warmup", "1", "--html", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 @dataclass(frozen=True)
 class Report:
     name: str
@@ -150,12 +168,13 @@ class Report:
     docs: bool = False  # MEMPLAN_SCREENSHOTS=DIR saves its screenshot as DIR/NAME.png (the README's pictures)
 
 
-REPORTS = [  # add validate, calibrate and train reports here as they land, one line each
+REPORTS = [  # one line per kind of report
     Report("sweep", sweep_report, docs=True),
     Report("sweep-one-setup", sweep_report_one_setup),
     Report("validate", validate_report),  # made-up measurements: no README picture from it
     Report("report-module", report_module_page),
     Report("train", train_report),
+    Report("step-time", step_time_report),
 ]
 
 
@@ -267,10 +286,11 @@ PLOT_STATUS_JS = """
     const svg = gd ? gd.querySelector('svg.main-svg') : null;
     const r = box.getBoundingClientRect();
     // The plot areas (one per subplot), and the data marks drawn inside one: markers, bars, lines,
-    // heatmap images, pie slices. A mark drawn wholly outside its axes' ranges does not count.
+    // heatmap images, pie slices, table cells. A mark drawn wholly outside its axes' ranges does not count.
     const areas = gd ? Array.from(gd.querySelectorAll('.draglayer .nsewdrag')).map(e => e.getBoundingClientRect()) : [];
     const marks = gd ? Array.from(gd.querySelectorAll(
-      'g.trace .point, g.trace path.js-line, g.trace path.js-fill, g.hm image, g.imagelayer image, .pielayer path.surface')) : [];
+      'g.trace .point, g.trace path.js-line, g.trace path.js-fill, g.hm image, g.imagelayer image, ' +
+      '.pielayer path.surface, g.table .column-cell')) : [];
     const inView = marks.filter(m => { const b = m.getBoundingClientRect();
       return (b.width > 0 || b.height > 0) && (areas.length === 0 || areas.some(a => meets(b, a))); });
     return {
