@@ -219,7 +219,9 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
 
     profile = device_from(device, device_memory)
     if device is None:  # the local device: plan with its measured rates where memplan has them
-        profile = local_calibration(profile, console, measure_now=quickstart)
+        profile, rates_note = local_calibration(profile, console, measure_now=quickstart)
+    else:
+        rates_note = None
     if resume:
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
@@ -238,7 +240,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
             if plan or given_model or given_setup or ctx is not None:
                 asked = _plan_from_flags(plan, model_flags, setup_flags, prepared, profile, console, quiet=True)
             return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper,
-                          sharding=sharding)
+                          rates_note=rates_note, sharding=sharding)
         console.print(f"[yellow]note[/]: {run_dir} has no checkpoint yet; starting the run from step 0")
 
     prepared = PreparedData(Path(data) if data else _embedded_data_once(console))
@@ -263,7 +265,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
         the_plan = distributed.from_rank0(for_world(the_plan, launched, sharding, profile, console))
     run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
     _train(console, run_dir, prepared, profile, plan=the_plan, overrides=overrides, hyper=hyper,
-           allow_existing=resume)
+           allow_existing=resume, rates_note=rates_note)
 
 
 # =================================================================================================
@@ -343,8 +345,9 @@ def calibration_cache(family: str, title: str, threads: int, torch_version: str)
 def local_calibration(profile, console, measure_now: bool):
     """The local ``profile`` with rates this machine measured: a cached ``memplan calibrate``-style
     calibration if there is one; else, with ``measure_now`` (the quick start), a short calibration
-    (QUICKSTART_CALIBRATE_SECONDS) run now and cached; else the profile as it is. A profile that
-    already carries calibrated rates (``--device my.toml``) is never reached here."""
+    (QUICKSTART_CALIBRATE_SECONDS) run now and cached; else the profile as it is. Returns the profile
+    and a line saying where its rates come from (printed once the run's options are all accepted, so
+    that an error stays one line)."""
     import tomllib
 
     import torch
@@ -354,21 +357,19 @@ def local_calibration(profile, console, measure_now: bool):
     from trainer import calibrate as cal_mod
 
     if profile.calibrated:
-        return profile
+        return profile, None
     family = cal_mod.local_family()
     path = calibration_cache(family, cal_mod.device_title(family), torch.get_num_threads(), torch.__version__)
     if path.is_file():
         try:
             cached = device_from_toml(tomllib.loads(path.read_text()), str(path))
         except (InputError, tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
-            console.print(f"[yellow]note[/]: ignoring an unreadable calibration {path}")
+            pass  # measured again below, or the nominal rates
         else:
-            console.print(f"rates: measured on this machine ({path})", soft_wrap=True)
-            return profile.replace(calibrated=cached.calibrated)
+            return profile.replace(calibrated=cached.calibrated), f"rates: measured on this machine ({path})"
     if not measure_now:
-        console.print("[dim]rates: the profile's nominal figures; `memplan calibrate` measures this machine "
-                      "(predictions of time are far closer afterwards)[/]")
-        return profile
+        return profile, ("[dim]rates: the profile's nominal figures; `memplan calibrate` measures this machine "
+                         "(predictions of time are far closer afterwards)[/]")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("[bold]measuring this machine[/] {task.description:<18}"), BarColumn(),
@@ -381,9 +382,8 @@ def local_calibration(profile, console, measure_now: bool):
     measured = device_from_toml(tomllib.loads(text), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, text)
-    console.print(f"rates: measured on this machine in {cal.seconds:.0f} s (kept in {path}; "
-                  "`memplan calibrate` measures longer)", soft_wrap=True)
-    return profile.replace(calibrated=measured.calibrated)
+    return profile.replace(calibrated=measured.calibrated), (
+        f"rates: measured on this machine in {cal.seconds:.0f} s (kept in {path}; `memplan calibrate` measures longer)")
 
 
 def measured_matmul_rate(seconds: float = 0.5) -> float:
@@ -537,7 +537,7 @@ def ensure_embedded_data(console) -> Path:
 # =================================================================================================
 
 def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=None, overrides, hyper,
-           allow_existing: bool = False, sharding: str | None = None) -> None:
+           allow_existing: bool = False, rates_note: str | None = None, sharding: str | None = None) -> None:
     from trainer.loop import Trainer, TrainConfig, TrainingStopped
 
     if plan is not None:  # a new run
@@ -548,6 +548,8 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
         trainer = Trainer.resume(run_dir, prepared, profile, plan=resume_plan, overrides={**overrides, **hyper},
                                  sharding=sharding)
     _print_plan(trainer, console)
+    if rates_note:
+        console.print(f"  {rates_note}", soft_wrap=True)
     view = _ProgressView(console, trainer)
     trainer.on_event(view.update)
     try:
@@ -578,7 +580,7 @@ def _print_plan(trainer, console) -> None:
     console.print(f"  data: {trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, sources "
                   f"{', '.join(trainer.data.source_names)}); device {trainer.device} ({trainer.profile.name} profile)")
     console.print(f"  predicted: peak {format_bytes(pred['peak_reserved'])} ({format_bytes(pred['peak_allocated'])} "
-                  f"live tensors), {pred['tokens_per_second']:,.0f} tokens/s, MFU {pred['mfu']:.0%}")
+                  f"live tensors), {pred['tokens_per_second']:,.0f} tokens/s, MFU {pred['mfu']:.1%}")
     if trainer.step:
         console.print(f"  from step {trainer.step:,} ({format_count(trainer.tokens)} tokens seen)")
     family = {"cuda": ("cuda", "rocm"), "mps": ("mps",), "cpu": ("cpu",)}.get(trainer.device.type, ())
@@ -728,6 +730,13 @@ def _launch(click_ctx, nproc: int, data: str | None, out: str | None, resume: bo
                              f"{world_size}`")
     if not data and not resume:
         data = str(ensure_embedded_data(console))
+    params = click_ctx.params
+    if params.get("device") is None and not resume:  # calibrated here, alone, once: the ranks read the cache
+        flags = [k for k in ("params", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+                             "tied", "batch", "grad_accum", "precision", "attention", "checkpointing",
+                             "optimizer", "compile") if params.get(k) is not None]
+        local_calibration(device_from(None, params.get("device_memory")), console,
+                          measure_now=not params.get("plan") and not flags)
     if not out and not resume:
         out = str(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
     argv += [*(["--data", data] if data else []), *(["--out", out] if out else [])]

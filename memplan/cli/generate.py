@@ -1,0 +1,117 @@
+"""``memplan generate``: continue a prompt with a trained run's model (KV cache, streamed to stdout; stats to stderr)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from memplan.cli import app
+from memplan.errors import InputError
+
+_G = "Generation"
+RunOpt = Annotated[str, typer.Option("--run", help="A run directory (`memplan train --out RUN` or `memplan finetune`).",
+                                     show_default=False)]
+CheckpointOpt = Annotated[Optional[str], typer.Option(
+    "--checkpoint", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
+PromptOpt = Annotated[str, typer.Option("--prompt", help="The text to continue (empty: start a new document).",
+                                        show_default=False)]
+MaxNewOpt = Annotated[str, typer.Option("--max-new-tokens", help="Tokens to generate at most (end-of-text stops "
+                                        "earlier).", rich_help_panel=_G)]
+GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Always the most likely token: the same text on every call.",
+                                         rich_help_panel=_G)]
+TemperatureOpt = Annotated[str, typer.Option("--temperature", help="Softmax temperature (lower: safer, higher: more "
+                                             "varied).", rich_help_panel=_G)]
+TopKOpt = Annotated[str, typer.Option("--top-k", help="Sample among the k most likely tokens (0: all).",
+                                      rich_help_panel=_G)]
+TopPOpt = Annotated[str, typer.Option("--top-p", help="Sample among the most likely tokens whose probabilities sum "
+                                      "to p (1: all).", rich_help_panel=_G)]
+RepetitionOpt = Annotated[str, typer.Option("--repetition-penalty", help="Divide the logits of tokens already seen "
+                                            "by this (1: off; 1.1-1.3 breaks loops).", rich_help_panel=_G)]
+SeedOpt = Annotated[str, typer.Option("--seed", help="Seed of the sampling (same seed, same text).",
+                                      rich_help_panel=_G)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print {text, stats} as JSON instead of streaming.")]
+
+LOOP_WARNING = 0.5  # a repetition score above this is called out: the output loops
+
+
+def parse_float(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise InputError(f"{flag}: {text!r} is not a number") from None
+
+
+def parse_int(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(f"{flag}: {text!r} is not a whole number") from None
+
+
+def inference_precision(plan_precision: str, device_type: str) -> str:
+    """The precision generation runs in: the plan's autocast on a GPU; on a CPU the weights' own dtype
+    (fp32, or bf16 for a pure-bf16 run): CPU autocast to bf16 is slower than fp32 there."""
+    if device_type == "cpu" and plan_precision in ("bf16-mixed", "fp16-mixed"):
+        return "fp32"
+    return plan_precision
+
+
+@app.command("generate")
+def generate_command(
+    run: RunOpt, prompt: PromptOpt = "", max_new_tokens: MaxNewOpt = "128", greedy: GreedyOpt = False,
+    temperature: TemperatureOpt = "0.8", top_k: TopKOpt = "50", top_p: TopPOpt = "1.0",
+    repetition_penalty: RepetitionOpt = "1.0", seed: SeedOpt = "0", checkpoint: CheckpointOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Continue --prompt with the run's model: tokens stream to stdout; tokens/s and a repetition score to stderr."""
+    from rich.console import Console
+
+    from memplan.cli.options import print_json
+    from memplan.cli.train import printable
+
+    config_kwargs = dict(
+        max_new_tokens=parse_int(max_new_tokens, "--max-new-tokens"), greedy=greedy,
+        temperature=parse_float(temperature, "--temperature"), top_k=parse_int(top_k, "--top-k"),
+        top_p=parse_float(top_p, "--top-p"), repetition_penalty=parse_float(repetition_penalty, "--repetition-penalty"),
+        seed=parse_int(seed, "--seed"))
+
+    from trainer.generate import SamplingConfig, context_window, generate_text
+    from trainer.loop import load_trained, torch_device_for
+
+    config = SamplingConfig(**config_kwargs)
+    device = torch_device_for()
+    model, tokenizer, meta = load_trained(run, device=device, checkpoint=checkpoint)
+    precision = inference_precision(meta["plan"]["setup"]["precision"], device.type)
+    window = context_window(model, meta)
+    err = Console(stderr=True, highlight=False)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(printable(piece))
+        sys.stdout.flush()
+
+    text, stats = generate_text(model, tokenizer, prompt, config, window=window, precision=precision,
+                                on_text=None if json else stream)
+    if json:
+        print_json({"prompt": prompt, "text": text, "run": str(run), "step": meta.get("step"),
+                    "sampling": {k: getattr(config, k) for k in ("max_new_tokens", "greedy", "temperature", "top_k",
+                                                                  "top_p", "repetition_penalty", "seed")},
+                    "device": str(device), "precision": precision, "window": window, "stats": stats.to_json()})
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    tps = stats.tokens_per_second
+    decode = stats.decode_tokens_per_second
+    line = (f"{stats.new_tokens} tokens in {stats.prefill_seconds + stats.decode_seconds:.2f} s"
+            + (f": {tps:,.1f} tokens/s" if tps else "")
+            + (f" (decode {decode:,.1f} tokens/s; prompt {stats.prompt_tokens} tokens in "
+               f"{stats.prefill_seconds * 1000:.0f} ms)" if decode else f" (prompt {stats.prompt_tokens} tokens)")
+            + f"; repetition {stats.repetition:.2f} (share of repeated 4-grams)"
+            + ("; stopped at end-of-text" if stats.stopped == "eot" else "")
+            + (f"; the window of {window} tokens was full {stats.context_shifts}× (its newest half kept)"
+               if stats.context_shifts else ""))
+    err.print(line, soft_wrap=True)
+    if stats.repetition > LOOP_WARNING:
+        err.print("[yellow]note[/]: the output repeats itself; try sampling (drop --greedy), "
+                  "--repetition-penalty 1.2, or a longer-trained model", soft_wrap=True)

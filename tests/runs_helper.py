@@ -1,0 +1,56 @@
+"""Tiny trained runs for the tests of what comes after training (generate, eval, export, finetune).
+
+``tiny_corpus`` prepares 300 generated stories with a 320-token byte-level BPE (a fraction of a
+second); ``tiny_run`` trains a 2-layer model on it for a few dozen steps with the real trainer, so
+the run directory is exactly what ``memplan train`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memplan.hardware import load_profile
+from memplan.model import ModelSpec
+from memplan.plan import Plan
+from memplan.setup import TrainSetup
+from trainer import data
+from trainer.data import PreparedData
+from trainer.loop import TrainConfig, Trainer
+
+ANIMALS = ["cat", "dog", "owl", "fox", "bee", "elk", "yak", "ant"]
+PLACES = ["garden", "river", "forest", "city", "meadow", "harbour"]
+
+
+def story(i: int) -> str:
+    return (f"Story {i}. Once upon a time a {ANIMALS[i % 8]} walked to the {PLACES[i % 6]}. "
+            f"It met a {ANIMALS[(i * 3 + 1) % 8]} and they talked about the number {i * 37 % 101}. ")
+
+
+def tiny_corpus(root: Path, tokenizer: str = "bpe:320", n: int = 300, name: str = "prepared") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / f"{name}-stories.jsonl"
+    src.write_text("".join(json.dumps({"text": story(i)}) + "\n" for i in range(n)))
+    out = root / name
+    data.prepare(data.resolve_inputs([str(src)]), out,
+                 data.PrepareConfig(tokenizer=tokenizer, workers=1, val_fraction=0.1))
+    return out
+
+
+def tiny_spec(arch: str, vocab: int, **overrides) -> ModelSpec:
+    shape = dict(arch=arch, layers=2, hidden=64, heads=4, kv_heads=2 if arch == "llama" else 4, ffn=128,
+                 vocab=vocab, tied=True, max_positions=256)
+    shape.update(overrides)
+    return ModelSpec(**shape)
+
+
+def tiny_run(run_dir: Path, corpus: Path, arch: str = "llama", steps: int = 40, ctx: int = 64,
+             precision: str = "fp32", **overrides) -> Path:
+    """Train a tiny model of ``arch`` on ``corpus`` for ``steps`` steps into ``run_dir``."""
+    prepared = PreparedData(corpus)
+    spec = tiny_spec(arch, prepared.vocab_size, **overrides)
+    plan = Plan(model=spec, setup=TrainSetup(ctx=ctx, micro_batch=8, precision=precision), device="cpu")
+    trainer = Trainer.start(run_dir, plan, prepared, TrainConfig(max_steps=steps, lr=3e-3, sample_tokens=0),
+                            load_profile("cpu"))
+    trainer.run()
+    return run_dir
