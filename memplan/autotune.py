@@ -14,7 +14,9 @@ The search space, for one model at one context length on one device:
   changes the training, not just its speed;
 - optimizer: AdamW with the foreach implementation (``adamw``) or the fused kernel (``adamw-fused``);
 - ``torch.compile``, only where the profile's ``[calibrated] compile_speedup`` says it helps (> 1).
-  The memory of a compiled step is taken as that of the eager one (compile usually saves some).
+  The memory of a compiled step is taken as that of the eager one (compile usually saves some);
+- with ``world_size`` > 1 (that many devices like this one): DDP or FSDP2 over all of them
+  (``memplan.memory`` plans each rank's memory; FSDP shards weights, gradients and optimizer state).
 
 The objective: the highest predicted tokens/s whose predicted peak_reserved ≤ budget × (1 − margin).
 Ties (equal predicted speed, such as fused and foreach AdamW, whose time terms are the same) go to
@@ -35,6 +37,7 @@ Nothing here imports torch. ``trainer.verify.verify`` runs the chosen plan for r
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -53,6 +56,7 @@ from memplan.units import format_bytes, format_count
 
 DEFAULT_MARGIN = 0.1  # share of the budget kept free for what the model does not see
 ATTENTIONS = ("sdpa", "eager")
+SHARDINGS = ("ddp", "fsdp")  # searched when there is more than one device
 OPTIMIZERS = ("adamw-fused", "adamw")  # fused first: it wins the tie with foreach (same time, less memory)
 TIE_DIGITS = 9  # predicted tokens/s equal to this many significant digits are a tie
 
@@ -408,44 +412,41 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
         notes.append(f"torch.compile not considered: the profile's compile_speedup is {speedup:g} (no gain)")
     precisions = precision_candidates(device)
     ev = _Evaluator(spec, device, speedup, tokens)
-    sharding = "ddp" if world_size > 1 else "none"
+    shardings = SHARDINGS if world_size > 1 else ("none",)
     sizes = divisors(per)
     accumulating = sizes[:-1]  # micro-batches that leave grad_accum ≥ 2
 
     configs: list[ConfigSearch] = []
     best_points: list[TrainSetup] = []  # the fastest fitting micro-batch of each configuration
     rejected_points: list[TrainSetup] = []  # the next micro-batch up, which does not fit
-    for precision in precisions:
-        for checkpointing in CHECKPOINTINGS:
-            for attention in ATTENTIONS:
-                for optimizer in OPTIMIZERS:
-                    for compiled in compiles:
-                        base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
-                                          attention=attention, checkpointing=checkpointing, optimizer=optimizer,
-                                          world_size=world_size, sharding=sharding, compile=compiled,
-                                          lora_rank=lora_rank, lora_targets=lora_targets)
+    for sharding, precision, checkpointing, attention, optimizer, compiled in itertools.product(
+            shardings, precisions, CHECKPOINTINGS, ATTENTIONS, OPTIMIZERS, compiles):
+        base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
+                          attention=attention, checkpointing=checkpointing, optimizer=optimizer,
+                          world_size=world_size, sharding=sharding, compile=compiled,
+                          lora_rank=lora_rank, lora_targets=lora_targets)
 
-                        def at(m: int, base=base) -> TrainSetup:
-                            return base.replace(micro_batch=m, grad_accum=per // m)
+        def at(m: int, base=base) -> TrainSetup:
+            return base.replace(micro_batch=m, grad_accum=per // m)
 
-                        # bisection over the accumulating micro-batches: memory grows with the micro-batch
-                        lo, hi = -1, len(accumulating)
-                        while hi - lo > 1:
-                            mid = (lo + hi) // 2
-                            if ev.peak(at(accumulating[mid])) <= limit:
-                                lo = mid
-                            else:
-                                hi = mid
-                        largest = accumulating[lo] if lo >= 0 else 0
-                        whole_fits = ev.peak(at(per)) <= limit
-                        configs.append(ConfigSearch(setup=base, largest_accumulating=largest, whole_fits=whole_fits))
-                        if whole_fits:
-                            best_points.append(at(per))
-                        else:
-                            if largest:
-                                best_points.append(at(largest))
-                            # the first micro-batch that does not fit
-                            rejected_points.append(at(accumulating[hi]) if hi < len(accumulating) else at(per))
+        # bisection over the accumulating micro-batches: memory grows with the micro-batch
+        lo, hi = -1, len(accumulating)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ev.peak(at(accumulating[mid])) <= limit:
+                lo = mid
+            else:
+                hi = mid
+        largest = accumulating[lo] if lo >= 0 else 0
+        whole_fits = ev.peak(at(per)) <= limit
+        configs.append(ConfigSearch(setup=base, largest_accumulating=largest, whole_fits=whole_fits))
+        if whole_fits:
+            best_points.append(at(per))
+        else:
+            if largest:
+                best_points.append(at(largest))
+            # the first micro-batch that does not fit
+            rejected_points.append(at(accumulating[hi]) if hi < len(accumulating) else at(per))
 
     best_points.sort(key=ev.rank_key)
     rejected_points.sort(key=lambda s: (-ev.tokens_per_second(s), ev.peak(s)))
@@ -456,7 +457,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
                      configs=tuple(configs), _evaluator=ev,
                      space={"micro_batch": sizes, "checkpointing": list(CHECKPOINTINGS), "attention": list(ATTENTIONS),
                             "precision": list(precisions), "optimizer": list(OPTIMIZERS),
-                            "compile": list(compiles)})
+                            "compile": list(compiles), "sharding": list(shardings)})
 
     def plan_of(s: TrainSetup) -> Plan:
         return Plan(model=spec, setup=s, device=device_ref(device), budget_bytes=budget,
@@ -489,6 +490,8 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
 def _describe(s: TrainSetup) -> str:
     parts = [f"micro-batch {s.micro_batch} × {s.grad_accum}", f"checkpointing {s.checkpointing}", s.attention,
              s.precision, s.optimizer]
+    if s.world_size > 1:
+        parts.append(f"{s.sharding} over {s.world_size} devices")
     if s.compile:
         parts.append("compiled")
     return ", ".join(parts)
@@ -504,6 +507,8 @@ def _chosen_why(chosen: TrainSetup, best_points: list[TrainSetup], ev: _Evaluato
                     f"{plain[0].micro_batch} without it, {gain:.1%} faster")
         else:
             why += f"; checkpointing {chosen.checkpointing} is needed to fit"
+    if chosen.sharding == "fsdp" and not any(s.sharding == "ddp" for s in best_points):
+        why += "; FSDP is needed to fit (DDP keeps the whole model, its gradients and optimizer state on every device)"
     return why
 
 
@@ -535,27 +540,26 @@ def _reject_why(s: TrainSetup, ev: _Evaluator, limit: int, budget: int, margin: 
 def _lightest(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, precisions,
               memory: Callable[[TrainSetup], MemoryBreakdown] | None = None,
               checkpointings=CHECKPOINTINGS, attentions=ATTENTIONS,
-              optimizers=OPTIMIZERS) -> tuple[TrainSetup, MemoryBreakdown]:
+              optimizers=OPTIMIZERS, shardings=None) -> tuple[TrainSetup, MemoryBreakdown]:
     """The setup with the least predicted memory: micro-batch 1 (accumulating the rest), and of the
     configurations the one whose walk is lowest (usually full checkpointing, SDPA, fused AdamW)."""
     best = None
-    sharding = "ddp" if world_size > 1 else "none"
-    for precision in precisions:
-        for checkpointing in checkpointings:
-            for attention in attentions:
-                for optimizer in optimizers:
-                    s = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=per, precision=precision, attention=attention,
-                                   checkpointing=checkpointing, optimizer=optimizer, world_size=world_size,
-                                   sharding=sharding)
-                    mem = memory(s) if memory is not None else memory_on(spec, s, device)
-                    if best is None or mem.peak_reserved < best[1].peak_reserved:
-                        best = (s, mem)
+    if shardings is None:
+        shardings = SHARDINGS if world_size > 1 else ("none",)
+    for sharding, precision, checkpointing, attention, optimizer in itertools.product(
+            shardings, precisions, checkpointings, attentions, optimizers):
+        s = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=per, precision=precision, attention=attention,
+                       checkpointing=checkpointing, optimizer=optimizer, world_size=world_size, sharding=sharding)
+        mem = memory(s) if memory is not None else memory_on(spec, s, device)
+        if best is None or mem.peak_reserved < best[1].peak_reserved:
+            best = (s, mem)
     return best
 
 
 def _advice(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, budget: int, budget_given: bool,
             margin: float, limit: int, precisions, ev: _Evaluator) -> list[str]:
-    """What would fit when nothing does: a shorter context, a smaller model, more memory, more devices."""
+    """What would fit when nothing does: more devices (first, and said to be the only way when neither a
+    shorter context nor fewer layers fit), a shorter context, a smaller model, more memory."""
     lightest, mem = _lightest(spec, device, ctx, per, world_size, precisions, ev.memory)
     light = (f"the lightest plan (micro-batch 1, checkpointing {lightest.checkpointing}, {lightest.attention}, "
              f"{lightest.precision}, {lightest.optimizer}) needs {format_bytes(mem.peak_reserved)}, "
@@ -608,23 +612,53 @@ def _advice(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int
                       f"({device.name} has {format_bytes(device.usable_bytes)} usable)")
     advice.append(_bigger_devices(spec, device, ctx, per, world_size, margin, need_budget))
 
-    # more devices: FSDP shards weights, gradients and optimizer state k ways (the allocator's share shrinks
-    # with them; the runtime context does not)
-    state = mem.weights + mem.gradients + mem.optimizer
-
-    def sharded(k: int) -> float:
-        allocated = mem.peak_allocated - state + state / k
-        return allocated * (1 + device.allocator_overhead) + device.runtime_context_bytes
-
-    if sharded(FSDP_MAX_DEVICES) > limit:
-        advice.append(f"more devices do not help at this context: with the weights, gradients and optimizer "
-                      f"state sharded away, one sequence still needs {format_bytes(sharded(10**9))} per device")
-    else:
-        k = next(k for k in range(2, FSDP_MAX_DEVICES + 1) if sharded(k) <= limit)
-        advice.append(f"more devices: FSDP over about {k} devices like this one splits the "
-                      f"{format_bytes(state)} of weights, gradients and optimizer state enough to fit (approximate: "
-                      "memplan does not yet model FSDP's gathered layers; DDP does not reduce memory per device)")
+    # more devices: FSDP over k devices like this one, planned rank by rank (memplan.memory's FSDP walk)
+    advice.insert(1, _more_devices(spec, device, ctx, per * world_size, world_size, precisions, limit,
+                                   only=not any(a.startswith(("a shorter context:", "a smaller model: the same"))
+                                                for a in advice)))
     return advice
+
+
+def fsdp_devices_needed(spec: ModelSpec, device: Device, ctx: int, global_sequences: int, precisions,
+                        limit: int, start: int = 2) -> tuple[int | None, TrainSetup, MemoryBreakdown]:
+    """The fewest devices like ``device`` (from ``start`` up to FSDP_MAX_DEVICES) over which FSDP's
+    lightest plan (micro-batch 1, the lightest checkpointing, attention, precision and optimizer)
+    fits ``limit`` per device: (k or None, that plan, its memory). Per-device memory falls as k
+    grows (the sharded state shrinks; the gathered layers and the activations stay), so k is
+    found by bisection."""
+    def lightest(k: int) -> tuple[TrainSetup, MemoryBreakdown]:
+        per = max(1, round(global_sequences / k))
+        return _lightest(spec, device, ctx, per, k, precisions, shardings=("fsdp",))
+
+    top = lightest(FSDP_MAX_DEVICES)
+    if top[1].peak_reserved > limit:
+        return None, *top
+    lo, hi = start - 1, FSDP_MAX_DEVICES  # fits(hi); not known for lo
+    found = top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        attempt = lightest(mid)
+        if attempt[1].peak_reserved <= limit:
+            hi, found = mid, attempt
+        else:
+            lo = mid
+    return hi, *found
+
+
+def _more_devices(spec: ModelSpec, device: Device, ctx: int, global_sequences: int, world_size: int, precisions,
+                  limit: int, only: bool) -> str:
+    """The advice on more devices: how many, with FSDP, make the lightest plan fit per device."""
+    k, setup, mem = fsdp_devices_needed(spec, device, ctx, global_sequences, precisions, limit,
+                                        start=max(2, world_size + 1))
+    if k is None:
+        return (f"more devices do not help at this context: FSDP over {FSDP_MAX_DEVICES} devices like this one "
+                f"still needs {format_bytes(mem.peak_reserved)} per device (activations and the gathered layers "
+                "are not sharded)")
+    head = ("more devices: on devices like this one, more of them are the only way to fit this model at this "
+            "context" if only else "more devices")
+    return (f"{head}: FSDP over {k} devices like this one (--world-size {k} --sharding fsdp) fits, "
+            f"{format_bytes(mem.peak_reserved)} per device with checkpointing {setup.checkpointing}, "
+            f"{setup.attention}, {setup.precision}, micro-batch 1 (DDP does not reduce memory per device)")
 
 
 def _bigger_devices(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, margin: float,

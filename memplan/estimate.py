@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.hardware import Device
-from memplan.memory import MemoryBreakdown, peak_memory, sdpa_gqa_repeats
+from memplan.memory import COLLECTIVES_OF_FAMILY, MemoryBreakdown, peak_memory, sdpa_gqa_repeats
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 from memplan.timing import TimeBreakdown, step_time
@@ -38,9 +38,11 @@ class Estimate:
 
 
 def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device) -> MemoryBreakdown:
-    """peak_memory with the device family's runtime context, allocator reserve and attention kernels."""
+    """peak_memory with the device family's runtime context, allocator reserve, attention kernels and
+    collectives backend."""
     repeat = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
-    return peak_memory(spec, setup, device.runtime_context_bytes, device.allocator_overhead, repeat)
+    return peak_memory(spec, setup, device.runtime_context_bytes, device.allocator_overhead, repeat,
+                       COLLECTIVES_OF_FAMILY[device.family])
 
 
 def fits_on(spec: ModelSpec, setup: TrainSetup, device: Device, budget: int | None = None) -> bool:

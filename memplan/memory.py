@@ -32,6 +32,8 @@ LOWP_WEIGHT_BYTES = HALF_BYTES  # autocast's cached bf16/fp16 copy of a matmul w
 NORM_BACKWARD_FP32_BUFFERS = 2  # RMSNorm backward: the normalised input and the scaled gradient, fp32
 NORM_FORWARD_FP32_BUFFERS = 2  # RMSNorm forward: x², then x·rstd before the weight, fp32
 
+COLLECTIVES = ("nccl", "gloo")  # process-group backends: NCCL (RCCL on ROCm), gloo (CPU)
+COLLECTIVES_OF_FAMILY = {"cuda": "nccl", "rocm": "nccl", "cpu": "gloo", "mps": "gloo"}
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
 
 
@@ -421,6 +423,23 @@ def head_weight_grad_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return spec.vocab * spec.hidden * setup.param_bytes
 
 
+# ---- data parallel: DDP's buckets -------------------------------------------------------
+
+def ddp_bucket_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """DDP's gradient buckets, N·p: one flat tensor per bucket in the gradients' dtype, made
+    when DDP wraps the model and kept for the whole run. With ``gradient_as_bucket_view`` (and
+    ``zero_grad(set_to_none=False)``) every ``.grad`` is a view into them, so under DDP the
+    gradients exist for the whole step, all-reduced in place; each new weight gradient of a
+    backward is a temporary that is added into its view and freed, as under accumulation."""
+    return spec.params * setup.param_bytes
+
+
+def gradients_persist(setup: TrainSetup) -> bool:
+    """Whether ``.grad`` exists before a micro-batch's backward: under gradient accumulation (the
+    earlier micro-batches') and under DDP (its buckets)."""
+    return setup.grad_accum > 1 or setup.sharding == "ddp"
+
+
 # ---- the walk ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -672,8 +691,9 @@ def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_el
     """A matmul's backward: the input's gradient and the weight's gradient, then the saved input
     and the weight copy are released. Under autocast the weight gradient is computed in bf16
     and cast to fp32 (and, if the input was cast from fp32, the input gradient too). With
-    gradient accumulation the new weight gradient is added into ``.grad`` and freed; otherwise
-    it becomes ``.grad``. Under LoRA: ``_lora_linear_backward``."""
+    gradient accumulation (or under DDP, whose buckets hold the gradients) the new weight
+    gradient is added into ``.grad`` and freed; otherwise it becomes ``.grad``. Under LoRA:
+    ``_lora_linear_backward``."""
     if setup.lora_rank:
         _lora_linear_backward(w, spec, setup, matrix, weight_elems, grad_in_bytes, saved_input_bytes,
                               input_grad_bytes, input_cast, needs_input_grad)
@@ -691,7 +711,7 @@ def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_el
         w.alloc("temporaries", weight_elems * FP32_BYTES)
         w.free("temporaries", weight_elems * a)
     w.free("temporaries", weight_elems * setup.param_bytes)
-    if setup.grad_accum == 1:
+    if not gradients_persist(setup):
         w.alloc("gradients", weight_elems * setup.param_bytes)
 
 
@@ -835,7 +855,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     w = _StepWalk(spec, setup)
     n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
     r = residual_bytes_per_element(setup)
-    accum = setup.grad_accum > 1
+    accum = gradients_persist(setup)
     ckpt = setup.checkpointing != "none"
     mode = setup.checkpointing
     vh_grad = head_weight_grad_bytes(spec, setup) if not setup.lora_rank else 0  # LoRA: the head is frozen
@@ -844,8 +864,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     # persistent state
     w.alloc("weights", weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup), "start of step")
     w.alloc("optimizer", optimizer_state_bytes(spec, setup))
-    if accum:
-        w.alloc("gradients", gradient_bytes(spec, setup))  # earlier micro-batches' gradients
+    if accum:  # earlier micro-batches' gradients, or DDP's buckets
+        w.alloc("gradients", ddp_bucket_bytes(spec, setup) if setup.sharding == "ddp" else gradient_bytes(spec, setup))
     w.alloc("activations", input_bytes(spec, setup))
 
     w.mark("start of forward")
@@ -982,6 +1002,355 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     return w
 
 
+# ---- FSDP2: shards, all-gathers and reduce-scatters ------------------------------------------
+#
+# trainer/distributed.py applies ``fully_shard`` to every block and then to the root (embedding,
+# position table, final norm, untied head): L + 1 parameter groups, each sharded on dim 0 across
+# the W ranks. Notation: c = bytes of an all-gathered parameter (FSDP2's param_dtype: 2 under
+# bf16-mixed / fp16-mixed, else p), g = bytes of a reduced gradient (reduce_dtype: 4 under mixed
+# precision, else p), pad(G) = Σ over G's tensors of ceil(rows/W)·row_length, the padded shard
+# every rank stores, and local(G, rank) = the rows that rank really holds (rank 0 holds the
+# most: ceil(rows/W); the last may hold fewer, even none).
+
+def param_shapes(spec: ModelSpec) -> dict[str, list[tuple[int, int]]]:
+    """(rows, row length) of every parameter tensor of one block and of the root, as
+    trainer/model.py makes them: nn.Linear weights are (out, in), 1-D tensors are (n, 1)."""
+    h, kv = spec.hidden, spec.kv_dim
+    norm = [(h, 1)] * (2 if spec.norm == "layernorm" else 1)
+    qkv, up = _qkv_width(spec), _up_width(spec)
+    block = [*norm, (qkv, h)]
+    if spec.bias or spec.qkv_bias:
+        block.append((qkv, 1))
+    block.append((h, h))
+    if spec.bias:
+        block.append((h, 1))
+    block += [*norm, (up, h)]
+    if spec.bias:
+        block.append((up, 1))
+    block.append((h, spec.ffn))
+    if spec.bias:
+        block.append((h, 1))
+    root = [(spec.vocab, h)]
+    if spec.pos == "learned":
+        root.append((spec.max_positions, h))
+    root += norm
+    if not spec.tied:
+        root.append((spec.vocab, h))
+    return {"block": block, "root": root}
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rows of a dim-0 shard on ``rank``: torch.chunk's split, ceil(rows/W) each, the last ones short."""
+    per = -(-rows // world_size)
+    return max(0, min(per, rows - rank * per))
+
+
+def padded_shard_numel(shapes: list[tuple[int, int]], world_size: int) -> int:
+    """pad(G): the elements of a group's padded shard, Σ ceil(rows/W)·row_length; what every
+    rank stores as its sharded parameters and what each rank sends to an all-gather."""
+    return sum(-(-rows // world_size) * length for rows, length in shapes)
+
+
+def local_shard_numel(shapes: list[tuple[int, int]], world_size: int, rank: int) -> int:
+    """local(G, rank): the elements a rank's shard really holds (no padding); optimizer states
+    are made like the sharded parameters' local tensors, so they have this size."""
+    return sum(shard_rows(rows, world_size, rank) * length for rows, length in shapes)
+
+
+def fsdp_gather_bytes(setup: TrainSetup) -> int:
+    """c: bytes per all-gathered parameter element (FSDP2's param_dtype)."""
+    return HALF_BYTES if setup.mixed else setup.param_bytes
+
+
+def fsdp_reduce_bytes(setup: TrainSetup) -> int:
+    """g: bytes per reduce-scattered gradient element (reduce_dtype fp32 under mixed precision)."""
+    return FP32_BYTES if setup.mixed else setup.param_bytes
+
+
+def fsdp_group_numel(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
+    """pad(G) of a block or of the root."""
+    return padded_shard_numel(param_shapes(spec)[group], setup.world_size)
+
+
+def fsdp_sharded_weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Every rank's sharded parameters (fp32 master weights under mixed precision), padded:
+    (L·pad(block) + pad(root))·p."""
+    return (spec.layers * fsdp_group_numel(spec, setup, "block")
+            + fsdp_group_numel(spec, setup, "root")) * setup.param_bytes
+
+
+def fsdp_unsharded_bytes(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
+    """A group's all-gathered parameters, W·pad(G)·c: once as the all-gather's output buffer,
+    once more as the unsharded parameters copied out of it (each its own tensor)."""
+    return setup.world_size * fsdp_group_numel(spec, setup, group) * fsdp_gather_bytes(setup)
+
+
+def fsdp_copy_in_bytes(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
+    """Under mixed precision, the shard cast to param_dtype for the all-gather, pad(G)·c (FSDP2's
+    foreach copy-in); 0 otherwise (the shard itself is sent)."""
+    return fsdp_group_numel(spec, setup, group) * fsdp_gather_bytes(setup) if setup.mixed else 0
+
+
+def fsdp_reduce_scatter_input_bytes(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
+    """A group's gradients packed for the reduce-scatter in the reduce dtype, W·pad(G)·g. FSDP2
+    keeps it until the next group's reduce-scatter is issued (one in flight), the root's until
+    the end of the backward."""
+    return setup.world_size * fsdp_group_numel(spec, setup, group) * fsdp_reduce_bytes(setup)
+
+
+def fsdp_sharded_grad_bytes(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
+    """A group's reduce-scatter output, pad(G)·g: the sharded ``.grad`` of its parameters are
+    views into it (under accumulation the next micro-batches' outputs are added in and freed)."""
+    return fsdp_group_numel(spec, setup, group) * fsdp_reduce_bytes(setup)
+
+
+def fsdp_all_sharded_grad_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """All sharded gradients, (L·pad(block) + pad(root))·g."""
+    return (spec.layers * fsdp_sharded_grad_bytes(spec, setup, "block")
+            + fsdp_sharded_grad_bytes(spec, setup, "root"))
+
+
+def fsdp_local_params(spec: ModelSpec, setup: TrainSetup, rank: int, decay_only: bool = False) -> int:
+    """Parameters whose shard ``rank`` holds (all, or only the weight-decay group: tensors of 2 dims)."""
+    shapes = param_shapes(spec)
+    pick = (lambda s: [t for t in s if t[1] > 1]) if decay_only else (lambda s: s)
+    return (spec.layers * local_shard_numel(pick(shapes["block"]), setup.world_size, rank)
+            + local_shard_numel(pick(shapes["root"]), setup.world_size, rank))
+
+
+def fsdp_optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup, rank: int = 0) -> int:
+    """The optimizer state of ``rank``'s shards: as ``optimizer_state_bytes`` with local(rank)
+    parameters (AdamW's 0-dim ``step`` per tensor stays whole)."""
+    n = fsdp_local_params(spec, setup, rank)
+    if setup.optimizer in ("adamw", "adamw-fused"):
+        return ADAMW_STATES_PER_PARAM * n * setup.param_bytes + spec.n_tensors * ADAM_STEP_BYTES
+    if setup.optimizer == "sgd":
+        return SGD_STATES_PER_PARAM * n * setup.param_bytes
+    raise ValueError("adamw8bit does not run under FSDP2")  # TrainSetup refuses the combination
+
+
+def fsdp_optimizer_temporary_bytes(spec: ModelSpec, setup: TrainSetup, rank: int = 0) -> int:
+    """The foreach optimizer's parameter-sized scratch over ``rank``'s shards of the weight-decay
+    group (see ``optimizer_temporary_bytes``); 0 for the fused kernel."""
+    if setup.optimizer in ("adamw", "sgd"):
+        return fsdp_local_params(spec, setup, rank, decay_only=True) * setup.param_bytes
+    return 0
+
+
+def gloo_reduce_scatter_copy_bytes(spec: ModelSpec, setup: TrainSetup, group: str, collectives: str) -> int:
+    """gloo (CPU) reduce-scatters a copy of its input, W·pad(G)·g, made and freed within the
+    call; NCCL/RCCL work on the buffers they are given (their own staging is outside PyTorch's
+    allocator). 0 unless ``collectives`` is gloo."""
+    return fsdp_reduce_scatter_input_bytes(spec, setup, group) if collectives == "gloo" else 0
+
+
+def fsdp_compute_setup(setup: TrainSetup) -> TrainSetup:
+    """The setup the activations of an FSDP2 step follow. Under bf16-mixed / fp16-mixed the
+    MixedPrecisionPolicy replaces autocast: the gathered parameters are 16-bit, so the embedding,
+    the residual stream and every activation and unsharded gradient are too, as in a pure bf16
+    step (fp16's sizes are bf16's). Walked as one micro-batch, without accumulation."""
+    return setup.replace(precision="bf16" if setup.mixed else setup.precision, grad_accum=1, world_size=1,
+                         sharding="none")
+
+
+def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl",
+                    gqa_repeat: bool = False) -> _StepWalk:
+    """Walk one steady-state FSDP2 step (its last micro-batch) of ``rank``, as _walk_step walks a
+    single-process step: the same forward and backward, op by op, in the compute setup
+    (``fsdp_compute_setup``), with FSDP2's own tensors where FSDP2 makes and frees them.
+
+    Forward: the root's parameters are all-gathered first and stay unsharded until the end of the
+    backward. Before each block: its shard cast for the all-gather (mixed precision), the
+    all-gather's output, then the unsharded parameters copied out of it (the previous group's
+    output is released only then); after the block, the unsharded parameters are freed but the output is kept
+    until the next block's copy-out (the root frees the last one when its forward ends).
+    Backward: the loss's gradient reaching the logits all-gathers the last block (prefetch);
+    before each block's backward its parameters are copied out (the output freed) and the block
+    before it is all-gathered (but before the first block's: the root is unsharded); after it,
+    the unsharded parameters are freed, the previous
+    reduce-scatter input released, the block's gradients packed into this reduce-scatter input
+    (the unsharded gradients freed) and reduce-scattered into the sharded gradients. The root's
+    reduce-scatter ends the backward. Categories: sharded and unsharded parameters are weights;
+    all-gather and reduce-scatter buffers, temporaries; unsharded and sharded gradients, gradients.
+    """
+    act = fsdp_compute_setup(setup)
+    w = _StepWalk(spec, setup)
+    n, hidden, a = tokens(act), spec.hidden, act_bytes(act)
+    ckpt, mode = act.checkpointing != "none", act.checkpointing
+    first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
+    c = fsdp_gather_bytes(setup)
+    gathered = {g: fsdp_unsharded_bytes(spec, setup, g) for g in ("block", "root")}
+    copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in ("block", "root")}
+    rs_input = {g: fsdp_reduce_scatter_input_bytes(spec, setup, g) for g in ("block", "root")}
+    sharded_grad = {g: fsdp_sharded_grad_bytes(spec, setup, g) for g in ("block", "root")}
+    gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, setup, g, collectives) for g in ("block", "root")}
+    root_params = spec.params - spec.layers * spec.layer_params  # embedding, positions, final norm, untied head
+    vectors = spec.layer_params - sum(_layer_matrices(spec).values())  # a block's norms and biases
+    vh_grad = head_weight_grad_bytes(spec, act)
+
+    def all_gather(group: str) -> None:
+        w.alloc("temporaries", copy_in[group])
+        w.alloc("temporaries", gathered[group])
+        w.free("temporaries", copy_in[group])
+
+    def reduce_scatter(group: str, unsharded_grad_bytes: int, held: int) -> int:
+        """A group's post-backward: reshard, release the held input, pack, free, reduce-scatter.
+
+        FSDP2's foreach_reduce frees the unsharded gradients once they are packed, all but its
+        last tensor's, which a loop variable keeps until the function returns."""
+        last_rows, last_length = param_shapes(spec)[group][-1]
+        last = last_rows * last_length * c
+        w.free("weights", gathered[group])  # unsharded parameters
+        w.free("temporaries", held)  # the previous group's reduce-scatter input
+        w.alloc("temporaries", rs_input[group])
+        w.free("gradients", unsharded_grad_bytes - last)
+        w.alloc("gradients" if first_micro else "temporaries", sharded_grad[group])
+        w.alloc("temporaries", gloo_copy[group])  # gloo's flat copy of the input, while it reduces
+        w.free("temporaries", gloo_copy[group])
+        if not first_micro:  # added into the sharded gradients of the earlier micro-batches, then freed
+            w.free("temporaries", sharded_grad[group])
+        w.free("gradients", last)
+        return rs_input[group]
+
+    # persistent state
+    w.alloc("weights", fsdp_sharded_weight_bytes(spec, setup) + rope_buffer_bytes(spec, act), "start of step")
+    w.alloc("optimizer", fsdp_optimizer_state_bytes(spec, setup, rank))
+    if not first_micro:
+        w.alloc("gradients", fsdp_all_sharded_grad_bytes(spec, setup))
+    w.alloc("activations", input_bytes(spec, setup))
+    w.mark("start of forward")
+
+    # ---- forward
+    w.where = "forward: root all-gather"
+    all_gather("root")
+    w.alloc("weights", gathered["root"])  # copied out; the output is kept until block 0's copy-out
+    w.where = "forward: embedding"
+    w.alloc("activations", rope_cast_bytes(spec, act) + causal_mask_bytes(spec, act))
+    w.alloc("activations", n * hidden * a)  # token embeddings (the residual stream is 16-bit)
+    if spec.pos == "learned":
+        w.alloc("activations", act.ctx * hidden * a)
+        w.alloc("activations", n * hidden * a)
+        w.free("activations", n * hidden * a + act.ctx * hidden * a)
+    stored = saved_per_layer_bytes(spec, act, gqa_repeat)
+    w.where = "forward: block all-gather"
+    all_gather("block")  # block 0
+    w.alloc("weights", gathered["block"])
+    w.free("temporaries", gathered["root"])  # released when the copy-out returns
+    if spec.layers > 1:  # blocks 0 … L-2: each forward, reshard and the next all-gather alike
+        w.free("weights", gathered["block"])
+        w.alloc("activations", (spec.layers - 1) * stored)
+        all_gather("block")  # the last block's, the one before still held
+        w.alloc("weights", gathered["block"])
+        w.free("temporaries", gathered["block"])
+    _block_forward(w, spec, act, mode, gqa_repeat)
+    w.free("weights", gathered["block"])  # resharded after forward
+    w.where = "forward: final norm and LM head"
+    head_in = _norm_forward(w, spec, act)
+    w.alloc("logits", logits_bytes(spec, act))
+    w.free("temporaries", gathered["block"])  # the root's forward ends: the last all-gather output released
+    w.where = "forward: loss"
+    if a != FP32_BYTES:
+        w.alloc("logits", fp32_logits_bytes(spec, act))  # logits.float()
+    w.alloc("logits", fp32_logits_bytes(spec, act))  # log-softmax, saved
+    if a != FP32_BYTES:
+        w.free("logits", fp32_logits_bytes(spec, act))
+    w.free("logits", logits_bytes(spec, act))
+    w.mark("end of forward")
+
+    # ---- backward: loss, LM head, final norm
+    w.phase = "backward"
+    w.where = "backward: loss"
+    w.alloc("logits", fp32_logits_bytes(spec, act))
+    w.alloc("logits", fp32_logits_bytes(spec, act))
+    w.free("logits", 2 * fp32_logits_bytes(spec, act))
+    if a != FP32_BYTES:
+        w.alloc("logits", logits_bytes(spec, act))
+        w.free("logits", fp32_logits_bytes(spec, act))
+    w.where = "backward: last block's all-gather (prefetch)"
+    all_gather("block")
+    w.where = "backward: LM head"
+    w.alloc("temporaries", n * hidden * a)  # input gradient
+    w.alloc("temporaries", spec.vocab * hidden * a)  # weight gradient
+    w.free("activations", head_in)
+    w.free("logits", logits_bytes(spec, act) if a != FP32_BYTES else fp32_logits_bytes(spec, act))
+    w.free("temporaries", vh_grad)
+    w.alloc("gradients", vh_grad)  # unsharded (tied: in autograd's buffer until the embedding's arrives)
+    w.where = "backward: final norm"
+    grad = _norm_backward(w, spec, act, n * hidden * a)
+    w.alloc("gradients", spec.norm_params * c)
+    w.free("activations", n * hidden * a)  # the last block's output
+
+    held = 0  # the reduce-scatter input FSDP2 keeps in flight
+
+    def block_backward(grad: int, which: str, prefetch: bool) -> int:
+        nonlocal held
+        w.where = f"backward: the {which} block's copy-out"
+        w.alloc("weights", gathered["block"])
+        w.free("temporaries", gathered["block"])
+        if prefetch:
+            w.where = f"backward: all-gather of the block before the {which}"
+            all_gather("block")
+        if ckpt:
+            w.where = f"backward: recomputing the {which} block"
+            _block_forward(w, spec, act, "recompute", gqa_repeat)
+        w.mark(f"start of the {which} block's backward")
+        grad = _block_backward(w, spec, act, grad, gqa_repeat)
+        if act.checkpointing == "selective":
+            w.free("activations", n * hidden * a)
+        w.alloc("gradients", vectors * c)  # its norms' (and biases') gradients
+        w.where = f"backward: the {which} block's reduce-scatter"
+        held = reduce_scatter("block", spec.layer_params * c, held)
+        return grad
+
+    # The last block prefetches the one before it and holds no reduce-scatter input yet; the
+    # first prefetches nothing (the root is still unsharded); the blocks in between do both and
+    # are alike, so the peak over them is at the second block from either end.
+    L = spec.layers
+    grad = block_backward(grad, "last", prefetch=L > 1)
+    if L >= 3:
+        grad = block_backward(grad, "second-to-last", prefetch=True)
+    middle = L - 4
+    if middle > 0:  # each frees what it kept and leaves its sharded gradients
+        w.free("activations", middle * stored)
+        if first_micro:
+            w.alloc("gradients", middle * sharded_grad["block"])
+    if L >= 4:
+        grad = block_backward(grad, "second", prefetch=True)
+    if L > 1:
+        grad = block_backward(grad, "first", prefetch=False)
+
+    # ---- backward: embeddings, then the root's reduce-scatter
+    w.where = "backward: embedding"
+    if spec.pos == "learned":
+        pos_grad = spec.max_positions * hidden * c
+        w.alloc("temporaries", act.ctx * hidden * a)
+        w.alloc("gradients", pos_grad)
+        w.free("temporaries", act.ctx * hidden * a)
+    w.alloc("temporaries", vh_grad)  # embedding_dense_backward
+    w.free("temporaries", grad)
+    if spec.tied:
+        w.alloc("temporaries", vh_grad)  # head + embedding, summed out of place
+        w.free("temporaries", vh_grad)
+        w.free("gradients", vh_grad)
+        w.alloc("gradients", vh_grad)
+        w.free("temporaries", vh_grad)
+    else:
+        w.free("temporaries", vh_grad)
+        w.alloc("gradients", vh_grad)
+    w.free("activations", rope_cast_bytes(spec, act) + causal_mask_bytes(spec, act))
+    w.where = "backward: the root's reduce-scatter"
+    held = reduce_scatter("root", root_params * c, held)
+    w.free("temporaries", held)  # released when the backward ends
+    w.mark("end of backward")
+
+    # ---- optimizer step
+    w.phase = "optimizer"
+    w.where = "optimizer step"
+    w.alloc("temporaries", fsdp_optimizer_temporary_bytes(spec, setup, rank))
+    w.free("temporaries", fsdp_optimizer_temporary_bytes(spec, setup, rank))
+    return w
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """The contract's ``memory`` object: live bytes by category at the peak, plus the runtime."""
@@ -1031,9 +1400,28 @@ def sdpa_gqa_repeats(spec: ModelSpec, setup: TrainSetup, flash_attention: bool, 
 
 
 def peak_memory(spec: ModelSpec, setup: TrainSetup, runtime_context_bytes: int = 0,
-                allocator_overhead: float = 0.0, gqa_repeat: bool = False) -> MemoryBreakdown:
-    """The peak of a steady-state step, by category, with the runtime on top for peak_reserved."""
-    w = _walk_step(spec, setup, gqa_repeat)
+                allocator_overhead: float = 0.0, gqa_repeat: bool = False,
+                collectives: str = "nccl") -> MemoryBreakdown:
+    """The peak of a steady-state step, by category, with the runtime on top for peak_reserved.
+
+    Under FSDP the step of rank 0, which holds the largest shards (every rank's within a few
+    rows of it); ``peak_memory_of_rank`` gives any other rank's.
+    """
+    return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead, gqa_repeat, collectives)
+
+
+def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_context_bytes: int = 0,
+                        allocator_overhead: float = 0.0, gqa_repeat: bool = False,
+                        collectives: str = "nccl") -> MemoryBreakdown:
+    """``peak_memory`` of one rank (the ranks of a DDP or single-process step are alike).
+    ``collectives``: the process group's backend, nccl (NVIDIA, and RCCL on ROCm) or gloo (CPU),
+    which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``)."""
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
+    if setup.sharding == "fsdp":
+        w = _walk_fsdp_step(spec, setup, rank, collectives, gqa_repeat)
+    else:
+        w = _walk_step(spec, setup, gqa_repeat)
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,

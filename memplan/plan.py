@@ -18,7 +18,7 @@ from memplan.setup import TrainSetup
 
 PLAN_VERSION = 1
 _CONTRACT_PLAN_KEYS = ("micro_batch", "grad_accum", "checkpointing", "attention", "precision", "optimizer", "compile",
-                       "ctx")
+                       "ctx", "world_size", "sharding")  # the last two: additions to the contract's plan object
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,6 +59,9 @@ class TrainSetup:
             raise InputError(f"--world-size {self.world_size} needs --sharding ddp or fsdp")
         if self.world_size == 1 and self.sharding != "none":
             object.__setattr__(self, "sharding", "none")
+        if self.sharding == "fsdp" and self.optimizer == "adamw8bit":
+            raise InputError("--optimizer adamw8bit does not run under --sharding fsdp (bitsandbytes' 8-bit states "
+                             "do not shard as FSDP2's DTensors); accepted with fsdp: adamw, adamw-fused, sgd")
 
     # ---- derived ---------------------------------------------------------------------------
     @property

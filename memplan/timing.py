@@ -18,7 +18,9 @@ kernel on the device and sums them by term:
 - **data**: handing a micro-batch of token ids to the model.
 - **launch**: the dispatch cost of every other aten op (the PyTorch dispatcher, autograd, the
   kernel launch): the floor of small models.
-- **communication**: the gradient all-reduce (DDP) or the all-gathers and reduce-scatter (FSDP).
+- **communication**: the gradient all-reduce (DDP) or the all-gathers and reduce-scatter (FSDP),
+  ring collectives over the profile's [interconnect]; only what the forward and backward do not
+  hide (``memplan.comm.communication``: overlapped on CUDA/ROCm, not on gloo).
 
 Each kernel takes the longer of its compute time (FLOPs over the rate) and its memory time
 (bytes over the bandwidth): its roofline; a term's ``bound`` is whichever side dominates its
@@ -772,7 +774,7 @@ def kernel_seconds(k: Kernel, rates: Rates) -> tuple[float, float, float]:
 @dataclass(frozen=True)
 class TimeTerm:
     seconds: float
-    bound: str  # compute | memory | launch (none for a term that takes no time)
+    bound: str  # compute | memory | launch | communication (none for a term that takes no time)
     flops: float = 0.0
     bytes: float = 0.0
     compute_seconds: float = 0.0  # of its kernels, the time of those bound by compute
@@ -803,6 +805,7 @@ class TimeBreakdown:
     def mfu_achievable(self) -> float:
         """Model FLOPs per second over the achievable matmul rate (the calibrated peak when calibrated)."""
         return self.model_flops_per_step / self.step_seconds / self.matmul_flops_per_second
+    communication: object = None  # memplan.comm.Communication of a data-parallel step (world_size > 1)
 
     def to_json(self) -> dict:
         return {
@@ -816,26 +819,11 @@ class TimeBreakdown:
             "mfu_achievable": self.mfu_achievable,
             "rate_source": self.rate_source,
             "notes": list(self.notes),
+            **({"communication": self.communication.to_json()} if self.communication is not None else {}),
         }
 
 
 TERMS = ("forward", "backward", "recompute", "attention", "loss", "optimizer", "data", "communication", "launch")
-
-
-def communication_seconds(spec: ModelSpec, setup: TrainSetup, device: Device) -> float:
-    """Gradient synchronisation per step, not overlapped: a ring all-reduce moves 2·(w−1)/w of the
-    gradient bytes (DDP); FSDP all-gathers the parameters for forward and backward and reduce-scatters
-    the gradients, 3·(w−1)/w. Each over the interconnect's bandwidth, plus its per-hop latency."""
-    w = setup.world_size
-    if w <= 1 or setup.sharding == "none":
-        return 0.0
-    link = device.interconnect
-    bandwidth = float(link.get("peer_bandwidth_bytes_per_second") or link.get("bandwidth_bytes_per_second") or 0)
-    if bandwidth <= 0:
-        return 0.0
-    share = (2 if setup.sharding == "ddp" else 3) * (w - 1) / w
-    latency = float(link.get("latency_seconds", 0.0)) * 2 * (w - 1)
-    return share * spec.params * setup.param_bytes / bandwidth + latency
 
 
 def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: int | None = None) -> TimeBreakdown:
@@ -865,8 +853,16 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         slot[2] += k.calls * k.flops
         slot[3] += k.calls * (k.read_bytes + k.write_bytes)
         device_seconds += k.calls * (seconds + first)
-    comm = communication_seconds(spec, setup, device)
-    acc["communication"][1] = comm
+    communication = None
+    if setup.world_size > 1 and setup.sharding != "none":  # what the compute does not hide (memplan.comm)
+        from memplan.comm import communication as step_communication
+
+        def busy(*names: str) -> float:
+            return sum(acc[n][0] + acc[n][1] for n in names)
+
+        communication = step_communication(spec, setup, device, forward_seconds=busy("forward"),
+                                           backward_seconds=busy("backward", "recompute"))
+        acc["communication"][1] = communication.exposed_seconds
     dispatches = step_dispatches(spec, setup, repeat_kv) + DATA_DISPATCHES_PER_MICRO_BATCH * setup.grad_accum
     # calibrated kernel times (linears, attention, modules) include their own dispatches; static ones do not
     timed = sum(k.calls * k.dispatches for k in kernels if rates.includes_dispatch(k))
@@ -911,4 +907,5 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         epoch_seconds=(epoch_tokens / tps) if epoch_tokens else None, rate_source=source, notes=notes,
         matmul_flops_per_second=rates.matmul_flops_per_second(setup.compute_dtype),
         dispatches=dispatches,
+        communication=communication,
     )

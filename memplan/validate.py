@@ -26,6 +26,8 @@ _SETUP_FIELDS = {f.name for f in dataclasses.fields(TrainSetup)}
 ANALYTIC_MEDIAN_BAR = 0.03
 ANALYTIC_WORST_BAR = 0.10
 TRACE_BAR = 0.01
+DISTRIBUTED_MATRIX = "distributed"  # the matrix `memplan validate --world-size N` runs by default
+SHARDINGS_MEASURED = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,19 @@ def load_matrix(name_or_path: str = "default") -> list[MatrixConfig]:
     return configs
 
 
+def distributed_configs(configs: list[MatrixConfig], world_size: int) -> list[MatrixConfig]:
+    """The configs of a matrix at ``world_size`` ranks: a config that names its sharding runs
+    with it; a single-process one runs twice, under DDP and under FSDP (named NAME/ddp, NAME/fsdp)."""
+    out = []
+    for c in configs:
+        shardings = (c.setup.sharding,) if c.setup.sharding != "none" else SHARDINGS_MEASURED
+        for sharding in shardings:
+            name = c.name if c.setup.sharding != "none" else f"{c.name}/{sharding}"
+            out.append(MatrixConfig(name=name, spec=c.spec, quick=c.quick,
+                                    setup=c.setup.replace(world_size=world_size, sharding=sharding)))
+    return out
+
+
 @dataclass
 class ValidationRow:
     """One config: the analytic prediction, the exact trace, and the real measurement."""
@@ -96,6 +111,7 @@ class ValidationRow:
     predicted_terms: dict[str, int] = field(default_factory=dict)
     measured_terms: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    rank: int | None = None  # the rank measured, under --world-size > 1
 
     @property
     def error(self) -> float:
@@ -116,7 +132,7 @@ class ValidationRow:
                  "predicted_reserved": self.predicted_reserved, "measured_reserved": self.measured_reserved,
                  "driver_used": self.driver_used, "measured_rss_delta": self.measured_rss_delta,
                  "peak_moment": self.peak_moment, "predicted_terms": self.predicted_terms,
-                 "measured_terms": self.measured_terms, "seconds": self.seconds}
+                 "measured_terms": self.measured_terms, "seconds": self.seconds, "rank": self.rank}
         row.update({k: v for k, v in extra.items() if v not in (None, {}, "")})
         return row
 

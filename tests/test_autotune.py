@@ -25,7 +25,7 @@ from memplan.setup import TrainSetup
 from memplan.units import GiB, MiB
 
 CONTRACT_PLAN_KEYS = {"micro_batch", "grad_accum", "checkpointing", "attention", "precision", "optimizer", "compile",
-                      "ctx"}
+                      "ctx", "world_size", "sharding"}  # the contract's keys, and the devices the plan is for
 CONTRACT_PREDICTED_KEYS = {"peak_reserved", "step_seconds", "tokens_per_second", "epoch_seconds"}
 CONTRACT_VERIFIED_KEYS = {"peak_measured", "tokens_per_second", "trials"}
 

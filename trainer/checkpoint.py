@@ -144,6 +144,11 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def clean_leftovers(directory: Path) -> None:
+    """Remove what a process that died while saving or pruning left behind."""
+    _clean_leftovers(Path(directory))
+
+
 def _clean_leftovers(directory: Path) -> None:
     """Temporary and trash directories left by a process that died while saving or pruning."""
     for p in directory.iterdir():
@@ -199,8 +204,14 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where
             target.copy_(t)
 
 
-def save_checkpoint(directory: str | Path, step: int, model: torch.nn.Module, state: dict, meta: dict,
-                    keep: int | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
+def temporary_dir(directory: str | Path, step: int) -> Path:
+    """The hidden directory checkpoint ``step`` is written into before its rename."""
+    return Path(directory) / f"{_TMP_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
+
+
+def save_checkpoint(directory: str | Path, step: int, model: torch.nn.Module | None, state: dict, meta: dict,
+                    keep: int | None = None, extra_files: dict[str, bytes] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None, tmp: Path | None = None) -> Path:
     """Write checkpoint ``step`` atomically into ``directory`` and keep only the newest ``keep``.
 
     ``model``'s weights go to model.safetensors under canonical names (``weights_of``);
@@ -208,23 +219,30 @@ def save_checkpoint(directory: str | Path, step: int, model: torch.nn.Module, st
     the tokenizer.json) are written beside them; ``meta`` is JSON-able and gains ``format``,
     ``version``, ``step`` and ``files`` (size and sha256 of every file). Returns the checkpoint's
     directory.
+
+    A distributed run (trainer/distributed.py) passes the gathered ``weights`` instead of the model,
+    and ``tmp``: the ``temporary_dir`` into which every rank has already written its shards of the
+    model and optimizer (``torch.distributed.checkpoint``); those files are listed and hashed too.
     """
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(directory)
     final = directory / checkpoint_name(step)
-    tmp = directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-    tmp.mkdir()
+    if tmp is None:
+        _clean_leftovers(directory)
+        tmp = temporary_dir(directory, step)
+        tmp.mkdir()
+    present = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     try:
-        save_file(weights_of(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        save_file(weights if weights is not None else weights_of(model), str(tmp / MODEL_FILE),
+                  metadata={"format": "pt"})
         with open(tmp / STATE_FILE, "wb") as f:
             torch.save(state, f)
         for name, content in (extra_files or {}).items():
             (tmp / name).write_bytes(content)
         files = {}
-        for name in (MODEL_FILE, STATE_FILE, *(extra_files or {})):
+        for name in (MODEL_FILE, STATE_FILE, *(extra_files or {}), *present):
             _fsync_file(tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **meta, "step": int(step),
@@ -233,6 +251,8 @@ def save_checkpoint(directory: str | Path, step: int, model: torch.nn.Module, st
             f.write(json.dumps(meta, indent=1) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        for sub in {(tmp / name).parent for name in present} - {tmp}:
+            _fsync_dir(sub)
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (a resumed run reached it once more)
             _remove(final)

@@ -29,6 +29,15 @@ Around it the loop handles what long runs on small machines meet:
 - resuming: everything that decides the next step (weights, optimizer, grad scaler, schedule,
   data position, RNG states) is restored, so on a CPU the losses after a resume are bit-identical
   to those of an uninterrupted run.
+
+Under torchrun (``memplan train --nproc N``) every process runs this loop on its own device with
+DDP or FSDP2 (trainer/distributed.py): each reads its share of every global batch, the loss logged
+is the mean over the ranks, the memory the largest; rank 0 alone writes RUN/ and reports. What is
+decided by the clock (when a time-limited run decays and stops, a signal) is rank 0's decision,
+shared. Checkpoints add the model's and optimizer's shards through torch.distributed.checkpoint
+(RUN/checkpoints/step-N/dcp/), so a run resumes at another world size, or in one process, with the
+same global batch. An out-of-memory step stops a distributed run (ranks cannot halve their
+micro-batch independently).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from memplan.hardware import Device
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
+from trainer import distributed
 from trainer.data import PreparedData, TrainStream
 from trainer.model import build_model, lm_loss
 from trainer.monitor import MemoryMonitor
@@ -327,9 +337,13 @@ def check_plan_for_data(plan: Plan, data: PreparedData) -> None:
                          f"{data.vocab_size} tokens; the vocabulary comes from the prepared data")
     if plan.model.pos == "learned" and plan.setup.ctx > plan.model.max_positions:
         raise InputError(f"--ctx {plan.setup.ctx} exceeds the model's {plan.model.max_positions} learned positions")
-    if plan.setup.world_size != 1:
-        raise InputError(f"--world-size {plan.setup.world_size}: memplan train runs one process; plan with "
-                         "--world-size 1")
+    _, launched, _ = distributed.env_world()
+    if plan.setup.world_size != launched:
+        raise InputError(f"the plan is for --world-size {plan.setup.world_size} but {launched} process(es) run it; "
+                         f"launch it with `memplan train --nproc {plan.setup.world_size}` (torchrun)"
+                         if plan.setup.world_size > 1 else
+                         f"the plan is for one process but {launched} were launched; plan with --world-size "
+                         f"{launched}")
 
 
 def check_plan_fits(plan: Plan, profile: Device) -> None:
@@ -378,22 +392,30 @@ class Trainer:
         self._started = time.perf_counter()
         self._resume_from = resume_from
         self.tokenizer = data.tokenizer
+        self.dist = distributed.init()  # rank and world size under torchrun; one process otherwise
+        self.is_main = self.dist.is_main
+        if self.dist.world_size > 1:
+            self.device = self.dist.device
 
         set_matmul_precision(self.setup.precision)
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
-        torch.manual_seed(config.seed)
-        self.model = self._build_model()
+        if self.dist.world_size > 1:  # DDP or FSDP2; the plain module (FSDP2's is sharded in place) as self.model
+            self.wrapped = distributed.build_wrapped_model(plan.model, self.setup, self.dist, config.seed)
+            self.model = distributed.unwrapped(self.wrapped)
+        else:
+            torch.manual_seed(config.seed)
+            self.model = self._build_model()
+            self.wrapped = self.model
         self.optimizer = self._make_optimizer()
         self.scaler = self._make_scaler()
         self.stream = self._make_stream(self.setup.micro_batch)
-        self.step_model = torch.compile(self.model) if self.setup.compile else self.model
+        self.step_model = torch.compile(self.wrapped) if self.setup.compile else self.wrapped
         self.monitor = MemoryMonitor(self.device)
         self.predicted = predicted_for(plan, profile)
         self.flops_per_step = model_flops_per_step(plan)
         self.peak_flops = peak_flops_per_second(profile, self.setup)
         if resume_from is not None:  # Trainer.resume verified the files already
-            meta, state = ckpt.load_checkpoint(resume_from.path, self.model, map_location=self.device, verify=False)
-            self._restore(meta, state)
+            self._restore(*self._load(resume_from.path))
 
     # ---- construction ----------------------------------------------------------------------------
 
@@ -415,13 +437,18 @@ class Trainer:
 
     @classmethod
     def resume(cls, run_dir: str | Path, data: PreparedData, profile: Device, *, plan: Plan | None = None,
-               overrides: dict | None = None, device: torch.device | None = None) -> "Trainer":
+               overrides: dict | None = None, device: torch.device | None = None,
+               sharding: str | None = None) -> "Trainer":
         """Continue the run in ``run_dir`` from its newest checkpoint.
 
         ``plan``, if given, must describe the same model and setup as the run's (else an
         ``InputError`` and nothing on disk is touched); ``overrides`` may change the run-control
         settings (max_steps, max_tokens, max_minutes, save_every, eval_every, eval_batches, keep,
         sample_tokens, prompts, verify_data) and must leave the others as the run has them.
+
+        Launched in another number of processes than the run was saved with (torchrun), the run goes
+        on with the same global batch (``distributed.rescaled_for_world``), with ``sharding`` (else
+        ``plan``'s, else the run's, else ddp) when there are several.
         """
         run_dir = Path(run_dir)
         ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
@@ -442,6 +469,13 @@ class Trainer:
                              f"{meta.get('data', {}).get('train_tokens')} tokens, {data.path} has "
                              f"{data.train_tokens}; resume with the run's own prepared data")
         config = _apply_overrides(config, overrides or {})
+        _, launched, _ = distributed.env_world()
+        asked_sharding = sharding or (plan.setup.sharding if plan is not None and plan.setup.sharding != "none"
+                                      else None)
+        setup = distributed.rescaled_for_world(saved_plan.setup, launched, asked_sharding)
+        if setup != saved_plan.setup:  # another world size than the run was saved with: the same global batch
+            saved_plan = dataclasses.replace(saved_plan, setup=setup, predicted=predicted_for(
+                dataclasses.replace(saved_plan, setup=setup), profile))
         check_plan_for_data(saved_plan, data)
         if config.verify_data:
             data.verify()
@@ -454,7 +488,8 @@ class Trainer:
 
     def _make_stream(self, micro_batch: int):
         """The training batches, resumable (finetuning streams its examples instead)."""
-        return TrainStream(self.data, batch=micro_batch, ctx=self.setup.ctx, seed=self.config.seed)
+        return TrainStream(self.data, batch=micro_batch, ctx=self.setup.ctx, seed=self.config.seed,
+                           rank=self.dist.rank, world_size=self.dist.world_size)
 
     def _make_optimizer(self):
         return make_optimizer(self.model, self.setup.optimizer, lr=self.config.lr,
@@ -465,10 +500,34 @@ class Trainer:
             return None
         return torch.amp.GradScaler(self.device.type)
 
+    def _load(self, path: Path) -> tuple[dict, dict]:
+        """(meta, state) of a checkpoint, its weights and optimizer state loaded into this run's model:
+        a distributed run's shards (any world size, or one process), or a single-process checkpoint
+        (in one process as saved; over several, from rank 0, each rank keeping its shards)."""
+        if (path / distributed.SHARDED_DIR).is_dir():
+            meta, state = ckpt.load_checkpoint(path, None, map_location=self.device, verify=False)
+            distributed.load_sharded(path / distributed.SHARDED_DIR, self.wrapped, self.optimizer)
+            return meta, {**state, "optimizer": None}
+        if self.dist.world_size == 1:
+            return ckpt.load_checkpoint(path, self.model, map_location=self.device, verify=False)
+        meta, state = ckpt.load_checkpoint(path, None, map_location="cpu", verify=False)
+        plain = plain_optimizer = None
+        if self.is_main:
+            plain = build_model(self.plan.model, self.setup.attention, self.setup.checkpointing,
+                                param_dtype(self.setup.precision), device="cpu")
+            ckpt.load_weights(plain, ckpt.read_weights(path / ckpt.MODEL_FILE), str(path / ckpt.MODEL_FILE))
+            plain_optimizer = make_optimizer(plain, self.setup.optimizer, lr=self.config.lr,
+                                             weight_decay=self.config.weight_decay,
+                                             betas=(self.config.beta1, self.config.beta2))
+            plain_optimizer.load_state_dict(state["optimizer"])
+        distributed.load_single_process_state(self.wrapped, self.optimizer, plain, plain_optimizer, self.is_main)
+        return meta, {**state, "optimizer": None}
+
     def _restore(self, meta: dict, state: dict) -> None:
         where = f"{self._resume_from.path / ckpt.STATE_FILE}"
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("optimizer") is not None:  # (a sharded checkpoint's is loaded already)
+                self.optimizer.load_state_dict(state["optimizer"])
             if self.scaler is not None and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
             self.schedule = Schedule(**state["scheduler"])
@@ -493,6 +552,8 @@ class Trainer:
         self._events.append(callback)
 
     def _emit(self, line: dict) -> None:
+        if not self.is_main:  # rank 0 alone writes and reports
+            return
         if self._writer is not None:
             self._writer.write(line)
         for cb in self._events:
@@ -523,14 +584,24 @@ class Trainer:
         """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
         (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
         self._started = self._report_written = time.perf_counter()  # the first refresh a minute in
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
-        if self._resume_from is None:
-            self.plan.save(self.run_dir / PLAN_FILE)
-        self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
+            if self._resume_from is None or self._plan_on_disk_differs():  # (resumed at another world size)
+                self.plan.save(self.run_dir / PLAN_FILE)
+            self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
         if self.schedule is None:
             self.schedule = self._fix_schedule(self._started)
+            # timed probe steps fix a time-limited run's length: every rank takes rank 0's
+            self.schedule, self.eval_every, self.save_every = distributed.from_rank0(
+                (self.schedule, self.eval_every, self.save_every))
         self._emit(self._start_line())
+
+    def _plan_on_disk_differs(self) -> bool:
+        try:
+            return Plan.load(self.run_dir / PLAN_FILE).setup != self.setup
+        except (InputError, OSError):
+            return True
 
     def close(self) -> None:
         self.monitor.close()
@@ -558,7 +629,7 @@ class Trainer:
             total = self._probe_steps(c.max_minutes * 60.0 - (time.perf_counter() - started))
             kind = "wsd"
         else:  # one epoch of the train split
-            total = max(1, len(self.stream.epoch_plan(0)[1]) // (self.setup.micro_batch * self.setup.grad_accum))
+            total = max(1, len(self.stream.epoch_plan(0)[1]) // (self.stream.global_batch * self.setup.grad_accum))
         warmup = c.warmup_steps if c.warmup_steps is not None else default_warmup(total)
         if self.eval_every is None:
             self.eval_every = default_eval_every(total)
@@ -630,6 +701,15 @@ class Trainer:
                           clip=self.config.clip or None)
 
     def _stop_reason(self) -> str | None:
+        if self.dist.world_size == 1:
+            return self._local_stop_reason()
+        # a signal any rank received stops them all; the clock's verdict is rank 0's
+        signum = distributed.max_across_ranks(self.stop_signal or 0, self.device)
+        if signum and self.stop_signal is None:
+            self.stop_signal = signum
+        return distributed.from_rank0(self._local_stop_reason())
+
+    def _local_stop_reason(self) -> str | None:
         c = self.config
         if self.stop_signal is not None:
             return "interrupted"
@@ -651,6 +731,7 @@ class Trainer:
         step = self.step + 1
         if not self.schedule.fixed:
             self._maybe_start_decay()
+            self.schedule = distributed.from_rank0(self.schedule)  # decided by rank 0's clock
         lr = self.schedule.lr(step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -734,14 +815,23 @@ class Trainer:
             t0 = time.perf_counter()
             try:
                 result = self._train_step(batches)
-                loss = float(result.loss)  # waits for the device
+                loss = float(distributed.mean_across_ranks(result.loss))  # waits for the device
                 seconds = time.perf_counter() - t0
                 grad_norm = float(result.grad_norm)
-                return loss, grad_norm, bool(result.skipped), seconds, self.monitor.read()
+                memory = self.monitor.read()
+                if self.dist.world_size > 1 and memory.peak_bytes is not None:  # the fullest device
+                    memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(
+                        memory.peak_bytes, self.device))
+                return loss, grad_norm, bool(result.skipped), seconds, memory
             except torch.OutOfMemoryError as e:
                 oom = str(e).strip().splitlines()[0][:300] if str(e).strip() else "out of memory"
             # outside the except block, so the traceback no longer pins the step's tensors
             del batches
+            if self.dist.world_size > 1:
+                raise TrainingStopped(
+                    f"step {step}: out of memory on rank {self.dist.rank} ({oom}); the ranks of a distributed run "
+                    "cannot shrink their micro-batch one by one: re-plan with `memplan autotune --world-size "
+                    f"{self.dist.world_size}` (FSDP shards the model), or use --checkpointing full")
             self._recover_from_oom(step, data_state, oom)
 
     def _recover_from_oom(self, step: int, data_state: dict, message: str) -> None:
@@ -856,8 +946,11 @@ class Trainer:
         extra = {}
         if self.tokenizer.kind != "tiktoken":
             extra[TOKENIZER_FILE] = self.tokenizer.to_json_str().encode("utf-8")
-        path = ckpt.save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.step, self.model, self.state(), self.meta(),
-                                    keep=self.config.keep, extra_files=extra)
+        if self.dist.world_size > 1:
+            path = self._save_distributed(extra)
+        else:
+            path = ckpt.save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.step, self.model, self.state(),
+                                        self.meta(), keep=self.config.keep, extra_files=extra)
         self.last_saved_step = self.step
         if self._writer is not None:
             self._writer.sync()
@@ -867,8 +960,37 @@ class Trainer:
             self._write_report()
         return path
 
+    def _save_distributed(self, extra: dict[str, bytes]) -> Path:
+        """Every rank writes its shards of the model and optimizer (torch.distributed.checkpoint) into
+        the checkpoint's temporary directory; rank 0 adds the whole weights (gathered: what generate and
+        export read), the rest of the state, the meta, and renames it into place."""
+        directory = self.run_dir / CHECKPOINT_DIR
+        tmp = distributed.from_rank0(ckpt.temporary_dir(directory, self.step))
+        if self.is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+            ckpt.clean_leftovers(directory)
+            (tmp / distributed.SHARDED_DIR).mkdir(parents=True)
+        distributed.barrier()
+        distributed.save_sharded(tmp / distributed.SHARDED_DIR, self.wrapped, self.optimizer)
+        weights = distributed.full_weights(self.wrapped)
+        distributed.barrier()
+        path = directory / ckpt.checkpoint_name(self.step)
+        if self.is_main:
+            weights = {ckpt.canonical_name(k): v.contiguous() for k, v in weights.items()
+                       if not (self.plan.model.tied and k == "head.weight")}  # tied: stored once, as the model's
+            state = {k: v for k, v in self.state().items() if k != "optimizer"}
+            meta = {**self.meta(), "distributed": {"world_size": self.dist.world_size, "sharding": self.setup.sharding,
+                                                   "sharded": distributed.SHARDED_DIR}}
+            path = ckpt.save_checkpoint(directory, self.step, None, state, meta, keep=self.config.keep,
+                                        extra_files=extra, weights=weights, tmp=tmp)
+        distributed.barrier()
+        return path
+
     def _write_report(self) -> Path | None:
         from trainer.run_report import write_run_report
+
+        if not self.is_main:
+            return None
 
         self._report_written = time.perf_counter()
         try:
@@ -887,7 +1009,8 @@ class Trainer:
         else:
             ref = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
             checkpoint = ref.path if ref else None
-        last_train = next((l for l in reversed(read_metrics(self.run_dir)) if l.get("kind") == "train"), None)
+        last_train = next((l for l in reversed(read_metrics(self.run_dir)) if l.get("kind") == "train"), None) \
+            if self.is_main else None
         self._emit({"kind": "event", "event": "stop", "step": self.step, "reason": reason, "tokens": self.tokens,
                     "time": self.train_seconds, "wall_seconds": time.perf_counter() - self._started,
                     **({"signal": signal.Signals(self.stop_signal).name} if self.stop_signal else {})})
@@ -1015,10 +1138,10 @@ def check_same_plan(saved: Plan, asked: Plan, run_dir: Path) -> None:
         if getattr(s, k) != getattr(t, k):
             raise InputError(f"--resume: {run_dir} trains with {k} = {getattr(s, k)!r}, this command asks for "
                              f"{getattr(t, k)!r}; drop the option to resume it, or start a new run with another --out")
-    if s.micro_batch * s.grad_accum != t.micro_batch * t.grad_accum:
-        raise InputError(f"--resume: {run_dir} trains with a global batch of {s.micro_batch} × {s.grad_accum} "
-                         f"sequences, this command asks for {t.micro_batch} × {t.grad_accum}; drop --batch/"
-                         "--grad-accum to resume it")
+    if s.micro_batch * s.grad_accum * s.world_size != t.micro_batch * t.grad_accum * t.world_size:
+        raise InputError(f"--resume: {run_dir} trains with a global batch of {s.micro_batch} × {s.grad_accum} × "
+                         f"{s.world_size} sequences, this command asks for {t.micro_batch} × {t.grad_accum} × "
+                         f"{t.world_size}; drop --batch/--grad-accum to resume it")
 
 
 def _apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:

@@ -68,10 +68,10 @@ def _categories(snapshot: dict) -> dict[str, int]:
 
 
 def _tensor_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor's: its local shard's)."""
     seen, total = set(), 0
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = getattr(t, "_local_tensor", t).untyped_storage()
         key = (storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else id(storage)
         if key not in seen:
             seen.add(key)

@@ -124,25 +124,23 @@ def build_run_page(run_dir: str | Path) -> Page:
     fig.update_yaxes(title=unit, rangemode="tozero")
     figures.append(style_figure(fig, "Memory over time: measured per step, predicted as a line"))
 
-    # ---- throughput
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    # ---- throughput (MFU is tokens/s times a constant: it rides along in the hover, not as a second line)
+    fig = go.Figure()
     tps = [l.get("tokens_per_second") for l in train]
-    fig.add_trace(go.Scatter(x=steps, y=tps, mode="lines", name="tokens/s (measured)", line=dict(width=1)),
-                  secondary_y=False)
+    fig.add_trace(go.Scatter(x=steps, y=tps, mode="lines", name="tokens/s (measured)", line=dict(width=1.5),
+                             customdata=[(l.get("mfu") or 0) * 100 for l in train],
+                             hovertemplate="step %{x}<br>%{y:,.0f} tokens/s<br>MFU %{customdata:.2f}%<extra></extra>"))
     if predicted.get("tokens_per_second") and steps:
         fig.add_trace(go.Scatter(x=[steps[0], steps[-1]], y=[predicted["tokens_per_second"]] * 2, mode="lines",
-                                 name="tokens/s (predicted)", line=dict(dash="dash", width=2)), secondary_y=False)
-    fig.add_trace(go.Scatter(x=steps, y=[(l.get("mfu") or 0) * 100 for l in train], mode="lines", name="MFU (%)",
-                             line=dict(width=1, color="#2ca02c")), secondary_y=True)
+                                 name="tokens/s (predicted)", line=dict(dash="dash", width=2)))
     fig.update_xaxes(title="step")
     measured_tps = [t for t in tps if t]
     far = predicted.get("tokens_per_second") and measured_tps and not (
         0.1 < predicted["tokens_per_second"] / statistics.median(measured_tps) < 10)
     if far:  # a prediction an order of magnitude away would flatten the measured line: log scale
-        fig.update_yaxes(title="tokens/s (log scale)", type="log", secondary_y=False)
+        fig.update_yaxes(title="tokens/s (log scale)", type="log")
     else:
-        fig.update_yaxes(title="tokens/s", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title="MFU (%)", rangemode="tozero", tickformat=".2~f", secondary_y=True)
+        fig.update_yaxes(title="tokens/s", rangemode="tozero")
     figures.append(style_figure(fig, "Throughput"))
 
     # ---- lr and gradient norm

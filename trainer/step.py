@@ -1,7 +1,9 @@
 """One training step, defined once: the trainer's loop, ``validate``, ``trace`` and ``autotune --verify`` all run this.
 
 A step is: ``grad_accum`` micro-batches of forward, fp32 cross-entropy and backward (loss
-scaled by 1/grad_accum), gradient clipping, the optimizer step, then ``zero_grad(set_to_none=True)``.
+scaled by 1/grad_accum), gradient clipping, the optimizer step, then ``zero_grad(set_to_none=True)``
+(under DDP the gradients are views into its buckets, zeroed in place). Under DDP or FSDP2
+(``trainer/distributed.py``) the same step runs in every rank on its share of the batch.
 """
 
 from __future__ import annotations
@@ -76,6 +78,19 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float = 3e-4, weight_d
     raise InputError(f"--optimizer: unknown {name!r} (accepted: adamw, adamw-fused, sgd, adamw8bit)")
 
 
+def _distributed(model: torch.nn.Module):
+    """(sync context of a micro-batch, whether autocast casts, whether zero_grad frees the
+    gradients) for the model as wrapped (trainer/distributed.py). DDP skips the all-reduce of
+    every micro-batch but a step's last (``no_sync``) and keeps its gradients, views into its
+    buckets, zeroed in place rather than freed; FSDP2's MixedPrecisionPolicy casts the parameters
+    itself, so autocast stays off under it. A model outside a process group: neither."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from trainer.distributed import is_ddp, is_fsdp, no_sync
+
+        return no_sync, not is_fsdp(model), not is_ddp(model)
+    return (lambda model, last: contextlib.nullcontext()), True, True
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean loss over the micro-batches (0-dim, on the device)
@@ -97,18 +112,20 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     n = len(micro_batches)
+    sync, casts, set_to_none = _distributed(model)
     for i, (x, y) in enumerate(micro_batches):
         if before_forward is not None:
             before_forward(i)
-        with autocast(setup.precision, device_type):
-            logits = model(x)
-        loss = lm_loss(logits, y) / n
-        del logits
-        if after_forward is not None:
-            after_forward(i)
-        total += loss.detach()
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        del loss
+        with sync(model, i == n - 1):
+            with autocast(setup.precision if casts else "fp32", device_type):
+                logits = model(x)
+            loss = lm_loss(logits, y) / n
+            del logits
+            if after_forward is not None:
+                after_forward(i)
+            total += loss.detach()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del loss
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True) if clip
@@ -119,5 +136,5 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         scaler.update()
     elif finite:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=set_to_none)
     return StepResult(loss=total, grad_norm=grad_norm, skipped=not finite)

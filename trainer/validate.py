@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 from memplan.hardware import Device
-from memplan.memory import gradient_bytes, optimizer_state_bytes, peak_memory, rope_buffer_bytes, weight_bytes
+from memplan.memory import (COLLECTIVES_OF_FAMILY, ddp_bucket_bytes, fsdp_all_sharded_grad_bytes,
+                            fsdp_optimizer_state_bytes, fsdp_sharded_weight_bytes, gradient_bytes, optimizer_state_bytes,
+                            peak_memory, peak_memory_of_rank, rope_buffer_bytes, weight_bytes)
 from memplan.validate import MatrixConfig, ValidationRow
 from trainer.measure import local_family, measure_step, trace_step
 
@@ -40,6 +42,47 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
         seconds=time.perf_counter() - t0,
     )
 
+
+
+def predicted_rank_terms(config: MatrixConfig, rank: int, collectives: str) -> dict[str, int]:
+    """``predicted_terms`` of one rank of a DDP or FSDP step: the sharded (FSDP) or whole
+    parameters, DDP's buckets or FSDP's sharded gradients, the rank's optimizer state."""
+    spec, setup = config.spec, config.setup
+    walk_marks = {m.name: m.total for m in peak_memory_of_rank(spec, setup, rank, collectives=collectives).moments}
+    if setup.sharding == "fsdp":
+        from memplan.memory import fsdp_compute_setup
+
+        terms = {"weights": fsdp_sharded_weight_bytes(spec, setup) + rope_buffer_bytes(spec, fsdp_compute_setup(setup)),
+                 "gradients": fsdp_all_sharded_grad_bytes(spec, setup),
+                 "optimizer": fsdp_optimizer_state_bytes(spec, setup, rank)}
+    else:
+        terms = {"weights": weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup),
+                 "gradients": ddp_bucket_bytes(spec, setup), "optimizer": optimizer_state_bytes(spec, setup)}
+    terms["forward_saved"] = walk_marks["end of forward"] - walk_marks["start of forward"]
+    return terms
+
+
+def run_distributed(configs: list[MatrixConfig], device: Device, world_size: int) -> list[ValidationRow]:
+    """Predict every rank of every config and measure them for real: ``world_size`` gloo processes
+    on this machine, each measuring its own steady-state step with MemTracker. One row per rank."""
+    from trainer.distributed import measure_ranks
+
+    t0 = time.perf_counter()
+    collectives = COLLECTIVES_OF_FAMILY["cpu"]  # the ranks run on this machine's CPU, over gloo
+    measured = measure_ranks([(c.spec, c.setup) for c in configs], world_size)
+    seconds = (time.perf_counter() - t0) / max(1, len(configs) * world_size)
+    rows = []
+    for config, ranks in zip(configs, measured):
+        for rank, m in enumerate(ranks):
+            predicted = peak_memory_of_rank(config.spec, config.setup, rank, device.runtime_context_bytes,
+                                            device.allocator_overhead, collectives=collectives)
+            rows.append(ValidationRow(
+                name=f"{config.name} rank {rank}", spec=config.spec, setup=config.setup,
+                predicted_allocated=predicted.peak_allocated, measured_allocated=m.peak_allocated,
+                predicted_reserved=predicted.peak_reserved, peak_moment=predicted.peak_moment,
+                predicted_terms=predicted_rank_terms(config, rank, collectives), measured_terms=m.terms,
+                seconds=seconds, rank=rank))
+    return rows
 
 
 # ---- inference: prefill and decode peaks of real generation ------------------------------------

@@ -72,6 +72,8 @@ def _group() -> None:
 from memplan.cli import autotune  # noqa: E402,F401
 from memplan.cli import calibrate  # noqa: E402,F401
 from memplan.cli import estimate  # noqa: E402,F401
+from memplan.cli import eval  # noqa: E402,F401
+from memplan.cli import export  # noqa: E402,F401
 from memplan.cli import finetune  # noqa: E402,F401
 from memplan.cli import generate  # noqa: E402,F401
 from memplan.cli import prepare  # noqa: E402,F401

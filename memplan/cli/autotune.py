@@ -42,7 +42,8 @@ OutOpt = Annotated[Optional[str], typer.Option(
     "--out", help="Write the chosen plan as TOML (what `memplan train --plan` takes).", rich_help_panel=_A,
     show_default=False)]
 WorldSizeOpt = Annotated[str, typer.Option(
-    "--world-size", help="Data-parallel processes (DDP) sharing the global batch.", rich_help_panel=_A)]
+    "--world-size", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
+                         "both tried.", rich_help_panel=_A)]
 TopOpt = Annotated[int, typer.Option("--top", help="Rows of each table (fitting candidates, rejected ones).",
                                      rich_help_panel=_A)]
 
@@ -87,8 +88,8 @@ def _table(title: str, columns: list[tuple[str, str]]):
 
 def _cells(c, opts: list[str]) -> list[str]:
     s = c.setup
-    return [f"{s.micro_batch}×{s.grad_accum}", s.checkpointing, s.attention, s.precision,
-            ("either" if len(opts) > 1 else opts[0]) + (" +compile" if s.compile else "")]
+    return [f"{s.micro_batch}×{s.grad_accum}", s.checkpointing + (f" {s.sharding}" if s.world_size > 1 else ""),
+            s.attention, s.precision, ("either" if len(opts) > 1 else opts[0]) + (" +compile" if s.compile else "")]
 
 
 def print_result(result, top: int) -> None:
@@ -145,7 +146,8 @@ def print_result(result, top: int) -> None:
         s, p = chosen.setup, chosen.predicted
         console.print(f"[bold green]Plan[/]: micro-batch {s.micro_batch} × {s.grad_accum} accumulation, "
                       f"checkpointing {s.checkpointing}, {s.attention} attention, {s.precision}, {s.optimizer}"
-                      + (", torch.compile" if s.compile else ""))
+                      + (", torch.compile" if s.compile else "")
+                      + (f", {s.sharding.upper()} over {s.world_size} devices" if s.world_size > 1 else ""))
         line = (f"  predicted peak {format_bytes(p['peak_reserved'])} of {format_bytes(result.limit_bytes)}, "
                 f"{p['tokens_per_second']:,.0f} tokens/s, {format_seconds(p['step_seconds'])} per step")
         if p.get("epoch_seconds") is not None:
@@ -229,6 +231,11 @@ def autotune_command(
         print_result(result, top)
 
     verification = None
+    if verify and result.world_size > 1:
+        raise InputError("--verify runs trial steps in one process on this machine; a plan for --world-size "
+                         f"{result.world_size} is checked rank by rank with `memplan validate --world-size "
+                         f"{result.world_size}` or trained with `torchrun --nproc-per-node {result.world_size} -m "
+                         "trainer --plan PLAN`")
     if verify and result.plan is not None:
         from trainer.verify import verify as run_verify
 

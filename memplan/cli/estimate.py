@@ -49,6 +49,13 @@ _TERM_HELP = {
 }
 
 
+_SHARDED_HELP = {  # per device, under --world-size N
+    "ddp": {"gradients": "DDP's buckets, the whole step"},
+    "fsdp": {"weights": "this rank's shards; gathered layers", "gradients": "unsharded in flight; shards",
+             "optimizer": "this rank's shards", "temporaries": "all-gather/reduce-scatter buffers"},
+}
+
+
 def print_estimate(est) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -72,9 +79,10 @@ def print_estimate(est) -> None:
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
     table.add_column("what it holds", style="dim")
+    helps = {**_TERM_HELP, **(_SHARDED_HELP.get(setup.sharding, {}))}
     for key in ("weights", "gradients", "optimizer", "activations", "logits", "temporaries", "runtime"):
         value = getattr(mem, key)
-        table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", _TERM_HELP[key])
+        table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", helps[key])
     table.add_section()
     table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors")
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
@@ -91,6 +99,12 @@ def print_estimate(est) -> None:
     console.print(time_table(t))
     line = (f"{format_count(t.flops_per_step)}FLOP per step, {t.tokens_per_second:,.0f} tokens/s, "
             f"MFU {t.mfu:.0%}")
+    c = t.communication
+    if c is not None and c.link is not None:
+        console.print(f"Communication per step: {format_seconds(c.total_seconds)} of collectives "
+                      f"({format_bytes(c.bytes_per_step)} over {c.link.kind}), "
+                      + (f"{format_seconds(c.exposed_seconds)} of it not hidden behind the compute"
+                         if c.overlapped else "none hidden (collectives block the compute on this device)"))
     if t.epoch_seconds is not None:
         line += f"; {format_count(est.tokens)} tokens take [bold]{format_seconds(t.epoch_seconds)}[/]"
     console.print(line)

@@ -48,28 +48,44 @@ def trace_command(
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
     tokens: TokensOpt = None, json: JsonOpt = False,
 ) -> None:
-    """Trace two training steps of the reference model on fake tensors (nothing is allocated) and report the exact peak."""
+    """Trace two training steps of the reference model on fake tensors (nothing is allocated) and report the exact peak.
+
+    With --world-size N --sharding fsdp: rank 0 of an FSDP2 step, the other ranks stood in for by a
+    fake process group (collectives as NCCL runs them)."""
     from memplan.errors import InputError
     from memplan.estimate import estimate
 
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
     setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
                        compile)
-    if setup.world_size > 1:
-        raise InputError("trace follows one process; use --world-size 1 (per-device memory of sharded runs is "
-                         "measured by `memplan validate --world-size N`)")
+    if setup.sharding == "ddp":
+        raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "
+                         "single-process step plus its gradient buckets (`memplan estimate`), measured for real by "
+                         "`memplan validate --world-size N`; trace follows --sharding fsdp or one process")
     if setup.optimizer == "adamw8bit":
         raise InputError("trace cannot run bitsandbytes' 8-bit optimizer on fake tensors; accepted: adamw, "
                          "adamw-fused, sgd")
     dev = device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
 
+    import dataclasses
+
     import torch
 
     from trainer.measure import trace_step
 
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
-    traced = trace_step(spec, setup, fake_device)
+    if setup.world_size > 1:  # rank 0 of an FSDP2 step, the other ranks a fake process group
+        from memplan.memory import peak_memory, sdpa_gqa_repeats
+        from trainer.distributed import trace_rank_step
+
+        traced = trace_rank_step(spec, setup, 0, fake_device)
+        # the fake process group allocates as NCCL does: compare with that prediction
+        repeat = sdpa_gqa_repeats(spec, setup, dev.flash_attention, dev.family)
+        est = dataclasses.replace(est, memory=peak_memory(spec, setup, dev.runtime_context_bytes,
+                                                          dev.allocator_overhead, repeat, collectives="nccl"))
+    else:
+        traced = trace_step(spec, setup, fake_device)
     data = traced_json(est, traced)
     if json:
         print_json(data)

@@ -35,6 +35,8 @@ QUICKSTART_LAYERS = (2, 3, 4, 6, 8, 10, 12)  # the model ladder: hidden = 64·la
 QUICKSTART_CALIBRATE_SECONDS = 15.0  # the quick start's first calibration of this machine (then cached)
 MATMUL_PROBE = 1024  # side of the square fp32 matmul timed to rate the local device for the quick start
 
+LAUNCHED_BY_ENV = "MEMPLAN_LAUNCHED_BY"  # set by `memplan train --nproc` for the ranks it starts
+
 _R = "Run"
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan TOML (from `memplan autotune --out`) to "
                                                 "train on, as given.", show_default=False, rich_help_panel=_R)]
@@ -66,6 +68,13 @@ ReportOpt = Annotated[bool, typer.Option("--report", help="Only (re)write RUN/re
                                          "(also while the run is going) and exit.", rich_help_panel=_R)]
 CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
                                                     show_default=False, rich_help_panel="Setup")]
+NprocOpt = Annotated[Optional[str], typer.Option(
+    "--nproc", help="Train in N processes (torchrun: one per GPU, else N CPU processes over gloo) with DDP or "
+                    "FSDP2; each rank runs --batch × --grad-accum per step (the plan's, for --plan).",
+    show_default=False, rich_help_panel="Setup")]
+TrainShardingOpt = Annotated[Optional[str], typer.Option(
+    "--sharding", help="With --nproc: ddp | fsdp (default: the plan's, else ddp).", show_default=False,
+    rich_help_panel="Setup")]
 
 _H = "Hyper-parameters"
 LrOpt = Annotated[Optional[str], typer.Option("--lr", help="Peak learning rate (default 6e-4).", show_default=False,
@@ -129,16 +138,57 @@ def train_command(
     sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None, max_nonfinite: MaxNonfiniteOpt = None,
     verify_data: VerifyDataOpt = None,
     global_batch_tokens: GlobalBatchTokensOpt = None, budget: BudgetOpt = None, margin: MarginOpt = "0.1",
+    nproc: NprocOpt = None, sharding: TrainShardingOpt = None, click_ctx: typer.Context = None,
 ) -> None:
     """Train a model on a plan and measure it against memplan's predictions; alone, a short run on the embedded corpus."""
     from rich.console import Console
 
     from memplan.units import parse_count
-    from trainer.data import PreparedData
 
     console = Console(stderr=True, highlight=False)
     if report:
         return _report_only(out, console)
+    if sharding is not None and sharding not in ("ddp", "fsdp"):
+        raise InputError(f"--sharding: {sharding!r} (accepted: ddp, fsdp; training in one process shards nothing)")
+    n = parse_count(nproc, "--nproc") if nproc is not None else 1
+    from trainer import distributed
+
+    rank, launched, _ = distributed.env_world()
+    if n > 1 and launched > 1:
+        raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
+    if n > 1:
+        return _launch(click_ctx, n, data, out, resume, console)
+    if sharding is not None and launched == 1:
+        raise InputError(f"--sharding {sharding}: needs several processes; add --nproc N")
+    if launched > 1:  # one rank of a torchrun launch: join the group; rank 0 alone prints
+        distributed.init()
+        console = Console(stderr=True, highlight=False, quiet=rank != 0)
+    try:
+        _train_command(console, plan=plan, data=data, out=out, max_steps=max_steps, tokens=tokens,
+                       max_minutes=max_minutes, save_every=save_every, eval_every=eval_every, seed=seed,
+                       resume=resume, params=params, model=model, arch=arch, layers=layers, hidden=hidden,
+                       heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, ctx=ctx, batch=batch,
+                       grad_accum=grad_accum, precision=precision, attention=attention,
+                       checkpointing=checkpointing, optimizer=optimizer, compile=compile, device=device,
+                       device_memory=device_memory, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio,
+                       weight_decay=weight_decay, clip=clip, keep=keep, eval_batches=eval_batches,
+                       sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
+                       verify_data=verify_data, global_batch_tokens=global_batch_tokens, budget=budget,
+                       margin=margin, sharding=sharding)
+    finally:
+        distributed.shutdown()
+
+
+def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, save_every, eval_every, seed, resume,
+                   params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
+                   precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
+                   min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
+                   verify_data, global_batch_tokens, budget, margin, sharding) -> None:
+    from memplan.units import parse_count
+    from trainer import distributed
+    from trainer.data import PreparedData
+
+    _, launched, _ = distributed.env_world()
 
     model_flags = dict(params=params, model=model, arch=arch, layers=layers, hidden=hidden, heads=heads,
                        kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
@@ -169,7 +219,9 @@ def train_command(
 
     profile = device_from(device, device_memory)
     if device is None:  # the local device: plan with its measured rates where memplan has them
-        profile = local_calibration(profile, console, measure_now=quickstart)
+        profile, rates_note = local_calibration(profile, console, measure_now=quickstart)
+    else:
+        rates_note = None
     if resume:
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
@@ -187,10 +239,11 @@ def train_command(
             asked = None
             if plan or given_model or given_setup or ctx is not None:
                 asked = _plan_from_flags(plan, model_flags, setup_flags, prepared, profile, console, quiet=True)
-            return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper)
+            return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper,
+                          rates_note=rates_note, sharding=sharding)
         console.print(f"[yellow]note[/]: {run_dir} has no checkpoint yet; starting the run from step 0")
 
-    prepared = PreparedData(Path(data) if data else ensure_embedded_data(console))
+    prepared = PreparedData(Path(data) if data else _embedded_data_once(console))
     minutes = overrides["max_minutes"]
     if quickstart and overrides["max_steps"] is None and overrides["max_tokens"] is None and minutes is None:
         minutes = overrides["max_minutes"] = QUICKSTART_MINUTES
@@ -207,10 +260,12 @@ def train_command(
             DEFAULT_CTX if given_model else QUICKSTART_CTX)
         the_plan = _autotuned_plan(spec, ctx_n, prepared, profile, console, minutes=minutes,
                                    global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"),
-                                   budget=budget, margin=_number(margin, "--margin"))
-    run_dir = Path(out) if out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+                                   budget=budget, margin=_number(margin, "--margin"), world_size=launched)
+    if launched > 1:  # every rank trains rank 0's plan (the quick start's is chosen on a timed matmul)
+        the_plan = distributed.from_rank0(for_world(the_plan, launched, sharding, profile, console))
+    run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
     _train(console, run_dir, prepared, profile, plan=the_plan, overrides=overrides, hyper=hyper,
-           allow_existing=resume)
+           allow_existing=resume, rates_note=rates_note)
 
 
 # =================================================================================================
@@ -290,8 +345,9 @@ def calibration_cache(family: str, title: str, threads: int, torch_version: str)
 def local_calibration(profile, console, measure_now: bool):
     """The local ``profile`` with rates this machine measured: a cached ``memplan calibrate``-style
     calibration if there is one; else, with ``measure_now`` (the quick start), a short calibration
-    (QUICKSTART_CALIBRATE_SECONDS) run now and cached; else the profile as it is. A profile that
-    already carries calibrated rates (``--device my.toml``) is never reached here."""
+    (QUICKSTART_CALIBRATE_SECONDS) run now and cached; else the profile as it is. Returns the profile
+    and a line saying where its rates come from (printed once the run's options are all accepted, so
+    that an error stays one line)."""
     import tomllib
 
     import torch
@@ -301,21 +357,19 @@ def local_calibration(profile, console, measure_now: bool):
     from trainer import calibrate as cal_mod
 
     if profile.calibrated:
-        return profile
+        return profile, None
     family = cal_mod.local_family()
     path = calibration_cache(family, cal_mod.device_title(family), torch.get_num_threads(), torch.__version__)
     if path.is_file():
         try:
             cached = device_from_toml(tomllib.loads(path.read_text()), str(path))
         except (InputError, tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
-            console.print(f"[yellow]note[/]: ignoring an unreadable calibration {path}")
+            pass  # measured again below, or the nominal rates
         else:
-            console.print(f"rates: measured on this machine ({path})", soft_wrap=True)
-            return profile.replace(calibrated=cached.calibrated)
+            return profile.replace(calibrated=cached.calibrated), f"rates: measured on this machine ({path})"
     if not measure_now:
-        console.print("[dim]rates: the profile's nominal figures; `memplan calibrate` measures this machine "
-                      "(predictions of time are far closer afterwards)[/]")
-        return profile
+        return profile, ("[dim]rates: the profile's nominal figures; `memplan calibrate` measures this machine "
+                         "(predictions of time are far closer afterwards)[/]")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("[bold]measuring this machine[/] {task.description:<18}"), BarColumn(),
@@ -328,9 +382,8 @@ def local_calibration(profile, console, measure_now: bool):
     measured = device_from_toml(tomllib.loads(text), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, text)
-    console.print(f"rates: measured on this machine in {cal.seconds:.0f} s (kept in {path}; "
-                  "`memplan calibrate` measures longer)", soft_wrap=True)
-    return profile.replace(calibrated=measured.calibrated)
+    return profile.replace(calibrated=measured.calibrated), (
+        f"rates: measured on this machine in {cal.seconds:.0f} s (kept in {path}; `memplan calibrate` measures longer)")
 
 
 def measured_matmul_rate(seconds: float = 0.5) -> float:
@@ -379,7 +432,34 @@ def quickstart_model(vocab: int, profile, minutes: float, ctx: int):
     return chosen[0], chosen[1], rate
 
 
-def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_batch_tokens, budget, margin):
+def for_world(plan, world_size: int, sharding: str | None, profile, console):
+    """``plan`` as trained by ``world_size`` processes: a plan for one process runs its micro-batch and
+    accumulation in every rank (a global batch ``world_size`` times larger); ``sharding`` (else the
+    plan's, else ddp) chooses DDP or FSDP2. Predictions are recomputed for what changed."""
+    from memplan.plan import Plan
+    from trainer.loop import predicted_for
+
+    s = plan.setup
+    if s.world_size not in (1, world_size):
+        raise InputError(f"the plan is for --world-size {s.world_size} but {world_size} processes were launched; "
+                         f"launch it with `memplan train --nproc {s.world_size}`")
+    chosen = sharding or (s.sharding if s.sharding != "none" else "ddp")
+    if s.world_size == world_size and s.sharding == chosen:
+        return plan
+    if s.world_size == 1:
+        console.print(f"[yellow]note[/]: the plan is for one process; each of the {world_size} ranks runs its "
+                      f"micro-batch {s.micro_batch} × {s.grad_accum} accumulation, so a step is {world_size}× "
+                      f"the plan's global batch ({chosen})")
+    setup = s.replace(world_size=world_size, sharding=chosen)
+    p = Plan(model=plan.model, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes, predicted={})
+    pred = predicted_for(p, profile)
+    return Plan(model=p.model, setup=setup, device=p.device, budget_bytes=p.budget_bytes,
+                predicted={"peak_reserved": pred["peak_reserved"], "step_seconds": pred["step_seconds"],
+                           "tokens_per_second": pred["tokens_per_second"], "epoch_seconds": None})
+
+
+def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_batch_tokens, budget, margin,
+                    world_size: int = 1):
     from memplan.units import format_count, parse_size
 
     try:
@@ -398,7 +478,7 @@ def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_ba
             global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
     result = autotune(spec, profile, ctx=ctx, global_batch_tokens=global_batch_tokens,
                       budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin,
-                      tokens=None, world_size=1)
+                      tokens=None, world_size=world_size)
     if result.plan is None:
         advice = "; ".join(getattr(result, "advice", None) or ["try a smaller model or a shorter --ctx"])
         raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}: {advice}")
@@ -425,6 +505,18 @@ def embedded_data_dir() -> Path:
     return cache_dir() / "data" / f"embedded-py{version}-{DEFAULT_TOKENIZER_EMBEDDED.replace(':', '')}"
 
 
+def _embedded_data_once(console) -> Path:
+    """The embedded corpus; under torchrun rank 0 prepares it while the others wait."""
+    from trainer import distributed
+
+    rank, world_size, _ = distributed.env_world()
+    if world_size == 1:
+        return ensure_embedded_data(console)
+    out = ensure_embedded_data(console) if rank == 0 else embedded_data_dir()
+    distributed.barrier()
+    return out
+
+
 def ensure_embedded_data(console) -> Path:
     """The embedded corpus, prepared into the cache on first use (as `memplan prepare` with no --input)."""
     from memplan.cli.prepare import _ProgressBars
@@ -445,7 +537,7 @@ def ensure_embedded_data(console) -> Path:
 # =================================================================================================
 
 def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=None, overrides, hyper,
-           allow_existing: bool = False) -> None:
+           allow_existing: bool = False, rates_note: str | None = None, sharding: str | None = None) -> None:
     from trainer.loop import Trainer, TrainConfig, TrainingStopped
 
     if plan is not None:  # a new run
@@ -453,8 +545,11 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
         config = TrainConfig(**fields)
         trainer = Trainer.start(run_dir, plan, prepared, config, profile, allow_existing=allow_existing)
     else:
-        trainer = Trainer.resume(run_dir, prepared, profile, plan=resume_plan, overrides={**overrides, **hyper})
+        trainer = Trainer.resume(run_dir, prepared, profile, plan=resume_plan, overrides={**overrides, **hyper},
+                                 sharding=sharding)
     _print_plan(trainer, console)
+    if rates_note:
+        console.print(f"  {rates_note}", soft_wrap=True)
     view = _ProgressView(console, trainer)
     trainer.on_event(view.update)
     try:
@@ -464,7 +559,9 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
         console.print(f"[red]memplan: training stopped[/]: {e}", soft_wrap=True)
         console.print(f"Report: {run_dir / 'report.html'}")
         raise typer.Exit(1)
-    _print_summary(trainer, summary, console)
+    sample = _final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
+    if trainer.is_main:
+        _print_summary(trainer, summary, sample)
     if trainer.stop_signal is not None:  # the shell's convention for a process ended by a signal
         raise typer.Exit(128 + trainer.stop_signal)
 
@@ -476,13 +573,14 @@ def _print_plan(trainer, console) -> None:
     pred = trainer.predicted
     what = "Resuming" if trainer.step else "Training"
     console.print(f"[bold]{what}[/] {trainer.run_dir}: {p.model.describe()} ({p.model.params:,} parameters)")
-    console.print(f"  setup: ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation "
+    ranks = f" × {s.world_size} ranks ({s.sharding.upper()})" if s.world_size > 1 else ""
+    console.print(f"  setup: ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation{ranks} "
                   f"({s.tokens_per_step:,} tokens/step), {s.precision}, {s.attention} attention, checkpointing "
                   f"{s.checkpointing}, {s.optimizer}" + (", compiled" if s.compile else ""))
     console.print(f"  data: {trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, sources "
                   f"{', '.join(trainer.data.source_names)}); device {trainer.device} ({trainer.profile.name} profile)")
     console.print(f"  predicted: peak {format_bytes(pred['peak_reserved'])} ({format_bytes(pred['peak_allocated'])} "
-                  f"live tensors), {pred['tokens_per_second']:,.0f} tokens/s, MFU {pred['mfu']:.0%}")
+                  f"live tensors), {pred['tokens_per_second']:,.0f} tokens/s, MFU {pred['mfu']:.1%}")
     if trainer.step:
         console.print(f"  from step {trainer.step:,} ({format_count(trainer.tokens)} tokens seen)")
     family = {"cuda": ("cuda", "rocm"), "mps": ("mps",), "cpu": ("cpu",)}.get(trainer.device.type, ())
@@ -558,12 +656,22 @@ class _ProgressView:
                 self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
 
 
-def _print_summary(trainer, summary, console) -> None:
+def _final_sample(trainer) -> tuple[str, str] | None:
+    """(prompt, continuation) of the trained model for the summary, or None without a prompt."""
+    from trainer.sample import sample_text
+
+    prompts = trainer.sample_prompts()
+    if not prompts:
+        return None
+    return prompts[0], sample_text(trainer.model, trainer.tokenizer, prompts[0], 96, ctx=trainer.setup.ctx,
+                                   seed=trainer.config.seed, precision=trainer.setup.precision)
+
+
+def _print_summary(trainer, summary, sample) -> None:
     from rich.console import Console
 
     from memplan.units import format_bytes, format_count, format_seconds
     from trainer.loop import read_metrics
-    from trainer.sample import sample_text
 
     lines = read_metrics(trainer.run_dir, latest=True)
     train = [l for l in lines if l.get("kind") == "train"]
@@ -597,12 +705,78 @@ def _print_summary(trainer, summary, console) -> None:
         out.print(f"  checkpoint: {summary.checkpoint}")
     if summary.report:
         out.print(f"  report: {summary.report}")
-    prompts = trainer.sample_prompts()
-    if prompts:
-        text = sample_text(trainer.model, trainer.tokenizer, prompts[0], 96, ctx=trainer.setup.ctx,
-                           seed=trainer.config.seed, precision=trainer.setup.precision)
+    if sample is not None:
         out.print("[bold]Sample[/] (top-k 40, temperature 0.8):")
-        out.print(printable(f"{prompts[0]}{text}"), markup=False)
+        out.print(printable(f"{sample[0]}{sample[1]}"), markup=False)
+
+
+def _launch(click_ctx, nproc: int, data: str | None, out: str | None, resume: bool, console) -> None:
+    """``memplan train --nproc N ...``: this command without --nproc in N processes started by
+    torchrun's launcher (``python -m trainer`` in each, rank 0 printing). The embedded corpus is
+    prepared and the run directory named here first, so every rank agrees on both."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    argv = _argv_without(click_ctx, ("nproc", "data", "out"))
+    plan = click_ctx.params.get("plan")
+    if plan:  # refused here, before N processes start, rather than by each of them
+        from memplan.plan import Plan
+
+        world_size = Plan.load(plan).setup.world_size
+        if world_size not in (1, nproc):
+            raise InputError(f"the plan is for --world-size {world_size}; launch it with `memplan train --nproc "
+                             f"{world_size}`")
+    if not data and not resume:
+        data = str(ensure_embedded_data(console))
+    params = click_ctx.params
+    if params.get("device") is None and not resume:  # calibrated here, alone, once: the ranks read the cache
+        flags = [k for k in ("params", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+                             "tied", "batch", "grad_accum", "precision", "attention", "checkpointing",
+                             "optimizer", "compile") if params.get(k) is not None]
+        local_calibration(device_from(None, params.get("device_memory")), console,
+                          measure_now=not params.get("plan") and not flags)
+    if not out and not resume:
+        out = str(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
+    argv += [*(["--data", data] if data else []), *(["--out", out] if out else [])]
+    args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "trainer", *argv])
+    for name in list(logging.root.manager.loggerDict):  # the launcher's own chatter: the ranks speak for the run
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHED_BY_ENV] = "memplan"  # the ranks' errors read as this command's
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = {f.local_rank: f.exitcode for f in e.failures.values()}
+        code = codes.get(0, next(iter(codes.values()), 1))
+        if 0 not in codes:  # rank 0 said nothing about it
+            console.print(f"memplan: training failed in rank(s) {', '.join(map(str, sorted(codes)))} "
+                          f"(exit codes {', '.join(map(str, codes.values()))})", soft_wrap=True)
+        raise typer.Exit(code if code > 0 else 1)
+
+
+def _argv_without(click_ctx, names: tuple[str, ...]) -> list[str]:
+    """The options this command was given on its command line (or environment), minus ``names``."""
+    argv = []
+    for p in click_ctx.command.params:
+        if p.name in names or not getattr(p, "opts", None):
+            continue
+        source = click_ctx.get_parameter_source(p.name)
+        if source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        value = click_ctx.params[p.name]
+        if p.is_flag:
+            if value:
+                argv.append(p.opts[0])
+            elif p.secondary_opts:
+                argv.append(p.secondary_opts[0])
+        elif p.multiple:
+            for v in value:
+                argv += [p.opts[0], str(v)]
+        else:
+            argv += [p.opts[0], str(value)]
+    return argv
 
 
 def printable(text: str) -> str:

@@ -9,7 +9,12 @@ import typer
 from memplan.cli import app
 from memplan.cli.options import DeviceMemoryOpt, DeviceOpt, JsonOpt, print_json
 
-MatrixOpt = Annotated[str, typer.Option("--matrix", help="A bundled matrix name (default) or a matrix TOML file.")]
+MatrixOpt = Annotated[Optional[str], typer.Option(
+    "--matrix", help="A bundled matrix name or a matrix TOML file (default: default; with --world-size > 1: "
+                     "distributed).", show_default=False)]
+RanksOpt = Annotated[str, typer.Option(
+    "--world-size", help="Measure each config's DDP/FSDP step in this many gloo processes here, every rank "
+                         "against its own prediction (1: single-process steps).")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="Only the matrix's representative subset (quick = true).")]
 HtmlOpt = Annotated[Optional[str], typer.Option("--html", help="Write a self-contained HTML report to this file.",
                                                 show_default=False)]
@@ -20,7 +25,7 @@ ModeOpt = Annotated[str, typer.Option(
                    "benchmarks/matrices/inference/).")]
 
 
-def validation_page(device_name: str, rows, summary):
+def validation_page(device_name: str, rows, summary, ranks: int = 1):
     """The HTML report: predicted against measured with y = x, error per config, error per memory term."""
     import plotly.graph_objects as go
 
@@ -69,27 +74,39 @@ def validation_page(device_name: str, rows, summary):
                          "worst |error|": f"{summary.max_abs_error:.2%} ({summary.worst})",
                          "bars": bars},
                 figures=[scatter, errors, per_term],
-                notes=["Measured: a real steady-state training step (the second of two, so optimizer state "
+                notes=[f"Measured: a real steady-state DDP or FSDP2 training step (after two warm-up steps) of "
+                       f"memplan's reference model in each of {ranks} gloo processes on this machine's CPU; every "
+                       "rank's MemTracker peak is checked against the prediction for that rank (one row per rank)."
+                       if ranks > 1 else
+                       "Measured: a real steady-state training step (the second of two, so optimizer state "
                        "exists) of memplan's reference model on this device. On the CPU, MemTracker counts the "
                        "live tensor bytes; on CUDA/ROCm it is torch.cuda.max_memory_allocated."])
 
 
 @app.command("validate")
 def validate_command(
-    matrix: MatrixOpt = "default", quick: QuickOpt = False, json: JsonOpt = False, html: HtmlOpt = None,
+    matrix: MatrixOpt = None, quick: QuickOpt = False, json: JsonOpt = False, html: HtmlOpt = None,
     no_trace: NoTraceOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    mode: ModeOpt = "training",
+    world_size: RanksOpt = "1", mode: ModeOpt = "training",
 ) -> None:
-    """Predict, trace and really measure each config of a matrix on this device; print the errors and the bars."""
+    """Predict, trace and really measure each config of a matrix on this device; print the errors and the bars.
+
+    With --world-size N (N > 1) every config runs as DDP or FSDP2 in N gloo processes on this
+    machine's CPU; each rank measures its own peak with MemTracker and is checked against the
+    prediction for that rank (no FakeTensor trace: the fake process group allocates as NCCL does,
+    gloo's reduce-scatter does not)."""
     import sys
     from pathlib import Path
 
+    from memplan.errors import InputError
     from memplan.units import choice_error
 
     if mode not in ("training", "inference"):
         raise choice_error("--mode", mode, ["training", "inference"])
     if mode == "inference":
-        return validate_inference(matrix, quick, json, html, device, device_memory)
+        if world_size != "1":
+            raise InputError("--mode inference measures one process; accepted with it: --world-size 1")
+        return validate_inference(matrix or "default", quick, json, html, device, device_memory)
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -98,18 +115,27 @@ def validate_command(
     from memplan.cli.options import device_from
     from memplan.errors import InputError
     from memplan.units import format_bytes
-    from memplan.validate import load_matrix, summarize, validation_json
+    from memplan.units import parse_count
+    from memplan.validate import DISTRIBUTED_MATRIX, distributed_configs, load_matrix, summarize, validation_json
 
+    ranks = parse_count(world_size, "--world-size")
+    if ranks < 1:
+        raise InputError(f"--world-size: {world_size!r} must be a positive integer")
+    matrix = matrix or (DISTRIBUTED_MATRIX if ranks > 1 else "default")
     configs = load_matrix(matrix)
     if quick:
         configs = [c for c in configs if c.quick]
         if not configs:
             raise InputError(f"--quick: matrix {matrix!r} has no config with quick = true")
+    if ranks > 1:
+        configs = distributed_configs(configs, ranks)
+    elif any(c.setup.world_size > 1 for c in configs):
+        raise InputError(f"--matrix {matrix}: its configs are distributed; run it with --world-size N (N > 1)")
     if html and Path(html).is_dir():
         raise InputError(f"--html: {html!r} is a directory; give a file name such as validate.html")
     dev = device_from(device, device_memory)
 
-    from trainer.validate import run_config
+    from trainer.validate import run_config, run_distributed
 
     console = Console(stderr=json)
     if not console.is_terminal:
@@ -117,20 +143,25 @@ def validate_command(
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("validating", total=len(configs))
-        for config in configs:
-            progress.update(task, description=f"validating {config.name}")
-            rows.append(run_config(config, dev, trace=not no_trace))
-            progress.advance(task)
+        if ranks > 1:
+            task = progress.add_task(f"measuring {len(configs)} configs in {ranks} gloo processes", total=None)
+            rows = run_distributed(configs, dev, ranks)
+        else:
+            task = progress.add_task("validating", total=len(configs))
+            for config in configs:
+                progress.update(task, description=f"validating {config.name}")
+                rows.append(run_config(config, dev, trace=not no_trace))
+                progress.advance(task)
     summary = summarize(rows)
     if html:
         from memplan.report import write_page
 
-        write_page(validation_page(dev.name, rows, summary), html)
+        write_page(validation_page(dev.name, rows, summary, ranks), html)
     if json:
         print_json(validation_json(dev.name, rows))
         return
-    table = Table(title=f"Peak allocated: predicted vs measured on {dev.name}", title_justify="left")
+    where = f"{dev.name}, each rank of {ranks} gloo processes" if ranks > 1 else dev.name
+    table = Table(title=f"Peak allocated: predicted vs measured on {where}", title_justify="left")
     for col, justify in (("config", "left"), ("predicted", "right"), ("measured", "right"), ("error", "right"),
                          ("trace", "right"), ("peak at", "left")):
         table.add_column(col, justify=justify)

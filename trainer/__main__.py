@@ -1,0 +1,47 @@
+"""``python -m trainer``: ``memplan train`` in this process, which is one rank of a torchrun launch.
+
+    torchrun --nproc-per-node 2 -m trainer --plan plan.toml --data DATA --out RUN --sharding fsdp
+    torchrun --nproc-per-node 2 -m trainer --params 22m --ctx 256 --batch 4 --data DATA --out RUN --max-steps 100
+
+It takes ``memplan train``'s options (``memplan train --nproc N`` launches exactly this). Under
+torchrun each process trains on its own device (its GPU by local rank, or the CPU over gloo) with
+DDP or FSDP2 (``--sharding``, or the plan's, else DDP); only rank 0 prints and writes the run.
+Alone, it trains in one process as ``memplan train`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PROG = "python -m trainer"
+
+
+def entry(argv: list[str] | None = None) -> None:
+    """Run ``memplan train ARGV``. Bad input is one line on stderr (from rank 0 only) and exit code 2."""
+    import typer
+    from typer.core import TyperGroup
+
+    from memplan.cli import app, click_exceptions
+    from memplan.errors import InputError
+
+    argv = sys.argv[1:] if argv is None else argv
+    command = typer.main.get_command(app)
+    try:  # the group's own main, not memplan's one-line wrapper: here only rank 0 may print the error
+        rv = TyperGroup.main(command, args=["train", *argv], prog_name=PROG, standalone_mode=False)
+    except InputError as e:
+        message = str(e)
+    except click_exceptions.ClickException as e:
+        message = e.format_message()
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    else:
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+    if os.environ.get("RANK", "0") == "0":
+        prog = "memplan" if os.environ.get("MEMPLAN_LAUNCHED_BY") == "memplan" else PROG
+        print(f"{prog}: error: " + " ".join(message.split()), file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    entry()

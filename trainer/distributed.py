@@ -1,0 +1,445 @@
+"""Training on several devices with PyTorch's own engine: DDP or FSDP2, one process per device.
+
+A run is launched by ``torchrun --nproc-per-node N -m trainer ...`` (or ``memplan train --nproc N``,
+which runs that). Each process reads its rank from the environment torchrun sets, joins the
+process group (NCCL on NVIDIA, RCCL through the same ``nccl`` backend on ROCm, gloo on the CPU)
+and wraps the reference model:
+
+- ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)``, no buffer syncing.
+  Each rank holds the whole model and optimizer; the gradients live in DDP's flat buckets for the
+  whole run (``.grad`` are views into them), all-reduced (averaged) bucket by bucket as the
+  backward produces them. Under gradient accumulation every micro-batch but the last runs in
+  ``no_sync`` (``trainer.step.train_step``), so a step all-reduces once.
+- ``fsdp``: FSDP2, ``fully_shard`` on every block and then on the root (FSDP2's defaults: blocks
+  reshard after forward, the root keeps its parameters from forward to backward).
+  Parameters, gradients and optimizer states are sharded on dim 0 across ranks; a block's
+  parameters are all-gathered before its forward and again before its backward, and its
+  gradients reduce-scattered after its backward. Under bf16-mixed / fp16-mixed the
+  ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` replaces autocast: the
+  all-gathered parameters are in the low precision, the sharded master weights, gradients and
+  optimizer states stay fp32.
+
+The memory each rank takes is what ``memplan.memory`` predicts for ``world_size`` and
+``sharding`` (``memplan validate --world-size 2`` measures it in each rank with MemTracker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from memplan.errors import InputError
+from memplan.setup import TrainSetup
+
+BACKENDS = {"cuda": "nccl", "rocm": "nccl", "cpu": "gloo", "mps": "gloo"}  # ROCm's torch maps nccl to RCCL
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only one that prints and writes reports."""
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the variables torchrun sets; (0, 1, 0) without them."""
+    def get(name: str, default: int) -> int:
+        raw = os.environ.get(name)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise InputError(f"environment variable {name}={raw!r} is not an integer") from None
+
+    return get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0)
+
+
+def device_for(family: str, local_rank: int) -> torch.device:
+    """The torch device of this process: its GPU by local rank on CUDA/ROCm, else the CPU."""
+    if family in ("cuda", "rocm"):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init(family: str | None = None) -> DistContext:
+    """Join the process group torchrun described (a no-op context for a single process)."""
+    from trainer.measure import local_family
+
+    family = family or local_family()
+    rank, world_size, local_rank = env_world()
+    device = device_for(family, local_rank)
+    backend = BACKENDS[family]
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=TIMEOUT,
+                                device_id=device if device.type == "cuda" else None)
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fsdp_mixed_precision(setup: TrainSetup):
+    """FSDP2's policy for a precision: bf16/fp16 all-gathered parameters and fp32 gradient
+    reduction under bf16-mixed / fp16-mixed; otherwise parameters and reductions in the storage dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(setup.precision)
+    if low is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def wrap_model(model: torch.nn.Module, setup: TrainSetup, device: torch.device, mesh=None) -> torch.nn.Module:
+    """DDP or FSDP2 around the reference model, as ``setup.sharding`` says (the model itself for none).
+
+    ``mesh``: FSDP2's device mesh (default: one dimension over the whole process group); the
+    FakeTensor trace makes it before entering fake mode."""
+    if setup.sharding == "none" or setup.world_size == 1 and not dist.is_initialized():
+        return model
+    if not dist.is_initialized():
+        raise InputError(f"--sharding {setup.sharding} needs a process group: launch with torchrun "
+                         f"--nproc-per-node {setup.world_size} -m trainer (or memplan train --nproc N)")
+    if dist.get_world_size() != setup.world_size:
+        raise InputError(f"the plan's --world-size {setup.world_size} differs from the {dist.get_world_size()} "
+                         "processes launched")
+    if setup.sharding == "ddp":
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        # The model's only buffers are RoPE's tables, the same in every rank: no buffer syncing.
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                          else {"broadcast_buffers": False})
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True, **no_buffer_sync)
+    from torch.distributed.fsdp import fully_shard
+
+    policy = fsdp_mixed_precision(setup)
+    for block in model.blocks:  # resharded after forward (FSDP2's default for non-root modules)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root keeps its parameters unsharded from forward to backward
+    return model
+
+
+def is_ddp(model: torch.nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference model inside a DDP wrapper (FSDP2 keeps the module itself)."""
+    return model.module if is_ddp(model) else model
+
+
+def no_sync(model: torch.nn.Module, last: bool):
+    """DDP's ``no_sync`` for every micro-batch but the last of a step (a no-op otherwise)."""
+    if not last and is_ddp(model):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a 0-dim tensor over all ranks (itself in a single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    out = value.detach().clone().float()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / dist.get_world_size()
+
+
+# =================================================================================================
+# Measuring a rank's memory: for real in W gloo processes, or one rank under FakeTensorMode
+# =================================================================================================
+
+WARMUP_STEPS = 2  # DDP rebuilds its buckets in the second step; FSDP2 initialises lazily in the first
+
+
+def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int = 0, fake: bool = False):
+    """Build, wrap and warm up the model in this rank, then MemTracker one steady-state step.
+
+    Everything that outlives a step (parameters and their shards, gradients, DDP's buckets,
+    optimizer state) is registered with ``track_external``; the step's batches are made inside
+    the tracker, as ``trainer.measure`` does for a single process.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainer.measure import StepMemory, _categories, _random_batches, _TermProbe
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    mesh = None
+    if setup.sharding == "fsdp" and fake:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (setup.world_size,))  # made outside fake mode
+    context = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        context = FakeTensorMode(allow_non_fake_inputs=False)
+    with context, torch.device(device):
+        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
+        model = wrap_model(model, setup, device, mesh=mesh)
+        optimizer = make_optimizer(model, setup.optimizer)
+        gen = None if fake else torch.Generator(device).manual_seed(seed + 1 + dist.get_rank())
+        for _ in range(WARMUP_STEPS):
+            train_step(model, optimizer, _random_batches(spec, setup, device, gen), setup, device.type,
+                       check_finite=False)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+
+        def live() -> int:
+            return int(sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("current").values()))
+
+        probe = None if fake else _TermProbe(model, optimizer, live)  # fake tensors have no storages to count
+        last = setup.grad_accum - 1
+
+        def before(i: int) -> None:
+            tracker.reset_mod_stats()
+            if probe is not None and i == last:
+                probe.before_forward(i)
+
+        with tracker:
+            batches = _random_batches(spec, setup, device, gen)
+            train_step(model, optimizer, batches, setup, device.type, check_finite=False, before_forward=before,
+                       after_forward=lambda i: probe.after_forward(i) if probe is not None and i == last else None)
+            del batches
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        terms = probe.finish() if probe is not None else {}
+    total = int(snapshot.get("Total", sum(snapshot.values())))
+    method = "MemTracker under FakeTensorMode, fake process group" if fake else "MemTracker on real tensors, gloo"
+    return StepMemory(peak_allocated=total, breakdown=_categories(snapshot), terms=terms,
+                      method=f"{method} (rank {dist.get_rank()})")
+
+
+def trace_rank_step(spec, setup: TrainSetup, rank: int = 0, device: str = "cpu"):
+    """Exact live-tensor peak of one rank's steady-state FSDP2 step on fake tensors, in this
+    process: a fake process group of ``setup.world_size`` ranks stands in for the others
+    (torch.testing's FakeStore; collectives return at once and allocate nothing, as NCCL's), so a
+    1B model sharded over 8 GPUs is traced on a laptop CPU. DDP cannot be traced: its C++ reducer
+    rebuilds its buckets from real storage."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if setup.sharding != "fsdp":
+        raise InputError("trace_rank_step traces FSDP2 ranks (--sharding fsdp); DDP's reducer cannot run on fake "
+                         "tensors")
+    if dist.is_initialized():
+        raise RuntimeError("trace_rank_step makes its own (fake) process group; this process is already in one")
+    dist.init_process_group("fake", rank=rank, world_size=setup.world_size, store=FakeStore())
+    try:
+        return _rank_step_memory(spec, setup, torch.device(device), fake=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, out_dir: str) -> None:
+    """One rank of ``measure_ranks``: every config in turn, its StepMemory pickled to out_dir."""
+    import gc
+    import pickle
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as torchrun does: the ranks share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
+                            timeout=TIMEOUT)
+    try:
+        results = []
+        for spec, setup in configs:
+            results.append(_rank_step_memory(spec, setup, torch.device("cpu")))
+            gc.collect()
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ranks(configs: list, world_size: int) -> list[list]:
+    """Measure each (spec, setup) for real on the CPU in ``world_size`` gloo processes started
+    here; returns, per config, every rank's StepMemory (MemTracker's peak in that rank)."""
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    for _, setup in configs:
+        if setup.world_size != world_size:
+            raise InputError(f"--world-size {world_size}: a config asks for world size {setup.world_size}")
+    with tempfile.TemporaryDirectory(prefix="memplan-ranks-") as tmp:
+        mp.start_processes(_measure_worker, args=(world_size, os.path.join(tmp, "store"), configs, tmp),
+                           nprocs=world_size, join=True, start_method="spawn")
+        per_rank = []
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                per_rank.append(pickle.load(f))
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(configs))]
+
+
+# =================================================================================================
+# Agreeing across ranks
+# =================================================================================================
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def from_rank0(obj):
+    """Rank 0's ``obj`` in every rank (itself in a single process): for what must be the same
+    everywhere but is decided by time or measurement (a plan autotuned on a timed matmul, a run
+    directory named by the clock, when a time-limited run stops)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def max_across_ranks(value: int, device: torch.device) -> int:
+    """The largest of an integer over all ranks (a stop signal any rank received, a peak memory)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def rescaled_for_world(setup: TrainSetup, world_size: int, sharding: str | None = None) -> TrainSetup:
+    """The setup with ``world_size`` ranks and the same global batch: gradient accumulation scaled by
+    old/new world size, so each micro-batch (and its memory) stays as it was. An InputError if the
+    global batch does not split evenly."""
+    if world_size == setup.world_size and (sharding is None or sharding == setup.sharding or world_size == 1):
+        return setup
+    micro_batches = setup.grad_accum * setup.world_size
+    if micro_batches % world_size:
+        raise InputError(f"the run's global batch of {setup.grad_accum} × {setup.world_size} micro-batches of "
+                         f"{setup.micro_batch} cannot be split evenly over {world_size} processes; launch a number "
+                         f"of processes that divides {micro_batches}")
+    if world_size == 1:
+        sharding = "none"
+    else:
+        sharding = sharding or (setup.sharding if setup.sharding != "none" else "ddp")
+    return setup.replace(grad_accum=micro_batches // world_size, world_size=world_size, sharding=sharding)
+
+
+def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int) -> torch.nn.Module:
+    """The reference model with the initial weights of a single-process run with ``seed``, wrapped.
+
+    DDP: every rank builds it on its device (DDP then broadcasts rank 0's weights anyway). FSDP:
+    no rank ever holds the whole model on its device. The model is built on the meta device,
+    sharded, and given storage for its shards only; rank 0 builds the initial weights in host
+    memory and broadcasts them, each rank keeping its shards
+    (``set_model_state_dict(..., broadcast_from_rank0=True)``).
+    """
+    from trainer.model import build_model
+    from trainer.step import param_dtype
+
+    dtype = param_dtype(setup.precision)
+    if setup.sharding != "fsdp":
+        torch.manual_seed(seed)
+        return wrap_model(build_model(spec, setup.attention, setup.checkpointing, dtype, device=ctx.device),
+                          setup, ctx.device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = wrap_model(build_model(spec, setup.attention, setup.checkpointing, dtype, device="meta"), setup,
+                       ctx.device)
+    model.to_empty(device=ctx.device)
+    full = {}
+    if ctx.is_main:
+        torch.manual_seed(seed)
+        full = build_model(spec, setup.attention, setup.checkpointing, dtype, device="cpu").state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+# =================================================================================================
+# Checkpoints: torch.distributed.checkpoint, readable at any world size
+# =================================================================================================
+
+SHARDED_DIR = "dcp"  # inside a checkpoint of a distributed run: model and optimizer, every rank's shards
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes a single process when there is no process group: so it is."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer through ``torch.distributed.checkpoint`` into ``directory``: every rank
+    writes its own shards (no rank gathers the optimizer), under the parameters' names, so any
+    world size and sharding (or one process) can load them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+
+
+def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what ``save_sharded`` wrote into this run's model and optimizer, whatever the world size and
+    sharding they were saved with (DCP reshards on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Every parameter whole, on rank 0's CPU (None on the other ranks); all ranks must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+def load_single_process_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plain_model,
+                              plain_optimizer, is_main: bool) -> None:
+    """Spread a single-process checkpoint over the ranks: rank 0 has loaded it into a plain CPU
+    model and optimizer of the same shape (``plain_*``, None elsewhere); the state is broadcast from
+    it, each rank keeping its shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model_sd, optim_sd = get_state_dict(plain_model, plain_optimizer) if is_main else ({}, {})
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # Two calls, not set_state_dict: given an empty model state (every rank but 0), set_state_dict takes
+    # it for an optimizer-only load and the ranks' collectives no longer pair up (a hang).
+    set_model_state_dict(model, model_sd, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)

@@ -1,0 +1,313 @@
+"""Export a trained run for other runtimes: what ``memplan export --format hf|gguf|onnx`` runs.
+
+- ``hf`` (``trainer/export/hf.py``): a directory that ``transformers`` loads with no custom code
+  (LlamaForCausalLM, GPT2LMHeadModel or GPTNeoXForCausalLM): model.safetensors, config.json,
+  generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json.
+- ``gguf`` (``trainer/export/gguf.py``): one .gguf file written with the ``gguf`` package's
+  GGUFWriter, for llama.cpp and the apps built on it (LM Studio, Ollama).
+- ``onnx`` (``trainer/export/onnx.py``): one .onnx file from ``torch.onnx.export`` with dynamic
+  batch and sequence, for ONNX Runtime.
+
+Every format reads the run's newest (or a given) checkpoint, verified against its meta.json, and
+writes everything to a temporary sibling first, renamed into place at the end: an interrupted
+export leaves nothing half-written, and an existing output is replaced only with ``force``, and
+then only if it is a file or an earlier export (never an unrelated directory).
+
+Which model families each format takes (``check_exportable``): the three trainer families in the
+layout their runtimes define. A model whose pieces were mixed (say, a llama with LayerNorm) has no
+such runtime class and is refused with a one-line error naming the supported families.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.errors import InputError
+from memplan.model import ModelSpec
+
+FORMATS = ("hf", "gguf", "onnx")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")  # auto: the run's weights' own; q8_0: GGUF only
+SUPPORTED = ("llama (RMSNorm, RoPE, SwiGLU, no biases)", "qwen2 (llama with q/k/v biases)", "gpt2 (LayerNorm, learned positions, GELU, biases)",
+             "gpt_neox (LayerNorm, RoPE, GELU, biases, parallel residual, no GQA)")
+
+# the layout each family must have to be a transformers / llama.cpp model: (field, value) pairs
+_FAMILY_LAYOUT = {
+    "llama": {"norm": "rmsnorm", "pos": "rope", "mlp": "swiglu", "bias": False, "parallel_residual": False,
+              "rotary_pct": 1.0},
+    "gpt2": {"norm": "layernorm", "pos": "learned", "mlp": "gelu", "bias": True, "parallel_residual": False},
+    "gpt_neox": {"norm": "layernorm", "pos": "rope", "mlp": "gelu", "bias": True, "parallel_residual": True},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    """What an export wrote."""
+
+    format: str  # hf | gguf | onnx
+    path: Path  # the directory (hf) or file (gguf, onnx) written
+    files: tuple[tuple[str, int], ...]  # (name, bytes) of every file written
+    arch: str  # the runtime's name for the architecture (LlamaForCausalLM, llama, ...)
+    params: int
+    step: int  # the checkpoint's step
+    dtype: str  # float32 | float16 | bfloat16 | q8_0 (of the matrices; norms stay float32 in GGUF)
+    seconds: float
+    notes: tuple[str, ...] = ()  # things the user should know (e.g. the pre-tokenizer named in GGUF)
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.files)
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "path": str(self.path), "arch": self.arch, "params": self.params,
+                "step": self.step, "dtype": self.dtype, "bytes": self.bytes,
+                "files": [{"name": n, "bytes": b} for n, b in self.files], "seconds": self.seconds,
+                "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class LoadedRun:
+    """A run's checkpoint, as the exporters need it."""
+
+    run_dir: Path
+    checkpoint: Path
+    meta: dict
+    spec: ModelSpec
+    ctx: int  # the context it trained at
+    precision: str
+    tensors: dict  # canonical name -> torch tensor (CPU), tied aliases absent
+    tokenizer_json: str | None  # the tokenizer.json text (None for a tiktoken encoding)
+    eot_id: int
+    eot_token: str
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def tensor(self, name: str):
+        """A weight by canonical name; the LM head of a tied model is the embedding."""
+        if name == "head.weight" and name not in self.tensors and self.spec.tied:
+            return self.tensors["embed.weight"]
+        return self.tensors[name]
+
+
+def family_of(spec: ModelSpec) -> str:
+    """llama | qwen2 (a llama with biases on q, k and v only) | gpt2 | gpt_neox."""
+    return "qwen2" if spec.arch == "llama" and spec.qkv_bias else spec.arch
+
+
+def check_exportable(spec: ModelSpec, fmt: str) -> str:
+    """The family (``family_of``) of ``spec`` if ``fmt`` can carry it, else an InputError naming the supported
+    families."""
+    if fmt not in FORMATS:
+        raise InputError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    layout = _FAMILY_LAYOUT[spec.arch]
+    off = [f"{k}={getattr(spec, k)!r}" for k, v in layout.items() if getattr(spec, k) != v]
+    if spec.arch != "llama" and spec.kv_heads != spec.heads:
+        off.append(f"kv_heads={spec.kv_heads} (heads {spec.heads})")
+    if off:
+        raise InputError(f"--format {fmt}: this {spec.arch} model has {', '.join(off)}, which no {fmt} runtime "
+                         f"class takes; exportable families: {'; '.join(SUPPORTED)}")
+    return family_of(spec)
+
+
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> LoadedRun:
+    """The newest (or the given) checkpoint of a run, verified (sizes and sha256 against meta.json)."""
+    from memplan.plan import Plan
+    from trainer import checkpoint as ckpt
+    from trainer.loop import CHECKPOINT_DIR, TOKENIZER_FILE
+
+    run_dir = Path(run_dir)
+    if checkpoint is None:
+        if not run_dir.is_dir():
+            raise InputError(f"--run {run_dir}: no such directory; train a run with `memplan train --out {run_dir}`")
+        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
+        if ref is None:
+            raise InputError(f"--run {run_dir}: no checkpoint in {run_dir / CHECKPOINT_DIR}; the run is incomplete "
+                             f"(train it with `memplan train --out {run_dir}`)")
+        path = ref.path
+    else:
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise InputError(f"--checkpoint {path}: no such directory")
+    meta = ckpt.verify_checkpoint(path)
+    plan = Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE))
+    tensors = ckpt.read_weights(path / ckpt.MODEL_FILE)
+    tok = meta.get("tokenizer") or {}
+    tokenizer_json = None
+    if tok.get("kind") != "tiktoken":
+        tok_path = path / TOKENIZER_FILE
+        if not tok_path.is_file():
+            raise InputError(f"{tok_path}: missing; the checkpoint is incomplete")
+        tokenizer_json = tok_path.read_text(encoding="utf-8")
+    return LoadedRun(run_dir=run_dir, checkpoint=path, meta=meta, spec=plan.model, ctx=plan.setup.ctx,
+                     precision=plan.setup.precision, tensors=tensors, tokenizer_json=tokenizer_json,
+                     eot_id=int(tok.get("eot_id", 0)), eot_token=str(tok.get("eot_token", "<|endoftext|>")))
+
+
+def resolve_dtype(dtype: str, run: LoadedRun, fmt: str = "hf") -> str:
+    """float32 | float16 | bfloat16 | q8_0 (GGUF only) from --dtype (auto: the weights' own; float32 for onnx)."""
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype == "q8_0" and fmt != "gguf":
+        raise InputError(f"--dtype q8_0: llama.cpp's 8-bit blocks exist only in GGUF; for --format {fmt} use "
+                         "float32, float16 or bfloat16")
+    if dtype == "auto" and fmt == "onnx":
+        return "float32"
+    if dtype == "auto":
+        return "bfloat16" if str(run.tensors["embed.weight"].dtype) == "torch.bfloat16" else "float32"
+    return dtype
+
+
+# ---- writing atomically ------------------------------------------------------------------------------
+
+MARKER = "memplan_export"  # the key every export records (config.json, GGUF metadata, ONNX metadata)
+
+
+def check_out(out: Path, fmt: str, force: bool) -> None:
+    """Refuse to overwrite without ``force``; refuse with it too when ``out`` is something an export
+    did not write (a non-empty directory that is not an hf export, a directory where a file goes)."""
+    if fmt == "hf":
+        if out.exists() and not out.is_dir():
+            if not force:
+                raise InputError(f"--out {out}: exists (a file); add --force to replace it")
+        elif out.is_dir() and any(out.iterdir()):
+            if not force:
+                raise InputError(f"--out {out}: exists and is not empty; add --force to replace it, or choose "
+                                 "another --out")
+            if not _is_hf_export(out):
+                raise InputError(f"--out {out}: is a directory that no memplan export wrote (no config.json marked "
+                                 f"{MARKER}); refusing to replace it even with --force")
+    else:
+        if out.is_dir():
+            raise InputError(f"--out {out}: is a directory; give a file path such as {out / ('model.' + fmt)}")
+        if out.exists() and not force:
+            raise InputError(f"--out {out}: exists; add --force to replace it")
+
+
+def _is_hf_export(directory: Path) -> bool:
+    try:
+        return MARKER in json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def temp_sibling(out: Path) -> Path:
+    """A fresh temporary directory beside ``out`` (same filesystem, so the final rename is atomic).
+
+    Leftovers of an export of the same ``out`` that was killed (``.NAME.tmp-PID-…``, ``.NAME.old-PID-…``
+    whose process is gone) are removed first.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for p in out.parent.glob(f".{out.name}.*-*-*"):
+        kind, _, rest = p.name[len(out.name) + 2:].partition("-")
+        pid = rest.split("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit_dir(tmp: Path, out: Path) -> None:
+    """Move the finished directory ``tmp`` to ``out``, replacing what ``check_out`` allowed."""
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    trash = None
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        trash = out.parent / f".{out.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(out, trash)
+    elif out.is_dir():
+        out.rmdir()
+    os.rename(tmp, out)
+    _fsync(out.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() else trash.unlink()
+
+
+def commit_files(tmp: Path, out: Path, names: list[str]) -> None:
+    """Move files ``names`` from ``tmp`` next to ``out`` (the first becomes ``out``, the others keep their
+    names), each with an atomic replace, then remove ``tmp``."""
+    for i, name in enumerate(names):
+        target = out if i == 0 else out.parent / name
+        _fsync(tmp / name)
+        os.replace(tmp / name, target)
+    _fsync(out.parent)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def files_of(path: Path) -> tuple[tuple[str, int], ...]:
+    if path.is_dir():
+        return tuple((p.name, p.stat().st_size) for p in sorted(path.iterdir()))
+    return ((path.name, path.stat().st_size),)
+
+
+def export_run(run_dir: str | Path, fmt: str, out: str | Path, *, force: bool = False,
+               checkpoint: str | Path | None = None, dtype: str = "auto") -> ExportResult:
+    """Export the run's newest (or the given) checkpoint to ``out`` in ``fmt``; see the module docstring."""
+    if fmt not in FORMATS:
+        raise InputError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    out = Path(out)
+    check_out(out, fmt, force)
+    run = load_run(run_dir, checkpoint)
+    check_exportable(run.spec, fmt)
+    resolved = resolve_dtype(dtype, run, fmt)
+    _check_packages(fmt)
+    t0 = time.perf_counter()
+    if fmt == "hf":
+        from trainer.export.hf import write_hf as write
+    elif fmt == "gguf":
+        from trainer.export.gguf import write_gguf as write
+    else:
+        from trainer.export.onnx import write_onnx as write
+    arch, notes = write(run, out, resolved)
+    return ExportResult(format=fmt, path=out, files=files_of(out) if fmt == "hf" else _written_files(out),
+                        arch=arch, params=run.spec.params, step=run.step, dtype=resolved,
+                        seconds=time.perf_counter() - t0, notes=tuple(notes))
+
+
+def _check_packages(fmt: str) -> None:
+    """A missing optional package is a one-line error naming what to install."""
+    import importlib.util
+
+    needed = {"gguf": ["gguf"], "onnx": ["onnxscript", "onnx"]}.get(fmt, [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InputError(f"--format {fmt}: needs the {' and '.join(missing)} package(s); "
+                         f"pip install {' '.join(missing)} (or pip install 'memplan[export]')")
+
+
+def _written_files(out: Path) -> tuple[tuple[str, int], ...]:
+    files = [(out.name, out.stat().st_size)]
+    data = out.parent / f"{out.name}.data"  # ONNX external data of a model over 2 GiB
+    if data.exists():
+        files.append((data.name, data.stat().st_size))
+    return tuple(files)
