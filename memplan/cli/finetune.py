@@ -152,7 +152,7 @@ def finetune_command(
 
 
 def _run(console, trainer, out_dir: Path) -> None:
-    from memplan.cli.train import _print_plan, _print_summary, _ProgressView
+    from memplan.cli.train import _final_sample, _print_plan, _print_summary, _ProgressView
     from trainer.loop import TrainingStopped
 
     _print_plan(trainer, console)
@@ -165,6 +165,6 @@ def _run(console, trainer, out_dir: Path) -> None:
         console.print(f"[red]memplan: finetuning stopped[/]: {e}", soft_wrap=True)
         console.print(f"Report: {out_dir / 'report.html'}")
         raise typer.Exit(1)
-    _print_summary(trainer, summary, console)
+    _print_summary(trainer, summary, _final_sample(trainer))
     if trainer.stop_signal is not None:
         raise typer.Exit(128 + trainer.stop_signal)
