@@ -31,3 +31,15 @@ def _private_cache(tmp_path_factory):
         os.environ.pop("MEMPLAN_CACHE", None)
     else:
         os.environ["MEMPLAN_CACHE"] = saved
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    small models run faster and their results do not depend on the thread count."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

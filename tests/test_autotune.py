@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from memplan.hardware import load_profile
 from memplan.model import ModelSpec, from_size, preset
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
-from memplan.units import GiB, MiB
+from memplan.units import GiB
 
 CONTRACT_PLAN_KEYS = {"micro_batch", "grad_accum", "checkpointing", "attention", "precision", "optimizer", "compile",
                       "ctx", "world_size", "sharding"}  # the contract's keys, and the devices the plan is for

@@ -4,7 +4,6 @@ that names the bad file, canonical weight names, tied weights, RNG states."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
 import signal

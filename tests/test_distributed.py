@@ -5,7 +5,6 @@ model and compare its loss curve with one process training the same global batch
 """
 
 import json
-import math
 import os
 import shutil
 import subprocess

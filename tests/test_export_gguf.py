@@ -23,12 +23,7 @@ from trainer.loop import load_trained
 TEXT = "Story 7. Once upon a time a fox walked to the river. It met an owl, and they talked!"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,9 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file or a directory (its entries: a rename into it) to disk; a no-op where the
+    platform cannot open directories."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # platforms without directory handles (Windows)
@@ -252,12 +254,12 @@ def save_checkpoint(directory: str | Path, step: int, model: torch.nn.Module | N
             f.flush()
             os.fsync(f.fileno())
         for sub in {(tmp / name).parent for name in present} - {tmp}:
-            _fsync_dir(sub)
-        _fsync_dir(tmp)
+            fsync_path(sub)
+        fsync_path(tmp)
         if final.exists():  # the same step saved again (a resumed run reached it once more)
             _remove(final)
         os.rename(tmp, final)
-        _fsync_dir(directory)
+        fsync_path(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

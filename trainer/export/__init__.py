@@ -29,6 +29,7 @@ from pathlib import Path
 
 from memplan.errors import InputError
 from memplan.model import ModelSpec
+from trainer.checkpoint import fsync_path
 
 FORMATS = ("hf", "gguf", "onnx")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")  # auto: the run's weights' own; q8_0: GGUF only
@@ -223,24 +224,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def commit_dir(tmp: Path, out: Path) -> None:
     """Move the finished directory ``tmp`` to ``out``, replacing what ``check_out`` allowed."""
     for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
+        fsync_path(f)
+    fsync_path(tmp)
     trash = None
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         trash = out.parent / f".{out.name}.old-{os.getpid()}-{time.monotonic_ns()}"
@@ -248,7 +236,7 @@ def commit_dir(tmp: Path, out: Path) -> None:
     elif out.is_dir():
         out.rmdir()
     os.rename(tmp, out)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() else trash.unlink()
 
@@ -258,9 +246,9 @@ def commit_files(tmp: Path, out: Path, names: list[str]) -> None:
     names), each with an atomic replace, then remove ``tmp``."""
     for i, name in enumerate(names):
         target = out if i == 0 else out.parent / name
-        _fsync(tmp / name)
+        fsync_path(tmp / name)
         os.replace(tmp / name, target)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
