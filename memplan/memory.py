@@ -743,7 +743,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
                     gqa_repeat: bool = False, first: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
     to the gradient of its input (returned, live). Releases everything the block saved."""
-    n, hidden, a, ffn = tokens(setup), spec.hidden, act_bytes(setup), spec.ffn
+    n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
     r = residual_bytes_per_element(setup)
     m = _layer_matrices(spec)
     inner = mlp_inner_bytes(spec, setup)
@@ -1015,7 +1015,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
 def param_shapes(spec: ModelSpec) -> dict[str, list[tuple[int, int]]]:
     """(rows, row length) of every parameter tensor of one block and of the root, as
     trainer/model.py makes them: nn.Linear weights are (out, in), 1-D tensors are (n, 1)."""
-    h, kv = spec.hidden, spec.kv_dim
+    h = spec.hidden
     norm = [(h, 1)] * (2 if spec.norm == "layernorm" else 1)
     qkv, up = _qkv_width(spec), _up_width(spec)
     block = [*norm, (qkv, h)]
