@@ -73,6 +73,10 @@ def finetune_command(
 
     console = Console()
     profile = device_from(device, device_memory)
+    if device is None:  # the local device: its cached measured rates (memplan train's), where there are some
+        from memplan.cli.train import local_calibration
+
+        profile, _ = local_calibration(profile, console, measure_now=False)
     out_dir = Path(out)
     if lora_rank < 0:
         raise InputError(f"--lora-rank: {lora_rank} must be 0 (full finetune) or a positive integer")

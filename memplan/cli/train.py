@@ -358,15 +358,20 @@ def local_calibration(profile, console, measure_now: bool):
 
     if profile.calibrated:
         return profile, None
+    from memplan.cli.calibrate import NOISY
+
     family = cal_mod.local_family()
     path = calibration_cache(family, cal_mod.device_title(family), torch.get_num_threads(), torch.__version__)
+    cached = None
     if path.is_file():
         try:
             cached = device_from_toml(tomllib.loads(path.read_text()), str(path))
         except (InputError, tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
-            pass  # measured again below, or the nominal rates
-        else:
-            return profile.replace(calibrated=cached.calibrated), f"rates: measured on this machine ({path})"
+            cached = None  # measured again below, or the nominal rates
+    # A calibration taken while other processes competed for the device (repeated timings spread by
+    # more than NOISY) is used, but the quick start measures again and keeps the steadier of the two.
+    if cached is not None and (not measure_now or cached.calibrated.get("noise", 0) <= NOISY):
+        return profile.replace(calibrated=cached.calibrated), _rates_note(cached.calibrated, f"({path})")
     if not measure_now:
         return profile, ("[dim]rates: the profile's nominal figures; `memplan calibrate` measures this machine "
                          "(predictions of time are far closer afterwards)[/]")
@@ -380,10 +385,22 @@ def local_calibration(profile, console, measure_now: bool):
                                 progress=lambda stage, done: progress.update(task, description=stage, completed=done))
     text = cal_mod.profile_toml(cal_mod.profile_data(cal, profile.name, None))
     measured = device_from_toml(tomllib.loads(text), str(path))
+    if cached is not None and cached.calibrated.get("noise", 0) <= measured.calibrated.get("noise", 0):
+        return profile.replace(calibrated=cached.calibrated), _rates_note(cached.calibrated, f"({path})")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, text)
-    return profile.replace(calibrated=measured.calibrated), (
-        f"rates: measured on this machine in {cal.seconds:.0f} s (kept in {path}; `memplan calibrate` measures longer)")
+    return profile.replace(calibrated=measured.calibrated), _rates_note(
+        measured.calibrated, f"in {cal.seconds:.0f} s (kept in {path}; `memplan calibrate` measures longer)")
+
+
+def _rates_note(calibrated: dict, where: str) -> str:
+    from memplan.cli.calibrate import NOISY
+
+    note = f"rates: measured on this machine {where}"
+    if calibrated.get("noise", 0) > NOISY:
+        note += (f"; [yellow]taken while the machine was busy[/] (timings spread {calibrated['noise']:.0%}), so "
+                 "time predictions are rough: `memplan calibrate` when it is idle")
+    return note
 
 
 def measured_matmul_rate(seconds: float = 0.5) -> float:
