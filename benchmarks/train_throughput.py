@@ -20,11 +20,13 @@ on a shared machine; with more threads it also counts threads spinning at barrie
 wall-clock ratio is the one to read. Peak memory is the live-tensor peak of a
 steady-state step (MemTracker, as ``memplan validate`` measures it on the CPU) for each, beside
 what memplan's memory model predicts for its own model. MFU is model FLOPs (memplan.timing's
-6·N·T plus attention) per second over the CPU profile's fp32 peak (``memplan calibrate`` has not
-landed, so the figure is the profile's nominal one), and, by CPU time, over the rate of a square
-fp32 matmul timed between the rounds (what this core achieves now), each labelled.
+6·N·T plus attention) per second over the CPU profile's nominal fp32 peak; over the rate of a
+square fp32 matmul timed between the rounds by CPU time (what this core achieves now); and, with
+``--device CAL.toml`` (a ``memplan calibrate`` profile), over its calibrated fp32 matmul peak, by
+the clock it was calibrated with, beside memplan's step time predicted from that profile.
 
-    PYTHONPATH=$PWD python benchmarks/train_throughput.py [--rounds 7] [--steps 3] [--threads N] [--json]
+    PYTHONPATH=$PWD python benchmarks/train_throughput.py [--rounds 7] [--steps 3] [--threads N]
+        [--device CAL.toml] [--json]
 
 Targets (issue 6): tokens/s ratio memplan ÷ transformers ≥ 1.0; peak memory ratio ≤ 1.0.
 """
@@ -137,6 +139,9 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--data", default=None, help="a prepared corpus (default: the embedded one, from the cache)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None,
+                   help="a memplan calibrate profile: MFU against its calibrated fp32 matmul peak, and its step-time "
+                        "prediction (calibrate with the same --threads)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -218,11 +223,25 @@ def main(argv=None) -> dict:
         "memplan_prediction_error": (predicted - mp_peak) / mp_peak,
         "model_flops_per_step": flops,
         "mfu_vs_profile_peak": {k: flops / v / peak for k, v in med.items()},
-        "profile_peak_flops": peak, "peak_source": "profiles/cpu.toml peak_tflops.fp32 (nominal; memplan calibrate "
-                                                   "not available)",
+        "profile_peak_flops": peak, "peak_source": "profiles/cpu.toml peak_tflops.fp32, nominal; --device CAL.toml "
+                                                   "for the calibrated peak",
         "matmul_flops_per_cpu_second_measured": rate,
         "mfu_vs_measured_matmul": {k: flops / v / rate for k, v in cpu_med.items()},
     }
+    if args.device:
+        from memplan.timing import step_time
+
+        cal = load_profile(args.device)
+        measured = cpu_med if cal.calibrated.get("clock") == "cpu" else med
+        cal_rate = cal.calibrated.get("matmul_tflops", {}).get("fp32", 0) * 1e12
+        predicted_seconds = step_time(spec, setup, cal).step_seconds
+        result["calibrated"] = {
+            "profile": args.device, "clock": cal.calibrated.get("clock", "wall"),
+            "threads": cal.calibrated.get("threads"), "matmul_fp32_flops": cal_rate,
+            "mfu": {k: flops / v / cal_rate for k, v in measured.items()} if cal_rate else None,
+            "predicted_step_seconds": predicted_seconds,
+            "prediction_error": (predicted_seconds - measured["memplan"]) / measured["memplan"],
+        }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -251,6 +270,15 @@ def _print(r: dict) -> None:
     print(f"{'MFU (matmul)':14}{mfu2['memplan']:>14.1%}{mfu2['transformers']:>14.1%}"
           f"   of {r['matmul_flops_per_cpu_second_measured'] / 1e9:,.0f} GFLOP per CPU-second (a {MATMUL_SIDE}² fp32 "
           "matmul timed between rounds; both by CPU time)")
+    if "calibrated" in r:
+        c = r["calibrated"]
+        if c["mfu"]:
+            print(f"{'MFU (calib.)':14}{c['mfu']['memplan']:>14.1%}{c['mfu']['transformers']:>14.1%}"
+                  f"   of {c['matmul_fp32_flops'] / 1e9:,.1f} GFLOP/s ({c['profile']}: calibrated fp32 matmul peak, "
+                  f"{c['threads']} thread(s), clock {c['clock']})")
+        print(f"memplan's step time from {c['profile']}: predicted {c['predicted_step_seconds']:.3f} s, "
+              f"measured {r['median_step_seconds']['memplan'] if c['clock'] == 'wall' else r['median_step_cpu_seconds']['memplan']:.3f} s "
+              f"({c['prediction_error']:+.1%})")
     print(f"per-round tokens/s ratios: {', '.join(f'{x:.3f}' for x in r['round_ratios'])}")
     print(f"memplan's memory model for its own step: predicted {format_bytes(r['memplan_predicted_peak_allocated'])}, "
           f"measured {format_bytes(m['memplan'])} ({r['memplan_prediction_error']:+.2%})")
