@@ -49,13 +49,15 @@ def matrix_names() -> list[str]:
     return sorted(p.stem for p in _matrices_dir().glob("*.toml"))
 
 
-def load_matrix(name_or_path: str = "default") -> list[MatrixConfig]:
-    """The configs of a bundled matrix by name, or of any matrix TOML file."""
+def _matrix_rows(name_or_path: str, bundled: Path) -> tuple[Path, list[dict]]:
+    """``--matrix NAME|FILE``: the file (a matrix bundled in ``bundled`` by name, or any TOML) and its
+    ``[[config]]`` tables, or a one-line error naming the problem."""
     path = Path(name_or_path)
     if not (name_or_path.endswith(".toml") or path.is_file()):
-        if name_or_path not in matrix_names():
-            raise choice_error("--matrix", name_or_path, matrix_names())
-        path = _matrices_dir() / f"{name_or_path}.toml"
+        names = sorted(p.stem for p in bundled.glob("*.toml"))
+        if name_or_path not in names:
+            raise choice_error("--matrix", name_or_path, names)
+        path = bundled / f"{name_or_path}.toml"
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -65,6 +67,12 @@ def load_matrix(name_or_path: str = "default") -> list[MatrixConfig]:
     rows = data.get("config")
     if not isinstance(rows, list) or not rows:
         raise InputError(f"--matrix: {str(path)!r} has no [[config]] tables")
+    return path, rows
+
+
+def load_matrix(name_or_path: str = "default") -> list[MatrixConfig]:
+    """The configs of a bundled matrix by name, or of any matrix TOML file."""
+    path, rows = _matrix_rows(name_or_path, _matrices_dir())
     configs = []
     for i, row in enumerate(rows):
         unknown = set(row) - _SPEC_FIELDS - _SETUP_FIELDS - {"quick"}
@@ -193,21 +201,7 @@ def _inference_matrices_dir() -> Path:
 def load_inference_matrix(name_or_path: str = "default") -> list[InferenceConfig]:
     """The configs of a bundled inference matrix (``benchmarks/matrices/inference/*.toml``) or of
     any TOML of ``[[config]]`` tables with ModelSpec and InferenceSetup fields."""
-    path = Path(name_or_path)
-    if not (name_or_path.endswith(".toml") or path.is_file()):
-        names = sorted(p.stem for p in _inference_matrices_dir().glob("*.toml"))
-        if name_or_path not in names:
-            raise choice_error("--matrix", name_or_path, names)
-        path = _inference_matrices_dir() / f"{name_or_path}.toml"
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(f"--matrix: no such file {str(path)!r}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"--matrix: {str(path)!r} is not valid TOML ({e})") from None
-    rows = data.get("config")
-    if not isinstance(rows, list) or not rows:
-        raise InputError(f"--matrix: {str(path)!r} has no [[config]] tables")
+    path, rows = _matrix_rows(name_or_path, _inference_matrices_dir())
     configs = []
     for i, row in enumerate(rows):
         unknown = set(row) - _SPEC_FIELDS - _INFERENCE_FIELDS - {"quick"}
