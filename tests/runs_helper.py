@@ -54,3 +54,12 @@ def tiny_run(run_dir: Path, corpus: Path, arch: str = "llama", steps: int = 40, 
                             load_profile("cpu"))
     trainer.run()
     return run_dir
+
+
+def one_line_error(result, *needles):
+    """A CLI result that failed as bad input must: exit 2, one line on stderr, holding every needle."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])

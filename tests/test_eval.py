@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from memplan.cli import app
-from runs_helper import story, tiny_corpus, tiny_run
+from runs_helper import one_line_error, story, tiny_corpus, tiny_run
 from trainer import data as data_mod
 from trainer.data import PreparedData
 from trainer.loop import load_trained
@@ -48,13 +48,6 @@ def env(tmp_path_factory):
 def cli(*args):
     return CliRunner().invoke(app, ["eval", *args])
 
-
-def one_line_error(result, *needles):
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 def logged_evals(run):

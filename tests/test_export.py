@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from memplan.cli import app
-from runs_helper import tiny_corpus, tiny_run
+from runs_helper import one_line_error, tiny_corpus, tiny_run
 from trainer.loop import load_trained
 
 TEXT = "Story 7. Once upon a time a fox walked to the river. It met an owl."
@@ -41,13 +41,6 @@ def runs(tmp_path_factory):
 def cli(*args):
     return CliRunner().invoke(app, ["export", *args])
 
-
-def one_line_error(result, *needles):
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 def trainer_logits(run, ids):

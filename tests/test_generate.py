@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from memplan.cli import app
 from memplan.errors import InputError
-from runs_helper import tiny_corpus, tiny_run
+from runs_helper import one_line_error, tiny_corpus, tiny_run
 from trainer.generate import (GenerationStats, KVCache, SamplingConfig, apply_repetition_penalty,
                               filter_top_k_top_p, forward_cached, generate_ids, repetition_score)
 from trainer.loop import load_trained
@@ -35,13 +35,6 @@ def runs(tmp_path_factory):
 def cli(*args):
     return CliRunner().invoke(app, ["generate", *args])
 
-
-def one_line_error(result, *needles):
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 # ---- the cached forward -----------------------------------------------------------------------------

@@ -152,23 +152,7 @@ def finetune_command(
         what = (f"LoRA rank {lora_rank} (alpha {lora_alpha:g}) on {targets}" if lora_rank else "every weight")
         console.print(f"[bold]Tuning[/] {what}; predicted peak {format_bytes(predicted.peak_reserved)} of "
                       f"{format_bytes(profile.usable_bytes)}")
-    _run(console, trainer, out_dir)
+    from memplan.cli.train import run_trainer
 
+    run_trainer(console, trainer, out_dir, what="finetuning")
 
-def _run(console, trainer, out_dir: Path) -> None:
-    from memplan.cli.train import _final_sample, _print_plan, _print_summary, _ProgressView
-    from trainer.loop import TrainingStopped
-
-    _print_plan(trainer, console)
-    view = _ProgressView(console, trainer)
-    trainer.on_event(view.update)
-    try:
-        with view:
-            summary = trainer.run()
-    except TrainingStopped as e:
-        console.print(f"[red]memplan: finetuning stopped[/]: {e}", soft_wrap=True)
-        console.print(f"Report: {out_dir / 'report.html'}")
-        raise typer.Exit(1)
-    _print_summary(trainer, summary, _final_sample(trainer))
-    if trainer.stop_signal is not None:
-        raise typer.Exit(128 + trainer.stop_signal)

@@ -555,7 +555,7 @@ def ensure_embedded_data(console) -> Path:
 
 def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=None, overrides, hyper,
            allow_existing: bool = False, rates_note: str | None = None, sharding: str | None = None) -> None:
-    from trainer.loop import Trainer, TrainConfig, TrainingStopped
+    from trainer.loop import Trainer, TrainConfig
 
     if plan is not None:  # a new run
         fields = {k: v for k, v in {**overrides, **hyper}.items() if v is not None}
@@ -564,6 +564,14 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
     else:
         trainer = Trainer.resume(run_dir, prepared, profile, plan=resume_plan, overrides={**overrides, **hyper},
                                  sharding=sharding)
+    run_trainer(console, trainer, run_dir, rates_note=rates_note)
+
+
+def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rates_note: str | None = None) -> None:
+    """Print the plan, run ``trainer`` under the live progress view, then print the summary and a
+    sample; exit 1 when the run stopped on an error, 128 + N when signal N ended it (train, finetune)."""
+    from trainer.loop import TrainingStopped
+
     _print_plan(trainer, console)
     if rates_note:
         console.print(f"  {rates_note}", soft_wrap=True)
@@ -573,7 +581,7 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
         with view:
             summary = trainer.run()
     except TrainingStopped as e:
-        console.print(f"[red]memplan: training stopped[/]: {e}", soft_wrap=True)
+        console.print(f"[red]memplan: {what} stopped[/]: {e}", soft_wrap=True)
         console.print(f"Report: {run_dir / 'report.html'}")
         raise typer.Exit(1)
     sample = _final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
