@@ -1,4 +1,4 @@
-"""What a CPU training process holds beyond its live tensors: the figures behind profiles/cpu.toml's [runtime].
+"""What a CPU training process holds beyond its live tensors: the figures behind memplan/profiles/cpu.toml's [runtime].
 
 peak_reserved on the CPU is what the OS shows for the process (its resident set). For each
 config, in a fresh process: warm up the runtime with a tiny model's steps, take the resident

@@ -7,7 +7,7 @@ few warm-up steps and then at least 5 measured steps, and compares the median st
 
 - the prediction from a profile calibrated at the start of the same run (``trainer.calibrate``, the
   code behind ``memplan calibrate``), with the same thread count and clock;
-- the prediction from the static ``cpu`` profile (``profiles/cpu.toml``), which is what memplan says
+- the prediction from the static ``cpu`` profile (``memplan/profiles/cpu.toml``), which is what memplan says
   without calibration.
 
 Bars (the issue's): median absolute error ≤ 15%, worst ≤ 35%, for the calibrated prediction.
@@ -36,7 +36,7 @@ import json
 import statistics
 import sys
 import time
-import tomllib
+from memplan.compat import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -382,7 +382,7 @@ def write_html(result: dict, path: str) -> None:
         notes=["Each config: the median of all measured steps (over the passes, each after warm-up) of "
                "trainer.step.train_step on the reference model; the calibrated prediction uses the median of the "
                "calibrations taken before, between and after the passes, with the same threads and clock. "
-               "The static prediction uses profiles/cpu.toml (a nominal 8-core AVX2 "
+               "The static prediction uses memplan/profiles/cpu.toml (a nominal 8-core AVX2 "
                "desktop, no bf16: it times bf16 matmuls at its fp32 rate and knows nothing of first-touch page "
                "faults or dispatch cost on this machine).",
                "The prediction excludes the data-loading term (the benchmark feeds prepared batches)."],

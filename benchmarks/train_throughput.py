@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
         "memplan_prediction_error": (predicted - mp_peak) / mp_peak,
         "model_flops_per_step": flops,
         "mfu_vs_profile_peak": {k: flops / v / peak for k, v in med.items()},
-        "profile_peak_flops": peak, "peak_source": "profiles/cpu.toml peak_tflops.fp32, nominal; --device CAL.toml "
+        "profile_peak_flops": peak, "peak_source": "memplan/profiles/cpu.toml peak_tflops.fp32, nominal; --device CAL.toml "
                                                    "for the calibrated peak",
         "matmul_flops_per_cpu_second_measured": rate,
         "mfu_vs_measured_matmul": {k: flops / v / rate for k, v in cpu_med.items()},

@@ -94,12 +94,13 @@ def divisors(n: int) -> list[int]:
 
 def device_ref(device: Device) -> str:
     """How a plan names its device: the profile name for a bundled profile, else the file it came from."""
-    from memplan.hardware import _profiles_dir
+    from memplan.hardware import bundled_profile_ref
 
     if not device.path:
         return device.name
-    path = Path(device.path).resolve()
-    return device.name if path.parent == _profiles_dir().resolve() and path.stem == device.name else str(path)
+    if device.path == bundled_profile_ref(device.name):
+        return device.name
+    return str(Path(device.path).resolve())
 
 
 def precision_candidates(device: Device) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ def link_of(device: Device, world_size: int) -> Link:
     ic = device.interconnect
     if not ic or "bandwidth_bytes_per_second" not in ic:
         raise InputError(f"profile {device.name} has no [interconnect] table with bandwidth_bytes_per_second; "
-                         "add one (see profiles/*.toml) to plan for --world-size > 1")
+                         "add one (see memplan/profiles/*.toml) to plan for --world-size > 1")
     bw = float(ic["bandwidth_bytes_per_second"])
     peer = ic.get("peer_bandwidth_bytes_per_second")
     if peer:

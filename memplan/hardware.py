@@ -1,4 +1,4 @@
-"""Device profiles: one TOML file per device in ``profiles/``, loaded into a frozen ``Device``.
+"""Device profiles: one TOML file per device in ``memplan/profiles/``, loaded into a frozen ``Device``.
 
 A profile is data with a source for every number. Its schema (all sizes in bytes, rates in the
 unit their key names)::
@@ -89,10 +89,14 @@ from __future__ import annotations
 import dataclasses
 import platform
 import re
-import tomllib
+from memplan.compat import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a bundled resource: a path in a wheel or a checkout, a zip member in a zip import
+    from importlib.resources.abc import Traversable
 
 from memplan.errors import InputError
 from memplan.units import choice_error
@@ -155,17 +159,19 @@ class Device:
 
 # ---- loading -------------------------------------------------------------------------------
 
-def _profiles_dir() -> Path:
-    """The bundled profiles: ``profiles/`` beside the package in a checkout, else the installed
-    ``memplan_profiles`` package data."""
-    checkout = Path(__file__).resolve().parents[1] / "profiles"
-    if checkout.is_dir():
-        return checkout
-    return Path(str(resources.files("memplan_profiles")))
+def _profiles_dir() -> Traversable:
+    """The bundled profiles, ``memplan/profiles/*.toml``, as package resources: the same files in a
+    checkout, an editable install, a wheel or a zip import (never a filesystem path round trip)."""
+    return resources.files("memplan") / "profiles"
 
 
 def profile_names() -> list[str]:
-    return sorted(p.stem for p in _profiles_dir().glob("*.toml"))
+    return sorted(p.name[:-len(".toml")] for p in _profiles_dir().iterdir() if p.name.endswith(".toml"))
+
+
+def bundled_profile_ref(name: str) -> str:
+    """How a bundled profile's ``Device.path`` reads (its resource's location)."""
+    return str(_profiles_dir() / f"{name}.toml")
 
 
 def _need(table: dict, key: str, where: str, path: str):
@@ -285,8 +291,10 @@ def _calibrated(data: dict, path: str) -> dict:
     return cal
 
 
-def load_profile_file(path: str | Path) -> Device:
-    path = Path(path)
+def load_profile_file(path: str | Path | Traversable) -> Device:
+    """A profile from a file on disk or a bundled resource."""
+    if isinstance(path, str):
+        path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:

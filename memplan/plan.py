@@ -6,7 +6,7 @@ and writes it again into the run directory as ``RUN/plan.toml``.
 
 from __future__ import annotations
 
-import tomllib
+from memplan.compat import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 

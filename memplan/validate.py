@@ -1,6 +1,6 @@
 """Validation matrices and their results: which (ModelSpec, TrainSetup) pairs to check, and how to summarise the check.
 
-A matrix is a TOML file (``benchmarks/matrices/*.toml``) of ``[[config]]`` tables, each with the
+A matrix is a TOML file (``memplan/matrices/*.toml``) of ``[[config]]`` tables, each with the
 ModelSpec and TrainSetup fields, an optional ``name`` and ``quick = true`` for the subset
 ``memplan validate --quick`` runs. The measuring itself is in ``trainer/validate.py``.
 """
@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import tomllib
+from memplan.compat import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a bundled resource: a path in a wheel or a checkout, a zip member in a zip import
+    from importlib.resources.abc import Traversable
 
 from memplan.errors import InputError
 from memplan.model import ModelSpec
@@ -38,23 +42,25 @@ class MatrixConfig:
     quick: bool = False
 
 
-def _matrices_dir() -> Path:
-    checkout = Path(__file__).resolve().parents[1] / "benchmarks" / "matrices"
-    if checkout.is_dir():
-        return checkout
-    return Path(str(resources.files("memplan_matrices")))
+def _matrices_dir() -> Traversable:
+    """The bundled matrices, ``memplan/matrices/``, as package resources."""
+    return resources.files("memplan") / "matrices"
+
+
+def _toml_names(folder: Traversable) -> list[str]:
+    return sorted(p.name[:-len(".toml")] for p in folder.iterdir() if p.is_file() and p.name.endswith(".toml"))
 
 
 def matrix_names() -> list[str]:
-    return sorted(p.stem for p in _matrices_dir().glob("*.toml"))
+    return _toml_names(_matrices_dir())
 
 
-def _matrix_rows(name_or_path: str, bundled: Path) -> tuple[Path, list[dict]]:
+def _matrix_rows(name_or_path: str, bundled: Traversable) -> tuple[Path | Traversable, list[dict]]:
     """``--matrix NAME|FILE``: the file (a matrix bundled in ``bundled`` by name, or any TOML) and its
     ``[[config]]`` tables, or a one-line error naming the problem."""
     path = Path(name_or_path)
     if not (name_or_path.endswith(".toml") or path.is_file()):
-        names = sorted(p.stem for p in bundled.glob("*.toml"))
+        names = _toml_names(bundled)
         if name_or_path not in names:
             raise choice_error("--matrix", name_or_path, names)
         path = bundled / f"{name_or_path}.toml"
@@ -199,7 +205,7 @@ def _inference_matrices_dir() -> Path:
 
 
 def load_inference_matrix(name_or_path: str = "default") -> list[InferenceConfig]:
-    """The configs of a bundled inference matrix (``benchmarks/matrices/inference/*.toml``) or of
+    """The configs of a bundled inference matrix (``memplan/matrices/inference/*.toml``) or of
     any TOML of ``[[config]]`` tables with ModelSpec and InferenceSetup fields."""
     path, rows = _matrix_rows(name_or_path, _inference_matrices_dir())
     configs = []

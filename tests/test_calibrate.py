@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
+from memplan.compat import tomllib
 from pathlib import Path
 
 import pytest
@@ -134,7 +134,7 @@ def test_other_bad_options(args, needle, tmp_path):
 # ---- the [calibrated] schema ---------------------------------------------------------------
 
 def _cpu_toml() -> dict:
-    return tomllib.loads((REPO / "profiles" / "cpu.toml").read_text())
+    return tomllib.loads((REPO / "memplan" / "profiles" / "cpu.toml").read_text())
 
 
 @pytest.mark.parametrize("table,bad,field", [
@@ -154,7 +154,7 @@ def test_malformed_calibrated_tables_name_the_field(table, bad, field):
 
 def test_a_malformed_profile_is_one_line_on_the_cli(tmp_path):
     path = tmp_path / "bad.toml"
-    text = (REPO / "profiles" / "cpu.toml").read_text() + "\n[calibrated]\nmatmul_tflops = {fp32 = 0}\n"
+    text = (REPO / "memplan" / "profiles" / "cpu.toml").read_text() + "\n[calibrated]\nmatmul_tflops = {fp32 = 0}\n"
     path.write_text(text)
     r = run_cli("estimate", "--device", str(path))
     assert r.exit_code == 2

@@ -21,7 +21,7 @@ from memplan.errors import InputError
 from memplan.hardware import device_from_toml, load_profile, match_profile, profile_names
 from memplan.units import GiB
 
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "memplan" / "profiles"
 
 # The devices the planner promises to know (the task's list).
 EXPECTED_NAMES = {
@@ -187,7 +187,7 @@ def test_a_missing_table_is_an_input_error_naming_it(tmp_path):
     ({"peak_tflops": {"int4": 10.0}}, "peak_tflops.int4", "keys are"),
 ])
 def test_a_wrong_value_is_an_input_error_naming_it(table, bad, message):
-    import tomllib
+    from memplan.compat import tomllib
 
     data = tomllib.loads((PROFILES_DIR / "rtx-4090.toml").read_text())
     for key, values in table.items():

@@ -162,7 +162,7 @@ def calibrate_command(
     data = cal_mod.profile_data(cal, name, base)
     text = cal_mod.profile_toml(data)
     # the file must load as a profile before it replaces anything
-    import tomllib
+    from memplan.compat import tomllib
 
     from memplan.hardware import device_from_toml
 

@@ -1,6 +1,6 @@
 """``memplan profiles [--json]``: list the bundled device profiles.
 
-Reads ``profiles/*.toml`` through ``memplan.hardware``; nothing here imports torch.
+Reads ``memplan/profiles/*.toml`` through ``memplan.hardware``; nothing here imports torch.
 """
 
 from __future__ import annotations

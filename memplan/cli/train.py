@@ -348,7 +348,7 @@ def local_calibration(profile, console, measure_now: bool):
     (QUICKSTART_CALIBRATE_SECONDS) run now and cached; else the profile as it is. Returns the profile
     and a line saying where its rates come from (printed once the run's options are all accepted, so
     that an error stays one line)."""
-    import tomllib
+    from memplan.compat import tomllib
 
     import torch
 

@@ -22,7 +22,7 @@ NoTraceOpt = Annotated[bool, typer.Option("--no-trace", help="Skip the FakeTenso
 ModeOpt = Annotated[str, typer.Option(
     "--mode", help="training: a real training step per config (the default). inference: real generation per "
                    "config, its prefill and decode peaks against `estimate --mode inference` (matrices in "
-                   "benchmarks/matrices/inference/).")]
+                   "memplan/matrices/inference/).")]
 
 
 def validation_page(device_name: str, rows, summary, ranks: int = 1):
