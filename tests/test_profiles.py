@@ -1,7 +1,7 @@
 """The bundled device profiles, their loader, and `memplan profiles`.
 
-Expected figures come from /work/shared/HARDWARE.md (the sourced research the profiles cite), not
-from the profiles themselves.
+Expected figures come from the published sources the profiles cite (each table's ``source`` names
+them and the figure they state), not from the profiles themselves.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.cli import app
+from memplan.compat import tomllib
 from memplan.errors import InputError
 from memplan.hardware import device_from_toml, load_profile, match_profile, profile_names
 from memplan.units import GiB
@@ -64,6 +65,29 @@ def test_every_number_carries_a_source(name):
     d = load_profile(name)
     for table in SOURCED_TABLES + ("native", "interconnect"):
         assert len(d.sources.get(table, "").strip()) > 10, f"{name}: [{table}] has no source"
+
+
+def _carries_numbers(table: dict) -> bool:
+    return any((isinstance(v, (int, float)) and not isinstance(v, bool))
+               or (isinstance(v, dict) and _carries_numbers(v))
+               or (isinstance(v, list) and any(isinstance(x, (int, float, list)) for x in v))
+               for v in table.values())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_every_table_of_figures_names_its_own_sources(name):
+    """Read the file itself, so a table the loader does not know yet is held to the rule too: every
+    table with a number carries a ``source`` that names where the figures come from. A bare label such as
+    "S3" points at a list of sources that is not in the profile, so it does not count as naming one."""
+    data = tomllib.loads((PROFILES_DIR / f"{name}.toml").read_text(encoding="utf-8"))
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    assert {"memory", "peak_tflops", "achievable", "runtime"} <= set(tables)
+    for table, values in tables.items():
+        if not _carries_numbers(values):
+            continue
+        source = values.get("source", "")
+        assert isinstance(source, str) and len(source.strip()) > 20, f"{name}: [{table}] carries numbers but no source"
+        assert not re.search(r"\bS[0-9]\b", source), f"{name}: [{table}] cites a bare label: {source!r}"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
