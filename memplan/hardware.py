@@ -144,7 +144,7 @@ class Device:
         return dtype == "fp32" or bool(self.native.get(dtype, False))
 
     def to_json(self) -> dict:
-        """The contract's ``device`` object."""
+        """The ``device`` object of the --json output (docs/json.md)."""
         return {"name": self.name, "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes}
 
     def replace(self, **changes) -> "Device":

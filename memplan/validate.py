@@ -178,7 +178,7 @@ def summarize(rows: list[ValidationRow]) -> Summary:
 
 
 def validation_json(device: str, rows: list[ValidationRow]) -> dict:
-    """The contract's JSON of ``memplan validate``."""
+    """The JSON of ``memplan validate`` (docs/json.md)."""
     summary = summarize(rows)
     return {"device": device, "rows": [r.to_json() for r in rows], "median_abs_error": summary.median_abs_error,
             "max_abs_error": summary.max_abs_error, "trace_max_abs_error": summary.trace_max_abs_error}
@@ -282,7 +282,7 @@ def inference_bars(rows: list[InferenceRow]) -> list[tuple[str, float, float, bo
 
 
 def inference_validation_json(device: str, rows: list[InferenceRow]) -> dict:
-    """validate's contract JSON (rows, median and max |error| of the larger peak), with both phases per row."""
+    """validate's JSON (docs/json.md: rows, median and max |error| of the larger peak), with both phases per row."""
     errors = [abs(r.error) for r in rows]
     phases = [abs(e) for r in rows for e in (r.prefill_error, r.decode_error)]
     return {"device": device, "mode": "inference", "rows": [r.to_json() for r in rows],

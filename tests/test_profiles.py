@@ -90,6 +90,33 @@ def test_every_table_of_figures_names_its_own_sources(name):
         assert not re.search(r"\bS[0-9]\b", source), f"{name}: [{table}] cites a bare label: {source!r}"
 
 
+# Pointers out of the repository: a build machine's paths, a sibling checkout's files, and documents
+# that only the project's authors had. Spelled in pieces so that this list does not match itself.
+OUTSIDE_POINTERS = ("/" + "work/", "../" + "shared", "shared/" + "DESIGN" + ".md", "HARD" + "WARE.md", "DES" + "IGN.md")
+
+
+def test_no_tracked_file_points_outside_the_repository():
+    """Users get the repository and nothing else: no file may cite a path or a document outside it (the
+    profiles name their published sources; the JSON and run directory are documented in docs/)."""
+    root = PROFILES_DIR.parents[1]
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    offenders = []
+    for name in filter(None, listed.decode("utf-8").split("\0")):
+        path = root / name
+        if not path.is_file():
+            continue  # deleted in the working tree
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue  # binary (images)
+        text = data.decode("utf-8", errors="replace")
+        for i, line in enumerate(text.splitlines(), 1):
+            offenders += [f"{name}:{i}: {p}" for p in OUTSIDE_POINTERS if p in line]
+    assert not offenders, "files point outside the repository:\n" + "\n".join(offenders)
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
 def test_interconnect_is_described(name):
     link = load_profile(name).interconnect
