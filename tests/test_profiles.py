@@ -24,7 +24,7 @@ from memplan.units import GiB
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "memplan" / "profiles"
 
-# The devices the planner promises to know (the task's list).
+# The devices memplan ships a profile for: a 4 GB laptop GPU to an H200, AMD, Apple and the CPU fallback.
 EXPECTED_NAMES = {
     "strix-halo", "gtx-1650", "rtx-3060-12gb", "rtx-3090", "rtx-4090", "l4", "a100-40gb", "a100-80gb",
     "h100-sxm", "h200", "mi300x", "rx-7900-xtx", "m3-max", "m4-max", "cpu",
