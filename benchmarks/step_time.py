@@ -10,7 +10,10 @@ few warm-up steps and then at least 5 measured steps, and compares the median st
 - the prediction from the static ``cpu`` profile (``memplan/profiles/cpu.toml``), which is what memplan says
   without calibration.
 
-Bars (the issue's): median absolute error ≤ 15%, worst ≤ 35%, for the calibrated prediction.
+Bars: median absolute error ≤ 15%, worst ≤ 35%, for the calibrated prediction. Step time is predicted from
+measured kernel rates on a shared, noisy CPU, so it cannot be as tight as memory (≤ 3% / ≤ 10%); 15% is
+close enough to rank setups (what autotune needs) and to tell a run's length in advance; 35% is the allowance
+for the worst single config, where one measurement on a shared machine can be far off (see Noise below).
 
 Noise. This machine is shared with other engineers' test runs. By default the benchmark pins torch to
 ONE thread and times with the process's CPU time (``--clock cpu``): a one-thread process's CPU time is

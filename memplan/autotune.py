@@ -133,7 +133,7 @@ def compile_speedup(device: Device) -> float | None:
 
 def predicted_json(memory: MemoryBreakdown, time_: TimeBreakdown, step_seconds: float, tokens_per_second: float,
                    epoch_tokens: int | None) -> dict:
-    """The contract's ``predicted`` object, plus peak_allocated and peak_phase."""
+    """The ``predicted`` object of ``autotune --json`` (docs/json.md), with peak_allocated and peak_phase."""
     return {"peak_reserved": memory.peak_reserved, "step_seconds": step_seconds,
             "tokens_per_second": tokens_per_second,
             "epoch_seconds": epoch_tokens / tokens_per_second if epoch_tokens else None,
@@ -239,7 +239,7 @@ class AutotuneResult:
                     budget_bytes=self.budget_bytes, predicted=_plan_predicted(predicted))
 
     def to_json(self, verified=None) -> dict:
-        """The contract's JSON of ``memplan autotune`` (plus additions).
+        """The JSON of ``memplan autotune`` (docs/json.md): the original keys, then the additions.
 
         ``verified`` is the ``trainer.verify.Verification`` of ``--verify`` (None without it). After a
         verification the top-level plan and prediction are those of the plan it settled on (null if

@@ -25,7 +25,7 @@ class Estimate:
     tokens: int | None = None  # tokens in one epoch, if given
 
     def to_json(self) -> dict:
-        """The contract's JSON of ``memplan estimate``."""
+        """The JSON of ``memplan estimate`` (its keys are documented in docs/json.md)."""
         return {
             "model": self.model.to_json(),
             "setup": self.setup.to_json(),

@@ -39,7 +39,9 @@ nvlink4 | pcie4 | infinity-fabric | ethernet, ``bandwidth_bytes_per_second`` per
 together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``memplan calibrate``).
 ``[calibrated]`` may also hold ``compile_speedup``, the eager step time over the ``torch.compile``d
 one (e.g. 1.25): ``memplan autotune`` proposes torch.compile only where it is present and above 1.
-Every table's ``source`` ends up in ``Device.sources``. ``--device PATH`` loads any file of this schema.
+Every table's ``source`` ends up in ``Device.sources``. A bundled profile's ``source`` is its own evidence:
+for each origin, the document (repository and file, URL, issue or pull request) and the figure it states,
+``; ``-separated, so the profile needs nothing outside it. ``--device PATH`` loads any file of this schema.
 
 ``[calibrated]``, written by ``memplan calibrate`` (``trainer/calibrate.py`` measures, ``memplan/timing.py``
 uses). Every field is optional; a missing one falls back to the profile's peaks and bandwidth. Kernel
@@ -144,7 +146,7 @@ class Device:
         return dtype == "fp32" or bool(self.native.get(dtype, False))
 
     def to_json(self) -> dict:
-        """The contract's ``device`` object."""
+        """The ``device`` object of the --json output (docs/json.md)."""
         return {"name": self.name, "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes}
 
     def replace(self, **changes) -> "Device":

@@ -335,7 +335,7 @@ class InferenceMemory:
     rope_tables: int = 0
 
     def to_json(self) -> dict:
-        """The estimate contract's memory keys (gradients, optimizer and temporaries are 0 when
+        """The memory keys of ``estimate --json`` (docs/json.md; gradients, optimizer and temporaries are 0 when
         nothing trains), plus kv_cache and the two phases' peaks."""
         return {"weights": self.weights, "gradients": 0, "optimizer": 0, "activations": self.activations,
                 "logits": self.logits, "temporaries": 0, "runtime": self.runtime,

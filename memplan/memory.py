@@ -1353,7 +1353,7 @@ def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectiv
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """The contract's ``memory`` object: live bytes by category at the peak, plus the runtime."""
+    """The ``memory`` object of the --json output (docs/json.md): live bytes by category at the peak, plus the runtime."""
 
     weights: int
     gradients: int

@@ -199,7 +199,7 @@ class ModelSpec:
         )
 
     def to_json(self) -> dict:
-        """The contract's ``model`` object."""
+        """The ``model`` object of the --json output (docs/json.md)."""
         return {
             "params": self.params, "arch": self.arch, "layers": self.layers, "hidden": self.hidden,
             "heads": self.heads, "kv_heads": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab,

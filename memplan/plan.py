@@ -18,7 +18,7 @@ from memplan.setup import TrainSetup
 
 PLAN_VERSION = 1
 _CONTRACT_PLAN_KEYS = ("micro_batch", "grad_accum", "checkpointing", "attention", "precision", "optimizer", "compile",
-                       "ctx", "world_size", "sharding")  # the last two: additions to the contract's plan object
+                       "ctx", "world_size", "sharding")  # the last two were added to autotune's original plan keys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +31,7 @@ class Plan:
     verified: dict = field(default_factory=dict)  # what autotune --verify measured (peak_measured, tokens/s, ...)
 
     def contract_plan(self) -> dict:
-        """The contract's ``plan`` object (autotune --json)."""
+        """The ``plan`` object of ``autotune --json`` (docs/json.md)."""
         setup = self.setup.to_dict()
         return {k: setup[k] for k in _CONTRACT_PLAN_KEYS}
 

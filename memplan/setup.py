@@ -95,7 +95,7 @@ class TrainSetup:
             self.precision]
 
     def to_json(self) -> dict:
-        """The contract's ``setup`` object."""
+        """The ``setup`` object of the --json output (docs/json.md)."""
         return {
             "ctx": self.ctx, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "precision": self.precision, "attention": self.attention, "checkpointing": self.checkpointing,

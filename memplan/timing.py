@@ -54,10 +54,10 @@ FLASH_BACKWARD_RATIO = 2.5  # FlashAttention-2's backward does 2.5× the forward
 INDEX_BYTES = 8  # token ids are int64
 
 # ---- defaults for profiles without [calibrated] rates -----------------------------------------
-# Elementwise kernels reach a fraction of the DRAM bandwidth: measured/theoretical in S4
-# (chsasank/device-benchmarks, via /work/shared/HARDWARE.md): RTX 3060 330/360 = 0.92, L4 235/300 = 0.78,
+# Elementwise kernels reach a fraction of the DRAM bandwidth: measured/theoretical bandwidth from
+# github.com/chsasank/device-benchmarks README.md: RTX 3060 330/360 = 0.92, L4 235/300 = 0.78,
 # RX 7900 XTX 792/960 = 0.83, M3 Max 318/400 = 0.80, M4 Max 396/546 = 0.73; Strix Halo 212-229/256 = 0.86
-# (llm-tracker post). Median 0.8.
+# (lhl's llm-tracker Strix Halo post). Median 0.8. The profiles' [memory] sources cite the same figures.
 STREAM_FRACTION = 0.8
 # Per dispatched aten op (views included), host side: the Python op call, the dispatcher, autograd
 # bookkeeping and the launch. Measured: "4 us per op on CUDA" for a dispatch-bound model on an A100

@@ -26,7 +26,11 @@ from memplan.units import choice_error
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(ModelSpec)}
 _SETUP_FIELDS = {f.name for f in dataclasses.fields(TrainSetup)}
 
-# The bars every run prints (CPU): analytic against measured, and the exact trace against measured.
+# The bars every run prints (CPU). Analytic against measured: median |error| <= 3% and worst <= 10%. The
+# worst bound is autotune's default margin (it keeps 10% of the budget free), so a plan predicted to fit
+# still fits when the prediction is off by as much as the worst config measured. The trace against
+# measured: <= 1%. The trace runs the same model code on fake tensors, so it should match the real step
+# to the byte; anything beyond rounding is a bug in how the step is traced, not a modelling error.
 ANALYTIC_MEDIAN_BAR = 0.03
 ANALYTIC_WORST_BAR = 0.10
 TRACE_BAR = 0.01
@@ -159,7 +163,9 @@ class Summary:
     trace_max_abs_error: float | None
 
     def bars(self) -> list[tuple[str, float, float, bool]]:
-        """(what, value, bar, met) for every bar of the issue."""
+        """(what, value, bar, met) for each bar: the analytic median and worst |error| against
+        ANALYTIC_MEDIAN_BAR and ANALYTIC_WORST_BAR, and the trace's worst |error| against TRACE_BAR (the
+        comment above those constants says why they are where they are)."""
         out = [("analytic median |error|", self.median_abs_error, ANALYTIC_MEDIAN_BAR,
                 self.median_abs_error <= ANALYTIC_MEDIAN_BAR),
                ("analytic worst |error|", self.max_abs_error, ANALYTIC_WORST_BAR, self.max_abs_error <= ANALYTIC_WORST_BAR)]
@@ -178,7 +184,7 @@ def summarize(rows: list[ValidationRow]) -> Summary:
 
 
 def validation_json(device: str, rows: list[ValidationRow]) -> dict:
-    """The contract's JSON of ``memplan validate``."""
+    """The JSON of ``memplan validate`` (docs/json.md)."""
     summary = summarize(rows)
     return {"device": device, "rows": [r.to_json() for r in rows], "median_abs_error": summary.median_abs_error,
             "max_abs_error": summary.max_abs_error, "trace_max_abs_error": summary.trace_max_abs_error}
@@ -189,7 +195,11 @@ def validation_json(device: str, rows: list[ValidationRow]) -> dict:
 from memplan.inference import InferenceSetup  # noqa: E402
 
 _INFERENCE_FIELDS = {f.name for f in dataclasses.fields(InferenceSetup)}
-INFERENCE_BAR = 0.05  # the issue's bar: predicted prefill and decode peaks within 5% of measured
+# Predicted prefill and decode peaks within 5% of measured, each of them, in every config: half the worst-case
+# bar of the training prediction (10%), because generation holds far fewer kinds of tensor (the weights, the
+# KV cache, one forward's working set and the sampling copies), each a closed form, and max_ctx / max_batch
+# are searched on this prediction, so its error is theirs.
+INFERENCE_BAR = 0.05
 
 
 @dataclass(frozen=True)
@@ -282,7 +292,7 @@ def inference_bars(rows: list[InferenceRow]) -> list[tuple[str, float, float, bo
 
 
 def inference_validation_json(device: str, rows: list[InferenceRow]) -> dict:
-    """validate's contract JSON (rows, median and max |error| of the larger peak), with both phases per row."""
+    """validate's JSON (docs/json.md: rows, median and max |error| of the larger peak), with both phases per row."""
     errors = [abs(r.error) for r in rows]
     phases = [abs(e) for r in rows for e in (r.prefill_error, r.decode_error)]
     return {"device": device, "mode": "inference", "rows": [r.to_json() for r in rows],

@@ -24,7 +24,7 @@ from memplan.setup import TrainSetup
 from memplan.units import GiB
 
 CONTRACT_PLAN_KEYS = {"micro_batch", "grad_accum", "checkpointing", "attention", "precision", "optimizer", "compile",
-                      "ctx", "world_size", "sharding"}  # the contract's keys, and the devices the plan is for
+                      "ctx", "world_size", "sharding"}  # docs/json.md's plan keys: the original ones, and the devices the plan is for
 CONTRACT_PREDICTED_KEYS = {"peak_reserved", "step_seconds", "tokens_per_second", "epoch_seconds"}
 CONTRACT_VERIFIED_KEYS = {"peak_measured", "tokens_per_second", "trials"}
 

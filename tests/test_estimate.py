@@ -1,4 +1,4 @@
-"""`memplan estimate`: the contract's JSON, fits and max_micro_batch, and every bad input users type."""
+"""`memplan estimate`: the JSON of docs/json.md, fits and max_micro_batch, and every bad input users type."""
 
 import json
 

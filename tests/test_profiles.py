@@ -1,7 +1,7 @@
 """The bundled device profiles, their loader, and `memplan profiles`.
 
-Expected figures come from /work/shared/HARDWARE.md (the sourced research the profiles cite), not
-from the profiles themselves.
+Expected figures come from the published sources the profiles cite (each table's ``source`` names
+them and the figure they state), not from the profiles themselves.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.cli import app
+from memplan.compat import tomllib
 from memplan.errors import InputError
 from memplan.hardware import device_from_toml, load_profile, match_profile, profile_names
 from memplan.units import GiB
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "memplan" / "profiles"
 
-# The devices the planner promises to know (the task's list).
+# The devices memplan ships a profile for: a 4 GB laptop GPU to an H200, AMD, Apple and the CPU fallback.
 EXPECTED_NAMES = {
     "strix-halo", "gtx-1650", "rtx-3060-12gb", "rtx-3090", "rtx-4090", "l4", "a100-40gb", "a100-80gb",
     "h100-sxm", "h200", "mi300x", "rx-7900-xtx", "m3-max", "m4-max", "cpu",
@@ -64,6 +65,56 @@ def test_every_number_carries_a_source(name):
     d = load_profile(name)
     for table in SOURCED_TABLES + ("native", "interconnect"):
         assert len(d.sources.get(table, "").strip()) > 10, f"{name}: [{table}] has no source"
+
+
+def _carries_numbers(table: dict) -> bool:
+    return any((isinstance(v, (int, float)) and not isinstance(v, bool))
+               or (isinstance(v, dict) and _carries_numbers(v))
+               or (isinstance(v, list) and any(isinstance(x, (int, float, list)) for x in v))
+               for v in table.values())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_every_table_of_figures_names_its_own_sources(name):
+    """Read the file itself, so a table the loader does not know yet is held to the rule too: every
+    table with a number carries a ``source`` that names where the figures come from. A bare label such as
+    "S3" points at a list of sources that is not in the profile, so it does not count as naming one."""
+    data = tomllib.loads((PROFILES_DIR / f"{name}.toml").read_text(encoding="utf-8"))
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    assert {"memory", "peak_tflops", "achievable", "runtime"} <= set(tables)
+    for table, values in tables.items():
+        if not _carries_numbers(values):
+            continue
+        source = values.get("source", "")
+        assert isinstance(source, str) and len(source.strip()) > 20, f"{name}: [{table}] carries numbers but no source"
+        assert not re.search(r"\bS[0-9]\b", source), f"{name}: [{table}] cites a bare label: {source!r}"
+
+
+# Pointers out of the repository: a build machine's paths, a sibling checkout's files, and documents
+# that only the project's authors had. Spelled in pieces so that this list does not match itself.
+OUTSIDE_POINTERS = ("/" + "work/", "../" + "shared", "shared/" + "DESIGN" + ".md", "HARD" + "WARE.md", "DES" + "IGN.md")
+
+
+def test_no_tracked_file_points_outside_the_repository():
+    """Users get the repository and nothing else: no file may cite a path or a document outside it (the
+    profiles name their published sources; the JSON and run directory are documented in docs/)."""
+    root = PROFILES_DIR.parents[1]
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    offenders = []
+    for name in filter(None, listed.decode("utf-8").split("\0")):
+        path = root / name
+        if not path.is_file():
+            continue  # deleted in the working tree
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue  # binary (images)
+        text = data.decode("utf-8", errors="replace")
+        for i, line in enumerate(text.splitlines(), 1):
+            offenders += [f"{name}:{i}: {p}" for p in OUTSIDE_POINTERS if p in line]
+    assert not offenders, "files point outside the repository:\n" + "\n".join(offenders)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))

@@ -8,7 +8,9 @@ from memplan.validate import load_matrix
 
 
 def test_validate_quick_meets_the_bars(memplan_cli, tmp_path):
-    """The issue's bar for this test: median analytic error ≤ 5%, every trace error ≤ 1%."""
+    """Every trace error ≤ 1% (the trace runs the same code on fake tensors, so it must match the real step
+    to rounding) and the median analytic error over the quick rows ≤ 5% (validate itself prints the
+    tighter 3% bar beside its result; this test fails only past 5%)."""
     html = tmp_path / "validate.html"
     result = memplan_cli("validate", "--quick", "--json", "--html", str(html), timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -25,7 +27,9 @@ def test_validate_quick_meets_the_bars(memplan_cli, tmp_path):
     assert page.count('class="plot"') == 3 and "<script src=" not in page
 
 
-def test_the_default_matrix_spans_what_the_issue_asks_for():
+def test_the_default_matrix_spans_the_shapes_and_setups_it_must_cover():
+    """Both block forms, 1-8 layers, widths 64-768, MHA and GQA, vocabularies 256-50257, contexts 32-2048,
+    micro-batches 1-16, fp32 and bf16-mixed: the range of the 20M-3B models memplan plans, scaled down."""
     configs = load_matrix("default")
     assert len(configs) >= 40
     specs = [c.spec for c in configs]

@@ -1,7 +1,7 @@
 """The training loop of ``memplan train``: a plan, a prepared corpus and a run directory in; a trained model,
 its measurements and a report out.
 
-A run directory (the contract in DESIGN.md)::
+A run directory (documented key by key in docs/run-directory.md)::
 
     RUN/metrics.jsonl   one JSON object per line, append-only across resumes; every line has "kind":
                         "train" (step, loss, tokens_per_second, lr, grad_norm, tokens, step_seconds,

@@ -30,7 +30,7 @@ from trainer.lora import frozen_params_tracked, lora_for
 from trainer.model import build_model
 from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
-# MemTracker's categories, mapped onto the contract's memory keys.
+# MemTracker's categories, mapped onto the memory keys of the --json output (docs/json.md).
 _CATEGORY_KEYS = {"Parameter": "weights", "Buffer": "weights", "Gradient": "gradients", "Optstate": "optimizer",
                   "Activation": "activations", "Temp": "temporaries", "Other": "other"}
 

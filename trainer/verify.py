@@ -512,7 +512,7 @@ class Verification:
         return self.final.trial.tokens_per_second if self.final else None
 
     def to_json(self) -> dict:
-        """The contract's ``verified`` object (plus additions). With no plan holding up, the measured
+        """The ``verified`` object of ``autotune --json`` (docs/json.md). With no plan holding up, the measured
         figures are null."""
         return {"peak_measured": self.peak_measured, "tokens_per_second": self.tokens_per_second,
                 "trials": self.trials, "plans_tried": len(self.attempts), "skipped": self.skipped,

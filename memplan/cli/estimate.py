@@ -1,4 +1,4 @@
-"""``memplan estimate``: the analytic prediction, as tables or the contract's JSON."""
+"""``memplan estimate``: the analytic prediction, as tables or JSON (docs/json.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The contract's option groups (MODEL, SETUP, DEVICE), defined once and shared by every command.
+"""The option groups (MODEL, SETUP, DEVICE; docs/cli.md), defined once and shared by every command.
 
 A command lists the options it takes in its signature with these ``Annotated`` types, then
 turns them into a ModelSpec / TrainSetup / Device with ``model_from`` / ``setup_from`` /
@@ -60,7 +60,7 @@ DeviceMemoryOpt = Annotated[Optional[str], typer.Option(
     "--device-memory", help="Override the device's memory size (a 64GiB Mac, a Strix Halo's GTT), e.g. 96GiB.",
     rich_help_panel=_D)]
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the contract's JSON instead of tables.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (keys documented in docs/json.md) instead of tables.")]
 
 
 def model_from(params=None, model=None, arch=None, layers=None, hidden=None, heads=None, kv_heads=None,

@@ -14,7 +14,7 @@ TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits"
 
 
 def traced_json(est, traced) -> dict:
-    """The contract's estimate JSON with the memory object replaced by the trace.
+    """The JSON of ``memplan estimate`` (docs/json.md) with the memory object replaced by the trace.
 
     The tracer sorts tensors by when they were made (MemTracker: forward → activations, backward
     → temporaries, ``.grad`` → gradients, optimizer step → optimizer), so its split differs
