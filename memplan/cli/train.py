@@ -614,17 +614,93 @@ def _print_plan(trainer, console) -> None:
                       f"{trainer.profile.name} profile ({trainer.profile.family}); measured and predicted will differ")
 
 
+def _clock(seconds: float) -> str:
+    """``1:05`` (minutes:seconds) or ``2:03:05`` (hours:minutes:seconds): elapsed and limit in the live line."""
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def progress_count(step: int, total: int | None, total_fixed: bool, elapsed: float | None = None,
+                   limit: float | None = None) -> str:
+    """The live line's step count: ``step 210/264`` while the total is final and not passed; ``step 178`` when
+    it is only an estimate (a time-limited run before its decay is fixed), never N/M with N > M; a
+    time-limited run adds its clock, ``1:23/3:00`` (elapsed / limit)."""
+    text = f"step {step:,}/{total:,}" if total and total_fixed and step <= total else f"step {step:,}"
+    if limit is not None and elapsed is not None:
+        text += f" {_clock(min(elapsed, limit))}/{_clock(limit)}"
+    return text
+
+
+def progress_fraction(step: int, total: int | None, total_fixed: bool, elapsed: float | None = None,
+                      limit: float | None = None) -> float | None:
+    """How far the run is, 0 to 1, for the bar: steps of a final total, or time of a time limit (the
+    further of the two); None when neither is known."""
+    parts = []
+    if total and total_fixed:
+        parts.append(step / total)
+    if limit:
+        parts.append((elapsed or 0.0) / limit)
+    return min(1.0, max(parts)) if parts else None
+
+
+# The live line's status fields in the order shown, and the order they give way in when the terminal is
+# narrow (the first goes first). The step count is never dropped.
+STATUS_FIELDS = ("loss", "tokens/s", "mfu", "memory", "eta")
+STATUS_DROP_ORDER = ("prediction", "mfu", "memory", "tokens/s", "loss", "eta")
+LIVE_BAR_WIDTHS = (24, 12)
+
+
+def fit_live_line(width: int, count: str, fields: dict[str, str], prediction: str = "") -> tuple[str, int]:
+    """The status text and the bar width that fit ``count``, a bar and the status into ``width`` columns.
+
+    ``fields`` maps STATUS_FIELDS names to their text; ``prediction`` is appended to the memory field
+    (``(pred 1.2 GiB)``). Fields give way in STATUS_DROP_ORDER, after the bar has shrunk to its narrower
+    width; the bar goes (width 0) only when the step count and the ETA alone do not fit beside it.
+    The live view lays out spinner, count, bar and status with one space between each."""
+    width -= 1  # a line as wide as the terminal wraps on some terminals
+
+    def status(dropped) -> str:
+        shown = []
+        for name in STATUS_FIELDS:
+            if name in dropped or not fields.get(name):
+                continue
+            text = fields[name]
+            if name == "memory" and prediction and "prediction" not in dropped:
+                text += f" {prediction}"
+            shown.append(text)
+        return " | ".join(shown)
+
+    def used(text: str, bar: int) -> int:  # spinner, count, bar, status, and the gaps between them
+        return 1 + 1 + len(count) + (1 + bar if bar else 0) + (1 + len(text) if text else 0)
+
+    dropped: list[str] = []
+    for name in (None,) + STATUS_DROP_ORDER:
+        if name is not None:
+            dropped.append(name)
+        text = status(dropped)
+        for bar in LIVE_BAR_WIDTHS:
+            if used(text, bar) <= width:
+                return text, bar
+        if name == "loss":  # only the ETA is left: keep it, without the bar
+            if used(text, 0) <= width:
+                return text, 0
+    return "", 0
+
+
 class _ProgressView:
-    """Live rich progress on a terminal; on a pipe, a status line at each evaluation and every 10% of the run."""
+    """Live rich progress on a terminal, fitted to its width; on a pipe, a status line at each evaluation
+    and every 10% of the run."""
 
     def __init__(self, console, trainer):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
         self.console, self.trainer = console, trainer
         self.live = console.is_terminal
-        self.progress = Progress(SpinnerColumn(), TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24),
-                                 TextColumn("{task.fields[status]}"), console=console, transient=False,
-                                 disable=not self.live)
+        self.bar = BarColumn(bar_width=LIVE_BAR_WIDTHS[0])
+        self.columns = (SpinnerColumn(), TextColumn("{task.fields[count]}"), self.bar,
+                        TextColumn("{task.fields[status]}"))
+        self.progress = Progress(*self.columns, console=console, transient=False, disable=not self.live)
         self.task = None
         self._last_print = -1
 
@@ -638,26 +714,47 @@ class _ProgressView:
     def _print(self, text: str) -> None:
         (self.progress.console if self.live else self.console).print(text, soft_wrap=True)
 
+    def _clock(self) -> tuple[float | None, float | None]:
+        """(elapsed, limit) in seconds for a time-limited run; (None, None) otherwise."""
+        minutes = getattr(self.trainer.config, "max_minutes", None)
+        if minutes is None:
+            return None, None
+        return self.trainer.elapsed_seconds, minutes * 60.0
+
     def update(self, line: dict) -> None:
         from memplan.units import format_bytes, format_count, format_seconds
 
         kind = line.get("kind")
         if kind == "train":
             total = line.get("total_steps")
+            fixed = self.trainer.schedule.fixed
+            elapsed, limit = self._clock()
+            count = progress_count(line["step"], total, fixed, elapsed, limit)
+            fraction = progress_fraction(line["step"], total, fixed, elapsed, limit)
             pred = self.trainer.predicted["peak_reserved"]
             mem = line.get("memory_bytes")
             loss = "n/a" if line.get("loss") is None else f"{line['loss']:.4f}"
-            status = (f"loss {loss} | {format_count(line['tokens_per_second'])} tok/s | MFU {line['mfu']:.1%} | "
-                      f"mem {format_bytes(mem) if mem else '?'} (pred {format_bytes(pred)}) | "
-                      f"ETA {format_seconds(line.get('eta_seconds'))}")
+            fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line['tokens_per_second'])} tok/s",
+                      "mfu": f"MFU {line['mfu']:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
+                      "eta": f"ETA {format_seconds(line.get('eta_seconds'))}"}
+            prediction = f"(pred {format_bytes(pred)})"
+            if self.live:
+                status, bar = fit_live_line(self.progress.console.width, count, fields, prediction)
+                self.bar.bar_width = bar or None
+                self.progress.columns = self.columns if bar else tuple(c for c in self.columns if c is not self.bar)
+            else:
+                status = " | ".join(f + (f" {prediction}" if k == "memory" else "") for k, f in fields.items())
+            done = None if fraction is None else round(fraction * 1000)
             if self.task is None:
-                self.task = self.progress.add_task("train", total=total, completed=line["step"], status=status)
-            self.progress.update(self.task, total=total, completed=line["step"], status=status)
-            if not self.live and total:
-                decile = line["step"] * 10 // total
+                self.task = self.progress.add_task("train", total=None if done is None else 1000, completed=done or 0,
+                                                   count=count, status=status)
+            self.progress.update(self.task, total=None if done is None else 1000, completed=done or 0,
+                                 count=count, status=status)
+            if not self.live and fraction is not None:
+                decile = int(fraction * 10)
                 if decile != self._last_print:
                     self._last_print = decile
-                    self._print(f"step {line['step']}/{total} {status}")
+                    self._print(f"{count} {status}")
         elif kind == "eval":
             per = ", ".join(f"{k} {v:.3f}" for k, v in line.get("eval_loss_by_source", {}).items() if v is not None)
             ppl = line.get("eval_ppl")

@@ -1,0 +1,108 @@
+"""What the commands print, at 80 columns: the live training line's step count and ETA, the tables of the
+commands that need no torch run, and the help line of every command in `memplan --help`."""
+
+from __future__ import annotations
+
+import io
+import re
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from memplan.cli.train import _ProgressView, fit_live_line, progress_count
+
+GiB = 2**30
+
+
+# ---- the live training line ---------------------------------------------------------------------------
+
+def _train_line(step: int, total: int, eta: float) -> dict:
+    return {"kind": "train", "step": step, "total_steps": total, "loss": 8.3068, "tokens_per_second": 12345.0,
+            "mfu": 0.125, "memory_bytes": int(1.23 * GiB), "eta_seconds": eta}
+
+
+def _render_view(updates, *, max_minutes, width: int = 80) -> list[str]:
+    """The live view's line after each update (a fake trainer: the view reads its config, clock, schedule
+    and prediction), rendered at ``width`` columns."""
+    trainer = SimpleNamespace(config=SimpleNamespace(max_minutes=max_minutes), elapsed_seconds=0.0,
+                              schedule=SimpleNamespace(fixed=True), predicted={"peak_reserved": int(1.1 * GiB)})
+    console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    view = _ProgressView(console, trainer)
+    shown = []
+    with view:
+        for step, total, fixed, elapsed, eta in updates:
+            trainer.schedule.fixed, trainer.elapsed_seconds = fixed, elapsed
+            view.update(_train_line(step, total, eta))
+            out = io.StringIO()
+            Console(file=out, width=width, color_system=None).print(view.progress.get_renderable())
+            shown.append(out.getvalue().rstrip("\n"))
+    return shown
+
+
+def test_a_time_limited_run_counts_steps_against_its_clock_never_past_an_estimated_total():
+    # the quick start's sequence: the probe steps estimated 161 steps, the run passed them, then the decay
+    # fixed the total at 264
+    shown = _render_view([(161, 161, False, 80.0, 100.0), (178, 161, False, 90.0, 90.0),
+                          (194, 161, False, 100.0, 80.0), (210, 264, True, 150.0, 30.0)], max_minutes=3.0)
+    for text in shown:
+        assert "\n" not in text and len(text) <= 80, text
+        for n, m in re.findall(r"step ([\d,]+)/([\d,]+)", text):
+            assert int(n.replace(",", "")) <= int(m.replace(",", "")), text
+    assert "step 178 1:30/3:00" in shown[1] and "/161" not in shown[1] and "ETA 90.0 s" in shown[1]
+    assert "step 210/264 2:30/3:00" in shown[3] and "ETA 30.0 s" in shown[3]
+
+
+def test_a_step_limited_run_shows_n_of_m_and_keeps_the_count_at_any_width():
+    for width in (200, 120, 100, 80, 60, 40, 30):
+        text = _render_view([(1234, 5000, True, 60.0, 180.0)], max_minutes=None, width=width)[0]
+        assert "\n" not in text and len(text) <= width, (width, text)
+        assert "step 1,234/5,000" in text, (width, text)
+        if width >= 40:
+            assert "ETA 3.0 min" in text, (width, text)
+    wide = _render_view([(1234, 5000, True, 60.0, 180.0)], max_minutes=None, width=200)[0]
+    assert "loss 8.3068 | 12.3K tok/s | MFU 12.5% | mem 1.23 GiB (pred 1.10 GiB) | ETA 3.0 min" in wide
+
+
+def test_the_live_line_drops_the_lowest_priority_fields_first():
+    fields = {"loss": "loss 8.3068", "tokens/s": "12.3K tok/s", "mfu": "MFU 12.5%", "memory": "mem 1.23 GiB",
+              "eta": "ETA 31.6 s"}
+    count = progress_count(210, 264, True)
+    seen = []
+    for width in range(200, 20, -1):
+        status, bar = fit_live_line(width, count, fields, "(pred 1.10 GiB)")
+        assert 1 + 1 + len(count) + (1 + bar if bar else 0) + (1 + len(status) if status else 0) < width
+        seen.append(tuple(f for f in ("pred", "MFU", "mem", "tok/s", "loss", "ETA") if f in status))
+    order = []  # the fields in the order they disappear as the terminal narrows
+    for before, after in zip(seen, seen[1:]):
+        order += [f for f in before if f not in after]
+    assert order == ["pred", "MFU", "mem", "tok/s", "loss", "ETA"]
+
+
+def test_progress_count_never_shows_a_total_the_run_has_passed():
+    assert progress_count(178, 161, True) == "step 178"
+    assert progress_count(178, 161, False) == "step 178"
+    assert progress_count(150, 161, False) == "step 150"  # an estimate is not shown as a total
+    assert progress_count(150, 161, True) == "step 150/161"
+    assert progress_count(12, None, False, 7300.0, 7400.0) == "step 12 2:01:40/2:03:20"
+
+
+def test_a_time_limited_run_before_its_decay_has_the_time_left_as_its_eta():
+    pytest.importorskip("torch")
+    from trainer.loop import Schedule, Trainer
+
+    def eta(step: int, *, fixed: bool, elapsed: float, max_minutes=3.0, max_steps=None) -> float:
+        schedule = Schedule(peak_lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=161, kind="wsd",
+                            decay_start=150 if fixed else None)
+        fake = SimpleNamespace(config=SimpleNamespace(max_steps=max_steps, max_tokens=None, max_minutes=max_minutes),
+                               schedule=schedule, step=step, tokens=step * 1000, elapsed_seconds=elapsed,
+                               setup=SimpleNamespace(tokens_per_step=1000), _recent=[0.5, 0.5, 0.5])
+        return Trainer._eta(fake)
+
+    # past the probe steps' estimate of 161 steps, with 90 s of the 180 left: 90 s, not 0
+    assert eta(178, fixed=False, elapsed=90.0) == pytest.approx(90.0, abs=1e-9)
+    # below the estimate too: the run goes on until its time is up
+    assert eta(100, fixed=False, elapsed=30.0) == pytest.approx(150.0, abs=1e-9)
+    # once the decay has fixed the total: the steps left at the recent step time, capped by the time left
+    assert eta(156, fixed=True, elapsed=170.0) == pytest.approx(2.5)
+    assert eta(100, fixed=True, elapsed=170.0) == pytest.approx(10.0, abs=1e-9)
