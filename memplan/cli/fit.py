@@ -1,0 +1,42 @@
+"""Fitting what the commands print into the terminal's width (80 columns is the width to read well at)."""
+
+from __future__ import annotations
+
+
+def natural_width(console, renderable) -> int:
+    """The columns ``renderable`` takes unwrapped (a table with every cell on one line)."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update_width(10_000), renderable).maximum
+
+
+def fits(console, renderable) -> bool:
+    """Whether ``renderable`` prints within ``console``'s width without wrapping a cell."""
+    return natural_width(console, renderable) <= console.width
+
+
+def _one_paragraph_per_line(text: str) -> str:
+    """A docstring with each paragraph's lines joined (rich help keeps single newlines, which break the
+    help text in mid-sentence at any width but the source's); lists and indented blocks stay as written."""
+    import inspect
+
+    out = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        lines = para.split("\n")
+        if para.startswith("\b") or any(l[:1] in (" ", "-", "*", "•") or l[:2].rstrip(".").isdigit() for l in lines):
+            out.append(para)
+        else:
+            out.append(" ".join(l.strip() for l in lines))
+    return "\n\n".join(out)
+
+
+def tidy_help(app) -> None:
+    """Give every command of ``app`` its docstring's first paragraph on one line as the help line of
+    `memplan --help`, and its docstring with joined paragraphs as its own --help text (explicit help= kept)."""
+    for info in app.registered_commands:
+        doc = info.callback.__doc__ if info.callback is not None else None
+        if not doc or info.help is not None:
+            continue
+        info.help = _one_paragraph_per_line(doc)
+        if info.short_help is None:
+            info.short_help = info.help.split("\n\n")[0]
