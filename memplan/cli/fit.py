@@ -40,3 +40,38 @@ def tidy_help(app) -> None:
         info.help = _one_paragraph_per_line(doc)
         if info.short_help is None:
             info.short_help = info.help.split("\n\n")[0]
+
+
+def print_fields(console, rows) -> None:
+    """``Label  text`` lines (the Model / Setup / Device header of a command) with each text's continuation
+    lines indented under its first, not under the labels, when the terminal is too narrow for one line."""
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    for label, text in rows:
+        grid.add_row(label, text)
+    console.print(grid)
+
+
+def print_described(console, build) -> None:
+    """A table whose last column describes each row: ``build(True)`` with that column where every row fits on
+    one line, else ``build(False)`` without it and the descriptions under it as ``name  description`` lines.
+
+    ``build(with_descriptions)`` returns ``(table, [(name, description), ...])``."""
+    from rich.table import Table
+
+    table, described = build(True)
+    if fits(console, table):
+        console.print(table)
+        return
+    table, described = build(False)
+    console.print(table)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(style="dim")
+    for name, text in described:
+        if text:
+            grid.add_row(name, text)
+    console.print(grid)
