@@ -75,3 +75,15 @@ def print_described(console, build) -> None:
         if text:
             grid.add_row(name, text)
     console.print(grid)
+
+
+def print_hanging(console, label: str, text: str) -> None:
+    """``label`` then ``text``, the text's continuation lines indented under its first (``  memory: ...``
+    lines of a summary) rather than at the left edge, when the terminal is too narrow for one line."""
+    from rich.table import Table
+
+    grid = Table.grid()
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    grid.add_row(label, text)
+    console.print(grid)

@@ -20,6 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.fit import print_hanging
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KvHeadsOpt, LayersOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, TiedOpt, VocabOpt, device_from, model_from)
@@ -597,15 +598,17 @@ def _print_plan(trainer, console) -> None:
     p, s = trainer.plan, trainer.plan.setup
     pred = trainer.predicted
     what = "Resuming" if trainer.step else "Training"
-    console.print(f"[bold]{what}[/] {trainer.run_dir}: {p.model.describe()} ({p.model.params:,} parameters)")
+    print_hanging(console, f"[bold]{what}[/] ", f"{trainer.run_dir}: {p.model.describe()} ({p.model.params:,} parameters)")
     ranks = f" × {s.world_size} ranks ({s.sharding.upper()})" if s.world_size > 1 else ""
-    console.print(f"  setup: ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation{ranks} "
+    print_hanging(console, "  setup: ", f"ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation{ranks} "
                   f"({s.tokens_per_step:,} tokens/step), {s.precision}, {s.attention} attention, checkpointing "
                   f"{s.checkpointing}, {s.optimizer}" + (", compiled" if s.compile else ""))
-    console.print(f"  data: {trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, sources "
-                  f"{', '.join(trainer.data.source_names)}); device {trainer.device} ({trainer.profile.name} profile)")
-    console.print(f"  predicted: peak {format_bytes(pred['peak_reserved'])} ({format_bytes(pred['peak_allocated'])} "
-                  f"live tensors), {pred['tokens_per_second']:,.0f} tokens/s, MFU {pred['mfu']:.1%}")
+    print_hanging(console, "  data: ", f"{trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, "
+                  f"sources {', '.join(trainer.data.source_names)}); device {trainer.device} "
+                  f"({trainer.profile.name} profile)")
+    print_hanging(console, "  predicted: ", f"peak {format_bytes(pred['peak_reserved'])} "
+                  f"({format_bytes(pred['peak_allocated'])} live tensors), {pred['tokens_per_second']:,.0f} tokens/s, "
+                  f"MFU {pred['mfu']:.1%}")
     if trainer.step:
         console.print(f"  from step {trainer.step:,} ({format_count(trainer.tokens)} tokens seen)")
     family = {"cuda": ("cuda", "rocm"), "mps": ("mps",), "cpu": ("cpu",)}.get(trainer.device.type, ())
@@ -711,8 +714,8 @@ class _ProgressView:
     def __exit__(self, *exc):
         return self.progress.__exit__(*exc)
 
-    def _print(self, text: str) -> None:
-        (self.progress.console if self.live else self.console).print(text, soft_wrap=True)
+    def _print(self, text: str) -> None:  # on a terminal, wrapped at its width; on a pipe, one line each
+        (self.progress.console if self.live else self.console).print(text, soft_wrap=not self.live)
 
     def _clock(self) -> tuple[float | None, float | None]:
         """(elapsed, limit) in seconds for a time-limited run; (None, None) otherwise."""
@@ -806,7 +809,8 @@ def _print_summary(trainer, summary, sample) -> None:
     if summary.last_eval:
         e = summary.last_eval
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.get("eval_loss_by_source", {}).items() if v is not None)
-        out.print(f"  held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:,.1f}" + (f" ({per})" if per else ""))
+        print_hanging(out, "  ", f"held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:,.1f}"
+                      + (f" ({per})" if per else ""))
     if steady:
         import statistics
 
@@ -815,18 +819,20 @@ def _print_summary(trainer, summary, sample) -> None:
         tps = statistics.median(l["tokens_per_second"] for l in steady)
         mfu = statistics.median(l["mfu"] for l in steady)
         if meas:
-            out.print(f"  memory: measured peak {format_bytes(meas)}, predicted {format_bytes(pred['peak_reserved'])} "
-                      f"({(pred['peak_reserved'] - meas) / meas:+.1%}); measured by {trainer.monitor.source}")
+            print_hanging(out, "  memory: ", f"measured peak {format_bytes(meas)}, predicted "
+                          f"{format_bytes(pred['peak_reserved'])} ({(pred['peak_reserved'] - meas) / meas:+.1%}); "
+                          f"measured by {trainer.monitor.source}")
             if trainer.device.type == "cpu" and trainer.baseline_bytes:
                 context = trainer.profile.runtime_context_bytes
-                out.print(f"    (this process held {format_bytes(trainer.baseline_bytes)} before the model existed; "
-                          f"the {trainer.profile.name} profile's runtime context is {format_bytes(context)})")
-        out.print(f"  throughput: {tps:,.0f} tokens/s (median), predicted {pred['tokens_per_second']:,.0f}; "
-                  f"MFU {mfu:.1%}")
+                print_hanging(out, "    ", f"(this process held {format_bytes(trainer.baseline_bytes)} before the "
+                              f"model existed; the {trainer.profile.name} profile's runtime context is "
+                              f"{format_bytes(context)})")
+        print_hanging(out, "  throughput: ", f"{tps:,.0f} tokens/s (median), predicted "
+                      f"{pred['tokens_per_second']:,.0f}; MFU {mfu:.1%}")
     if summary.checkpoint:
-        out.print(f"  checkpoint: {summary.checkpoint}")
+        print_hanging(out, "  checkpoint: ", str(summary.checkpoint))
     if summary.report:
-        out.print(f"  report: {summary.report}")
+        print_hanging(out, "  report: ", str(summary.report))
     if sample is not None:
         out.print("[bold]Sample[/] (top-k 40, temperature 0.8):")
         out.print(printable(f"{sample[0]}{sample[1]}"), markup=False)
