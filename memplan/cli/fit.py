@@ -87,3 +87,15 @@ def print_hanging(console, label: str, text: str) -> None:
     grid.add_column()
     grid.add_row(label, text)
     console.print(grid)
+
+
+def print_fitted(console, table) -> None:
+    """Print ``table``; where its rows would wrap at this width, first without its vertical borders (the
+    columns then need one space between them, not three), which leaves a table's text as it is."""
+    if not fits(console, table):
+        from rich import box
+
+        table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
+        table.padding = (0, 1)
+        table.collapse_padding = True
+    console.print(table)
