@@ -106,3 +106,110 @@ def test_a_time_limited_run_before_its_decay_has_the_time_left_as_its_eta():
     # once the decay has fixed the total: the steps left at the recent step time, capped by the time left
     assert eta(156, fixed=True, elapsed=170.0) == pytest.approx(2.5)
     assert eta(100, fixed=True, elapsed=170.0) == pytest.approx(10.0, abs=1e-9)
+
+
+# ---- the commands at 80 columns ------------------------------------------------------------------------
+
+WIDTH = 80
+CUT = re.compile(r"\S…")  # rich's mark of a cell cut short (an intended "…" follows a space: "1, 2, … 256")
+TIME = r"[\d.,]+ (?:s|ms|µs)"
+BYTES = r"[\d.,]+ (?:B|KiB|MiB|GiB|TiB)"
+
+
+def _at_80(memplan_cli, *args: str) -> list[str]:
+    """The lines `memplan ARGS` prints with COLUMNS=80 (through a pipe, as a terminal of 80 columns would get
+    them), checked to fit: none longer than 80 characters, none with a cell cut short."""
+    result = memplan_cli(*args, env={"COLUMNS": str(WIDTH)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines
+    for line in lines:
+        assert len(line) <= WIDTH, f"{len(line)} columns: {line!r}"
+        assert not CUT.search(line), f"a cell cut short: {line!r}"
+    return lines
+
+
+def _line_with(lines: list[str], pattern: str) -> str:
+    found = [l for l in lines if re.search(pattern, l)]
+    assert found, f"no line matches {pattern!r}:\n" + "\n".join(lines)
+    return found[0]
+
+
+@pytest.mark.parametrize("args", [
+    ("--params", "1b", "--ctx", "8k", "--device", "strix-halo"),
+    ("--params", "7b", "--ctx", "4k", "--device", "h100-sxm", "--world-size", "8", "--sharding", "fsdp", "--tokens", "1b"),
+])
+def test_estimate_fits_80_columns_with_each_row_on_one_line(memplan_cli, args):
+    lines = _at_80(memplan_cli, "estimate", *args)
+    for term in ("weights", "optimizer", "activations", "runtime", "peak reserved"):  # the memory table
+        _line_with(lines, rf"^│ {term} +│ +{BYTES} │")
+    for term in ("forward", "backward", "attention", "loss", "optimizer"):  # the step-time table
+        row = _line_with(lines, rf"^│ {term} +│ +{TIME} │")
+        assert re.search(rf"│ +\d+% │ (compute|mem)", row), row
+    assert re.search(rf"│ step +│ +{TIME} │ +100% │", "\n".join(lines))
+    # what the narrow table leaves out is under it, one line per term
+    assert _line_with(lines, r"^backward +their gradients")
+    assert _line_with(lines, r"^mem +memory bandwidth")
+
+
+def test_estimate_inference_fits_80_columns(memplan_cli):
+    lines = _at_80(memplan_cli, "estimate", "--mode", "inference", "--params", "1b", "--ctx", "8k", "--device", "rtx-4090")
+    for term in ("weights", "kv cache", "activations", "logits", "runtime", "peak reserved"):
+        _line_with(lines, rf"^│ {term} +│ +{BYTES} │")
+
+
+def test_profiles_fit_80_columns_with_each_device_on_one_line(memplan_cli):
+    from memplan.hardware import profile_names
+
+    lines = _at_80(memplan_cli, "profiles")
+    for name in profile_names():
+        row = _line_with(lines, rf"^│ {re.escape(name)} +│")
+        assert re.search(r"│ +[\d.]+ / [\d.]+ │ +[\d,]+ │ +(fp32|tf32|bf16|fp16) [\d,.]+ │$", row), row
+        _line_with(lines, rf"^{re.escape(name)} +\S")  # its title, under the table
+    assert _line_with(lines, r"^files: .*NAME\.toml$")
+
+
+def test_profiles_keep_the_wide_table_where_it_fits(memplan_cli):
+    result = memplan_cli("profiles", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"│ strix-halo +│ AMD Ryzen AI Max\+ 395 / Radeon 8060S \(Strix Halo, 128 GB\) +│ rocm +│",
+                     result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("--params", "22m", "--ctx", "512", "--device", "rtx-4090"),
+    ("--params", "350m", "--ctx", "1k", "--device", "h100-sxm", "--world-size", "8"),
+])
+def test_autotune_fits_80_columns_with_each_configuration_on_one_line(memplan_cli, args):
+    lines = _at_80(memplan_cli, "autotune", *args)
+    ranked = [l for l in lines if re.match(r"^(→|\d) +\d+×\d+ ", l)]
+    assert len(ranked) == 8, "\n".join(lines)  # --top 8 rows, each on one line with its numbers
+    for row in ranked:
+        assert re.search(r" [\d.]+(?: GiB)? +[\d,]+ +(plan|[+-][\d.]+%)$", row), row
+    rejected = [l for l in lines if re.match(r"^ *\d+×\d+ ", l)]
+    assert rejected and all(re.search(r"\+[\d.]+(?: GiB)? +[\d,]+$", l) for l in rejected), "\n".join(rejected)
+
+
+def test_sweep_fits_80_columns_splitting_a_wide_grid(memplan_cli):
+    batches = (1, 2, 4, 8, 16, 32, 64, 128)
+    lines = _at_80(memplan_cli, "sweep", "--params", "124m", "--ctx", "1k,2k", "--batch", ",".join(map(str, batches)),
+                   "--checkpointing", "none,full", "--device", "rtx-4090", "--tokens", "1b")
+    text = "\n".join(lines)
+    for b in batches:  # every column header whole, once per variant
+        assert len(re.findall(rf"┃ batch {b} ┃", text)) == 2, text
+    # each context's first line holds a memory figure for every micro-batch of that part of the grid
+    for line in lines:
+        if re.match(r"^│ +[12]k │", line):
+            cells = line.strip("│").split("│")[1:]
+            assert all(re.search(r"\d", c) for c in cells), line
+
+
+def test_every_command_has_its_help_line_at_80_columns(memplan_cli):
+    from memplan.cli import app
+
+    lines = _at_80(memplan_cli, "--help")
+    names = [info.name for info in app.registered_commands]
+    assert "profiles" in names and len(names) >= 13
+    for name in names:
+        row = _line_with(lines, rf"^│ {name} ")
+        assert re.search(rf"^│ {name} +\w.*│$", row), f"{name} has no help line: {row!r}"
