@@ -145,7 +145,7 @@ def test_estimate_fits_80_columns_with_each_row_on_one_line(memplan_cli, args):
         _line_with(lines, rf"^│ {term} +│ +{BYTES} │")
     for term in ("forward", "backward", "attention", "loss", "optimizer"):  # the step-time table
         row = _line_with(lines, rf"^│ {term} +│ +{TIME} │")
-        assert re.search(rf"│ +\d+% │ (compute|mem)", row), row
+        assert re.search(r"│ +\d+% │ (compute|mem)", row), row
     assert re.search(rf"│ step +│ +{TIME} │ +100% │", "\n".join(lines))
     # what the narrow table leaves out is under it, one line per term
     assert _line_with(lines, r"^backward +their gradients")
