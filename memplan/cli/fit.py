@@ -89,13 +89,16 @@ def print_hanging(console, label: str, text: str) -> None:
     console.print(grid)
 
 
-def print_fitted(console, table) -> None:
-    """Print ``table``; where its rows would wrap at this width, first without its vertical borders (the
-    columns then need one space between them, not three), which leaves a table's text as it is."""
-    if not fits(console, table):
+def print_fitted(console, table, borderless: bool = False) -> bool:
+    """Print ``table``; where its rows would wrap at this width (or ``borderless``), without its vertical
+    borders (the columns then need one space between them, not three), which leaves a table's text as it
+    is. Returns whether it went borderless (to print the tables that follow it alike)."""
+    borderless = borderless or not fits(console, table)
+    if borderless:
         from rich import box
 
         table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
         table.padding = (0, 1)
         table.collapse_padding = True
     console.print(table)
+    return borderless

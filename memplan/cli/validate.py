@@ -243,8 +243,8 @@ def print_inference_tables(console, rows, device_name: str) -> None:
     if fits(console, table):
         console.print(table)
         return
-    print_fitted(console, table_of(memory, f"Generation peaks: predicted vs measured on {device_name}"))
-    print_fitted(console, table_of(timing, "Decode step: measured and the bandwidth roofline"))
+    borderless = print_fitted(console, table_of(memory, f"Generation peaks: predicted vs measured on {device_name}"))
+    print_fitted(console, table_of(timing, "Decode step: measured and the bandwidth roofline"), borderless)
 
 
 def inference_page(device_name: str, rows):
