@@ -213,3 +213,40 @@ def test_every_command_has_its_help_line_at_80_columns(memplan_cli):
     for name in names:
         row = _line_with(lines, rf"^│ {name} ")
         assert re.search(rf"^│ {name} +\w.*│$", row), f"{name} has no help line: {row!r}"
+
+
+def _lines_at_80(print_fn, *args) -> list[str]:
+    out = io.StringIO()
+    print_fn(Console(file=out, width=WIDTH, color_system=None), *args)
+    lines = [line.rstrip() for line in out.getvalue().splitlines()]
+    for line in lines:
+        assert len(line) <= WIDTH and not CUT.search(line), line
+    return lines
+
+
+def test_validate_tables_fit_80_columns_with_every_bundled_config_on_one_line():
+    from memplan.cli.validate import print_inference_tables, print_validation_table
+    from memplan.validate import InferenceRow, ValidationRow, load_inference_matrix, load_matrix, matrix_names
+
+    # every bundled config's name, with the longest peak moments the memory walk names (memplan/memory.py)
+    names = sorted({c.name for m in matrix_names() for c in load_matrix(m)})
+    moments = ["backward: last block's all-gather (prefetch)", "backward: recomputing the last block", "backward: loss",
+               "optimizer step"]
+    rows = [ValidationRow(name=n, spec=None, setup=None, predicted_allocated=123_456_789 * (i + 1),
+                          measured_allocated=120_000_000 * (i + 1), trace_allocated=None if i % 3 else 121_000_000 * (i + 1),
+                          peak_moment=moments[i % len(moments)]) for i, n in enumerate(names)]
+    lines = _lines_at_80(print_validation_table, rows, "cpu, each rank of 2 gloo processes")
+    for r in rows:
+        row = _line_with(lines, rf"^{re.escape(r.name)} +{BYTES} +{BYTES} +[+-][\d.]+% +(-|[+-][\d.]+%) +[a-d]$")
+        assert row
+    for key, moment in zip("abcd", moments):  # the legend under the table
+        _line_with(lines, rf"^{key}: +{re.escape(moment)}")
+
+    inference = [InferenceRow(name=c.name, spec=None, setup=None, predicted_prefill=123_456_789,
+                              measured_prefill=120_000_000, predicted_decode=23_456_789, measured_decode=23_000_000,
+                              decode_step_seconds=0.0123, roofline_step_seconds=0.00456)
+                 for c in load_inference_matrix("default")]
+    lines = _lines_at_80(print_inference_tables, inference, "cpu")
+    for r in inference:
+        _line_with(lines, rf"^{re.escape(r.name)} +{BYTES} +[+-][\d.]+% +{BYTES} +[+-][\d.]+%$")
+        _line_with(lines, rf"^{re.escape(r.name)} +{TIME} +{TIME}$")
