@@ -791,9 +791,16 @@ class Trainer:
                     "total_steps": self.schedule.total_steps, "seconds_left": budget - elapsed,
                     "step_seconds": per_step})
 
+    @property
+    def elapsed_seconds(self) -> float:
+        """Wall-clock seconds since this invocation started training (what --max-minutes counts)."""
+        return time.perf_counter() - self._started
+
     def _eta(self) -> float:
         """Seconds left: steps to the nearest step or token limit (else the schedule's end) at the median
-        recent step time, or the time left when a time limit comes first."""
+        recent step time, or the time left when a time limit comes first. A time-limited run whose length is
+        not fixed yet (wsd before its decay) runs until its time is up: its ETA is the time left (its
+        ``total_steps`` is only the probe steps' estimate, which the run may pass)."""
         c = self.config
         steps_left = self.schedule.total_steps - self.step
         if c.max_steps is not None:
@@ -802,7 +809,8 @@ class Trainer:
             steps_left = min(steps_left, math.ceil((c.max_tokens - self.tokens) / self.setup.tokens_per_step))
         eta = max(0, steps_left) * statistics.median(self._recent)
         if c.max_minutes is not None:
-            eta = min(eta, max(0.0, c.max_minutes * 60.0 - (time.perf_counter() - self._started)))
+            left = max(0.0, c.max_minutes * 60.0 - self.elapsed_seconds)
+            eta = min(eta, left) if self.schedule.fixed else left
         return eta
 
     def _run_step(self, step: int):

@@ -82,6 +82,9 @@ from memplan.cli import sweep  # noqa: E402,F401
 from memplan.cli import trace  # noqa: E402,F401
 from memplan.cli import train  # noqa: E402,F401
 from memplan.cli import validate  # noqa: E402,F401
+from memplan.cli.fit import tidy_help  # noqa: E402
+
+tidy_help(app)  # help lines on one line each, whatever the docstrings' line breaks
 
 
 def main() -> None:

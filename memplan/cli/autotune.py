@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.fit import fits, print_fields
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
                                  KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, TiedOpt, VocabOpt, device_from, model_from,
                                  print_json)
 from memplan.errors import InputError
-from memplan.units import format_bytes, format_count, format_seconds, parse_count, parse_size
+from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count, parse_size
 
 _A = "Autotune"
 GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
@@ -98,16 +99,16 @@ def print_result(result, top: int) -> None:
 
     console = Console()
     spec, device = result.model, result.device
-    console.print(f"[bold]Model[/]  {escape(spec.name or 'custom')}: {escape(spec.describe())}  "
-                  f"({spec.params:,} parameters)")
-    console.print(f"[bold]Device[/] {escape(device.name)} ({escape(device.title)}): "
-                  f"{format_bytes(device.usable_bytes)} usable")
-    console.print(f"[bold]Budget[/] {format_bytes(result.budget_bytes)}: the predicted peak must stay under "
-                  f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})")
     exact = "" if result.exact_global_batch else f" [yellow](asked {result.requested_global_batch_tokens:,})[/]"
-    console.print(f"[bold]Global batch[/] {result.global_batch_tokens:,} tokens = {result.global_batch_sequences} "
-                  f"sequences of {result.ctx}" + (f" over {result.world_size} processes" if result.world_size > 1
-                                                  else "") + exact)
+    print_fields(console, [
+        ("Model", f"{escape(spec.name or 'custom')}: {escape(spec.describe())}  ({spec.params:,} parameters)"),
+        ("Device", f"{escape(device.name)} ({escape(device.title)}): {format_bytes(device.usable_bytes)} usable"),
+        ("Budget", f"{format_bytes(result.budget_bytes)}: the predicted peak must stay under "
+                   f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})"),
+        ("Global batch", f"{result.global_batch_tokens:,} tokens = {result.global_batch_sequences} sequences of "
+                         f"{result.ctx}" + (f" over {result.world_size} processes" if result.world_size > 1 else "")
+                         + exact),
+    ])
     space = result.space
     console.print(f"[dim]Searched micro-batches {_short(space['micro_batch'])} × checkpointing "
                   f"{'/'.join(space['checkpointing'])} × attention {'/'.join(space['attention'])} × precision "
@@ -117,28 +118,10 @@ def print_result(result, top: int) -> None:
 
     fitting = _merged([c for c in result.candidates if c.fits])
     rejected = _merged([c for c in result.candidates if not c.fits])
-    if fitting:
-        table = _table("Fastest fitting micro-batch of each configuration",
-                       [("", "right"), ("batch", "right"), ("ckpt", "left"), ("attn", "left"), ("precision", "left"),
-                        ("adamw", "left"), ("peak", "right"), ("tokens/s", "right"), ("vs plan", "right")])
-        best = fitting[0][0].tokens_per_second
-        for i, (c, opts) in enumerate(fitting[:top]):
-            table.add_row("[green]→[/]" if i == 0 else str(i + 1), *_cells(c, opts), format_bytes(c.peak_reserved),
-                          f"{c.tokens_per_second:,.0f}",
-                          "plan" if i == 0 else f"{c.tokens_per_second / best - 1:+.1%}")
-        if len(fitting) > top:
-            table.caption = f"{len(fitting) - top} more fit (--top N, or --json for all)"
-        console.print(table)
-    if rejected:
-        table = _table("Rejected: the next micro-batch up of each configuration does not fit",
-                       [("batch", "right"), ("ckpt", "left"), ("attn", "left"), ("precision", "left"),
-                        ("adamw", "left"), ("peak", "right"), ("over", "right"), ("tokens/s", "right")])
-        for c, opts in rejected[:top]:
-            table.add_row(*_cells(c, opts), format_bytes(c.peak_reserved),
-                          f"[red]+{format_bytes(c.peak_reserved - result.limit_bytes)}[/]",
-                          f"{c.tokens_per_second:,.0f}")
-        if len(rejected) > top:
-            table.caption = f"{len(rejected) - top} more (--top N, or --json for all)"
+    tables = _result_tables(result, fitting, rejected, top, compact=False)
+    if not all(fits(console, t) for t in tables):  # a narrow terminal: the bytes as plain GiB numbers
+        tables = _result_tables(result, fitting, rejected, top, compact=True)
+    for table in tables:
         console.print(table)
 
     chosen = result.chosen
@@ -161,6 +144,41 @@ def print_result(result, top: int) -> None:
             console.print(f"  • {escape(line)}")
     for note in result.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
+
+
+def _result_tables(result, fitting, rejected, top: int, compact: bool) -> list:
+    """The fitting and the rejected configurations' tables; ``compact`` (for a narrow terminal) prints the
+    peak and the excess as numbers of GiB under a "GiB" header instead of with their unit in every cell, and
+    two-line headers."""
+    def size(n: float) -> str:
+        return f"{n / GiB:.2f}" if compact else format_bytes(n)
+
+    peak, over, versus = ("peak\nGiB", "over\nGiB", "vs\nplan") if compact else ("peak", "over", "vs plan")
+    tables = []
+    if fitting:
+        table = _table("Fastest fitting micro-batch of each configuration",
+                       [("", "right"), ("batch", "right"), ("ckpt", "left"), ("attn", "left"), ("precision", "left"),
+                        ("adamw", "left"), (peak, "right"), ("tokens/s", "right"), (versus, "right")])
+        best = fitting[0][0].tokens_per_second
+        for i, (c, opts) in enumerate(fitting[:top]):
+            table.add_row("[green]→[/]" if i == 0 else str(i + 1), *_cells(c, opts), size(c.peak_reserved),
+                          f"{c.tokens_per_second:,.0f}",
+                          "plan" if i == 0 else f"{c.tokens_per_second / best - 1:+.1%}")
+        if len(fitting) > top:
+            table.caption = f"{len(fitting) - top} more fit (--top N, or --json for all)"
+        tables.append(table)
+    if rejected:
+        table = _table("Rejected: the next micro-batch up of each configuration does not fit",
+                       [("batch", "right"), ("ckpt", "left"), ("attn", "left"), ("precision", "left"),
+                        ("adamw", "left"), (peak, "right"), (over, "right"), ("tokens/s", "right")])
+        for c, opts in rejected[:top]:
+            table.add_row(*_cells(c, opts), size(c.peak_reserved),
+                          f"[red]+{size(c.peak_reserved - result.limit_bytes)}[/]",
+                          f"{c.tokens_per_second:,.0f}")
+        if len(rejected) > top:
+            table.caption = f"{len(rejected) - top} more (--top N, or --json for all)"
+        tables.append(table)
+    return tables
 
 
 def _short(values: list[int]) -> str:

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.fit import print_fitted
 from memplan.cli.options import JsonOpt, print_json
 from memplan.errors import InputError
 
@@ -100,8 +101,8 @@ def _print_summary(console, device, cal, out: Path) -> None:
         t.add_row(f"optimizer {name}", f"{per_param * 1e9:,.2f} ns/param", f"+ {per_tensor * 1e6:,.1f} µs/tensor")
     t.add_row("memory", format_bytes(cal.memory_total_bytes), f"{format_bytes(cal.memory_usable_bytes)} usable")
     t.add_row("threads", str(cal.threads), f"clock: {cal.clock}")
-    t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings")
-    console.print(t)
+    t.add_row("noise", f"{cal.noise:.0%}", "spread of repeated timings: IQR / median")
+    print_fitted(console, t)  # (memplan/cli/fit.py: borderless where the rows would wrap)
     if cal.noise > NOISY:
         console.print(f"[yellow]note[/]: repeated timings spread by {cal.noise:.0%} (IQR / median): other processes "
                       "are competing for the device. On a shared CPU, `--threads 1 --clock cpu` times by CPU time "

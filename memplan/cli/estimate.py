@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.fit import print_described, print_fields
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
@@ -62,41 +63,46 @@ def print_estimate(est) -> None:
 
     console = Console()
     spec, setup, device, mem, t = est.model, est.setup, est.device, est.memory, est.time
-    console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
-    if spec.source:
-        console.print(f"        shape from {spec.source}")
-    console.print(f"[bold]Setup[/]  ctx {setup.ctx}, micro-batch {setup.micro_batch} × {setup.grad_accum} accumulation, "
+    print_fields(console, [
+        ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
+        *([("", f"shape from {spec.source}")] if spec.source else []),
+        ("Setup", f"ctx {setup.ctx}, micro-batch {setup.micro_batch} × {setup.grad_accum} accumulation, "
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
-                  + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else ""))
-    console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
-                  f"{format_bytes(device.usable_bytes)} usable")
+                  + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")),
+        ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
+                   f"{format_bytes(device.usable_bytes)} usable"),
+    ])
 
     for note in t.notes:  # what the step-time model assumed (memplan/timing.py): e.g. an fp32 fallback
         console.print(f"[yellow]note[/]: {note}")
-    table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
-    table.add_column("term")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("what it holds", style="dim")
     helps = {**_TERM_HELP, **(_SHARDED_HELP.get(setup.sharding, {}))}
-    for key in ("weights", "gradients", "optimizer", "activations", "logits", "temporaries", "runtime"):
-        value = getattr(mem, key)
-        table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", helps[key])
-    table.add_section()
-    table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors")
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
-    table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]", "",
-                  f"{verdict} in {format_bytes(device.usable_bytes)}")
-    console.print(table)
+
+    def memory_table(described: bool):
+        table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
+        table.add_column("term", no_wrap=True)
+        table.add_column("bytes", justify="right", no_wrap=True)
+        table.add_column("share", justify="right", no_wrap=True)
+        table.add_column("what it holds" if described else "", style="dim", no_wrap=not described)
+        for key in ("weights", "gradients", "optimizer", "activations", "logits", "temporaries", "runtime"):
+            value = getattr(mem, key)
+            table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", helps[key] if described else "")
+        table.add_section()
+        table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors" if described else "")
+        table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]", "",
+                      f"{verdict} in {format_bytes(device.usable_bytes)}")
+        return table, [(k, helps[k]) for k in helps] + [("peak allocated", "live tensors")]
+
+    print_described(console, memory_table)
     if est.max_micro_batch:
         console.print(f"Largest micro-batch that fits: [bold]{est.max_micro_batch}[/]")
     else:
         console.print("[red]No micro-batch fits[/]: try checkpointing, a shorter context, or `memplan autotune`.")
 
-    from memplan.cli.time_table import time_table
+    from memplan.cli.time_table import print_time_table
 
-    console.print(time_table(t))
+    print_time_table(console, t)
     line = (f"{format_count(t.flops_per_step)}FLOP per step, {t.tokens_per_second:,.0f} tokens/s, "
             f"MFU {t.mfu:.0%}")
     c = t.communication
@@ -113,7 +119,7 @@ def print_estimate(est) -> None:
 _INFERENCE_HELP = {
     "weights": "parameters in the weights' dtype",
     "kv_cache": "K and V of every layer, whole context",
-    "activations": "one forward's working tensors, token ids",
+    "activations": "one forward's tensors, token ids",
     "logits": "last position's fp32 logits, sampling",
     "runtime": "context + allocator reserve",
 }
@@ -125,27 +131,33 @@ def print_inference(est) -> None:
 
     console = Console()
     spec, s, device, mem, t = est.model, est.setup, est.device, est.memory, est.time
-    console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
-    console.print(f"[bold]Run[/]    cache {s.ctx} tokens, prompt {s.prompt_tokens}, batch {s.batch}, weights "
-                  f"{s.weights_dtype}, KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}")
-    console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
-                  f"{format_bytes(device.usable_bytes)} usable")
-    table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
-    table.add_column("term")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("what it holds", style="dim")
-    for key in ("weights", "kv_cache", "activations", "logits", "runtime"):
-        value = getattr(mem, key)
-        table.add_row(key.replace("_", " "), format_bytes(value), f"{value / mem.peak_reserved:.0%}",
-                      _INFERENCE_HELP[key])
-    table.add_section()
-    table.add_row("prefill peak", format_bytes(mem.prefill_peak_allocated), "", f"live tensors, at {mem.prefill_moment}")
-    table.add_row("decode peak", format_bytes(mem.decode_peak_allocated), "", f"live tensors, at {mem.decode_moment}")
+    print_fields(console, [
+        ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
+        ("Run", f"cache {s.ctx} tokens, prompt {s.prompt_tokens}, batch {s.batch}, weights {s.weights_dtype}, "
+                f"KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}"),
+        ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
+                   f"{format_bytes(device.usable_bytes)} usable"),
+    ])
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
-    table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]", "",
-                  f"{verdict} in {format_bytes(device.usable_bytes)}")
-    console.print(table)
+
+    def memory_table(described: bool):
+        table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
+        table.add_column("term", no_wrap=True)
+        table.add_column("bytes", justify="right", no_wrap=True)
+        table.add_column("share", justify="right", no_wrap=True)
+        table.add_column("what it holds", style="dim", no_wrap=not described)
+        for key in ("weights", "kv_cache", "activations", "logits", "runtime"):
+            value = getattr(mem, key)
+            table.add_row(key.replace("_", " "), format_bytes(value), f"{value / mem.peak_reserved:.0%}",
+                          _INFERENCE_HELP[key] if described else "")
+        table.add_section()
+        table.add_row("prefill peak", format_bytes(mem.prefill_peak_allocated), "", f"live tensors, at {mem.prefill_moment}")
+        table.add_row("decode peak", format_bytes(mem.decode_peak_allocated), "", f"live tensors, at {mem.decode_moment}")
+        table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]", "",
+                      f"{verdict} in {format_bytes(device.usable_bytes)}")
+        return table, [(k.replace("_", " "), v) for k, v in _INFERENCE_HELP.items()]
+
+    print_described(console, memory_table)
     console.print(f"Largest context at batch {s.batch}: [bold]{est.max_ctx:,}[/] tokens; largest batch at context "
                   f"{s.ctx}: [bold]{est.max_batch:,}[/]")
     console.print(f"Prefill: {format_seconds(t.prefill_seconds)} for {s.batch * s.prompt_tokens:,} tokens "

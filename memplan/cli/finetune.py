@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.fit import print_fields
 from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, OptimizerOpt,
                                  device_from)
 from memplan.errors import InputError
@@ -145,13 +146,15 @@ def finetune_command(
                              seed=seed)
         trainer = FinetuneTrainer.start(out_dir, plan, sft, config, profile)
         s = sft.stats
-        console.print(f"[bold]Data[/]   {s['examples']} examples ({s['train_examples']} train, {s['val_examples']} "
-                      f"held out), {s['train_rows']} {sft.packing} rows of {ctx_n} tokens, {s['response_tokens']:,} "
-                      f"response tokens trained" + (f"; {s['truncated']} cut to --ctx" if s["truncated"] else "")
-                      + (f"; {s['dropped']} dropped (no response left)" if s["dropped"] else ""))
         what = (f"LoRA rank {lora_rank} (alpha {lora_alpha:g}) on {targets}" if lora_rank else "every weight")
-        console.print(f"[bold]Tuning[/] {what}; predicted peak {format_bytes(predicted.peak_reserved)} of "
-                      f"{format_bytes(profile.usable_bytes)}")
+        print_fields(console, [  # (memplan/cli/fit.py: wrapped lines indented under their text)
+            ("Data", f"{s['examples']} examples ({s['train_examples']} train, {s['val_examples']} held out), "
+                     f"{s['train_rows']} {sft.packing} rows of {ctx_n} tokens, {s['response_tokens']:,} response "
+                     f"tokens trained" + (f"; {s['truncated']} cut to --ctx" if s["truncated"] else "")
+                     + (f"; {s['dropped']} dropped (no response left)" if s["dropped"] else "")),
+            ("Tuning", f"{what}; predicted peak {format_bytes(predicted.peak_reserved)} of "
+                       f"{format_bytes(profile.usable_bytes)}"),
+        ])
     from memplan.cli.train import run_trainer
 
     run_trainer(console, trainer, out_dir, what="finetuning")

@@ -111,7 +111,7 @@ def generate_command(
             + ("; stopped at end-of-text" if stats.stopped == "eot" else "")
             + (f"; the window of {window} tokens was full {stats.context_shifts}× (its newest half kept)"
                if stats.context_shifts else ""))
-    err.print(line, soft_wrap=True)
+    err.print(line, soft_wrap=not err.is_terminal)  # a terminal wraps it at its width; a log keeps one line
     if stats.repetition > LOOP_WARNING:
         err.print("[yellow]note[/]: the output repeats itself; try sampling (drop --greedy), "
-                  "--repetition-penalty 1.2, or a longer-trained model", soft_wrap=True)
+                  "--repetition-penalty 1.2, or a longer-trained model", soft_wrap=not err.is_terminal)

@@ -122,6 +122,7 @@ def _print_summary(result, config, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from memplan.cli.fit import fits
     from memplan.units import format_count
 
     m = result.manifest
@@ -130,20 +131,29 @@ def _print_summary(result, config, seconds: float) -> None:
             for s in result.stats]
     rows.append(["total", *(sum(r[i] for r in rows) for i in range(1, len(headers)))])
     cells = [[r[0], *(f"{v:,}" for v in r[1:])] for r in rows]
-    table = Table(title=f"Prepared corpus in {result.out}",
-                  caption="docs and chars: kept documents and their characters; tokens: all, one end-of-text "
-                          "per document included; val: tokens held out; dups and filtered: documents dropped "
-                          "(stats.json has the details)")
-    for i, name in enumerate(headers):  # never squeeze a number: columns are as wide as their widest cell
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True,
-                         min_width=max(len(c[i]) for c in cells))
-    for c in cells:
-        table.add_row(*c, style="bold" if c is cells[-1] else None)
+    caption = ("docs and chars: kept documents and their characters; tokens: all, one end-of-text per document "
+               "included; val: tokens held out; dups and filtered: documents dropped (stats.json has the details)")
+
+    def table_of(columns, title, caption):
+        table = Table(title=title, caption=caption, caption_justify="left", title_justify="left")
+        for i in columns:  # never squeeze a number: columns are as wide as their widest cell
+            table.add_column(headers[i], justify="left" if i == 0 else "right", no_wrap=True,
+                             min_width=max(len(c[i]) for c in cells))
+        for c in cells:
+            table.add_row(*(c[i] for i in columns), style="bold" if c is cells[-1] else None)
+        return table
+
     out = Console(highlight=False)
     width = sum(max(len(h), max(len(c[i]) for c in cells)) + 3 for i, h in enumerate(headers)) + 1
     if out.width < width and not out.is_terminal:
         out = Console(width=width, highlight=False)  # piped: print the whole table rather than cut numbers
-    out.print(table)
+    title = f"Prepared corpus in {result.out}"
+    table = table_of(range(len(headers)), title, caption)
+    if fits(out, table):
+        out.print(table)
+    else:  # a narrow terminal: the kept and the dropped in two tables, each number whole
+        out.print(table_of((0, 1, 2, 3, 4), title, None))
+        out.print(table_of((0, 5, 6), None, caption))
     tok, t = m["tokenizer"], result.seconds
     n_shards = len(m["train"]["shards"]) + len(m["val"]["shards"])
     tokens = rows[-1][3]

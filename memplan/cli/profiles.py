@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from memplan.cli import app
+from memplan.cli.fit import fits
 from memplan.cli.options import JsonOpt, print_json
 from memplan.hardware import Device, all_profiles
 from memplan.units import GiB
@@ -61,29 +62,58 @@ def _short_path(path: str) -> str:
         return path
 
 
-@app.command("profiles")
-def profiles(as_json: JsonOpt = False) -> None:
-    from rich.console import Console
+def _profiles_table(devices, with_title: bool):
+    """The profiles table; without the title column (for a narrow terminal), the titles go under it."""
     from rich.table import Table
 
-    """List the bundled device profiles: memory, bandwidth, and the fastest native dtype."""
-    devices = all_profiles()
-    if as_json:
-        print_json([profile_json(d) for d in devices])
-        return
-    table = Table(title="Device profiles (GiB = 2^30 bytes; cpu shows this host's RAM)")
+    table = Table(title="Device profiles (GiB = 2^30 bytes; cpu shows this host's RAM)", title_justify="left")
     table.add_column("name", style="bold", no_wrap=True)
-    table.add_column("title")
+    if with_title:
+        table.add_column("title", no_wrap=True)
     table.add_column("family", no_wrap=True)
     table.add_column("GiB total\n/ usable", justify="right", no_wrap=True)
     table.add_column("GB/s", justify="right", no_wrap=True)
     table.add_column("best native\ndtype TFLOPS", justify="right", no_wrap=True)
-    table.add_column("path", overflow="fold")
     for d in devices:
         dtype, tflops = best_native_dtype(d)
-        table.add_row(d.name, d.title, d.family, f"{d.memory_bytes / GiB:.1f} / {d.usable_bytes / GiB:.1f}",
-                      f"{d.bandwidth_bytes_per_second / 1e9:,.0f}", f"{dtype} {tflops:,.1f}", _short_path(d.path))
-    console = Console()
+        table.add_row(d.name, *([d.title] if with_title else []), d.family,
+                      f"{d.memory_bytes / GiB:.1f} / {d.usable_bytes / GiB:.1f}",
+                      f"{d.bandwidth_bytes_per_second / 1e9:,.0f}", f"{dtype} {tflops:,.1f}")
+    return table
+
+
+def _files_line(devices) -> str:
+    """Where the profiles are read from: one ``DIR/NAME.toml`` line when every file is its name's in one
+    directory (the bundled profiles), else each path."""
+    paths = [Path(_short_path(d.path)) for d in devices]
+    folders = {p.parent for p in paths}
+    if len(folders) == 1 and all(p.name == f"{d.name}.toml" for p, d in zip(paths, devices)):
+        return f"files: {next(iter(folders)) / 'NAME.toml'}"
+    return "files:\n" + "\n".join(f"  {d.name}: {p}" for p, d in zip(paths, devices))
+
+
+@app.command("profiles")
+def profiles(as_json: JsonOpt = False) -> None:
+    """List the bundled device profiles: memory, bandwidth, and the fastest native dtype."""
+    from rich.console import Console
+    from rich.table import Table
+
+    devices = all_profiles()
+    if as_json:
+        print_json([profile_json(d) for d in devices])
+        return
+    console = Console(highlight=False)
     if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(width=160)  # a pipe or a file has no width to fit: keep each row on one line
-    console.print(table)
+        console = Console(width=160, highlight=False)  # a pipe or a file has no width to fit: the wide table
+    table = _profiles_table(devices, with_title=True)
+    if fits(console, table):
+        console.print(table)
+    else:  # a narrow terminal: each row stays on one line, the titles go under the table
+        console.print(_profiles_table(devices, with_title=False))
+        titles = Table.grid(padding=(0, 2))
+        titles.add_column(style="bold", no_wrap=True)
+        titles.add_column()
+        for d in devices:
+            titles.add_row(d.name, d.title)
+        console.print(titles)
+    console.print(_files_line(devices), soft_wrap=True)

@@ -107,26 +107,32 @@ def gib_text(n_bytes: float) -> str:
 def print_sweep(sw) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from memplan.cli.fit import fits, print_fields
 
     console = Console()
     spec, dev = sw.model, sw.device
-    console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
-    console.print(f"[bold]Device[/] {dev.name} ({dev.title}): {format_bytes(dev.memory_bytes)}, "
-                  f"{format_bytes(dev.usable_bytes)} usable")
-    console.print(f"[bold]Setup[/]  {fixed_words(sw)}; {sw.axes.cells} settings, "
-                  f"{len(sw.fitting)} fit")
+    print_fields(console, [
+        ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
+        ("Device", f"{dev.name} ({dev.title}): {format_bytes(dev.memory_bytes)}, {format_bytes(dev.usable_bytes)} usable"),
+        ("Setup", f"{fixed_words(sw)}; {sw.axes.cells} settings, {len(sw.fitting)} fit"),
+    ])
     per_row = len(sw.axes.micro_batch)  # cells are in rows of micro-batches, rows in order of context
     per_variant = len(sw.axes.ctx) * per_row
-    for v, (attention, checkpointing, precision) in enumerate(sw.axes.variants):
-        table = Table(title=variant_words(attention, checkpointing, precision), title_justify="left")
-        table.add_column("ctx", justify="right")
-        for b in sw.axes.micro_batch:
-            table.add_column(f"batch {b}", justify="right")
-        table.add_column("max\nbatch", justify="right")
+
+    def grid(v: int, columns: range, last: bool):
+        """Variant v's table over the micro-batches at ``columns`` (the max-batch column with the last part)."""
+        table = Table()
+        table.add_column("ctx", justify="right", no_wrap=True)
+        for j in columns:
+            table.add_column(f"batch {sw.axes.micro_batch[j]}", justify="right", no_wrap=True)
+        if last:
+            table.add_column("max\nbatch", justify="right", no_wrap=True)
         for first in range(v * per_variant, (v + 1) * per_variant, per_row):
-            row = sw.cells[first:first + per_row]
             texts = []
-            for i, est in enumerate(row, start=first):
+            for i in (first + j for j in columns):
+                est = sw.cells[i]
                 mem = gib_text(est.memory.peak_reserved)
                 if not est.fits:
                     lines = [f"[red]✗ {mem}[/]"]
@@ -136,8 +142,21 @@ def print_sweep(sw) -> None:
                 if sw.tokens is not None and est.fits:
                     lines.append(f"[dim]{format_seconds(est.time.epoch_seconds)}[/]")
                 texts.append("\n".join(lines))
-            table.add_row(format_ctx(row[0].setup.ctx), *texts, str(row[0].max_micro_batch))
-        console.print(table)
+            row = sw.cells[first]
+            table.add_row(format_ctx(row.setup.ctx), *texts, *([str(row.max_micro_batch)] if last else []))
+        return table
+
+    for v, (attention, checkpointing, precision) in enumerate(sw.axes.variants):
+        # as many micro-batch columns per table as the terminal's width holds: a wide grid splits in parts
+        for n in range(1, per_row + 1):  # the fewest parts that fit, of even sizes
+            size = -(-per_row // n)
+            parts = [range(a, min(a + size, per_row)) for a in range(0, per_row, size)]
+            tables = [grid(v, cols, cols.stop == per_row) for cols in parts]
+            if size == 1 or all(fits(console, t) for t in tables):
+                break
+        console.print(Text(variant_words(attention, checkpointing, precision), style="table.title"))
+        for table in tables:
+            console.print(table)
     console.print("Each cell: peak reserved memory in GiB, tokens/s (K = 10³)"
                   + (f", time for {format_count(sw.tokens)} tokens" if sw.tokens is not None else "")
                   + f". [red]✗[/] does not fit in {format_bytes(dev.usable_bytes)} usable on {dev.name}; "

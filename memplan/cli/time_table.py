@@ -31,30 +31,75 @@ def format_term_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
-def time_table(t, title: str = "Time per step"):
+# The narrow table's bound labels (with a legend under it): "bandwidth" is the widest word of the wide one.
+SHORT_BOUND_LABEL = {"compute": "compute", "memory": "mem", "launch": "launch", "none": ""}
+
+
+def _bound_text(term, labels: dict) -> str:
+    bound = labels.get(term.bound, term.bound)
+    if term.compute_seconds > 0 and term.memory_seconds > 0:  # a mix: say how much of each
+        other = labels["memory"] if term.compute_seconds >= term.memory_seconds else labels["compute"]
+        bound += f" ({min(term.compute_seconds, term.memory_seconds) / term.seconds:.0%} {other})"
+    return bound
+
+
+def time_table(t, title: str = "Time per step", *, narrow: bool = False):
     """A rich Table of a TimeBreakdown: every term that takes time, its share of the step, what bounds it
-    (compute, memory bandwidth or op dispatch) and the FLOPs and bytes it moves."""
+    (compute, memory bandwidth or op dispatch) and the FLOPs and bytes it moves.
+
+    ``narrow`` (for an 80-column terminal): no "what it counts" column and "mem" for memory bandwidth;
+    print ``time_table_legend(t)`` under it."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", caption=f"rates: {t.rate_source}", caption_justify="left")
-    table.add_column("term")
-    table.add_column("time", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("bound")
-    table.add_column("FLOPs", justify="right")
-    table.add_column("bytes moved", justify="right")
-    table.add_column("what it counts", style="dim")
+    table = Table(title=title, title_justify="left", caption=None if narrow else f"rates: {t.rate_source}",
+                  caption_justify="left")
+    table.add_column("term", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    table.add_column("bound", no_wrap=True)
+    table.add_column("FLOPs", justify="right", no_wrap=True)
+    table.add_column("bytes moved", justify="right", no_wrap=True)
+    if not narrow:
+        table.add_column("what it counts", style="dim")
+    labels = SHORT_BOUND_LABEL if narrow else BOUND_LABEL
     for name, term in t.terms.items():
         if term.seconds <= 0:
             continue
-        bound = BOUND_LABEL.get(term.bound, term.bound)
-        if term.compute_seconds > 0 and term.memory_seconds > 0:  # a mix: say how much of each
-            bound += f" ({min(term.compute_seconds, term.memory_seconds) / term.seconds:.0%} " \
-                     f"{'bandwidth' if term.compute_seconds >= term.memory_seconds else 'compute'})"
-        table.add_row(name, format_term_seconds(term.seconds), f"{term.seconds / t.step_seconds:.0%}", bound,
-                      format_count(term.flops) if term.flops else "", format_bytes(term.bytes) if term.bytes else "",
-                      TERM_HELP.get(name, ""))
+        table.add_row(name, format_term_seconds(term.seconds), f"{term.seconds / t.step_seconds:.0%}",
+                      _bound_text(term, labels), format_count(term.flops) if term.flops else "",
+                      format_bytes(term.bytes) if term.bytes else "", *([] if narrow else [TERM_HELP.get(name, "")]))
     table.add_section()
     table.add_row("[bold]step[/]", f"[bold]{format_term_seconds(t.step_seconds)}[/]", "100%", "",
-                  format_count(t.flops_per_step), "", f"{t.dispatches:,} aten ops dispatched" if t.dispatches else "")
+                  format_count(t.flops_per_step), "",
+                  *([] if narrow else [f"{t.dispatches:,} aten ops dispatched" if t.dispatches else ""]))
     return table
+
+
+def time_table_legend(t):
+    """What the narrow table leaves out, under it: each term's meaning, "mem", the op count and the rates."""
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(style="dim")
+    for name, term in t.terms.items():
+        if term.seconds > 0:
+            grid.add_row(name, TERM_HELP.get(name, ""))
+    grid.add_row("mem", "memory bandwidth; (N% mem): the other bound's share of the time")
+    if t.dispatches:
+        grid.add_row("step", f"{t.dispatches:,} aten ops dispatched")
+    grid.add_row("rates", t.rate_source)
+    return grid
+
+
+def print_time_table(console, t, title: str = "Time per step") -> None:
+    """The time table at the console's width: wide with its "what it counts" column where that fits on one
+    line per row, else narrow with the legend under it."""
+    from memplan.cli.fit import fits
+
+    table = time_table(t, title)
+    if fits(console, table):
+        console.print(table)
+    else:
+        console.print(time_table(t, title, narrow=True))
+        console.print(time_table_legend(t))

@@ -93,9 +93,12 @@ def trace_command(
     from rich.console import Console
     from rich.table import Table
 
+    from memplan.cli.fit import print_fields
+
     console = Console()
-    console.print(f"[bold]Model[/]  {spec.describe()}   [bold]Setup[/] ctx {setup.ctx}, batch {setup.micro_batch}, "
-                  f"{setup.precision}, {setup.attention}, checkpointing {setup.checkpointing}, {setup.optimizer}")
+    print_fields(console, [("Model", spec.describe()),
+                           ("Setup", f"ctx {setup.ctx}, batch {setup.micro_batch}, {setup.precision}, {setup.attention}, "
+                                     f"checkpointing {setup.checkpointing}, {setup.optimizer}")])
     table = Table(title=f"Traced peak ({traced.method})", title_justify="left")
     table.add_column("category (by when a tensor was made)")
     table.add_column("bytes", justify="right")

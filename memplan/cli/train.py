@@ -20,6 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.fit import print_hanging
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KvHeadsOpt, LayersOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, TiedOpt, VocabOpt, device_from, model_from)
@@ -597,15 +598,17 @@ def _print_plan(trainer, console) -> None:
     p, s = trainer.plan, trainer.plan.setup
     pred = trainer.predicted
     what = "Resuming" if trainer.step else "Training"
-    console.print(f"[bold]{what}[/] {trainer.run_dir}: {p.model.describe()} ({p.model.params:,} parameters)")
+    print_hanging(console, f"[bold]{what}[/] ", f"{trainer.run_dir}: {p.model.describe()} ({p.model.params:,} parameters)")
     ranks = f" × {s.world_size} ranks ({s.sharding.upper()})" if s.world_size > 1 else ""
-    console.print(f"  setup: ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation{ranks} "
+    print_hanging(console, "  setup: ", f"ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation{ranks} "
                   f"({s.tokens_per_step:,} tokens/step), {s.precision}, {s.attention} attention, checkpointing "
                   f"{s.checkpointing}, {s.optimizer}" + (", compiled" if s.compile else ""))
-    console.print(f"  data: {trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, sources "
-                  f"{', '.join(trainer.data.source_names)}); device {trainer.device} ({trainer.profile.name} profile)")
-    console.print(f"  predicted: peak {format_bytes(pred['peak_reserved'])} ({format_bytes(pred['peak_allocated'])} "
-                  f"live tensors), {pred['tokens_per_second']:,.0f} tokens/s, MFU {pred['mfu']:.1%}")
+    print_hanging(console, "  data: ", f"{trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, "
+                  f"sources {', '.join(trainer.data.source_names)}); device {trainer.device} "
+                  f"({trainer.profile.name} profile)")
+    print_hanging(console, "  predicted: ", f"peak {format_bytes(pred['peak_reserved'])} "
+                  f"({format_bytes(pred['peak_allocated'])} live tensors), {pred['tokens_per_second']:,.0f} tokens/s, "
+                  f"MFU {pred['mfu']:.1%}")
     if trainer.step:
         console.print(f"  from step {trainer.step:,} ({format_count(trainer.tokens)} tokens seen)")
     family = {"cuda": ("cuda", "rocm"), "mps": ("mps",), "cpu": ("cpu",)}.get(trainer.device.type, ())
@@ -614,17 +617,93 @@ def _print_plan(trainer, console) -> None:
                       f"{trainer.profile.name} profile ({trainer.profile.family}); measured and predicted will differ")
 
 
+def _clock(seconds: float) -> str:
+    """``1:05`` (minutes:seconds) or ``2:03:05`` (hours:minutes:seconds): elapsed and limit in the live line."""
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def progress_count(step: int, total: int | None, total_fixed: bool, elapsed: float | None = None,
+                   limit: float | None = None) -> str:
+    """The live line's step count: ``step 210/264`` while the total is final and not passed; ``step 178`` when
+    it is only an estimate (a time-limited run before its decay is fixed), never N/M with N > M; a
+    time-limited run adds its clock, ``1:23/3:00`` (elapsed / limit)."""
+    text = f"step {step:,}/{total:,}" if total and total_fixed and step <= total else f"step {step:,}"
+    if limit is not None and elapsed is not None:
+        text += f" {_clock(min(elapsed, limit))}/{_clock(limit)}"
+    return text
+
+
+def progress_fraction(step: int, total: int | None, total_fixed: bool, elapsed: float | None = None,
+                      limit: float | None = None) -> float | None:
+    """How far the run is, 0 to 1, for the bar: steps of a final total, or time of a time limit (the
+    further of the two); None when neither is known."""
+    parts = []
+    if total and total_fixed:
+        parts.append(step / total)
+    if limit:
+        parts.append((elapsed or 0.0) / limit)
+    return min(1.0, max(parts)) if parts else None
+
+
+# The live line's status fields in the order shown, and the order they give way in when the terminal is
+# narrow (the first goes first). The step count is never dropped.
+STATUS_FIELDS = ("loss", "tokens/s", "mfu", "memory", "eta")
+STATUS_DROP_ORDER = ("prediction", "mfu", "memory", "tokens/s", "loss", "eta")
+LIVE_BAR_WIDTHS = (24, 12)
+
+
+def fit_live_line(width: int, count: str, fields: dict[str, str], prediction: str = "") -> tuple[str, int]:
+    """The status text and the bar width that fit ``count``, a bar and the status into ``width`` columns.
+
+    ``fields`` maps STATUS_FIELDS names to their text; ``prediction`` is appended to the memory field
+    (``(pred 1.2 GiB)``). Fields give way in STATUS_DROP_ORDER, after the bar has shrunk to its narrower
+    width; the bar goes (width 0) only when the step count and the ETA alone do not fit beside it.
+    The live view lays out spinner, count, bar and status with one space between each."""
+    width -= 1  # a line as wide as the terminal wraps on some terminals
+
+    def status(dropped) -> str:
+        shown = []
+        for name in STATUS_FIELDS:
+            if name in dropped or not fields.get(name):
+                continue
+            text = fields[name]
+            if name == "memory" and prediction and "prediction" not in dropped:
+                text += f" {prediction}"
+            shown.append(text)
+        return " | ".join(shown)
+
+    def used(text: str, bar: int) -> int:  # spinner, count, bar, status, and the gaps between them
+        return 1 + 1 + len(count) + (1 + bar if bar else 0) + (1 + len(text) if text else 0)
+
+    dropped: list[str] = []
+    for name in (None,) + STATUS_DROP_ORDER:
+        if name is not None:
+            dropped.append(name)
+        text = status(dropped)
+        for bar in LIVE_BAR_WIDTHS:
+            if used(text, bar) <= width:
+                return text, bar
+        if name == "loss":  # only the ETA is left: keep it, without the bar
+            if used(text, 0) <= width:
+                return text, 0
+    return "", 0
+
+
 class _ProgressView:
-    """Live rich progress on a terminal; on a pipe, a status line at each evaluation and every 10% of the run."""
+    """Live rich progress on a terminal, fitted to its width; on a pipe, a status line at each evaluation
+    and every 10% of the run."""
 
     def __init__(self, console, trainer):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
         self.console, self.trainer = console, trainer
         self.live = console.is_terminal
-        self.progress = Progress(SpinnerColumn(), TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24),
-                                 TextColumn("{task.fields[status]}"), console=console, transient=False,
-                                 disable=not self.live)
+        self.bar = BarColumn(bar_width=LIVE_BAR_WIDTHS[0])
+        self.columns = (SpinnerColumn(), TextColumn("{task.fields[count]}"), self.bar,
+                        TextColumn("{task.fields[status]}"))
+        self.progress = Progress(*self.columns, console=console, transient=False, disable=not self.live)
         self.task = None
         self._last_print = -1
 
@@ -635,8 +714,15 @@ class _ProgressView:
     def __exit__(self, *exc):
         return self.progress.__exit__(*exc)
 
-    def _print(self, text: str) -> None:
-        (self.progress.console if self.live else self.console).print(text, soft_wrap=True)
+    def _print(self, text: str) -> None:  # on a terminal, wrapped at its width; on a pipe, one line each
+        (self.progress.console if self.live else self.console).print(text, soft_wrap=not self.live)
+
+    def _clock(self) -> tuple[float | None, float | None]:
+        """(elapsed, limit) in seconds for a time-limited run; (None, None) otherwise."""
+        minutes = getattr(self.trainer.config, "max_minutes", None)
+        if minutes is None:
+            return None, None
+        return self.trainer.elapsed_seconds, minutes * 60.0
 
     def update(self, line: dict) -> None:
         from memplan.units import format_bytes, format_count, format_seconds
@@ -644,20 +730,34 @@ class _ProgressView:
         kind = line.get("kind")
         if kind == "train":
             total = line.get("total_steps")
+            fixed = self.trainer.schedule.fixed
+            elapsed, limit = self._clock()
+            count = progress_count(line["step"], total, fixed, elapsed, limit)
+            fraction = progress_fraction(line["step"], total, fixed, elapsed, limit)
             pred = self.trainer.predicted["peak_reserved"]
             mem = line.get("memory_bytes")
             loss = "n/a" if line.get("loss") is None else f"{line['loss']:.4f}"
-            status = (f"loss {loss} | {format_count(line['tokens_per_second'])} tok/s | MFU {line['mfu']:.1%} | "
-                      f"mem {format_bytes(mem) if mem else '?'} (pred {format_bytes(pred)}) | "
-                      f"ETA {format_seconds(line.get('eta_seconds'))}")
+            fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line['tokens_per_second'])} tok/s",
+                      "mfu": f"MFU {line['mfu']:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
+                      "eta": f"ETA {format_seconds(line.get('eta_seconds'))}"}
+            prediction = f"(pred {format_bytes(pred)})"
+            if self.live:
+                status, bar = fit_live_line(self.progress.console.width, count, fields, prediction)
+                self.bar.bar_width = bar or None
+                self.progress.columns = self.columns if bar else tuple(c for c in self.columns if c is not self.bar)
+            else:
+                status = " | ".join(f + (f" {prediction}" if k == "memory" else "") for k, f in fields.items())
+            done = None if fraction is None else round(fraction * 1000)
             if self.task is None:
-                self.task = self.progress.add_task("train", total=total, completed=line["step"], status=status)
-            self.progress.update(self.task, total=total, completed=line["step"], status=status)
-            if not self.live and total:
-                decile = line["step"] * 10 // total
+                self.task = self.progress.add_task("train", total=None if done is None else 1000, completed=done or 0,
+                                                   count=count, status=status)
+            self.progress.update(self.task, total=None if done is None else 1000, completed=done or 0,
+                                 count=count, status=status)
+            if not self.live and fraction is not None:
+                decile = int(fraction * 10)
                 if decile != self._last_print:
                     self._last_print = decile
-                    self._print(f"step {line['step']}/{total} {status}")
+                    self._print(f"{count} {status}")
         elif kind == "eval":
             per = ", ".join(f"{k} {v:.3f}" for k, v in line.get("eval_loss_by_source", {}).items() if v is not None)
             ppl = line.get("eval_ppl")
@@ -709,7 +809,8 @@ def _print_summary(trainer, summary, sample) -> None:
     if summary.last_eval:
         e = summary.last_eval
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.get("eval_loss_by_source", {}).items() if v is not None)
-        out.print(f"  held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:,.1f}" + (f" ({per})" if per else ""))
+        print_hanging(out, "  ", f"held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:,.1f}"
+                      + (f" ({per})" if per else ""))
     if steady:
         import statistics
 
@@ -718,18 +819,20 @@ def _print_summary(trainer, summary, sample) -> None:
         tps = statistics.median(l["tokens_per_second"] for l in steady)
         mfu = statistics.median(l["mfu"] for l in steady)
         if meas:
-            out.print(f"  memory: measured peak {format_bytes(meas)}, predicted {format_bytes(pred['peak_reserved'])} "
-                      f"({(pred['peak_reserved'] - meas) / meas:+.1%}); measured by {trainer.monitor.source}")
+            print_hanging(out, "  memory: ", f"measured peak {format_bytes(meas)}, predicted "
+                          f"{format_bytes(pred['peak_reserved'])} ({(pred['peak_reserved'] - meas) / meas:+.1%}); "
+                          f"measured by {trainer.monitor.source}")
             if trainer.device.type == "cpu" and trainer.baseline_bytes:
                 context = trainer.profile.runtime_context_bytes
-                out.print(f"    (this process held {format_bytes(trainer.baseline_bytes)} before the model existed; "
-                          f"the {trainer.profile.name} profile's runtime context is {format_bytes(context)})")
-        out.print(f"  throughput: {tps:,.0f} tokens/s (median), predicted {pred['tokens_per_second']:,.0f}; "
-                  f"MFU {mfu:.1%}")
+                print_hanging(out, "    ", f"(this process held {format_bytes(trainer.baseline_bytes)} before the "
+                              f"model existed; the {trainer.profile.name} profile's runtime context is "
+                              f"{format_bytes(context)})")
+        print_hanging(out, "  throughput: ", f"{tps:,.0f} tokens/s (median), predicted "
+                      f"{pred['tokens_per_second']:,.0f}; MFU {mfu:.1%}")
     if summary.checkpoint:
-        out.print(f"  checkpoint: {summary.checkpoint}")
+        print_hanging(out, "  checkpoint: ", str(summary.checkpoint))
     if summary.report:
-        out.print(f"  report: {summary.report}")
+        print_hanging(out, "  report: ", str(summary.report))
     if sample is not None:
         out.print("[bold]Sample[/] (top-k 40, temperature 0.8):")
         out.print(printable(f"{sample[0]}{sample[1]}"), markup=False)

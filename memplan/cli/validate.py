@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -110,11 +111,9 @@ def validate_command(
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from memplan.cli.options import device_from
     from memplan.errors import InputError
-    from memplan.units import format_bytes
     from memplan.units import parse_count
     from memplan.validate import DISTRIBUTED_MATRIX, distributed_configs, load_matrix, summarize, validation_json
 
@@ -138,7 +137,7 @@ def validate_command(
     from trainer.validate import run_config, run_distributed
 
     console = Console(stderr=json)
-    if not console.is_terminal:
+    if not console.is_terminal and not os.environ.get("COLUMNS"):  # COLUMNS set: that width
         console = Console(stderr=json, width=140)  # a log or a pipe: keep each row on one line
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -161,15 +160,7 @@ def validate_command(
         print_json(validation_json(dev.name, rows))
         return
     where = f"{dev.name}, each rank of {ranks} gloo processes" if ranks > 1 else dev.name
-    table = Table(title=f"Peak allocated: predicted vs measured on {where}", title_justify="left")
-    for col, justify in (("config", "left"), ("predicted", "right"), ("measured", "right"), ("error", "right"),
-                         ("trace", "right"), ("peak at", "left")):
-        table.add_column(col, justify=justify)
-    for r in rows:
-        trace = f"{r.trace_error:+.2%}" if r.trace_error is not None else "-"
-        table.add_row(r.name, format_bytes(r.predicted_allocated), format_bytes(r.measured_allocated),
-                      f"{r.error:+.2%}", trace, r.peak_moment)
-    console.print(table)
+    print_validation_table(console, rows, where)
     console.print(f"median |error| [bold]{summary.median_abs_error:.2%}[/], worst [bold]{summary.max_abs_error:.2%}[/] "
                   f"({summary.worst})")
     for what, value, bar, met in summary.bars():
@@ -178,6 +169,82 @@ def validate_command(
     if html:
         console.print(f"report: {html}")
     sys.stdout.flush()
+
+
+def _validation_table(rows, where: str, moments: dict[str, str] | None = None):
+    """Predicted against measured peak allocated per config; ``moments`` maps each peak moment to the short
+    key the "peak at" column shows instead (with a legend under the table)."""
+    from rich.table import Table
+
+    from memplan.units import format_bytes
+
+    table = Table(title=f"Peak allocated: predicted vs measured on {where}", title_justify="left")
+    for col, justify in (("config", "left"), ("predicted", "right"), ("measured", "right"), ("error", "right"),
+                         ("trace", "right"), ("peak at", "left")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for r in rows:
+        trace = f"{r.trace_error:+.2%}" if r.trace_error is not None else "-"
+        table.add_row(r.name, format_bytes(r.predicted_allocated), format_bytes(r.measured_allocated),
+                      f"{r.error:+.2%}", trace, moments[r.peak_moment] if moments else r.peak_moment)
+    return table
+
+
+def print_validation_table(console, rows, where: str) -> None:
+    """The validation table, each config on one line: where the peak moments make it too wide for the
+    terminal, "peak at" shows a letter per moment with the moments listed under the table."""
+    from rich.table import Table
+
+    from memplan.cli.fit import fits, print_fitted
+
+    table = _validation_table(rows, where)
+    if fits(console, table):
+        console.print(table)
+        return
+    moments: dict[str, str] = {}
+    for r in rows:
+        if r.peak_moment not in moments:
+            n = len(moments)
+            moments[r.peak_moment] = chr(ord("a") + n) if n < 26 else str(n + 1)
+    print_fitted(console, _validation_table(rows, where, moments))
+    legend = Table.grid(padding=(0, 1))
+    legend.add_column(no_wrap=True)
+    legend.add_column()
+    for moment, key in moments.items():
+        legend.add_row(f"{key}:", moment or "-")
+    console.print("peak at:")
+    console.print(legend)
+
+
+def print_inference_tables(console, rows, device_name: str) -> None:
+    """The inference validation: one table where it fits the terminal, else the peaks and the decode step
+    times in two, each config on one line."""
+    from rich.table import Table
+
+    from memplan.cli.fit import fits, print_fitted
+    from memplan.units import format_bytes
+
+    memory = ("prefill measured", "error", "decode measured", "error")
+    timing = ("decode step", "roofline")
+
+    def table_of(columns, title):
+        table = Table(title=title, title_justify="left")
+        table.add_column("config", no_wrap=True)
+        for col in columns:
+            table.add_column(col, justify="right", no_wrap=True)
+        for r in rows:
+            cells = {"prefill measured": format_bytes(r.measured_prefill), "decode measured": format_bytes(r.measured_decode),
+                     "decode step": f"{r.decode_step_seconds * 1e3:.1f} ms" if r.decode_step_seconds else "-",
+                     "roofline": f"{r.roofline_step_seconds * 1e3:.2f} ms" if r.roofline_step_seconds else "-"}
+            errors = iter((f"{r.prefill_error:+.2%}", f"{r.decode_error:+.2%}"))
+            table.add_row(r.name, *(next(errors) if col == "error" else cells[col] for col in columns))
+        return table
+
+    table = table_of(memory + timing, f"Generation peaks: predicted vs measured on {device_name}")
+    if fits(console, table):
+        console.print(table)
+        return
+    borderless = print_fitted(console, table_of(memory, f"Generation peaks: predicted vs measured on {device_name}"))
+    print_fitted(console, table_of(timing, "Decode step: measured and the bandwidth roofline"), borderless)
 
 
 def inference_page(device_name: str, rows):
@@ -220,11 +287,9 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
     from pathlib import Path
 
     from rich.console import Console
-    from rich.table import Table
 
     from memplan.cli.options import device_from
     from memplan.errors import InputError
-    from memplan.units import format_bytes
     from memplan.validate import inference_bars, inference_validation_json, load_inference_matrix
 
     configs = load_inference_matrix(matrix)
@@ -242,7 +307,7 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
     from trainer.validate import run_inference_config
 
     console = Console(stderr=json)
-    if not console.is_terminal:
+    if not console.is_terminal and not os.environ.get("COLUMNS"):  # COLUMNS set: that width
         console = Console(stderr=json, width=140)
     rows = []
     with console.status("") as status:
@@ -256,15 +321,7 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
     if json:
         print_json(inference_validation_json(dev.name, rows))
         return
-    table = Table(title=f"Generation peaks: predicted vs measured on {dev.name}", title_justify="left")
-    for col in ("config", "prefill measured", "error", "decode measured", "error", "decode step", "roofline"):
-        table.add_column(col, justify="left" if col == "config" else "right")
-    for r in rows:
-        table.add_row(r.name, format_bytes(r.measured_prefill), f"{r.prefill_error:+.2%}",
-                      format_bytes(r.measured_decode), f"{r.decode_error:+.2%}",
-                      f"{r.decode_step_seconds * 1e3:.1f} ms" if r.decode_step_seconds else "-",
-                      f"{r.roofline_step_seconds * 1e3:.2f} ms" if r.roofline_step_seconds else "-")
-    console.print(table)
+    print_inference_tables(console, rows, dev.name)
     for what, value, bar, met in inference_bars(rows):
         console.print(f"  {what}: {value:.2%} (bar ≤ {bar:.0%}) {'[green]met[/]' if met else '[red]MISSED[/]'}")
     if html:
