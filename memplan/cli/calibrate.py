@@ -31,7 +31,7 @@ ClockOpt = Annotated[str, typer.Option(
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")]
 
 
-NOISY = 0.15  # a median spread of repeated timings above this gets a note: the machine was busy
+from memplan.local import NOISY  # noqa: E402  (a spread above it: the machine was busy)
 
 DEFAULT_SECONDS = "50"  # measurements plan 80% of it; with torch's import the command ends within a minute
 
