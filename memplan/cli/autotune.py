@@ -10,7 +10,8 @@ import typer
 
 from memplan.cli import app
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
-                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, TiedOpt, VocabOpt, device_from, model_from,
+                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt,
+                                 local_device_from, model_from, print_rates_note, threads_from,
                                  print_json)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count, parse_size
@@ -92,7 +93,7 @@ def _cells(c, opts: list[str]) -> list[str]:
             s.attention, s.precision, ("either" if len(opts) > 1 else opts[0]) + (" +compile" if s.compile else "")]
 
 
-def print_result(result, top: int) -> None:
+def print_result(result, top: int, rates_note: str | None = None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
@@ -102,6 +103,8 @@ def print_result(result, top: int) -> None:
                   f"({spec.params:,} parameters)")
     console.print(f"[bold]Device[/] {escape(device.name)} ({escape(device.title)}): "
                   f"{format_bytes(device.usable_bytes)} usable")
+    if rates_note:
+        console.print(f"       [dim]{rates_note}[/]", soft_wrap=True)
     console.print(f"[bold]Budget[/] {format_bytes(result.budget_bytes)}: the predicted peak must stay under "
                   f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})")
     exact = "" if result.exact_global_batch else f" [yellow](asked {result.requested_global_batch_tokens:,})[/]"
@@ -210,7 +213,7 @@ def autotune_command(
     ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
     budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
     verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
-    json: JsonOpt = False,
+    json: JsonOpt = False, threads: ThreadsOpt = None,
 ) -> None:
     """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
     plan that fits the memory budget at the global batch asked; --verify runs it for real."""
@@ -218,8 +221,9 @@ def autotune_command(
 
     if global_batch_tokens is not None and global_batch is not None:
         raise InputError("give --global-batch-tokens N or --global-batch N (sequences), not both")
+    n_threads = threads_from(threads)
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
-    dev = device_from(device, device_memory)
+    dev, rates_note = local_device_from(device, device_memory, n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
         global_batch_tokens=parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else None,
@@ -228,7 +232,9 @@ def autotune_command(
         tokens=parse_count(tokens, "--tokens") if tokens else None,
         world_size=parse_count(world_size, "--world-size"))
     if not json:
-        print_result(result, top)
+        print_result(result, top, rates_note)
+    else:
+        print_rates_note(rates_note, json=True)
 
     verification = None
     if verify and result.world_size > 1:
@@ -237,12 +243,22 @@ def autotune_command(
                          f"{result.world_size}` or trained with `torchrun --nproc-per-node {result.world_size} -m "
                          "trainer --plan PLAN`")
     if verify and result.plan is not None:
-        from trainer.verify import verify as run_verify
+        from memplan.local import chosen_threads
+        from trainer.verify import TrialRunner, verify as run_verify
 
+        # the trials run with the threads the rates were measured with (else the count calibration chose)
+        n = n_threads or int(dev.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
         if not json:
-            print(f"Verifying on this machine ({verify_steps} steps per trial)...", flush=True)
+            print(f"Verifying on this machine ({verify_steps} steps per trial"
+                  + (f", {n} thread{'s' if n != 1 else ''}" if n else "") + ")...", flush=True)
         started = time.perf_counter()
-        verification = run_verify(result, steps=verify_steps, on_attempt=None if json else print_attempt)
+        runner = TrialRunner(env={"OMP_NUM_THREADS": str(n)} if n else None) if n else None
+        if runner is not None:
+            with runner:
+                verification = run_verify(result, steps=verify_steps, runner=runner,
+                                          on_attempt=None if json else print_attempt)
+        else:
+            verification = run_verify(result, steps=verify_steps, on_attempt=None if json else print_attempt)
         if not json:
             print_verification(verification)
             print(f"verify took {format_seconds(time.perf_counter() - started)}")

@@ -10,7 +10,8 @@ from memplan.cli import app
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
-                                 WorldSizeOpt, device_from, model_from, print_json, setup_from)
+                                 WorldSizeOpt, local_device_from, model_from, print_json, print_rates_note,
+                                 setup_from)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
 
@@ -56,7 +57,7 @@ _SHARDED_HELP = {  # per device, under --world-size N
 }
 
 
-def print_estimate(est) -> None:
+def print_estimate(est, rates_note: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -71,6 +72,8 @@ def print_estimate(est) -> None:
                   + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else ""))
     console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                   f"{format_bytes(device.usable_bytes)} usable")
+    if rates_note:
+        console.print(f"       [dim]{rates_note}[/]", soft_wrap=True)
 
     for note in t.notes:  # what the step-time model assumed (memplan/timing.py): e.g. an fp32 fallback
         console.print(f"[yellow]note[/]: {note}")
@@ -119,7 +122,7 @@ _INFERENCE_HELP = {
 }
 
 
-def print_inference(est) -> None:
+def print_inference(est, rates_note: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -130,6 +133,8 @@ def print_inference(est) -> None:
                   f"{s.weights_dtype}, KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}")
     console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                   f"{format_bytes(device.usable_bytes)} usable")
+    if rates_note:
+        console.print(f"       [dim]{rates_note}[/]", soft_wrap=True)
     table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
     table.add_column("term")
     table.add_column("bytes", justify="right")
@@ -183,7 +188,7 @@ def estimate_command(
     if mode == "inference":
         from memplan.inference import InferenceSetup, estimate_inference
 
-        dev = device_from(device, device_memory)
+        dev, rates_note = local_device_from(device, device_memory)
         setup = InferenceSetup(
             ctx=parse_count(ctx, "--ctx", binary=True), batch=parse_count(batch, "--batch"),
             prompt=parse_count(prompt_tokens, "--prompt-tokens", binary=True) if prompt_tokens else None,
@@ -192,8 +197,9 @@ def estimate_command(
         est = estimate_inference(spec, setup, dev)
         if json:
             print_json(est.to_json())
+            print_rates_note(rates_note, json=True)
         else:
-            print_inference(est)
+            print_inference(est, rates_note)
         return
     for flag, value in (("--weights-dtype", weights_dtype), ("--kv-dtype", kv_dtype),
                         ("--prompt-tokens", prompt_tokens)):
@@ -204,9 +210,10 @@ def estimate_command(
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
-    dev = device_from(device, device_memory)
+    dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
     if json:
         print_json(est.to_json())
+        print_rates_note(rates_note, json=True)
     else:
-        print_estimate(est)
+        print_estimate(est, rates_note)

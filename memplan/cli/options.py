@@ -128,5 +128,23 @@ def use_threads(text: str | None) -> int:
     return torch.get_num_threads()
 
 
+def print_rates_note(note: str | None, json: bool = False) -> None:
+    """The one line saying where a local device's rates come from: this machine's calibration or the
+    profile's nominal figures (stderr beside --json, so that stdout stays the JSON)."""
+    if not note:
+        return
+    from rich.console import Console
+
+    Console(stderr=json, highlight=False).print(f"[dim]{note}[/]", soft_wrap=True)
+
+
+def local_device_from(device=None, device_memory=None, threads: int | None = None):
+    """``device_from`` with this machine's cached calibration applied where the device is this machine
+    (``memplan.local.local_profile``): (device, one line saying where its rates come from, or None)."""
+    from memplan.local import local_profile
+
+    return local_profile(device, parse_size(device_memory, "--device-memory") if device_memory else None, threads)
+
+
 def print_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")

@@ -17,9 +17,10 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.options import local_device_from, print_rates_note  # noqa: I001
 from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt,
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
-                                 ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, device_from, model_from, print_json,
+                                 ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, model_from, print_json,
                                  setup_from)
 from memplan.errors import InputError
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count
@@ -104,7 +105,7 @@ def gib_text(n_bytes: float) -> str:
 
 # ---- terminal ------------------------------------------------------------------------------
 
-def print_sweep(sw) -> None:
+def print_sweep(sw, rates_note: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -113,6 +114,8 @@ def print_sweep(sw) -> None:
     console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
     console.print(f"[bold]Device[/] {dev.name} ({dev.title}): {format_bytes(dev.memory_bytes)}, "
                   f"{format_bytes(dev.usable_bytes)} usable")
+    if rates_note:
+        console.print(f"       [dim]{rates_note}[/]", soft_wrap=True)
     console.print(f"[bold]Setup[/]  {fixed_words(sw)}; {sw.axes.cells} settings, "
                   f"{len(sw.fitting)} fit")
     per_row = len(sw.axes.micro_batch)  # cells are in rows of micro-batches, rows in order of context
@@ -512,15 +515,16 @@ def sweep_command(
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
     base = setup_from(str(axes.ctx[0]), str(axes.micro_batch[0]), grad_accum, axes.precision[0], axes.attention[0],
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)
-    dev = device_from(device, device_memory)
+    dev, rates_note = local_device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
     if html is not None and html.is_dir():
         raise InputError(f"--html: {str(html)!r} is a directory; give a file name such as sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens)
     if json:
         print_json(sw.to_json())
+        print_rates_note(rates_note, json=True)
     else:
-        print_sweep(sw)
+        print_sweep(sw, rates_note)
     if html is not None:
         from memplan.report import write_page
 
