@@ -216,7 +216,7 @@ def local_profile(device_arg: str | None, device_memory: int | None = None,
         return device, None
     cal = find_calibration(device.family, threads)
     if cal is None:
-        return device, ("rates: the profile's nominal figures (this machine is not calibrated"
+        return device, ("rates: profile peak × achievable fraction, nominal (this machine is not calibrated"
                         + (f" with {threads} threads" if threads else "")
                         + " yet: `memplan train` measures it once)")
     return cal.applied(device), cal.note()

@@ -46,7 +46,7 @@ _TERM_HELP = {
     "activations": "saved for backward; token ids",
     "logits": "LM head output, fp32 loss",
     "temporaries": "gradients in flight, scratch",
-    "runtime": "context + allocator reserve",
+    "runtime": "context + allocator reserve (CPU: + C heap)",
 }
 
 
@@ -72,8 +72,6 @@ def print_estimate(est, rates_note: str | None = None) -> None:
                   + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else ""))
     console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                   f"{format_bytes(device.usable_bytes)} usable")
-    if rates_note:
-        console.print(f"       [dim]{rates_note}[/]", soft_wrap=True)
 
     for note in t.notes:  # what the step-time model assumed (memplan/timing.py): e.g. an fp32 fallback
         console.print(f"[yellow]note[/]: {note}")
@@ -99,7 +97,9 @@ def print_estimate(est, rates_note: str | None = None) -> None:
 
     from memplan.cli.time_table import time_table
 
-    console.print(time_table(t))
+    console.print(time_table(t, caption=not rates_note))
+    if rates_note:  # this machine's calibration or the nominal figures: one line, in place of the caption
+        console.print(f"[dim]{rates_note}[/]", soft_wrap=True)
     line = (f"{format_count(t.flops_per_step)}FLOP per step, {t.tokens_per_second:,.0f} tokens/s, "
             f"MFU {t.mfu:.0%}")
     c = t.communication

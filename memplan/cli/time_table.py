@@ -31,12 +31,14 @@ def format_term_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
-def time_table(t, title: str = "Time per step"):
+def time_table(t, title: str = "Time per step", caption: bool = True):
     """A rich Table of a TimeBreakdown: every term that takes time, its share of the step, what bounds it
-    (compute, memory bandwidth or op dispatch) and the FLOPs and bytes it moves."""
+    (compute, memory bandwidth or op dispatch) and the FLOPs and bytes it moves; ``caption``: where the
+    rates come from, under it (off where the caller prints that line itself)."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", caption=f"rates: {t.rate_source}", caption_justify="left")
+    table = Table(title=title, title_justify="left", caption=f"rates: {t.rate_source}" if caption else None,
+                  caption_justify="left")
     table.add_column("term")
     table.add_column("time", justify="right")
     table.add_column("share", justify="right")

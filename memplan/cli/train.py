@@ -776,8 +776,10 @@ def _print_summary(trainer, summary, sample) -> None:
                       f"({(pred['peak_reserved'] - meas) / meas:+.1%}); measured by {trainer.monitor.source}")
             if trainer.device.type == "cpu" and trainer.baseline_bytes:
                 context = trainer.profile.runtime_context_bytes
+                whose = ("this machine's calibration measured a warmed-up process holding"
+                         if trainer.profile.calibrated else f"the {trainer.profile.name} profile's runtime context is")
                 out.print(f"    (this process held {format_bytes(trainer.baseline_bytes)} before the model existed; "
-                          f"the {trainer.profile.name} profile's runtime context is {format_bytes(context)})")
+                          f"{whose} {format_bytes(context)})")
         out.print(f"  throughput: {tps:,.0f} tokens/s (median), predicted {pred['tokens_per_second']:,.0f}; "
                   f"MFU {mfu:.1%}")
     if summary.checkpoint:
