@@ -11,7 +11,7 @@ import typer
 from memplan.cli import app
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
                                  KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt,
-                                 local_device_from, model_from, print_rates_note, threads_from,
+                                 local_device_from, model_from, threads_from, with_rates,
                                  print_json)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count, parse_size
@@ -233,8 +233,6 @@ def autotune_command(
         world_size=parse_count(world_size, "--world-size"))
     if not json:
         print_result(result, top, rates_note)
-    else:
-        print_rates_note(rates_note, json=True)
 
     verification = None
     if verify and result.world_size > 1:
@@ -274,4 +272,4 @@ def autotune_command(
             if not json:
                 print(f"Wrote {out}")
     if json:
-        print_json(result.to_json(verification))
+        print_json(with_rates(result.to_json(verification), rates_note))

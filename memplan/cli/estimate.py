@@ -10,8 +10,8 @@ from memplan.cli import app
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
-                                 WorldSizeOpt, local_device_from, model_from, print_json, print_rates_note,
-                                 setup_from)
+                                 WorldSizeOpt, local_device_from, model_from, print_json, setup_from,
+                                 with_rates)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
 
@@ -196,8 +196,7 @@ def estimate_command(
             kv_dtype=kv_dtype, sampling=sampling)
         est = estimate_inference(spec, setup, dev)
         if json:
-            print_json(est.to_json())
-            print_rates_note(rates_note, json=True)
+            print_json(with_rates(est.to_json(), rates_note))
         else:
             print_inference(est, rates_note)
         return
@@ -213,7 +212,6 @@ def estimate_command(
     dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
     if json:
-        print_json(est.to_json())
-        print_rates_note(rates_note, json=True)
+        print_json(with_rates(est.to_json(), rates_note))
     else:
         print_estimate(est, rates_note)

@@ -128,14 +128,10 @@ def use_threads(text: str | None) -> int:
     return torch.get_num_threads()
 
 
-def print_rates_note(note: str | None, json: bool = False) -> None:
-    """The one line saying where a local device's rates come from: this machine's calibration or the
-    profile's nominal figures (stderr beside --json, so that stdout stays the JSON)."""
-    if not note:
-        return
-    from rich.console import Console
-
-    Console(stderr=json, highlight=False).print(f"[dim]{note}[/]", soft_wrap=True)
+def with_rates(data: dict, note: str | None) -> dict:
+    """A command's JSON with ``rates``: the one line saying where the local device's rates come from (this
+    machine's calibration, or the profile's nominal figures); absent for a named profile of another device."""
+    return {**data, "rates": note} if note else data
 
 
 def local_device_from(device=None, device_memory=None, threads: int | None = None):

@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
-from memplan.cli.options import local_device_from, print_rates_note  # noqa: I001
+from memplan.cli.options import local_device_from, with_rates  # noqa: I001
 from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt,
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
                                  ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, model_from, print_json,
@@ -521,8 +521,7 @@ def sweep_command(
         raise InputError(f"--html: {str(html)!r} is a directory; give a file name such as sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens)
     if json:
-        print_json(sw.to_json())
-        print_rates_note(rates_note, json=True)
+        print_json(with_rates(sw.to_json(), rates_note))
     else:
         print_sweep(sw, rates_note)
     if html is not None:
