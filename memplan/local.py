@@ -5,6 +5,11 @@ cache directory (``$MEMPLAN_CACHE``, else ``$XDG_CACHE_HOME/memplan``, else ``~/
 
     calibrated/<family>-<device>-<N>t-torch<version>.toml   # a profile TOML measured with N torch threads
     calibrated/<family>-<device>-torch<version>.threads.toml # the thread count calibration measured fastest
+    calibrated/<family>-<device>-<N>t-torch<version>.noisy.toml  # one whose timings spread too much to trust
+
+A calibration whose repeated timings spread by more than NOISY was taken while other processes
+competed for the machine: it is never used for this machine's rates. What it measured of memory
+(the runtime context) does not depend on timing, so that part is used until a steady one exists.
 
 Every command that plans for *this machine* then uses those rates and that runtime context instead of
 the bundled profile's nominal figures: ``estimate``, ``autotune`` and ``sweep`` as much as ``train``.
@@ -91,6 +96,11 @@ def calibration_path(family: str, title: str, threads: int, version: str) -> Pat
     return cache_dir() / "calibrated" / f"{family}-{slug(title)}-{threads}t-torch{slug(version)}.toml"
 
 
+def noisy_path(path: Path) -> Path:
+    """Where a calibration too noisy to trust for rates is kept (for its runtime context only)."""
+    return path.with_name(path.name[:-len(".toml")] + ".noisy.toml")
+
+
 def threads_path(family: str, title: str, version: str) -> Path:
     """The cached choice of thread count for a device under torch ``version``."""
     return cache_dir() / "calibrated" / f"{family}-{slug(title)}-torch{slug(version)}.threads.toml"
@@ -175,6 +185,31 @@ def find_calibration(family: str, threads: int | None = None, title: str | None 
     return cal if cal is not None and cal.trusted else None
 
 
+def find_noisy_calibration(family: str, threads: int | None = None, title: str | None = None,
+                           version: str | None = None) -> LocalCalibration | None:
+    """The newest calibration of this machine kept as too noisy for rates (with ``threads``, if given)."""
+    title = local_title(family) if title is None else title
+    version = torch_version() if version is None else version
+    folder = cache_dir() / "calibrated"
+    if not folder.is_dir():
+        return None
+    pattern = f"{family}-{slug(title)}-{threads if threads else '*'}t-torch{slug(version)}.noisy.toml"
+    for path in sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True):
+        cal = read_calibration(path)
+        if cal is not None:
+            return cal
+    return None
+
+
+def context_only(profile: Device, noisy: LocalCalibration) -> tuple[Device, str]:
+    """``profile`` with the runtime context a noisy calibration measured (memory does not depend on timing),
+    its rates left nominal, and the one line that says so."""
+    when = str(noisy.calibrated.get("date", ""))[:10]
+    return (profile.replace(runtime_context_bytes=noisy.runtime_context_bytes),
+            f"rates: profile peak × achievable fraction, nominal (this machine's calibration of {when} spread "
+            f"{noisy.noise:.0%}, too noisy for rates; its measured runtime memory is used)")
+
+
 def is_this_machine(device_arg: str | None, local: Device | None) -> bool:
     """Whether ``--device`` (None: the default) means the device this process runs on."""
     if device_arg is None:
@@ -216,6 +251,9 @@ def local_profile(device_arg: str | None, device_memory: int | None = None,
         return device, None
     cal = find_calibration(device.family, threads)
     if cal is None:
+        noisy = find_noisy_calibration(device.family, threads)
+        if noisy is not None:
+            return context_only(device, noisy)
         return device, ("rates: profile peak × achievable fraction, nominal (this machine is not calibrated"
                         + (f" with {threads} threads" if threads else "")
                         + " yet: `memplan train` measures it once)")

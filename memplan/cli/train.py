@@ -368,38 +368,46 @@ def local_calibration(profile, console, measure_now: bool, threads: int | None =
     cached = local.find_calibration(family, threads)
     if cached is not None:
         return cached.applied(profile), cached.note()
+    noisy = local.find_noisy_calibration(family, threads)
+    if not measure_now and noisy is not None:
+        return local.context_only(profile, noisy)
     if not measure_now:
         return profile, ("[dim]rates: the profile's nominal figures; `memplan train` measures this machine once "
                          "(predictions of time are far closer afterwards)[/]")
-    best = None
-    for attempt in range(CALIBRATE_ATTEMPTS):
-        try:
-            measured = _calibrate_in_child(profile.name, threads, console, again=attempt > 0)
-        except RuntimeError as e:
-            if best is not None:
+    measured = []  # each in a temporary file, removed below
+    try:
+        for attempt in range(CALIBRATE_ATTEMPTS):
+            try:
+                measured.append(_calibrate_in_child(profile.name, threads, console, again=attempt > 0))
+            except RuntimeError as e:
+                if measured:
+                    break
+                return profile, f"[yellow]rates: the profile's nominal figures[/] ({e})"
+            if measured[-1].trusted:
                 break
-            return profile, f"[yellow]rates: the profile's nominal figures[/] ({e})"
-        if best is None or measured.noise < best.noise:
-            best = measured
-        if best.trusted:
-            break
-    if not best.trusted:
-        return best.applied(profile), (
-            f"{best.note()} — [yellow]too noisy to keep[/] (other processes competed for the CPU): time "
-            f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again")
-    title = local.local_title(family)
-    version = local.torch_version()
-    path = local.calibration_path(family, title, best.threads, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from memplan.cli.calibrate import write_atomically
+        best = min(measured, key=lambda c: c.noise)
+        title = local.local_title(family)
+        version = local.torch_version()
+        path = local.calibration_path(family, title, best.threads, version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from memplan.cli.calibrate import write_atomically
 
-    write_atomically(path, best.path.read_text())
-    if threads is None:  # the thread count it found fastest becomes this machine's default
-        seconds = best.calibrated.get("thread_seconds", {})
-        write_atomically(local.threads_path(family, title, version),
-                         f"# the torch thread count `memplan train` measured fastest here\nthreads = {best.threads}\n"
-                         + "".join(f"seconds_{n}t = {v:.6g}\n" for n, v in seconds.items()))
-    best.path.unlink(missing_ok=True)
+        if threads is None:  # the thread count it found fastest (steps interleaved) is this machine's default
+            seconds = best.calibrated.get("thread_seconds", {})
+            write_atomically(local.threads_path(family, title, version),
+                             "# the torch thread count `memplan train` measured fastest here\n"
+                             f"threads = {best.threads}\n"
+                             + "".join(f"seconds_{n}t = {v:.6g}\n" for n, v in seconds.items()))
+        if not best.trusted:  # kept apart, for its runtime memory only: never as this machine's rates
+            write_atomically(local.noisy_path(path), best.path.read_text())
+            return best.applied(profile), (
+                f"{best.note()} — [yellow]too noisy to keep[/] (other processes competed for the CPU): time "
+                f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again")
+        write_atomically(path, best.path.read_text())
+        local.noisy_path(path).unlink(missing_ok=True)
+    finally:
+        for cal in measured:
+            cal.path.unlink(missing_ok=True)
     kept = local.read_calibration(path)
     return kept.applied(profile), f"{kept.note()} (measured now in {kept.calibrated.get('seconds', 0):.0f} s; kept)"
 
