@@ -469,6 +469,18 @@ def test_non_finite_losses_skip_updates_then_stop_naming_the_step(tmp_path, corp
     assert (run / "report.html").is_file()
 
 
+def test_threads_sets_torchs_threads_for_the_run(tmp_path, corpus):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        result = cli("--data", str(corpus), "--out", str(tmp_path / "run"), *TINY, "--batch", "2", "--max-steps", "1",
+                     "--sample-tokens", "0", "--threads", "1")
+        assert result.exit_code == 0, result.output
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cli_prints_a_stopped_run_on_one_line_with_exit_1(tmp_path, corpus, monkeypatch):
     from trainer import loop
 
