@@ -134,8 +134,9 @@ class LocalCalibration:
         """One line: where the rates come from."""
         when = str(self.calibrated.get("date", ""))[:10] or "an unknown date"
         n = self.threads
+        share = self.calibrated.get("cpu_share")
         return (f"rates: this machine's calibration of {when}, {n} thread{'s' if n != 1 else ''}, "
-                f"spread {self.noise:.0%}")
+                f"spread {self.noise:.0%}" + (f", {share:.0%} of a core free" if share and share < 0.95 else ""))
 
 
 def read_calibration(path: Path) -> LocalCalibration | None:

@@ -100,6 +100,7 @@ class Calibration:
     noise: float = 0.0  # median relative spread (IQR / median) of the repeated timings
     skipped: list[str] = field(default_factory=list)  # measurements the budget did not allow
     thread_seconds: dict[str, float] = field(default_factory=dict)  # threads -> median step of the thread trial
+    cpu_share: float | None = None  # one thread, --clock cpu: CPU time / wall time over the calibration
 
     def matmul_tflops(self) -> dict[str, float]:
         """Best net forward rate per dtype over the measured shapes (the device's achievable matmul rate)."""
@@ -769,11 +770,15 @@ def matmul_dtypes(family: str) -> list[str]:
 
 
 def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "wall",
-              progress: Callable[[str, float], None] | None = None, choose_threads: bool = False) -> Calibration:
+              progress: Callable[[str, float], None] | None = None, choose_threads: bool = False,
+              share_clock: bool = False) -> Calibration:
     """Measure the local device within about ``seconds`` (the smallest case of every table is measured
     even when the budget is spent). ``threads`` pins torch's CPU threads (default: as they are, or with
     ``choose_threads`` on a CPU, the fastest of one and all cores by ``fastest_threads``, recorded in
-    ``thread_seconds``);
+    ``thread_seconds``); with ``share_clock``, a one-thread CPU calibration times by CPU time (``clock``
+    cpu) and records ``cpu_share``, the share of the core the process got (CPU time / wall time over
+    the calibration): a busy machine's kernel rates then come out as an idle core's, and memplan's step
+    time adds the time other processes hold the core (``memplan.timing``'s contention term);
     ``clock`` is ``wall`` or, for a one-thread CPU calibration on a shared machine, ``cpu``: timings and
     the budget then run on the process's CPU time, so a loaded machine measures the same shapes (in
     more wall time) as an idle one.
@@ -794,11 +799,13 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
             progress("threads", 0.0)
         best, thread_seconds = fastest_threads()
         torch.set_num_threads(best)
+    if (share_clock or choose_threads) and family == "cpu" and torch.get_num_threads() == 1:
+        clock = "cpu"
     if clock == "cpu" and (family != "cpu" or torch.get_num_threads() != 1):
         raise InputError(f"--clock cpu measures one CPU thread; this run has device {family} and "
                          f"{torch.get_num_threads()} thread(s) (use --threads 1 on a CPU, or --clock wall)")
     device = _torch_device(family)
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     total, usable, source = device_memory(family)
     cal = Calibration(family=family, title=device_title(family), threads=torch.get_num_threads(),
                       torch_version=torch.__version__, started=_dt.datetime.now().isoformat(timespec="seconds"),
@@ -862,6 +869,8 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         torch.set_grad_enabled(was_grad)
     cal.noise = statistics.median(timer.spreads) if timer.spreads else 0.0
     cal.seconds = time.perf_counter() - wall0
+    if clock == "cpu" and cal.seconds > 0:
+        cal.cpu_share = min(1.0, (time.process_time() - cpu0) / cal.seconds)
     return cal
 
 
@@ -990,6 +999,8 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
         calibrated["skipped"] = list(cal.skipped)
     if cal.thread_seconds:  # the thread trial: median step seconds per thread count (the fastest was used)
         calibrated["thread_seconds"] = dict(cal.thread_seconds)
+    if cal.cpu_share:
+        calibrated["cpu_share"] = cal.cpu_share
     reader = {"cuda": "nvml", "rocm": "rocm-smi", "mps": "mps", "cpu": "psutil"}[cal.family]
     return {
         "name": name,
@@ -1051,7 +1062,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(json.dumps({"stage": stage, "done": done}) + "\n")
         sys.stdout.flush()
 
-    cal = calibrate(seconds, threads=threads, progress=progress, choose_threads=threads is None)
+    cal = calibrate(seconds, threads=threads, progress=progress, choose_threads=threads is None, share_clock=True)
     text = profile_toml(profile_data(cal, name, None))
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)

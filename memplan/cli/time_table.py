@@ -16,10 +16,12 @@ TERM_HELP = {
     "data": "token ids to the device",
     "communication": "all-reduce (DDP) / gathers (FSDP)",
     "launch": "dispatching each aten op (host)",
+    "contention": "other processes holding the core (calibrated share)",
 }
 
 # The JSON says "memory" for a term limited by memory traffic; a person reads "bandwidth".
-BOUND_LABEL = {"compute": "compute", "memory": "bandwidth", "launch": "launch", "none": ""}
+BOUND_LABEL = {"compute": "compute", "memory": "bandwidth", "launch": "launch", "contention": "other processes",
+               "none": ""}
 
 
 def format_term_seconds(s: float) -> str:
