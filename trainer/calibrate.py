@@ -203,8 +203,6 @@ def device_memory(family: str) -> tuple[int, int, str]:
 def runtime_context_bytes(family: str) -> int:
     """Memory the runtime holds outside the allocator. CPU: what a training process measurably holds
     before its model exists (``process_baseline_bytes``). CUDA: the driver's view less torch's reserve."""
-    import psutil
-
     if family == "cuda":
         try:
             import pynvml
