@@ -39,10 +39,10 @@ class Estimate:
 
 def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device) -> MemoryBreakdown:
     """peak_memory with the device family's runtime context, allocator reserve, attention kernels and
-    collectives backend."""
+    collectives backend; on a CPU, also what glibc's heap keeps resident (``glibc_heap_retention_bytes``)."""
     repeat = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
     return peak_memory(spec, setup, device.runtime_context_bytes, device.allocator_overhead, repeat,
-                       COLLECTIVES_OF_FAMILY[device.family])
+                       COLLECTIVES_OF_FAMILY[device.family], heap_retention=device.family == "cpu")
 
 
 def fits_on(spec: ModelSpec, setup: TrainSetup, device: Device, budget: int | None = None) -> bool:

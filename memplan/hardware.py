@@ -53,6 +53,8 @@ times are *net*: the first-touch cost of fresh outputs is taken out (timing adds
     threads = 1                       # torch.get_num_threads() while measuring: train with the same
     seconds = 58.2                    # how long the calibration took
     noise = 0.04                      # median relative spread (IQR / median) of repeated timings
+    cpu_share = 0.55                  # clock "cpu", one thread: CPU time / wall time over the calibration
+                                      # (the core's share other processes left it; timing's contention term)
     launch_overhead_seconds = 2.1e-5  # per dispatched aten op (views included), forward + backward of a
                                       # tiny reference block divided by memplan's count of its ops
     copy_bytes_per_second = 5.3e9     # bytes read + written per second by a large copy
@@ -262,7 +264,7 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
 
 
 _CALIBRATED_NUMBERS = ("threads", "seconds", "noise", "launch_overhead_seconds", "copy_bytes_per_second",
-                       "first_touch_bytes_per_second", "first_touch_threshold_bytes")
+                       "first_touch_bytes_per_second", "first_touch_threshold_bytes", "cpu_share")
 _CALIBRATED_ROWS = {"matmul": 5, "elementwise": 2, "attention": 4, "modules": 3}  # table -> numbers per row
 
 

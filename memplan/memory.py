@@ -1383,6 +1383,35 @@ def activation_terms(spec: ModelSpec, setup: TrainSetup) -> dict[str, int]:
     return terms
 
 
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (mallopt(3))
+
+
+def largest_transient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The largest single tensor a step allocates and frees again: an fp32 (n, V) tensor of the loss,
+    the logits, the LM head's weight gradient (set to None after every step), the MLP's up projection,
+    or eager attention's scores."""
+    sizes = [fp32_logits_bytes(spec, setup), logits_bytes(spec, setup), head_weight_grad_bytes(spec, setup),
+             mlp_up_bytes(spec, setup)]
+    if setup.attention == "eager":
+        sizes.append(attention_scores_bytes(spec, setup))
+    return max(sizes)
+
+
+def glibc_heap_retention_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """CPU (glibc malloc): what the C heap keeps resident beyond the live tensors, 3·T with
+    T = min(largest transient tensor, 32 MiB).
+
+    glibc serves an allocation above M_MMAP_THRESHOLD with mmap and unmaps it on free, but each free
+    of such a chunk raises the threshold to the chunk's size (at most DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB
+    on 64-bit) and the trim threshold to twice that (mallopt(3), "dynamic mmap threshold"). From the
+    second step on, the step's transient tensors up to T come from the heap: its top keeps up to 2·T
+    free without trimming, and a freed chunk of up to T stays stranded below a live one. Measured on
+    CPU steps (benchmarks/local_memory.py): with MALLOC_MMAP_THRESHOLD_=131072 (the dynamic threshold
+    off) the resident growth matched the live-tensor peak within 5%; with glibc's default it exceeded
+    it by 74-134 MiB where T = 32 MiB (about 3·T), and by about 20 MiB where T = 4-16 MiB."""
+    return 3 * min(largest_transient_bytes(spec, setup), GLIBC_MMAP_THRESHOLD_MAX)
+
+
 def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_overhead: float) -> int:
     """What the device's monitor shows beyond live tensors: the caching allocator's reserve
     (allocator_overhead × peak_allocated) and the runtime context (CUDA/HIP context, libraries)."""
@@ -1401,21 +1430,23 @@ def sdpa_gqa_repeats(spec: ModelSpec, setup: TrainSetup, flash_attention: bool, 
 
 def peak_memory(spec: ModelSpec, setup: TrainSetup, runtime_context_bytes: int = 0,
                 allocator_overhead: float = 0.0, gqa_repeat: bool = False,
-                collectives: str = "nccl") -> MemoryBreakdown:
+                collectives: str = "nccl", heap_retention: bool = False) -> MemoryBreakdown:
     """The peak of a steady-state step, by category, with the runtime on top for peak_reserved.
 
     Under FSDP the step of rank 0, which holds the largest shards (every rank's within a few
     rows of it); ``peak_memory_of_rank`` gives any other rank's.
     """
-    return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead, gqa_repeat, collectives)
+    return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead, gqa_repeat, collectives,
+                               heap_retention)
 
 
 def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_context_bytes: int = 0,
                         allocator_overhead: float = 0.0, gqa_repeat: bool = False,
-                        collectives: str = "nccl") -> MemoryBreakdown:
+                        collectives: str = "nccl", heap_retention: bool = False) -> MemoryBreakdown:
     """``peak_memory`` of one rank (the ranks of a DDP or single-process step are alike).
     ``collectives``: the process group's backend, nccl (NVIDIA, and RCCL on ROCm) or gloo (CPU),
-    which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``)."""
+    which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``). ``heap_retention``
+    (a CPU: the process's resident memory is the peak) adds ``glibc_heap_retention_bytes`` to the runtime."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
     if setup.sharding == "fsdp":
@@ -1424,6 +1455,8 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
         w = _walk_step(spec, setup, gqa_repeat)
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
+    if heap_retention:
+        runtime += glibc_heap_retention_bytes(spec, setup)
     return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,
                            peak_reserved=peak.total + runtime, peak_phase=peak.phase, peak_moment=peak.name,
                            moments=tuple(w.marks), terms=activation_terms(spec, setup))

@@ -823,7 +823,18 @@ class TimeBreakdown:
         }
 
 
-TERMS = ("forward", "backward", "recompute", "attention", "loss", "optimizer", "data", "communication", "launch")
+TERMS = ("forward", "backward", "recompute", "attention", "loss", "optimizer", "data", "communication", "launch",
+         "contention")
+
+
+def contention_seconds(busy_seconds: float, device: Device) -> float:
+    """The time other processes hold the core during a step: busy × (1/share − 1), where share is the
+    CPU time / wall time a one-thread calibration by CPU time got (``calibrated.cpu_share``; a CPU only).
+    Such a calibration's kernel rates are an idle core's; a sustained step gets only that share of it."""
+    share = device.calibrated.get("cpu_share") if device.family == "cpu" else None
+    if not share or not 0 < share < 1:
+        return 0.0
+    return busy_seconds * (1.0 / share - 1.0)
 
 
 def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: int | None = None) -> TimeBreakdown:
@@ -879,6 +890,11 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         c, m, flops, nbytes = acc[name]
         if name == "launch":
             terms[name] = TimeTerm(launch, "launch")
+            continue
+        if name == "contention":
+            busy = sum(t.seconds for t in terms.values())
+            waited = contention_seconds(busy, device)
+            terms[name] = TimeTerm(waited, "contention" if waited else "none")
             continue
         bound = "none" if c + m == 0 else "compute" if c >= m else "memory"
         terms[name] = TimeTerm(c + m, bound, flops, nbytes, c, m)

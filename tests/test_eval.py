@@ -107,6 +107,22 @@ def test_max_batches_takes_that_many_batches_per_source(env):
     assert [s["eval_tokens"] for s in out["sources"]] == [3 * 2 * 16] * 2 + [0]
 
 
+def test_threads_is_accepted_and_leaves_the_loss_as_it_is(env):
+    import torch
+
+    args = ["--run", str(env["run"]), "--data", str(env["two"]), "--ctx", "16", "--batch", "2", "--max-batches", "2",
+            "--json"]
+    before = torch.get_num_threads()
+    try:
+        one = cli(*args, "--threads", "1")
+        assert one.exit_code == 0, one.output
+        assert torch.get_num_threads() == 1
+        assert json.loads(one.stdout)["eval_loss"] == pytest.approx(json.loads(cli(*args).stdout)["eval_loss"],
+                                                                   rel=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_table_lists_every_source_and_the_overall_perplexity(env):
     result = cli("--run", str(env["run"]), "--data", str(env["two"]))
     assert result.exit_code == 0, result.output

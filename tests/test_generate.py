@@ -186,6 +186,20 @@ def test_json_gives_the_text_and_the_stats_and_a_seed_reproduces_a_sample(runs):
     assert ja["sampling"]["top_p"] == 0.9 and ja["sampling"]["repetition_penalty"] == 1.3
 
 
+def test_threads_is_accepted_and_leaves_the_greedy_continuation_as_it_is(runs):
+    import torch
+
+    args = ["--run", str(runs["llama"]), "--prompt", PROMPT, "--greedy", "--max-new-tokens", "12"]
+    before = torch.get_num_threads()
+    try:
+        one = cli(*args, "--threads", "1")
+        assert one.exit_code == 0, one.output
+        assert torch.get_num_threads() == 1
+        assert one.stdout == cli(*args).stdout
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_missing_run_is_one_line_naming_it(tmp_path):
     one_line_error(cli("--run", str(tmp_path / "nope"), "--prompt", "x"), "nope", "no checkpoint")
 

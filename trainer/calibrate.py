@@ -99,6 +99,8 @@ class Calibration:
     optimizer: dict[str, list[float]] = field(default_factory=dict)  # name -> [s per param, s per tensor]
     noise: float = 0.0  # median relative spread (IQR / median) of the repeated timings
     skipped: list[str] = field(default_factory=list)  # measurements the budget did not allow
+    thread_seconds: dict[str, float] = field(default_factory=dict)  # threads -> median step of the thread trial
+    cpu_share: float | None = None  # one thread, --clock cpu: CPU time / wall time over the calibration
 
     def matmul_tflops(self) -> dict[str, float]:
         """Best net forward rate per dtype over the measured shapes (the device's achievable matmul rate)."""
@@ -199,10 +201,8 @@ def device_memory(family: str) -> tuple[int, int, str]:
 
 
 def runtime_context_bytes(family: str) -> int:
-    """Memory the runtime holds outside the allocator: the process's RSS after importing torch (CPU), the
-    driver's view less torch's reserve (CUDA)."""
-    import psutil
-
+    """Memory the runtime holds outside the allocator. CPU: what a training process measurably holds
+    before its model exists (``process_baseline_bytes``). CUDA: the driver's view less torch's reserve."""
     if family == "cuda":
         try:
             import pynvml
@@ -219,9 +219,97 @@ def runtime_context_bytes(family: str) -> int:
             pass
         return 0
     if family == "cpu":
-        gc.collect()
-        return int(psutil.Process().memory_info().rss)
+        return process_baseline_bytes()
     return 0
+
+
+def trim_heap() -> None:
+    """Collect Python's garbage and give the C heap's free pages back to the OS (glibc's malloc_trim),
+    so that the resident size is what is in use, not what an earlier workload left in the arenas."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def process_baseline_bytes() -> int:
+    """The resident memory of a CPU training process before its model exists: this process with memplan's
+    command line and trainer imported (Python, torch, typer/rich, tokenizers: what ``memplan train`` loads)
+    and a tiny model's training steps run once per attention kernel and optimizer (which loads the code
+    pages of every kernel a step uses: oneDNN's among them, tens of MiB), then its garbage collected
+    and the C heap trimmed. Measure it in a fresh process (calibration does): what an earlier workload
+    in the same process left behind is not the runtime's."""
+    import psutil
+
+    import memplan.cli  # noqa: F401  (what `memplan train` has loaded before its model exists)
+    import trainer.loop  # noqa: F401
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, train_step
+
+    tiny = ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, tied=True)
+    for attention in ("sdpa", "eager"):
+        for optimizer in ("adamw", "adamw-fused"):
+            setup = TrainSetup(ctx=16, micro_batch=1, precision="fp32", attention=attention, optimizer=optimizer)
+            model = build_model(tiny, attention)
+            opt = make_optimizer(model, optimizer)
+            batch = [(torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16)))]
+            for _ in range(2):
+                train_step(model, opt, batch, setup, "cpu")
+            del model, opt, batch
+    trim_heap()
+    return int(psutil.Process().memory_info().rss)
+
+
+# ---- threads -------------------------------------------------------------------------------
+
+THREAD_TRIAL_REPEATS = 7  # timed steps per thread count, interleaved (a burst of load hits every count alike)
+
+
+def thread_candidates() -> list[int]:
+    """The thread counts worth trying: one, and torch's default (the physical cores) when it is more."""
+    default = torch.get_num_threads()
+    return sorted({1, default})
+
+
+def fastest_threads(candidates: list[int] | None = None,
+                    repeats: int = THREAD_TRIAL_REPEATS) -> tuple[int, dict[str, float]]:
+    """The thread count under which a small model's training step (the quick start's size: 2 layers,
+    hidden 128, ctx 256) runs fastest here now, and the median step seconds of each. The counts take
+    turns step by step, so load from other processes weighs on all of them alike. On a loaded two-core
+    machine one thread wins by far (two spin-wait on each other); on an idle one, usually all cores."""
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, train_step
+
+    candidates = candidates or thread_candidates()
+    before = torch.get_num_threads()
+    spec = ModelSpec(arch="llama", layers=2, hidden=128, heads=2, kv_heads=2, ffn=384, vocab=4096, tied=True)
+    setup = TrainSetup(ctx=256, micro_batch=2, precision="fp32", attention="sdpa", optimizer="adamw")
+    gen = torch.Generator().manual_seed(0)
+    model = build_model(spec, "sdpa")
+    opt = make_optimizer(model, "adamw")
+    batch = [(torch.randint(0, spec.vocab, (2, 256), generator=gen),
+              torch.randint(0, spec.vocab, (2, 256), generator=gen))]
+    times: dict[int, list[float]] = {n: [] for n in candidates}
+    try:
+        for i in range(repeats + 1):
+            for n in candidates:
+                torch.set_num_threads(n)
+                t0 = time.perf_counter()
+                train_step(model, opt, batch, setup, "cpu")
+                if i:  # the first round warms up
+                    times[n].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    best = min(candidates, key=lambda n: (medians[n], n))
+    return best, {str(n): medians[n] for n in candidates}
 
 
 # ---- timing --------------------------------------------------------------------------------
@@ -680,9 +768,15 @@ def matmul_dtypes(family: str) -> list[str]:
 
 
 def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "wall",
-              progress: Callable[[str, float], None] | None = None) -> Calibration:
+              progress: Callable[[str, float], None] | None = None, choose_threads: bool = False,
+              share_clock: bool = False) -> Calibration:
     """Measure the local device within about ``seconds`` (the smallest case of every table is measured
-    even when the budget is spent). ``threads`` pins torch's CPU threads (default: as they are);
+    even when the budget is spent). ``threads`` pins torch's CPU threads (default: as they are, or with
+    ``choose_threads`` on a CPU, the fastest of one and all cores by ``fastest_threads``, recorded in
+    ``thread_seconds``); with ``share_clock``, a one-thread CPU calibration times by CPU time (``clock``
+    cpu) and records ``cpu_share``, the share of the core the process got (CPU time / wall time over
+    the calibration): a busy machine's kernel rates then come out as an idle core's, and memplan's step
+    time adds the time other processes hold the core (``memplan.timing``'s contention term);
     ``clock`` is ``wall`` or, for a one-thread CPU calibration on a shared machine, ``cpu``: timings and
     the budget then run on the process's CPU time, so a loaded machine measures the same shapes (in
     more wall time) as an idle one.
@@ -697,16 +791,24 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         torch.set_num_threads(threads)
     family = local_family()
     clock_function(clock)
+    thread_seconds: dict[str, float] = {}
+    if threads is None and choose_threads and family == "cpu" and clock == "wall":
+        if progress is not None:
+            progress("threads", 0.0)
+        best, thread_seconds = fastest_threads()
+        torch.set_num_threads(best)
+    if (share_clock or choose_threads) and family == "cpu" and torch.get_num_threads() == 1:
+        clock = "cpu"
     if clock == "cpu" and (family != "cpu" or torch.get_num_threads() != 1):
         raise InputError(f"--clock cpu measures one CPU thread; this run has device {family} and "
                          f"{torch.get_num_threads()} thread(s) (use --threads 1 on a CPU, or --clock wall)")
     device = _torch_device(family)
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     total, usable, source = device_memory(family)
     cal = Calibration(family=family, title=device_title(family), threads=torch.get_num_threads(),
                       torch_version=torch.__version__, started=_dt.datetime.now().isoformat(timespec="seconds"),
                       memory_total_bytes=total, memory_usable_bytes=usable, memory_source=source,
-                      runtime_context_bytes=runtime_context_bytes(family))
+                      runtime_context_bytes=runtime_context_bytes(family), thread_seconds=thread_seconds)
     plan = seconds * PLANNED_SHARE  # measurements overrun their shares a little (the smallest cases always run)
     timer = _Clock(device, deadline=0.0, clock=clock)  # budgets run on the measuring clock: CPU time with cpu
     t0 = timer.now()
@@ -765,6 +867,8 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         torch.set_grad_enabled(was_grad)
     cal.noise = statistics.median(timer.spreads) if timer.spreads else 0.0
     cal.seconds = time.perf_counter() - wall0
+    if clock == "cpu" and cal.seconds > 0:
+        cal.cpu_share = min(1.0, (time.process_time() - cpu0) / cal.seconds)
     return cal
 
 
@@ -891,6 +995,10 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
         calibrated["first_touch_threshold_bytes"] = int(cal.first_touch_threshold_bytes or GLIBC_MMAP_THRESHOLD_MAX)
     if cal.skipped:
         calibrated["skipped"] = list(cal.skipped)
+    if cal.thread_seconds:  # the thread trial: median step seconds per thread count (the fastest was used)
+        calibrated["thread_seconds"] = dict(cal.thread_seconds)
+    if cal.cpu_share:
+        calibrated["cpu_share"] = cal.cpu_share
     reader = {"cuda": "nvml", "rocm": "rocm-smi", "mps": "mps", "cpu": "psutil"}[cal.family]
     return {
         "name": name,
@@ -931,3 +1039,34 @@ def profile_toml(data: dict) -> str:
     text = _INNER_ARRAY.sub(lambda m: "[" + ", ".join(x.strip().rstrip(",") for x in m.group(1).splitlines()) + "]",
                             text)
     return "# Written by `memplan calibrate`; the schema is documented in memplan/hardware.py.\n" + text
+
+
+# ---- in a process of its own ---------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m trainer.calibrate SECONDS OUT NAME [THREADS]``: calibrate this machine in a fresh process
+    (the quick start's calibration: its measurements leave nothing in the training process, and the
+    runtime context is measured in a process that has done nothing else) and write the profile TOML to
+    OUT as profile NAME. Progress goes to stdout as JSON lines ``{"stage": ..., "done": ...}``; the last line is
+    ``{"finished": true, "threads": N, "noise": x, "seconds": s}``."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    seconds, out, name = float(args[0]), args[1], args[2]
+    threads = int(args[3]) if len(args) > 3 and args[3] else None
+
+    def progress(stage: str, done: float) -> None:
+        sys.stdout.write(json.dumps({"stage": stage, "done": done}) + "\n")
+        sys.stdout.flush()
+
+    cal = calibrate(seconds, threads=threads, progress=progress, choose_threads=threads is None, share_clock=True)
+    text = profile_toml(profile_data(cal, name, None))
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    sys.stdout.write(json.dumps({"finished": True, "threads": cal.threads, "noise": cal.noise,
+                                 "seconds": cal.seconds}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

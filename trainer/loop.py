@@ -398,6 +398,8 @@ class Trainer:
             self.device = self.dist.device
 
         set_matmul_precision(self.setup.precision)
+        if self.device.type == "cpu":  # what preparing data or planning left in the C heap is not the runtime's
+            _trim_heap()
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
         if self.dist.world_size > 1:  # DDP or FSDP2; the plain module (FSDP2's is sharded in place) as self.model
             self.wrapped = distributed.build_wrapped_model(plan.model, self.setup, self.dist, config.seed)
@@ -1027,6 +1029,20 @@ class Trainer:
                           train_seconds=self.train_seconds, last_loss=last_train.get("loss") if last_train else None,
                           last_eval=self.last_eval, checkpoint=checkpoint, report=report,
                           samples=(self.last_eval or {}).get("samples", []))
+
+
+def _trim_heap() -> None:
+    """Collect garbage and give the C heap's free pages back to the OS (glibc's malloc_trim), so that the
+    process's resident memory is what it uses (the runtime context that calibration measured the same way)."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _process_rss() -> int | None:

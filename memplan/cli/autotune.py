@@ -11,7 +11,8 @@ import typer
 from memplan.cli import app
 from memplan.cli.fit import fits, print_fields
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
-                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, TiedOpt, VocabOpt, device_from, model_from,
+                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt,
+                                 local_device_from, model_from, threads_from, with_rates,
                                  print_json)
 from memplan.errors import InputError
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count, parse_size
@@ -93,7 +94,7 @@ def _cells(c, opts: list[str]) -> list[str]:
             s.attention, s.precision, ("either" if len(opts) > 1 else opts[0]) + (" +compile" if s.compile else "")]
 
 
-def print_result(result, top: int) -> None:
+def print_result(result, top: int, rates_note: str | None = None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
@@ -103,6 +104,7 @@ def print_result(result, top: int) -> None:
     print_fields(console, [
         ("Model", f"{escape(spec.name or 'custom')}: {escape(spec.describe())}  ({spec.params:,} parameters)"),
         ("Device", f"{escape(device.name)} ({escape(device.title)}): {format_bytes(device.usable_bytes)} usable"),
+        *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
         ("Budget", f"{format_bytes(result.budget_bytes)}: the predicted peak must stay under "
                    f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})"),
         ("Global batch", f"{result.global_batch_tokens:,} tokens = {result.global_batch_sequences} sequences of "
@@ -228,7 +230,7 @@ def autotune_command(
     ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
     budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
     verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
-    json: JsonOpt = False,
+    json: JsonOpt = False, threads: ThreadsOpt = None,
 ) -> None:
     """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
     plan that fits the memory budget at the global batch asked; --verify runs it for real."""
@@ -236,8 +238,9 @@ def autotune_command(
 
     if global_batch_tokens is not None and global_batch is not None:
         raise InputError("give --global-batch-tokens N or --global-batch N (sequences), not both")
+    n_threads = threads_from(threads)
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
-    dev = device_from(device, device_memory)
+    dev, rates_note = local_device_from(device, device_memory, n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
         global_batch_tokens=parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else None,
@@ -246,7 +249,7 @@ def autotune_command(
         tokens=parse_count(tokens, "--tokens") if tokens else None,
         world_size=parse_count(world_size, "--world-size"))
     if not json:
-        print_result(result, top)
+        print_result(result, top, rates_note)
 
     verification = None
     if verify and result.world_size > 1:
@@ -255,12 +258,22 @@ def autotune_command(
                          f"{result.world_size}` or trained with `torchrun --nproc-per-node {result.world_size} -m "
                          "trainer --plan PLAN`")
     if verify and result.plan is not None:
-        from trainer.verify import verify as run_verify
+        from memplan.local import chosen_threads
+        from trainer.verify import TrialRunner, verify as run_verify
 
+        # the trials run with the threads the rates were measured with (else the count calibration chose)
+        n = n_threads or int(dev.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
         if not json:
-            print(f"Verifying on this machine ({verify_steps} steps per trial)...", flush=True)
+            print(f"Verifying on this machine ({verify_steps} steps per trial"
+                  + (f", {n} thread{'s' if n != 1 else ''}" if n else "") + ")...", flush=True)
         started = time.perf_counter()
-        verification = run_verify(result, steps=verify_steps, on_attempt=None if json else print_attempt)
+        runner = TrialRunner(env={"OMP_NUM_THREADS": str(n)} if n else None) if n else None
+        if runner is not None:
+            with runner:
+                verification = run_verify(result, steps=verify_steps, runner=runner,
+                                          on_attempt=None if json else print_attempt)
+        else:
+            verification = run_verify(result, steps=verify_steps, on_attempt=None if json else print_attempt)
         if not json:
             print_verification(verification)
             print(f"verify took {format_seconds(time.perf_counter() - started)}")
@@ -276,4 +289,4 @@ def autotune_command(
             if not json:
                 print(f"Wrote {out}")
     if json:
-        print_json(result.to_json(verification))
+        print_json(with_rates(result.to_json(verification), rates_note))

@@ -25,14 +25,15 @@ SecondsOpt = Annotated[str, typer.Option(
                       "CPU seconds with --clock cpu.")]
 ThreadsOpt = Annotated[Optional[str], typer.Option(
     "--threads", help="torch CPU threads to measure with (recorded in the profile; train with the same). "
-                      "Default: torch's default, the physical cores.", show_default=False)]
+                      "Default on a CPU: the faster of one thread and all cores, timed first on a small "
+                      "training step.", show_default=False)]
 ClockOpt = Annotated[str, typer.Option(
     "--clock", help="wall | cpu. cpu times one CPU thread by its process CPU time, which leaves out the time "
                     "other processes hold the core (shared machines); needs --threads 1.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")]
 
 
-NOISY = 0.15  # a median spread of repeated timings above this gets a note: the machine was busy
+from memplan.local import NOISY  # noqa: E402  (a spread above it: the machine was busy)
 
 DEFAULT_SECONDS = "50"  # measurements plan 80% of it; with torch's import the command ends within a minute
 
@@ -100,8 +101,9 @@ def _print_summary(console, device, cal, out: Path) -> None:
     for name, (per_param, per_tensor) in cal.optimizer.items():
         t.add_row(f"optimizer {name}", f"{per_param * 1e9:,.2f} ns/param", f"+ {per_tensor * 1e6:,.1f} µs/tensor")
     t.add_row("memory", format_bytes(cal.memory_total_bytes), f"{format_bytes(cal.memory_usable_bytes)} usable")
-    t.add_row("threads", str(cal.threads), f"clock: {cal.clock}")
-    t.add_row("noise", f"{cal.noise:.0%}", "spread of repeated timings: IQR / median")
+    trial = ", ".join(f"{n}: {s * 1e3:,.1f} ms" for n, s in cal.thread_seconds.items())
+    t.add_row("threads", str(cal.threads), f"clock: {cal.clock}" + (f"; small step with {trial}" if trial else ""))
+    t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings")
     print_fitted(console, t)  # (memplan/cli/fit.py: borderless where the rows would wrap)
     if cal.noise > NOISY:
         console.print(f"[yellow]note[/]: repeated timings spread by {cal.noise:.0%} (IQR / median): other processes "
@@ -153,7 +155,7 @@ def calibrate_command(
                TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=json) as progress:
         task = progress.add_task("starting", total=1.0)
-        cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock,
+        cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock, choose_threads=n_threads is None,
                                 progress=lambda stage, done: progress.update(task, description=stage, completed=done))
     base = match_profile(cal.title, cal.family) if cal.family != "cpu" else None
     name = device_name.strip() if device_name else (f"{base.name}-calibrated" if base else _slug(cal.title))

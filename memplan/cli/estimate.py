@@ -11,7 +11,8 @@ from memplan.cli.fit import print_described, print_fields
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
-                                 WorldSizeOpt, device_from, model_from, print_json, setup_from)
+                                 WorldSizeOpt, local_device_from, model_from, print_json, setup_from,
+                                 with_rates)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
 
@@ -46,7 +47,7 @@ _TERM_HELP = {
     "activations": "saved for backward; token ids",
     "logits": "LM head output, fp32 loss",
     "temporaries": "gradients in flight, scratch",
-    "runtime": "context + allocator reserve",
+    "runtime": "context + allocator reserve (CPU: + C heap)",
 }
 
 
@@ -57,8 +58,9 @@ _SHARDED_HELP = {  # per device, under --world-size N
 }
 
 
-def print_estimate(est) -> None:
+def print_estimate(est, rates_note: str | None = None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -102,7 +104,9 @@ def print_estimate(est) -> None:
 
     from memplan.cli.time_table import print_time_table
 
-    print_time_table(console, t)
+    print_time_table(console, t, caption=not rates_note)
+    if rates_note:  # this machine's calibration or the nominal figures: one line, in place of the caption
+        console.print(f"[dim]{escape(rates_note)}[/]")
     line = (f"{format_count(t.flops_per_step)}FLOP per step, {t.tokens_per_second:,.0f} tokens/s, "
             f"MFU {t.mfu:.0%}")
     c = t.communication
@@ -125,8 +129,9 @@ _INFERENCE_HELP = {
 }
 
 
-def print_inference(est) -> None:
+def print_inference(est, rates_note: str | None = None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -137,6 +142,7 @@ def print_inference(est) -> None:
                 f"KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}"),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                    f"{format_bytes(device.usable_bytes)} usable"),
+        *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
     ])
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
 
@@ -195,7 +201,7 @@ def estimate_command(
     if mode == "inference":
         from memplan.inference import InferenceSetup, estimate_inference
 
-        dev = device_from(device, device_memory)
+        dev, rates_note = local_device_from(device, device_memory)
         setup = InferenceSetup(
             ctx=parse_count(ctx, "--ctx", binary=True), batch=parse_count(batch, "--batch"),
             prompt=parse_count(prompt_tokens, "--prompt-tokens", binary=True) if prompt_tokens else None,
@@ -203,9 +209,9 @@ def estimate_command(
             kv_dtype=kv_dtype, sampling=sampling)
         est = estimate_inference(spec, setup, dev)
         if json:
-            print_json(est.to_json())
+            print_json(with_rates(est.to_json(), rates_note))
         else:
-            print_inference(est)
+            print_inference(est, rates_note)
         return
     for flag, value in (("--weights-dtype", weights_dtype), ("--kv-dtype", kv_dtype),
                         ("--prompt-tokens", prompt_tokens)):
@@ -216,9 +222,9 @@ def estimate_command(
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
-    dev = device_from(device, device_memory)
+    dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
     if json:
-        print_json(est.to_json())
+        print_json(with_rates(est.to_json(), rates_note))
     else:
-        print_estimate(est)
+        print_estimate(est, rates_note)

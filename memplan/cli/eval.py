@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
-from memplan.cli.options import JsonOpt
+from memplan.cli.options import JsonOpt, ThreadsOpt, threads_from, use_threads
 
 RunOpt = Annotated[str, typer.Option("--run", help="The run directory (what `memplan train --out` wrote).",
                                      show_default=False)]
@@ -27,7 +27,8 @@ MaxBatchesOpt = Annotated[Optional[str], typer.Option(
 
 @app.command("eval")
 def eval_command(run: RunOpt, data: DataOpt = None, checkpoint: CheckpointOpt = None, ctx: CtxOpt = None,
-                 batch: BatchOpt = None, max_batches: MaxBatchesOpt = None, json: JsonOpt = False) -> None:
+                 batch: BatchOpt = None, max_batches: MaxBatchesOpt = None, json: JsonOpt = False,
+                 threads: ThreadsOpt = None) -> None:
     """Held-out loss and perplexity of a run, per source and overall, on its own split or another corpus."""
     from memplan.units import parse_count
 
@@ -36,10 +37,12 @@ def eval_command(run: RunOpt, data: DataOpt = None, checkpoint: CheckpointOpt = 
     config = EvalConfig(ctx=parse_count(ctx, "--ctx", binary=True) if ctx else None,
                         batch=parse_count(batch, "--batch") if batch else None,
                         max_batches=parse_count(max_batches, "--max-batches") if max_batches else None)
+    threads_from(threads)  # a bad value is refused before torch starts
 
     from trainer.evaluate import evaluate_run
     from trainer.loop import torch_device_for
 
+    use_threads(threads)
     result = evaluate_run(run, data, config, checkpoint=checkpoint, device=torch_device_for())
     if json:
         from memplan.cli.options import print_json

@@ -10,7 +10,7 @@ import typer
 from memplan.cli import app
 from memplan.cli.fit import print_fields
 from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, OptimizerOpt,
-                                 device_from)
+                                 ThreadsOpt, device_from, threads_from)
 from memplan.errors import InputError
 
 RunOpt = Annotated[str, typer.Option("--run", help="The trained run to start from (its newest checkpoint).")]
@@ -63,6 +63,7 @@ def finetune_command(
     global_batch_tokens: GlobalBatchOpt = None, budget: BudgetOpt = None, max_steps: MaxStepsOpt = None,
     lr: LrOpt = None, save_every: SaveEveryOpt = None, eval_every: EvalEveryOpt = None, seed: SeedOpt = 0,
     resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Finetune a trained run on instructions (loss on the responses only), with LoRA or every weight; planned,
     checkpointed and resumable like `memplan train`."""
@@ -73,11 +74,17 @@ def finetune_command(
     from memplan.units import format_bytes, parse_count, parse_size
 
     console = Console()
+    n_threads = threads_from(threads)
     profile = device_from(device, device_memory)
-    if device is None:  # the local device: its cached measured rates (memplan train's), where there are some
+    from memplan.local import means_this_machine
+
+    if means_this_machine(device):  # the local device: its cached measured rates (memplan train's), if any
         from memplan.cli.train import local_calibration
 
-        profile, _ = local_calibration(profile, console, measure_now=False)
+        profile, _ = local_calibration(profile, console, measure_now=False, threads=n_threads)
+    from memplan.cli.train import _set_threads
+
+    _set_threads(n_threads, profile)
     out_dir = Path(out)
     if lora_rank < 0:
         raise InputError(f"--lora-rank: {lora_rank} must be 0 (full finetune) or a positive integer")

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.options import ThreadsOpt, threads_from, use_threads
 from memplan.errors import InputError
 
 _G = "Generation"
@@ -63,7 +64,7 @@ def generate_command(
     run: RunOpt, prompt: PromptOpt = "", max_new_tokens: MaxNewOpt = "128", greedy: GreedyOpt = False,
     temperature: TemperatureOpt = "0.8", top_k: TopKOpt = "50", top_p: TopPOpt = "1.0",
     repetition_penalty: RepetitionOpt = "1.0", seed: SeedOpt = "0", checkpoint: CheckpointOpt = None,
-    json: JsonOpt = False,
+    json: JsonOpt = False, threads: ThreadsOpt = None,
 ) -> None:
     """Continue --prompt with the run's model: tokens stream to stdout; tokens/s and a repetition score to stderr."""
     from rich.console import Console
@@ -76,11 +77,13 @@ def generate_command(
         temperature=parse_float(temperature, "--temperature"), top_k=parse_int(top_k, "--top-k"),
         top_p=parse_float(top_p, "--top-p"), repetition_penalty=parse_float(repetition_penalty, "--repetition-penalty"),
         seed=parse_int(seed, "--seed"))
+    threads_from(threads)  # a bad value is refused before torch starts
 
     from trainer.generate import SamplingConfig, context_window, generate_text
     from trainer.loop import load_trained, torch_device_for
 
     config = SamplingConfig(**config_kwargs)
+    use_threads(threads)
     device = torch_device_for()
     model, tokenizer, meta = load_trained(run, device=device, checkpoint=checkpoint)
     precision = inference_precision(meta["plan"]["setup"]["precision"], device.type)

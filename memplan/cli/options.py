@@ -9,11 +9,13 @@ every bad value surfaces as one ``InputError`` line.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated, Optional
 
 import typer
 
+from memplan.errors import InputError
 from memplan.units import parse_count, parse_size
 
 _M, _S, _D = "Model", "Setup", "Device"
@@ -62,6 +64,12 @@ DeviceMemoryOpt = Annotated[Optional[str], typer.Option(
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (keys documented in docs/json.md) instead of tables.")]
 
+# ---- RUNTIME (every command that runs torch) -----------------------------------------------
+ThreadsOpt = Annotated[Optional[str], typer.Option(
+    "--threads", help="torch CPU threads. Default: the count this machine's calibration measured fastest (one "
+                      "thread beats all cores on a small or busy machine), else torch's default.",
+    show_default=False)]
+
 
 def model_from(params=None, model=None, arch=None, layers=None, hidden=None, heads=None, kv_heads=None,
                ffn=None, vocab=None, tied=None):
@@ -89,6 +97,49 @@ def device_from(device=None, device_memory=None):
     from memplan.hardware import resolve_device
 
     return resolve_device(device, parse_size(device_memory, "--device-memory") if device_memory else None)
+
+
+def threads_from(text: str | None) -> int | None:
+    """``--threads N`` parsed (None when not given); a bad value is one InputError line."""
+    if text is None:
+        return None
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InputError(f"--threads: {text!r} is not a positive whole number; accepted: 1 up to this machine's "
+                         f"cores, e.g. 1 or {os.cpu_count() or 1}")
+    return n
+
+
+def use_threads(text: str | None) -> int:
+    """Set torch's CPU threads for this process: ``--threads`` if given, else the count this machine's CPU
+    calibration chose (``memplan.local.chosen_threads``), else torch's default. Returns the count in use."""
+    n = threads_from(text)
+    if n is None:
+        from memplan.local import chosen_threads
+
+        n = chosen_threads("cpu")
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def with_rates(data: dict, note: str | None) -> dict:
+    """A command's JSON with ``rates``: the one line saying where the local device's rates come from (this
+    machine's calibration, or the profile's nominal figures); absent for a named profile of another device."""
+    return {**data, "rates": note} if note else data
+
+
+def local_device_from(device=None, device_memory=None, threads: int | None = None):
+    """``device_from`` with this machine's cached calibration applied where the device is this machine
+    (``memplan.local.local_profile``): (device, one line saying where its rates come from, or None)."""
+    from memplan.local import local_profile
+
+    return local_profile(device, parse_size(device_memory, "--device-memory") if device_memory else None, threads)
 
 
 def print_json(data) -> None:

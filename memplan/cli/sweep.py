@@ -17,9 +17,10 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.options import local_device_from, with_rates  # noqa: I001
 from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt,
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
-                                 ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, device_from, model_from, print_json,
+                                 ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, model_from, print_json,
                                  setup_from)
 from memplan.errors import InputError
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count
@@ -104,8 +105,9 @@ def gib_text(n_bytes: float) -> str:
 
 # ---- terminal ------------------------------------------------------------------------------
 
-def print_sweep(sw) -> None:
+def print_sweep(sw, rates_note: str | None = None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -116,6 +118,7 @@ def print_sweep(sw) -> None:
     print_fields(console, [
         ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
         ("Device", f"{dev.name} ({dev.title}): {format_bytes(dev.memory_bytes)}, {format_bytes(dev.usable_bytes)} usable"),
+        *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
         ("Setup", f"{fixed_words(sw)}; {sw.axes.cells} settings, {len(sw.fitting)} fit"),
     ])
     per_row = len(sw.axes.micro_batch)  # cells are in rows of micro-batches, rows in order of context
@@ -531,15 +534,15 @@ def sweep_command(
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
     base = setup_from(str(axes.ctx[0]), str(axes.micro_batch[0]), grad_accum, axes.precision[0], axes.attention[0],
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)
-    dev = device_from(device, device_memory)
+    dev, rates_note = local_device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
     if html is not None and html.is_dir():
         raise InputError(f"--html: {str(html)!r} is a directory; give a file name such as sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens)
     if json:
-        print_json(sw.to_json())
+        print_json(with_rates(sw.to_json(), rates_note))
     else:
-        print_sweep(sw)
+        print_sweep(sw, rates_note)
     if html is not None:
         from memplan.report import write_page
 

@@ -16,10 +16,12 @@ TERM_HELP = {
     "data": "token ids to the device",
     "communication": "all-reduce (DDP) / gathers (FSDP)",
     "launch": "dispatching each aten op (host)",
+    "contention": "other processes holding the core (calibrated share)",
 }
 
 # The JSON says "memory" for a term limited by memory traffic; a person reads "bandwidth".
-BOUND_LABEL = {"compute": "compute", "memory": "bandwidth", "launch": "launch", "none": ""}
+BOUND_LABEL = {"compute": "compute", "memory": "bandwidth", "launch": "launch", "contention": "other processes",
+               "none": ""}
 
 
 def format_term_seconds(s: float) -> str:
@@ -32,7 +34,7 @@ def format_term_seconds(s: float) -> str:
 
 
 # The narrow table's bound labels (with a legend under it): "bandwidth" is the widest word of the wide one.
-SHORT_BOUND_LABEL = {"compute": "compute", "memory": "mem", "launch": "launch", "none": ""}
+SHORT_BOUND_LABEL = {"compute": "compute", "memory": "mem", "launch": "launch", "contention": "others", "none": ""}
 
 
 def _bound_text(term, labels: dict) -> str:
@@ -43,15 +45,16 @@ def _bound_text(term, labels: dict) -> str:
     return bound
 
 
-def time_table(t, title: str = "Time per step", *, narrow: bool = False):
+def time_table(t, title: str = "Time per step", *, narrow: bool = False, caption: bool = True):
     """A rich Table of a TimeBreakdown: every term that takes time, its share of the step, what bounds it
     (compute, memory bandwidth or op dispatch) and the FLOPs and bytes it moves.
 
     ``narrow`` (for an 80-column terminal): no "what it counts" column and "mem" for memory bandwidth;
-    print ``time_table_legend(t)`` under it."""
+    print ``time_table_legend(t)`` under it. ``caption``: where the rates come from, under it (off where the
+    caller prints that line itself)."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", caption=None if narrow else f"rates: {t.rate_source}",
+    table = Table(title=title, title_justify="left", caption=f"rates: {t.rate_source}" if caption and not narrow else None,
                   caption_justify="left")
     table.add_column("term", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
@@ -75,8 +78,9 @@ def time_table(t, title: str = "Time per step", *, narrow: bool = False):
     return table
 
 
-def time_table_legend(t):
-    """What the narrow table leaves out, under it: each term's meaning, "mem", the op count and the rates."""
+def time_table_legend(t, rates: bool = True):
+    """What the narrow table leaves out, under it: each term's meaning, "mem", the op count and (``rates``)
+    where the rates come from."""
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 2))
@@ -88,18 +92,19 @@ def time_table_legend(t):
     grid.add_row("mem", "memory bandwidth; (N% mem): the other bound's share of the time")
     if t.dispatches:
         grid.add_row("step", f"{t.dispatches:,} aten ops dispatched")
-    grid.add_row("rates", t.rate_source)
+    if rates:
+        grid.add_row("rates", t.rate_source)
     return grid
 
 
-def print_time_table(console, t, title: str = "Time per step") -> None:
+def print_time_table(console, t, title: str = "Time per step", caption: bool = True) -> None:
     """The time table at the console's width: wide with its "what it counts" column where that fits on one
     line per row, else narrow with the legend under it."""
     from memplan.cli.fit import fits
 
-    table = time_table(t, title)
+    table = time_table(t, title, caption=caption)
     if fits(console, table):
         console.print(table)
     else:
         console.print(time_table(t, title, narrow=True))
-        console.print(time_table_legend(t))
+        console.print(time_table_legend(t, rates=caption))

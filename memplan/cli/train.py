@@ -23,7 +23,8 @@ from memplan.cli import app
 from memplan.cli.fit import print_hanging
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KvHeadsOpt, LayersOpt, ModelOpt,
-                                 OptimizerOpt, ParamsOpt, PrecisionOpt, TiedOpt, VocabOpt, device_from, model_from)
+                                 OptimizerOpt, ParamsOpt, PrecisionOpt, ThreadsOpt, TiedOpt, VocabOpt, device_from,
+                                 model_from, threads_from)
 from memplan.errors import InputError
 
 QUICKSTART_MINUTES = 3.0  # `memplan train` alone trains this long
@@ -139,7 +140,8 @@ def train_command(
     sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None, max_nonfinite: MaxNonfiniteOpt = None,
     verify_data: VerifyDataOpt = None,
     global_batch_tokens: GlobalBatchTokensOpt = None, budget: BudgetOpt = None, margin: MarginOpt = "0.1",
-    nproc: NprocOpt = None, sharding: TrainShardingOpt = None, click_ctx: typer.Context = None,
+    nproc: NprocOpt = None, sharding: TrainShardingOpt = None, threads: ThreadsOpt = None,
+    click_ctx: typer.Context = None,
 ) -> None:
     """Train a model on a plan and measure it against memplan's predictions; alone, a short run on the embedded corpus."""
     from rich.console import Console
@@ -149,6 +151,7 @@ def train_command(
     console = Console(stderr=True, highlight=False)
     if report:
         return _report_only(out, console)
+    n_threads = threads_from(threads)
     if sharding is not None and sharding not in ("ddp", "fsdp"):
         raise InputError(f"--sharding: {sharding!r} (accepted: ddp, fsdp; training in one process shards nothing)")
     n = parse_count(nproc, "--nproc") if nproc is not None else 1
@@ -175,7 +178,7 @@ def train_command(
                        weight_decay=weight_decay, clip=clip, keep=keep, eval_batches=eval_batches,
                        sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
                        verify_data=verify_data, global_batch_tokens=global_batch_tokens, budget=budget,
-                       margin=margin, sharding=sharding)
+                       margin=margin, sharding=sharding, threads=n_threads)
     finally:
         distributed.shutdown()
 
@@ -184,7 +187,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
                    params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
                    precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
                    min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
-                   verify_data, global_batch_tokens, budget, margin, sharding) -> None:
+                   verify_data, global_batch_tokens, budget, margin, sharding, threads=None) -> None:
     from memplan.units import parse_count
     from trainer import distributed
     from trainer.data import PreparedData
@@ -219,10 +222,13 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
     quickstart = not plan and not given_model and not given_setup and not resume
 
     profile = device_from(device, device_memory)
-    if device is None:  # the local device: plan with its measured rates where memplan has them
-        profile, rates_note = local_calibration(profile, console, measure_now=quickstart)
+    from memplan.local import means_this_machine
+
+    if means_this_machine(device):  # the local device: plan with what it measured, where memplan has it
+        profile, rates_note = local_calibration(profile, console, measure_now=quickstart, threads=threads)
     else:
         rates_note = None
+    _set_threads(threads, profile)
     if resume:
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
@@ -338,70 +344,127 @@ def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, con
 
 def calibration_cache(family: str, title: str, threads: int, torch_version: str) -> Path:
     """Where the local device's calibration is kept: one TOML per device, torch threads and torch version."""
-    from memplan.cli.calibrate import _slug
+    from memplan.local import calibration_path
 
-    return cache_dir() / "calibrated" / f"{family}-{_slug(title)}-{threads}t-torch{_slug(torch_version)}.toml"
+    return calibration_path(family, title, threads, torch_version)
 
 
-def local_calibration(profile, console, measure_now: bool):
-    """The local ``profile`` with rates this machine measured: a cached ``memplan calibrate``-style
-    calibration if there is one; else, with ``measure_now`` (the quick start), a short calibration
-    (QUICKSTART_CALIBRATE_SECONDS) run now and cached; else the profile as it is. Returns the profile
-    and a line saying where its rates come from (printed once the run's options are all accepted, so
-    that an error stays one line)."""
-    from memplan.compat import tomllib
+CALIBRATE_ATTEMPTS = 2  # the quick start measures again once when the first calibration is too noisy to keep
 
-    import torch
 
-    from memplan.cli.calibrate import write_atomically
-    from memplan.hardware import device_from_toml
-    from trainer import calibrate as cal_mod
+def local_calibration(profile, console, measure_now: bool, threads: int | None = None):
+    """The local ``profile`` with what this machine measured (rates and runtime context): its cached
+    calibration (``memplan.local``) with ``threads`` torch threads (default: the count calibration
+    found fastest) if there is a trusted one; else, with ``measure_now`` (the quick start), a short
+    calibration (QUICKSTART_CALIBRATE_SECONDS) run now in a process of its own, and cached if its
+    timings are steady enough to trust (measured again once if not; a noisy one is used for this run
+    only, its spread printed); else the profile as it is. Returns the profile and a line saying
+    where its rates come from (printed once the run's options are all accepted, so that an error
+    stays one line)."""
+    from memplan import local
 
     if profile.calibrated:
         return profile, None
-    from memplan.cli.calibrate import NOISY
-
-    family = cal_mod.local_family()
-    path = calibration_cache(family, cal_mod.device_title(family), torch.get_num_threads(), torch.__version__)
-    cached = None
-    if path.is_file():
-        try:
-            cached = device_from_toml(tomllib.loads(path.read_text()), str(path))
-        except (InputError, tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
-            cached = None  # measured again below, or the nominal rates
-    # A calibration taken while other processes competed for the device (repeated timings spread by
-    # more than NOISY) is used, but the quick start measures again and keeps the steadier of the two.
-    if cached is not None and (not measure_now or cached.calibrated.get("noise", 0) <= NOISY):
-        return profile.replace(calibrated=cached.calibrated), _rates_note(cached.calibrated, f"({path})")
+    family = profile.family
+    cached = local.find_calibration(family, threads)
+    if cached is not None:
+        return cached.applied(profile), cached.note()
+    noisy = local.find_noisy_calibration(family, threads)
+    if not measure_now and noisy is not None:
+        return local.context_only(profile, noisy)
     if not measure_now:
-        return profile, ("[dim]rates: the profile's nominal figures; `memplan calibrate` measures this machine "
+        return profile, ("[dim]rates: the profile's nominal figures; `memplan train` measures this machine once "
                          "(predictions of time are far closer afterwards)[/]")
+    measured = []  # each in a temporary file, removed below
+    try:
+        for attempt in range(CALIBRATE_ATTEMPTS):
+            try:
+                measured.append(_calibrate_in_child(profile.name, threads, console, again=attempt > 0))
+            except RuntimeError as e:
+                if measured:
+                    break
+                return profile, f"[yellow]rates: the profile's nominal figures[/] ({e})"
+            if measured[-1].trusted:
+                break
+        best = min(measured, key=lambda c: c.noise)
+        title = local.local_title(family)
+        version = local.torch_version()
+        path = local.calibration_path(family, title, best.threads, version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from memplan.cli.calibrate import write_atomically
+
+        if threads is None:  # the thread count it found fastest (steps interleaved) is this machine's default
+            seconds = best.calibrated.get("thread_seconds", {})
+            write_atomically(local.threads_path(family, title, version),
+                             "# the torch thread count `memplan train` measured fastest here\n"
+                             f"threads = {best.threads}\n"
+                             + "".join(f"seconds_{n}t = {v:.6g}\n" for n, v in seconds.items()))
+        if not best.trusted:  # kept apart, for its runtime memory only: never as this machine's rates
+            write_atomically(local.noisy_path(path), best.path.read_text())
+            return best.applied(profile), (
+                f"{best.note()} — [yellow]too noisy to keep[/] (other processes competed for the CPU): time "
+                f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again")
+        write_atomically(path, best.path.read_text())
+        local.noisy_path(path).unlink(missing_ok=True)
+    finally:
+        for cal in measured:
+            cal.path.unlink(missing_ok=True)
+    kept = local.read_calibration(path)
+    return kept.applied(profile), f"{kept.note()} (measured now in {kept.calibrated.get('seconds', 0):.0f} s; kept)"
+
+
+def _set_threads(threads: int | None, profile) -> int:
+    """torch's CPU threads for this run: --threads, else those the profile's rates were measured with,
+    else the count this machine's calibration chose, else torch's default."""
+    import torch
+
+    from memplan.local import chosen_threads
+
+    n = threads or int(profile.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def _calibrate_in_child(name: str, threads: int | None, console, again: bool = False):
+    """A calibration of QUICKSTART_CALIBRATE_SECONDS in a fresh process (``python -m trainer.calibrate``),
+    with a progress bar; returns it as a ``memplan.local.LocalCalibration`` read from a temporary file."""
+    import json
+    import subprocess
+    import tempfile
+
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("[bold]measuring this machine[/] {task.description:<18}"), BarColumn(),
+    from memplan import local
+
+    tmp = Path(tempfile.mkstemp(prefix="memplan-calibration-", suffix=".toml")[1])
+    args = [sys.executable, "-m", "trainer.calibrate", str(QUICKSTART_CALIBRATE_SECONDS), str(tmp), name,
+            str(threads or "")]
+    what = "measuring this machine" + (" again" if again else "")
+    columns = (TextColumn(f"[bold]{what}[/] {{task.description:<18}}"), BarColumn(),
                TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # this checkout importable in the child, as in this process
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("starting", total=1.0)
-        cal = cal_mod.calibrate(QUICKSTART_CALIBRATE_SECONDS,
-                                progress=lambda stage, done: progress.update(task, description=stage, completed=done))
-    text = cal_mod.profile_toml(cal_mod.profile_data(cal, profile.name, None))
-    measured = device_from_toml(tomllib.loads(text), str(path))
-    if cached is not None and cached.calibrated.get("noise", 0) <= measured.calibrated.get("noise", 0):
-        return profile.replace(calibrated=cached.calibrated), _rates_note(cached.calibrated, f"({path})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, text)
-    return profile.replace(calibrated=measured.calibrated), _rates_note(
-        measured.calibrated, f"in {cal.seconds:.0f} s (kept in {path}; `memplan calibrate` measures longer)")
-
-
-def _rates_note(calibrated: dict, where: str) -> str:
-    from memplan.cli.calibrate import NOISY
-
-    note = f"rates: measured on this machine {where}"
-    if calibrated.get("noise", 0) > NOISY:
-        note += (f"; [yellow]taken while the machine was busy[/] (timings spread {calibrated['noise']:.0%}), so "
-                 "time predictions are rough: `memplan calibrate` when it is idle")
-    return note
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for line in proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if "stage" in msg:
+                progress.update(task, description=msg["stage"], completed=msg["done"])
+        err = proc.stderr.read()
+        proc.wait()
+    cal = local.read_calibration(tmp) if proc.returncode == 0 else None
+    if cal is None:
+        tmp.unlink(missing_ok=True)
+        tail = [ln for ln in err.strip().splitlines() if ln.strip()]
+        raise RuntimeError(f"calibrating this machine failed (exit {proc.returncode})"
+                           + (f": {tail[-1][:300]}" if tail else ""))
+    return cal
 
 
 def measured_matmul_rate(seconds: float = 0.5) -> float:
@@ -509,10 +572,9 @@ def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_ba
 
 def cache_dir() -> Path:
     """$MEMPLAN_CACHE, else $XDG_CACHE_HOME/memplan, else ~/.cache/memplan."""
-    if os.environ.get("MEMPLAN_CACHE"):
-        return Path(os.environ["MEMPLAN_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "memplan"
+    from memplan.local import cache_dir as local_cache_dir
+
+    return local_cache_dir()
 
 
 def embedded_data_dir() -> Path:
@@ -824,9 +886,10 @@ def _print_summary(trainer, summary, sample) -> None:
                           f"measured by {trainer.monitor.source}")
             if trainer.device.type == "cpu" and trainer.baseline_bytes:
                 context = trainer.profile.runtime_context_bytes
+                whose = ("this machine's calibration measured a warmed-up process holding"
+                         if trainer.profile.calibrated else f"the {trainer.profile.name} profile's runtime context is")
                 print_hanging(out, "    ", f"(this process held {format_bytes(trainer.baseline_bytes)} before the "
-                              f"model existed; the {trainer.profile.name} profile's runtime context is "
-                              f"{format_bytes(context)})")
+                              f"model existed; {whose} {format_bytes(context)})")
         print_hanging(out, "  throughput: ", f"{tps:,.0f} tokens/s (median), predicted "
                       f"{pred['tokens_per_second']:,.0f}; MFU {mfu:.1%}")
     if summary.checkpoint:
@@ -864,7 +927,8 @@ def _launch(click_ctx, nproc: int, data: str | None, out: str | None, resume: bo
                              "tied", "batch", "grad_accum", "precision", "attention", "checkpointing",
                              "optimizer", "compile") if params.get(k) is not None]
         local_calibration(device_from(None, params.get("device_memory")), console,
-                          measure_now=not params.get("plan") and not flags)
+                          measure_now=not params.get("plan") and not flags,
+                          threads=threads_from(params.get("threads")))
     if not out and not resume:
         out = str(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
     argv += [*(["--data", data] if data else []), *(["--out", out] if out else [])]

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
-from memplan.cli.options import DeviceMemoryOpt, DeviceOpt, JsonOpt, print_json
+from memplan.cli.options import DeviceMemoryOpt, DeviceOpt, JsonOpt, ThreadsOpt, print_json, threads_from, use_threads
 
 MatrixOpt = Annotated[Optional[str], typer.Option(
     "--matrix", help="A bundled matrix name or a matrix TOML file (default: default; with --world-size > 1: "
@@ -88,7 +88,7 @@ def validation_page(device_name: str, rows, summary, ranks: int = 1):
 def validate_command(
     matrix: MatrixOpt = None, quick: QuickOpt = False, json: JsonOpt = False, html: HtmlOpt = None,
     no_trace: NoTraceOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    world_size: RanksOpt = "1", mode: ModeOpt = "training",
+    world_size: RanksOpt = "1", mode: ModeOpt = "training", threads: ThreadsOpt = None,
 ) -> None:
     """Predict, trace and really measure each config of a matrix on this device; print the errors and the bars.
 
@@ -104,7 +104,9 @@ def validate_command(
 
     if mode not in ("training", "inference"):
         raise choice_error("--mode", mode, ["training", "inference"])
+    threads_from(threads)  # a bad value is refused before torch starts
     if mode == "inference":
+        use_threads(threads)
         if world_size != "1":
             raise InputError("--mode inference measures one process; accepted with it: --world-size 1")
         return validate_inference(matrix or "default", quick, json, html, device, device_memory)
@@ -135,6 +137,8 @@ def validate_command(
     dev = device_from(device, device_memory)
 
     from trainer.validate import run_config, run_distributed
+
+    use_threads(threads)
 
     console = Console(stderr=json)
     if not console.is_terminal and not os.environ.get("COLUMNS"):  # COLUMNS set: that width

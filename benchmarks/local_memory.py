@@ -1,0 +1,127 @@
+"""The predicted peak against the measured peak on this machine's CPU, where memplan plans with this
+machine's calibration: the quick start, `memplan train` with a model and setup given, and
+`memplan autotune --verify`.
+
+In a fresh cache (so the quick start calibrates this machine first, in a process of its own): the
+quick start for a few seconds, then each TRAIN config for a few steps on the embedded corpus, then
+each VERIFY config through `autotune --verify`. For a run, measured = the largest steady-step peak
+resident memory the trainer logged (VmHWM per step, less the token shards' mapped pages) and
+predicted = the plan's peak_reserved (runtime context from the calibration + live tensors + the
+allocator's overhead); for a verify trial, both as `autotune --verify --json` reports them. The bar:
+predicted within ±10% of measured for every config.
+
+    python benchmarks/local_memory.py [--cache DIR] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BAR = 0.10
+# name, `memplan train` arguments (model and setup), steps
+TRAIN = [
+    ("2x128 ctx256 b4 sdpa", ["--layers", "2", "--hidden", "128", "--heads", "2", "--ffn", "384", "--ctx", "256",
+                              "--batch", "4"]),
+    ("4x256 ctx256 b8 eager", ["--layers", "4", "--hidden", "256", "--heads", "4", "--ffn", "768", "--ctx", "256",
+                               "--batch", "8", "--attention", "eager"]),
+    ("4x256 ctx512 b4 full-ckpt", ["--layers", "4", "--hidden", "256", "--heads", "4", "--ffn", "768", "--ctx", "512",
+                                   "--batch", "4", "--checkpointing", "full"]),
+    ("6x384 ctx256 b8 sdpa", ["--layers", "6", "--hidden", "384", "--heads", "6", "--ffn", "1024", "--ctx", "256",
+                              "--batch", "8"]),
+    ("8x512 ctx256 b4 selective", ["--layers", "8", "--hidden", "512", "--heads", "8", "--ffn", "1536", "--ctx",
+                                   "256", "--batch", "4", "--checkpointing", "selective"]),
+]
+# name, `memplan autotune` arguments (model, context, budget)
+VERIFY = [
+    ("2x128 600MiB", ["--layers", "2", "--hidden", "128", "--heads", "2", "--ffn", "384", "--ctx", "256",
+                      "--budget", "600MiB"]),
+    ("4x256 600MiB", ["--layers", "4", "--hidden", "256", "--heads", "4", "--ffn", "768", "--ctx", "256",
+                      "--budget", "600MiB"]),
+    ("4x256 1GiB ctx512", ["--layers", "4", "--hidden", "256", "--heads", "4", "--ffn", "768", "--ctx", "512",
+                           "--budget", "1GiB"]),
+    ("6x384 800MiB", ["--layers", "6", "--hidden", "384", "--heads", "6", "--ffn", "1024", "--ctx", "256",
+                      "--budget", "800MiB"]),
+    ("8x512 1GiB", ["--layers", "8", "--hidden", "512", "--heads", "8", "--ffn", "1536", "--ctx", "256",
+                    "--budget", "1GiB", "--global-batch-tokens", "8192"]),
+]
+
+
+def memplan(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+
+
+def run_figures(run: Path) -> dict:
+    """The predicted and measured peak and tokens/s of a training run, as its summary prints them."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    start = next(line for line in lines if line.get("event") == "start")
+    train = [line for line in lines if line.get("kind") == "train"]
+    steady = train[1:] or train
+    return {"predicted_peak": start["predicted"]["peak_reserved"],
+            "measured_peak": max(line["memory_bytes"] for line in steady if line.get("memory_bytes")),
+            "baseline": start.get("baseline_memory_bytes"),
+            "predicted_tps": start["predicted"]["tokens_per_second"],
+            "measured_tps": statistics.median(line["tokens_per_second"] for line in steady),
+            "steps": len(train)}
+
+
+def env_for(cache: Path) -> dict:
+    return {**os.environ, "MEMPLAN_CACHE": str(cache),
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cache", help="memplan cache directory (default: a fresh temporary one)")
+    ap.add_argument("--keep", help="write the runs here (default: a temporary directory)")
+    args = ap.parse_args()
+    cache = Path(args.cache or tempfile.mkdtemp(prefix="memplan-cache-"))
+    runs = Path(args.keep or tempfile.mkdtemp(prefix="memplan-runs-"))
+    env = env_for(cache)
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; cache {cache}", flush=True)
+    rows = []
+    quick = memplan("train", "--max-minutes", "0.1", "--out", str(runs / "quickstart"), "--sample-tokens", "0",
+                    env=env)
+    if quick.returncode != 0:
+        sys.exit(f"the quick start failed: {quick.stderr.strip()[-800:]}")
+    rates = next((ln.strip() for ln in quick.stderr.splitlines() if "rates:" in ln), "")
+    print(rates, flush=True)
+    data = next((cache / "data").iterdir())
+    rows.append(("train", "quick start", run_figures(runs / "quickstart")))
+    for name, flags in TRAIN:
+        out = runs / name.replace(" ", "_")
+        r = memplan("train", "--data", str(data), "--out", str(out), *flags, "--max-steps", "6",
+                    "--sample-tokens", "0", "--eval-every", "1000", env=env)
+        if r.returncode != 0:
+            sys.exit(f"{name}: {r.stderr.strip()[-800:]}")
+        rows.append(("train", name, run_figures(out)))
+    for name, flags in VERIFY:
+        r = memplan("autotune", *flags, "--vocab", "4096", "--verify", "--json", env=env)
+        if r.returncode != 0:
+            sys.exit(f"{name}: {r.stderr.strip()[-800:]}")
+        verified = json.loads(r.stdout)["verified"]
+        final = next(a for a in reversed(verified["attempts"]) if a["measured_peak"])
+        rows.append(("verify", name, {"predicted_peak": final["predicted_peak"], "measured_peak": final["measured_peak"],
+                                      "predicted_tps": final["predicted_tokens_per_second"],
+                                      "measured_tps": final["measured_tokens_per_second"]}))
+    print(f"\n{'':7}{'config':28}{'predicted':>12}{'measured':>12}{'error':>9}   tokens/s pred/meas")
+    worst = 0.0
+    for kind, name, f in rows:
+        err = (f["predicted_peak"] - f["measured_peak"]) / f["measured_peak"]
+        worst = max(worst, abs(err))
+        print(f"{kind:7}{name:28}{f['predicted_peak'] / 2**20:>9.1f} MiB{f['measured_peak'] / 2**20:>8.1f} MiB"
+              f"{err:>+9.1%}   {f['predicted_tps'] / f['measured_tps']:.2f}")
+    print(f"\nworst |error| {worst:.1%} (bar ±{BAR:.0%}): {'met' if worst <= BAR else 'MISSED'}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
