@@ -27,6 +27,8 @@ from memplan.errors import InputError
 
 QUICKSTART_MINUTES = 3.0  # `memplan train` alone trains this long
 QUICKSTART_CTX = 256  # the embedded corpus's documents are short; 256 tokens hold most of one
+# (ctx 128 trained to the same held-out loss in 1-minute trials; the quick start is not compiled: its model's
+# first compiled step took 22 s, for steps 2.6% faster after, on a 2-core CPU)
 QUICKSTART_LR = 2e-3  # 1-minute trials of the quick start's model: 6e-3 ended far above 3e-3, 2e-3 beat 3e-3 (bpe:4096),
 # and 1e-3..3e-3 were within the trials' noise at bpe:8192 (benchmarks/quickstart.py; 6e-4 is tuned for 125M)
 DEFAULT_CTX = 1024  # with MODEL flags, as the other commands
