@@ -22,9 +22,10 @@ median tokens/s and MFU of its steps, the steps and tokens trained, and the fina
     PYTHONPATH=$PWD python benchmarks/quickstart.py [--minutes 3] [--threads N] [--only old|new] [--json]
     python benchmarks/quickstart.py --render FIGURES.json   # a saved --json output, as text
 
-Everything (corpora, calibration, runs) goes to a temporary cache ($MEMPLAN_CACHE is set to it, and it
-is removed at the end), so neither the user's cache nor another benchmark's is read or written. The machine is shared: the
-figures come with the load average (``os.getloadavg``) before and after each run.
+Everything (corpora, calibration, runs) goes to a temporary cache ($MEMPLAN_CACHE is set to it, and
+it is removed at the end), so neither the user's cache nor another benchmark's is read or written.
+The machine is shared: the figures come with the load average (``os.getloadavg``) before and after
+each run.
 """
 
 from __future__ import annotations
