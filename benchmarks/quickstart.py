@@ -221,7 +221,8 @@ def render(figures: dict) -> str:
         lines.append(f"\nnew vs old: held-out loss {new['held_out_loss']:.3f} vs {old['held_out_loss']:.3f}, bits/byte "
                      f"{new['bits_per_byte']:.3f} vs {old['bits_per_byte']:.3f} "
                      f"({new['bits_per_byte'] / old['bits_per_byte'] - 1:+.1%}); tokens/s "
-                     f"{new['tokens_per_second'] / old['tokens_per_second']:.2f}x; MFU {new['mfu']:.1%} vs {old['mfu']:.1%}")
+                     f"{new['tokens_per_second'] / old['tokens_per_second']:.2f}x; "
+                     f"MFU {new['mfu']:.1%} vs {old['mfu']:.1%}")
     return "\n".join(lines)
 
 if __name__ == "__main__":

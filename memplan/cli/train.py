@@ -29,8 +29,9 @@ QUICKSTART_MINUTES = 3.0  # `memplan train` alone trains this long
 QUICKSTART_CTX = 256  # the embedded corpus's documents are short; 256 tokens hold most of one
 # (ctx 128 trained to the same held-out loss in 1-minute trials; the quick start is not compiled: its model's
 # first compiled step took 22 s, for steps 2.6% faster after, on a 2-core CPU)
-QUICKSTART_LR = 2e-3  # 1-minute trials of the quick start's model: 6e-3 ended far above 3e-3, 2e-3 beat 3e-3 (bpe:4096),
-# and 1e-3..3e-3 were within the trials' noise at bpe:8192 (benchmarks/quickstart.py; 6e-4 is tuned for 125M)
+# 1-minute trials of the quick start's model: 6e-3 ended far above 3e-3, 2e-3 beat 3e-3 (bpe:4096), and
+# 1e-3..3e-3 were within the trials' noise at bpe:8192 (benchmarks/quickstart.py; 6e-4 is tuned for 125M)
+QUICKSTART_LR = 2e-3
 DEFAULT_CTX = 1024  # with MODEL flags, as the other commands
 TOKENS_PER_PARAM = 20  # compute-optimal tokens per parameter (Hoffmann et al. 2022, Chinchilla)
 # The quick start's rung: the largest of the ladder predicted to train on Chinchilla's tokens per parameter in
