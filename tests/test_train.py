@@ -537,6 +537,39 @@ def test_without_a_plan_train_picks_a_model_autotunes_it_and_trains_for_the_time
     assert "rates: this machine's calibration of" in " ".join(again.stderr.split())
 
 
+def test_the_quick_start_model_is_the_largest_rung_predicted_to_meet_its_tokens_per_parameter():
+    """quickstart_model's rule, with memplan's own step-time prediction as the oracle: the chosen rung meets
+    QUICKSTART_TOKENS_PER_PARAM in the time given and the next rung does not; where no rung does (a 100
+    GFLOP/s CPU core for 3 minutes, as in benchmarks/quickstart.py) it is the smallest rung, and the line
+    printed says so rather than claiming the ratio."""
+    from memplan.cli.train import QUICKSTART_LAYERS, QUICKSTART_TOKENS_PER_PARAM, quickstart_model, \
+        quickstart_model_line
+    from memplan.model import _round_up
+    from memplan.timing import step_time
+
+    def tokens_per_param(spec, profile, minutes):
+        tps = step_time(spec, TrainSetup(ctx=256, micro_batch=8, precision="fp32"), profile).tokens_per_second
+        return tps * minutes * 60 / spec.params
+
+    cpu = load_profile("cpu").replace(calibrated={"matmul_tflops": {"fp32": 0.1}})
+    spec, tps, rate, met = quickstart_model(4096, cpu, 3.0, 256)
+    assert (spec.layers, spec.hidden, spec.vocab, rate) == (QUICKSTART_LAYERS[0], 64 * QUICKSTART_LAYERS[0], 4096, 1e11)
+    assert not met and tokens_per_param(spec, cpu, 3.0) < QUICKSTART_TOKENS_PER_PARAM
+    line = quickstart_model_line(spec, tps, rate, met, 3.0)
+    assert "the smallest of memplan's ladder" in line and f"{tokens_per_param(spec, cpu, 3.0):.1f} per parameter" in line
+
+    minutes = 600.0  # ten hours: a rung above the smallest meets the rule
+    spec, tps, rate, met = quickstart_model(4096, cpu, minutes, 256)
+    assert met and spec.layers > QUICKSTART_LAYERS[0]
+    assert tokens_per_param(spec, cpu, minutes) >= QUICKSTART_TOKENS_PER_PARAM
+    following = QUICKSTART_LAYERS[QUICKSTART_LAYERS.index(spec.layers) + 1]
+    bigger = spec.replace(layers=following, hidden=64 * following, heads=following, kv_heads=following,
+                          ffn=_round_up(8 * 64 * following / 3, 256))
+    assert tokens_per_param(bigger, cpu, minutes) < QUICKSTART_TOKENS_PER_PARAM
+    assert f"≥ {QUICKSTART_TOKENS_PER_PARAM:g} tokens per parameter" in quickstart_model_line(spec, tps, rate, met,
+                                                                                             minutes)
+
+
 def test_autotune_options_reach_autotune(tmp_path, corpus):
     result = cli("--data", str(corpus), "--out", str(tmp_path / "run"), "--layers", "2", "--hidden", "64",
                  "--heads", "2", "--ffn", "128", "--ctx", "64", "--budget", "1MiB", "--max-steps", "1")

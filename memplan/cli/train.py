@@ -29,13 +29,30 @@ from memplan.errors import InputError
 
 QUICKSTART_MINUTES = 3.0  # `memplan train` alone trains this long
 QUICKSTART_CTX = 256  # the embedded corpus's documents are short; 256 tokens hold most of one
-QUICKSTART_LR = 3e-3  # models of a few million parameters train fastest at a few 1e-3 (6e-4 is tuned for 125M)
+# (ctx 128 trained to the same held-out loss in 1-minute trials; the quick start is not compiled: its model's
+# first compiled step took 22 s, for steps 2.6% faster after, on a 2-core CPU)
+# 1-minute trials of the quick start's model: 6e-3 ended far above 3e-3, 2e-3 beat 3e-3 (bpe:4096), and
+# 1e-3..3e-3 were within the trials' noise at bpe:8192 (benchmarks/quickstart.py; 6e-4 is tuned for 125M)
+QUICKSTART_LR = 2e-3
 DEFAULT_CTX = 1024  # with MODEL flags, as the other commands
 TOKENS_PER_PARAM = 20  # compute-optimal tokens per parameter (Hoffmann et al. 2022, Chinchilla)
-QUICKSTART_MIN_STEPS = 200  # the quick start's global batch is sized for at least this many steps
+# The quick start's rung: the largest of the ladder predicted to train on Chinchilla's tokens per parameter in
+# its minutes, else the smallest rung. On a CPU no rung gets there (3 minutes buy ~1-2M tokens, 20 per parameter
+# for a 50-100k-parameter model), so it is the smallest, 2 layers × 128: in 1-minute trials on a 2-core CPU
+# 2×192 was within noise of it and 2×256, 4×128, 4×256 trained too few tokens and ended higher. The line printed
+# says which case applied and the tokens per parameter predicted.
+QUICKSTART_TOKENS_PER_PARAM = TOKENS_PER_PARAM
+# The quick start's global batch is sized for at least this many steps: in 1-minute trials of its model the
+# held-out loss fell steadily from 16k-token steps down to 512-token ones (2 sequences of 256) on a 2-core CPU.
+QUICKSTART_MIN_STEPS = 1500
 QUICKSTART_LAYERS = (2, 3, 4, 6, 8, 10, 12)  # the model ladder: hidden = 64·layers (memplan's size rule)
 QUICKSTART_CALIBRATE_SECONDS = 15.0  # the quick start's first calibration of this machine (then cached)
 MATMUL_PROBE = 1024  # side of the square fp32 matmul timed to rate the local device for the quick start
+# The sample that ends a run: top-k 40 at temperature 0.6 (was 0.8). On the quick start's 3-minute model, 8 seeds
+# each, the share of sampled words found in the training text rose from 0.92-0.95 at 0.8 to 0.98-0.99 at 0.6
+# (fewer invented words such as "andator"); 0.5 with top-k 20 gave 0.99-1.0, little more.
+FINAL_SAMPLE_TEMPERATURE = 0.6
+FINAL_SAMPLE_TOP_K = 40
 
 LAUNCHED_BY_ENV = "MEMPLAN_LAUNCHED_BY"  # set by `memplan train --nproc` for the ranks it starts
 
@@ -486,9 +503,11 @@ def measured_matmul_rate(seconds: float = 0.5) -> float:
 
 
 def quickstart_model(vocab: int, profile, minutes: float, ctx: int):
-    """The largest model of the ladder (hidden = 64·layers) that trains on its compute-optimal
-    TOKENS_PER_PARAM × params tokens within ``minutes``, at the step time memplan predicts with the
-    local matmul rate measured now (the profile's figure is nominal until `memplan calibrate` runs)."""
+    """The quick start's model: the largest of the ladder (hidden = 64·layers) that memplan predicts
+    trains on at least QUICKSTART_TOKENS_PER_PARAM × params tokens within ``minutes`` (tokens/s at
+    micro-batch 8, with the local matmul rate: the profile's calibrated one, else one measured now),
+    else the ladder's smallest rung. Returns (spec, predicted tokens/s, matmul FLOP/s, whether a rung
+    met the rule)."""
     from memplan.model import ModelSpec, _round_up
     from memplan.setup import TrainSetup
     from memplan.timing import step_time
@@ -499,7 +518,7 @@ def quickstart_model(vocab: int, profile, minutes: float, ctx: int):
         rate = measured_matmul_rate()
         rated = profile.replace(calibrated={**profile.calibrated, "matmul_tflops": {
             **profile.calibrated.get("matmul_tflops", {}), "fp32": rate / 1e12}})
-    chosen = None
+    chosen, met = None, False
     for layers in QUICKSTART_LAYERS:
         hidden = 64 * layers
         spec = ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=hidden // 64, kv_heads=hidden // 64,
@@ -508,9 +527,23 @@ def quickstart_model(vocab: int, profile, minutes: float, ctx: int):
                          source="memplan's rule: hidden = 64·layers, ffn = 8/3·hidden")
         setup = TrainSetup(ctx=ctx, micro_batch=8, precision=best_precision(profile))
         tps = step_time(spec, setup, rated).tokens_per_second
-        if chosen is None or tps * minutes * 60 >= TOKENS_PER_PARAM * spec.params:
-            chosen = (spec, tps)
-    return chosen[0], chosen[1], rate
+        meets = tps * minutes * 60 >= QUICKSTART_TOKENS_PER_PARAM * spec.params
+        if chosen is None or meets:
+            chosen, met = (spec, tps), meets
+    return chosen[0], chosen[1], rate, met
+
+
+def quickstart_model_line(spec, tps: float, rate: float, met: bool, minutes: float) -> str:
+    """What the quick start says of its model choice: the rule it applied and the tokens predicted."""
+    from memplan.units import format_count
+
+    tokens = tps * minutes * 60
+    why = (f"the largest of memplan's ladder predicted to train on ≥ {QUICKSTART_TOKENS_PER_PARAM:g} tokens per "
+           "parameter" if met else "the smallest of memplan's ladder (none is predicted to train on "
+           f"{QUICKSTART_TOKENS_PER_PARAM:g} tokens per parameter in that time)")
+    return (f"Model for a {minutes:g}-minute run: [bold]{spec.describe()}[/] — {why}: ~{format_count(tokens)} "
+            f"tokens ({tokens / spec.params:.1f} per parameter) at ~{format_count(tps)} tokens/s predicted "
+            f"(local matmul measured at {rate / 1e9:,.0f} GFLOP/s)")
 
 
 def for_world(plan, world_size: int, sharding: str | None, profile, console):
@@ -541,7 +574,7 @@ def for_world(plan, world_size: int, sharding: str | None, profile, console):
 
 def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_batch_tokens, budget, margin,
                     world_size: int = 1):
-    from memplan.units import format_count, parse_size
+    from memplan.units import parse_size
 
     try:
         from memplan.autotune import autotune
@@ -550,11 +583,9 @@ def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_ba
                          "the setup yourself (e.g. --params 22m --batch 8 --ctx 256)") from None
     if spec is None:
         minutes = minutes or QUICKSTART_MINUTES  # with a step or token limit instead, size it for the default
-        spec, tps, rate = quickstart_model(prepared.vocab_size, profile, minutes, ctx)
-        console.print(f"Model for a {minutes:g}-minute run: [bold]{spec.describe()}[/] — about "
-                      f"{TOKENS_PER_PARAM} tokens per parameter at ~{format_count(tps)} tokens/s predicted "
-                      f"(local matmul measured at {rate / 1e9:,.0f} GFLOP/s)")
-        if global_batch_tokens is None:  # small steps, so the run gets a few hundred of them
+        spec, tps, rate, met = quickstart_model(prepared.vocab_size, profile, minutes, ctx)
+        console.print(quickstart_model_line(spec, tps, rate, met, minutes), soft_wrap=True)
+        if global_batch_tokens is None:  # small steps, so the run gets QUICKSTART_MIN_STEPS or more
             steps_tokens = tps * minutes * 60 / QUICKSTART_MIN_STEPS
             global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
     result = autotune(spec, profile, ctx=ctx, global_batch_tokens=global_batch_tokens,
@@ -851,7 +882,8 @@ def _final_sample(trainer) -> tuple[str, str] | None:
     if not prompts:
         return None
     return prompts[0], sample_text(trainer.model, trainer.tokenizer, prompts[0], 96, ctx=trainer.setup.ctx,
-                                   seed=trainer.config.seed, precision=trainer.setup.precision)
+                                   seed=trainer.config.seed, temperature=FINAL_SAMPLE_TEMPERATURE,
+                                   top_k=FINAL_SAMPLE_TOP_K, precision=trainer.setup.precision)
 
 
 def _print_summary(trainer, summary, sample) -> None:
@@ -897,7 +929,7 @@ def _print_summary(trainer, summary, sample) -> None:
     if summary.report:
         print_hanging(out, "  report: ", str(summary.report))
     if sample is not None:
-        out.print("[bold]Sample[/] (top-k 40, temperature 0.8):")
+        out.print(f"[bold]Sample[/] (top-k {FINAL_SAMPLE_TOP_K}, temperature {FINAL_SAMPLE_TEMPERATURE:g}):")
         out.print(printable(f"{sample[0]}{sample[1]}"), markup=False)
 
 
