@@ -17,6 +17,7 @@ SIGKILL can be resumed at once.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from memplan.errors import InputError
@@ -32,18 +33,23 @@ class RunLock:
     """This process's lock on a run directory: creates the directory if needed, and on release removes
     it again when nothing but the lock was ever put in it (a refused start leaves no trace)."""
 
-    def __init__(self, run_dir: Path, lock: Lock, created: bool):
+    def __init__(self, run_dir: Path, lock: Lock, created: list[Path]):
         self.run_dir, self._lock, self._created = run_dir, lock, created
 
     def release(self) -> None:
         if not self._lock.held:
             return
         self._lock.release()
-        if self._created:
-            try:
-                self.run_dir.rmdir()  # only if empty
-            except OSError:
-                pass
+        _remove_if_empty(self._created)
+
+
+def _remove_if_empty(created: list[Path]) -> None:
+    """Remove the directories this process created (deepest first) that are still empty."""
+    for d in created:
+        try:
+            d.rmdir()  # only if empty
+        except OSError:
+            return
 
 
 def lock_run(run_dir: str | Path) -> RunLock:
@@ -53,7 +59,7 @@ def lock_run(run_dir: str | Path) -> RunLock:
         raise InputError(f"--out {run_dir}: a symbolic link to nothing; give a directory for the run")
     if run_dir.exists() and not run_dir.is_dir():
         raise InputError(f"--out {run_dir}: is a file; give a directory for the run")
-    created = not run_dir.exists()
+    created = [d for d in (run_dir, *run_dir.parents) if not os.path.lexists(d)]  # deepest first
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -62,11 +68,7 @@ def lock_run(run_dir: str | Path) -> RunLock:
         lock = hold_lock(run_dir / LOCK_FILE, f"--out {run_dir}: another memplan process (PID {{pid}}) is writing "
                                               "this run; wait for it to end, or choose another --out")
     except BaseException:
-        if created:
-            try:
-                run_dir.rmdir()
-            except OSError:
-                pass
+        _remove_if_empty(created)
         raise
     return RunLock(run_dir, lock, created)
 
