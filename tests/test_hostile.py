@@ -3,7 +3,8 @@
 12. A run killed before its first checkpoint resumes as itself (RUN/run.json), and ``--resume`` on a
     directory that holds no run refuses instead of starting a quick start.
 13. A file planted in a checkpoint (a ``dcp/.metadata`` that torch.distributed.checkpoint would
-    unpickle) is refused before anything is read: the checkpoint's manifest covers every file.
+    unpickle) is refused before anything is read: the checkpoint's manifest covers every file; and
+    sharded state is read with a restricted unpickler, so even a crafted listed .metadata runs nothing.
 14. Planted symlinks at the old predictable temporary names (``report.html.tmp``, ``X.html.tmp``,
     ``plan.toml.tmp``) or at ``metrics.jsonl`` are never written through.
 15. A second writer of a run or of a corpus is refused with the PID that holds it; a killed holder's
@@ -169,6 +170,30 @@ def test_a_planted_dcp_metadata_is_refused_before_it_is_unpickled(tmp_path, corp
     result = cli("train", "--out", str(run), "--resume", "--max-steps", "3")
     assert not marker.exists(), "a pickle planted in the checkpoint was unpickled"
     one_line_error(result, "dcp/.metadata", "not listed")
+
+
+def test_sharded_state_is_read_without_running_what_a_crafted_metadata_holds(tmp_path):
+    """Beyond the checksums (a checkpoint whose meta.json was rewritten too): DCP's .metadata is read by an
+    unpickler that builds only checkpoint metadata, so a crafted one is refused and runs nothing."""
+    import warnings
+
+    from trainer import distributed
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        distributed.save_sharded(tmp_path / "dcp", model, optimizer)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        distributed.load_sharded(tmp_path / "dcp", model, optimizer)  # what it wrote, it reads
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        marker = tmp_path / "code-ran"
+        (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+        with pytest.raises(InputError, match=r"\.metadata: holds .*open"):
+            distributed.load_sharded(tmp_path / "dcp", model, optimizer)
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("plant", ["extra file", "symlink"])
