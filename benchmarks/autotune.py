@@ -345,9 +345,9 @@ def main() -> None:
         print(f"part 2 took {report['cpu_seconds'] / 60:.1f} min")
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(out)
+    from memplan.fsutil import write_atomic
+
+    write_atomic(out, json.dumps(report, indent=2, default=str))
     print(f"wrote {out}")
 
 

@@ -48,11 +48,11 @@ class Plan:
         return tomli_w.dumps(self.to_dict())
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as TOML (to a temporary file, then renamed: never a half-written plan)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_toml())
-        tmp.replace(path)
+        """Write the plan as TOML (``memplan.fsutil.write_atomic``: never a half-written plan, never through a
+        planted temporary name)."""
+        from memplan.fsutil import write_atomic
+
+        write_atomic(Path(path), self.to_toml())
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "plan") -> "Plan":

@@ -93,10 +93,9 @@ def render_page(page: Page) -> str:
 
 
 def write_page(page: Page, path: str | Path) -> Path:
-    """Render and write atomically (temporary file, then rename)."""
+    """Render and write atomically (``memplan.fsutil.write_atomic``: a fresh exclusive temporary file, then rename)."""
+    from memplan.fsutil import write_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_page(page), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return write_atomic(path, render_page(page))

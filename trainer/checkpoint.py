@@ -18,7 +18,10 @@ Finding the newest. Only complete checkpoints carry the ``step-NNNNNNNN`` name, 
 the one with the largest step in its name: no timestamps, no guessing.
 
 Verification. Loading checks every file's size and sha256 against ``meta.json`` before it
-deserialises anything; a missing, truncated or corrupt file is an ``InputError`` naming it.
+deserialises anything; a missing, truncated or corrupt file is an ``InputError`` naming it. The
+manifest covers the whole checkpoint: a file it does not list (say a ``dcp/.metadata`` planted to be
+unpickled by torch.distributed.checkpoint) or a symbolic link is refused, and whether a checkpoint is
+loaded as shards is read from meta.json, never from which directories happen to exist.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import random
 import re
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
@@ -298,10 +301,38 @@ def _older_hint(path: Path) -> str:
     return ""
 
 
+def _safe_name(name: str) -> bool:
+    """A name meta.json may list: a relative path inside the checkpoint (no '..', not absolute)."""
+    p = PurePosixPath(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name and p.as_posix() == name
+
+
+def check_no_unlisted_files(path: Path, meta: dict) -> None:
+    """Every file in the checkpoint must be listed (with its sha256) in meta.json, and no entry may be a
+    symbolic link: a file planted beside the listed ones (a ``dcp/.metadata``, which
+    torch.distributed.checkpoint unpickles) is refused before anything is read."""
+    listed = set(meta["files"])
+    for p in sorted(path.rglob("*")):
+        rel = p.relative_to(path).as_posix()
+        if p.is_symlink():
+            raise InputError(f"{p}: a symbolic link inside the checkpoint; refusing to load it")
+        if p.is_dir() or rel == META_FILE:
+            continue
+        if rel not in listed:
+            raise InputError(f"{p}: not listed in {path / META_FILE}; a checkpoint holds only the files its "
+                             "manifest lists and checksums, so it is refused (remove the file)")
+
+
 def verify_checkpoint(path: str | Path, meta: dict | None = None) -> dict:
-    """Check every file's size and sha256 against meta.json; returns the meta."""
+    """Check that the checkpoint holds exactly the files meta.json lists (``check_no_unlisted_files``),
+    and every file's size and sha256; returns the meta."""
     path = Path(path)
     meta = meta if meta is not None else read_meta(path)
+    for name in meta["files"]:
+        if not isinstance(name, str) or not _safe_name(name):
+            raise InputError(f"{path / META_FILE}: lists {name!r}, not a file inside the checkpoint; the checkpoint "
+                             "is corrupt")
+    check_no_unlisted_files(path, meta)
     for name in sorted({MODEL_FILE, STATE_FILE, *meta["files"]}):
         f = path / name
         expected = meta["files"].get(name)

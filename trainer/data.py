@@ -564,9 +564,25 @@ def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = 
     elif spec.kind == "file":
         build_tokenizer(spec)  # fail on a bad tokenizer.json before reading the corpus
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.prepare-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with prepare_lock(out):
+        check_out_dir(out, force)  # again, under the lock: another prepare may have filled it meanwhile
+        return _prepare_locked(sources, out, config, spec, progress)
+
+
+def prepare_lock(out: Path):
+    """The lock ``.NAME.lock`` beside corpus directory ``out`` (``memplan.fsutil.hold_lock``), held while a
+    corpus is prepared into it; a second ``prepare`` is told which PID holds it."""
+    from memplan.fsutil import hold_lock
+
+    return hold_lock(out.parent / f".{out.name}.lock",
+                     f"--out {out}: another memplan process (PID {{pid}}) is preparing a corpus into it; wait for "
+                     "it to end, or choose another --out")
+
+
+def _prepare_locked(sources, out: Path, config: PrepareConfig, spec, progress: Progress) -> PrepareResult:
+    from memplan.fsutil import temp_dir_beside
+
+    tmp = temp_dir_beside(out, "prepare")  # created exclusively under an unpredictable name
     seconds: dict[str, float] = {}
     try:
         staging = tmp / "staging"
@@ -822,11 +838,12 @@ def _stats_json(stats: Sequence[SourceStats]) -> dict:
 
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``; a corpus already there is removed only after the new one is in place."""
+    from memplan.fsutil import temp_dir_beside
+
     old = None
     if out.is_dir():
         if any(out.iterdir()):
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
+            old = temp_dir_beside(out, "old")  # a fresh empty directory, which the rename replaces
             os.rename(out, old)
         else:
             out.rmdir()

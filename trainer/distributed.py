@@ -410,15 +410,93 @@ def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optim
 
 def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what ``save_sharded`` wrote into this run's model and optimizer, whatever the world size and
-    sharding they were saved with (DCP reshards on load)."""
+    sharding they were saved with (DCP reshards on load).
+
+    DCP's own reader unpickles ``.metadata`` and its planner ``torch.load``s non-tensor items with
+    ``weights_only=False``: either runs whatever code a crafted file holds. Here the metadata is read
+    by an unpickler that builds only DCP's metadata classes, torch sizes, dtypes and layouts and
+    paths, and the non-tensor items with ``weights_only=True`` (the checkpoint's sha256s were checked
+    before: trainer/checkpoint.py)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    _read_metadata(directory)  # a refusal here is one InputError, not DCP's per-rank exception report
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, storage_reader=_checked_reader(directory), planner=_checked_planner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+_METADATA_FILE = ".metadata"  # DCP's name for the pickled checkpoint metadata
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)  # its dataclasses, whichever a version adds
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+def _metadata_unpickler(f, where: str):
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise InputError(f"{where}: holds {module}.{name}, which checkpoint metadata never does; refusing "
+                             "to load it")
+
+    return Restricted(f)
+
+
+def _read_metadata(directory):
+    """DCP's ``.metadata`` in ``directory``, through the restricted unpickler; InputError naming it."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    where = Path(directory) / _METADATA_FILE
+    try:
+        with open(where, "rb") as f:
+            metadata = _metadata_unpickler(f, str(where)).load()
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(f"{where}: unreadable ({type(e).__name__}); the checkpoint is corrupt") from None
+    if not isinstance(metadata, Metadata):
+        raise InputError(f"{where}: not checkpoint metadata; the checkpoint is corrupt")
+    return metadata
+
+
+def _checked_reader(directory):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = _read_metadata(directory)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    return CheckedReader(str(directory))
+
+
+def _checked_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class CheckedPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)  # DCP's own: weights_only=False
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return CheckedPlanner()
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -309,6 +309,8 @@ def evaluate_sft(model, data: SFTData, setup, device, max_batches: int) -> dict:
 class FinetuneTrainer(Trainer):
     """``Trainer`` on SFT rows, its model the base run's (plus LoRA adapters when the plan asks)."""
 
+    run_kind = "finetune"
+
     def _build_model(self):
         s = self.setup
         model = build_model(self.plan.model, s.attention, "none", param_dtype(s.precision), device=self.device)

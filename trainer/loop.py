@@ -57,11 +57,13 @@ from typing import Callable
 import torch
 
 from memplan.errors import InputError
+from memplan.fsutil import open_append
 from memplan.hardware import Device
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
 from trainer import distributed
+from trainer import rundir
 from trainer.data import PreparedData, TrainStream
 from trainer.model import build_model, lm_loss
 from trainer.monitor import MemoryMonitor
@@ -254,8 +256,10 @@ def read_metrics(run_dir: str | Path, latest: bool = False) -> list[dict]:
 class _MetricsWriter:
     def __init__(self, path: Path):
         self.path = path
-        needs_newline = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-        self._f = open(path, "a", encoding="utf-8")
+        self._f = open_append(path, "metrics")  # never through a symlink planted in the run
+        fd = self._f.fileno()
+        size = os.fstat(fd).st_size
+        needs_newline = size > 0 and os.lseek(fd, size - 1, os.SEEK_SET) >= 0 and os.read(fd, 1) != b"\n"
         if needs_newline:  # a kill cut the last line: start on a fresh one
             self._f.write("\n")
 
@@ -367,6 +371,8 @@ class Trainer:
     ``plan``, ``schedule`` (None until ``run`` fixes it for a time-limited run), ``step``.
     """
 
+    run_kind = "train"  # RUN/run.json's kind: what resumes the run from step 0
+
     def __init__(self, run_dir: Path, plan: Plan, data: PreparedData, config: TrainConfig, profile: Device,
                  device: torch.device | None, resume_from: ckpt.CheckpointRef | None):
         self.run_dir = Path(run_dir)
@@ -391,6 +397,7 @@ class Trainer:
         self._eval_seconds: list[float] = []  # the latest evaluations' times
         self._started = time.perf_counter()
         self._resume_from = resume_from
+        self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
         self.tokenizer = data.tokenizer
         self.dist = distributed.init()  # rank and world size under torchrun; one process otherwise
         self.is_main = self.dist.is_main
@@ -427,21 +434,31 @@ class Trainer:
         """A new run in ``run_dir``, which must not hold a run already (``allow_existing``: it may hold
         one that never reached a checkpoint; its metrics.jsonl is appended to)."""
         run_dir = Path(run_dir)
-        if not allow_existing:
-            check_run_dir_free(run_dir)
-        elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
-            raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
-        check_plan_for_data(plan, data)
-        check_plan_fits(plan, profile)
-        if config.verify_data:
-            data.verify()
-        return cls(run_dir, plan, data, config, profile, device, None)
+        lock = _lock_run(run_dir)  # before the checks: a second writer cannot pass them meanwhile
+        try:
+            if not allow_existing:
+                check_run_dir_free(run_dir)
+            elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
+                raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
+            check_metrics_file(run_dir)
+            check_plan_for_data(plan, data)
+            check_plan_fits(plan, profile)
+            if config.verify_data:
+                data.verify()
+            trainer = cls(run_dir, plan, data, config, profile, device, None)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        trainer._lock = lock
+        return trainer
 
     @classmethod
     def resume(cls, run_dir: str | Path, data: PreparedData, profile: Device, *, plan: Plan | None = None,
                overrides: dict | None = None, device: torch.device | None = None,
                sharding: str | None = None) -> "Trainer":
-        """Continue the run in ``run_dir`` from its newest checkpoint.
+        """Continue the run in ``run_dir`` from its newest checkpoint; one stopped before its first
+        checkpoint starts again from step 0 as its RUN/run.json records it (trainer/rundir.py).
 
         ``plan``, if given, must describe the same model and setup as the run's (else an
         ``InputError`` and nothing on disk is touched); ``overrides`` may change the run-control
@@ -453,12 +470,37 @@ class Trainer:
         ``plan``'s, else the run's, else ddp) when there are several.
         """
         run_dir = Path(run_dir)
-        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
-        if ref is None:
-            raise InputError(f"--resume: {run_dir / CHECKPOINT_DIR} holds no checkpoint to resume from")
-        meta = ckpt.verify_checkpoint(ref.path)
-        saved_plan = Plan.from_dict(meta["plan"], f"{ref.path / ckpt.META_FILE}")
-        config = TrainConfig.from_dict(meta["config"])
+        if not run_dir.is_dir():
+            rundir.resume_source(run_dir)  # the InputError saying what is there instead
+        lock = _lock_run(run_dir)
+        try:
+            trainer = cls._resume_locked(run_dir, data, profile, plan=plan, overrides=overrides, device=device,
+                                         sharding=sharding)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        trainer._lock = lock
+        return trainer
+
+    @classmethod
+    def _resume_locked(cls, run_dir: Path, data: PreparedData, profile: Device, *, plan, overrides, device,
+                       sharding) -> "Trainer":
+        ref, source = rundir.resume_source(run_dir)  # the newest checkpoint, else the run record (from step 0)
+        if ref is not None:
+            meta = ckpt.verify_checkpoint(ref.path)
+            where = f"{ref.path / ckpt.META_FILE}"
+        else:
+            meta, where = source, f"{run_dir / rundir.RUN_FILE}"
+            if meta.get("kind", "train") != cls.run_kind:
+                raise InputError(f"--resume: {run_dir} is a {meta.get('kind')} run; resume it with memplan "
+                                 f"{meta.get('kind')}")
+        try:
+            saved_plan = Plan.from_dict(meta["plan"], where)
+            config = TrainConfig.from_dict(meta["config"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"--resume: {where}: unreadable run settings ({type(e).__name__}: {e})") from None
+        check_metrics_file(run_dir)
         if plan is not None:
             check_same_plan(saved_plan, plan, run_dir)
         tok_sha = data.manifest["tokenizer"]["sha256"]
@@ -481,7 +523,7 @@ class Trainer:
         check_plan_for_data(saved_plan, data)
         if config.verify_data:
             data.verify()
-        return cls(run_dir, saved_plan, data, config, profile, device, ref)
+        return cls(run_dir, saved_plan, data, config, profile, device, ref)  # ref None: again from step 0
 
     def _build_model(self):
         """The model to train (finetuning builds it from a trained run instead: trainer/finetune.py)."""
@@ -506,7 +548,9 @@ class Trainer:
         """(meta, state) of a checkpoint, its weights and optimizer state loaded into this run's model:
         a distributed run's shards (any world size, or one process), or a single-process checkpoint
         (in one process as saved; over several, from rank 0, each rank keeping its shards)."""
-        if (path / distributed.SHARDED_DIR).is_dir():
+        # sharded only when meta.json says so (Trainer.resume verified every file it lists, and that it
+        # lists every file): a directory planted in a checkpoint is never what decides how to load it
+        if (ckpt.read_meta(path).get("distributed") or {}).get("sharded") == distributed.SHARDED_DIR:
             meta, state = ckpt.load_checkpoint(path, None, map_location=self.device, verify=False)
             distributed.load_sharded(path / distributed.SHARDED_DIR, self.wrapped, self.optimizer)
             return meta, {**state, "optimizer": None}
@@ -588,6 +632,8 @@ class Trainer:
         self._started = self._report_written = time.perf_counter()  # the first refresh a minute in
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self._resume_from is None:  # what this run is, before anything else of it is written
+                rundir.write_record(self.run_dir, self.record())
             (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
             if self._resume_from is None or self._plan_on_disk_differs():  # (resumed at another world size)
                 self.plan.save(self.run_dir / PLAN_FILE)
@@ -609,6 +655,8 @@ class Trainer:
         self.monitor.close()
         if self._writer is not None:
             self._writer.close()
+        if self._lock is not None:
+            self._lock.release()
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_signal is not None:  # a second Ctrl-C: stop now
@@ -937,6 +985,20 @@ class Trainer:
             "eval_every": self.eval_every, "save_every": self.save_every, "nonfinite_run": self.nonfinite_run,
         }
 
+    def record(self) -> dict:
+        """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer), as a
+        checkpoint's meta.json has it, so that a resume reads either the same way."""
+        tok = self.data.manifest["tokenizer"]
+        return {
+            "kind": self.run_kind,
+            "plan": self.plan.to_dict(), "config": self.config.to_dict(), "tokenizer_sha256": tok["sha256"],
+            "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256",
+                                              "encoding") if k in tok},
+            "data": {"path": str(Path(self.data.path).resolve()), "train_tokens": self.data.train_tokens,
+                     "sources": list(self.data.source_names)},
+            "device": self.profile.name, "torch": torch.__version__, "created_unix_time": time.time(),
+        }
+
     def meta(self) -> dict:
         tok = self.data.manifest["tokenizer"]
         return {
@@ -1131,12 +1193,28 @@ def default_prompts(data: PreparedData, tokenizer) -> list[str]:
 # Checks before anything is written
 # =================================================================================================
 
+def _lock_run(run_dir: Path) -> "rundir.RunLock | None":
+    """The run's lock, taken by the process that writes it (rank 0 of a distributed run)."""
+    rank, _, _ = distributed.env_world()
+    return rundir.lock_run(run_dir) if rank == 0 else None
+
+
+def check_metrics_file(run_dir: Path) -> None:
+    """RUN/metrics.jsonl is appended to: it must be a plain file (a symlink would send the run's lines elsewhere)."""
+    path = run_dir / METRICS_FILE
+    if path.is_symlink():
+        raise InputError(f"--out {run_dir}: its {METRICS_FILE} is a symbolic link; refusing to write through it")
+    if path.exists() and not path.is_file():
+        raise InputError(f"--out {run_dir}: its {METRICS_FILE} is not a regular file")
+
+
 def check_run_dir_free(run_dir: Path) -> None:
-    """A new run needs an absent or empty directory (or one that is not a run: then it must be empty)."""
+    """A new run needs an absent or empty directory (or one that is not a run: then it must be empty);
+    the lock file of the process checking does not count."""
     if run_dir.exists() and not run_dir.is_dir():
         raise InputError(f"--out {run_dir}: is a file; give a directory for the run")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        if (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINT_DIR).exists():
+    if run_dir.is_dir() and any(p.name != rundir.LOCK_FILE for p in run_dir.iterdir()):
+        if any(os.path.lexists(run_dir / n) for n in (METRICS_FILE, CHECKPOINT_DIR, rundir.RUN_FILE)):
             raise InputError(f"--out {run_dir}: already holds a run; add --resume to continue it, or choose "
                              "another --out")
         raise InputError(f"--out {run_dir}: exists and is not empty; give a new or empty directory")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -60,20 +59,9 @@ def check_out(out: Path, force: bool) -> None:
 
 def write_atomically(path: Path, text: str) -> None:
     """Write to a temporary file beside ``path``, then rename it over (the old file survives any failure)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent or Path(".")))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a profile is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from memplan.fsutil import write_atomic
+
+    write_atomic(path, text)
 
 
 def _print_summary(console, device, cal, out: Path) -> None:

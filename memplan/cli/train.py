@@ -250,22 +250,18 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
         run_dir = Path(out)
-        from trainer import checkpoint as ckpt
-        from trainer.loop import CHECKPOINT_DIR
+        from trainer import rundir
 
-        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
-        if ref is not None:
-            meta = ckpt.read_meta(ref.path)
-            data_dir = Path(data) if data else Path(meta.get("data", {}).get("path", ""))
-            if not data and not (data_dir / "manifest.json").is_file():
-                raise InputError(f"--resume: the run's prepared data {data_dir} is gone; give it with --data DIR")
-            prepared = PreparedData(data_dir)
-            asked = None
-            if plan or given_model or given_setup or ctx is not None:
-                asked = _plan_from_flags(plan, model_flags, setup_flags, prepared, profile, console, quiet=True)
-            return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper,
-                          rates_note=rates_note, sharding=sharding)
-        console.print(f"[yellow]note[/]: {run_dir} has no checkpoint yet; starting the run from step 0")
+        # the run its newest checkpoint, else its run.json, records (from step 0); else an InputError
+        data_dir = Path(data) if data else rundir.recorded_data_path(run_dir)
+        if not data and not (data_dir / "manifest.json").is_file():
+            raise InputError(f"--resume: the run's prepared data {data_dir} is gone; give it with --data DIR")
+        prepared = PreparedData(data_dir)
+        asked = None
+        if plan or given_model or given_setup or ctx is not None:
+            asked = _plan_from_flags(plan, model_flags, setup_flags, prepared, profile, console, quiet=True)
+        return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper,
+                      rates_note=rates_note, sharding=sharding)
 
     prepared = PreparedData(Path(data) if data else _embedded_data_once(console))
     minutes = overrides["max_minutes"]

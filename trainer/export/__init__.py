@@ -209,9 +209,9 @@ def temp_sibling(out: Path) -> Path:
         pid = rest.split("-")[0]
         if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
-    return tmp
+    from memplan.fsutil import temp_dir_beside
+
+    return temp_dir_beside(out, f"tmp-{os.getpid()}")  # .NAME.tmp-PID-XXXXXXXX, created exclusively
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,128 @@
+"""What a run directory is, from its first byte, and who is writing it.
+
+``RUN/run.json`` (the run record) is the first thing a run writes, before its plan.toml, its
+metrics.jsonl and its first step: the resolved plan, the training config (limits, seed,
+hyper-parameters), the prepared data (its path and train-split size) and the tokenizer (sha256). It is
+written atomically and rewritten only when a run is started again from step 0. ``--resume``
+continues exactly the run it records: from the newest checkpoint when there is one, else from step
+0 with the recorded plan, data and config. A directory with neither a checkpoint nor a record holds
+no run, and ``--resume`` refuses it.
+
+``RUN/.lock`` is held (``memplan.fsutil.hold_lock``: an fcntl lock holding the PID) by the process
+writing the run, from before its first check of the directory until it is done; a second writer is
+refused with the PID that holds it. The OS frees the lock when its holder dies, so a run killed with
+SIGKILL can be resumed at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from memplan.errors import InputError
+from memplan.fsutil import Lock, hold_lock, write_atomic
+
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
+RUN_FORMAT = "memplan-run"
+RUN_VERSION = 1
+
+
+class RunLock:
+    """This process's lock on a run directory: creates the directory if needed, and on release removes
+    it again when nothing but the lock was ever put in it (a refused start leaves no trace)."""
+
+    def __init__(self, run_dir: Path, lock: Lock, created: list[Path]):
+        self.run_dir, self._lock, self._created = run_dir, lock, created
+
+    def release(self) -> None:
+        if not self._lock.held:
+            return
+        self._lock.release()
+        _remove_if_empty(self._created)
+
+
+def _remove_if_empty(created: list[Path]) -> None:
+    """Remove the directories this process created (deepest first) that are still empty."""
+    for d in created:
+        try:
+            d.rmdir()  # only if empty
+        except OSError:
+            return
+
+
+def lock_run(run_dir: str | Path) -> RunLock:
+    """Lock ``run_dir`` for writing (creating it), or an InputError naming the PID that holds it."""
+    run_dir = Path(run_dir)
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise InputError(f"--out {run_dir}: a symbolic link to nothing; give a directory for the run")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise InputError(f"--out {run_dir}: is a file; give a directory for the run")
+    created = [d for d in (run_dir, *run_dir.parents) if not os.path.lexists(d)]  # deepest first
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--out {run_dir}: cannot create it ({e.strerror or e})") from None
+    try:
+        lock = hold_lock(run_dir / LOCK_FILE, f"--out {run_dir}: another memplan process (PID {{pid}}) is writing "
+                                              "this run; wait for it to end, or choose another --out")
+    except BaseException:
+        _remove_if_empty(created)
+        raise
+    return RunLock(run_dir, lock, created)
+
+
+def write_record(run_dir: Path, record: dict) -> None:
+    """Write RUN/run.json (atomically, to disk)."""
+    body = {"format": RUN_FORMAT, "version": RUN_VERSION, **record}
+    write_atomic(Path(run_dir) / RUN_FILE, json.dumps(body, indent=1) + "\n", fsync=True)
+
+
+def read_record(run_dir: str | Path) -> dict | None:
+    """RUN/run.json, checked for form, or None when there is none; InputError naming it when unreadable."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"--resume: {path} is unreadable ({type(e).__name__}); the run record is corrupt") from None
+    if (not isinstance(record, dict) or record.get("format") != RUN_FORMAT
+            or not isinstance(record.get("plan"), dict) or not isinstance(record.get("config"), dict)
+            or not isinstance(record.get("data"), dict)):
+        raise InputError(f"--resume: {path} is not a memplan run record")
+    if record.get("version") != RUN_VERSION:
+        raise InputError(f"--resume: {path}: run record version {record.get('version')!r}; this memplan reads "
+                         f"{RUN_VERSION}")
+    return record
+
+
+def resume_source(run_dir: str | Path) -> tuple[object, dict]:
+    """(newest checkpoint or None, the meta or record it resumes from) of the run in ``run_dir``; an
+    InputError saying why when there is no run to resume there."""
+    from trainer import checkpoint as ckpt
+    from trainer.loop import CHECKPOINT_DIR
+
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise InputError(f"--resume: {run_dir} does not exist; name an existing run with --out, or drop --resume "
+                         "to start one")
+    if not run_dir.is_dir():
+        raise InputError(f"--resume: {run_dir} is a file, not a run directory")
+    ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
+    if ref is not None:
+        return ref, ckpt.read_meta(ref.path)
+    record = read_record(run_dir)
+    if record is None:
+        if any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+            raise InputError(f"--resume: {run_dir} holds no run to resume (no {RUN_FILE}, no checkpoint)")
+        raise InputError(f"--resume: {run_dir} holds no run (it is empty, or its run was stopped before it "
+                         "began); start it without --resume")
+    return None, record
+
+
+def recorded_data_path(run_dir: str | Path) -> Path:
+    """The prepared data the run in ``run_dir`` trains on (from its newest checkpoint, else its record)."""
+    _, source = resume_source(run_dir)
+    return Path(str(source.get("data", {}).get("path", "")))
