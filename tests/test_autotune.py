@@ -227,7 +227,7 @@ def test_when_nothing_fits_it_says_what_would():
     short = int(ctx_advice.split("--ctx ")[1].split()[0])
     assert autotune(from_size("124m"), load_profile("gtx-1650"), ctx=short, global_batch=1).plan is not None
     out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--ctx", "2048")
-    assert out.exit_code == 0
+    assert out.exit_code == 3  # answered, but nothing to train (memplan.errors.EXIT_NOTHING_FITS)
     assert "Nothing fits" in out.output and "What would" in out.output
 
 
@@ -264,9 +264,26 @@ def test_out_writes_a_plan_that_round_trips(tmp_path):
     assert plan.device == "rtx-4090" and plan.budget_bytes == data["budget_bytes"]
     assert plan.predicted["peak_reserved"] == data["predicted"]["peak_reserved"]
     assert Plan.from_dict(plan.to_dict()) == plan
-    missing = tmp_path / "none.toml"
-    out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--out", str(missing))
-    assert out.exit_code == 0 and not missing.exists()
+
+
+def test_nothing_fits_exits_3_and_out_no_longer_holds_a_stale_plan(tmp_path):
+    """README's `autotune --out plan.toml && train --plan plan.toml` must not train an older plan.toml."""
+    path = tmp_path / "plan.toml"
+    assert run_cli("autotune", "--params", "22m", "--device", "rtx-4090", "--out", str(path)).exit_code == 0
+    assert Plan.load(path).setup.micro_batch >= 1  # a real plan, from an earlier run
+    out = run_cli("autotune", "--model", "tinyllama-1.1b", "--device", "gtx-1650", "--ctx", "1k",
+                  "--global-batch-tokens", "256k", "--out", str(path))
+    assert out.exit_code == 3, out.output
+    assert "nothing fits" in out.stderr and "Traceback" not in out.output
+    with pytest.raises(InputError, match="holds no plan: autotune found nothing that fits"):
+        Plan.load(path)
+    assert not (tmp_path / "plan.toml.tmp").exists()
+    # --json still prints the answer, and exits 3 too
+    out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--json")
+    assert out.exit_code == 3 and json.loads(out.stdout)["plan"] is None
+    # --verify with nothing to verify says so in the exit status
+    out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--verify")
+    assert out.exit_code == 3 and "--verify skipped" in out.stderr
 
 
 @pytest.mark.parametrize("args,needle", [

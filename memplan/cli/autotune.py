@@ -12,7 +12,7 @@ from memplan.cli import app
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
                                  KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, TiedOpt, VocabOpt, device_from, model_from,
                                  print_json)
-from memplan.errors import InputError
+from memplan.errors import EXIT_NOTHING_FITS, InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count, parse_size
 
 _A = "Autotune"
@@ -247,15 +247,36 @@ def autotune_command(
             print_verification(verification)
             print(f"verify took {format_seconds(time.perf_counter() - started)}")
     elif verify:
-        print("memplan: --verify skipped: nothing fits, so there is no plan to run", file=sys.stderr)
+        print(f"memplan: --verify skipped: nothing fits, so there is no plan to run (exit {EXIT_NOTHING_FITS})",
+              file=sys.stderr)
 
     final = verification.plan if verification is not None else result.plan
     if out:
         if final is None:
-            print("memplan: no plan written (nothing fits)", file=sys.stderr)
+            _save_no_plan(out, result, verification)
+            print(f"memplan: no plan: wrote {out} saying that nothing fits (`memplan train --plan` refuses it)",
+                  file=sys.stderr)
         else:
             final.save(out)
             if not json:
                 print(f"Wrote {out}")
     if json:
         print_json(result.to_json(verification))
+    if final is None:  # answered, but there is nothing to train: a script must not go on
+        raise typer.Exit(EXIT_NOTHING_FITS)
+
+
+def _save_no_plan(out: str, result, verification) -> None:
+    """--out when there is no plan: a file that says so (memplan.plan.save_no_plan), never the old one."""
+    from memplan.autotune import device_ref
+    from memplan.plan import save_no_plan
+
+    if verification is not None:
+        reason = "--verify: no plan's measured peak fit the budget" + (
+            f" ({'; '.join(verification.notes)})" if verification.notes else "")
+        advice = []
+    else:
+        reason = (result.advice[0] if result.advice else "nothing fits").removeprefix("nothing fits: ")
+        advice = result.advice[1:]
+    save_no_plan(out, model=result.model, device=device_ref(result.device), budget_bytes=result.budget_bytes,
+                 reason=reason, advice=advice)
