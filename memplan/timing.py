@@ -14,7 +14,8 @@ kernel on the device and sums them by term:
   is what activation checkpointing runs again.
 - **attention**: the fused SDPA kernel or the eager score/softmax path, forward and backward.
 - **loss**: the fp32 cross-entropy over the (tokens, vocab) logits.
-- **optimizer**: gradient clipping, the optimizer step and zero_grad.
+- **optimizer**: gradient clipping, the optimizer step and zero_grad, over the parameters whose
+  state the process holds (``optimizer_params``: its shards under FSDP, the adapters under LoRA).
 - **data**: handing a micro-batch of token ids to the model.
 - **launch**: the dispatch cost of every other aten op (the PyTorch dispatcher, autograd, the
   kernel launch): the floor of small models.
@@ -43,7 +44,8 @@ import math
 from dataclasses import dataclass, field
 
 from memplan.hardware import Device
-from memplan.memory import sdpa_gqa_repeats
+from memplan.memory import (_matrix_shapes, fsdp_local_params, lora_tensors, sdpa_gqa_repeats,
+                            trainable_params)
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
 
@@ -442,17 +444,48 @@ def ends_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
     return b.kernels
 
 
+def optimizer_params(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Parameters whose gradients this process clips and whose optimizer state it steps, the ones its
+    memory holds state for (memplan.memory): under FSDP rank 0's local shards (``fsdp_local_params``,
+    ceil(rows/W) rows of every tensor: the most of any rank, so the slowest step), under LoRA the
+    adapters (``trainable_params``), else all N. DDP steps every parameter on every rank."""
+    if setup.sharding == "fsdp" and setup.world_size > 1:
+        return fsdp_local_params(spec, setup, 0)
+    return trainable_params(spec, setup)
+
+
+def optimizer_tensors(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Tensors the optimizer steps: every parameter tensor (an FSDP2 shard is one DTensor per
+    parameter, so sharding keeps the count), under LoRA the adapters' A and B (``lora_tensors``)."""
+    return lora_tensors(spec, setup) if setup.lora_rank else param_tensors(spec)
+
+
+def _largest_optimizer_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Elements of the largest tensor the optimizer steps: the embedding (V·H; its ceil(V/W) rows under
+    FSDP), or under LoRA the largest adapter matrix (r × the widest side of a targeted matrix)."""
+    if setup.lora_rank:
+        shapes = _matrix_shapes(spec)
+        return setup.lora_rank * max(max(shapes[m]) for m in setup.lora)
+    rows = spec.vocab if setup.sharding != "fsdp" else -(-spec.vocab // setup.world_size)
+    return rows * spec.hidden
+
+
 def optimizer_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
-    """Gradient clipping (foreach norm, then scale) and the optimizer's passes over every parameter."""
-    nbytes = spec.params * setup.param_bytes
+    """Gradient clipping (foreach norm, then scale) and the optimizer's passes over the parameters it
+    steps (``optimizer_params``: a rank's shards under FSDP, the adapters under LoRA), N_opt of them:
+    clip reads CLIP_PASSES·N_opt·p bytes; the step moves passes·N_opt·p (adamw8bit: N_opt·(3p + 4),
+    its states being 1 byte each)."""
+    n_opt = optimizer_params(spec, setup)
+    nbytes = n_opt * setup.param_bytes
     passes = {"adamw": ADAMW_FOREACH_PASSES, "adamw-fused": ADAMW_FUSED_PASSES, "sgd": SGD_FOREACH_PASSES,
               "adamw8bit": ADAMW_FUSED_PASSES}[setup.optimizer]
     if setup.optimizer == "adamw8bit":  # 8-bit states: param + grad read/written at p bytes, states at 1
-        traffic = spec.params * (3 * setup.param_bytes + 4)
+        traffic = n_opt * (3 * setup.param_bytes + 4)
     else:
         traffic = passes * nbytes
-    # foreach AdamW's sqrt(exp_avg_sq) is a fresh tensor per parameter
-    fresh = (float(spec.vocab * spec.hidden * setup.param_bytes),) if setup.optimizer == "adamw" else ()
+    # foreach AdamW's sqrt(exp_avg_sq) is a fresh tensor per parameter; the largest is what may be fresh pages
+    fresh = (float(_largest_optimizer_tensor(spec, setup) * setup.param_bytes),) if setup.optimizer == "adamw" \
+        else ()
     return [Kernel(term="optimizer", name="clip_grad_norm_", kind="optimizer", read_bytes=CLIP_PASSES * nbytes),
             Kernel(term="optimizer", name=setup.optimizer, kind="optimizer", read_bytes=traffic, fresh=fresh)]
 
@@ -525,7 +558,7 @@ def param_tensors(spec: ModelSpec) -> int:
 
 def optimizer_dispatches(spec: ModelSpec, setup: TrainSetup) -> int:
     """aten ops of clipping and a foreach optimizer step: a few per group plus a host read per tensor."""
-    return OPTIMIZER_BASE_DISPATCHES + OPTIMIZER_DISPATCHES_PER_TENSOR * param_tensors(spec)
+    return OPTIMIZER_BASE_DISPATCHES + OPTIMIZER_DISPATCHES_PER_TENSOR * optimizer_tensors(spec, setup)
 
 
 # ---- rates ---------------------------------------------------------------------------------
@@ -840,7 +873,7 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
             if measured is not None:  # clip + step + zero_grad, measured together
                 compute = 0.0
                 memory = 0.0 if k.name == "clip_grad_norm_" else \
-                    measured[0] * spec.params + measured[1] * param_tensors(spec)
+                    measured[0] * optimizer_params(spec, setup) + measured[1] * optimizer_tensors(spec, setup)
             elif k.name != "clip_grad_norm_":
                 memory += optimizer_dispatches(spec, setup) * rates.launch_seconds()
         slot = acc[k.term]

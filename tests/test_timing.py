@@ -270,3 +270,46 @@ def test_dispatch_counts_match_a_real_step(arch, precision, attention, checkpoin
         micro_batch()
     predicted = step_dispatches(spec, setup)
     assert abs(predicted - Count.n) <= 0.03 * Count.n, (predicted, Count.n)
+
+
+# ---- the optimizer term sees what the memory holds (issue 14) ------------------------------
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused"])
+def test_fsdp_optimizer_time_and_bytes_are_one_ranks_shards(optimizer):
+    """Under FSDP over W devices a rank clips and steps its shards only: the optimizer term's bytes are
+    (CLIP_PASSES + passes)·local·p with local = rank 0's shard (memplan.memory.fsdp_local_params), as
+    its optimizer memory is; the time falls with it, on static and calibrated rates alike."""
+    from memplan.memory import fsdp_local_params
+    from memplan.timing import ADAMW_FOREACH_PASSES, ADAMW_FUSED_PASSES, CLIP_PASSES
+
+    spec, device = from_size("1b"), load_profile("h100-sxm")
+    one = TrainSetup(ctx=2048, micro_batch=1, precision="bf16-mixed", optimizer=optimizer)
+    fsdp = one.replace(world_size=8, sharding="fsdp")
+    passes = ADAMW_FOREACH_PASSES if optimizer == "adamw" else ADAMW_FUSED_PASSES
+    local = fsdp_local_params(spec, fsdp, 0)
+    assert spec.params / 8 <= local < spec.params / 8 * 1.01
+    t1, t8 = step_time(spec, one, device).terms["optimizer"], step_time(spec, fsdp, device).terms["optimizer"]
+    assert t1.bytes == (CLIP_PASSES + passes) * spec.params * 4
+    assert t8.bytes == (CLIP_PASSES + passes) * local * 4
+    assert t8.seconds < t1.seconds / 4  # the dispatches per tensor stay; the traffic is an eighth
+    # DDP steps every parameter on every rank
+    ddp = step_time(spec, one.replace(world_size=8, sharding="ddp"), device).terms["optimizer"]
+    assert ddp.bytes == t1.bytes
+    # a calibrated optimizer cost (seconds per parameter, per tensor) is charged per local parameter too
+    cal = calibrated(device, optimizer={optimizer: [1e-10, 1e-6]})
+    c1, c8 = step_time(spec, one, cal).terms["optimizer"], step_time(spec, fsdp, cal).terms["optimizer"]
+    tensors = c1.seconds - 1e-10 * spec.params
+    assert c8.seconds == pytest.approx(1e-10 * local + tensors)
+
+
+def test_lora_optimizer_time_covers_the_adapters_only():
+    from memplan.memory import lora_params
+
+    spec, device = from_size("124m"), load_profile("rtx-4090")
+    full = TrainSetup(ctx=1024, micro_batch=8, optimizer="adamw-fused")
+    lora = full.replace(lora_rank=16, lora_targets="qkv,proj")
+    from memplan.timing import ADAMW_FUSED_PASSES, CLIP_PASSES
+    assert step_time(spec, lora, device).terms["optimizer"].bytes == \
+        (CLIP_PASSES + ADAMW_FUSED_PASSES) * lora_params(spec, lora) * 4
+    assert step_time(spec, lora, device).terms["optimizer"].seconds < \
+        step_time(spec, full, device).terms["optimizer"].seconds / 5  # the per-tensor dispatches remain
