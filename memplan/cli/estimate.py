@@ -92,7 +92,7 @@ def print_estimate(est) -> None:
     if est.max_micro_batch:
         console.print(f"Largest micro-batch that fits: [bold]{est.max_micro_batch}[/]")
     else:
-        console.print("[red]No micro-batch fits[/]: try checkpointing, a shorter context, or `memplan autotune`.")
+        print_levers(console, est)
 
     from memplan.cli.time_table import time_table
 
@@ -108,6 +108,24 @@ def print_estimate(est) -> None:
     if t.epoch_seconds is not None:
         line += f"; {format_count(est.tokens)} tokens take [bold]{format_seconds(t.epoch_seconds)}[/]"
     console.print(line)
+
+
+def print_levers(console, est) -> None:
+    """No micro-batch fits: each lever not already pulled, alone, with the peak it gives (memplan.advice)."""
+    from memplan.advice import levers
+
+    one = est.memory.peak_reserved if est.setup.micro_batch == 1 else None
+    head = "[red]No micro-batch fits[/]" + (f": even micro-batch 1 needs {format_bytes(one)}" if one else "")
+    found = levers(est.model, est.setup, est.device)
+    if not found:
+        console.print(head + "; no lever of the setup lowers it: a smaller model or a device with more memory.")
+        return
+    console.print(head + ". Each change alone, re-estimated at micro-batch 1:")
+    for lever in found:
+        verdict = (f"[green]fits[/] (largest micro-batch {lever.max_micro_batch})" if lever.fits else
+                   f"[red]{format_bytes(lever.peak_reserved - est.device.usable_bytes)} over[/]")
+        console.print(f"  {lever.change}: {format_bytes(lever.peak_reserved)}, {verdict} [dim]({lever.what})[/]")
+    console.print("[dim]`memplan autotune` combines them.[/]")
 
 
 _INFERENCE_HELP = {
@@ -207,6 +225,9 @@ def estimate_command(
     dev = device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
     if json:
-        print_json(est.to_json())
+        from memplan.advice import levers
+
+        advice = [lever.to_json() for lever in levers(spec, setup, dev)] if not est.max_micro_batch else []
+        print_json({**est.to_json(), "advice": advice})
     else:
         print_estimate(est)

@@ -144,8 +144,11 @@ def print_sweep(sw) -> None:
                   "★ on the Pareto front (no setup that fits uses less memory and runs faster).")
     best = sw.best
     if best is None:
-        console.print("[red]Nothing in this grid fits[/]: try checkpointing, a smaller batch or context, "
-                      "or `memplan autotune`.")
+        from memplan.cli.estimate import print_levers
+
+        lightest = min(sw.cells, key=lambda e: e.memory.peak_reserved)
+        console.print(f"[red]Nothing in this grid fits[/]; its lightest cell is {setup_words(lightest.setup)}.")
+        print_levers(console, lightest)
     else:
         est = sw.cells[best]
         line = (f"Fastest that fits: [bold]{setup_words(est.setup)}[/]: "
