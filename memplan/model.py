@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,6 +339,33 @@ def preset(name: str) -> ModelSpec:
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 
 
+# Directory names that say nothing about the model in them (``path/to/config.json`` is not a model "to").
+GENERIC_DIRS = {"", ".", "..", "to", "path", "config", "configs", "model", "models", "tmp", "temp", "hf", "out",
+                "output", "outputs", "export", "exports", "checkpoint", "checkpoints", "snapshots", "main", "data"}
+
+
+def config_name(path: Path, cfg: dict) -> str:
+    """The model's name for a Hugging Face config: its ``_name_or_path`` (a hub id such as
+    ``TinyLlama/TinyLlama-1.1B``, or a local directory's last part); a file other than config.json
+    by its stem; a hub cache snapshot by its repository (``models--ORG--NAME``); the parent directory
+    when its name says something (not ``to``, ``models``, ``tmp``, a commit hash ...); else the
+    config's ``model_type`` with ``config``."""
+    given = str(cfg.get("_name_or_path") or "").strip().rstrip("/\\")
+    if re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", given):  # a hub id, ORG/NAME or NAME
+        return given
+    if given and Path(given).name not in ("", ".", ".."):  # a local directory: its last part
+        return Path(given).name
+    if path.name != "config.json":
+        return path.stem
+    for part in reversed(path.resolve().parent.parts):
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/")
+    parent = path.parent.name
+    if parent.lower() not in GENERIC_DIRS and not re.fullmatch(r"[0-9a-f]{40}", parent):
+        return parent
+    return f"{cfg.get('model_type', 'hf')} config"
+
+
 def from_hf_config(path: str | Path) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox)."""
     path = Path(path)
@@ -361,8 +389,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
             raise InputError(f"--model: {str(path)!r} ({model_type}) is missing key(s) {', '.join(missing)}")
         return [cfg[k] for k in keys]
 
-    common = dict(name=path.name if path.name != "config.json" else str(path.parent.name or path),
-                  source=str(path))
+    common = dict(name=config_name(path, cfg), source=str(path))
     if model_type == "gpt2":
         hidden, layers, heads, vocab = need("n_embd", "n_layer", "n_head", "vocab_size")
         return ModelSpec(arch="gpt2", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
