@@ -211,6 +211,29 @@ class ModelSpec:
         """Every field, for plan files and checkpoints (``ModelSpec(**d)`` rebuilds it)."""
         return dataclasses.asdict(self)
 
+    def size_note(self) -> str:
+        """When the model is named after a size or preset (``22m``, ``tinyllama-1.1b``) but its count
+        differs from what that name has, which part the name fixes and what this model really has:
+        ``--params 22m`` is 22.9M at vocab 32,000; its blocks stay when the vocabulary (the data's
+        tokenizer, or --vocab) changes, its embedding does not. "" when the count is the named one."""
+        named = (self.name or "").split(",")[0].strip()
+        try:
+            base = preset(named) if named in PRESETS else from_size(named) if named else None
+        except InputError:
+            base = None
+        if base is None or base.params == self.params:
+            return ""
+        blocks = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "bias", "qkv_bias", "norm", "mlp")
+        if all(getattr(self, f) == getattr(base, f) for f in blocks):
+            changed = [f"vocab {self.vocab:,}" if self.vocab != base.vocab else "",
+                       ("tied" if self.tied else "untied") if self.tied != base.tied else ""]
+            return (f"{named} is {base.params:,} parameters at vocab {base.vocab:,}"
+                    f"{', ' + ('tied' if base.tied else 'untied') if self.tied != base.tied else ''}; the name fixes "
+                    f"the {self.layers} blocks (hidden {self.hidden}, ffn {self.ffn}, "
+                    f"{self.layer_params * self.layers:,} parameters), and with "
+                    f"{' and '.join(c for c in changed if c)} this model has {self.params:,}")
+        return f"{named} is {base.params:,} parameters as named; this shape, changed from it, has {self.params:,}"
+
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
 

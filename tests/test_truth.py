@@ -59,3 +59,35 @@ def test_version_prints_the_installed_version_and_exits_0(memplan_cli):
     assert metadata.version("memplan") == memplan.__version__  # pyproject and the package agree
     out = memplan_cli("--version", timeout=60)  # as a user runs it, in a process of its own
     assert out.returncode == 0 and out.stdout.strip() == f"memplan {memplan.__version__}"
+
+
+def test_a_size_name_says_what_it_fixes_when_the_vocabulary_changes_the_count():
+    """--params 22m is 22.9M at vocab 32,000; with the data's 8,192-token vocabulary (train replaces
+    the vocab) it is 13.8M: the count and what the name fixes are said beside the name."""
+    from memplan.model import from_size, resolve
+
+    spec = from_size("22m").replace(vocab=8192)  # what `memplan train --params 22m` trains on such data
+    note = spec.size_note()
+    assert "22m is 22,909,824 parameters at vocab 32,000" in note
+    assert "the 6 blocks" in note and f"this model has {spec.params:,}" in note and spec.params == 13_767_552
+    assert from_size("22m").size_note() == ""  # the count is the named one: nothing to say
+    out = CliRunner().invoke(app, ["estimate", "--params", "22m", "--vocab", "8192", "--device", "rtx-4090"])
+    assert out.exit_code == 0 and "the name fixes the 6 blocks" in " ".join(out.stdout.split())
+    assert "changed from it" in resolve(params="22m", layers=4).size_note()
+
+
+def test_a_suffixed_count_is_shown_resolved_with_the_rule():
+    """256k tokens is 256,000 (a count), 1k of context is 1024: the resolved number is printed. The
+    parses themselves are unchanged (scripts rely on them)."""
+    from memplan.units import parse_count
+
+    assert parse_count("256k", "--global-batch-tokens") == 256_000 and parse_count("1k", "--ctx", binary=True) == 1024
+    out = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "rtx-4090", "--ctx", "1k",
+                                   "--global-batch-tokens", "256k", "--tokens", "2b"])
+    text = " ".join(out.stdout.split())
+    assert out.exit_code == 0, out.output
+    assert "--global-batch-tokens 256k = 256,000; --tokens 2b = 2,000,000,000" in text
+    assert "only a context length's k is 1024" in text
+    plain = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "rtx-4090", "--ctx", "1024",
+                                     "--global-batch-tokens", "262144"])
+    assert "powers of 1000" not in plain.stdout  # numbers written out need no rule

@@ -100,6 +100,8 @@ def print_result(result, top: int) -> None:
     spec, device = result.model, result.device
     console.print(f"[bold]Model[/]  {escape(spec.name or 'custom')}: {escape(spec.describe())}  "
                   f"({spec.params:,} parameters)")
+    if spec.size_note():  # --params 22m with another vocabulary is not 22M parameters
+        console.print(f"       [dim]{escape(spec.size_note())}[/]")
     console.print(f"[bold]Device[/] {escape(device.name)} ({escape(device.title)}): "
                   f"{format_bytes(device.usable_bytes)} usable")
     console.print(f"[bold]Budget[/] {format_bytes(result.budget_bytes)}: the predicted peak must stay under "
@@ -229,6 +231,14 @@ def autotune_command(
         world_size=parse_count(world_size, "--world-size"))
     if not json:
         print_result(result, top)
+        from rich.console import Console
+
+        from memplan.units import resolved
+
+        units = resolved([("--global-batch-tokens", global_batch_tokens, result.requested_global_batch_tokens),
+                          ("--tokens", tokens, result.tokens)])
+        if units:  # 256k tokens is 256,000, not 262,144
+            Console(highlight=False).print(f"[dim]note: {units}[/]")
 
     verification = None
     if verify and result.world_size > 1:

@@ -65,6 +65,8 @@ def print_estimate(est) -> None:
     console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
     if spec.source:
         console.print(f"        shape from {spec.source}")
+    if spec.size_note():  # --params 22m with another vocabulary is not 22M parameters
+        console.print(f"        [dim]{spec.size_note()}[/]")
     console.print(f"[bold]Setup[/]  ctx {setup.ctx}, micro-batch {setup.micro_batch} × {setup.grad_accum} accumulation, "
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
@@ -144,6 +146,8 @@ def print_inference(est) -> None:
     console = Console()
     spec, s, device, mem, t = est.model, est.setup, est.device, est.memory, est.time
     console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
+    if spec.size_note():
+        console.print(f"        [dim]{spec.size_note()}[/]")
     console.print(f"[bold]Run[/]    cache {s.ctx} tokens, prompt {s.prompt_tokens}, batch {s.batch}, weights "
                   f"{s.weights_dtype}, KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}")
     console.print(f"[bold]Device[/] {device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "

@@ -111,6 +111,8 @@ def print_sweep(sw) -> None:
     console = Console()
     spec, dev = sw.model, sw.device
     console.print(f"[bold]Model[/]  {spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)")
+    if spec.size_note():
+        console.print(f"        [dim]{spec.size_note()}[/]")
     console.print(f"[bold]Device[/] {dev.name} ({dev.title}): {format_bytes(dev.memory_bytes)}, "
                   f"{format_bytes(dev.usable_bytes)} usable")
     console.print(f"[bold]Setup[/]  {fixed_words(sw)}; {sw.axes.cells} settings, "
