@@ -313,3 +313,28 @@ def test_lora_optimizer_time_covers_the_adapters_only():
         (CLIP_PASSES + ADAMW_FUSED_PASSES) * lora_params(spec, lora) * 4
     assert step_time(spec, lora, device).terms["optimizer"].seconds < \
         step_time(spec, full, device).terms["optimizer"].seconds / 5  # the per-tensor dispatches remain
+
+
+def test_fsdp_mixed_precision_computes_without_autocast_casts_and_casts_only_the_shards():
+    """FSDP2's MixedPrecisionPolicy replaces autocast (memory.fsdp_compute_setup): the time walk has no
+    whole-weight autocast casts; it casts each rank's shard at every all-gather (blocks in forward and
+    backward, the root once) and copies the gathered output out, as memory.py's FSDP walk allocates."""
+    from memplan.memory import fsdp_group_numel
+
+    spec, device = from_size("1b"), load_profile("h100-sxm")
+    fsdp = TrainSetup(ctx=2048, micro_batch=1, grad_accum=2, precision="bf16-mixed", world_size=8, sharding="fsdp")
+    kernels = step_kernels(spec, fsdp)
+    names = {k.name for k in kernels}
+    assert not any("weight cast" in n or "input cast" in n for n in names)
+    block, root = fsdp_group_numel(spec, fsdp, "block"), fsdp_group_numel(spec, fsdp, "root")
+    copy_in = sum(k.calls * k.read_bytes for k in kernels if "copy-in" in k.name)
+    assert copy_in == 2 * (2 * spec.layers * block + root) * 4  # 2 micro-batches, fp32 shards read
+    copy_out = sum(k.calls * k.write_bytes for k in kernels if "copy-out" in k.name)
+    assert copy_out == 2 * (2 * spec.layers * 8 * block + 8 * root) * 2  # the gathered bf16 parameters
+    single = step_kernels(spec, fsdp.replace(world_size=1, sharding="none"))
+    assert any("weight cast" in k.name for k in single)  # one process: autocast casts every weight
+    # fp16-mixed under FSDP runs its matmuls in fp16, not bf16
+    fp16 = step_kernels(spec, fsdp.replace(precision="fp16-mixed"))
+    assert {k.dtype for k in fp16 if k.kind == "matmul"} == {"fp16"}
+    # and DDP keeps autocast
+    assert any("weight cast" in k.name for k in step_kernels(spec, fsdp.replace(sharding="ddp")))
