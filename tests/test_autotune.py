@@ -286,6 +286,39 @@ def test_nothing_fits_exits_3_and_out_no_longer_holds_a_stale_plan(tmp_path):
     assert out.exit_code == 3 and "--verify skipped" in out.stderr
 
 
+def test_a_verify_that_verifies_no_plan_exits_3_and_writes_no_plan(tmp_path, monkeypatch):
+    """When every trial of --verify fails (measured over budget, out of memory), there is no plan to
+    train: exit 3, and --out says so rather than holding the analytic plan that did not hold up."""
+    import trainer.verify
+    from trainer.verify import Verification
+
+    def nothing_holds(result, steps, on_attempt=None, **_):
+        return Verification(plan=None, attempts=[], budget_bytes=result.budget_bytes, steps_per_trial=steps,
+                            max_micro_batches=4, family="cpu", notes=["every plan's measured peak was over budget"])
+
+    monkeypatch.setattr(trainer.verify, "verify", nothing_holds)
+    path = tmp_path / "plan.toml"
+    out = run_cli("autotune", "--params", "2m", "--vocab", "4096", "--device", "cpu", "--ctx", "64",
+                  "--global-batch", "32", "--budget", "1GiB", "--verify", "--out", str(path))
+    assert out.exit_code == 3, out.output
+    assert "Not verified" in out.stdout
+    with pytest.raises(InputError, match="measured peak was over budget"):
+        Plan.load(path)
+
+
+def test_train_refuses_a_plan_file_that_says_nothing_fits(tmp_path):
+    from runs_helper import tiny_corpus
+
+    path = tmp_path / "plan.toml"
+    assert run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--out", str(path)).exit_code == 3
+    corpus = tiny_corpus(tmp_path / "data", n=40)
+    out = run_cli("train", "--plan", str(path), "--data", str(corpus), "--out", str(tmp_path / "run"),
+                  "--max-steps", "1")
+    line = one_line_error(out)
+    assert "holds no plan" in line and "nothing that fits" in line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--margin", "1.5"], "--margin"),
     (["--margin", "lots"], "--margin"),
