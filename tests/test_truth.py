@@ -88,6 +88,8 @@ def test_a_suffixed_count_is_shown_resolved_with_the_rule():
     assert out.exit_code == 0, out.output
     assert "--global-batch-tokens 256k = 256,000; --tokens 2b = 2,000,000,000" in text
     assert "only a context length's k is 1024" in text
+    est = CliRunner().invoke(app, ["estimate", "--params", "22m", "--device", "rtx-4090", "--tokens", "5m"])
+    assert "--tokens 5m = 5,000,000" in " ".join(est.stdout.split())
     plain = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "rtx-4090", "--ctx", "1024",
                                      "--global-batch-tokens", "262144"])
     assert "powers of 1000" not in plain.stdout  # numbers written out need no rule

@@ -235,3 +235,10 @@ def estimate_command(
         print_json({**est.to_json(), "advice": advice})
     else:
         print_estimate(est)
+        from memplan.units import resolved
+
+        units = resolved([("--tokens", tokens, est.tokens)])
+        if units:  # 2b tokens is 2,000,000,000
+            from rich.console import Console
+
+            Console(highlight=False).print(f"[dim]note: {units}[/]")
