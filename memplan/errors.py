@@ -1,4 +1,11 @@
-"""The one exception type that means "the user asked for something we cannot accept"."""
+"""The one exception type that means "the user asked for something we cannot accept", and the exit codes."""
+
+# Exit codes of every command (docs/cli.md): 0 an answer; 1 an internal failure or a run that
+# stopped on an error; 2 bad input (InputError); 3 answered, but nothing usable: the planner
+# found nothing that fits (``autotune``), or ``--verify`` found no plan whose measured peak fits
+# or did not run. A script's ``memplan autotune --out plan.toml && memplan train --plan plan.toml``
+# stops at 3 instead of training an older plan.
+EXIT_NOTHING_FITS = 3
 
 
 class InputError(ValueError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,6 +211,29 @@ class ModelSpec:
         """Every field, for plan files and checkpoints (``ModelSpec(**d)`` rebuilds it)."""
         return dataclasses.asdict(self)
 
+    def size_note(self) -> str:
+        """When the model is named after a size or preset (``22m``, ``tinyllama-1.1b``) but its count
+        differs from what that name has, which part the name fixes and what this model really has:
+        ``--params 22m`` is 22.9M at vocab 32,000; its blocks stay when the vocabulary (the data's
+        tokenizer, or --vocab) changes, its embedding does not. "" when the count is the named one."""
+        named = (self.name or "").split(",")[0].strip()
+        try:
+            base = preset(named) if named in PRESETS else from_size(named) if named else None
+        except InputError:
+            base = None
+        if base is None or base.params == self.params:
+            return ""
+        blocks = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "bias", "qkv_bias", "norm", "mlp")
+        if all(getattr(self, f) == getattr(base, f) for f in blocks):
+            changed = [f"vocab {self.vocab:,}" if self.vocab != base.vocab else "",
+                       ("tied" if self.tied else "untied") if self.tied != base.tied else ""]
+            return (f"{named} is {base.params:,} parameters at vocab {base.vocab:,}"
+                    f"{', ' + ('tied' if base.tied else 'untied') if self.tied != base.tied else ''}; the name fixes "
+                    f"the {self.layers} blocks (hidden {self.hidden}, ffn {self.ffn}, "
+                    f"{self.layer_params * self.layers:,} parameters), and with "
+                    f"{' and '.join(c for c in changed if c)} this model has {self.params:,}")
+        return f"{named} is {base.params:,} parameters as named; this shape, changed from it, has {self.params:,}"
+
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
 
@@ -338,6 +362,33 @@ def preset(name: str) -> ModelSpec:
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 
 
+# Directory names that say nothing about the model in them (``path/to/config.json`` is not a model "to").
+GENERIC_DIRS = {"", ".", "..", "to", "path", "config", "configs", "model", "models", "tmp", "temp", "hf", "out",
+                "output", "outputs", "export", "exports", "checkpoint", "checkpoints", "snapshots", "main", "data"}
+
+
+def config_name(path: Path, cfg: dict) -> str:
+    """The model's name for a Hugging Face config: its ``_name_or_path`` (a hub id such as
+    ``TinyLlama/TinyLlama-1.1B``, or a local directory's last part); a file other than config.json
+    by its stem; a hub cache snapshot by its repository (``models--ORG--NAME``); the parent directory
+    when its name says something (not ``to``, ``models``, ``tmp``, a commit hash ...); else the
+    config's ``model_type`` with ``config``."""
+    given = str(cfg.get("_name_or_path") or "").strip().rstrip("/\\")
+    if re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", given):  # a hub id, ORG/NAME or NAME
+        return given
+    if given and Path(given).name not in ("", ".", ".."):  # a local directory: its last part
+        return Path(given).name
+    if path.name != "config.json":
+        return path.stem
+    for part in reversed(path.resolve().parent.parts):
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/")
+    parent = path.parent.name
+    if parent.lower() not in GENERIC_DIRS and not re.fullmatch(r"[0-9a-f]{40}", parent):
+        return parent
+    return f"{cfg.get('model_type', 'hf')} config"
+
+
 def from_hf_config(path: str | Path) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox)."""
     path = Path(path)
@@ -361,8 +412,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
             raise InputError(f"--model: {str(path)!r} ({model_type}) is missing key(s) {', '.join(missing)}")
         return [cfg[k] for k in keys]
 
-    common = dict(name=path.name if path.name != "config.json" else str(path.parent.name or path),
-                  source=str(path))
+    common = dict(name=config_name(path, cfg), source=str(path))
     if model_type == "gpt2":
         hidden, layers, heads, vocab = need("n_embd", "n_layer", "n_head", "vocab_size")
         return ModelSpec(arch="gpt2", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,

@@ -56,6 +56,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
+        if data.get("fits") is False:  # what autotune --out writes when nothing fits (save_no_plan)
+            raise InputError(f"{where}: holds no plan: autotune found nothing that fits "
+                             f"({data.get('reason') or 'no reason recorded'}); run `memplan autotune` again with "
+                             "one of the changes its advice lists")
         for key in ("model", "setup"):
             if key not in data or not isinstance(data[key], dict):
                 raise InputError(f"{where}: missing table [{key}]")
@@ -78,3 +82,17 @@ class Plan:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise InputError(f"--plan: {str(path)!r} is not valid TOML ({e})") from None
         return cls.from_dict(data, f"--plan {path}")
+
+
+def save_no_plan(path: str | Path, *, model: ModelSpec, device: str, budget_bytes: int, reason: str,
+                 advice: list[str]) -> None:
+    """What ``memplan autotune --out PATH`` writes when nothing fits: ``fits = false``, why, and what
+    would fit, with the model but no ``[setup]``. ``Plan.load`` refuses it, so that a plan an earlier
+    run left at PATH is never trained by mistake (written like ``Plan.save``: whole or not at all)."""
+    path = Path(path)
+    data = {"version": PLAN_VERSION, "fits": False, "device": device, "budget_bytes": budget_bytes,
+            "reason": reason, "advice": list(advice),
+            "model": {k: v for k, v in model.to_dict().items() if v is not None}}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(tomli_w.dumps(data))
+    tmp.replace(path)

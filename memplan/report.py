@@ -23,7 +23,7 @@ h1 { font-size: 1.45rem; margin: 0 0 .2rem 0; }
 .summary td { padding: .15rem 1rem .15rem 0; vertical-align: top; }
 .summary td:first-child { color: #52606d; white-space: nowrap; }
 .plot { margin: .5rem 0 1.5rem 0; min-height: 420px; border-top: 1px solid #e4e7eb; padding-top: .5rem; }
-.note { color: #52606d; font-size: .9rem; max-width: 72rem; }
+.note { color: #52606d; font-size: .9rem; max-width: 72rem; white-space: pre-wrap; }
 footer { color: #9aa5b1; font-size: .8rem; margin-top: 2rem; }
 """
 

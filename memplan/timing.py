@@ -14,7 +14,8 @@ kernel on the device and sums them by term:
   is what activation checkpointing runs again.
 - **attention**: the fused SDPA kernel or the eager score/softmax path, forward and backward.
 - **loss**: the fp32 cross-entropy over the (tokens, vocab) logits.
-- **optimizer**: gradient clipping, the optimizer step and zero_grad.
+- **optimizer**: gradient clipping, the optimizer step and zero_grad, over the parameters whose
+  state the process holds (``optimizer_params``: its shards under FSDP, the adapters under LoRA).
 - **data**: handing a micro-batch of token ids to the model.
 - **launch**: the dispatch cost of every other aten op (the PyTorch dispatcher, autograd, the
   kernel launch): the floor of small models.
@@ -43,7 +44,9 @@ import math
 from dataclasses import dataclass, field
 
 from memplan.hardware import Device
-from memplan.memory import sdpa_gqa_repeats
+from memplan.memory import (COLLECTIVES_OF_FAMILY, _matrix_shapes, fsdp_gather_bytes, fsdp_group_numel,
+                            fsdp_local_params, fsdp_reduce_bytes, lora_tensors, param_shapes, sdpa_gqa_repeats,
+                            trainable_params)
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
 
@@ -442,29 +445,119 @@ def ends_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
     return b.kernels
 
 
+def optimizer_params(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Parameters whose gradients this process clips and whose optimizer state it steps, the ones its
+    memory holds state for (memplan.memory): under FSDP rank 0's local shards (``fsdp_local_params``,
+    ceil(rows/W) rows of every tensor: the most of any rank, so the slowest step), under LoRA the
+    adapters (``trainable_params``), else all N. DDP steps every parameter on every rank."""
+    if setup.sharding == "fsdp" and setup.world_size > 1:
+        return fsdp_local_params(spec, setup, 0)
+    return trainable_params(spec, setup)
+
+
+def optimizer_tensors(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Tensors the optimizer steps: every parameter tensor (an FSDP2 shard is one DTensor per
+    parameter, so sharding keeps the count), under LoRA the adapters' A and B (``lora_tensors``)."""
+    return lora_tensors(spec, setup) if setup.lora_rank else param_tensors(spec)
+
+
+def _largest_optimizer_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Elements of the largest tensor the optimizer steps: the embedding (V·H; its ceil(V/W) rows under
+    FSDP), or under LoRA the largest adapter matrix (r × the widest side of a targeted matrix)."""
+    if setup.lora_rank:
+        shapes = _matrix_shapes(spec)
+        return setup.lora_rank * max(max(shapes[m]) for m in setup.lora)
+    rows = spec.vocab if setup.sharding != "fsdp" else -(-spec.vocab // setup.world_size)
+    return rows * spec.hidden
+
+
 def optimizer_kernels(spec: ModelSpec, setup: TrainSetup) -> list[Kernel]:
-    """Gradient clipping (foreach norm, then scale) and the optimizer's passes over every parameter."""
-    nbytes = spec.params * setup.param_bytes
+    """Gradient clipping (foreach norm, then scale) and the optimizer's passes over the parameters it
+    steps (``optimizer_params``: a rank's shards under FSDP, the adapters under LoRA), N_opt of them:
+    clip reads CLIP_PASSES·N_opt·p bytes; the step moves passes·N_opt·p (adamw8bit: N_opt·(3p + 4),
+    its states being 1 byte each)."""
+    n_opt = optimizer_params(spec, setup)
+    nbytes = n_opt * setup.param_bytes
     passes = {"adamw": ADAMW_FOREACH_PASSES, "adamw-fused": ADAMW_FUSED_PASSES, "sgd": SGD_FOREACH_PASSES,
               "adamw8bit": ADAMW_FUSED_PASSES}[setup.optimizer]
     if setup.optimizer == "adamw8bit":  # 8-bit states: param + grad read/written at p bytes, states at 1
-        traffic = spec.params * (3 * setup.param_bytes + 4)
+        traffic = n_opt * (3 * setup.param_bytes + 4)
     else:
         traffic = passes * nbytes
-    # foreach AdamW's sqrt(exp_avg_sq) is a fresh tensor per parameter
-    fresh = (float(spec.vocab * spec.hidden * setup.param_bytes),) if setup.optimizer == "adamw" else ()
+    # foreach AdamW's sqrt(exp_avg_sq) is a fresh tensor per parameter; the largest is what may be fresh pages
+    fresh = (float(_largest_optimizer_tensor(spec, setup) * setup.param_bytes),) if setup.optimizer == "adamw" \
+        else ()
     return [Kernel(term="optimizer", name="clip_grad_norm_", kind="optimizer", read_bytes=CLIP_PASSES * nbytes),
             Kernel(term="optimizer", name=setup.optimizer, kind="optimizer", read_bytes=traffic, fresh=fresh)]
 
 
-def step_kernels(spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False) -> list[Kernel]:
+def compute_setup(setup: TrainSetup) -> TrainSetup:
+    """The setup the forward and backward kernels follow. Under FSDP with bf16-mixed / fp16-mixed,
+    FSDP2's MixedPrecisionPolicy replaces autocast (as ``memory.fsdp_compute_setup`` walks it): the
+    gathered parameters are 16-bit, so the step computes as a pure 16-bit one, with no autocast
+    casts; the fp32 master weights are touched only by ``fsdp_kernels`` and the optimizer."""
+    if setup.sharding == "fsdp" and setup.world_size > 1 and setup.mixed:
+        return setup.replace(precision="bf16")
+    return setup
+
+
+def fsdp_kernels(spec: ModelSpec, setup: TrainSetup, collectives: str = "nccl") -> list[Kernel]:
+    """FSDP2's own copies, per micro-batch, of the tensors memory.py's FSDP walk allocates (pad(G):
+    a group's padded shard in elements; c, g: bytes of a gathered parameter and of a reduced gradient):
+
+    - per all-gather of a group (the blocks twice, in forward and again in backward; the root once,
+      kept unsharded from forward to backward): under mixed precision the copy-in, the shard cast to
+      16 bits (pad(G)·(p + c)); always the copy-out of the gathered output into the parameters
+      (2·W·pad(G)·c);
+    - per group in backward: the unsharded gradients packed into the reduce-scatter input
+      (|G|·c read, W·pad(G)·g written; the cast to the fp32 reduce dtype under mixed precision);
+      gloo's flat copy of that input (2·W·pad(G)·g, CPU only); after the first micro-batch of a
+      step, the reduced shard added into the sharded gradients (3·pad(G)·g).
+    """
+    if setup.sharding != "fsdp" or setup.world_size == 1:
+        return []
+    w, p, c, g = setup.world_size, setup.param_bytes, fsdp_gather_bytes(setup), fsdp_reduce_bytes(setup)
+    out: list[Kernel] = []
+
+    def ew(term: str, name: str, read: float, write: float, nbytes: int, calls: int) -> None:
+        out.append(Kernel(term=term, name=name, kind="elementwise", read_bytes=read, write_bytes=write,
+                          fresh=(write,), dtype=_dtype_name(nbytes, setup), calls=calls))
+
+    shapes = param_shapes(spec)
+    for group, count in (("block", spec.layers), ("root", 1)):
+        pad = fsdp_group_numel(spec, setup, group)
+        whole = sum(rows * length for rows, length in shapes[group])
+        gathers = (("forward", "backward") if group == "block" else ("forward",))
+        for term in gathers:
+            if setup.mixed:
+                ew(term, f"fsdp {group} copy-in cast", pad * p, pad * c, c, setup.grad_accum * count)
+            ew(term, f"fsdp {group} copy-out", w * pad * c, w * pad * c, c, setup.grad_accum * count)
+        ew("backward", f"fsdp {group} reduce-scatter input", whole * c, w * pad * g, g, setup.grad_accum * count)
+        if collectives == "gloo":
+            ew("backward", f"gloo {group} reduce-scatter copy", w * pad * g, w * pad * g, g, setup.grad_accum * count)
+        if setup.grad_accum > 1:
+            ew("backward", f"fsdp {group} gradient accumulation", 2 * pad * g, pad * g, g,
+               (setup.grad_accum - 1) * count)
+    return out
+
+
+def step_kernels(spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False,
+                 collectives: str = "nccl") -> list[Kernel]:
     """Every kernel of one optimizer step, ``calls`` set to how often it runs per step. ``repeat_kv``:
-    the model repeats grouped-query K/V before SDPA on this device (``memory.sdpa_gqa_repeats``)."""
-    per_micro = ends_kernels(spec, setup)
-    per_layer = (block_kernels(spec, setup, "forward", "forward", repeat_kv) + recompute_kernels(spec, setup, repeat_kv)
-                 + block_kernels(spec, setup, "backward", "backward", repeat_kv))
+    the model repeats grouped-query K/V before SDPA on this device (``memory.sdpa_gqa_repeats``).
+    Under FSDP the forward and backward follow ``compute_setup`` (no autocast; fp16-mixed's kernels
+    run in fp16), FSDP2's copies are ``fsdp_kernels``, and the optimizer steps the rank's shards."""
+    compute = compute_setup(setup)
+    per_micro = ends_kernels(spec, compute)
+    per_layer = (block_kernels(spec, compute, "forward", "forward", repeat_kv)
+                 + recompute_kernels(spec, compute, repeat_kv)
+                 + block_kernels(spec, compute, "backward", "backward", repeat_kv))
+    if compute is not setup and setup.precision == "fp16-mixed":  # sized as bf16, run in fp16
+        per_micro, per_layer = ([dataclasses.replace(k, dtype="fp16") if k.dtype == "bf16" else k for k in ks]
+                                for ks in (per_micro, per_layer))
     out = [dataclasses.replace(k, calls=setup.grad_accum) for k in per_micro]
     out += [dataclasses.replace(k, calls=setup.grad_accum * spec.layers) for k in per_layer]
+    out += fsdp_kernels(spec, setup, collectives)
     out += optimizer_kernels(spec, setup)
     out.append(Kernel(term="data", name="token ids", kind="h2d", calls=setup.grad_accum,
                       read_bytes=2 * tokens(setup) * INDEX_BYTES))
@@ -525,7 +618,7 @@ def param_tensors(spec: ModelSpec) -> int:
 
 def optimizer_dispatches(spec: ModelSpec, setup: TrainSetup) -> int:
     """aten ops of clipping and a foreach optimizer step: a few per group plus a host read per tensor."""
-    return OPTIMIZER_BASE_DISPATCHES + OPTIMIZER_DISPATCHES_PER_TENSOR * param_tensors(spec)
+    return OPTIMIZER_BASE_DISPATCHES + OPTIMIZER_DISPATCHES_PER_TENSOR * optimizer_tensors(spec, setup)
 
 
 # ---- rates ---------------------------------------------------------------------------------
@@ -842,7 +935,7 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
     rates = rates_for(device)
     acc: dict[str, list[float]] = {t: [0.0, 0.0, 0.0, 0.0] for t in TERMS}  # compute, memory, flops, bytes
     repeat_kv = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
-    kernels = step_kernels(spec, setup, repeat_kv)
+    kernels = step_kernels(spec, setup, repeat_kv, COLLECTIVES_OF_FAMILY[device.family])
     device_seconds = 0.0
     for k in kernels:
         compute, memory, first = kernel_seconds(k, rates)
@@ -851,7 +944,7 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
             if measured is not None:  # clip + step + zero_grad, measured together
                 compute = 0.0
                 memory = 0.0 if k.name == "clip_grad_norm_" else \
-                    measured[0] * spec.params + measured[1] * param_tensors(spec)
+                    measured[0] * optimizer_params(spec, setup) + measured[1] * optimizer_tensors(spec, setup)
             elif k.name != "clip_grad_norm_":
                 memory += optimizer_dispatches(spec, setup) * rates.launch_seconds()
         slot = acc[k.term]
@@ -874,7 +967,7 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         communication = step_communication(spec, setup, device, forward_seconds=busy("forward"),
                                            backward_seconds=busy("backward", "recompute"))
         acc["communication"][1] = communication.exposed_seconds
-    dispatches = step_dispatches(spec, setup, repeat_kv) + DATA_DISPATCHES_PER_MICRO_BATCH * setup.grad_accum
+    dispatches = step_dispatches(spec, compute_setup(setup), repeat_kv) + DATA_DISPATCHES_PER_MICRO_BATCH * setup.grad_accum
     # calibrated kernel times (linears, attention, modules) include their own dispatches; static ones do not
     timed = sum(k.calls * k.dispatches for k in kernels if rates.includes_dispatch(k))
     host = max(0, dispatches - timed) * rates.launch_seconds()

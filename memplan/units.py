@@ -67,6 +67,17 @@ def parse_count(text: str | int, what: str = "count", *, binary: bool = False, m
     return value
 
 
+UNIT_RULE = "k, m, b are powers of 1000 in a count; only a context length's k is 1024, as in --ctx 1k = 1024"
+
+
+def resolved(given: list[tuple[str, str | None, int | None]]) -> str:
+    """``--global-batch-tokens 256k = 256,000 (the rule)`` for each (flag, text, value) whose text
+    used a suffix (what it resolved to is then worth saying); "" when every number was written out."""
+    said = [f"{flag} {str(text).strip()} = {value:,}" for flag, text, value in given
+            if text is not None and value is not None and re.search(r"[a-zA-Z]\s*$", str(text))]
+    return f"{'; '.join(said)} ({UNIT_RULE})" if said else ""
+
+
 def format_bytes(n: float) -> str:
     """``1.50 GiB``: binary units, named as such (never "MB" for 2**20)."""
     n = float(n)

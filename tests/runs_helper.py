@@ -63,3 +63,4 @@ def one_line_error(result, *needles):
     assert len(lines) == 1, result.stderr
     for n in needles:
         assert n in lines[0], (n, lines[0])
+    return lines[0]

@@ -227,7 +227,7 @@ def test_when_nothing_fits_it_says_what_would():
     short = int(ctx_advice.split("--ctx ")[1].split()[0])
     assert autotune(from_size("124m"), load_profile("gtx-1650"), ctx=short, global_batch=1).plan is not None
     out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--ctx", "2048")
-    assert out.exit_code == 0
+    assert out.exit_code == 3  # answered, but nothing to train (memplan.errors.EXIT_NOTHING_FITS)
     assert "Nothing fits" in out.output and "What would" in out.output
 
 
@@ -264,9 +264,59 @@ def test_out_writes_a_plan_that_round_trips(tmp_path):
     assert plan.device == "rtx-4090" and plan.budget_bytes == data["budget_bytes"]
     assert plan.predicted["peak_reserved"] == data["predicted"]["peak_reserved"]
     assert Plan.from_dict(plan.to_dict()) == plan
-    missing = tmp_path / "none.toml"
-    out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--out", str(missing))
-    assert out.exit_code == 0 and not missing.exists()
+
+
+def test_nothing_fits_exits_3_and_out_no_longer_holds_a_stale_plan(tmp_path):
+    """README's `autotune --out plan.toml && train --plan plan.toml` must not train an older plan.toml."""
+    path = tmp_path / "plan.toml"
+    assert run_cli("autotune", "--params", "22m", "--device", "rtx-4090", "--out", str(path)).exit_code == 0
+    assert Plan.load(path).setup.micro_batch >= 1  # a real plan, from an earlier run
+    out = run_cli("autotune", "--model", "tinyllama-1.1b", "--device", "gtx-1650", "--ctx", "1k",
+                  "--global-batch-tokens", "256k", "--out", str(path))
+    assert out.exit_code == 3, out.output
+    assert "nothing fits" in out.stderr and "Traceback" not in out.output
+    with pytest.raises(InputError, match="holds no plan: autotune found nothing that fits"):
+        Plan.load(path)
+    assert not (tmp_path / "plan.toml.tmp").exists()
+    # --json still prints the answer, and exits 3 too
+    out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--json")
+    assert out.exit_code == 3 and json.loads(out.stdout)["plan"] is None
+    # --verify with nothing to verify says so in the exit status
+    out = run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--verify")
+    assert out.exit_code == 3 and "--verify skipped" in out.stderr
+
+
+def test_a_verify_that_verifies_no_plan_exits_3_and_writes_no_plan(tmp_path, monkeypatch):
+    """When every trial of --verify fails (measured over budget, out of memory), there is no plan to
+    train: exit 3, and --out says so rather than holding the analytic plan that did not hold up."""
+    import trainer.verify
+    from trainer.verify import Verification
+
+    def nothing_holds(result, steps, on_attempt=None, **_):
+        return Verification(plan=None, attempts=[], budget_bytes=result.budget_bytes, steps_per_trial=steps,
+                            max_micro_batches=4, family="cpu", notes=["every plan's measured peak was over budget"])
+
+    monkeypatch.setattr(trainer.verify, "verify", nothing_holds)
+    path = tmp_path / "plan.toml"
+    out = run_cli("autotune", "--params", "2m", "--vocab", "4096", "--device", "cpu", "--ctx", "64",
+                  "--global-batch", "32", "--budget", "1GiB", "--verify", "--out", str(path))
+    assert out.exit_code == 3, out.output
+    assert "Not verified" in out.stdout
+    with pytest.raises(InputError, match="measured peak was over budget"):
+        Plan.load(path)
+
+
+def test_train_refuses_a_plan_file_that_says_nothing_fits(tmp_path):
+    from runs_helper import tiny_corpus
+
+    path = tmp_path / "plan.toml"
+    assert run_cli("autotune", "--params", "7b", "--device", "gtx-1650", "--out", str(path)).exit_code == 3
+    corpus = tiny_corpus(tmp_path / "data", n=40)
+    out = run_cli("train", "--plan", str(path), "--data", str(corpus), "--out", str(tmp_path / "run"),
+                  "--max-steps", "1")
+    line = one_line_error(out)
+    assert "holds no plan" in line and "nothing that fits" in line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -134,3 +134,44 @@ def test_estimate_never_imports_torch(memplan_cli):
             "assert r.exit_code == 0\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(__import__("conftest").ROOT))
     assert out.stdout.strip() == "False", out.stderr
+
+
+# ---- advice when no micro-batch fits (issue 14): only levers not already pulled, re-estimated ----
+
+def test_advice_never_suggests_a_lever_already_pulled_and_says_what_each_gives():
+    from memplan.advice import levers
+    from memplan.estimate import memory_on
+
+    spec, device = from_size("124m"), load_profile("gtx-1650")
+    pulled = TrainSetup(ctx=32768, precision="bf16", checkpointing="full", optimizer="adamw8bit")
+    found = levers(spec, pulled, device)
+    assert found
+    changes = " ".join(lever.change for lever in found)
+    for already in ("--checkpointing", "--precision", "--optimizer"):
+        assert already not in changes
+    base = memory_on(spec, pulled, device).peak_reserved
+    for lever in found:
+        assert lever.peak_reserved < base  # each one changes something
+        assert lever.fits == (lever.peak_reserved <= device.usable_bytes)
+    ctx = next(lever for lever in found if lever.change.startswith("--ctx"))
+    shorter = int(ctx.change.split()[1])
+    assert ctx.peak_reserved == memory_on(spec, pulled.replace(ctx=shorter), device).peak_reserved
+    assert ctx.fits and not fits_on(spec, pulled.replace(ctx=shorter + 64), device)
+    # nothing pulled yet: checkpointing is offered
+    assert any(lever.change == "--checkpointing full"
+               for lever in levers(spec, TrainSetup(ctx=32768, precision="bf16"), device))
+
+
+def test_estimate_says_no_micro_batch_fits_without_suggesting_checkpointing_already_on():
+    args = ("--model", "tinyllama-1.1b", "--precision", "bf16-mixed", "--checkpointing", "full",
+            "--device", "gtx-1650")
+    out = run(*args)
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.stdout.split())
+    assert "No micro-batch fits" in text and "try checkpointing" not in text
+    assert "--checkpointing" not in text.split("No micro-batch fits")[1].split("Time per step")[0]
+    assert "--world-size" in text and "fits (largest micro-batch" in text
+    data = json.loads(run(*args, "--json").stdout)
+    assert data["advice"] and all(a["change"] and a["peak_reserved"] > 0 for a in data["advice"])
+    assert not any(a["change"].startswith("--checkpointing") for a in data["advice"])
+    assert json.loads(run("--params", "22m", "--device", "rtx-4090", "--json").stdout)["advice"] == []

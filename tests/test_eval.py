@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,8 +139,20 @@ def test_the_table_lists_every_source_and_the_overall_perplexity(env):
 # ---- bad input: one line, exit 2 ---------------------------------------------------------------------
 
 def test_a_corpus_with_another_tokenizer_is_refused_naming_the_fix(env):
-    one_line_error(cli("--run", str(env["run"]), "--data", str(env["other_tok"])),
-                   "another tokenizer", "memplan prepare --tokenizer", "tokenizer.json")
+    line = one_line_error(cli("--run", str(env["run"]), "--data", str(env["other_tok"])),
+                          "another tokenizer", "memplan prepare --input", "--out", "--tokenizer", "tokenizer.json")
+    # the command it names is whole, and it works: the corpus it prepares is accepted
+    import shlex
+
+    command = shlex.split(line.split("`")[1])
+    assert command[:2] == ["memplan", "prepare"]
+    out = Path(command[command.index("--out") + 1])
+    assert out != Path(env["other_tok"]) and not out.exists()  # never over the corpus given
+    tokenizer = Path(command[command.index("--tokenizer") + 1])
+    assert tokenizer.is_file() and tokenizer.parent.parent.name == "checkpoints"  # RUN/checkpoints/step-N/
+    prepared = CliRunner().invoke(app, command[1:] + ["--workers", "1"])
+    assert prepared.exit_code == 0, prepared.output
+    assert cli("--run", str(env["run"]), "--data", str(out), "--ctx", "16").exit_code == 0
 
 
 def test_a_missing_run_or_one_without_checkpoints_is_a_clear_error(env, tmp_path):
@@ -159,7 +172,9 @@ def test_a_corrupt_checkpoint_is_named(env, tmp_path):
 
 
 def test_a_window_longer_than_every_split_names_the_longest(env):
-    one_line_error(cli("--run", str(env["run"]), "--ctx", "8k"), "no source holds a full window", "--ctx")
+    line = one_line_error(cli("--run", str(env["run"]), "--ctx", "8k"), "no source holds a full window of --ctx 8192")
+    longest = int(line.split("use --ctx ")[1].split()[0])
+    assert cli("--run", str(env["run"]), "--ctx", str(longest), "--max-batches", "1").exit_code == 0
 
 
 @pytest.mark.parametrize("flag,value", [("--ctx", "big"), ("--batch", "0"), ("--max-batches", "-1")])

@@ -147,3 +147,25 @@ def test_misspelt_preset_suggests_the_closest():
     with pytest.raises(InputError, match="did you mean.*tinyllama-1.1b"):
         preset("tinylama-1.1b")
     assert set(PRESETS) >= {"gpt2", "tinyllama-1.1b", "llama-3.2-1b"}
+
+
+def test_a_config_json_is_named_after_its_model_not_its_directory(tmp_path):
+    """`--model path/to/config.json` is not a model called "to" (issue 14)."""
+    import json
+
+    from memplan.model import from_hf_config
+
+    cfg = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 512, "vocab_size": 1000}
+
+    def name_of(sub: str, **extra) -> str:
+        path = tmp_path / sub / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**cfg, **extra}))
+        return from_hf_config(path).name
+
+    assert name_of("path/to") == "llama config"
+    assert name_of("a/to", _name_or_path="TinyLlama/TinyLlama_v1.1") == "TinyLlama/TinyLlama_v1.1"
+    assert name_of("b/to", _name_or_path="/home/me/ckpts/my-run/") == "my-run"
+    assert name_of("hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/" + "0a" * 20) == "HuggingFaceTB/SmolLM2-135M"
+    assert name_of("c/my-llama") == "my-llama"

@@ -270,3 +270,71 @@ def test_dispatch_counts_match_a_real_step(arch, precision, attention, checkpoin
         micro_batch()
     predicted = step_dispatches(spec, setup)
     assert abs(predicted - Count.n) <= 0.03 * Count.n, (predicted, Count.n)
+
+
+# ---- the optimizer term sees what the memory holds (issue 14) ------------------------------
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused"])
+def test_fsdp_optimizer_time_and_bytes_are_one_ranks_shards(optimizer):
+    """Under FSDP over W devices a rank clips and steps its shards only: the optimizer term's bytes are
+    (CLIP_PASSES + passes)·local·p with local = rank 0's shard (memplan.memory.fsdp_local_params), as
+    its optimizer memory is; the time falls with it, on static and calibrated rates alike."""
+    from memplan.memory import fsdp_local_params
+    from memplan.timing import ADAMW_FOREACH_PASSES, ADAMW_FUSED_PASSES, CLIP_PASSES
+
+    spec, device = from_size("1b"), load_profile("h100-sxm")
+    one = TrainSetup(ctx=2048, micro_batch=1, precision="bf16-mixed", optimizer=optimizer)
+    fsdp = one.replace(world_size=8, sharding="fsdp")
+    passes = ADAMW_FOREACH_PASSES if optimizer == "adamw" else ADAMW_FUSED_PASSES
+    local = fsdp_local_params(spec, fsdp, 0)
+    assert spec.params / 8 <= local < spec.params / 8 * 1.01
+    t1, t8 = step_time(spec, one, device).terms["optimizer"], step_time(spec, fsdp, device).terms["optimizer"]
+    assert t1.bytes == (CLIP_PASSES + passes) * spec.params * 4
+    assert t8.bytes == (CLIP_PASSES + passes) * local * 4
+    assert t8.seconds < t1.seconds / 4  # the dispatches per tensor stay; the traffic is an eighth
+    # DDP steps every parameter on every rank
+    ddp = step_time(spec, one.replace(world_size=8, sharding="ddp"), device).terms["optimizer"]
+    assert ddp.bytes == t1.bytes
+    # a calibrated optimizer cost (seconds per parameter, per tensor) is charged per local parameter too
+    cal = calibrated(device, optimizer={optimizer: [1e-10, 1e-6]})
+    c1, c8 = step_time(spec, one, cal).terms["optimizer"], step_time(spec, fsdp, cal).terms["optimizer"]
+    tensors = c1.seconds - 1e-10 * spec.params
+    assert c8.seconds == pytest.approx(1e-10 * local + tensors)
+
+
+def test_lora_optimizer_time_covers_the_adapters_only():
+    from memplan.memory import lora_params
+
+    spec, device = from_size("124m"), load_profile("rtx-4090")
+    full = TrainSetup(ctx=1024, micro_batch=8, optimizer="adamw-fused")
+    lora = full.replace(lora_rank=16, lora_targets="qkv,proj")
+    from memplan.timing import ADAMW_FUSED_PASSES, CLIP_PASSES
+    assert step_time(spec, lora, device).terms["optimizer"].bytes == \
+        (CLIP_PASSES + ADAMW_FUSED_PASSES) * lora_params(spec, lora) * 4
+    assert step_time(spec, lora, device).terms["optimizer"].seconds < \
+        step_time(spec, full, device).terms["optimizer"].seconds / 5  # the per-tensor dispatches remain
+
+
+def test_fsdp_mixed_precision_computes_without_autocast_casts_and_casts_only_the_shards():
+    """FSDP2's MixedPrecisionPolicy replaces autocast (memory.fsdp_compute_setup): the time walk has no
+    whole-weight autocast casts; it casts each rank's shard at every all-gather (blocks in forward and
+    backward, the root once) and copies the gathered output out, as memory.py's FSDP walk allocates."""
+    from memplan.memory import fsdp_group_numel
+
+    spec, device = from_size("1b"), load_profile("h100-sxm")
+    fsdp = TrainSetup(ctx=2048, micro_batch=1, grad_accum=2, precision="bf16-mixed", world_size=8, sharding="fsdp")
+    kernels = step_kernels(spec, fsdp)
+    names = {k.name for k in kernels}
+    assert not any("weight cast" in n or "input cast" in n for n in names)
+    block, root = fsdp_group_numel(spec, fsdp, "block"), fsdp_group_numel(spec, fsdp, "root")
+    copy_in = sum(k.calls * k.read_bytes for k in kernels if "copy-in" in k.name)
+    assert copy_in == 2 * (2 * spec.layers * block + root) * 4  # 2 micro-batches, fp32 shards read
+    copy_out = sum(k.calls * k.write_bytes for k in kernels if "copy-out" in k.name)
+    assert copy_out == 2 * (2 * spec.layers * 8 * block + 8 * root) * 2  # the gathered bf16 parameters
+    single = step_kernels(spec, fsdp.replace(world_size=1, sharding="none"))
+    assert any("weight cast" in k.name for k in single)  # one process: autocast casts every weight
+    # fp16-mixed under FSDP runs its matmuls in fp16, not bf16
+    fp16 = step_kernels(spec, fsdp.replace(precision="fp16-mixed"))
+    assert {k.dtype for k in fp16 if k.kind == "matmul"} == {"fp16"}
+    # and DDP keeps autocast
+    assert any("weight cast" in k.name for k in step_kernels(spec, fsdp.replace(sharding="ddp")))

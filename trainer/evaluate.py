@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,31 @@ def _ppl(loss: float | None) -> float | None:
     return math.exp(loss) if loss < 700 else float("inf")
 
 
+EMBEDDED_ORIGINS = ("pydoc_data.topics", "docstrings of ")  # trainer.data.embedded_sources' origins
+
+
+def prepare_command(run_dir: Path, meta: dict, data: PreparedData, checkpoint: Path | None) -> str:
+    """The whole `memplan prepare` command that remakes ``data``'s corpus with the run's tokenizer: the
+    same inputs (the manifest's source origins; none for the embedded corpus), a new --out beside it
+    (``DIR-RUN``, never the corpus itself), and the checkpoint's tokenizer.json (or the tiktoken
+    encoding's name)."""
+    origins = [str(s.get("origin", "")) for s in data.manifest.get("sources", [])]
+    files = [o for o in origins if o and not o.startswith(EMBEDDED_ORIGINS)]
+    if len(files) == len(origins):
+        inputs = "".join(f" --input {shlex.quote(o)}" for o in files)
+    elif files:
+        inputs = " --input TEXT"  # the embedded corpus and files together: no command remakes both
+    else:
+        inputs = ""  # the embedded corpus: prepare's default
+    tok = meta.get("tokenizer") or {}
+    if tok.get("kind") == "tiktoken":
+        tokenizer = str(tok.get("spec") or tok.get("encoding") or "gpt2")
+    else:
+        tokenizer = shlex.quote(str((checkpoint or Path(run_dir) / "checkpoints" / "step-N") / "tokenizer.json"))
+    out = shlex.quote(str(data.path.parent / f"{data.path.name}-{Path(run_dir).resolve().name}"))
+    return f"memplan prepare{inputs} --out {out} --tokenizer {tokenizer}"
+
+
 def resolve_data(run_dir: Path, meta: dict, data_dir: str | Path | None,
                  checkpoint: Path | None = None) -> tuple[PreparedData, bool]:
     """The corpus to evaluate on and whether it is the run's own; a different tokenizer is an InputError
@@ -112,9 +138,9 @@ def resolve_data(run_dir: Path, meta: dict, data_dir: str | Path | None,
     run_sha = meta.get("tokenizer_sha256") or (meta.get("tokenizer") or {}).get("sha256")
     data_sha = data.manifest["tokenizer"]["sha256"]
     if run_sha != data_sha:
-        hint = checkpoint / "tokenizer.json" if checkpoint is not None else "the run's tokenizer.json"
         raise InputError(f"--data {data_dir}: prepared with another tokenizer (sha256 {data_sha[:12]}) than the "
-                         f"run's ({str(run_sha)[:12]}); prepare it with `memplan prepare --tokenizer {hint}`")
+                         f"run's ({str(run_sha)[:12]}); prepare its text again with the run's: "
+                         f"`{prepare_command(run_dir, meta, data, checkpoint)}`, then pass that --data")
     own = bool(own_path) and Path(own_path).resolve() == Path(data_dir).resolve()
     return data, own
 
@@ -149,8 +175,9 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path | None = None, config
     seconds = time.perf_counter() - t0
     if not found:
         longest = max((s.val_tokens for s in data.sources), default=0)
-        raise InputError(f"--data {data.path}: no source holds a full window of {ctx} + 1 held-out tokens (the "
-                         f"longest split has {longest}); use a smaller --ctx")
+        fits = f"--ctx {longest - 1} or less" if longest > 1 else "a corpus with a held-out split"
+        raise InputError(f"--data {data.path}: no source holds a full window of --ctx {ctx} + 1 held-out tokens "
+                         f"(the longest split has {longest}); use {fits}")
     sources = tuple(SourceLoss(name=s.name, loss=found["eval_loss_by_source"].get(s.name),
                                tokens=found["eval_tokens_by_source"].get(s.name, 0), val_tokens=s.val_tokens)
                     for s in data.sources)

@@ -217,7 +217,8 @@ def build_run_page(run_dir: str | Path) -> Page:
     notes = []
     if evals and evals[-1].get("samples"):
         for s in evals[-1]["samples"]:
-            notes.append(f"Sample at step {evals[-1]['step']}: “{s['prompt']}” → {s['text']!r}")
+            # the text as generated, its newlines kept (the note is shown with white-space: pre-wrap)
+            notes.append(f"Sample at step {evals[-1]['step']}: “{s['prompt']}” → “{s['text']}”")
     notes.append("Measured memory: " + str(first.get("memory_source", "n/a")) + ". Predicted figures: memplan's "
                  f"estimate for this model and setup on the {first.get('device', '?')} profile.")
     desc = model.get("describe", "model")

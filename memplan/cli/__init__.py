@@ -59,11 +59,33 @@ app = typer.Typer(
 )
 
 
+def version() -> str:
+    """memplan's version: the installed distribution's (importlib.metadata), else memplan.__version__
+    (a source tree that is not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("memplan")
+    except metadata.PackageNotFoundError:
+        from memplan import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"memplan {version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _group() -> None:
+def _group(
+    show_version: bool = typer.Option(False, "--version", help="Print memplan's version and exit.",
+                                      callback=_print_version, is_eager=True),
+) -> None:
     # A typer app with a single command and no callback collapses into that bare command (no
-    # `memplan NAME`, no _OneLineErrors); this empty callback keeps `app` a group however many
-    # commands are registered.
+    # `memplan NAME`, no _OneLineErrors); this callback keeps `app` a group however many
+    # commands are registered, and carries --version.
     pass
 
 

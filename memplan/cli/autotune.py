@@ -14,7 +14,7 @@ from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, Ff
                                  KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt,
                                  local_device_from, model_from, threads_from, with_rates,
                                  print_json)
-from memplan.errors import InputError
+from memplan.errors import EXIT_NOTHING_FITS, InputError
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count, parse_size
 
 _A = "Autotune"
@@ -103,6 +103,7 @@ def print_result(result, top: int, rates_note: str | None = None) -> None:
     exact = "" if result.exact_global_batch else f" [yellow](asked {result.requested_global_batch_tokens:,})[/]"
     print_fields(console, [
         ("Model", f"{escape(spec.name or 'custom')}: {escape(spec.describe())}  ({spec.params:,} parameters)"),
+        *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Device", f"{escape(device.name)} ({escape(device.title)}): {format_bytes(device.usable_bytes)} usable"),
         *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
         ("Budget", f"{format_bytes(result.budget_bytes)}: the predicted peak must stay under "
@@ -250,6 +251,14 @@ def autotune_command(
         world_size=parse_count(world_size, "--world-size"))
     if not json:
         print_result(result, top, rates_note)
+        from rich.console import Console
+
+        from memplan.units import resolved
+
+        units = resolved([("--global-batch-tokens", global_batch_tokens, result.requested_global_batch_tokens),
+                          ("--tokens", tokens, result.tokens)])
+        if units:  # 256k tokens is 256,000, not 262,144
+            Console(highlight=False).print(f"[dim]note: {units}[/]")
 
     verification = None
     if verify and result.world_size > 1:
@@ -278,15 +287,36 @@ def autotune_command(
             print_verification(verification)
             print(f"verify took {format_seconds(time.perf_counter() - started)}")
     elif verify:
-        print("memplan: --verify skipped: nothing fits, so there is no plan to run", file=sys.stderr)
+        print(f"memplan: --verify skipped: nothing fits, so there is no plan to run (exit {EXIT_NOTHING_FITS})",
+              file=sys.stderr)
 
     final = verification.plan if verification is not None else result.plan
     if out:
         if final is None:
-            print("memplan: no plan written (nothing fits)", file=sys.stderr)
+            _save_no_plan(out, result, verification)
+            print(f"memplan: no plan: wrote {out} saying that nothing fits (`memplan train --plan` refuses it)",
+                  file=sys.stderr)
         else:
             final.save(out)
             if not json:
                 print(f"Wrote {out}")
     if json:
         print_json(with_rates(result.to_json(verification), rates_note))
+    if final is None:  # answered, but there is nothing to train: a script must not go on
+        raise typer.Exit(EXIT_NOTHING_FITS)
+
+
+def _save_no_plan(out: str, result, verification) -> None:
+    """--out when there is no plan: a file that says so (memplan.plan.save_no_plan), never the old one."""
+    from memplan.autotune import device_ref
+    from memplan.plan import save_no_plan
+
+    if verification is not None:
+        reason = "--verify: no plan's measured peak fit the budget" + (
+            f" ({'; '.join(verification.notes)})" if verification.notes else "")
+        advice = []
+    else:
+        reason = (result.advice[0] if result.advice else "nothing fits").removeprefix("nothing fits: ")
+        advice = result.advice[1:]
+    save_no_plan(out, model=result.model, device=device_ref(result.device), budget_bytes=result.budget_bytes,
+                 reason=reason, advice=advice)

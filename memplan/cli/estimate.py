@@ -68,6 +68,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     print_fields(console, [
         ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
         *([("", f"shape from {spec.source}")] if spec.source else []),
+        *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Setup", f"ctx {setup.ctx}, micro-batch {setup.micro_batch} × {setup.grad_accum} accumulation, "
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
@@ -100,7 +101,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     if est.max_micro_batch:
         console.print(f"Largest micro-batch that fits: [bold]{est.max_micro_batch}[/]")
     else:
-        console.print("[red]No micro-batch fits[/]: try checkpointing, a shorter context, or `memplan autotune`.")
+        print_levers(console, est)
 
     from memplan.cli.time_table import print_time_table
 
@@ -118,6 +119,24 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     if t.epoch_seconds is not None:
         line += f"; {format_count(est.tokens)} tokens take [bold]{format_seconds(t.epoch_seconds)}[/]"
     console.print(line)
+
+
+def print_levers(console, est) -> None:
+    """No micro-batch fits: each lever not already pulled, alone, with the peak it gives (memplan.advice)."""
+    from memplan.advice import levers
+
+    one = est.memory.peak_reserved if est.setup.micro_batch == 1 else None
+    head = "[red]No micro-batch fits[/]" + (f": even micro-batch 1 needs {format_bytes(one)}" if one else "")
+    found = levers(est.model, est.setup, est.device)
+    if not found:
+        console.print(head + "; no lever of the setup lowers it: a smaller model or a device with more memory.")
+        return
+    console.print(head + ". Each change alone, re-estimated at micro-batch 1:")
+    for lever in found:
+        verdict = (f"[green]fits[/] (largest micro-batch {lever.max_micro_batch})" if lever.fits else
+                   f"[red]{format_bytes(lever.peak_reserved - est.device.usable_bytes)} over[/]")
+        console.print(f"  {lever.change}: {format_bytes(lever.peak_reserved)}, {verdict} [dim]({lever.what})[/]")
+    console.print("[dim]`memplan autotune` combines them.[/]")
 
 
 _INFERENCE_HELP = {
@@ -138,6 +157,7 @@ def print_inference(est, rates_note: str | None = None) -> None:
     spec, s, device, mem, t = est.model, est.setup, est.device, est.memory, est.time
     print_fields(console, [
         ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
+        *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Run", f"cache {s.ctx} tokens, prompt {s.prompt_tokens}, batch {s.batch}, weights {s.weights_dtype}, "
                 f"KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}"),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
@@ -225,6 +245,16 @@ def estimate_command(
     dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
     if json:
-        print_json(with_rates(est.to_json(), rates_note))
+        from memplan.advice import levers
+
+        advice = [lever.to_json() for lever in levers(spec, setup, dev)] if not est.max_micro_batch else []
+        print_json(with_rates({**est.to_json(), "advice": advice}, rates_note))
     else:
         print_estimate(est, rates_note)
+        from memplan.units import resolved
+
+        units = resolved([("--tokens", tokens, est.tokens)])
+        if units:  # 2b tokens is 2,000,000,000
+            from rich.console import Console
+
+            Console(highlight=False).print(f"[dim]note: {units}[/]")

@@ -117,6 +117,7 @@ def print_sweep(sw, rates_note: str | None = None) -> None:
     spec, dev = sw.model, sw.device
     print_fields(console, [
         ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
+        *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Device", f"{dev.name} ({dev.title}): {format_bytes(dev.memory_bytes)}, {format_bytes(dev.usable_bytes)} usable"),
         *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
         ("Setup", f"{fixed_words(sw)}; {sw.axes.cells} settings, {len(sw.fitting)} fit"),
@@ -166,8 +167,11 @@ def print_sweep(sw, rates_note: str | None = None) -> None:
                   "★ on the Pareto front (no setup that fits uses less memory and runs faster).")
     best = sw.best
     if best is None:
-        console.print("[red]Nothing in this grid fits[/]: try checkpointing, a smaller batch or context, "
-                      "or `memplan autotune`.")
+        from memplan.cli.estimate import print_levers
+
+        lightest = min(sw.cells, key=lambda e: e.memory.peak_reserved)
+        console.print(f"[red]Nothing in this grid fits[/]; its lightest cell is {setup_words(lightest.setup)}.")
+        print_levers(console, lightest)
     else:
         est = sw.cells[best]
         line = (f"Fastest that fits: [bold]{setup_words(est.setup)}[/]: "

@@ -688,6 +688,8 @@ def _print_plan(trainer, console) -> None:
     pred = trainer.predicted
     what = "Resuming" if trainer.step else "Training"
     print_hanging(console, f"[bold]{what}[/] ", f"{trainer.run_dir}: {p.model.describe()} ({p.model.params:,} parameters)")
+    if p.model.size_note():  # the data's vocabulary changes the count a size name such as 22m gives
+        print_hanging(console, "  ", f"[dim]{p.model.size_note()}[/]")
     ranks = f" × {s.world_size} ranks ({s.sharding.upper()})" if s.world_size > 1 else ""
     print_hanging(console, "  setup: ", f"ctx {s.ctx}, micro-batch {s.micro_batch} × {s.grad_accum} accumulation{ranks} "
                   f"({s.tokens_per_step:,} tokens/step), {s.precision}, {s.attention} attention, checkpointing "

@@ -224,9 +224,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def umask_mode(path: Path) -> None:
+    """Give a written file the mode a plain ``open()`` would: 0o666 less the umask (safetensors'
+    writer creates its file 0o600, readable by its owner only, unlike every other export file)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    if path.is_file():
+        os.chmod(path, 0o666 & ~mask)
+
+
 def commit_dir(tmp: Path, out: Path) -> None:
     """Move the finished directory ``tmp`` to ``out``, replacing what ``check_out`` allowed."""
     for f in tmp.iterdir():
+        umask_mode(f)
         fsync_path(f)
     fsync_path(tmp)
     trash = None
@@ -246,6 +256,7 @@ def commit_files(tmp: Path, out: Path, names: list[str]) -> None:
     names), each with an atomic replace, then remove ``tmp``."""
     for i, name in enumerate(names):
         target = out if i == 0 else out.parent / name
+        umask_mode(tmp / name)
         fsync_path(tmp / name)
         os.replace(tmp / name, target)
     fsync_path(out.parent)
