@@ -105,7 +105,7 @@ def print_result(result, top: int, rates_note: str | None = None) -> None:
         ("Model", f"{escape(spec.name or 'custom')}: {escape(spec.describe())}  ({spec.params:,} parameters)"),
         *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Device", f"{escape(device.name)} ({escape(device.title)}): {format_bytes(device.usable_bytes)} usable"),
-        *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
+        *([("Rates", f"[dim]{escape(rates_note.removeprefix('rates: '))}[/]")] if rates_note else []),
         ("Budget", f"{format_bytes(result.budget_bytes)}: the predicted peak must stay under "
                    f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})"),
         ("Global batch", f"{result.global_batch_tokens:,} tokens = {result.global_batch_sequences} sequences of "

@@ -162,7 +162,7 @@ def print_inference(est, rates_note: str | None = None) -> None:
                 f"KV cache {s.cache_dtype}, activations {s.activation_dtype}, {s.sampling}"),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                    f"{format_bytes(device.usable_bytes)} usable"),
-        *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
+        *([("Rates", f"[dim]{escape(rates_note.removeprefix('rates: '))}[/]")] if rates_note else []),
     ])
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
 

@@ -119,7 +119,7 @@ def print_sweep(sw, rates_note: str | None = None) -> None:
         ("Model", f"{spec.name or 'custom'}: {spec.describe()}  ({spec.params:,} parameters)"),
         *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Device", f"{dev.name} ({dev.title}): {format_bytes(dev.memory_bytes)}, {format_bytes(dev.usable_bytes)} usable"),
-        *([("Rates", f"[dim]{escape(rates_note)}[/]")] if rates_note else []),
+        *([("Rates", f"[dim]{escape(rates_note.removeprefix('rates: '))}[/]")] if rates_note else []),
         ("Setup", f"{fixed_words(sw)}; {sw.axes.cells} settings, {len(sw.fitting)} fit"),
     ])
     per_row = len(sw.axes.micro_batch)  # cells are in rows of micro-batches, rows in order of context
