@@ -65,7 +65,7 @@ def write_atomic(path: str | Path, content: str | bytes, *, encoding: str = "utf
             pass
         raise
     if fsync:
-        fsync_dir(parent)
+        fsync_path(parent)
     return path
 
 
@@ -77,8 +77,9 @@ def temp_dir_beside(path: str | Path, tag: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.{tag}-", dir=str(parent)))
 
 
-def fsync_dir(path: str | Path) -> None:
-    """Flush a directory's entries (a rename into it) to disk; a no-op where directories cannot be opened."""
+def fsync_path(path: str | Path) -> None:
+    """Flush a file, or a directory's entries (a rename into it), to disk; a no-op where directories cannot
+    be opened (Windows)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -38,7 +38,7 @@ from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
 from trainer.data import PreparedData
 from trainer.loop import TrainConfig, Trainer, read_metrics
-from runs_helper import story, tiny_corpus
+from runs_helper import one_line_error, story, tiny_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "2", "--kv-heads", "2", "--ffn", "128",
@@ -61,15 +61,6 @@ def corpus(tmp_path_factory) -> Path:
 
 def cli(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-def one_line_error(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def env() -> dict:

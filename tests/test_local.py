@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from runs_helper import one_line_error
+
 from memplan import local
 from memplan.cli import app
 from memplan.compat import tomllib
@@ -35,15 +37,6 @@ def retention() -> int:
 
 def run_cli(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-def one_line_error(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def calibration_text(noise: float = 0.04, threads: int = 1, context: int = CONTEXT, matmul_tflops: float = 0.05,

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from memplan.errors import InputError
+from memplan.fsutil import fsync_path
 
 CHECKPOINT_FORMAT = "memplan-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -117,21 +118,6 @@ def _as_tuple(x):
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file or a directory (its entries: a rename into it) to disk; a no-op where the
-    platform cannot open directories."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory handles (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:

@@ -434,8 +434,8 @@ class Trainer:
         """A new run in ``run_dir``, which must not hold a run already (``allow_existing``: it may hold
         one that never reached a checkpoint; its metrics.jsonl is appended to)."""
         run_dir = Path(run_dir)
-        lock = _lock_run(run_dir)  # before the checks: a second writer cannot pass them meanwhile
-        try:
+
+        def checked() -> "Trainer":
             if not allow_existing:
                 check_run_dir_free(run_dir)
             elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
@@ -445,13 +445,9 @@ class Trainer:
             check_plan_fits(plan, profile)
             if config.verify_data:
                 data.verify()
-            trainer = cls(run_dir, plan, data, config, profile, device, None)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        trainer._lock = lock
-        return trainer
+            return cls(run_dir, plan, data, config, profile, device, None)
+
+        return cls._holding_run_lock(run_dir, checked)  # locked before the checks: no second writer passes them
 
     @classmethod
     def resume(cls, run_dir: str | Path, data: PreparedData, profile: Device, *, plan: Plan | None = None,
@@ -472,10 +468,16 @@ class Trainer:
         run_dir = Path(run_dir)
         if not run_dir.is_dir():
             rundir.resume_source(run_dir)  # the InputError saying what is there instead
+        return cls._holding_run_lock(run_dir, lambda: cls._resume_locked(
+            run_dir, data, profile, plan=plan, overrides=overrides, device=device, sharding=sharding))
+
+    @staticmethod
+    def _holding_run_lock(run_dir: Path, build) -> "Trainer":
+        """``build()`` while holding the run's lock (``_lock_run``: rank 0's, None on other ranks), which the
+        trainer then keeps; released again when ``build`` fails."""
         lock = _lock_run(run_dir)
         try:
-            trainer = cls._resume_locked(run_dir, data, profile, plan=plan, overrides=overrides, device=device,
-                                         sharding=sharding)
+            trainer = build()
         except BaseException:
             if lock is not None:
                 lock.release()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from memplan.errors import InputError
 from memplan.model import ModelSpec
-from trainer.checkpoint import fsync_path
+from memplan.fsutil import fsync_path
 
 FORMATS = ("hf", "gguf", "onnx")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")  # auto: the run's weights' own; q8_0: GGUF only
