@@ -12,6 +12,7 @@ from memplan.cli import app
 from memplan.cli.fit import print_fitted
 from memplan.cli.options import JsonOpt, print_json
 from memplan.errors import InputError
+from memplan.local import NOISY, slug
 
 OutOpt = Annotated[Optional[str], typer.Option(
     "--out", help="Profile TOML to write (default: calibrated-<device>.toml in the current directory).",
@@ -31,15 +32,7 @@ ClockOpt = Annotated[str, typer.Option(
                     "other processes hold the core (shared machines); needs --threads 1.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")]
 
-
-from memplan.local import NOISY  # noqa: E402  (a spread above it: the machine was busy)
-
 DEFAULT_SECONDS = "50"  # measurements plan 80% of it; with torch's import the command ends within a minute
-
-
-def _slug(text: str) -> str:
-    out = "".join(c if c.isalnum() else "-" for c in text.lower())
-    return "-".join(p for p in out.split("-") if p)[:48] or "device"
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -146,9 +139,9 @@ def calibrate_command(
         cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock, choose_threads=n_threads is None,
                                 progress=lambda stage, done: progress.update(task, description=stage, completed=done))
     base = match_profile(cal.title, cal.family) if cal.family != "cpu" else None
-    name = device_name.strip() if device_name else (f"{base.name}-calibrated" if base else _slug(cal.title))
+    name = device_name.strip() if device_name else (f"{base.name}-calibrated" if base else slug(cal.title))
     if target is None:
-        target = Path(f"calibrated-{_slug(name)}.toml")
+        target = Path(f"calibrated-{slug(name)}.toml")
         check_out(target, force)
     data = cal_mod.profile_data(cal, name, base)
     text = cal_mod.profile_toml(data)

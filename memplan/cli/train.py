@@ -355,13 +355,6 @@ def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, con
     return p
 
 
-def calibration_cache(family: str, title: str, threads: int, torch_version: str) -> Path:
-    """Where the local device's calibration is kept: one TOML per device, torch threads and torch version."""
-    from memplan.local import calibration_path
-
-    return calibration_path(family, title, threads, torch_version)
-
-
 CALIBRATE_ATTEMPTS = 2  # the quick start measures again once when the first calibration is too noisy to keep
 
 
@@ -597,18 +590,13 @@ def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_ba
 # Data
 # =================================================================================================
 
-def cache_dir() -> Path:
-    """$MEMPLAN_CACHE, else $XDG_CACHE_HOME/memplan, else ~/.cache/memplan."""
-    from memplan.local import cache_dir as local_cache_dir
-
-    return local_cache_dir()
-
-
 def embedded_data_dir() -> Path:
     """Where the embedded corpus is prepared: per Python version (its docstrings are the corpus)."""
     from trainer.data import DEFAULT_TOKENIZER_EMBEDDED
 
     version = ".".join(map(str, sys.version_info[:3]))
+    from memplan.local import cache_dir
+
     return cache_dir() / "data" / f"embedded-py{version}-{DEFAULT_TOKENIZER_EMBEDDED.replace(':', '')}"
 
 
