@@ -43,3 +43,25 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A directory on a fresh 2 MiB tmpfs (``mount -t tmpfs``, which CI can do as root), for "disk full"
+    cases; yields its Path and unmounts afterwards. Skipped where mounting is not permitted."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def fill_disk(mount: Path, leave: int = 0) -> None:
+    """Fill ``mount`` up to ``leave`` bytes free, with one file named ``filler``."""
+    free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
+    with open(mount / "filler", "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
