@@ -34,13 +34,33 @@ def entry(argv: list[str] | None = None) -> None:
     except click_exceptions.ClickException as e:
         message = e.format_message()
     except typer.Exit as e:
-        sys.exit(e.exit_code)
+        _exit(e.exit_code)
     else:
-        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+        _exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
     if os.environ.get("RANK", "0") == "0":
         prog = "memplan" if os.environ.get("MEMPLAN_LAUNCHED_BY") == "memplan" else PROG
         print(f"{prog}: error: " + " ".join(message.split()), file=sys.stderr)
-    sys.exit(2)
+    _exit(2)
+
+
+def _exit(code: int) -> None:
+    """Leave with ``code``. One rank of several leaves through ``os._exit`` once its output is flushed:
+    the command has already destroyed the process group, closed its files and released its lock, and
+    what remains is interpreter finalization, where a C++ thread of torch's distributed runtime can
+    still abort the process ("terminate called without an active exception", exit -6). That was seen
+    once in CI under load, after the run's last checkpoint was complete, and turned a finished run
+    into a failed launch. Alone (no torchrun), this is ``sys.exit``."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
