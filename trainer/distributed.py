@@ -189,9 +189,8 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
     optimizer state) is registered with ``track_external``; the step's batches are made inside
     the tracker, as ``trainer.measure`` does for a single process.
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    from trainer.measure import StepMemory, _categories, _random_batches, _TermProbe
+    from trainer.measure import PeakTracker, StepMemory, _categories, _random_batches, _TermProbe
     from trainer.model import build_model
     from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
@@ -215,7 +214,7 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
         for _ in range(WARMUP_STEPS):
             train_step(model, optimizer, _random_batches(spec, setup, device, gen), setup, device.type,
                        check_finite=False)
-        tracker = MemTracker()
+        tracker = PeakTracker()
         tracker.track_external(model, optimizer)
 
         def live() -> int:

@@ -95,9 +95,9 @@ def _tracked_peak(fn, external: list) -> int:
     """Peak live tensor bytes (MemTracker on real tensors) while ``fn`` runs, counting ``external``
     (modules and tensors made before) as live from the start. The list is emptied, so that
     what ``fn`` frees is not kept alive by it."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from trainer.measure import PeakTracker
 
-    tracker = MemTracker()
+    tracker = PeakTracker()
     tracker.track_external(*external)
     external.clear()
     with tracker:

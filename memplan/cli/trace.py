@@ -1,16 +1,31 @@
-"""``memplan trace``: the exact live-tensor peak of two real training steps of the reference model, on fake tensors."""
+"""``memplan trace``: the exact live-tensor peak of two real training steps, on fake tensors: of memplan's
+own model, or (``--stack``) of the model and step of the library the user trains with (trainer/stacks)."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from memplan.cli import app
-from memplan.cli.estimate import TokensOpt
+from memplan.cli.estimate import LoraRankOpt, LoraTargetsOpt, TokensOpt
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
                                  WorldSizeOpt, device_from, model_from, print_json, setup_from)
+from memplan.errors import InputError
 from memplan.units import format_bytes, parse_count
 
 TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
+
+
+StackOpt = Annotated[str, typer.Option(
+    "--stack", help="Whose training code to trace: memplan (its own trainer) | transformers (Hugging Face "
+                    "transformers, with peft for --lora-rank). transformers needs `pip install 'memplan[stacks]'`.")]
+LoraDropoutOpt = Annotated[float | None, typer.Option(
+    "--lora-dropout", help="--stack transformers with --lora-rank: peft's lora_dropout (default: peft's, 0.0). "
+                           "Above 0, each adapter saves its dropout's mask and output.")]
+MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KiB; anything this large is not one
 
 
 def traced_json(est, traced) -> dict:
@@ -37,6 +52,51 @@ def traced_json(est, traced) -> dict:
     return data
 
 
+def read_hf_config(path: str) -> dict | None:
+    """The contents of ``path`` when it is a Hugging Face config.json (a JSON object with a
+    ``model_type``), else None (a size or preset name); a file that is not one is an InputError."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not (path.endswith(".json") or p.is_file()):
+        return None
+    try:
+        with p.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise InputError(f"--model: no such file {path!r}") from None
+    except IsADirectoryError:
+        raise InputError(f"--model: {path!r} is a directory; give its config.json") from None
+    except OSError as e:
+        raise InputError(f"--model: cannot read {path!r} ({e.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(f"--model: {path!r} is over {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a few KiB")
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"--model: {path!r} is not a UTF-8 JSON file ({e})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise InputError(f"--model: {path!r} is not a Hugging Face config (a JSON object with a model_type)")
+    return cfg
+
+
+def stack_json(stack: str, cfg: dict, setup, dev, traced, params: int | None) -> dict:
+    """``trace --json`` for a model memplan's analytic walk does not cover (a config.json of another
+    family, traced through its library): the trace alone, with the setup and the device."""
+    from memplan.memory import runtime_bytes
+
+    runtime = runtime_bytes(traced.peak_allocated, dev.runtime_context_bytes, dev.allocator_overhead)
+    memory = {k: int(traced.breakdown.get(k, 0)) for k in TRACE_CATEGORIES}
+    memory["weights"] += int(traced.breakdown.get("other", 0))
+    memory.update(runtime=runtime, peak_allocated=traced.peak_allocated,
+                  peak_reserved=traced.peak_allocated + runtime)
+    return {"stack": stack, "model": {"model_type": cfg.get("model_type"), "params": params},
+            "setup": setup.to_json(),
+            "device": dev.name, "memory": memory, "fits": memory["peak_reserved"] <= dev.usable_bytes,
+            "trace": {"method": traced.method, "stack": stack}}
+
+
 @app.command("trace")
 def trace_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
@@ -46,18 +106,35 @@ def trace_command(
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
     world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    tokens: TokensOpt = None, json: JsonOpt = False,
+    tokens: TokensOpt = None, json: JsonOpt = False, stack: StackOpt = "memplan",
+    lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
+    lora_dropout: LoraDropoutOpt = None,
 ) -> None:
-    """Trace two training steps of the reference model on fake tensors (nothing is allocated) and report the exact peak.
+    """Trace two training steps on fake tensors (nothing is allocated) and report the exact peak.
 
-    With --world-size N --sharding fsdp: rank 0 of an FSDP2 step, the other ranks stood in for by a
+    --stack memplan traces memplan's own model and step; --stack transformers builds transformers'
+    model for the shape (or for --model config.json, any family transformers builds) and takes its
+    step as transformers' Trainer does, with peft's LoRA for --lora-rank. With --world-size N
+    --sharding fsdp (memplan's stack): rank 0 of an FSDP2 step, the other ranks stood in for by a
     fake process group (collectives as NCCL runs them)."""
-    from memplan.errors import InputError
+    from trainer.stacks import STACKS
+
+    if stack not in STACKS:
+        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(STACKS)})")
+    setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
+                       compile)
+    rank = parse_count(lora_rank, "--lora-rank") if lora_rank not in ("0", "") else 0
+    if rank:
+        setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
+    if lora_dropout is not None and (stack == "memplan" or not rank or not 0.0 <= lora_dropout < 1.0):
+        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers with "
+                         "--lora-rank (memplan's own adapters have no dropout)")
+    if stack != "memplan":
+        return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied),
+                            device, device_memory, tokens, json, lora_dropout)
     from memplan.estimate import estimate
 
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
-    setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
-                       compile)
     if setup.sharding == "ddp":
         raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "
                          "single-process step plus its gradient buckets (`memplan estimate`), measured for real by "
@@ -87,18 +164,67 @@ def trace_command(
     else:
         traced = trace_step(spec, setup, fake_device)
     data = traced_json(est, traced)
+    data["stack"] = "memplan"
     if json:
         print_json(data)
         return
+    _print_trace(spec.describe(), setup, traced, data, est, dev, "memplan")
+
+
+def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory, tokens, json, lora_dropout) -> None:
+    """``trace --stack S`` for another library's code (trainer/stacks)."""
+    import torch
+
+    from memplan.estimate import estimate
+    from trainer.stacks import StackModel, trace_stack
+
+    if setup.world_size > 1:
+        raise InputError(f"trace --stack {stack}: one process only (--world-size 1); sharded steps are traced "
+                         "for memplan's own trainer")
+    dev = device_from(device, device_memory)
+    fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
+    cfg = read_hf_config(model) if model else None
+    spec = None
+    if cfg is not None and any(v is not None for v in shape_flags):
+        raise InputError(f"--model {model}: with --stack {stack} the config.json is the model; edit it rather than "
+                         "passing shape flags (--arch, --layers, ...)")
+    try:
+        spec = model_from(params, model, *shape_flags)
+    except InputError:
+        if cfg is None:
+            raise  # not a config file: the shape itself is wrong
+    traced = trace_stack(stack, StackModel(spec=None if cfg is not None else spec, hf_config=cfg), setup,
+                         fake_device, lora_dropout=lora_dropout)
+    if spec is None:  # a family memplan's analytic model does not cover: the trace alone
+        data = stack_json(stack, cfg, setup, dev, traced, traced.params)
+        if json:
+            print_json(data)
+            return
+        _print_trace(f"{cfg.get('model_type')} from {model} ({traced.params:,} parameters)", setup, traced, data,
+                     None, dev, stack)
+        return
+    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
+    data = traced_json(est, traced)
+    data["stack"] = stack
+    data["trace"]["stack"] = stack
+    data["trace"]["analytic_stack"] = "memplan"  # the walk is memplan's own model's until estimate --stack
+    if json:
+        print_json(data)
+        return
+    _print_trace(spec.describe(), setup, traced, data, est, dev, stack)
+
+
+def _print_trace(described: str, setup, traced, data: dict, est, dev, stack: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from memplan.cli.fit import print_fields
 
     console = Console()
-    print_fields(console, [("Model", spec.describe()),
+    lora = f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else ""
+    print_fields(console, [("Stack", stack), ("Model", described),
                            ("Setup", f"ctx {setup.ctx}, batch {setup.micro_batch}, {setup.precision}, {setup.attention}, "
-                                     f"checkpointing {setup.checkpointing}, {setup.optimizer}")])
+                                     f"checkpointing {setup.checkpointing}, {setup.optimizer}{lora}")])
     table = Table(title=f"Traced peak ({traced.method})", title_justify="left")
     table.add_column("category (by when a tensor was made)")
     table.add_column("bytes", justify="right")
@@ -109,6 +235,13 @@ def trace_command(
     table.add_row("peak allocated", format_bytes(traced.peak_allocated))
     table.add_row("peak reserved", format_bytes(data["memory"]["peak_reserved"]))
     console.print(table)
-    console.print(f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
-                  f"({data['trace']['analytic_error']:+.2%} against the trace); "
-                  f"{'fits' if data['fits'] else 'does not fit'} in {format_bytes(dev.usable_bytes)} on {dev.name}")
+    fits = f"{'fits' if data['fits'] else 'does not fit'} in {format_bytes(dev.usable_bytes)} on {dev.name}"
+    if est is None:
+        console.print(f"{fits}; memplan's analytic walk does not cover this family (the trace is exact for it)",
+                      soft_wrap=True)
+    elif stack == "memplan":
+        console.print(f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
+                      f"({data['trace']['analytic_error']:+.2%} against the trace); {fits}", soft_wrap=True)
+    else:
+        console.print(f"memplan's own model of this shape: {format_bytes(est.memory.peak_allocated)} "
+                      f"({data['trace']['analytic_error']:+.2%} against the {stack} trace); {fits}", soft_wrap=True)

@@ -105,12 +105,21 @@ def hf_tensors(run: LoadedRun) -> dict[str, torch.Tensor]:
 def hf_config(run: LoadedRun, dtype: str) -> dict:
     """config.json: the class's own keys (transformers 4.45 through 5 read them)."""
     spec = run.spec
-    family = family_of(spec)
-    common = {"architectures": [CLASS_NAMES[family]], "vocab_size": spec.vocab,
-              "tie_word_embeddings": spec.tied, "bos_token_id": run.eot_id, "eos_token_id": run.eot_id,
-              "torch_dtype": dtype, "dtype": dtype, "use_cache": True, "initializer_range": 0.02}
     # RoPE extrapolates poorly beyond what it trained at: advertise that; a learned table has its rows
     context = spec.max_positions if spec.pos == "learned" else run.ctx
+    cfg = {**spec_config(spec, context, dtype), "bos_token_id": run.eot_id, "eos_token_id": run.eot_id}
+    cfg[MARKER] = {"run": str(run.run_dir), "checkpoint": str(run.checkpoint), "step": run.step,
+                   "tokens": run.meta.get("tokens"), "spec": spec.to_dict()}
+    return cfg
+
+
+def spec_config(spec, context: int, dtype: str = "float32") -> dict:
+    """The transformers config (as config.json's dict) of the model ``spec`` describes, ``context``
+    positions long: the family's class and its own keys, no dropout, no token ids."""
+    family = family_of(spec)
+    common = {"architectures": [CLASS_NAMES[family]], "vocab_size": spec.vocab,
+              "tie_word_embeddings": spec.tied, "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
+              "initializer_range": 0.02}
     if spec.arch == "llama":
         cfg = {"model_type": "llama", "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
                "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
@@ -134,10 +143,7 @@ def hf_config(run: LoadedRun, dtype: str) -> dict:
                "partial_rotary_factor": spec.rotary_pct, "rotary_emb_base": spec.rope_theta,
                "rope_theta": spec.rope_theta, "layer_norm_eps": spec.norm_eps, "use_parallel_residual": True,
                "attention_bias": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
-    cfg = {**common, **cfg}
-    cfg[MARKER] = {"run": str(run.run_dir), "checkpoint": str(run.checkpoint), "step": run.step,
-                   "tokens": run.meta.get("tokens"), "spec": spec.to_dict()}
-    return cfg
+    return {**common, **cfg}
 
 
 def tokenizer_files(run: LoadedRun, context: int) -> dict[str, str]:

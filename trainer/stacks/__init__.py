@@ -1,0 +1,165 @@
+"""Other people's training code, traced exactly: the model and the step as each library writes them.
+
+memplan's walk (``memplan/memory.py``) is exact for memplan's own model. Most people train with
+someone else's code, whose models save other tensors (an fp32 copy of every norm's input, K and V
+expanded to every query head, a dropout mask before each adapter). ``trace_stack`` builds that
+library's real model for a config and runs two training steps of it, in the library's own idiom,
+under ``FakeTensorMode`` with ``MemTracker``: nothing is allocated, and the peak of live tensor
+bytes is the one the library's code reaches on real tensors (``measure_stack`` runs the same
+steps on real tensors, which is how the tests hold the trace to that).
+
+Stacks (``--stack``):
+
+- ``memplan``: memplan's own trainer (``trainer/model.py``, ``trainer/step.py``);
+- ``transformers``: Hugging Face transformers' ``AutoModelForCausalLM.from_config``, its
+  ``labels=`` loss, ``gradient_checkpointing_enable()``, and peft's ``LoraConfig`` /
+  ``get_peft_model`` for LoRA (``trainer/stacks/hf.py``).
+
+The libraries are optional (``pip install 'memplan[stacks]'``); without one, a one-line error
+names the extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from memplan.errors import InputError
+
+STACKS = ("memplan", "transformers")
+EXTRA = "pip install 'memplan[stacks]'"
+
+
+@dataclass(frozen=True)
+class StackModel:
+    """What a stack builds from: memplan's ModelSpec, or (transformers) a Hugging Face config.json's
+    contents, which may name a family memplan's analytic model does not cover."""
+
+    spec: object | None = None  # memplan.model.ModelSpec
+    hf_config: dict | None = None  # a config.json, as read
+
+
+def check_stack(stack: str) -> str:
+    if stack not in STACKS:
+        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(STACKS)})")
+    return stack
+
+
+def require(module: str, stack: str):
+    """``module`` imported, or the one-line error naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(f"--stack {stack}: needs the {module} package; install it with {EXTRA}") from None
+
+
+def _vocab(model: StackModel) -> int:
+    if model.hf_config is None:
+        return model.spec.vocab
+    vocab = model.hf_config.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise InputError(f"--model: vocab_size {vocab!r} must be a positive integer")
+    return vocab
+
+
+def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
+    """(the stack's model, its optimizer, its step function) for ``setup``."""
+    from trainer.lora import lora_for
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, param_dtype, train_step
+
+    if stack == "memplan":
+        if model.spec is None:
+            raise InputError("--stack memplan: memplan's own model needs a shape it covers "
+                             "(--params, --arch … or a config.json of llama, mistral, qwen2, gpt2, gpt_neox)")
+        net = lora_for(build_model(model.spec, setup.attention, setup.checkpointing, param_dtype(setup.precision)),
+                       setup)
+        step = train_step
+    else:
+        from trainer.stacks import hf
+
+        net = hf.build_model(model, setup, lora_dropout=lora_dropout)
+        step = hf.train_step
+    return net, make_optimizer(net, setup.optimizer), step
+
+
+def _as_on_real_tensors(stack: str):
+    """The stack's code on fake tensors takes the path it takes on real ones (``hf.as_on_real_tensors``)."""
+    if stack == "transformers":
+        from trainer.stacks import hf
+
+        return hf.as_on_real_tensors()
+    return contextlib.nullcontext()
+
+
+def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_dropout: float | None = None):
+    """The exact live-tensor peak of a steady-state step of ``stack``'s code (``trainer.measure.StepMemory``),
+    on fake tensors claiming to live on ``device``: two steps under ``FakeTensorMode`` and ``MemTracker``."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer.measure import StepMemory, _random_ids, _tracked_steps
+    from trainer.step import set_matmul_precision
+
+    check_stack(stack)
+    set_matmul_precision(setup.precision)
+    with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device), _as_on_real_tensors(stack):
+        net, optimizer, step = _built(stack, model, setup, lora_dropout)
+        total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, device),
+                                              torch.device(device).type, step_fn=step)
+    return StepMemory(peak_allocated=total, breakdown=categories, params=sum(p.numel() for p in net.parameters()),
+                      method=f"{stack}'s model and step, MemTracker under FakeTensorMode ({device})")
+
+
+def measure_stack(stack: str, model: StackModel, setup, seed: int = 0, lora_dropout: float | None = None):
+    """The same two steps as ``trace_stack`` on real tensors on the CPU, under ``MemTracker``: the
+    ground truth a trace is held to."""
+    import torch
+
+    from trainer.measure import StepMemory, _random_ids, _tracked_steps
+    from trainer.step import set_matmul_precision
+
+    check_stack(stack)
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    gen = torch.Generator().manual_seed(seed)
+    net, optimizer, step = _built(stack, model, setup, lora_dropout)
+    total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, "cpu", gen),
+                                          "cpu", step_fn=step)
+    return StepMemory(peak_allocated=total, breakdown=categories, params=sum(p.numel() for p in net.parameters()),
+                      method=f"{stack}'s model and step, MemTracker on real tensors (cpu)")
+
+
+
+class _Forgetful(dict):
+    """A memo that keeps nothing."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def converting_fake_parameters():
+    """Within this block, ``Module.to`` can convert fake parameters (peft casts each adapter to its
+    base layer's dtype that way); outside a FakeTensorMode it changes nothing.
+
+    ``Module._apply`` swaps a FakeTensor parameter for its converted copy with
+    ``torch.utils.swap_tensors``, which refuses a tensor that something holds a weak reference to,
+    and FakeTensorMode's MetaConverter keeps one to every tensor it makes (its memo of real tensor →
+    fake tensor, for constants). The block's new tensors stay out of that memo; the memo is back
+    as it was afterwards."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode()
+    if mode is None:
+        yield
+        return
+    converter = mode.fake_tensor_converter.meta_converter
+    saved = converter.tensor_memo, converter.storage_memo
+    converter.tensor_memo, converter.storage_memo = _Forgetful(), _Forgetful()
+    try:
+        yield
+    finally:
+        converter.tensor_memo, converter.storage_memo = saved

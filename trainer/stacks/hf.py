@@ -1,0 +1,189 @@
+"""The transformers stack: a Hugging Face model and the step as transformers' ``Trainer`` runs it.
+
+- the model: ``AutoModelForCausalLM.from_config`` with ``attn_implementation`` "sdpa" or "eager",
+  stored in fp32 (mixed precision: ``torch.autocast`` around the forward, as ``Trainer`` does with
+  ``bf16=True``) or in bf16 (pure bf16: ``dtype=torch.bfloat16``);
+- the loss: ``model(input_ids=ids, labels=ids).loss``, which is transformers' ``ForCausalLMLoss``
+  (``transformers/loss/loss_utils.py``): it upcasts the logits to fp32 (``logits.float()``), pads
+  and shifts the labels, and takes ``cross_entropy`` over the flattened fp32 logits;
+- ``Trainer.training_step``: the outputs are dropped before ``backward`` (``compute_loss`` returns
+  the loss alone), the loss is divided by the accumulation steps, the gradients are clipped to 1.0
+  (``max_grad_norm``) and ``optimizer.zero_grad()`` frees them;
+- checkpointing ``full``: ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()``
+  before transformers 5.2x), with the library's own defaults;
+- LoRA: peft's ``LoraConfig(r, lora_alpha, lora_dropout, target_modules)`` and ``get_peft_model``
+  (a peft ``Linear`` saves its dropout's output as the input of ``lora_A``; with a dropout above 0
+  also the dropout's mask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memplan.errors import InputError
+from memplan.setup import TrainSetup
+from trainer.stacks import StackModel, require
+
+STACK = "transformers"
+DEFAULT_LORA_ALPHA = 16.0
+PEFT_DEFAULT_DROPOUT = 0.0  # peft's LoraConfig.lora_dropout default
+
+# memplan's adapter targets (memplan.setup.LORA_TARGETS) as each family names the modules, for
+# peft's target_modules (a regex over the full module names)
+_TARGETS = {
+    "llama": {"qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",), "up": ("gate_proj", "up_proj"),
+              "down": ("down_proj",)},
+    "gpt2": {"qkv": ("attn.c_attn",), "proj": ("attn.c_proj",), "up": ("mlp.c_fc",), "down": ("mlp.c_proj",)},
+    "gpt_neox": {"qkv": ("query_key_value",), "proj": ("attention.dense",), "up": ("dense_h_to_4h",),
+                 "down": ("dense_4h_to_h",)},
+    "phi": {"qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("self_attn.dense",), "up": ("fc1",), "down": ("fc2",)},
+    "phi3": {"qkv": ("qkv_proj",), "proj": ("o_proj",), "up": ("gate_up_proj",), "down": ("down_proj",)},
+}
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "stablelm", "olmo", "olmo2",
+               "smollm3", "granite")
+
+
+def config_dict(model: StackModel, setup: TrainSetup) -> dict:
+    """config.json's contents for the model: the user's own file, else the config of memplan's
+    spec in that family (``trainer.export.hf.spec_config``), its context at least ``setup.ctx``."""
+    if model.hf_config is not None:
+        return dict(model.hf_config)
+    from trainer.export.hf import spec_config
+
+    spec = model.spec
+    context = max(setup.ctx, spec.max_positions)
+    if spec.pos == "learned" and setup.ctx > spec.max_positions:
+        raise InputError(f"--ctx {setup.ctx}: longer than the {spec.max_positions} learned positions of this model")
+    return {**spec_config(spec, context), "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+@contextlib.contextmanager
+def _quiet(transformers):
+    """transformers' and peft's notes about the config off while they build the model: token ids,
+    their own deprecations (FutureWarning) and peft's fan_in_fan_out for GPT-2's Conv1D."""
+    import warnings
+
+    logging = transformers.utils.logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+            yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None = None,
+                lora_alpha: float = DEFAULT_LORA_ALPHA) -> torch.nn.Module:
+    """transformers' model for ``model`` in ``setup``'s precision, attention, checkpointing and LoRA."""
+    transformers = require("transformers", STACK)
+    from trainer.step import param_dtype
+
+    cfg = config_dict(model, setup)
+    model_type = cfg.get("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(**cfg)
+    except Exception as e:  # a hostile config.json: transformers' (and huggingface_hub's) validators raise their own
+        if isinstance(e, (KeyboardInterrupt, MemoryError)):
+            raise
+        raise InputError(f"--model: transformers cannot build model_type {model_type!r} "
+                         f"({' '.join(str(e).split())[:200]})") from None
+    config.use_cache = False
+    config.loss_type = "ForCausalLM"  # what from_config's models take by default, named (no warning)
+    if setup.checkpointing == "selective":
+        raise InputError("--stack transformers: checkpointing 'selective' is memplan's own; transformers "
+                         "checkpoints whole layers (accepted: none, full)")
+    try:
+        with _quiet(transformers):
+            net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=setup.attention,
+                                                                dtype=param_dtype(setup.precision))
+    except (ValueError, AssertionError, TypeError, KeyError) as e:
+        raise InputError(f"--model: transformers could not build this {model_type} model for attention "
+                         f"{setup.attention!r} ({' '.join(str(e).split())[:240]})") from None
+    if setup.checkpointing == "full":
+        enable = getattr(net, "activation_checkpointing_enable", None) or net.gradient_checkpointing_enable
+        enable()
+    if setup.lora_rank:
+        with _quiet(transformers):
+            net = _with_peft_lora(net, model_type, setup, lora_alpha,
+                                  PEFT_DEFAULT_DROPOUT if lora_dropout is None else lora_dropout)
+    net.train()
+    return net
+
+
+def lora_target_modules(model_type: str, targets: str) -> str:
+    """peft's ``target_modules``: a regex matching the modules of memplan's ``targets``."""
+    family = "llama" if model_type in _LLAMA_LIKE else model_type
+    names = _TARGETS.get(family)
+    if names is None:
+        raise InputError(f"--lora-rank with --stack transformers: no adapter targets known for model_type "
+                         f"{model_type!r} (accepted: {', '.join(sorted({*_LLAMA_LIKE, *_TARGETS}))})")
+    modules = [m for t in targets.split(",") for m in names[t]]
+    return r".*\.(" + "|".join(m.replace(".", r"\.") for m in modules) + ")$"
+
+
+def _with_peft_lora(net, model_type: str, setup: TrainSetup, alpha: float, dropout: float):
+    peft = require("peft", STACK)
+    config = peft.LoraConfig(r=setup.lora_rank, lora_alpha=alpha, lora_dropout=dropout,
+                             target_modules=lora_target_modules(model_type, setup.lora_targets),
+                             fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores W transposed
+                             task_type="CAUSAL_LM")
+    from trainer.stacks import converting_fake_parameters
+
+    with converting_fake_parameters():
+        return peft.get_peft_model(net, config)
+
+
+def train_step(model, optimizer, micro_batches, setup: TrainSetup, device_type: str, clip: float | None = 1.0,
+               before_forward=None, after_forward=None) -> None:
+    """One optimizer step as ``transformers.Trainer`` takes it (``training_step``, then the clip and
+    the optimizer step of its loop); ``micro_batches`` are (input_ids, unused) pairs whose labels
+    are the inputs themselves, shifted by the loss."""
+    from trainer.step import autocast
+
+    n = len(micro_batches)
+    for i, (ids, _) in enumerate(micro_batches):
+        if before_forward is not None:
+            before_forward(i)
+        with autocast(setup.precision, device_type):
+            loss = model(input_ids=ids, labels=ids).loss  # compute_loss: the outputs go, the loss stays
+        loss = loss / n
+        if after_forward is not None:
+            after_forward(i)
+        loss.backward()
+        del loss
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def as_on_real_tensors():
+    """Within a trace, transformers takes the paths it takes on real tensors.
+
+    transformers reads a FakeTensor as a sign of graph tracing (``is_tracing`` in
+    ``transformers/utils/import_utils.py``: torch.export hands it fake tensors) and then keeps an
+    explicit causal mask (``masking_utils._ignore_causal_mask_sdpa``) instead of SDPA's
+    ``is_causal``, which also turns off ``enable_gqa`` and repeats K and V to every query head
+    (``repeat_kv``). Eagerly, with no padding, it passes no mask. Here a fake tensor is not a
+    traced graph: the trace runs the model eagerly, as ``measure_stack`` does.
+
+    Taken eagerly, the mask code reads one value: whether the position ids hold several packed
+    sequences (``masking_utils.find_packed_sequence_indices``), which a fake tensor cannot answer.
+    The trace's micro-batches are single unpacked windows (positions 0..ctx-1, made by the model),
+    for which that function returns None on real tensors: it returns None here too."""
+    from transformers import masking_utils
+    from transformers.utils import import_utils
+
+    saved = import_utils.is_fake_tensor, masking_utils.find_packed_sequence_indices
+    import_utils.is_fake_tensor = lambda x: False
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor, masking_utils.find_packed_sequence_indices = saved
