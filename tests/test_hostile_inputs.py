@@ -304,3 +304,14 @@ def test_export_out_in_a_read_only_or_missing_directory_is_refused_before_work(t
                     "--out", "does not exist")
     assert not (tmp_path / "nowhere").exists()
     assert (read_only_dir / "good.toml").read_text() == "kept = true\n"
+
+
+def test_autotune_out_when_nothing_fits_does_not_write_through_a_planted_temporary_name(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path = tmp_path / "plan.toml"
+    (tmp_path / "plan.toml.tmp").symlink_to(victim)
+    result = cli("autotune", "--params", "7b", "--device", "gtx-1650", "--out", str(path))
+    assert result.exit_code == 3, result.output  # nothing fits: --out says so (memplan.plan.save_no_plan)
+    assert victim.read_text() == "precious"
+    assert not path.is_symlink() and "fits = false" in path.read_text()
