@@ -69,6 +69,24 @@ def write_atomic(path: str | Path, content: str | bytes, *, encoding: str = "utf
     return path
 
 
+def check_target(path: str | Path, flag: str, example: str) -> Path:
+    """An output path a command will write (``write_atomic``, or ``temp_dir_beside`` then a rename), checked
+    before any work: its directory must exist and be writable (the temporary file or directory goes
+    there). Each failure is one InputError line naming ``flag``, the path and what is accepted; an
+    existing file at ``path`` is not touched here."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise InputError(f"{flag}: the directory {str(parent)!r} of {str(path)!r} does not exist; create it first "
+                         f"or give a path in an existing directory, such as {example}")
+    if not parent.is_dir():
+        raise InputError(f"{flag}: {str(parent)!r} is a file, not a directory; give a path such as {example}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag}: cannot write in the directory {str(parent)!r} (read-only or not yours); give a "
+                         f"path in a writable directory, such as {example}")
+    return path
+
+
 def temp_dir_beside(path: str | Path, tag: str) -> Path:
     """A fresh, empty directory ``.NAME.TAG-XXXXXXXX`` beside ``path`` (same filesystem, so renaming it to
     ``path`` is atomic), created exclusively under an unpredictable name."""

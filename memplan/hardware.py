@@ -91,6 +91,7 @@ Nothing here imports torch: detection of the local device reads NVML, ROCm SMI, 
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 import re
 from memplan.compat import tomllib
@@ -192,11 +193,21 @@ def _table(data: dict, key: str, path: str, required: bool = True) -> dict:
     return dict(value)
 
 
-def _number(table: dict, key: str, where: str, path: str, minimum: float = 0.0) -> float:
-    """A required number >= minimum (TOML booleans are not numbers)."""
+def _finite(value, minimum: float = 0.0, strict: bool = False) -> bool:
+    """``value`` is a finite number (not a TOML boolean, not nan or inf) >= ``minimum`` (> with ``strict``)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and (value > minimum if strict else value >= minimum))
+
+
+def _accepted(minimum: float, strict: bool) -> str:
+    return f"a finite number {'>' if strict else '>='} {minimum:g}"
+
+
+def _number(table: dict, key: str, where: str, path: str, minimum: float = 0.0, strict: bool = False) -> float:
+    """A required finite number >= minimum (> minimum with ``strict``); TOML booleans, nan and inf are not."""
     value = _need(table, key, where, path)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise InputError(f"profile {path}: {where}{key} = {value!r}; expected a number >= {minimum:g}")
+    if not _finite(value, minimum, strict):
+        raise InputError(f"profile {path}: {where}{key} = {value!r:.60}; accepted: {_accepted(minimum, strict)}")
     return value
 
 
@@ -224,19 +235,28 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
     if "fp32" not in peak:
         raise InputError(f"profile {path}: missing field peak_tflops.fp32")
     for table_name, table in (("peak_tflops", peak), ("achievable", ach)):
-        for k, v in table.items():
-            if k not in DTYPES or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise InputError(f"profile {path}: {table_name}.{k} = {v!r}; keys are {', '.join(DTYPES)}, "
-                                 "values non-negative numbers")
+        for k, v in table.items():  # a zero, nan or inf peak would divide step times by it
+            if k not in DTYPES or not _finite(v, 0, strict=True):
+                raise InputError(f"profile {path}: {table_name}.{k} = {v!r:.60}; keys are {', '.join(DTYPES)}, "
+                                 f"values {_accepted(0, True)}")
     for k, v in ach.items():
         if not 0 < v <= 1:
             raise InputError(f"profile {path}: achievable.{k} = {v!r} is not a fraction of peak in (0, 1]")
     for k, v in native.items():
         if k not in DTYPES or not isinstance(v, bool):
             raise InputError(f"profile {path}: native.{k} = {v!r}; keys are {', '.join(DTYPES)}, values true/false")
-    for key in ("bandwidth_bytes_per_second", "peer_bandwidth_bytes_per_second", "latency_seconds"):
+    for key, strict in (("bandwidth_bytes_per_second", True), ("peer_bandwidth_bytes_per_second", True),
+                        ("latency_seconds", False)):
         if key in interconnect:
-            _number(interconnect, key, "interconnect.", path)
+            _number(interconnect, key, "interconnect.", path, strict=strict)
+    for key, value in (("name", data.get("name", "")), ("title", data.get("title", "")),
+                       ("interconnect.kind", interconnect.get("kind", ""))):
+        if not isinstance(value, str):
+            raise InputError(f"profile {path}: {key} = {value!r:.60}; accepted: a string")
+    match = data.get("match", [])
+    if not isinstance(match, list) or not all(isinstance(m, str) and m.strip() for m in match):
+        raise InputError(f"profile {path}: match = {match!r:.60}; accepted: a list of non-empty strings, "
+                         'such as ["RTX 4090"]')
     total = int(_number(mem, "total_bytes", "memory.", path, minimum=1))
     usable = int(_number(mem, "usable_bytes", "memory.", path, minimum=1))
     if not 0 < usable <= total:
@@ -248,14 +268,14 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
         memory_reader=reader,
         memory_bytes=total,
         usable_bytes=usable,
-        bandwidth_bytes_per_second=float(_number(mem, "bandwidth_bytes_per_second", "memory.", path, minimum=1)),
+        bandwidth_bytes_per_second=float(_number(mem, "bandwidth_bytes_per_second", "memory.", path, strict=True)),
         peak_tflops={k: float(v) for k, v in peak.items()},
         achievable={k: float(v) for k, v in ach.items()},
         native=native,
         runtime_context_bytes=int(_number(runtime, "context_bytes", "runtime.", path)),
         allocator_overhead=float(_number(runtime, "allocator_overhead", "runtime.", path)),
         flash_attention=flash,
-        match=tuple(data.get("match", ())),
+        match=tuple(match),
         interconnect=interconnect,
         calibrated=_calibrated(data, path),
         sources=sources,
@@ -273,7 +293,7 @@ def _calibrated(data: dict, path: str) -> dict:
     cal = _table(data, "calibrated", path, required=False)
     for key in _CALIBRATED_NUMBERS:
         if key in cal:
-            _number(cal, key, "calibrated.", path)
+            _number(cal, key, "calibrated.", path, minimum=1 if key == "threads" else 0)
     for name in ("matmul_tflops", "transcendental", "optimizer", *_CALIBRATED_ROWS):
         table = cal.get(name, {})
         if not isinstance(table, dict):
@@ -289,29 +309,49 @@ def _calibrated(data: dict, path: str) -> dict:
             elif name == "optimizer" and (not isinstance(value, list) or len(value) != 2):
                 values = [None]
             for x in values:
-                if isinstance(x, bool) or not isinstance(x, (int, float)) or not (x > 0 or (x == 0 and name == "optimizer")):
-                    what = f"rows of {width} positive numbers" if width else "a positive number"
+                if not _finite(x, 0, strict=name != "optimizer"):
+                    what = f"rows of {width} positive finite numbers" if width else "a positive finite number"
                     raise InputError(f"profile {path}: calibrated.{name}.{key} = {value!r:.60}; expected {what}")
     return cal
 
 
+PROFILE_MAX_BYTES = 4 << 20  # a profile, calibrated tables included, is tens of KiB; read no further
+
+
 def load_profile_file(path: str | Path | Traversable) -> Device:
-    """A profile from a file on disk or a bundled resource."""
+    """A profile from a file on disk or a bundled resource: UTF-8 TOML of at most PROFILE_MAX_BYTES; a file
+    that is not one (a directory, unreadable, binary, too large, not TOML) is one InputError line."""
     if isinstance(path, str):
         path = Path(path)
+    what = f"--device: {str(path)!r}"
     try:
-        data = tomllib.loads(path.read_text())
+        with path.open("rb") as f:
+            raw = f.read(PROFILE_MAX_BYTES + 1)
     except FileNotFoundError:
         raise InputError(f"--device: no such profile file {str(path)!r}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"--device: {str(path)!r} is not valid TOML ({e})") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} is a directory; give a profile TOML file or a name from `memplan profiles`") \
+            from None
+    except OSError as e:
+        raise InputError(f"{what} cannot be read ({e.strerror or e}); give a readable profile TOML") from None
+    if len(raw) > PROFILE_MAX_BYTES:
+        raise InputError(f"{what} is over {PROFILE_MAX_BYTES >> 20} MiB; accepted: a profile TOML (tens of KiB)")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} is not UTF-8 text (byte {e.start}); accepted: a profile TOML") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"{what} is not valid TOML ({e})") from None
+    if not data:
+        raise InputError(f"{what} is empty; accepted: a profile TOML with name, family, [memory], [peak_tflops], "
+                         "[achievable] and [runtime] (see `memplan profiles`)")
     return device_from_toml(data, str(path))
 
 
 def load_profile(name_or_path: str) -> Device:
     """``--device NAME|PATH``: a bundled profile by name, or any TOML of the same schema."""
     text = name_or_path.strip()
-    if text.endswith(".toml") or "/" in text or Path(text).is_file():
+    if text.endswith(".toml") or "/" in text or Path(text).exists():  # a file, or a directory given by mistake
         return load_profile_file(text)
     names = profile_names()
     if text.lower() not in names:

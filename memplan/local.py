@@ -48,6 +48,36 @@ def cache_dir() -> Path:
     return Path(base) / "memplan"
 
 
+CACHE_HOW = "set MEMPLAN_CACHE to a directory you can write (created if missing)"
+
+
+def cache_problem() -> str | None:
+    """Why memplan cannot write its cache directory, in a few words naming it (None when it can): the path
+    is a file, lies under a file, or it (or the nearest directory above it, where it is still to be
+    made) is not writable, as on a read-only filesystem."""
+    path = cache_dir()
+    where = f"the cache directory {str(path)!r}"
+    if path.exists() and not path.is_dir():
+        return f"{where} is a file, not a directory"
+    probe = path
+    while not probe.exists() and probe != probe.parent:  # the nearest part that exists decides
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return f"{where} lies under the file {str(probe)!r}"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{where} is not writable" + ("" if probe == path else f" (nor is {str(probe)!r}, where it would be made)")
+    return None
+
+
+def require_cache(why: str) -> Path:
+    """The cache directory, for a command that must write there (the quick start's corpus and calibration);
+    an unwritable one is one InputError line naming the path and how to choose another."""
+    problem = cache_problem()
+    if problem:
+        raise InputError(f"{problem}; {why}: {CACHE_HOW}")
+    return cache_dir()
+
+
 def slug(text: str) -> str:
     out = "".join(c if c.isalnum() else "-" for c in text.lower())
     return "-".join(p for p in out.split("-") if p)[:48] or "device"
@@ -255,7 +285,9 @@ def local_profile(device_arg: str | None, device_memory: int | None = None,
         noisy = find_noisy_calibration(device.family, threads)
         if noisy is not None:
             return context_only(device, noisy)
+        problem = cache_problem()
         return device, ("rates: profile peak × achievable fraction, nominal (this machine is not calibrated"
                         + (f" with {threads} threads" if threads else "")
-                        + " yet: `memplan train` measures it once)")
+                        + (f" yet, and {problem}, so no calibration can be kept: {CACHE_HOW})" if problem else
+                           " yet: `memplan train` measures it once)"))
     return cal.applied(device), cal.note()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ ARCHS = ("llama", "gpt2", "gpt_neox")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 MLPS = ("swiglu", "gelu")
+MAX_DIM = 2**31 - 1  # the largest count a shape field takes (a 32-bit count; far beyond any real model)
 
 # Defaults of each family, applied where a field is left as None.
 _FAMILY_DEFAULTS = {
@@ -70,8 +72,9 @@ class ModelSpec:
                 object.__setattr__(self, field, default)
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"--{field.replace('_', '-')}: {value!r} must be a positive integer")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIM:
+                raise InputError(f"--{field.replace('_', '-')}: {value!r} must be a positive integer, at most "
+                                 f"{MAX_DIM:,}")
         if self.hidden % self.heads:
             divisors = [h for h in range(1, min(self.hidden, 128) + 1) if self.hidden % h == 0]
             raise InputError(
@@ -389,62 +392,141 @@ def config_name(path: Path, cfg: dict) -> str:
     return f"{cfg.get('model_type', 'hf')} config"
 
 
-def from_hf_config(path: str | Path) -> ModelSpec:
-    """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox)."""
-    path = Path(path)
+CONFIG_MAX_BYTES = 1 << 20  # a config.json is a few KiB; more is not one (read no further)
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _read_config(path: Path) -> dict:
+    """The JSON object of a config file, read as UTF-8, at most CONFIG_MAX_BYTES; anything else one InputError."""
+    what = f"--model: {str(path)!r}"
     try:
-        cfg = json.loads(path.read_text())
+        with open(path, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)
     except FileNotFoundError:
         raise InputError(f"--model: no such file {str(path)!r}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"--model: {str(path)!r} is not JSON ({e})") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} is a directory; give its config.json (or a preset name)") from None
+    except OSError as e:
+        raise InputError(f"{what} cannot be read ({e.strerror or e}); give a readable config.json") from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise InputError(f"{what} is over {CONFIG_MAX_BYTES // 2**20} MiB; a Hugging Face config.json is a few "
+                         "KiB (accepted: a JSON object of at most 1 MiB)")
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} is not UTF-8 text (byte {e.start}); accepted: a UTF-8 JSON object") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise InputError(f"{what} is not JSON ({e}); accepted: a JSON object such as a Hugging Face "
+                         "config.json") from None
     if not isinstance(cfg, dict):
-        raise InputError(f"--model: {str(path)!r} is not a config object")
-    model_type = cfg.get("model_type")
+        raise InputError(f"{what} holds a JSON {_JSON_KINDS.get(type(cfg), 'value')}, not a config "
+                         "object; accepted: a JSON object with model_type, hidden_size, ...")
+    return cfg
+
+
+class _Config:
+    """A config.json's values, each checked as it is read: a wrong type or range is an InputError naming the
+    file, the key, the value and what is accepted."""
+
+    def __init__(self, path: Path, cfg: dict):
+        self.path, self.cfg = path, cfg
+        self.model_type = cfg.get("model_type")
+
+    def _bad(self, key: str, value, accepted: str) -> InputError:
+        return InputError(f"--model: {str(self.path)!r}: {key} = {value!r:.40}; accepted: {accepted}")
+
+    def need(self, *keys: str) -> None:
+        missing = [k for k in keys if k not in self.cfg]
+        if missing:
+            raise InputError(f"--model: {str(self.path)!r} ({self.model_type}) is missing key(s) "
+                             f"{', '.join(missing)}; a {self.model_type} config.json has each of "
+                             f"{', '.join(keys)}")
+
+    def count(self, key: str, default=None, *, optional: bool = False) -> int | None:
+        """A whole number in [1, MAX_DIM] (None where ``optional`` and the key is absent or null)."""
+        value = self.cfg.get(key)
+        if value is None:  # absent or null: the default (HF's own configs write null for "unset")
+            if optional:
+                return None
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
+            raise self._bad(key, value, f"a whole number from 1 to {MAX_DIM:,}")
+        return value
+
+    def number(self, key: str, default: float, *, at_most: float | None = None) -> float:
+        """A finite number > 0 (and <= ``at_most``)."""
+        value = default if self.cfg.get(key) is None else self.cfg[key]
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value <= 0 or (at_most is not None and value > at_most)):
+            raise self._bad(key, value, "a finite number > 0" + (f" and <= {at_most:g}" if at_most else ""))
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = default if self.cfg.get(key) is None else self.cfg[key]
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "true or false")
+        return value
+
+    def divides(self, heads_key: str, heads: int, hidden_key: str, hidden: int) -> None:
+        """``heads`` divides ``hidden`` (query heads the width; kv heads the query heads)."""
+        if hidden % heads:
+            divisors = [d for d in range(1, min(hidden, 256) + 1) if hidden % d == 0]
+            raise InputError(f"--model: {str(self.path)!r}: {heads_key} = {heads} does not divide {hidden_key} = "
+                             f"{hidden}; accepted: a divisor of {hidden}, such as {', '.join(map(str, divisors[-8:]))}")
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox).
+
+    Every value memplan reads is checked here, naming its key (``hidden_size``, not ``--hidden``): whole
+    numbers in [1, MAX_DIM], finite positive floats, booleans, head counts that divide."""
+    path = Path(path)
+    c = _Config(path, _read_config(path))
+    cfg, model_type = c.cfg, c.model_type
     if model_type not in HF_MODEL_TYPES:
         raise InputError(
-            f"--model: {str(path)!r} has model_type {model_type!r}; accepted: {', '.join(HF_MODEL_TYPES)}"
+            f"--model: {str(path)!r} has model_type {model_type!r:.40}; accepted: {', '.join(HF_MODEL_TYPES)}"
         )
-
-    def need(*keys: str) -> list:
-        missing = [k for k in keys if k not in cfg]
-        if missing:
-            raise InputError(f"--model: {str(path)!r} ({model_type}) is missing key(s) {', '.join(missing)}")
-        return [cfg[k] for k in keys]
-
     common = dict(name=config_name(path, cfg), source=str(path))
     if model_type == "gpt2":
-        hidden, layers, heads, vocab = need("n_embd", "n_layer", "n_head", "vocab_size")
+        c.need("n_embd", "n_layer", "n_head", "vocab_size")
+        hidden, layers, heads, vocab = (c.count(k) for k in ("n_embd", "n_layer", "n_head", "vocab_size"))
+        c.divides("n_head", heads, "n_embd", hidden)
         return ModelSpec(arch="gpt2", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
-                         ffn=cfg.get("n_inner") or 4 * hidden, vocab=vocab,
-                         tied=cfg.get("tie_word_embeddings", True), max_positions=cfg.get("n_positions", 1024),
-                         norm_eps=cfg.get("layer_norm_epsilon", 1e-5), **common)
+                         ffn=c.count("n_inner", optional=True) or 4 * hidden, vocab=vocab,
+                         tied=c.flag("tie_word_embeddings", True), max_positions=c.count("n_positions", 1024),
+                         norm_eps=c.number("layer_norm_epsilon", 1e-5, at_most=1), **common)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    c.need(*keys)
+    hidden, layers, heads, ffn, vocab = (c.count(k) for k in keys)
+    c.divides("num_attention_heads", heads, "hidden_size", hidden)
     if model_type == "gpt_neox":
-        hidden, layers, heads, ffn, vocab = need("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                 "intermediate_size", "vocab_size")
         return ModelSpec(arch="gpt_neox", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn,
-                         vocab=vocab, tied=cfg.get("tie_word_embeddings", False),
-                         parallel_residual=cfg.get("use_parallel_residual", True),
-                         rotary_pct=cfg.get("rotary_pct", 0.25),
-                         max_positions=cfg.get("max_position_embeddings", 2048),
-                         norm_eps=cfg.get("layer_norm_eps", 1e-5), rope_theta=cfg.get("rotary_emb_base", 10000.0),
-                         **common)
-    hidden, layers, heads, ffn, vocab = need("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                             "intermediate_size", "vocab_size")
-    attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+                         vocab=vocab, tied=c.flag("tie_word_embeddings", False),
+                         parallel_residual=c.flag("use_parallel_residual", True),
+                         rotary_pct=c.number("rotary_pct", 0.25, at_most=1),
+                         max_positions=c.count("max_position_embeddings", 2048),
+                         norm_eps=c.number("layer_norm_eps", 1e-5, at_most=1),
+                         rope_theta=c.number("rotary_emb_base", 10000.0), **common)
+    attention_bias, mlp_bias = c.flag("attention_bias", False), c.flag("mlp_bias", False)
     if attention_bias != mlp_bias:
         raise InputError(f"--model: {str(path)!r} sets attention_bias={attention_bias} but mlp_bias={mlp_bias}; "
                          "memplan plans biases on every linear layer or on none (qwen2: q, k, v only)")
     bias = attention_bias
-    if cfg.get("head_dim") not in (None, hidden // heads):
-        raise InputError(f"--model: {str(path)!r} has head_dim {cfg['head_dim']} != hidden_size / "
-                         f"num_attention_heads; memplan plans head_dim = hidden / heads only")
-    return ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=heads,
-                     kv_heads=cfg.get("num_key_value_heads") or heads, ffn=ffn, vocab=vocab,
-                     tied=bool(cfg.get("tie_word_embeddings", False)),  # LlamaConfig, MistralConfig, Qwen2Config
+    head_dim = c.count("head_dim", optional=True)
+    if head_dim not in (None, hidden // heads):
+        raise InputError(f"--model: {str(path)!r} has head_dim {head_dim} != hidden_size / "
+                         f"num_attention_heads = {hidden // heads}; memplan plans head_dim = hidden / heads only")
+    kv_heads = c.count("num_key_value_heads", optional=True) or heads
+    c.divides("num_key_value_heads", kv_heads, "num_attention_heads", heads)
+    return ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                     vocab=vocab,
+                     tied=c.flag("tie_word_embeddings", False),  # LlamaConfig, MistralConfig, Qwen2Config
                      bias=bias, qkv_bias=model_type == "qwen2" and not bias,
-                     max_positions=cfg.get("max_position_embeddings", 2048),
-                     norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                     max_positions=c.count("max_position_embeddings", 2048),
+                     norm_eps=c.number("rms_norm_eps", 1e-6, at_most=1), rope_theta=c.number("rope_theta", 10000.0),
                      **common)
 
 

@@ -93,6 +93,6 @@ def save_no_plan(path: str | Path, *, model: ModelSpec, device: str, budget_byte
     data = {"version": PLAN_VERSION, "fits": False, "device": device, "budget_bytes": budget_bytes,
             "reason": reason, "advice": list(advice),
             "model": {k: v for k, v in model.to_dict().items() if v is not None}}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(tomli_w.dumps(data))
-    tmp.replace(path)
+    from memplan.fsutil import write_atomic
+
+    write_atomic(path, tomli_w.dumps(data))  # never through a planted plan.toml.tmp, never half-written

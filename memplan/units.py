@@ -67,6 +67,49 @@ def parse_count(text: str | int, what: str = "count", *, binary: bool = False, m
     return value
 
 
+def parse_int(text: str | int, what: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number in [minimum, maximum] from an option (``--top 8``): the one rule of every integer
+    option, so ``-1``, ``0`` (where 1 is the least), ``1.5`` and ``nan`` are each one InputError line naming
+    the flag and the accepted range."""
+    accepted = f"a whole number from {minimum:,}" + (f" to {maximum:,}" if maximum is not None else " up")
+    if isinstance(text, bool):
+        raise InputError(f"{what}: {text!r} is not a whole number; accepted: {accepted}")
+    try:
+        value = text if isinstance(text, int) else int(str(text).strip())
+    except ValueError:
+        raise InputError(f"{what}: {text!r} is not a whole number; accepted: {accepted}") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        raise InputError(f"{what}: {text!r} is out of range; accepted: {accepted}")
+    return value
+
+
+def parse_float(text: str | float, what: str, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False, example: str = "") -> float:
+    """A finite number in the interval from ``low`` to ``high`` (each end open or closed) from an option:
+    ``nan``, ``inf`` and values outside are one InputError line naming the flag and the interval."""
+    interval = ("(" if low_open else "[") + ("-inf" if low is None else f"{low:g}") + ", " \
+        + ("inf" if high is None else f"{high:g}") + (")" if high_open or high is None else "]")
+    accepted = f"a finite number in {interval}" + (f", such as {example}" if example else "")
+    try:
+        value = float(text) if not isinstance(text, bool) else math.nan
+    except (TypeError, ValueError):
+        raise InputError(f"{what}: {text!r} is not a number; accepted: {accepted}") from None
+    if (not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low))
+            or (high is not None and (value >= high if high_open else value > high))):
+        raise InputError(f"{what}: {text!r} is out of range; accepted: {accepted}")
+    return value
+
+
+def at_least(minimum: int, maximum: int | None = None):
+    """A typer callback for an integer option: ``parse_int``'s range check (``--top -1`` refused)."""
+    def check(ctx, param, value):
+        if value is None:
+            return value
+        return parse_int(value, param.opts[0] if param is not None and param.opts else "value",
+                         minimum=minimum, maximum=maximum)
+    return check
+
+
 UNIT_RULE = "k, m, b are powers of 1000 in a count; only a context length's k is 1024, as in --ctx 1k = 1024"
 
 

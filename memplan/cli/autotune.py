@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -15,7 +16,8 @@ from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, Ff
                                  local_device_from, model_from, threads_from, with_rates,
                                  print_json)
 from memplan.errors import EXIT_NOTHING_FITS, InputError
-from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count, parse_size
+from memplan.units import (GiB, at_least, format_bytes, format_count, format_seconds, parse_count, parse_float,
+                           parse_size)
 
 _A = "Autotune"
 GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
@@ -39,25 +41,20 @@ VerifyOpt = Annotated[bool, typer.Option(
     "--verify", help="Run a few real steps of the chosen plan on this machine; step down while the measured peak "
                      "exceeds the budget or runs out of memory.", rich_help_panel=_A)]
 VerifyStepsOpt = Annotated[int, typer.Option(
-    "--verify-steps", help="Real steps per trial under --verify (the first is a warm-up).", rich_help_panel=_A)]
+    "--verify-steps", help="Real steps per trial under --verify (the first is a warm-up); 2 or more.",
+    rich_help_panel=_A, callback=at_least(2))]
 OutOpt = Annotated[Optional[str], typer.Option(
     "--out", help="Write the chosen plan as TOML (what `memplan train --plan` takes).", rich_help_panel=_A,
     show_default=False)]
 WorldSizeOpt = Annotated[str, typer.Option(
     "--world-size", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
                          "both tried.", rich_help_panel=_A)]
-TopOpt = Annotated[int, typer.Option("--top", help="Rows of each table (fitting candidates, rejected ones).",
-                                     rich_help_panel=_A)]
+TopOpt = Annotated[int, typer.Option("--top", help="Rows of each table (fitting candidates, rejected ones); 1 or more.",
+                                     rich_help_panel=_A, callback=at_least(1))]
 
 
 def _parse_margin(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise InputError(f"--margin: {text!r} is not a number; use a fraction in [0, 1) such as 0.1") from None
-    if not 0 <= value < 1:
-        raise InputError(f"--margin: {text!r} must be a fraction of the budget in [0, 1), such as 0.1")
-    return value
+    return parse_float(text, "--margin", low=0, high=1, high_open=True, example="0.1 (a fraction of the budget)")
 
 
 _OPT_SHORT = {"adamw-fused": "fused", "adamw": "foreach"}
@@ -240,6 +237,12 @@ def autotune_command(
     if global_batch_tokens is not None and global_batch is not None:
         raise InputError("give --global-batch-tokens N or --global-batch N (sequences), not both")
     n_threads = threads_from(threads)
+    if out:  # refused before any work: a plan computed (or verified) for nothing is lost time
+        from memplan.fsutil import check_target
+
+        if Path(out).is_dir():
+            raise InputError(f"--out: {out!r} is a directory; give a file name such as {Path(out) / 'plan.toml'}")
+        check_target(out, "--out", "plan.toml")
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
     dev, rates_note = local_device_from(device, device_memory, n_threads)
     result = autotune(

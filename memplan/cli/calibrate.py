@@ -104,15 +104,9 @@ def calibrate_command(
 ) -> None:
     """Measure this machine's device (matmul per dtype and shape, memory bandwidth, attention, optimizer, launch
     overhead, memory) and write a profile TOML with the measured rates."""
-    from memplan.units import parse_count
+    from memplan.units import parse_count, parse_float
 
-    try:
-        budget = float(seconds)
-    except ValueError:
-        raise InputError(f"--seconds: {seconds!r} is not a number; use a positive number of seconds such as 60") \
-            from None
-    if not budget > 0 or budget != budget or budget == float("inf"):
-        raise InputError(f"--seconds: {seconds!r} must be a positive number of seconds, such as 60")
+    budget = parse_float(seconds, "--seconds", low=0, low_open=True, example="60 (seconds)")
     n_threads = parse_count(threads, "--threads") if threads is not None else None
     if clock not in ("wall", "cpu"):
         raise InputError(f"--clock: {clock!r} is not one of wall, cpu")

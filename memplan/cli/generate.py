@@ -9,7 +9,7 @@ import typer
 
 from memplan.cli import app
 from memplan.cli.options import ThreadsOpt, threads_from, use_threads
-from memplan.errors import InputError
+from memplan.units import parse_float, parse_int
 
 _G = "Generation"
 RunOpt = Annotated[str, typer.Option("--run", help="A run directory (`memplan train --out RUN` or `memplan finetune`).",
@@ -37,20 +37,6 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print {text, stats} as JS
 LOOP_WARNING = 0.5  # a repetition score above this is called out: the output loops
 
 
-def parse_float(text: str, flag: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise InputError(f"{flag}: {text!r} is not a number") from None
-
-
-def parse_int(text: str, flag: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise InputError(f"{flag}: {text!r} is not a whole number") from None
-
-
 def inference_precision(plan_precision: str, device_type: str) -> str:
     """The precision generation runs in: the plan's autocast on a GPU; on a CPU the weights' own dtype
     (fp32, or bf16 for a pure-bf16 run): CPU autocast to bf16 is slower than fp32 there."""
@@ -73,10 +59,13 @@ def generate_command(
     from memplan.cli.train import printable
 
     config_kwargs = dict(
-        max_new_tokens=parse_int(max_new_tokens, "--max-new-tokens"), greedy=greedy,
-        temperature=parse_float(temperature, "--temperature"), top_k=parse_int(top_k, "--top-k"),
-        top_p=parse_float(top_p, "--top-p"), repetition_penalty=parse_float(repetition_penalty, "--repetition-penalty"),
-        seed=parse_int(seed, "--seed"))
+        max_new_tokens=parse_int(max_new_tokens, "--max-new-tokens", minimum=0), greedy=greedy,
+        temperature=parse_float(temperature, "--temperature", low=0, low_open=True, example="0.8"),
+        top_k=parse_int(top_k, "--top-k", minimum=0),
+        top_p=parse_float(top_p, "--top-p", low=0, low_open=True, high=1, example="0.9"),
+        repetition_penalty=parse_float(repetition_penalty, "--repetition-penalty", low=0, low_open=True,
+                                       example="1.2"),
+        seed=parse_int(seed, "--seed", minimum=0))
     threads_from(threads)  # a bad value is refused before torch starts
 
     from trainer.generate import SamplingConfig, context_window, generate_text

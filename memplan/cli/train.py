@@ -381,6 +381,7 @@ def local_calibration(profile, console, measure_now: bool, threads: int | None =
     if not measure_now:
         return profile, ("[dim]rates: the profile's nominal figures; `memplan train` measures this machine once "
                          "(predictions of time are far closer afterwards)[/]")
+    local.require_cache("the quick start keeps this machine's calibration there")  # before measuring, not after
     measured = []  # each in a temporary file, removed below
     try:
         for attempt in range(CALIBRATE_ATTEMPTS):
@@ -620,6 +621,9 @@ def ensure_embedded_data(console) -> Path:
     out = embedded_data_dir()
     if data.is_prepared(out):
         return out
+    from memplan.local import require_cache
+
+    require_cache("the quick start prepares its corpus there")
     console.print(f"Preparing the embedded corpus (CPython's documentation) into {out} — once")
     config = data.PrepareConfig(tokenizer=data.DEFAULT_TOKENIZER_EMBEDDED)
     with _ProgressBars(console) as bars:

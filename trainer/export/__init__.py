@@ -172,6 +172,9 @@ MARKER = "memplan_export"  # the key every export records (config.json, GGUF met
 def check_out(out: Path, fmt: str, force: bool) -> None:
     """Refuse to overwrite without ``force``; refuse with it too when ``out`` is something an export
     did not write (a non-empty directory that is not an hf export, a directory where a file goes)."""
+    from memplan.fsutil import check_target
+
+    check_target(out, "--out", f"model.{fmt}" if fmt != "hf" else "my-model")  # its parent: exists, writable
     if fmt == "hf":
         if out.exists() and not out.is_dir():
             if not force:
