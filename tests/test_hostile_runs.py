@@ -204,6 +204,28 @@ def test_limits_given_on_resume_replace_the_runs(tmp_path, corpus, stored, given
         assert summary.wall_seconds < 0.01 * 60 + 5
 
 
+def test_a_time_limited_run_resumed_with_a_step_limit_decays_to_it(tmp_path, corpus):
+    prepared = PreparedData(corpus)
+    run = tmp_path / "run"
+    first = Trainer.start(run, tiny_plan(prepared.vocab_size), prepared,
+                          TrainConfig(max_minutes=30.0, sample_tokens=0, eval_every=100), load_profile("cpu"))
+    first.open()  # driven by hand: three steps at the held peak, a checkpoint, then "killed"
+    for _ in range(3):
+        first.advance()
+    first.save()
+    first.close()
+    assert first.schedule.kind == "wsd" and not first.schedule.fixed
+    trainer = Trainer.resume(run, prepared, load_profile("cpu"), overrides={"max_steps": 8})
+    assert trainer.config.max_minutes is None and trainer.schedule.fixed
+    assert (trainer.schedule.decay_start, trainer.schedule.total_steps) == (6, 8)  # the last fifth of 8 steps
+    summary = trainer.run()
+    assert (summary.step, summary.stop_reason) == (8, "max_steps")
+    lrs = {l["step"]: l["lr"] for l in read_metrics(run) if l.get("kind") == "train"}
+    peak, floor = trainer.schedule.peak_lr, trainer.schedule.min_lr
+    assert trainer.schedule.warmup_steps == 6  # the 30 minutes' warmup (100 steps) cut to end by the decay
+    assert lrs[6] == peak and peak > lrs[7] > lrs[8] == pytest.approx(floor)
+
+
 def test_resume_prints_the_limits_in_force_and_what_the_resume_itself_did(tmp_path, corpus):
     run = tmp_path / "run"
     first = cli("train", "--data", str(corpus), "--out", str(run), *TINY, "--max-steps", "3", "--max-minutes", "5")

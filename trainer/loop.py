@@ -577,7 +577,8 @@ class Trainer:
         """A resume whose limits were replaced: the restored schedule made to end where the new limits do.
 
         A step or token limit ends a warmup-stable-decay schedule whose decay was not fixed yet with a
-        decay over the last DECAY_SHARE of the new length (from this step on at the latest); a cosine, or a
+        decay over the last DECAY_SHARE of the new length (from this step on at the latest; its warmup, sized
+        for the old estimate, cut to end by then); a cosine, or a
         decay already fixed, stays (past its end the rate is the floor). A time limit alone trains until its
         time is up: the schedule's end no longer stops the run (an unfixed decay is fixed by this process's
         clock, as in a new run)."""
@@ -590,7 +591,9 @@ class Trainer:
             if not sched.fixed:
                 end = min(ends)
                 last_stable = max(self.step, end - max(1, math.ceil(DECAY_SHARE * end)))
-                self.schedule = sched.with_decay(last_stable, end - last_stable)
+                # (a warmup sized for the time limit's estimate ends by the decay at the latest)
+                self.schedule = dataclasses.replace(sched, warmup_steps=min(sched.warmup_steps, last_stable)
+                                                    ).with_decay(last_stable, end - last_stable)
         else:
             self._schedule_ends_run = False
 
