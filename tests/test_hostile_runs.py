@@ -403,17 +403,25 @@ def test_a_cpu_allocation_failure_halves_the_micro_batch(tmp_path, corpus, error
     assert train_steps(run) == [1, 2, 3, 4]
 
 
-def test_a_cpu_allocation_failure_at_micro_batch_one_is_one_line(tmp_path, corpus, monkeypatch):
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_a_cpu_allocation_failure_at_micro_batch_one_is_one_line(tmp_path, corpus, bases, monkeypatch, command):
     from trainer import loop
 
     def fail(self, batches):
         raise RuntimeError(CPU_ALLOCATION_FAILED)
 
     monkeypatch.setattr(loop.Trainer, "_train_step", fail)
-    args = [a if a != "4" else "1" for a in TINY]  # --batch 1
-    result = cli("train", "--data", str(corpus), "--out", str(tmp_path / "run"), *args, "--max-steps", "3")
+    out = tmp_path / "run"
+    if command == "train":
+        args = [a if a != "4" else "1" for a in TINY]  # --batch 1
+        result = cli("train", "--data", str(corpus), "--out", str(out), *args, "--max-steps", "3")
+    else:
+        runs, data = bases
+        result = finetune(runs["fp32"], data, out, "--batch", "1", "--max-steps", "3")
     no_traceback(result)
     assert result.exit_code == 1, result.output
-    said = " ".join(result.stderr.split())
-    assert "step 1: out of memory at micro-batch 1 ([enforce fail at alloc_cpu.cpp:127] err == 0. " \
-           "DefaultCPUAllocator: can't allocate memory" in said
+    stopped = [l for l in result.stderr.splitlines() if "stopped" in l]
+    assert len(stopped) == 1, result.stderr
+    doing = {"train": "training", "finetune": "finetuning"}[command]
+    assert stopped[0].startswith(f"memplan: {doing} stopped: step 1: out of memory at micro-batch 1 ([enforce fail "
+                                 "at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")

@@ -23,9 +23,9 @@ from memplan.cli import app
 from memplan.cli.fit import print_hanging
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
-                                 KvHeadsOpt, LayersOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
+                                 KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
-                                 LIMITS, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt, device_from,
+                                 SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt, device_from,
                                  model_from, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -627,8 +627,8 @@ def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rate
     except DiskFull as e:  # one line: the report could not be written either
         _error_line(console, f"memplan: {what} stopped: {e}")
         raise typer.Exit(1)
-    except TrainingStopped as e:  # (the message is text, not markup: torch's hold [brackets])
-        console.print(f"[red]memplan: {what} stopped[/]: {escape(str(e))}", soft_wrap=True)
+    except TrainingStopped as e:  # on stderr (finetune's console is stdout); text, not markup: torch's hold [brackets]
+        _stderr(console).print(f"[red]memplan: {what} stopped[/]: {escape(str(e))}", soft_wrap=True)
         console.print(f"Report: {run_dir / 'report.html'}")
         raise typer.Exit(1)
     sample = _final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
@@ -638,13 +638,18 @@ def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rate
         raise typer.Exit(128 + trainer.stop_signal)
 
 
-def _error_line(console, text: str) -> None:
-    """``text`` as one line on stderr (finetune's console is stdout), never wrapped, markup not read."""
-    if not console.stderr:
-        from rich.console import Console
+def _stderr(console):
+    """``console`` when it prints to stderr (train's), else a console that does (finetune prints to stdout)."""
+    if console.stderr:
+        return console
+    from rich.console import Console
 
-        console = Console(stderr=True, highlight=False)
-    console.print(" ".join(text.split()), soft_wrap=True, markup=False, style="red")
+    return Console(stderr=True, highlight=False)
+
+
+def _error_line(console, text: str) -> None:
+    """``text`` as one line on stderr, never wrapped, markup not read."""
+    _stderr(console).print(" ".join(text.split()), soft_wrap=True, markup=False, style="red")
 
 
 def _print_plan(trainer, console) -> None:
@@ -817,9 +822,7 @@ class _ProgressView:
         if self.console.stderr:
             self._print(f"[yellow]{text}[/]")
         else:
-            from rich.console import Console
-
-            Console(stderr=True, highlight=False).print(f"[yellow]{text}[/]", soft_wrap=True)
+            _stderr(self.console).print(f"[yellow]{text}[/]", soft_wrap=True)
 
     def _clock(self) -> tuple[float | None, float | None]:
         """(elapsed, limit) in seconds for a time-limited run; (None, None) otherwise."""
