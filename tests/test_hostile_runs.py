@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -425,3 +426,54 @@ def test_a_cpu_allocation_failure_at_micro_batch_one_is_one_line(tmp_path, corpu
     doing = {"train": "training", "finetune": "finetuning"}[command]
     assert stopped[0].startswith(f"memplan: {doing} stopped: step 1: out of memory at micro-batch 1 ([enforce fail "
                                  "at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")
+
+
+def test_memory_running_out_outside_a_step_is_one_line(tmp_path, corpus, monkeypatch):
+    """Saving a checkpoint (torch.save's buffers, a library mapped late) under a memory limit: nothing to halve,
+    one line saying what to do, exit 1."""
+    from trainer import loop
+
+    def save_checkpoint(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(loop.ckpt, "save_checkpoint", save_checkpoint)
+    result = cli("train", "--data", str(corpus), "--out", str(tmp_path / "run"), *TINY, "--max-steps", "2")
+    no_traceback(result)
+    assert result.exit_code == 1
+    stopped = [l for l in result.stderr.splitlines() if "stopped" in l]
+    assert stopped == ["memplan: training stopped: step 1: out of memory outside a training step (MemoryError); no "
+                       "checkpoint was saved; free memory (or raise `ulimit -v`), then continue it with --resume"]
+
+
+ULIMIT_CHILD = """
+import re, resource, sys
+import torch
+torch.set_num_threads(1)
+size = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+limit = size + int(sys.argv[1]) * 2**20  # what this process maps already, and a little more
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.argv = ["memplan", *sys.argv[2:]]
+from memplan.cli import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_under_ulimit_v_a_step_that_cannot_allocate_halves_its_micro_batch(tmp_path, corpus):
+    """The real thing: RLIMIT_AS 150 MiB above what the process maps once torch is imported (as `ulimit -v`
+    would set), a micro-batch of 64 × 128 tokens, the CLI in that process. Measured here (torch 2.13, 2 cores):
+    64 → 32 → 16 at step 1, then 16 → 8 at step 2, and the run ends with its checkpoint."""
+    repo = Path(__file__).resolve().parents[1]
+    args = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), "--arch", "llama", "--layers", "2",
+            "--hidden", "64", "--heads", "2", "--kv-heads", "2", "--ffn", "128", "--ctx", "128", "--batch", "64",
+            "--precision", "fp32", "--sample-tokens", "0", "--max-steps", "2", "--eval-every", "100", "--threads",
+            "1", "--device", "cpu"]
+    done = subprocess.run([sys.executable, "-c", ULIMIT_CHILD, "150", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "out of memory at step 1: micro-batch 64 → 32" in done.stderr, done.stderr[-3000:]
+    if done.returncode != 0:  # a machine with less room: one line, exit 1
+        assert done.returncode == 1
+        assert [l for l in done.stderr.splitlines() if "stopped" in l][0].startswith("memplan: training stopped: ")
+    else:
+        assert [e["micro_batch"] for e in events(tmp_path / "run", "oom")][0] == 32

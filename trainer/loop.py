@@ -235,7 +235,20 @@ def out_of_memory(e: BaseException) -> str | None:
     if not is_out_of_memory(e):
         return None
     text = str(e).strip()
-    return text.splitlines()[0][:300] if text else f"out of memory ({type(e).__name__})"
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def memory_failure(e: BaseException) -> str | None:
+    """``out_of_memory``'s line, or the first line of a failure to map memory (a shared library that cannot be
+    mapped under ``ulimit -v``, an ENOMEM), else None."""
+    message = out_of_memory(e)
+    if message is not None:
+        return message
+    text = str(e).strip()
+    if (isinstance(e, ImportError) and "failed to map segment" in text) or (
+            isinstance(e, OSError) and e.errno == errno.ENOMEM):
+        return text.splitlines()[0][:300]
+    return None
 
 
 class TrainingStopped(Exception):
@@ -694,6 +707,14 @@ class Trainer:
             while (reason := self._stop_reason()) is None:
                 self.advance()
             return self._finish(reason)
+        except (MemoryError, RuntimeError, ImportError, OSError) as e:  # a step's own are backed off from
+            message = memory_failure(e)
+            if message is None:
+                raise
+            stopped = TrainingStopped(f"step {self.step}: out of memory outside a training step ({message}); "
+                                      f"{self._newest_checkpoint_note()}; free memory (or raise `ulimit -v`), "
+                                      "then continue it with --resume")
+            raise stopped from None
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
@@ -1173,18 +1194,20 @@ class Trainer:
             err = no_space(e)
             if err is None:
                 raise
-            try:
-                newest = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
-            except OSError:
-                newest = None
             if report:
                 then = f"free space, then `memplan train --report --out {self.run_dir}`"
             else:
                 then = "free space, then continue it with --resume"
             what = "no space left on device" if err.errno == errno.ENOSPC else str(err.strerror or err).lower()
-            raise DiskFull(f"{path}: {what} at step {self.step}; "
-                           + (f"the newest checkpoint, {newest.path.name}, is intact; " if newest is not None
-                              else "no checkpoint was saved; ") + then) from None
+            raise DiskFull(f"{path}: {what} at step {self.step}; {self._newest_checkpoint_note()}; {then}") from None
+
+    def _newest_checkpoint_note(self) -> str:
+        """Which checkpoint a run that stops now leaves to resume from."""
+        try:
+            newest = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
+        except OSError:
+            newest = None
+        return f"the newest checkpoint, {newest.path.name}, is intact" if newest else "no checkpoint was saved"
 
     def _write_report(self) -> Path | None:
         from trainer.run_report import write_run_report
