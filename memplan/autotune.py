@@ -387,10 +387,12 @@ def _validate(spec: ModelSpec, ctx: int, global_batch_tokens, global_batch, budg
 def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: int | None = None,
              global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
              tokens: int | None = None, world_size: int = 1, lora_rank: int = 0,
-             lora_targets: str = "qkv,proj,up,down") -> AutotuneResult:
+             lora_targets: str = "qkv,proj,up,down", precision: str | None = None) -> AutotuneResult:
     """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
 
     ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
+    ``precision``, if given, is the only precision tried (a finetune keeps its base run's); else
+    ``precision_candidates(device)``.
 
     ``global_batch_tokens`` or ``global_batch`` (sequences, all processes) fixes micro_batch ·
     grad_accum · ctx · world_size; with neither, ``default_global_batch_tokens(spec)``. ``budget_bytes``
@@ -411,7 +413,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
         notes.append("torch.compile not considered: the profile has no [calibrated] compile_speedup")
     elif speedup <= 1:
         notes.append(f"torch.compile not considered: the profile's compile_speedup is {speedup:g} (no gain)")
-    precisions = precision_candidates(device)
+    precisions = (precision,) if precision else precision_candidates(device)
     ev = _Evaluator(spec, device, speedup, tokens)
     shardings = SHARDINGS if world_size > 1 else ("none",)
     sizes = divisors(per)

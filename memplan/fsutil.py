@@ -20,6 +20,7 @@ Pure Python (no torch): the planner and the trainer both use it.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -85,6 +86,27 @@ def check_target(path: str | Path, flag: str, example: str) -> Path:
         raise InputError(f"{flag}: cannot write in the directory {str(parent)!r} (read-only or not yours); give a "
                          f"path in a writable directory, such as {example}")
     return path
+
+
+NO_SPACE_ERRNOS = tuple(n for n in (getattr(errno, "ENOSPC", None), getattr(errno, "EDQUOT", None)) if n is not None)
+
+
+def no_space(exc: BaseException | None) -> OSError | None:
+    """The OSError saying the disk (or the user's quota) is full behind ``exc``, looking through its
+    ``__cause__`` / ``__context__`` chain, else None. torch.save, for one, reports a failed write as a
+    RuntimeError ("unexpected pos ...") raised while the OSError with ENOSPC is being handled, and
+    safetensors as its own SafetensorError whose message holds the OS's words ("No space left on
+    device (os error 28)"): such a message counts as that OSError."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return exc
+        for n in NO_SPACE_ERRNOS:
+            if os.strerror(n).lower() in str(exc).lower():
+                return OSError(n, os.strerror(n))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def temp_dir_beside(path: str | Path, tag: str) -> Path:
@@ -204,7 +226,11 @@ def hold_lock(path: str | Path, busy: str) -> Lock:
         if on_disk is None or (on_disk.st_dev, on_disk.st_ino) != (mine.st_dev, mine.st_ino):
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        except BaseException:  # (a full disk) no lock file left behind: it is ours to remove
+            Lock(path, fd).release()
+            raise
         return Lock(path, fd)
     raise InputError(f"{path}: could not take the lock (it keeps changing); try again")

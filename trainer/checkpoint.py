@@ -37,6 +37,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file  # (imported with the trainer: a library mapped only at the
+# first checkpoint can fail to map under a memory limit, `ulimit -v`, after training used the room)
 
 from memplan.errors import InputError
 from memplan.fsutil import fsync_path
@@ -215,8 +217,6 @@ def save_checkpoint(directory: str | Path, step: int, model: torch.nn.Module | N
     and ``tmp``: the ``temporary_dir`` into which every rank has already written its shards of the
     model and optimizer (``torch.distributed.checkpoint``); those files are listed and hashed too.
     """
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(step)
@@ -338,8 +338,6 @@ def verify_checkpoint(path: str | Path, meta: dict | None = None) -> dict:
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a model.safetensors (canonical names); InputError naming the file if unreadable."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     try:
         return load_file(str(path))

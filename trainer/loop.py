@@ -21,8 +21,11 @@ only by time (``--max-minutes``) holds the peak and decays over its last fifth, 
 fixed from the step time measured by then (``Schedule``).
 Around it the loop handles what long runs on small machines meet:
 
-- out of memory in a step: halve the micro-batch, double the accumulation (the global batch and
-  the data order stay the same), log it, redo the step; at micro-batch 1, stop with advice;
+- out of memory in a step (a GPU's OutOfMemoryError, or on a CPU the allocator's "can't allocate
+  memory" RuntimeError or a MemoryError): halve the micro-batch, double the accumulation (the global
+  batch and the data order stay the same), log it, redo the step; at micro-batch 1, stop with advice;
+- the disk full while writing a checkpoint, metrics.jsonl, plan.toml or the run record: stop with one
+  line naming the file (``DiskFull``); the unfinished checkpoint is removed, the earlier ones stay;
 - a non-finite loss: the update is skipped; ``max_nonfinite`` in a row stop the run with a message
   naming the step;
 - SIGINT / SIGTERM: finish the step, save a checkpoint, write the report, stop;
@@ -42,7 +45,9 @@ micro-batch independently).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import gc
 import json
 import math
@@ -57,7 +62,7 @@ from typing import Callable
 import torch
 
 from memplan.errors import InputError
-from memplan.fsutil import open_append
+from memplan.fsutil import no_space, open_append
 from memplan.hardware import Device
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
@@ -86,6 +91,9 @@ DECAY_SHARE = 0.2  # a time-limited run decays its learning rate over the last f
 TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
 ETA_WINDOW = 20  # steps whose median step time predicts the rest
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)
+REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
+SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
+LIMITS = ("max_steps", "max_tokens", "max_minutes")  # the settings that decide when a run stops
 
 
 # =================================================================================================
@@ -132,6 +140,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise InputError(f"--{name.replace('_', '-')}: {v!r} must be a whole number ≥ 0")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise InputError(f"--seed: {self.seed} is out of range; accepted: 0 to {SEED_MAX}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise InputError(f"--min-lr-ratio: {self.min_lr_ratio} must be in [0, 1]")
         if not 0.0 <= self.weight_decay < 1.0:
@@ -215,9 +225,40 @@ def default_eval_every(total_steps: int) -> int:
     return max(1, min(EVAL_EVERY_MAX, total_steps // EVALS_PER_RUN))
 
 
+def out_of_memory(e: BaseException) -> str | None:
+    """The first line of ``e`` (at most 300 characters) when it says the device ran out of memory
+    (``trainer.verify.is_out_of_memory``: a GPU's ``torch.OutOfMemoryError``; on a CPU the allocator's
+    RuntimeError ``DefaultCPUAllocator: can't allocate memory``, as under ``ulimit -v``, or a MemoryError),
+    else None. The loop backs off from either alike."""
+    from trainer.verify import is_out_of_memory
+
+    if not is_out_of_memory(e):
+        return None
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def memory_failure(e: BaseException) -> str | None:
+    """``out_of_memory``'s line, or the first line of a failure to map memory (a shared library that cannot be
+    mapped under ``ulimit -v``, an ENOMEM), else None."""
+    message = out_of_memory(e)
+    if message is not None:
+        return message
+    text = str(e).strip()
+    if (isinstance(e, ImportError) and "failed to map segment" in text) or (
+            isinstance(e, OSError) and e.errno == errno.ENOMEM):
+        return text.splitlines()[0][:300]
+    return None
+
+
 class TrainingStopped(Exception):
     """The run stopped on its own for a reason the user must act on (diverged, no memory left).
     The message is one line; checkpoints and metrics written so far stay."""
+
+
+class DiskFull(TrainingStopped):
+    """A write of the run (a checkpoint, metrics.jsonl, plan.toml, run.json, the report) found the disk
+    full. The message is one line naming the file; the unfinished checkpoint is gone, earlier ones stay."""
 
 
 # =================================================================================================
@@ -273,7 +314,10 @@ class _MetricsWriter:
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:  # every line was flushed as written: a failed flush has raised already
+                pass
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -298,6 +342,8 @@ class RunSummary:
     checkpoint: Path | None
     report: Path | None
     samples: list[dict] = field(default_factory=list)
+    first_step: int = 0  # the step this invocation started from (0 for a new run)
+    wall_seconds: float = 0.0  # this invocation's training, wall clock (what --max-minutes counts)
 
 
 def torch_device_for(profile: Device | None = None) -> torch.device:
@@ -398,6 +444,10 @@ class Trainer:
         self._started = time.perf_counter()
         self._resume_from = resume_from
         self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
+        # a resume: the limits the run had when the command line replaced them (None: kept as they were)
+        self.replaced_limits: dict | None = None
+        self._schedule_ends_run = True  # whether reaching the schedule's end stops a run with no step/token limit
+        self.first_step = 0
         self.tokenizer = data.tokenizer
         self.dist = distributed.init()  # rank and world size under torchrun; one process otherwise
         self.is_main = self.dist.is_main
@@ -425,6 +475,7 @@ class Trainer:
         self.peak_flops = peak_flops_per_second(profile, self.setup)
         if resume_from is not None:  # Trainer.resume verified the files already
             self._restore(*self._load(resume_from.path))
+        self.first_step = self.step
 
     # ---- construction ----------------------------------------------------------------------------
 
@@ -459,7 +510,10 @@ class Trainer:
         ``plan``, if given, must describe the same model and setup as the run's (else an
         ``InputError`` and nothing on disk is touched); ``overrides`` may change the run-control
         settings (max_steps, max_tokens, max_minutes, save_every, eval_every, eval_batches, keep,
-        sample_tokens, prompts, verify_data) and must leave the others as the run has them.
+        sample_tokens, prompts, verify_data, max_nonfinite) and must leave the others as the run has
+        them. The limits (LIMITS) go together: any of them given replaces the run's three (the others
+        lifted; ``replaced_limits`` keeps what the run had, and the schedule is refitted:
+        ``_refit_schedule``); none given keeps the run's.
 
         Launched in another number of processes than the run was saved with (torchrun), the run goes
         on with the same global batch (``distributed.rescaled_for_world``), with ``sharding`` (else
@@ -514,6 +568,7 @@ class Trainer:
             raise InputError(f"--resume: {run_dir} was trained on a train split of "
                              f"{meta.get('data', {}).get('train_tokens')} tokens, {data.path} has "
                              f"{data.train_tokens}; resume with the run's own prepared data")
+        stored = config
         config = _apply_overrides(config, overrides or {})
         _, launched, _ = distributed.env_world()
         asked_sharding = sharding or (plan.setup.sharding if plan is not None and plan.setup.sharding != "none"
@@ -525,7 +580,35 @@ class Trainer:
         check_plan_for_data(saved_plan, data)
         if config.verify_data:
             data.verify()
-        return cls(run_dir, saved_plan, data, config, profile, device, ref)  # ref None: again from step 0
+        trainer = cls(run_dir, saved_plan, data, config, profile, device, ref)  # ref None: again from step 0
+        if any((overrides or {}).get(k) is not None for k in LIMITS):
+            trainer.replaced_limits = {k: getattr(stored, k) for k in LIMITS}
+            trainer._refit_schedule()
+        return trainer
+
+    def _refit_schedule(self) -> None:
+        """A resume whose limits were replaced: the restored schedule made to end where the new limits do.
+
+        A step or token limit ends a warmup-stable-decay schedule whose decay was not fixed yet with a
+        decay over the last DECAY_SHARE of the new length (from this step on at the latest; its warmup, sized
+        for the old estimate, cut to end by then); a cosine, or a
+        decay already fixed, stays (past its end the rate is the floor). A time limit alone trains until its
+        time is up: the schedule's end no longer stops the run (an unfixed decay is fixed by this process's
+        clock, as in a new run)."""
+        c, sched = self.config, self.schedule
+        if sched is None:  # again from step 0: the schedule is fixed by open() for the new limits
+            return
+        ends = [n for n in (c.max_steps, math.ceil(c.max_tokens / self.setup.tokens_per_step)
+                            if c.max_tokens is not None else None) if n is not None]
+        if ends:
+            if not sched.fixed:
+                end = min(ends)
+                last_stable = max(self.step, end - max(1, math.ceil(DECAY_SHARE * end)))
+                # (a warmup sized for the time limit's estimate ends by the decay at the latest)
+                self.schedule = dataclasses.replace(sched, warmup_steps=min(sched.warmup_steps, last_stable)
+                                                    ).with_decay(last_stable, end - last_stable)
+        else:
+            self._schedule_ends_run = False
 
     def _build_model(self):
         """The model to train (finetuning builds it from a trained run instead: trainer/finetune.py)."""
@@ -603,7 +686,8 @@ class Trainer:
         if not self.is_main:  # rank 0 alone writes and reports
             return
         if self._writer is not None:
-            self._writer.write(line)
+            with self._writing(self._writer.path):
+                self._writer.write(line)
         for cb in self._events:
             cb(line)
 
@@ -623,6 +707,14 @@ class Trainer:
             while (reason := self._stop_reason()) is None:
                 self.advance()
             return self._finish(reason)
+        except (MemoryError, RuntimeError, ImportError, OSError) as e:  # a step's own are backed off from
+            message = memory_failure(e)
+            if message is None:
+                raise
+            stopped = TrainingStopped(f"step {self.step}: out of memory outside a training step ({message}); "
+                                      f"{self._newest_checkpoint_note()}; free memory (or raise `ulimit -v`), "
+                                      "then continue it with --resume")
+            raise stopped from None
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
@@ -635,11 +727,15 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self._resume_from is None:  # what this run is, before anything else of it is written
-                rundir.write_record(self.run_dir, self.record())
-            (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
+                with self._writing(self.run_dir / rundir.RUN_FILE):
+                    rundir.write_record(self.run_dir, self.record())
+            with self._writing(self.run_dir / CHECKPOINT_DIR):
+                (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
             if self._resume_from is None or self._plan_on_disk_differs():  # (resumed at another world size)
-                self.plan.save(self.run_dir / PLAN_FILE)
-            self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
+                with self._writing(self.run_dir / PLAN_FILE):
+                    self.plan.save(self.run_dir / PLAN_FILE)
+            with self._writing(self.run_dir / METRICS_FILE):
+                self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
         if self.schedule is None:
             self.schedule = self._fix_schedule(self._started)
             # timed probe steps fix a time-limited run's length: every rank takes rank 0's
@@ -725,6 +821,22 @@ class Trainer:
         # evaluations every k steps: each step carries 1/k of one
         return max(1, int(budget / (step_seconds + eval_seconds / self.config.eval_every)))
 
+    def planned_steps(self) -> int | None:
+        """The step this run is planned to end at: its step or token limit (the nearer), else the schedule's
+        end (one epoch, or for a time limit the estimate from timed steps). A time limit may stop it earlier.
+        None for a resume given a new time limit alone after its schedule's end (nothing estimates it)."""
+        c = self.config
+        ends = [n for n in (c.max_steps, math.ceil(c.max_tokens / self.setup.tokens_per_step)
+                            if c.max_tokens is not None else None) if n is not None]
+        if not ends and not self._schedule_ends_run:
+            return None
+        return max(self.step, min(ends) if ends else self.schedule.total_steps)
+
+    def data_passes(self) -> float | None:
+        """Passes over the training tokens that ``planned_steps`` make (tokens trained / training tokens)."""
+        steps = self.planned_steps()
+        return None if steps is None else steps * self.setup.tokens_per_step / max(1, self.data.train_tokens)
+
     def _start_line(self) -> dict:
         spec, s = self.plan.model, self.setup
         return {
@@ -735,7 +847,10 @@ class Trainer:
             "torch_device": str(self.device), "torch": torch.__version__,
             "predicted": self.predicted, "schedule": self.schedule.to_dict(),
             "eval_every": self.eval_every, "save_every": self.save_every,
-            "tokens_per_step": s.tokens_per_step, "memory_source": self.monitor.source,
+            "tokens_per_step": s.tokens_per_step, "planned_steps": self.planned_steps(),
+            "data_passes": self.data_passes(), "train_tokens": self.data.train_tokens,
+            **({"replaced_limits": self.replaced_limits} if self.replaced_limits is not None else {}),
+            "memory_source": self.monitor.source,
             "baseline_memory_bytes": self.baseline_bytes,
             "mfu_peak_flops_per_second": self.peak_flops, "data": str(self.data.path),
             "config": self.config.to_dict(),
@@ -769,7 +884,7 @@ class Trainer:
             return "max_steps"
         if c.max_tokens is not None and self.tokens >= c.max_tokens:
             return "max_tokens"
-        if c.max_steps is None and c.max_tokens is None and self.schedule.fixed \
+        if c.max_steps is None and c.max_tokens is None and self.schedule.fixed and self._schedule_ends_run \
                 and self.step >= self.schedule.total_steps:
             return "max_minutes" if c.max_minutes is not None else "epoch"
         if c.max_minutes is not None and time.perf_counter() - self._started >= c.max_minutes * 60.0 * (
@@ -883,8 +998,10 @@ class Trainer:
                     memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(
                         memory.peak_bytes, self.device))
                 return loss, grad_norm, bool(result.skipped), seconds, memory
-            except torch.OutOfMemoryError as e:
-                oom = str(e).strip().splitlines()[0][:300] if str(e).strip() else "out of memory"
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                oom = out_of_memory(e)
+                if oom is None:
+                    raise
             # outside the except block, so the traceback no longer pins the step's tensors
             del batches
             if self.dist.world_size > 1:
@@ -920,7 +1037,8 @@ class Trainer:
             scaler_state = self.scaler.state_dict()
             self.scaler = self._make_scaler()
             self.scaler.load_state_dict(scaler_state)
-        self.plan.save(self.run_dir / PLAN_FILE)
+        with self._writing(self.run_dir / PLAN_FILE):
+            self.plan.save(self.run_dir / PLAN_FILE)
         self._emit({"kind": "event", "event": "oom", "step": step, "time": self.train_seconds, "message": message,
                     "micro_batch": new_micro, "grad_accum": new_accum,
                     "previous": {"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
@@ -952,8 +1070,10 @@ class Trainer:
         try:
             result = self.evaluate()
             samples = self.samples(step)
-        except torch.OutOfMemoryError as e:
-            oom = str(e).strip().splitlines()[0][:300] if str(e).strip() else "out of memory"
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            oom = out_of_memory(e)
+            if oom is None:
+                raise
         if oom is not None:  # outside the except block, so the traceback no longer pins tensors
             gc.collect()
             if self.device.type == "cuda":
@@ -1020,14 +1140,16 @@ class Trainer:
         extra = {}
         if self.tokenizer.kind != "tiktoken":
             extra[TOKENIZER_FILE] = self.tokenizer.to_json_str().encode("utf-8")
-        if self.dist.world_size > 1:
-            path = self._save_distributed(extra)
-        else:
-            path = ckpt.save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.step, self.model, self.state(),
-                                        self.meta(), keep=self.config.keep, extra_files=extra)
+        with self._writing(self.run_dir / CHECKPOINT_DIR / ckpt.checkpoint_name(self.step)):
+            if self.dist.world_size > 1:
+                path = self._save_distributed(extra)
+            else:
+                path = ckpt.save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.step, self.model, self.state(),
+                                            self.meta(), keep=self.config.keep, extra_files=extra)
         self.last_saved_step = self.step
         if self._writer is not None:
-            self._writer.sync()
+            with self._writing(self._writer.path):
+                self._writer.sync()
         self._emit({"kind": "event", "event": "checkpoint", "step": self.step, "path": str(path),
                     "seconds": time.perf_counter() - t0})
         if time.perf_counter() - self._report_written >= REPORT_REFRESH_SECONDS:
@@ -1060,6 +1182,33 @@ class Trainer:
         distributed.barrier()
         return path
 
+    @contextlib.contextmanager
+    def _writing(self, path: Path, report: bool = False):
+        """Writes of ``path`` within: a full disk (``memplan.fsutil.no_space``, however torch reported it)
+        becomes one ``DiskFull`` line naming the file, the step and the newest checkpoint (which is intact)."""
+        try:
+            yield
+        except DiskFull:
+            raise
+        except BaseException as e:
+            err = no_space(e)
+            if err is None:
+                raise
+            if report:
+                then = f"free space, then `memplan train --report --out {self.run_dir}`"
+            else:
+                then = "free space, then continue it with --resume"
+            what = "no space left on device" if err.errno == errno.ENOSPC else str(err.strerror or err).lower()
+            raise DiskFull(f"{path}: {what} at step {self.step}; {self._newest_checkpoint_note()}; {then}") from None
+
+    def _newest_checkpoint_note(self) -> str:
+        """Which checkpoint a run that stops now leaves to resume from."""
+        try:
+            newest = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
+        except OSError:
+            newest = None
+        return f"the newest checkpoint, {newest.path.name}, is intact" if newest else "no checkpoint was saved"
+
     def _write_report(self) -> Path | None:
         from trainer.run_report import write_run_report
 
@@ -1068,7 +1217,10 @@ class Trainer:
 
         self._report_written = time.perf_counter()
         try:
-            return write_run_report(self.run_dir)
+            with self._writing(self.run_dir / REPORT_FILE, report=True):
+                return write_run_report(self.run_dir)
+        except DiskFull:  # the run's checkpoints are saved; nothing more can be written
+            raise
         except Exception as e:  # a report must never cost the run
             self._emit({"kind": "event", "event": "report_failed", "step": self.step,
                         "error": f"{type(e).__name__}: {e}"[:300]})
@@ -1092,7 +1244,8 @@ class Trainer:
         return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
                           train_seconds=self.train_seconds, last_loss=last_train.get("loss") if last_train else None,
                           last_eval=self.last_eval, checkpoint=checkpoint, report=report,
-                          samples=(self.last_eval or {}).get("samples", []))
+                          samples=(self.last_eval or {}).get("samples", []), first_step=self.first_step,
+                          wall_seconds=self.elapsed_seconds)
 
 
 def _trim_heap() -> None:
@@ -1249,7 +1402,11 @@ def check_same_plan(saved: Plan, asked: Plan, run_dir: Path) -> None:
 
 
 def _apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
+    """The run's config with the run-control settings given on a resume. The limits (LIMITS) go together:
+    any given replaces the run's three (those not given are lifted); none given keeps the run's."""
     changes = {}
+    if any(overrides.get(k) is not None for k in LIMITS):
+        changes.update({k: overrides.get(k) for k in LIMITS})
     for k, v in overrides.items():
         if v is None:
             continue

@@ -67,6 +67,10 @@ def lock_run(run_dir: str | Path) -> RunLock:
     try:
         lock = hold_lock(run_dir / LOCK_FILE, f"--out {run_dir}: another memplan process (PID {{pid}}) is writing "
                                               "this run; wait for it to end, or choose another --out")
+    except OSError as e:  # read-only, not ours, or a full disk: refused before anything is trained
+        _remove_if_empty(created)
+        raise InputError(f"--out {run_dir}: cannot write there ({e.strerror or e}); choose a writable --out") \
+            from None
     except BaseException:
         _remove_if_empty(created)
         raise

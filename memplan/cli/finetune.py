@@ -9,8 +9,10 @@ import typer
 
 from memplan.cli import app
 from memplan.cli.fit import print_fields
-from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, OptimizerOpt,
-                                 ThreadsOpt, device_from, threads_from)
+from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, EvalBatchesOpt,
+                                 EvalEveryOpt, KeepOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, OptimizerOpt,
+                                 PromptOpt, SampleTokensOpt, SaveEveryOpt, SeedOpt, ThreadsOpt, TokensOpt,
+                                 VerifyDataOpt, device_from, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
 RunOpt = Annotated[str, typer.Option("--run", help="The trained run to start from (its newest checkpoint).")]
@@ -42,15 +44,8 @@ GlobalBatchOpt = Annotated[Optional[str], typer.Option(
     show_default=False)]
 BudgetOpt = Annotated[Optional[str], typer.Option("--budget", help="Memory budget for autotune (e.g. 6GiB).",
                                                   show_default=False)]
-MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Optimizer steps; default: one epoch.",
-                                                    show_default=False)]
 LrOpt = Annotated[Optional[float], typer.Option(
     "--lr", help="Peak learning rate; default 2e-4 with LoRA, 3e-5 for a full finetune.", show_default=False)]
-SaveEveryOpt = Annotated[Optional[int], typer.Option("--save-every", help="Steps between checkpoints.",
-                                                     show_default=False)]
-EvalEveryOpt = Annotated[Optional[int], typer.Option("--eval-every", help="Steps between held-out evaluations.",
-                                                     show_default=False)]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Adapter initialisation and data order.")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the finetune in --out from its newest checkpoint.")]
 
 
@@ -60,8 +55,11 @@ def finetune_command(
     lora_targets: LoraTargetsOpt = "all", template: TemplateOpt = "chat", packing: PackingOpt = "packed",
     ctx: FtCtxOpt = None, batch: FtBatchOpt = None, grad_accum: FtAccumOpt = None, precision: FtPrecisionOpt = None,
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
-    global_batch_tokens: GlobalBatchOpt = None, budget: BudgetOpt = None, max_steps: MaxStepsOpt = None,
-    lr: LrOpt = None, save_every: SaveEveryOpt = None, eval_every: EvalEveryOpt = None, seed: SeedOpt = 0,
+    global_batch_tokens: GlobalBatchOpt = None, budget: BudgetOpt = None, lr: LrOpt = None,
+    max_steps: MaxStepsOpt = None, tokens: TokensOpt = None, max_minutes: MaxMinutesOpt = None,
+    save_every: SaveEveryOpt = None, eval_every: EvalEveryOpt = None, keep: KeepOpt = None,
+    eval_batches: EvalBatchesOpt = None, sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None,
+    max_nonfinite: MaxNonfiniteOpt = None, verify_data: VerifyDataOpt = None, seed: SeedOpt = None,
     resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -75,6 +73,11 @@ def finetune_command(
 
     console = Console()
     n_threads = threads_from(threads)
+    control = run_control_from(max_steps=max_steps, tokens=tokens, max_minutes=max_minutes, save_every=save_every,
+                               eval_every=eval_every, keep=keep, eval_batches=eval_batches,
+                               sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
+                               verify_data=verify_data)
+    seed_n = seed_from(seed)
     profile = device_from(device, device_memory)
     from memplan.local import means_this_machine
 
@@ -112,8 +115,7 @@ def finetune_command(
         if sft.sha256 != ft["data_sha256"]:
             raise InputError(f"--data {data}: not the file {out_dir} was finetuned on (sha256 differs); resume with "
                              "the same data")
-        overrides = {k: v for k, v in {"max_steps": max_steps, "save_every": save_every,
-                                       "eval_every": eval_every}.items() if v is not None}
+        overrides = {**control, "seed": seed_n, "lr": lr}  # None: as the finetune has it
         trainer = FinetuneTrainer.resume(out_dir, sft, profile, overrides=overrides)
     else:
         base_plan, tokenizer, tok, base_ckpt = base_of(run)
@@ -136,7 +138,7 @@ def finetune_command(
             tokens_per_step = parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else rows
             result = autotune(spec, profile, ctx=ctx_n, global_batch_tokens=tokens_per_step,
                               budget_bytes=parse_size(budget, "--budget") if budget else None,
-                              lora_rank=lora_rank, lora_targets=targets)
+                              lora_rank=lora_rank, lora_targets=targets, precision=prec)
             if result.plan is None:
                 raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx_n}"
                                  + (" with LoRA" if lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
@@ -148,9 +150,9 @@ def finetune_command(
         predicted = memory_on(spec, setup, profile)
         plan = Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes,
                     predicted={"peak_reserved": predicted.peak_reserved, "peak_allocated": predicted.peak_allocated})
-        config = TrainConfig(max_steps=max_steps, lr=lr if lr is not None else (2e-4 if lora_rank else 3e-5),
-                             weight_decay=0.0 if lora_rank else 0.1, save_every=save_every, eval_every=eval_every,
-                             seed=seed)
+        config = TrainConfig(**{k: v for k, v in control.items() if v is not None},
+                             lr=lr if lr is not None else (2e-4 if lora_rank else 3e-5),
+                             weight_decay=0.0 if lora_rank else 0.1, seed=seed_n or 0)
         trainer = FinetuneTrainer.start(out_dir, plan, sft, config, profile)
         s = sft.stats
         what = (f"LoRA rank {lora_rank} (alpha {lora_alpha:g}) on {targets}" if lora_rank else "every weight")

@@ -71,6 +71,97 @@ ThreadsOpt = Annotated[Optional[str], typer.Option(
     show_default=False)]
 
 
+# ---- RUN CONTROL (train, finetune): when a run stops, how often it evaluates and saves ------------------
+_R = "Run"
+MaxStepsOpt = Annotated[Optional[str], typer.Option(
+    "--max-steps", help="Stop after this many optimizer steps (counted from the run's start).", show_default=False,
+    rich_help_panel=_R)]
+TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Stop after this many training tokens (e.g. 50m).",
+                                                  show_default=False, rich_help_panel=_R)]
+MaxMinutesOpt = Annotated[Optional[str], typer.Option(
+    "--max-minutes", help="Stop after this many minutes of this command's training (a resume counts from its own "
+                          "start); alone, it also sets the schedule's length (from timed steps). Default without "
+                          "any limit: one epoch (`memplan train` alone: 3 minutes). On --resume, limits given "
+                          "replace the run's; without any, its own stay.", show_default=False, rich_help_panel=_R)]
+SaveEveryOpt = Annotated[Optional[str], typer.Option("--save-every", help="Steps between checkpoints "
+                                                     "(default: as --eval-every).", show_default=False,
+                                                     rich_help_panel=_R)]
+EvalEveryOpt = Annotated[Optional[str], typer.Option(
+    "--eval-every", help="Steps between held-out evaluations (default: 5 per run, at least every 1000 steps).",
+    show_default=False, rich_help_panel=_R)]
+KeepOpt = Annotated[Optional[str], typer.Option("--keep", help="Checkpoints to keep (default 3).", show_default=False,
+                                                rich_help_panel=_R)]
+EvalBatchesOpt = Annotated[Optional[str], typer.Option("--eval-batches", help="Held-out batches per source in an "
+                                                       "evaluation (default 4).", show_default=False,
+                                                       rich_help_panel=_R)]
+SampleTokensOpt = Annotated[Optional[str], typer.Option("--sample-tokens", help="Tokens per evaluation sample, "
+                                                        "0 = none (default 32).", show_default=False,
+                                                        rich_help_panel=_R)]
+PromptOpt = Annotated[Optional[list[str]], typer.Option(
+    "--prompt", help="A sample prompt (repeat for several). Default: the start of each source's first held-out "
+                     "document (a finetune: its first held-out prompts).", show_default=False, rich_help_panel=_R)]
+MaxNonfiniteOpt = Annotated[Optional[str], typer.Option("--max-nonfinite", help="Stop after this many non-finite "
+                                                        "losses in a row (default 5).", show_default=False,
+                                                        rich_help_panel=_R)]
+VerifyDataOpt = Annotated[Optional[bool], typer.Option(
+    "--verify-data/--no-verify-data", help="Check the data (every shard's sha256; a finetune's JSONL) before "
+                                           "training (default: on).", show_default=False, rich_help_panel=_R)]
+SeedOpt = Annotated[Optional[str], typer.Option(
+    "--seed", help="Seed of the initialisation and the data order, 0 to 4294967295 (default 0).",
+    show_default=False, rich_help_panel=_R)]
+
+SEED_MAX = 2**32 - 1  # as trainer.loop.SEED_MAX (this module imports no torch)
+LIMITS = ("max_steps", "max_tokens", "max_minutes")  # as trainer.loop.LIMITS: the settings that decide when a run stops
+
+
+def seed_from(text: str | None) -> int | None:
+    """``--seed N`` parsed (None when not given): a whole number from 0 to SEED_MAX, else one InputError line."""
+    if text is None:
+        return None
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        raise InputError(f"--seed: {text!r} is not a whole number; accepted: 0 to {SEED_MAX}") from None
+    if not 0 <= n <= SEED_MAX:
+        raise InputError(f"--seed: {text} is out of range; accepted: 0 to {SEED_MAX}")
+    return n
+
+
+def minutes_from(text: str | None, what: str = "--max-minutes") -> float | None:
+    """A positive, finite number of minutes (None when not given)."""
+    import math
+
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{what}: {text!r} is not a number; accepted: a positive number of minutes, e.g. 3 or "
+                         "0.5") from None
+    if not math.isfinite(value) or value <= 0:
+        raise InputError(f"{what}: {text!r} must be a positive number of minutes, e.g. 3 or 0.5")
+    return value
+
+
+def run_control_from(*, max_steps=None, tokens=None, max_minutes=None, save_every=None, eval_every=None,
+                     keep=None, eval_batches=None, sample_tokens=None, prompt=None, max_nonfinite=None,
+                     verify_data=None) -> dict:
+    """The run-control options as ``TrainConfig`` fields (None where not given), parsed the same way for
+    ``train`` and ``finetune``; a resume replaces the run's settings with those that are not None."""
+    def count(value, what, minimum=1):
+        return None if value is None else parse_count(value, what, minimum=minimum)
+
+    return dict(
+        max_steps=count(max_steps, "--max-steps"), max_tokens=count(tokens, "--tokens"),
+        max_minutes=minutes_from(max_minutes),
+        save_every=count(save_every, "--save-every"), eval_every=count(eval_every, "--eval-every"),
+        eval_batches=count(eval_batches, "--eval-batches"), keep=count(keep, "--keep"),
+        sample_tokens=count(sample_tokens, "--sample-tokens", minimum=0),
+        prompts=tuple(prompt) if prompt else None, verify_data=verify_data,
+        max_nonfinite=count(max_nonfinite, "--max-nonfinite"),
+    )
+
+
 def model_from(params=None, model=None, arch=None, layers=None, hidden=None, heads=None, kv_heads=None,
                ffn=None, vocab=None, tied=None):
     from memplan.model import resolve

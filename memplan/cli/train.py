@@ -22,9 +22,11 @@ import typer
 from memplan.cli import app
 from memplan.cli.fit import print_hanging
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
-                                 FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KvHeadsOpt, LayersOpt, ModelOpt,
-                                 OptimizerOpt, ParamsOpt, PrecisionOpt, ThreadsOpt, TiedOpt, VocabOpt, device_from,
-                                 model_from, threads_from)
+                                 EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
+                                 KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
+                                 OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
+                                 SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt, device_from,
+                                 model_from, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
 QUICKSTART_MINUTES = 3.0  # `memplan train` alone trains this long
@@ -65,22 +67,6 @@ DataOpt = Annotated[Optional[str], typer.Option(
 OutOpt = Annotated[Optional[str], typer.Option(
     "--out", "-o", help="The run directory (metrics.jsonl, plan.toml, checkpoints/, report.html). Default: "
                         "runs/train-DATE-TIME.", show_default=False, rich_help_panel=_R)]
-MaxStepsOpt = Annotated[Optional[str], typer.Option("--max-steps", help="Stop after this many optimizer steps.",
-                                                    show_default=False, rich_help_panel=_R)]
-TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Stop after this many training tokens (e.g. 50m).",
-                                                  show_default=False, rich_help_panel=_R)]
-MaxMinutesOpt = Annotated[Optional[str], typer.Option(
-    "--max-minutes", help="Stop after this many minutes; alone, it also sets the schedule's length (from timed "
-                          "steps). Default without any limit: one epoch (the quick start: 3 minutes).",
-    show_default=False, rich_help_panel=_R)]
-SaveEveryOpt = Annotated[Optional[str], typer.Option("--save-every", help="Steps between checkpoints "
-                                                     "(default: as --eval-every).", show_default=False,
-                                                     rich_help_panel=_R)]
-EvalEveryOpt = Annotated[Optional[str], typer.Option(
-    "--eval-every", help="Steps between held-out evaluations (default: 5 per run, at least every 1000 steps).",
-    show_default=False, rich_help_panel=_R)]
-SeedOpt = Annotated[Optional[str], typer.Option("--seed", help="Seed of the initialisation and the data order "
-                                                "(default 0).", show_default=False, rich_help_panel=_R)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its newest checkpoint.",
                                          rich_help_panel=_R)]
 ReportOpt = Annotated[bool, typer.Option("--report", help="Only (re)write RUN/report.html from RUN/metrics.jsonl "
@@ -106,23 +92,6 @@ WeightDecayOpt = Annotated[Optional[str], typer.Option("--weight-decay", help="A
                                                        show_default=False, rich_help_panel=_H)]
 ClipOpt = Annotated[Optional[str], typer.Option("--clip", help="Gradient-norm clipping, 0 = off (default 1.0).",
                                                 show_default=False, rich_help_panel=_H)]
-KeepOpt = Annotated[Optional[str], typer.Option("--keep", help="Checkpoints to keep (default 3).", show_default=False,
-                                                rich_help_panel=_R)]
-EvalBatchesOpt = Annotated[Optional[str], typer.Option("--eval-batches", help="Held-out batches per source in an "
-                                                       "evaluation (default 4).", show_default=False,
-                                                       rich_help_panel=_R)]
-SampleTokensOpt = Annotated[Optional[str], typer.Option("--sample-tokens", help="Tokens per evaluation sample, "
-                                                        "0 = none (default 32).", show_default=False,
-                                                        rich_help_panel=_R)]
-PromptOpt = Annotated[Optional[list[str]], typer.Option(
-    "--prompt", help="A sample prompt (repeat for several). Default: the start of each source's first held-out "
-                     "document.", show_default=False, rich_help_panel=_R)]
-MaxNonfiniteOpt = Annotated[Optional[str], typer.Option("--max-nonfinite", help="Stop after this many non-finite "
-                                                        "losses in a row (default 5).", show_default=False,
-                                                        rich_help_panel=_R)]
-VerifyDataOpt = Annotated[Optional[bool], typer.Option(
-    "--verify-data/--no-verify-data", help="Check every shard's sha256 before training (default: on).",
-    show_default=False, rich_help_panel=_R)]
 _A = "Autotune (without --plan or --batch)"
 GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
     "--global-batch-tokens", help="Tokens per optimizer step for autotune to keep.", show_default=False,
@@ -223,19 +192,14 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
     def count(value, what, minimum=1):
         return None if value is None else parse_count(value, what, minimum=minimum)
 
-    overrides = dict(
-        max_steps=count(max_steps, "--max-steps"), max_tokens=count(tokens, "--tokens"),
-        max_minutes=_number(max_minutes, "--max-minutes", positive=True),
-        save_every=count(save_every, "--save-every"), eval_every=count(eval_every, "--eval-every"),
-        eval_batches=count(eval_batches, "--eval-batches"), keep=count(keep, "--keep"),
-        sample_tokens=count(sample_tokens, "--sample-tokens", minimum=0),
-        prompts=tuple(prompt) if prompt else None, verify_data=verify_data,
-        max_nonfinite=count(max_nonfinite, "--max-nonfinite"),
-    )
+    overrides = run_control_from(max_steps=max_steps, tokens=tokens, max_minutes=max_minutes, save_every=save_every,
+                                 eval_every=eval_every, keep=keep, eval_batches=eval_batches,
+                                 sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
+                                 verify_data=verify_data)
     hyper = dict(lr=_number(lr, "--lr", positive=True), warmup_steps=count(warmup, "--warmup", minimum=0),
                  min_lr_ratio=_number(min_lr_ratio, "--min-lr-ratio"),
                  weight_decay=_number(weight_decay, "--weight-decay"), clip=_number(clip, "--clip"),
-                 seed=count(seed, "--seed", minimum=0))
+                 seed=seed_from(seed))
     quickstart = not plan and not given_model and not given_setup and not resume
 
     profile = device_from(device, device_memory)
@@ -652,7 +616,9 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
 def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rates_note: str | None = None) -> None:
     """Print the plan, run ``trainer`` under the live progress view, then print the summary and a
     sample; exit 1 when the run stopped on an error, 128 + N when signal N ended it (train, finetune)."""
-    from trainer.loop import TrainingStopped
+    from rich.markup import escape
+
+    from trainer.loop import DiskFull, TrainingStopped
 
     _print_plan(trainer, console)
     if rates_note:
@@ -662,8 +628,11 @@ def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rate
     try:
         with view:
             summary = trainer.run()
-    except TrainingStopped as e:
-        console.print(f"[red]memplan: {what} stopped[/]: {e}", soft_wrap=True)
+    except DiskFull as e:  # one line: the report could not be written either
+        _error_line(console, f"memplan: {what} stopped: {e}")
+        raise typer.Exit(1)
+    except TrainingStopped as e:  # on stderr (finetune's console is stdout); text, not markup: torch's hold [brackets]
+        _stderr(console).print(f"[red]memplan: {what} stopped[/]: {escape(str(e))}", soft_wrap=True)
         console.print(f"Report: {run_dir / 'report.html'}")
         raise typer.Exit(1)
     sample = _final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
@@ -671,6 +640,20 @@ def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rate
         _print_summary(trainer, summary, sample)
     if trainer.stop_signal is not None:  # the shell's convention for a process ended by a signal
         raise typer.Exit(128 + trainer.stop_signal)
+
+
+def _stderr(console):
+    """``console`` when it prints to stderr (train's), else a console that does (finetune prints to stdout)."""
+    if console.stderr:
+        return console
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _error_line(console, text: str) -> None:
+    """``text`` as one line on stderr, never wrapped, markup not read."""
+    _stderr(console).print(" ".join(text.split()), soft_wrap=True, markup=False, style="red")
 
 
 def _print_plan(trainer, console) -> None:
@@ -694,10 +677,48 @@ def _print_plan(trainer, console) -> None:
                   f"MFU {pred['mfu']:.1%}")
     if trainer.step:
         console.print(f"  from step {trainer.step:,} ({format_count(trainer.tokens)} tokens seen)")
+    limits = limits_text({k: getattr(trainer.config, k) for k in LIMITS})
+    if trainer.replaced_limits is not None:
+        limits += f"; given now, replacing the run's {limits_text(trainer.replaced_limits, clock=False)}"
+    elif trainer.step:
+        limits += "; the run's own"
+    print_hanging(console, "  limits: ", limits)
     family = {"cuda": ("cuda", "rocm"), "mps": ("mps",), "cpu": ("cpu",)}.get(trainer.device.type, ())
     if trainer.profile.family not in family:
         console.print(f"[yellow]note[/]: training runs on {trainer.device} but the predictions are for the "
                       f"{trainer.profile.name} profile ({trainer.profile.family}); measured and predicted will differ")
+
+
+def limits_text(limits: dict, clock: bool = True) -> str:
+    """The stop limits, as the options that set them: ``--max-steps 200, --max-minutes 5 (from this command's
+    start)`` (``clock``: saying where the time limit counts from)."""
+    from memplan.units import format_count
+
+    parts = []
+    if limits.get("max_steps") is not None:
+        parts.append(f"--max-steps {limits['max_steps']:,}")
+    if limits.get("max_tokens") is not None:
+        parts.append(f"--tokens {format_count(limits['max_tokens'])}")
+    if limits.get("max_minutes") is not None:
+        parts.append(f"--max-minutes {limits['max_minutes']:g}" + (" (from this command's start)" if clock else ""))
+    return ", ".join(parts) if parts else "none: to the schedule's end (one epoch)"
+
+
+def repeat_warning(line: dict) -> str | None:
+    """The one-line warning for a run planned to pass over its training tokens more than REPEAT_WARN_PASSES
+    times (from its start line), else None."""
+    from trainer.loop import REPEAT_WARN_PASSES
+
+    passes, steps = line.get("data_passes"), line.get("planned_steps")
+    if passes is None or steps is None or passes <= REPEAT_WARN_PASSES:
+        return None
+    config, schedule = line.get("config", {}), line.get("schedule", {})
+    estimated = (config.get("max_steps") is None and config.get("max_tokens") is None
+                 and schedule.get("kind") == "wsd" and schedule.get("decay_start") is None)
+    return (f"warning: {'about ' if estimated else ''}{steps:,} steps of {line['tokens_per_step']:,} tokens are "
+            f"{passes:,.0f} passes over the {line['train_tokens']:,} training tokens: the model will see each "
+            f"token ~{passes:,.0f} times and learn them by heart; give more data or fewer steps (--max-steps, "
+            "--tokens, --max-minutes)")
 
 
 def _clock(seconds: float) -> str:
@@ -800,6 +821,13 @@ class _ProgressView:
     def _print(self, text: str) -> None:  # on a terminal, wrapped at its width; on a pipe, one line each
         (self.progress.console if self.live else self.console).print(text, soft_wrap=not self.live)
 
+    def _warn(self, text: str) -> None:
+        """One line on stderr (this view's console when that is stderr, as train's; finetune's is stdout)."""
+        if self.console.stderr:
+            self._print(f"[yellow]{text}[/]")
+        else:
+            _stderr(self.console).print(f"[yellow]{text}[/]", soft_wrap=True)
+
     def _clock(self) -> tuple[float | None, float | None]:
         """(elapsed, limit) in seconds for a time-limited run; (None, None) otherwise."""
         minutes = getattr(self.trainer.config, "max_minutes", None)
@@ -850,7 +878,9 @@ class _ProgressView:
                 self._print(f"  [dim]{s['prompt']!r} →[/] {s['text'][:160]!r}")
         elif kind == "event":
             ev = line.get("event")
-            if ev == "oom":
+            if ev in ("start", "resume") and (warning := repeat_warning(line)):
+                self._warn(warning)
+            elif ev == "oom":
                 self._print(f"[yellow]out of memory[/] at step {line['step']}: micro-batch "
                             f"{line['previous']['micro_batch']} → {line['micro_batch']}, accumulation "
                             f"{line['previous']['grad_accum']} → {line['grad_accum']} (same global batch); "
@@ -888,8 +918,15 @@ def _print_summary(trainer, summary, sample) -> None:
     out = Console(highlight=False)
     reasons = {"max_steps": "reached --max-steps", "max_tokens": "reached --tokens", "max_minutes": "time limit",
                "epoch": "one epoch done", "interrupted": "interrupted"}
-    out.print(f"[bold]Done[/]: {summary.step:,} steps, {format_count(summary.tokens)} tokens in "
-              f"{format_seconds(summary.train_seconds)} ({reasons.get(summary.stop_reason, summary.stop_reason)})")
+    reason = reasons.get(summary.stop_reason, summary.stop_reason)
+    if summary.first_step:  # a resume: what this command did, and its own time (what --max-minutes counted)
+        out.print(f"[bold]Done[/]: {summary.step:,} steps, {format_count(summary.tokens)} tokens in "
+                  f"{format_seconds(summary.train_seconds)} of training in all; this resume: "
+                  f"{summary.step - summary.first_step:,} steps in {format_seconds(summary.wall_seconds)} ({reason})",
+                  soft_wrap=True)
+    else:
+        out.print(f"[bold]Done[/]: {summary.step:,} steps, {format_count(summary.tokens)} tokens in "
+                  f"{format_seconds(summary.train_seconds)} ({reason})")
     if summary.last_eval:
         e = summary.last_eval
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.get("eval_loss_by_source", {}).items() if v is not None)
@@ -1002,12 +1039,21 @@ def printable(text: str) -> str:
 
 
 def _report_only(out: str | None, console) -> None:
-    from trainer.loop import METRICS_FILE
+    from trainer.loop import METRICS_FILE, REPORT_FILE
     from trainer.run_report import write_run_report
 
     if not out:
         raise InputError("--report: name the run with --out RUN")
     if not (Path(out) / METRICS_FILE).is_file():
         raise InputError(f"--report: {out} has no {METRICS_FILE}; not a training run")
-    path = write_run_report(out)
+    from memplan.fsutil import no_space
+
+    try:
+        path = write_run_report(out)
+    except OSError as e:
+        if no_space(e) is None:
+            raise
+        _error_line(console, f"memplan: error: {Path(out) / REPORT_FILE}: no space left on device; free space, then "
+                             "run this again")
+        raise typer.Exit(1)
     print(path)
