@@ -62,14 +62,16 @@ def predicted_rank_terms(config: MatrixConfig, rank: int, collectives: str) -> d
     return terms
 
 
-def run_distributed(configs: list[MatrixConfig], device: Device, world_size: int) -> list[ValidationRow]:
+def run_distributed(configs: list[MatrixConfig], device: Device, world_size: int,
+                    progress=None) -> list[ValidationRow]:
     """Predict every rank of every config and measure them for real: ``world_size`` gloo processes
-    on this machine, each measuring its own steady-state step with MemTracker. One row per rank."""
+    on this machine, each measuring its own steady-state step with MemTracker. One row per rank.
+    ``progress(done)`` is told how many configs are measured so far (``measure_ranks``)."""
     from trainer.distributed import measure_ranks
 
     t0 = time.perf_counter()
     collectives = COLLECTIVES_OF_FAMILY["cpu"]  # the ranks run on this machine's CPU, over gloo
-    measured = measure_ranks([(c.spec, c.setup) for c in configs], world_size)
+    measured = measure_ranks([(c.spec, c.setup) for c in configs], world_size, progress)
     seconds = (time.perf_counter() - t0) / max(1, len(configs) * world_size)
     rows = []
     for config, ranks in zip(configs, measured):

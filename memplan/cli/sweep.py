@@ -22,7 +22,6 @@ from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
                                  ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, model_from, print_json,
                                  setup_from)
-from memplan.errors import InputError
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count
 
 _S = "Setup"
@@ -540,18 +539,17 @@ def sweep_command(
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)
     dev, rates_note = local_device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
-    if html is not None and html.is_dir():
-        raise InputError(f"--html: {str(html)!r} is a directory; give a file name such as sweep.html")
+    if html is not None:  # before the sweep and before anything is printed
+        from memplan.report import check_report_path
+
+        check_report_path(html, "--html", "sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens)
     if json:
         print_json(with_rates(sw.to_json(), rates_note))
     else:
         print_sweep(sw, rates_note)
     if html is not None:
-        from memplan.report import write_page
+        from memplan.report import save_page
 
-        try:
-            path = write_page(sweep_page(sw), html)
-        except OSError as e:  # a path the user gave that cannot be written: their input, one line
-            raise InputError(f"--html: cannot write {str(html)!r}: {e.strerror or e}") from None
+        path = save_page(sweep_page(sw), html, "--html")  # a full disk: one line, exit 1, nothing left
         print(f"wrote {path}", file=sys.stderr if json else sys.stdout)

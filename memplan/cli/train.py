@@ -1005,5 +1005,8 @@ def _report_only(out: str | None, console) -> None:
         raise InputError("--report: name the run with --out RUN")
     if not (Path(out) / METRICS_FILE).is_file():
         raise InputError(f"--report: {out} has no {METRICS_FILE}; not a training run")
-    path = write_run_report(out)
+    from memplan.report import check_report_path
+
+    check_report_path(Path(out) / "report.html", "--report", "report.html")
+    path = write_run_report(out, flag="--report")
     print(path)

@@ -97,7 +97,6 @@ def validate_command(
     prediction for that rank (no FakeTensor trace: the fake process group allocates as NCCL does,
     gloo's reduce-scatter does not)."""
     import sys
-    from pathlib import Path
 
     from memplan.errors import InputError
     from memplan.units import choice_error
@@ -132,8 +131,10 @@ def validate_command(
         configs = distributed_configs(configs, ranks)
     elif any(c.setup.world_size > 1 for c in configs):
         raise InputError(f"--matrix {matrix}: its configs are distributed; run it with --world-size N (N > 1)")
-    if html and Path(html).is_dir():
-        raise InputError(f"--html: {html!r} is a directory; give a file name such as validate.html")
+    if html:  # refused now, not after minutes of measuring
+        from memplan.report import check_report_path
+
+        check_report_path(html, "--html", "validate.html")
     dev = device_from(device, device_memory)
 
     from trainer.validate import run_config, run_distributed
@@ -147,8 +148,10 @@ def validate_command(
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         if ranks > 1:
-            task = progress.add_task(f"measuring {len(configs)} configs in {ranks} gloo processes", total=None)
-            rows = run_distributed(configs, dev, ranks)
+            task = progress.add_task(f"measuring {len(configs)} configs in {ranks} gloo processes",
+                                     total=len(configs))
+            rows = run_distributed(configs, dev, ranks,
+                                   progress=lambda done: progress.update(task, completed=done))
         else:
             task = progress.add_task("validating", total=len(configs))
             for config in configs:
@@ -157,9 +160,9 @@ def validate_command(
                 progress.advance(task)
     summary = summarize(rows)
     if html:
-        from memplan.report import write_page
+        from memplan.report import save_page
 
-        write_page(validation_page(dev.name, rows, summary, ranks), html)
+        save_page(validation_page(dev.name, rows, summary, ranks), html, "--html")
     if json:
         print_json(validation_json(dev.name, rows))
         return
@@ -288,7 +291,6 @@ def inference_page(device_name: str, rows):
 def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, device: str | None,
                        device_memory: str | None) -> None:
     """``validate --mode inference``: each config of an inference matrix generated for real here."""
-    from pathlib import Path
 
     from rich.console import Console
 
@@ -301,8 +303,10 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
         configs = [c for c in configs if c.quick]
         if not configs:
             raise InputError(f"--quick: matrix {matrix!r} has no config with quick = true")
-    if html and Path(html).is_dir():
-        raise InputError(f"--html: {html!r} is a directory; give a file name such as validate.html")
+    if html:  # refused now, not after generating every config
+        from memplan.report import check_report_path
+
+        check_report_path(html, "--html", "validate.html")
     dev = device_from(device, device_memory)
     if dev.family != "cpu":
         raise InputError(f"--mode inference measures generation on the CPU (MemTracker); the device is {dev.name}; "
@@ -319,9 +323,9 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
             status.update(f"generating {config.name}")
             rows.append(run_inference_config(config, dev))
     if html:
-        from memplan.report import write_page
+        from memplan.report import save_page
 
-        write_page(inference_page(dev.name, rows), html)
+        save_page(inference_page(dev.name, rows), html, "--html")
     if json:
         print_json(inference_validation_json(dev.name, rows))
         return
