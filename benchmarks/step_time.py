@@ -290,6 +290,16 @@ def run(args) -> dict:
     return result
 
 
+TABLE_HEADER_PX, TABLE_ROW_PX = 60, 28  # three lines of 13 px labels; one line of cells
+TABLE_TOP_PX, TABLE_BOTTOM_PX = 70, 20
+
+
+def table_height(rows: int) -> int:
+    """The per-config table's figure height: title margin, header, rows (with a sixth of a row spare
+    each, for a config name that wraps), bottom margin."""
+    return TABLE_TOP_PX + TABLE_HEADER_PX + rows * TABLE_ROW_PX * 7 // 6 + TABLE_BOTTOM_PX + 10
+
+
 def write_html(result: dict, path: str) -> None:
     import plotly.graph_objects as go
 
@@ -347,7 +357,8 @@ def write_html(result: dict, path: str) -> None:
     top = [max(r["breakdown"], key=r["breakdown"].get) for r in rows]
     table = go.Figure(go.Table(
         header=dict(values=["config", "measured ms", "calibrated ms", "error", "static ms", "static error",
-                            "MFU (calibrated peak)", "largest term", "pass medians ms"], align="left"),
+                            "MFU (calibrated peak)", "largest term", "pass medians ms"], align="left",
+                    height=TABLE_HEADER_PX),
         cells=dict(values=[names, [ms(r["measured_seconds"]) for r in rows],
                            [ms(r["predicted_seconds"]) for r in rows], [f"{r['error']:+.1%}" for r in rows],
                            [ms(r["static_predicted_seconds"]) for r in rows],
@@ -355,9 +366,12 @@ def write_html(result: dict, path: str) -> None:
                            [f"{r['mfu_calibrated_peak']:.0%}" for r in rows],
                            [f"{t} ({r['breakdown'][t] / r['predicted_seconds']:.0%})" for t, r in zip(top, rows)],
                            [" / ".join(f"{x * 1e3:.0f}" for x in r["pass_medians"]) for r in rows]], align="left",
-                   height=26),
+                   height=TABLE_ROW_PX),
         columnwidth=[3.2, 1, 1.1, 0.8, 0.9, 0.9, 1.1, 1.5, 1.5]))
-    style_figure(table, "Per config", height=170 + 27 * len(rows))
+    # Plotly scrolls a table that does not fit its figure, hiding the last rows: the figure holds the
+    # header at three lines (its labels wrap in a 1200 px window) and every row with room to spare.
+    style_figure(table, "Per config", height=table_height(len(rows)))
+    table.update_layout(margin=dict(l=20, r=20, t=TABLE_TOP_PX, b=TABLE_BOTTOM_PX))
 
     n = result["noise"]
     page = Page(

@@ -336,7 +336,7 @@ def breakdown_figure(sw):
         for term in TERMS:
             fig.add_trace(go.Bar(
                 x=x, y=[_gib(getattr(c.memory, term)) for c in cells], name=term, legendgroup=term,
-                marker_color=TERM_COLORS[term], showlegend=ctx == ctxs[0],
+                marker_color=TERM_COLORS[term], showlegend=True,  # one context shows at a time: its entries
                 hovertemplate=f"{term}: %{{y:.2f}} GiB<extra></extra>",
             ))
         totals = [_gib(c.memory.peak_reserved) for c in cells]
@@ -369,6 +369,7 @@ def breakdown_figure(sw):
                                             x=0, xanchor="left", y=1.02, yanchor="bottom", showactive=True,
                                             pad=dict(t=0, b=0, l=0, r=0), font=dict(size=12))])
     fig = style_figure(fig, title=_breakdown_title(ctxs[start]), height=520)
+    fig.update_layout(showlegend=True)
     if len(ctxs) > 1:
         fig.update_layout(margin=dict(t=110))
     return fig
@@ -382,6 +383,9 @@ def _default_ctx_index(sw) -> int:
     """The breakdown opens at the longest context where something fits (else the shortest)."""
     fitting = [k for k, ctx in enumerate(sw.axes.ctx) if any(c.fits for c in sw.cells if c.setup.ctx == ctx)]
     return fitting[-1] if fitting else 0
+
+
+PARETO_LABEL_ROOM = 0.08  # a front label goes right of its point within this share of the memory axis from 0
 
 
 def speed_figure(sw):
@@ -412,7 +416,10 @@ def speed_figure(sw):
             mode="lines+markers+text" if len(pts) <= 12 else "lines+markers", name="Pareto front",
             line=dict(color="#111827", width=2, shape="hv"),
             marker=dict(size=15, symbol="circle-open", color="#111827", line=dict(width=2)),
-            text=[f"{format_ctx(c.setup.ctx)}×{c.setup.micro_batch}" for c in pts], textposition="top left",
+            text=[f"{format_ctx(c.setup.ctx)}×{c.setup.micro_batch}" for c in pts], cliponaxis=False,
+            # left of each point, except near the y axis, where a label would run into the tick labels
+            textposition=["top right" if _gib(c.memory.peak_reserved) < PARETO_LABEL_ROOM * top else "top left"
+                          for c in pts],
             hovertext=[_cell_hover(sw, c) for c in pts], hoverinfo="text",
         ))
     else:
