@@ -277,3 +277,63 @@ def test_distributed_validate_progress_has_a_total_and_reaches_it(monkeypatch):
     n = len([c for c in load_matrix(DISTRIBUTED_MATRIX) if c.quick])
     assert seen["total"] == [n], seen
     assert seen["completed"][-1] == n, seen
+
+
+# ---- the decode step's missing term (item 10): the host's dispatch, counted and said in words ---------
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "fp32"), ("llama", "bf16"), ("gpt2", "fp32"), ("gpt_neox", "bf16")])
+def test_decode_dispatches_are_what_a_real_decode_step_dispatches(arch, dtype):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memplan.inference import InferenceSetup, decode_dispatches
+    from memplan.model import ModelSpec
+    from trainer.generate import KVCache, forward_cached
+    from trainer.model import build_model
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    spec = ModelSpec(arch=arch, layers=3, hidden=64, heads=4, kv_heads=2 if arch == "llama" else 4, ffn=128,
+                     vocab=300, tied=True, max_positions=128)
+    setup = InferenceSetup(ctx=48, prompt=16, weights_dtype=dtype, sampling="greedy")
+    model = build_model(spec, "sdpa", "none", getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])).eval()
+    cache = KVCache(model, 1, 48)
+    ids = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        forward_cached(model, ids, cache, 0)
+        with Count() as count:
+            forward_cached(model, ids[:, -1:], cache, cache.length)
+    assert decode_dispatches(spec, setup) == pytest.approx(count.n, abs=2)  # the RoPE table's growth: ±1
+
+
+def test_validate_inference_predicts_the_decode_step_with_its_dispatch_and_says_what_it_leaves_out(monkeypatch):
+    """The decode step was shown against a bare bandwidth roofline 40-1000× below it, without a word."""
+    import trainer.validate
+
+    from memplan.hardware import load_profile
+    from memplan.inference import decode_bytes_per_step, decode_dispatch_seconds
+    from memplan.validate import load_inference_matrix
+
+    def measure_generation(spec, setup, seed=0):
+        return {"prefill_peak_allocated": 1 << 20, "decode_peak_allocated": 1 << 20,
+                "decode_step_seconds": 5e-4, "decode_steps": 16}
+
+    monkeypatch.setattr(trainer.validate, "measure_generation", measure_generation)
+    monkeypatch.setenv("COLUMNS", "200")
+    result = cli(*VALIDATE_INFERENCE)
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert "predicted = roofline" in flat and "the host's dispatch" in flat and "Not covered" in flat, flat
+    cpu = load_profile("cpu")
+    config = next(c for c in load_inference_matrix("default") if c.quick)
+    roofline = decode_bytes_per_step(config.spec, config.setup) / cpu.bandwidth_bytes_per_second
+    predicted = roofline + decode_dispatch_seconds(config.spec, config.setup, cpu)
+    assert predicted > 10 * roofline  # a small model's step is its dispatch
+    row = next(line for line in result.output.splitlines() if config.name in line and " ms" in line)
+    assert f"{predicted * 1e3:.2f} ms" in row, row
+    assert f"{5e-4 / predicted:.2f}" in row, row

@@ -172,13 +172,17 @@ def measure_generation(spec, setup, seed: int = 0) -> dict:
 
 def run_inference_config(config, device: Device):
     """Predict and measure one inference config on this CPU."""
-    from memplan.inference import decode_bytes_per_step, inference_memory
+    import torch
+
+    from memplan.inference import (decode_bytes_per_step, decode_dispatch_seconds, inference_memory,
+                                   predicted_decode_step)
     from memplan.validate import InferenceRow
 
     t0 = time.perf_counter()
     predicted = inference_memory(config.spec, config.setup)
     measured = measure_generation(config.spec, config.setup)
     roofline = decode_bytes_per_step(config.spec, config.setup) / device.bandwidth_bytes_per_second
+    step = predicted_decode_step(roofline, decode_dispatch_seconds(config.spec, config.setup, device), device.family)
     return InferenceRow(name=config.name, spec=config.spec, setup=config.setup,
                         predicted_prefill=predicted.prefill_peak_allocated,
                         measured_prefill=measured["prefill_peak_allocated"],
@@ -186,4 +190,5 @@ def run_inference_config(config, device: Device):
                         measured_decode=measured["decode_peak_allocated"],
                         prefill_moment=predicted.prefill_moment, decode_moment=predicted.decode_moment,
                         decode_step_seconds=measured["decode_step_seconds"], roofline_step_seconds=roofline,
+                        predicted_step_seconds=step, threads=torch.get_num_threads(),
                         seconds=time.perf_counter() - t0)

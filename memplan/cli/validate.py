@@ -231,7 +231,7 @@ def print_inference_tables(console, rows, device_name: str) -> None:
     from memplan.units import format_bytes
 
     memory = ("prefill measured", "error", "decode measured", "error")
-    timing = ("decode step", "roofline")
+    timing = ("decode step", "predicted", "ratio", "roofline")
 
     def table_of(columns, title):
         table = Table(title=title, title_justify="left")
@@ -241,7 +241,9 @@ def print_inference_tables(console, rows, device_name: str) -> None:
         for r in rows:
             cells = {"prefill measured": format_bytes(r.measured_prefill), "decode measured": format_bytes(r.measured_decode),
                      "decode step": f"{r.decode_step_seconds * 1e3:.1f} ms" if r.decode_step_seconds else "-",
-                     "roofline": f"{r.roofline_step_seconds * 1e3:.2f} ms" if r.roofline_step_seconds else "-"}
+                     "roofline": f"{r.roofline_step_seconds * 1e3:.2f} ms" if r.roofline_step_seconds else "-",
+                     "predicted": f"{r.predicted_step_seconds * 1e3:.2f} ms" if r.predicted_step_seconds else "-",
+                     "ratio": f"{r.step_ratio:.2f}" if r.step_ratio else "-"}
             errors = iter((f"{r.prefill_error:+.2%}", f"{r.decode_error:+.2%}"))
             table.add_row(r.name, *(next(errors) if col == "error" else cells[col] for col in columns))
         return table
@@ -251,7 +253,19 @@ def print_inference_tables(console, rows, device_name: str) -> None:
         console.print(table)
         return
     borderless = print_fitted(console, table_of(memory, f"Generation peaks: predicted vs measured on {device_name}"))
-    print_fitted(console, table_of(timing, "Decode step: measured and the bandwidth roofline"), borderless)
+    print_fitted(console, table_of(timing, "Decode step: measured and predicted"), borderless)
+
+
+def decode_step_words(rows) -> str:
+    """What the decode-step columns are, and what they leave out, in words."""
+    threads = sorted({r.threads for r in rows if r.threads})
+    ratios = [r.step_ratio for r in rows if r.step_ratio]
+    span = f"measured ÷ predicted {min(ratios):.2f}-{max(ratios):.2f}; " if ratios else ""
+    return ("decode step: the median wall time of up to 16 single-token steps "
+            f"({'/'.join(map(str, threads)) or '?'} torch thread(s)); predicted = roofline (every weight and the "
+            "cache read once at the device's bandwidth) + the host's dispatch (aten ops per step × the per-op "
+            f"launch cost without autograd). {span}Not covered: other processes' load on the cores, the sampling "
+            "step, and the first steps' warm-up; a memory check, not a speed bar.")
 
 
 def inference_page(device_name: str, rows):
@@ -285,7 +299,8 @@ def inference_page(device_name: str, rows):
                 summary={"bars": bars}, figures=[peaks, errors],
                 notes=["Measured: trainer/generate.py's cached forward and token choice on real tensors, "
                        "MemTracker's live tensor bytes: the prompt's forward (prefill) and the last decode step "
-                       "with the cache full (decode)."])
+                       "with the cache full (decode).",
+                       *([decode_step_words(rows)] if any(r.decode_step_seconds for r in rows) else [])])
 
 
 def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, device: str | None,
@@ -330,6 +345,7 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
         print_json(inference_validation_json(dev.name, rows))
         return
     print_inference_tables(console, rows, dev.name)
+    console.print(decode_step_words(rows), soft_wrap=False)
     for what, value, bar, met in inference_bars(rows):
         console.print(f"  {what}: {value:.2%} (bar ≤ {bar:.0%}) {'[green]met[/]' if met else '[red]MISSED[/]'}")
     if html:
