@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -337,3 +338,61 @@ def test_validate_inference_predicts_the_decode_step_with_its_dispatch_and_says_
     row = next(line for line in result.output.splitlines() if config.name in line and " ms" in line)
     assert f"{predicted * 1e3:.2f} ms" in row, row
     assert f"{5e-4 / predicted:.2f}" in row, row
+
+
+# ---- a benchmark whose bar fails exits non-zero and says which bar and by how much (item 10) ------------
+
+def _benchmark(name: str, monkeypatch):
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step_time_result(errors: list[float]) -> dict:
+    rows = [{"name": f"config {i}", "error": e, "start_calibration_error": e, "static_error": e}
+            for i, e in enumerate(errors)]
+    return {"rows": rows, "median_abs_error": sorted(abs(e) for e in errors)[len(errors) // 2],
+            "max_abs_error": max(abs(e) for e in errors), "start_calibration_median_abs_error": 0.1,
+            "start_calibration_max_abs_error": 0.4, "static_median_abs_error": 0.5, "static_max_abs_error": 0.9,
+            "noise": {"reference_probe_max_over_min": 1.1, "median_step_spread": 0.02, "median_wall_over_clock": 1.5,
+                      "max_wall_over_clock": 2.0}, "seconds": 1.0}
+
+
+@pytest.mark.parametrize("errors,code", [([0.05, -0.10, 0.423, 0.08, -0.02, 0.12], 1),
+                                         ([0.05, -0.10, 0.30, 0.08, -0.02, 0.12], 0)])
+def test_step_time_exits_1_naming_the_missed_bar_and_by_how_much(errors, code, monkeypatch, capsys):
+    step_time = _benchmark("step_time", monkeypatch)
+    monkeypatch.setattr(step_time, "run", lambda args: _step_time_result(errors))
+    assert step_time.main(["--quick"]) == code
+    out = capsys.readouterr().out
+    if code:
+        assert "calibrated step time: worst |error| (config 2) 42.3% (bar ≤ 35.0%): MISSED by 7.3 points" in out, out
+        assert "FAIL: 1 of 2 bars missed" in out
+    else:
+        assert "PASS: all 2 bars met" in out and "MISSED" not in out
+
+
+def test_a_subset_of_step_time_says_its_bars_are_not_judged(monkeypatch, capsys):
+    step_time = _benchmark("step_time", monkeypatch)
+    monkeypatch.setattr(step_time, "run", lambda args: _step_time_result([0.9]))
+    assert step_time.main(["--only", "300k", "--steps", "3"]) == 0
+    assert "bars not judged: --only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,limit,at_most,unit,line", [
+    (0.604, 0.5, True, "s", "startup 0.604 s (bar ≤ 0.500 s): MISSED by 0.104 s"),
+    (0.70, 0.75, False, "", "ratio 0.70 (bar ≥ 0.75): MISSED by 0.05"),
+    (0.0009, 0.005, True, "ms", "estimate 0.9 ms (bar ≤ 5.0 ms): met"),
+])
+def test_a_bar_says_met_or_missed_by_how_much(value, limit, at_most, unit, line, monkeypatch, capsys):
+    bars = _benchmark("bars", monkeypatch)
+    what = line.split(" ")[0]
+    bar = bars.Bar(what, value, limit, at_most=at_most, unit=unit)
+    assert bars.judge([bar]) == (0 if "met" == line.rsplit(" ", 1)[-1] else 1)
+    assert capsys.readouterr().out.splitlines()[0] == line
