@@ -396,3 +396,19 @@ def test_a_bar_says_met_or_missed_by_how_much(value, limit, at_most, unit, line,
     bar = bars.Bar(what, value, limit, at_most=at_most, unit=unit)
     assert bars.judge([bar]) == (0 if "met" == line.rsplit(" ", 1)[-1] else 1)
     assert capsys.readouterr().out.splitlines()[0] == line
+
+
+@pytest.mark.parametrize("args", [["sweep", "--params", "22m", "--ctx", "1k", "--device", "cpu", "--json"],
+                                  ["estimate", "--params", "22m", "--ctx", "1k", "--device", "cpu", "--json"]])
+def test_json_into_a_full_disk_is_one_line_exit_1(args):
+    """``memplan ... --json > file`` on a full disk (here /dev/full): one line, exit 1, no traceback."""
+    import memplan
+
+    env = {**os.environ, "PYTHONPATH": str(Path(memplan.__file__).resolve().parents[1])}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "memplan", *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "--json: cannot write" in lines[0] and "No space left on device" in lines[0], lines[0]
