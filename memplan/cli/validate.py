@@ -260,7 +260,7 @@ def decode_step_words(rows) -> str:
     """What the decode-step columns are, and what they leave out, in words."""
     threads = sorted({r.threads for r in rows if r.threads})
     ratios = [r.step_ratio for r in rows if r.step_ratio]
-    span = f"measured ÷ predicted {min(ratios):.2f}-{max(ratios):.2f}; " if ratios else ""
+    span = f"measured ÷ predicted {min(ratios):.2f}-{max(ratios):.2f}. " if ratios else ""
     return ("decode step: the median wall time of up to 16 single-token steps "
             f"({'/'.join(map(str, threads)) or '?'} torch thread(s)); predicted = roofline (every weight and the "
             "cache read once at the device's bandwidth) + the host's dispatch (aten ops per step × the per-op "
