@@ -412,3 +412,20 @@ def test_json_into_a_full_disk_is_one_line_exit_1(args):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "--json: cannot write" in lines[0] and "No space left on device" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_measure_ranks_reports_each_config_as_rank_0_finishes_it():
+    """The real gloo processes (two ranks, two tiny configs): the progress callback sees the count rise to
+    the number of configs, never past it (the CLI's counter reads it)."""
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+    from trainer.distributed import measure_ranks
+
+    spec = ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=128, tied=True)
+    configs = [(spec, TrainSetup(ctx=16, micro_batch=b, precision="fp32", world_size=2, sharding="ddp"))
+               for b in (1, 2)]
+    seen: list[int] = []
+    measured = measure_ranks(configs, 2, progress=seen.append)
+    assert len(measured) == 2 and all(len(ranks) == 2 for ranks in measured)
+    assert seen and seen[-1] == 2 and max(seen) == 2 and seen == sorted(seen), seen
