@@ -54,6 +54,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import Bar, judge  # noqa: E402
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from memplan.autotune import ATTENTIONS, OPTIMIZERS, autotune, divisors  # noqa: E402
@@ -108,7 +111,7 @@ def search_times(repeat: int) -> list[dict]:
     return rows
 
 
-def print_search(rows: list[dict]) -> None:
+def print_search(rows: list[dict]) -> float:
     from rich.console import Console
     from rich.table import Table
 
@@ -124,6 +127,7 @@ def print_search(rows: list[dict]) -> None:
     Console().print(table)
     worst = max(r["max_seconds"] for r in rows)
     print(f"slowest search: {worst * 1e3:.0f} ms ({'under' if worst < 1 else 'OVER'} the 1 s bar)")
+    return worst
 
 
 # ---- part 2 -----------------------------------------------------------------------------------
@@ -282,7 +286,7 @@ def _print_row(r: dict) -> None:
           f"ratio {ratio}, steps {r['verify_trials']} vs finder {r['finder_steps']}", file=sys.stderr, flush=True)
 
 
-def print_campaign(rows: list[dict]) -> None:
+def print_campaign(rows: list[dict]) -> list:
     from rich.console import Console
     from rich.table import Table
 
@@ -325,9 +329,14 @@ def print_campaign(rows: list[dict]) -> None:
     finder_steps = [r["finder_steps"] for r in rows]
     print(f"real trial steps: autotune {sum(steps)} in all (median {statistics.median(steps)} per case), "
           f"finder {sum(finder_steps)} (median {statistics.median(finder_steps)})")
+    bars = [Bar("verified plans whose measured peak is over the budget", len(over), 0, unit="")]
+    if confirmed:
+        bars.append(Bar("chosen plan's tokens/s ÷ best fitting grid setup (confirmed): lowest", min(confirmed), 0.9,
+                        at_most=False))
+    return bars
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one model, one context (a smoke run)")
     parser.add_argument("--search-only", action="store_true", help="part 1 only (no torch)")
@@ -336,12 +345,12 @@ def main() -> None:
     args = parser.parse_args()
 
     report = {"search": search_times(args.repeat)}
-    print_search(report["search"])
+    bars = [Bar("slowest analytic search", print_search(report["search"]), 1.0, unit="s")]
     if not args.search_only:
         t0 = time.perf_counter()
         report["cpu"] = cpu_campaign(args.quick)
         report["cpu_seconds"] = time.perf_counter() - t0
-        print_campaign(report["cpu"])
+        bars += print_campaign(report["cpu"])
         print(f"part 2 took {report['cpu_seconds'] / 60:.1f} min")
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -349,7 +358,8 @@ def main() -> None:
 
     write_atomic(out, json.dumps(report, indent=2, default=str))
     print(f"wrote {out}")
+    return judge(bars)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

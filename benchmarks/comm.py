@@ -13,8 +13,12 @@ compared with two predictions:
 
     python benchmarks/comm.py [--device h100-sxm] [--world-size 2] [--reps 7] [--json FILE]
 
-On a CPU the ranks share one machine's memory instead of a link, and a shared 2-core machine is
-noisy: read the medians, and expect gloo on loopback not to follow a link's model.
+Bars, over NCCL/RCCL (one GPU per rank): the fitted formulas' median |error| per collective ≤ 25%
+(the factors between the collectives hold), and the profile's ≤ 50% where ``--device`` names this
+machine's link. On a CPU (gloo) nothing is judged, and the run says why: the ranks share one
+machine's memory instead of a link (the CPU profile's [interconnect] is the Ethernet between two
+machines, which these ranks never use), and gloo's all-gather and reduce-scatter on shared memory
+do not move half of what its all-reduce does; a shared 2-core machine is noisy besides.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bars import Bar, judge, not_judged  # noqa: E402  (benchmarks/, the script's own directory)
+
+FITTED_BAR, PROFILE_BAR = 0.25, 0.50
 
 SIZES = [1 << k for k in range(16, 27, 2)]  # 64 KiB ... 64 MiB
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
@@ -54,10 +62,13 @@ def _worker(rank: int, world: int, store: str, reps: int, out: str, gpus: bool) 
         n = size // 4 // world * world
         full = torch.ones(n, device=device)
         shard = torch.ones(n // world, device=device)
+        # torch 2.13 renamed the tensor forms (the old names warn, FutureWarning, on every call)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         calls = {
             "all-reduce": lambda: dist.all_reduce(full),
-            "all-gather": lambda: dist.all_gather_into_tensor(full, shard),
-            "reduce-scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+            "all-gather": lambda: gather(full, shard),
+            "reduce-scatter": lambda: scatter(shard, full),
         }
         for op, call in calls.items():
             call()  # warm-up
@@ -105,7 +116,7 @@ def fit_all_reduce(times: dict[int, float], world: int) -> tuple[float, float]:
     return bandwidth, latency
 
 
-def main() -> None:
+def main() -> int:
     import torch
 
     from memplan import comm
@@ -147,12 +158,30 @@ def main() -> None:
             print(f"{op:15s} {size:10d} {seconds * 1e3:8.2f}ms " + " ".join(cells))
     summary = {f"{op} ({k})": statistics.median(v) for (op, k), v in errors.items()}
     print("median |error|: " + ", ".join(f"{name} {v:.0%}" for name, v in summary.items()))
+    if not gpus:
+        print(f"profile: the ring formulas with {profile.name}'s [interconnect] ({links['profile'].kind}, "
+              f"{links['profile'].bandwidth_bytes_per_second / 1e9:.3g} GB/s), the link between two machines of "
+              "this profile; these ranks share one machine's memory and never use it, so its errors measure that "
+              "link against this loopback, not the formulas.")
+        print("fitted: the formulas with B and α fitted to gloo's all-reduce here; gloo's all-gather and "
+              "reduce-scatter on shared memory do not move half of what its all-reduce does, as a ring on a link "
+              "does.")
+        verdict = not_judged("gloo on one machine's CPU: the bars are for NCCL/RCCL over a real link "
+                             "(one GPU per rank)")
+    else:
+        bars = [Bar(f"{op} (fitted): median |error|", summary[f"{op} (fitted)"], FITTED_BAR) for op in OPS]
+        if args.device:  # the profile named is this machine's: its link is judged too
+            bars += [Bar(f"{op} (profile {profile.name}): median |error|", summary[f"{op} (profile)"], PROFILE_BAR)
+                     for op in OPS]
+        verdict = judge(bars)
     if args.json:
         Path(args.json).write_text(json.dumps({"world_size": world, "backend": backend, "profile": profile.name,
                                                "fitted": {"bandwidth_bytes_per_second": bandwidth,
                                                           "latency_seconds": latency},
-                                               "rows": rows, "median_abs_error": summary}, indent=1))
+                                               "rows": rows, "median_abs_error": summary,
+                                               "judged": bool(gpus), "passed": verdict == 0}, indent=1))
+    return verdict
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,6 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import Bar, judge  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 BAR = 0.10
 # name, `memplan train` arguments (model and setup), steps
@@ -78,7 +81,7 @@ def env_for(cache: Path) -> dict:
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="memplan cache directory (default: a fresh temporary one)")
     ap.add_argument("--keep", help="write the runs here (default: a temporary directory)")
@@ -119,9 +122,9 @@ def main() -> None:
         worst = max(worst, abs(err))
         print(f"{kind:7}{name:28}{f['predicted_peak'] / 2**20:>9.1f} MiB{f['measured_peak'] / 2**20:>8.1f} MiB"
               f"{err:>+9.1%}   {f['predicted_tps'] / f['measured_tps']:.2f}")
-    print(f"\nworst |error| {worst:.1%} (bar ±{BAR:.0%}): {'met' if worst <= BAR else 'MISSED'}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"\nload average {os.getloadavg()[0]:.1f}")
+    return judge([Bar("predicted against measured peak: worst |error|", worst, BAR)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

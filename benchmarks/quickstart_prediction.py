@@ -19,12 +19,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import Bar, judge  # noqa: E402
 from local_memory import env_for, memplan, run_figures  # noqa: E402
 
 BAR = 0.25
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--minutes", default="0.5", help="--max-minutes of each quick start")
@@ -55,12 +56,12 @@ def main() -> None:
               f"({(f['predicted_peak'] - f['measured_peak']) / f['measured_peak']:+.1%}); load {rows[-1]['load']:.1f}",
               flush=True)
     ratios = [row["ratio"] for row in rows]
-    met = all(1 - BAR <= x <= 1 + BAR for x in ratios)
-    print(f"\nratios predicted/measured tokens/s: {', '.join(f'{x:.2f}' for x in ratios)} "
-          f"(bar {1 - BAR:.2f}-{1 + BAR:.2f}): {'met' if met else 'MISSED'}")
+    print(f"\nratios predicted/measured tokens/s: {', '.join(f'{x:.2f}' for x in ratios)}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    return judge([Bar("predicted/measured tokens/s: lowest ratio", min(ratios), 1 - BAR, at_most=False, unit=""),
+                  Bar("predicted/measured tokens/s: highest ratio", max(ratios), 1 + BAR, unit="")])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

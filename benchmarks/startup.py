@@ -17,6 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bars import Bar, judge  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [
     ["--params", "22m", "--device", "cpu", "--json"],
@@ -54,20 +57,26 @@ def in_process(runs: int) -> tuple[list[float], bool]:
     return times, "torch" in sys.modules
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    bars = []
     for case in CASES:
         t = whole_process(case, args.runs)
         print(f"memplan estimate {' '.join(case):80s} median {statistics.median(t):.3f} s "
               f"(min {min(t):.3f}, max {max(t):.3f}; bar 0.5 s)")
+        bars.append(Bar(f"memplan estimate {' '.join(case)}: median process time", statistics.median(t), 0.5,
+                        unit="s"))
     t, torch_loaded = in_process(max(args.runs, 200))
     print(f"in-process estimate (1.1b, ctx 2k, batch 4, rtx-4090, includes max_micro_batch) median "
           f"{statistics.median(t) * 1000:.2f} ms (min {min(t) * 1000:.2f}, max {max(t) * 1000:.2f}; bar 5 ms)")
     print(f"torch imported on the estimate path: {torch_loaded}")
+    bars.append(Bar("in-process estimate: median", statistics.median(t), 0.005, unit="ms"))
+    bars.append(Bar("torch imported on the estimate path (1 = yes)", float(torch_loaded), 0.0, unit=""))
+    return judge(bars)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

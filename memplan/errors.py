@@ -14,3 +14,12 @@ class InputError(ValueError):
     The message names the problem and the accepted values, e.g.
     ``--ctx: '8q' is not a count; use an integer such as 8192 or 8k``.
     """
+
+
+class EnvironmentFailure(RuntimeError):
+    """The machine, not the input, failed the command: the disk is full, a write failed with an I/O error.
+    The CLI prints the message on one line and exits 1 (the input may be fine to retry once the machine is).
+
+    The message names what failed and what was left, e.g.
+    ``--html: cannot write 'r.html': No space left on device (1.2 MiB free, a report needs 4.6 MiB); nothing written``.
+    """

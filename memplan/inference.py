@@ -425,16 +425,55 @@ def decode_flops(spec: ModelSpec, setup: InferenceSetup, ctx: int | None = None)
     return 2.0 * spec.matmul_params * setup.batch + 4.0 * spec.layers * setup.batch * c * spec.hidden
 
 
+# ---- the host's share of a decode step -------------------------------------------------------
+# Dispatched aten ops of one single-token decode step of trainer/generate.py's ``forward_cached``
+# (TorchDispatchMode, torch 2.13, no grad, SDPA; views included), per block and outside the blocks
+# (embedding, final norm, head, positions): (fp32, bf16/fp16 weights, whose norms upcast). GQA and tied
+# heads change nothing. tests/test_inference.py recounts them.
+DECODE_LAYER_DISPATCHES = {"llama": (71, 75), "gpt2": (37, 37), "gpt_neox": (59, 59)}
+DECODE_BASE_DISPATCHES = {"llama": (25, 30), "gpt2": (9, 10), "gpt_neox": (20, 23)}
+# A dispatch without autograd costs a fraction of the training step's calibrated one (which carries the
+# autograd node and its backward): ~2 us per `2*x` without requires_grad against 7 us with it
+# (pytorch/pytorch #41383), 2/7. On this repo's build machine that gives 4 us per op against the 2.5-5.4 us
+# measured per dispatch of the inference matrix's small decode steps.
+NO_GRAD_DISPATCH_SHARE = 2 / 7
+
+
+def decode_dispatches(spec: ModelSpec, setup: "InferenceSetup") -> int:
+    """Aten ops one decode step dispatches: L·per_block + outside the blocks (``DECODE_*_DISPATCHES``),
+    whatever the batch or the cache length."""
+    low = 0 if setup.activation_dtype == "fp32" else 1
+    return (spec.layers * DECODE_LAYER_DISPATCHES[spec.arch][low]
+            + DECODE_BASE_DISPATCHES[spec.arch][low])
+
+
+def decode_dispatch_seconds(spec: ModelSpec, setup: "InferenceSetup", device: Device) -> float:
+    """The host's time to issue one decode step: dispatches × the device's per-op launch cost (its
+    calibration's ``launch_overhead_seconds``, else memplan.timing's default for the family) ×
+    ``NO_GRAD_DISPATCH_SHARE``. The floor of a small model's decode step, whatever its bytes."""
+    from memplan.timing import rates_for
+
+    return decode_dispatches(spec, setup) * rates_for(device).launch_seconds() * NO_GRAD_DISPATCH_SHARE
+
+
+def predicted_decode_step(roofline_seconds: float, dispatch_seconds: float, family: str) -> float:
+    """A decode step with its host share: on a CPU the host dispatches and computes in turn (the sum);
+    a GPU's host runs ahead of the device (the larger of the two)."""
+    return roofline_seconds + dispatch_seconds if family == "cpu" else max(roofline_seconds, dispatch_seconds)
+
+
 @dataclass(frozen=True)
 class InferenceTime:
     prefill_seconds: float
     prefill_tokens_per_second: float
-    decode_seconds_per_step: float  # at the full context (the slowest step)
-    decode_tokens_per_second: float  # B tokens per step, at the full context
+    decode_seconds_per_step: float  # at the full context (the slowest step): the bandwidth/compute roofline
+    decode_tokens_per_second: float  # B tokens per step, at the full context (roofline)
     decode_tokens_per_second_start: float  # at the prompt's end (a short cache reads less)
     decode_bound: str  # bandwidth | compute
     bandwidth_bytes_per_second: float
     matmul_flops_per_second: float
+    decode_dispatch_seconds: float = 0.0  # the host's dispatch of one decode step (decode_dispatch_seconds)
+    decode_step_seconds_with_dispatch: float = 0.0  # the roofline step with the dispatch (predicted_decode_step)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -454,10 +493,13 @@ def inference_time(spec: ModelSpec, setup: InferenceSetup, device: Device) -> In
 
     full, bound = step(setup.ctx)
     start, _ = step(min(setup.prompt_tokens + 1, setup.ctx))
+    host = decode_dispatch_seconds(spec, setup, device)
     return InferenceTime(prefill_seconds=pre, prefill_tokens_per_second=setup.batch * setup.prompt_tokens / pre,
                          decode_seconds_per_step=full, decode_tokens_per_second=setup.batch / full,
                          decode_tokens_per_second_start=setup.batch / start, decode_bound=bound,
-                         bandwidth_bytes_per_second=bw, matmul_flops_per_second=rate)
+                         bandwidth_bytes_per_second=bw, matmul_flops_per_second=rate,
+                         decode_dispatch_seconds=host,
+                         decode_step_seconds_with_dispatch=predicted_decode_step(full, host, device.family))
 
 
 # ---- the estimate --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from the caller.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,3 +100,79 @@ def write_page(page: Page, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_atomic(path, render_page(page))
+
+
+# ---- a report path the user named (--html, --report): checked before the work, written in one line or none --
+
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
+
+
+def page_bytes_at_least() -> int:
+    """The fewest bytes any page takes: the plotly.js it inlines (about 4.7 MB), read from the file's size."""
+    import plotly
+
+    for name in ("plotly.min.js", "plotly.js"):
+        found = Path(plotly.__file__).parent / "package_data" / name
+        if found.is_file():
+            return found.stat().st_size
+    return 0
+
+
+def _free_bytes(directory: Path) -> int:
+    import os
+
+    st = os.statvfs(directory)
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may use the reserved blocks
+    return blocks * st.f_frsize
+
+
+def check_report_path(path: str | Path, flag: str, example: str) -> Path:
+    """Refuse, before any work (a sweep, minutes of measuring), a report file that could not be written:
+    ``path`` a directory, its directory missing, not a directory, or not writable (read-only, no
+    permission: probed by creating and removing an exclusive temporary file there), each as
+    ``InputError``; too little free space for even the inlined plotly.js as ``EnvironmentFailure``."""
+    import os
+    import tempfile
+
+    from memplan.errors import EnvironmentFailure, InputError
+    from memplan.units import format_bytes
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{flag}: {str(path)!r} is a directory; give a file name such as {example}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise InputError(f"{flag}: cannot write {str(path)!r}: its directory {str(parent)!r} does not exist; "
+                         "create it first or name a file in an existing directory")
+    if not parent.is_dir():
+        raise InputError(f"{flag}: cannot write {str(path)!r}: {str(parent)!r} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=str(parent))
+    except OSError as e:
+        if e.errno in _DISK_FULL:
+            raise EnvironmentFailure(f"{flag}: cannot write {str(path)!r}: {e.strerror}") from None
+        raise InputError(f"{flag}: cannot write {str(path)!r}: {e.strerror or e} (directory {str(parent)!r}); "
+                         "name a file in a directory you can write") from None
+    os.close(fd)
+    os.unlink(probe)
+    free, need = _free_bytes(parent), page_bytes_at_least()
+    if free < need:
+        raise EnvironmentFailure(f"{flag}: cannot write {str(path)!r}: only {format_bytes(free)} free on its disk, "
+                                 f"and a report takes at least {format_bytes(need)}; free some space or name a file "
+                                 "on another disk")
+    return path
+
+
+def save_page(page: Page, path: str | Path, flag: str) -> Path:
+    """``write_page`` for a path the user named: a failure is one line and leaves nothing behind (the
+    temporary file is removed, an older page at ``path`` stays whole): a full disk as ``EnvironmentFailure``
+    (exit 1), any other refusal (permissions, a read-only disk) as ``InputError`` (exit 2)."""
+    from memplan.errors import EnvironmentFailure, InputError
+
+    try:
+        return write_page(page, path)
+    except OSError as e:
+        if e.errno in _DISK_FULL:
+            raise EnvironmentFailure(f"{flag}: cannot write {str(path)!r}: {e.strerror}; nothing was written "
+                                     "(free some space, then run again)") from None
+        raise InputError(f"{flag}: cannot write {str(path)!r}: {e.strerror or e}") from None

@@ -249,6 +249,15 @@ class InferenceRow:
     decode_step_seconds: float | None = None  # median measured decode step (wall time, noisy)
     roofline_step_seconds: float | None = None  # the bandwidth roofline's decode step
     seconds: float = 0.0
+    predicted_step_seconds: float | None = None  # the roofline with the host's dispatch (memplan.inference)
+    threads: int | None = None  # torch threads the decode steps ran on
+
+    @property
+    def step_ratio(self) -> float | None:
+        """Measured decode step ÷ predicted (roofline + dispatch): 1 is exact."""
+        if not (self.decode_step_seconds and self.predicted_step_seconds):
+            return None
+        return self.decode_step_seconds / self.predicted_step_seconds
 
     @property
     def prefill_error(self) -> float:
@@ -278,7 +287,9 @@ class InferenceRow:
                 "predicted_decode": self.predicted_decode, "measured_decode": self.measured_decode,
                 "decode_error": self.decode_error, "prefill_moment": self.prefill_moment,
                 "decode_moment": self.decode_moment, "decode_step_seconds": self.decode_step_seconds,
-                "roofline_step_seconds": self.roofline_step_seconds, "seconds": self.seconds}
+                "roofline_step_seconds": self.roofline_step_seconds, "seconds": self.seconds,
+                "predicted_step_seconds": self.predicted_step_seconds, "step_ratio": self.step_ratio,
+                "threads": self.threads}
 
 
 def inference_bars(rows: list[InferenceRow]) -> list[tuple[str, float, float, bool]]:

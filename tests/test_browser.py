@@ -115,6 +115,26 @@ def validate_report(tmp_path: Path) -> Path:
     return write_page(validation_page("cpu", rows, summarize(rows)), tmp_path / "validate.html")
 
 
+def validate_inference_report(tmp_path: Path) -> Path:
+    """`memplan validate --mode inference`'s page, from rows made here: the real predictions of the
+    inference matrix, "measured" peaks a few percent off them (no torch, no generating)."""
+    from memplan.cli.validate import inference_page
+    from memplan.inference import inference_memory
+    from memplan.report import write_page
+    from memplan.validate import InferenceRow, load_inference_matrix
+
+    rows = []
+    for i, config in enumerate(load_inference_matrix("default")):
+        mem = inference_memory(config.spec, config.setup)
+        off = 1 + 0.01 * ((i % 5) - 2)
+        rows.append(InferenceRow(name=config.name, spec=config.spec, setup=config.setup,
+                                 predicted_prefill=mem.prefill_peak_allocated,
+                                 measured_prefill=int(mem.prefill_peak_allocated / off),
+                                 predicted_decode=mem.decode_peak_allocated,
+                                 measured_decode=int(mem.decode_peak_allocated * off)))
+    return write_page(inference_page("cpu", rows), tmp_path / "validate-inference.html")
+
+
 def train_report(tmp_path: Path) -> Path:
     """`memplan train`'s run report: a tiny Llama trained 8 steps on a corpus made here (an OOM-free,
     resumed-free run: loss, eval per source, memory with its predicted line, throughput, lr)."""
@@ -145,7 +165,8 @@ def train_report(tmp_path: Path) -> Path:
 
 def step_time_report(tmp_path: Path) -> Path:
     """benchmarks/step_time.py's page (the calibrate report): a 2-second calibration of this machine,
-    then one config measured for three steps against its prediction."""
+    then the six configs of the 300k model (six table rows: the sixth was once hidden) measured for
+    three steps each against their predictions."""
     import sys
 
     root = Path(__file__).resolve().parents[1]
@@ -155,7 +176,7 @@ def step_time_report(tmp_path: Path) -> Path:
                         "--out", str(profile)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "step_time.py"), "--device", str(profile),
-                        "--threads", "1", "--only", "300k ctx64 b1 fp32", "--steps", "3", "--passes", "1",
+                        "--threads", "1", "--only", "300k ", "--steps", "3", "--passes", "1",
                         "--warmup", "1", "--html", str(out)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     return out
@@ -172,6 +193,7 @@ REPORTS = [  # one line per kind of report
     Report("sweep", sweep_report, docs=True),
     Report("sweep-one-setup", sweep_report_one_setup),
     Report("validate", validate_report),  # made-up measurements: no README picture from it
+    Report("validate-inference", validate_inference_report),
     Report("report-module", report_module_page),
     Report("train", train_report),
     Report("step-time", step_time_report),
@@ -309,6 +331,95 @@ SETTLED_JS = """
 """  # every plot that plotly has started is laid out (a page that never starts one settles at once)
 
 
+LAYOUT_WIDTH = 1200  # a narrower window than VIEWPORT: where legends and labels start to fall off
+LAYOUT_JS = """
+(() => {
+  const found = [];
+  const box = e => e.getBoundingClientRect();
+  const visible = b => b.width > 0 && b.height > 0;
+  const outside = (b, c) => Math.max(c.left - b.left, b.right - c.right, c.top - b.top, b.bottom - c.bottom);
+  const label = e => (e.textContent || '').trim().slice(0, 40);
+  if (document.documentElement.scrollWidth > window.innerWidth + 1)
+    found.push(`the page is ${document.documentElement.scrollWidth} px wide in a ${window.innerWidth} px window`);
+  document.querySelectorAll('.js-plotly-plot').forEach((gd, i) => {
+    const svg = gd.querySelector('svg.main-svg');
+    if (!svg) return;
+    const canvas = box(svg);
+    if (canvas.right > window.innerWidth + 1)
+      found.push(`plot ${i}: its canvas ends at ${Math.round(canvas.right)} px, past the ${window.innerWidth} px window`);
+    // what must lie inside the canvas: the legend's box, annotations (subplot titles, line labels), the
+    // title, axis titles, tick labels and text drawn beside data points
+    const kinds = [['legend', 'g.legend rect.bg'], ['annotation', 'g.annotation'], ['title', 'text.gtitle'],
+                   ['axis title', 'text[class$="title"]:not(.gtitle):not(.legendtitletext)'],
+                   ['tick label', 'g.xtick text, g.ytick text'], ['point label', 'g.textpoint text']];
+    for (const [kind, selector] of kinds) {
+      gd.querySelectorAll(selector).forEach(e => {
+        const b = box(e);
+        if (!visible(b)) return;
+        const off = outside(b, canvas);
+        if (off > 1) found.push(`plot ${i}: ${kind} "${label(e)}" lies ${Math.round(off)} px outside its canvas`);
+      });
+    }
+    // a label drawn inside a clipped layer (a trace with cliponaxis) shows only where it lies in a plot area
+    const areas = Array.from(gd.querySelectorAll('.draglayer .nsewdrag')).map(box);
+    gd.querySelectorAll('g.textpoint text').forEach(e => {
+      const b = box(e);
+      if (!visible(b) || !e.closest('[clip-path]') || !areas.length) return;
+      const off = Math.min(...areas.map(a => outside(b, a)));
+      if (off > 1) found.push(`plot ${i}: point label "${label(e)}" is cut ${Math.round(off)} px by its plot area`);
+    });
+    // a legend entry for every shown trace whose name has one (one context's traces at a time, say)
+    const declared = new Set((gd.data || []).filter(t => t.name && t.showlegend !== false).map(t => t.name));
+    const shown = new Set((gd._fullData || []).filter(t => t.visible === true && declared.has(t.name)).map(t => t.name));
+    const entries = new Set(Array.from(gd.querySelectorAll('g.legend text.legendtext')).map(e => e.textContent));
+    if (shown.size >= 2)
+      shown.forEach(name => { if (!entries.has(name)) found.push(`plot ${i}: no legend entry for "${name}"`); });
+    // every row of a table trace visible inside the table, none scrolled or clipped out of sight
+    const tables = (gd._fullData || []).filter(t => t.type === 'table');
+    gd.querySelectorAll('g.table').forEach((t, k) => {
+      const trace = tables[k];
+      if (!trace) return;
+      const area = box(t.querySelector('.scroll-background') || t);
+      const first = t.querySelector('.y-column');
+      const rows = trace.cells.values.length ? trace.cells.values[0].length : 0;
+      const header = trace.header.values.length ? 1 : 0;
+      const seen = first ? Array.from(first.querySelectorAll('.column-cell'))
+        .filter(c => { const b = box(c); return visible(b) && outside(b, area) <= 1 && outside(b, canvas) <= 1; }).length : 0;
+      if (seen < rows + header)
+        found.push(`plot ${i}: table shows ${Math.max(0, seen - header)} of its ${rows} rows`);
+    });
+  });
+  return found;
+})()
+"""
+
+
+def layout_problems(browser: "Chromium", path: Path, shot: Path | None = None) -> list[str]:
+    """Open ``path`` in a ``LAYOUT_WIDTH`` px window and list, in words, every legend, annotation, title,
+    axis or point label drawn outside its plot's canvas, every table row out of sight, and a page
+    wider than the window. With ``shot``, the whole page's screenshot at that width is saved there."""
+    tab = browser.new_tab()
+    try:
+        tab.send("Emulation.setDeviceMetricsOverride", width=LAYOUT_WIDTH, height=VIEWPORT[1], deviceScaleFactor=1,
+                 mobile=False)
+        tab.send("Page.enable")
+        tab.send("Page.navigate", url=path.resolve().as_uri())
+        tab.wait_for_event("Page.loadEventFired", RENDER_SECONDS)
+        deadline = time.monotonic() + RENDER_SECONDS
+        while not tab.evaluate(SETTLED_JS) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        tab.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        found = tab.evaluate(LAYOUT_JS)
+        if shot is not None:
+            height = tab.evaluate("document.documentElement.scrollHeight")
+            png = tab.send("Page.captureScreenshot", format="png", captureBeyondViewport=True,
+                           clip={"x": 0, "y": 0, "width": LAYOUT_WIDTH, "height": height, "scale": 1})
+            shot.write_bytes(base64.b64decode(png["data"]))
+    finally:
+        tab.close()
+    return found
+
+
 @dataclass
 class PageCheck:
     console_errors: list[str] = field(default_factory=list)
@@ -425,12 +536,17 @@ def test_report_renders_in_a_real_browser(report, browser, tmp_path):
     path = report.build(tmp_path)
     html = path.read_text(encoding="utf-8")
     assert "<script src=" not in html.replace(" ", "").lower(), "the page loads a script from elsewhere"
-    shots = os.environ.get("MEMPLAN_SCREENSHOTS") if report.docs else None
-    check = check_page(browser, path, page_scale=DOCS_SCALE if shots else None)
-    assert problems(check) == [], f"{name}: {problems(check)}"
-    assert len(check.plots) == html.count('<div class="plot">')
+    shots = os.environ.get("MEMPLAN_SCREENSHOTS")
     if shots:
         Path(shots).mkdir(parents=True, exist_ok=True)
+    check = check_page(browser, path, page_scale=DOCS_SCALE if shots and report.docs else None)
+    assert problems(check) == [], f"{name}: {problems(check)}"
+    assert len(check.plots) == html.count('<div class="plot">')
+    # at 1200 px: every legend, annotation and label inside its canvas, every table row in sight
+    narrow = Path(shots) / f"{name}-{LAYOUT_WIDTH}.png" if shots else tmp_path / f"{name}-{LAYOUT_WIDTH}.png"
+    assert layout_problems(browser, path, shot=narrow) == [], name
+    assert pixel_stats(narrow.read_bytes())["width"] == LAYOUT_WIDTH
+    if shots and report.docs:
         (Path(shots) / f"{name}.png").write_bytes(check.page_png)
 
 
@@ -456,3 +572,34 @@ def test_the_check_finds_what_is_wrong_with_a_broken_page(browser, tmp_path):
     assert any(p.startswith("plot 1: no trace drawn") for p in found), found
     assert any(p.startswith("plot 2: all 3 data marks lie outside") for p in found), found
     assert any("192.0.2.1" in p for p in found), found
+
+
+def test_the_layout_check_finds_what_falls_off_a_canvas(browser, tmp_path):
+    """The 1200 px checks can fail: a legend pushed off the canvas, an annotation past its edge, point
+    labels cut by the plot area, traces whose legend entries are on hidden twins, and a table too short
+    for its rows are each reported."""
+    import plotly.graph_objects as go
+
+    from memplan.report import Page, style_figure, write_page
+
+    legend = style_figure(go.Figure([go.Bar(x=[1, 2], y=[1, 2], name=f"a long series name {k}") for k in range(3)]),
+                          title="legend off the canvas")
+    legend.update_layout(legend=dict(xref="container", x=1.02))  # past the canvas's right edge
+    legend.add_annotation(xref="paper", yref="paper", x=-0.3, y=0.5, text="far left", showarrow=False)
+    labels = style_figure(go.Figure(go.Scatter(x=[0.01, 0.5], y=[1, 2], mode="markers+text", text=["cut", "fine"],
+                                               textposition="top left")), title="labels")
+    labels.update_xaxes(range=[0, 1])
+    hidden = style_figure(go.Figure([go.Bar(x=[1], y=[1], name=n, showlegend=False) for n in ("u", "v")]
+                                    + [go.Bar(x=[1], y=[1], name=n, visible=False) for n in ("u", "v")]),
+                          title="entries only on hidden traces")
+    table = style_figure(go.Figure(go.Table(header=dict(values=["a"]), cells=dict(values=[list(range(8))]))),
+                         title="a short table", height=200)
+    path = write_page(Page(title="broken", model="m", device="d", figures=[legend, labels, hidden, table]),
+                      tmp_path / "broken-layout.html")
+    found = layout_problems(browser, path)
+    assert any(p.startswith("plot 0: legend") for p in found), found
+    assert any(p.startswith('plot 0: annotation "far left"') for p in found), found
+    assert any(p.startswith('plot 1: point label "cut"') for p in found), found
+    assert not any('"fine"' in p for p in found), found
+    assert any(p.startswith('plot 2: no legend entry for "u"') for p in found), found
+    assert any(p.startswith("plot 3: table shows") and "of its 8 rows" in p for p in found), found

@@ -244,9 +244,10 @@ def test_validate_tables_fit_80_columns_with_every_bundled_config_on_one_line():
 
     inference = [InferenceRow(name=c.name, spec=None, setup=None, predicted_prefill=123_456_789,
                               measured_prefill=120_000_000, predicted_decode=23_456_789, measured_decode=23_000_000,
-                              decode_step_seconds=0.0123, roofline_step_seconds=0.00456)
+                              decode_step_seconds=0.0123, roofline_step_seconds=0.00456,
+                              predicted_step_seconds=0.00789)
                  for c in load_inference_matrix("default")]
     lines = _lines_at_80(print_inference_tables, inference, "cpu")
     for r in inference:
         _line_with(lines, rf"^{re.escape(r.name)} +{BYTES} +[+-][\d.]+% +{BYTES} +[+-][\d.]+%$")
-        _line_with(lines, rf"^{re.escape(r.name)} +{TIME} +{TIME}$")
+        _line_with(lines, rf"^{re.escape(r.name)} +{TIME} +{TIME} +[\d.]+ +{TIME}$")

@@ -274,15 +274,20 @@ def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, 
         for spec, setup in configs:
             results.append(_rank_step_memory(spec, setup, torch.device("cpu")))
             gc.collect()
+            if rank == 0:  # one byte per config done: the parent's progress counter reads the file's size
+                with open(os.path.join(out_dir, "progress"), "ab") as f:
+                    f.write(b".")
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
     finally:
         dist.destroy_process_group()
 
 
-def measure_ranks(configs: list, world_size: int) -> list[list]:
+def measure_ranks(configs: list, world_size: int, progress=None) -> list[list]:
     """Measure each (spec, setup) for real on the CPU in ``world_size`` gloo processes started
-    here; returns, per config, every rank's StepMemory (MemTracker's peak in that rank)."""
+    here; returns, per config, every rank's StepMemory (MemTracker's peak in that rank).
+    ``progress(done)``, where given, is called with the number of configs rank 0 has finished
+    while the processes run (twice a second) and once at the end."""
     import pickle
     import tempfile
 
@@ -292,8 +297,14 @@ def measure_ranks(configs: list, world_size: int) -> list[list]:
         if setup.world_size != world_size:
             raise InputError(f"--world-size {world_size}: a config asks for world size {setup.world_size}")
     with tempfile.TemporaryDirectory(prefix="memplan-ranks-") as tmp:
-        mp.start_processes(_measure_worker, args=(world_size, os.path.join(tmp, "store"), configs, tmp),
-                           nprocs=world_size, join=True, start_method="spawn")
+        context = mp.start_processes(_measure_worker, args=(world_size, os.path.join(tmp, "store"), configs, tmp),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        done_file = os.path.join(tmp, "progress")
+        while not context.join(timeout=0.5):  # raises, as join=True would, when a rank fails
+            if progress is not None and os.path.exists(done_file):
+                progress(os.path.getsize(done_file))
+        if progress is not None:
+            progress(len(configs))
         per_rank = []
         for rank in range(world_size):
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:

@@ -226,7 +226,11 @@ def build_run_page(run_dir: str | Path) -> Page:
     return Page(title="Training run", model=desc, device=device, summary=summary, figures=figures, notes=notes)
 
 
-def write_run_report(run_dir: str | Path) -> Path:
-    """Write RUN/report.html (atomically) and return its path."""
+def write_run_report(run_dir: str | Path, flag: str | None = None) -> Path:
+    """Write RUN/report.html (atomically) and return its path. With ``flag`` (the option that asked for
+    it), a failed write is one line naming it (``memplan.report.save_page``)."""
+    from memplan.report import save_page
+
     run_dir = Path(run_dir)
-    return write_page(build_run_page(run_dir), run_dir / "report.html")
+    page = build_run_page(run_dir)
+    return save_page(page, run_dir / "report.html", flag) if flag else write_page(page, run_dir / "report.html")

@@ -62,14 +62,16 @@ def predicted_rank_terms(config: MatrixConfig, rank: int, collectives: str) -> d
     return terms
 
 
-def run_distributed(configs: list[MatrixConfig], device: Device, world_size: int) -> list[ValidationRow]:
+def run_distributed(configs: list[MatrixConfig], device: Device, world_size: int,
+                    progress=None) -> list[ValidationRow]:
     """Predict every rank of every config and measure them for real: ``world_size`` gloo processes
-    on this machine, each measuring its own steady-state step with MemTracker. One row per rank."""
+    on this machine, each measuring its own steady-state step with MemTracker. One row per rank.
+    ``progress(done)`` is told how many configs are measured so far (``measure_ranks``)."""
     from trainer.distributed import measure_ranks
 
     t0 = time.perf_counter()
     collectives = COLLECTIVES_OF_FAMILY["cpu"]  # the ranks run on this machine's CPU, over gloo
-    measured = measure_ranks([(c.spec, c.setup) for c in configs], world_size)
+    measured = measure_ranks([(c.spec, c.setup) for c in configs], world_size, progress)
     seconds = (time.perf_counter() - t0) / max(1, len(configs) * world_size)
     rows = []
     for config, ranks in zip(configs, measured):
@@ -170,13 +172,17 @@ def measure_generation(spec, setup, seed: int = 0) -> dict:
 
 def run_inference_config(config, device: Device):
     """Predict and measure one inference config on this CPU."""
-    from memplan.inference import decode_bytes_per_step, inference_memory
+    import torch
+
+    from memplan.inference import (decode_bytes_per_step, decode_dispatch_seconds, inference_memory,
+                                   predicted_decode_step)
     from memplan.validate import InferenceRow
 
     t0 = time.perf_counter()
     predicted = inference_memory(config.spec, config.setup)
     measured = measure_generation(config.spec, config.setup)
     roofline = decode_bytes_per_step(config.spec, config.setup) / device.bandwidth_bytes_per_second
+    step = predicted_decode_step(roofline, decode_dispatch_seconds(config.spec, config.setup, device), device.family)
     return InferenceRow(name=config.name, spec=config.spec, setup=config.setup,
                         predicted_prefill=predicted.prefill_peak_allocated,
                         measured_prefill=measured["prefill_peak_allocated"],
@@ -184,4 +190,5 @@ def run_inference_config(config, device: Device):
                         measured_decode=measured["decode_peak_allocated"],
                         prefill_moment=predicted.prefill_moment, decode_moment=predicted.decode_moment,
                         decode_step_seconds=measured["decode_step_seconds"], roofline_step_seconds=roofline,
+                        predicted_step_seconds=step, threads=torch.get_num_threads(),
                         seconds=time.perf_counter() - t0)

@@ -16,7 +16,7 @@ try:  # typer >= 0.29 runs on its own copy of click, whose exceptions are not cl
 except ImportError:  # older typer runs on click itself
     from click import exceptions as click_exceptions
 
-from memplan.errors import InputError
+from memplan.errors import EnvironmentFailure, InputError
 
 
 class _OneLineErrors(TyperGroup):
@@ -28,6 +28,8 @@ class _OneLineErrors(TyperGroup):
                               standalone_mode=False, **extra)
         except InputError as e:
             _fail(str(e))
+        except EnvironmentFailure as e:  # the machine failed (a full disk): one line, exit 1
+            _fail(str(e), code=1)
         except click_exceptions.UsageError as e:
             if type(e).__name__ == "NoArgsIsHelpError":  # `memplan` alone: the help is the answer
                 print(e.format_message())
@@ -42,10 +44,10 @@ class _OneLineErrors(TyperGroup):
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     message = " ".join(str(message).split())  # exactly one line
     print(f"memplan: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 app = typer.Typer(

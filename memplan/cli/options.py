@@ -234,4 +234,22 @@ def local_device_from(device=None, device_memory=None, threads: int | None = Non
 
 
 def print_json(data) -> None:
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    """The JSON document on stdout. A stdout that cannot take it (a full disk behind ``> file``,
+    /dev/full) is one line, exit 1 (``EnvironmentFailure``), not a traceback."""
+    try:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.flush()
+    except OSError as e:
+        import os
+
+        from memplan.errors import EnvironmentFailure
+
+        try:  # what stayed in the buffer goes nowhere at exit, instead of failing again there
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        if isinstance(e, BrokenPipeError):  # the reader stopped reading (`| head`): as SIGPIPE ends a tool
+            raise SystemExit(141) from None
+        raise EnvironmentFailure(f"--json: cannot write the document to standard output: {e.strerror or e}") from None

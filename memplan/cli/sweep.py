@@ -22,7 +22,6 @@ from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
                                  ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, model_from, print_json,
                                  setup_from)
-from memplan.errors import InputError
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count
 
 _S = "Setup"
@@ -337,7 +336,7 @@ def breakdown_figure(sw):
         for term in TERMS:
             fig.add_trace(go.Bar(
                 x=x, y=[_gib(getattr(c.memory, term)) for c in cells], name=term, legendgroup=term,
-                marker_color=TERM_COLORS[term], showlegend=ctx == ctxs[0],
+                marker_color=TERM_COLORS[term], showlegend=True,  # one context shows at a time: its entries
                 hovertemplate=f"{term}: %{{y:.2f}} GiB<extra></extra>",
             ))
         totals = [_gib(c.memory.peak_reserved) for c in cells]
@@ -370,6 +369,7 @@ def breakdown_figure(sw):
                                             x=0, xanchor="left", y=1.02, yanchor="bottom", showactive=True,
                                             pad=dict(t=0, b=0, l=0, r=0), font=dict(size=12))])
     fig = style_figure(fig, title=_breakdown_title(ctxs[start]), height=520)
+    fig.update_layout(showlegend=True)
     if len(ctxs) > 1:
         fig.update_layout(margin=dict(t=110))
     return fig
@@ -383,6 +383,9 @@ def _default_ctx_index(sw) -> int:
     """The breakdown opens at the longest context where something fits (else the shortest)."""
     fitting = [k for k, ctx in enumerate(sw.axes.ctx) if any(c.fits for c in sw.cells if c.setup.ctx == ctx)]
     return fitting[-1] if fitting else 0
+
+
+PARETO_LABEL_ROOM = 0.08  # a front label goes right of its point within this share of the memory axis from 0
 
 
 def speed_figure(sw):
@@ -413,7 +416,10 @@ def speed_figure(sw):
             mode="lines+markers+text" if len(pts) <= 12 else "lines+markers", name="Pareto front",
             line=dict(color="#111827", width=2, shape="hv"),
             marker=dict(size=15, symbol="circle-open", color="#111827", line=dict(width=2)),
-            text=[f"{format_ctx(c.setup.ctx)}×{c.setup.micro_batch}" for c in pts], textposition="top left",
+            text=[f"{format_ctx(c.setup.ctx)}×{c.setup.micro_batch}" for c in pts], cliponaxis=False,
+            # left of each point, except near the y axis, where a label would run into the tick labels
+            textposition=["top right" if _gib(c.memory.peak_reserved) < PARETO_LABEL_ROOM * top else "top left"
+                          for c in pts],
             hovertext=[_cell_hover(sw, c) for c in pts], hoverinfo="text",
         ))
     else:
@@ -540,18 +546,17 @@ def sweep_command(
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)
     dev, rates_note = local_device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
-    if html is not None and html.is_dir():
-        raise InputError(f"--html: {str(html)!r} is a directory; give a file name such as sweep.html")
+    if html is not None:  # before the sweep and before anything is printed
+        from memplan.report import check_report_path
+
+        check_report_path(html, "--html", "sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens)
     if json:
         print_json(with_rates(sw.to_json(), rates_note))
     else:
         print_sweep(sw, rates_note)
     if html is not None:
-        from memplan.report import write_page
+        from memplan.report import save_page
 
-        try:
-            path = write_page(sweep_page(sw), html)
-        except OSError as e:  # a path the user gave that cannot be written: their input, one line
-            raise InputError(f"--html: cannot write {str(html)!r}: {e.strerror or e}") from None
+        path = save_page(sweep_page(sw), html, "--html")  # a full disk: one line, exit 1, nothing left
         print(f"wrote {path}", file=sys.stderr if json else sys.stdout)

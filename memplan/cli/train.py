@@ -1047,9 +1047,11 @@ def _report_only(out: str | None, console) -> None:
     if not (Path(out) / METRICS_FILE).is_file():
         raise InputError(f"--report: {out} has no {METRICS_FILE}; not a training run")
     from memplan.fsutil import no_space
+    from memplan.report import check_report_path
 
+    check_report_path(Path(out) / "report.html", "--report", "report.html")
     try:
-        path = write_run_report(out)
+        path = write_run_report(out, flag="--report")
     except OSError as e:
         if no_space(e) is None:
             raise

@@ -97,7 +97,6 @@ def validate_command(
     prediction for that rank (no FakeTensor trace: the fake process group allocates as NCCL does,
     gloo's reduce-scatter does not)."""
     import sys
-    from pathlib import Path
 
     from memplan.errors import InputError
     from memplan.units import choice_error
@@ -132,8 +131,10 @@ def validate_command(
         configs = distributed_configs(configs, ranks)
     elif any(c.setup.world_size > 1 for c in configs):
         raise InputError(f"--matrix {matrix}: its configs are distributed; run it with --world-size N (N > 1)")
-    if html and Path(html).is_dir():
-        raise InputError(f"--html: {html!r} is a directory; give a file name such as validate.html")
+    if html:  # refused now, not after minutes of measuring
+        from memplan.report import check_report_path
+
+        check_report_path(html, "--html", "validate.html")
     dev = device_from(device, device_memory)
 
     from trainer.validate import run_config, run_distributed
@@ -147,8 +148,10 @@ def validate_command(
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         if ranks > 1:
-            task = progress.add_task(f"measuring {len(configs)} configs in {ranks} gloo processes", total=None)
-            rows = run_distributed(configs, dev, ranks)
+            task = progress.add_task(f"measuring {len(configs)} configs in {ranks} gloo processes",
+                                     total=len(configs))
+            rows = run_distributed(configs, dev, ranks,
+                                   progress=lambda done: progress.update(task, completed=done))
         else:
             task = progress.add_task("validating", total=len(configs))
             for config in configs:
@@ -157,9 +160,9 @@ def validate_command(
                 progress.advance(task)
     summary = summarize(rows)
     if html:
-        from memplan.report import write_page
+        from memplan.report import save_page
 
-        write_page(validation_page(dev.name, rows, summary, ranks), html)
+        save_page(validation_page(dev.name, rows, summary, ranks), html, "--html")
     if json:
         print_json(validation_json(dev.name, rows))
         return
@@ -228,7 +231,7 @@ def print_inference_tables(console, rows, device_name: str) -> None:
     from memplan.units import format_bytes
 
     memory = ("prefill measured", "error", "decode measured", "error")
-    timing = ("decode step", "roofline")
+    timing = ("decode step", "predicted", "ratio", "roofline")
 
     def table_of(columns, title):
         table = Table(title=title, title_justify="left")
@@ -238,7 +241,9 @@ def print_inference_tables(console, rows, device_name: str) -> None:
         for r in rows:
             cells = {"prefill measured": format_bytes(r.measured_prefill), "decode measured": format_bytes(r.measured_decode),
                      "decode step": f"{r.decode_step_seconds * 1e3:.1f} ms" if r.decode_step_seconds else "-",
-                     "roofline": f"{r.roofline_step_seconds * 1e3:.2f} ms" if r.roofline_step_seconds else "-"}
+                     "roofline": f"{r.roofline_step_seconds * 1e3:.2f} ms" if r.roofline_step_seconds else "-",
+                     "predicted": f"{r.predicted_step_seconds * 1e3:.2f} ms" if r.predicted_step_seconds else "-",
+                     "ratio": f"{r.step_ratio:.2f}" if r.step_ratio else "-"}
             errors = iter((f"{r.prefill_error:+.2%}", f"{r.decode_error:+.2%}"))
             table.add_row(r.name, *(next(errors) if col == "error" else cells[col] for col in columns))
         return table
@@ -248,7 +253,19 @@ def print_inference_tables(console, rows, device_name: str) -> None:
         console.print(table)
         return
     borderless = print_fitted(console, table_of(memory, f"Generation peaks: predicted vs measured on {device_name}"))
-    print_fitted(console, table_of(timing, "Decode step: measured and the bandwidth roofline"), borderless)
+    print_fitted(console, table_of(timing, "Decode step: measured and predicted"), borderless)
+
+
+def decode_step_words(rows) -> str:
+    """What the decode-step columns are, and what they leave out, in words."""
+    threads = sorted({r.threads for r in rows if r.threads})
+    ratios = [r.step_ratio for r in rows if r.step_ratio]
+    span = f"measured ÷ predicted {min(ratios):.2f}-{max(ratios):.2f}. " if ratios else ""
+    return ("decode step: the median wall time of up to 16 single-token steps "
+            f"({'/'.join(map(str, threads)) or '?'} torch thread(s)); predicted = roofline (every weight and the "
+            "cache read once at the device's bandwidth) + the host's dispatch (aten ops per step × the per-op "
+            f"launch cost without autograd). {span}Not covered: other processes' load on the cores, the sampling "
+            "step, and the first steps' warm-up; a memory check, not a speed bar.")
 
 
 def inference_page(device_name: str, rows):
@@ -282,13 +299,13 @@ def inference_page(device_name: str, rows):
                 summary={"bars": bars}, figures=[peaks, errors],
                 notes=["Measured: trainer/generate.py's cached forward and token choice on real tensors, "
                        "MemTracker's live tensor bytes: the prompt's forward (prefill) and the last decode step "
-                       "with the cache full (decode)."])
+                       "with the cache full (decode).",
+                       *([decode_step_words(rows)] if any(r.decode_step_seconds for r in rows) else [])])
 
 
 def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, device: str | None,
                        device_memory: str | None) -> None:
     """``validate --mode inference``: each config of an inference matrix generated for real here."""
-    from pathlib import Path
 
     from rich.console import Console
 
@@ -301,8 +318,10 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
         configs = [c for c in configs if c.quick]
         if not configs:
             raise InputError(f"--quick: matrix {matrix!r} has no config with quick = true")
-    if html and Path(html).is_dir():
-        raise InputError(f"--html: {html!r} is a directory; give a file name such as validate.html")
+    if html:  # refused now, not after generating every config
+        from memplan.report import check_report_path
+
+        check_report_path(html, "--html", "validate.html")
     dev = device_from(device, device_memory)
     if dev.family != "cpu":
         raise InputError(f"--mode inference measures generation on the CPU (MemTracker); the device is {dev.name}; "
@@ -319,13 +338,14 @@ def validate_inference(matrix: str, quick: bool, json: bool, html: str | None, d
             status.update(f"generating {config.name}")
             rows.append(run_inference_config(config, dev))
     if html:
-        from memplan.report import write_page
+        from memplan.report import save_page
 
-        write_page(inference_page(dev.name, rows), html)
+        save_page(inference_page(dev.name, rows), html, "--html")
     if json:
         print_json(inference_validation_json(dev.name, rows))
         return
     print_inference_tables(console, rows, dev.name)
+    console.print(decode_step_words(rows), soft_wrap=False)
     for what, value, bar, met in inference_bars(rows):
         console.print(f"  {what}: {value:.2%} (bar ≤ {bar:.0%}) {'[green]met[/]' if met else '[red]MISSED[/]'}")
     if html:
