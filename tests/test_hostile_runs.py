@@ -310,8 +310,8 @@ def test_rewriting_the_report_on_a_full_disk_is_one_line(small_disk, corpus, tmp
     result = cli("train", "--out", str(run), "--report")
     no_traceback(result)
     assert result.exit_code == 1
-    assert result.stderr.strip() == (f"memplan: error: {run / 'report.html'}: no space left on device; free space, "
-                                     "then run this again")
+    lines = result.stderr.strip().splitlines()  # refused before writing (memplan.report.check_report_path)
+    assert len(lines) == 1 and str(run / "report.html") in lines[0] and "free" in lines[0], lines
     assert leftovers(run) == [] and not (run / "report.html").exists()
 
 
