@@ -156,12 +156,14 @@ def text_fraction(text: str) -> float:
     """
     if not text:
         return 1.0
+    return 1.0 - non_text_count(text) / len(text)
+
+
+def non_text_count(text: str) -> int:
+    """How many characters of ``text`` are not text (what ``text_fraction`` counts against)."""
     if text.isascii():
-        bad = len(_ASCII_NON_TEXT.findall(text))
-    else:
-        bad = len(_ASCII_NON_TEXT.findall(text)) + sum(1 for ch in _NON_ASCII.findall(text)
-                                                        if not _is_text_char(ch))
-    return 1.0 - bad / len(text)
+        return len(_ASCII_NON_TEXT.findall(text))
+    return len(_ASCII_NON_TEXT.findall(text)) + sum(1 for ch in _NON_ASCII.findall(text) if not _is_text_char(ch))
 
 
 def drop_nontext_lines(text: str, min_fraction: float = MIN_TEXT_FRACTION) -> str:
@@ -195,11 +197,245 @@ class Deduplicator:
         self._hashes: set[bytes] = set()
 
     def seen(self, text: str) -> bool:
-        h = document_hash(text)
+        return self.seen_digest(document_hash(text))
+
+    def seen_digest(self, h: bytes) -> bool:
+        """``seen`` for a document whose ``document_hash`` is ``h``."""
         if h in self._hashes:
             return True
         self._hashes.add(h)
         return False
+
+
+# =================================================================================================
+# Long documents, in pieces
+# =================================================================================================
+
+DOC_CHUNK_CHARS = 1 << 20  # a document longer than this is read, cleaned, staged and tokenized in pieces this size
+
+
+def cut_point(text: str, limit: int) -> int:
+    """Where to cut ``text`` so the head holds at most ``limit`` characters (``len(text)`` when it fits).
+
+    Just after the last newline that no space or tab follows; else just before the last run of spaces
+    or tabs that follows a non-space. Both are where GPT-2's byte-level pre-tokenizer starts a new
+    pre-token, and BPE merges never cross a pre-token, so the two halves encode to exactly the ids
+    the whole would. A stretch of ``limit`` characters without such a place is cut at ``limit``.
+    Always in [1, limit] for a text longer than ``limit`` >= 1.
+    """
+    if len(text) <= limit:
+        return len(text)
+    nl = text.rfind("\n", 0, limit)
+    while nl >= 0 and text[nl + 1] in " \t":
+        nl = text.rfind("\n", 0, nl)
+    if nl >= 0:
+        return nl + 1
+    p = max(text.rfind(" ", 0, limit), text.rfind("\t", 0, limit))
+    while p > 0 and text[p - 1] in " \t":
+        p -= 1
+    return p if p > 0 else limit
+
+
+def split_text(text: str, limit: int) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``limit`` characters, cut by ``cut_point``."""
+    while len(text) > limit:
+        p = cut_point(text, limit)
+        yield text[:p]
+        text = text[p:]
+    if text:
+        yield text
+
+
+class LongDocument:
+    """A document longer than the chunk size: its raw text as an iterator of pieces of at most about
+    ``DOC_CHUNK_CHARS`` characters, each cut by ``cut_point``. Iterate it once."""
+
+    def __init__(self, pieces: Iterable[str]):
+        self._pieces = iter(pieces)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+
+def documents_of_stream(blocks: Iterable[str], limit: int = DOC_CHUNK_CHARS) -> Iterator["str | LongDocument"]:
+    """The documents of a text stream (blocks of at most ``limit`` characters) separated by
+    ``<|endoftext|>``: each as a str, or as a ``LongDocument`` once it exceeds ``limit`` characters
+    (consume it before asking for the next document). At most about 2 × ``limit`` characters are
+    held, whatever the document sizes. Blank documents are skipped."""
+    stream = _pieces_of_stream(blocks, limit)
+    for first in stream:
+        if first is None:
+            continue  # an empty document
+        head, size, ended = [first], len(first), False
+        while size <= limit:
+            piece = next(stream, None)
+            if piece is None:
+                ended = True
+                break
+            head.append(piece)
+            size += len(piece)
+        if ended:
+            text = "".join(head)
+            if text.strip():
+                yield text
+            continue
+        rest = _until_document_end(stream)
+        yield LongDocument(_chain(head, rest))
+        for _ in rest:  # the consumer stopped early: skip what is left of this document
+            pass
+
+
+def _pieces_of_stream(blocks: Iterable[str], limit: int) -> Iterator[str | None]:
+    """Pieces of documents (each at most ``limit`` characters) and None after each document's last piece."""
+    carry = ""
+    keep = len(EOT) - 1  # an end-of-text marker may straddle two blocks
+    for block in blocks:
+        parts = (carry + block).split(EOT)
+        for part in parts[:-1]:
+            yield from split_text(part, limit)
+            yield None
+        rest = parts[-1]
+        while len(rest) > limit + keep:
+            p = cut_point(rest, limit)
+            yield rest[:p]
+            rest = rest[p:]
+        carry = rest
+    yield from split_text(carry, limit)
+    yield None
+
+
+def _until_document_end(stream: Iterator[str | None]) -> Iterator[str]:
+    for piece in stream:
+        if piece is None:
+            return
+        yield piece
+
+
+def _chain(head: list[str], rest: Iterator[str]) -> Iterator[str]:
+    while head:
+        yield head.pop(0)
+    yield from rest
+
+
+class PieceCleaner:
+    """``filter_document`` for a document that arrives in pieces (cut by ``cut_point``), in memory
+    bounded by a piece.
+
+    ``feed(piece)`` returns the cleaned text of that stretch: the concatenation over all pieces is
+    exactly ``clean_text`` followed by ``drop_nontext_lines`` of the whole document, except that a
+    line longer than a piece is judged for ``min_line_text_fraction`` one piece at a time (and a
+    stretch without whitespace cut mid-word may normalise slightly differently at the cut).
+    ``finish()`` gives the drop reason ("nontext" / "short") or None; ``characters`` and ``digest``
+    (``document_hash`` of the cleaned text) describe what was returned.
+    """
+
+    def __init__(self, config: CleanConfig):
+        self.config = config
+        self.characters = 0
+        self._hash = hashlib.blake2b(digest_size=16)
+        self._cr = False  # the last piece ended with a carriage return
+        self._in_line = False  # cleaning: the last piece ended inside a line
+        self._trailing = ""  # ... and this whitespace of it is not cleaned yet
+        self._cleaned = _LineJoiner(strip_start=True)  # clean_text's joining of lines
+        self._cleaned_chars = 0
+        self._bad_chars = 0
+        self._line_state = "start"  # line dropping: at a line's start, or inside a line "kept" / "dropped"
+        self._kept = _LineJoiner(strip_start=False)  # drop_nontext_lines' joining of kept lines
+
+    def feed(self, raw: str) -> str:
+        if self._cr and raw.startswith("\n"):
+            raw = raw[1:]  # the second half of a CRLF split between pieces
+        self._cr = raw.endswith("\r")
+        raw = _CONTROL.sub("", unicodedata.normalize("NFC", raw.replace("\r\n", "\n").replace("\r", "\n")))
+        cleaned = []
+        parts = raw.split("\n")
+        parts[0] = self._trailing + parts[0]
+        self._trailing = ""
+        for i, seg in enumerate(parts):
+            ends = i < len(parts) - 1
+            if not ends:  # the line goes on in the next piece: hold back its trailing whitespace
+                body = seg.rstrip()
+                seg, self._trailing = body, seg[len(body):][-4096:]
+                if not seg:
+                    continue
+            if not self._in_line:  # a line starts: keep its indentation (clean_text)
+                line = seg.rstrip() if ends else seg
+                body = line.lstrip()
+                text = line[: len(line) - len(body)] + _INNER_WS.sub(" ", body)
+            else:
+                text = _INNER_WS.sub(" ", seg)
+                if ends:
+                    text = text.rstrip()
+            cleaned.append(self._cleaned.add(text, ends))
+            self._in_line = not ends
+        cleaned_text = "".join(cleaned)
+        self._cleaned_chars += len(cleaned_text)
+        self._bad_chars += non_text_count(cleaned_text)
+        out = self._drop_lines(cleaned_text)
+        self.characters += len(out)
+        self._hash.update(out.encode("utf-8"))
+        return out
+
+    def _drop_lines(self, cleaned: str) -> str:
+        """drop_nontext_lines on a stretch of cleaned text; a line continued from an earlier stretch
+        (its newline comes late: ``_LineJoiner`` writes it before the next line) keeps its verdict."""
+        if not cleaned:
+            return ""
+        out = []
+        parts = cleaned.split("\n")
+        for i, seg in enumerate(parts):
+            ends = i < len(parts) - 1
+            if not ends and not seg:
+                continue
+            state = self._line_state
+            if state != "start" and not seg:  # the end of a line judged already
+                if state == "kept":
+                    out.append(self._kept.add("", True))
+            elif not seg.strip() or text_fraction(seg) >= self.config.min_line_text_fraction:
+                out.append(self._kept.add(seg, ends))
+                state = "kept"
+            elif state == "kept" and ends:  # the rest of a long line dropped: its newline stays
+                out.append(self._kept.add("", True))
+            elif state == "start":
+                state = "dropped"
+            self._line_state = "start" if ends else state
+        return "".join(out)
+
+    def finish(self) -> str | None:
+        if self._cleaned_chars and 1.0 - self._bad_chars / self._cleaned_chars < self.config.min_text_fraction:
+            return "nontext"
+        if self.characters < self.config.min_chars:
+            return "short"
+        return None
+
+    @property
+    def digest(self) -> bytes:
+        return self._hash.digest()
+
+
+class _LineJoiner:
+    """Joins line segments as ``clean_text`` does: at most three newlines in a row (two blank lines),
+    none at either end; with ``strip_start`` the whitespace before the first character goes too."""
+
+    def __init__(self, *, strip_start: bool):
+        self.strip_start = strip_start
+        self.started = False
+        self.owed = 0  # newlines to write before the next character
+
+    def add(self, text: str, ends_line: bool) -> str:
+        out = ""
+        if text:
+            if not self.started:
+                if self.strip_start:
+                    text = text.lstrip()
+                if text:
+                    self.started, out = True, text
+            else:
+                out = "\n" * min(self.owed, 3) + text
+                self.owed = 0
+        if ends_line and self.started:
+            self.owed += 1
+        return out
 
 
 # =================================================================================================
