@@ -211,7 +211,9 @@ class Deduplicator:
 # Long documents, in pieces
 # =================================================================================================
 
-DOC_CHUNK_CHARS = 1 << 20  # a document longer than this is read, cleaned, staged and tokenized in pieces this size
+DOC_CHUNK_CHARS = 1 << 16  # a longer document is read, cleaned, staged and tokenized in pieces this size: the
+# tokenizers library holds ~200 bytes per character of a batch while training a BPE (measured), so 64 Ki
+# characters keep a piece within ~13 MB
 
 
 def cut_point(text: str, limit: int) -> int:
@@ -1353,10 +1355,11 @@ class SourceInfo:
 class TokenStore:
     """One split's shards as a single read-only sequence of token ids (memory-mapped)."""
 
-    def __init__(self, directory: Path, shards: Sequence[dict], dtype: np.dtype):
+    def __init__(self, directory: Path, shards: Sequence[dict], dtype: np.dtype, vocab_size: int | None = None):
         self.directory = Path(directory)
         self.shards = list(shards)
         self.dtype = dtype
+        self.vocab_size = vocab_size  # when given, every read checks its ids are below it
         self._maps: list[np.ndarray | None] = [None] * len(self.shards)
         self._starts = [0]
         for sh in self.shards:
@@ -1390,10 +1393,19 @@ class TokenStore:
         while pos < length:
             local = start + pos - self._starts[i]
             take = min(length - pos, self._starts[i + 1] - self._starts[i] - local)
-            out[pos:pos + take] = self._map(i)[local:local + take]
+            piece = self._map(i)[local:local + take]
+            if self.vocab_size is not None and take and int(piece.max()) >= self.vocab_size:
+                self._bad_id(i, local, piece)
+            out[pos:pos + take] = piece
             pos += take
             i += 1
         return out
+
+    def _bad_id(self, i: int, local: int, piece: np.ndarray) -> None:
+        at = int(np.argmax(piece >= self.vocab_size))
+        raise InputError(f"{self.directory / self.shards[i]['file']}: token id {int(piece[at])} at token {local + at} "
+                         f"is outside the vocabulary of {self.vocab_size} (ids 0..{self.vocab_size - 1}); the shard "
+                         "is corrupt or from another corpus, re-run memplan prepare")
 
     def verify(self) -> None:
         for sh in self.shards:
@@ -1436,8 +1448,8 @@ class PreparedData:
                 self.dtype.itemsize < np.dtype(token_dtype_name(self.vocab_size)).itemsize:
             raise InputError(f"{where}: dtype {m['dtype']!r} cannot hold {self.vocab_size} token ids; "
                              "re-run memplan prepare")
-        self.train = TokenStore(self.path, train_shards, self.dtype)
-        self.val = TokenStore(self.path, val_shards, self.dtype)
+        self.train = TokenStore(self.path, train_shards, self.dtype, self.vocab_size)
+        self.val = TokenStore(self.path, val_shards, self.dtype, self.vocab_size)
         for name, store in (("train", self.train), ("val", self.val)):
             if len(store) != split_tokens[name]:
                 raise InputError(f"{where}: {name} shards hold {len(store)} tokens but the manifest says "
@@ -1466,10 +1478,11 @@ class PreparedData:
             self._tokenizer = Tokenizer.from_manifest_entry(self.manifest["tokenizer"], self.path)
         return self._tokenizer
 
-    def verify(self) -> None:
-        """Check the sha256 of every shard and of the tokenizer against the manifest (reads all files)."""
-        self.train.verify()
-        self.val.verify()
+    def verify(self, splits: Sequence[str] = ("train", "val")) -> None:
+        """Check the sha256 of every shard of ``splits`` and of the tokenizer against the manifest (reads
+        those files)."""
+        for split in splits:
+            getattr(self, split).verify()
         self._tokenizer = None
         _ = self.tokenizer
 
