@@ -27,7 +27,7 @@ from conftest import fill_disk
 from memplan.cli import app
 from runs_helper import one_line_error, story, tiny_corpus, tiny_run
 from trainer import data
-from trainer.data import PieceCleaner, PreparedData, split_text
+from trainer.data import PreparedData
 from trainer.tokenizer import EOT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,10 +184,12 @@ def test_a_huge_one_line_document_is_prepared_in_memory_bounded_by_a_piece(tmp_p
     # few copies of a piece, so 512 bytes per character of a piece (32 MiB). Read whole, it took ~140
     # bytes per character of the document (700 MB here).
     bound_kib = 512 * data.DOC_CHUNK_CHARS // 1024
+    print(f"peak RSS: one document {peak_one} KiB, many {peak_many} KiB, bound {bound_kib} KiB")
     assert peak_one - peak_many <= bound_kib, (peak_one, peak_many, bound_kib)
 
 
 def test_pieces_cut_at_spaces_encode_to_the_ids_of_the_whole(tmp_path):
+    from trainer.data import split_text
     from trainer.tokenizer import train_bpe
 
     text = prose(3000) + "\n\n  indented line\n" + prose(2000, seed=1)
@@ -198,6 +200,8 @@ def test_pieces_cut_at_spaces_encode_to_the_ids_of_the_whole(tmp_path):
 
 
 def test_a_document_cleaned_in_pieces_is_the_document_cleaned_whole():
+    from trainer.data import PieceCleaner, split_text
+
     raw = ("  Title\r\n\r\n\r\n\r\n" + "word  \tother   " * 400 + "\n\x07\n   code(x)  \n\n\n\n\nend  \n") * 3
     cleaner = PieceCleaner(data.CleanConfig(min_chars=1))
     got = "".join(cleaner.feed(p) for p in split_text(raw, 97))
