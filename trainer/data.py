@@ -1135,12 +1135,20 @@ def _staged_pieces(staging: Path, index: int, s: SourceStats) -> Iterator[tuple[
             offset += len(text)
 
 
-def _staged_texts(staging: Path, stats: Sequence[SourceStats], *, split: str | None) -> Iterator[str]:
-    """Staged pieces of every source in order: split "train", "val" or None (all)."""
+TRAIN_PIECE_CHARS = 1 << 12  # what BPE training is fed at most at once (see _staged_texts)
+
+
+def _staged_texts(staging: Path, stats: Sequence[SourceStats], *, split: str | None,
+                  piece_chars: int = TRAIN_PIECE_CHARS) -> Iterator[str]:
+    """Staged text of every source in order, split "train", "val" or None (all), in pieces of at most
+    ``piece_chars`` cut by ``cut_point``. For BPE training: the tokenizers library buffers 256 texts of
+    the iterator at a time, so a long document staged in ``DOC_CHUNK_CHARS`` pieces would put 256 of
+    them (16 M characters) in flight; pieces cut where pre-tokens start leave the word counts as they were.
+    """
     for index, s in enumerate(stats):
         for is_val, _, text in _staged_pieces(staging, index, s):
             if split is None or (split == "val") == is_val:
-                yield text
+                yield from split_text(text, piece_chars)
 
 
 def _chunks_of_staged(staging: Path, stats: Sequence[SourceStats], max_chars: int = 1 << 20,
