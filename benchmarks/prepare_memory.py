@@ -99,7 +99,8 @@ def main() -> None:
             rows.append((name, kib, seconds))
             print(f"  {name:>18}: peak RSS {kib / 1024:8.1f} MiB  ({seconds:.1f} s)")
         diff = rows[0][1] - rows[1][1]
-        print(f"difference: {diff / 1024:+.1f} MiB ({diff * 1024 / DOC_CHUNK_CHARS:+.0f} bytes per character of a piece)")
+        per_char = diff * 1024 / DOC_CHUNK_CHARS
+        print(f"difference: {diff / 1024:+.1f} MiB ({per_char:+.0f} bytes per character of a piece)")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

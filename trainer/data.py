@@ -211,9 +211,10 @@ class Deduplicator:
 # Long documents, in pieces
 # =================================================================================================
 
-DOC_CHUNK_CHARS = 1 << 16  # a longer document is read, cleaned, staged and tokenized in pieces this size: the
-# tokenizers library holds ~200 bytes per character of a batch while training a BPE (measured), so 64 Ki
-# characters keep a piece within ~13 MB
+# A longer document is read, cleaned, staged and tokenized in pieces of at most this many characters. Its
+# cost beyond the same text as short documents is ~220 bytes per character of a piece (the tokenizers
+# library's per-sequence state while encoding; benchmarks/prepare_memory.py): ~14 MiB, whatever its size.
+DOC_CHUNK_CHARS = 1 << 16
 
 
 def cut_point(text: str, limit: int) -> int:

@@ -142,6 +142,7 @@ def _print_summary(result, config, seconds: float) -> None:
 
     from memplan.cli.fit import fits
     from memplan.units import format_count
+    from trainer.data import VAL_SPLIT_TOLERANCE
 
     m = result.manifest
     headers = ("source", "docs", "chars", "tokens", "val", "dups", "filtered")
@@ -183,8 +184,9 @@ def _print_summary(result, config, seconds: float) -> None:
     for s in result.stats:
         if s.val_split == "window":
             share = s.val_tokens / s.tokens if s.tokens else 0.0
-            out.print(f"[yellow]note:[/] source {s.name!r}: {s.documents} document(s), too few to hold out "
-                      f"{config.val_fraction:.0%} by whole documents; held out the last {s.val_tokens:,} of its "
+            out.print(f"[yellow]note:[/] source {s.name!r}: {s.documents} document(s); whole documents cannot hold "
+                      f"out {config.val_fraction:.0%} (within ±{VAL_SPLIT_TOLERANCE:.0%} of it), so held out the "
+                      f"last {s.val_tokens:,} of its "
                       f"{s.tokens:,} tokens ({share:.1%}) by cutting document {s.val_start_document + 1} at a space "
                       "(manifest: val_split \"window\")")
         elif s.documents and not s.val_documents and config.val_fraction > 0:
