@@ -342,6 +342,19 @@ def test_a_prepare_after_kill_9_removes_the_dead_ones_temp_dir_and_says_so(tmp_p
     assert f"removed {out.parent / stale[0]}" in " ".join(result.stdout.split())
 
 
+def test_an_old_corpus_set_aside_by_a_killed_prepare_is_put_back_not_removed(tmp_path):
+    src = write_stories(tmp_path / "s.jsonl")
+    out = tmp_path / "out"
+    assert cli("prepare", "-i", str(src), "--out", str(out), "--tokenizer", "bpe:300", "--workers", "1").exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    aside = tmp_path / ".out.old-k9k9k9k9"  # where _move_into_place sets it aside, killed before the new rename
+    os.rename(out, aside)
+    result = cli("prepare", "-i", str(src), "--out", str(out), "--tokenizer", "bpe:300", "--workers", "1")
+    one_line_error(result, "already holds a prepared corpus")  # put back, so --force is needed to replace it
+    assert f"restored the corpus in {aside}" in " ".join(result.stdout.split())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not aside.exists()
+
+
 ELF = b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 64  # NUL bytes, as every executable has
 LATIN1 = ("Grüße aus Köln, schöne Straße. " * 400).encode("latin-1")  # not UTF-8: one bad byte in ~10
 

@@ -942,9 +942,9 @@ def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = 
         build_tokenizer(spec)  # fail on a bad tokenizer.json before reading the corpus
     out.parent.mkdir(parents=True, exist_ok=True)
     with _InterruptsRaise(), prepare_lock(out):
+        for line in remove_stale_temp_dirs(out):
+            notes(line)
         check_out_dir(out, force)  # again, under the lock: another prepare may have filled it meanwhile
-        for stale in remove_stale_temp_dirs(out):
-            notes(f"removed {stale}, left by an earlier prepare into {out} that was killed")
         return _prepare_locked(sources, out, config, spec, progress)
 
 
@@ -959,16 +959,22 @@ def stale_temp_dirs(out: Path) -> list[Path]:
         return []
 
 
-def remove_stale_temp_dirs(out: Path) -> list[Path]:
-    """Remove what ``stale_temp_dirs`` finds. Call only while holding ``prepare_lock(out)``: every prepare
-    makes its temporary directory while holding that lock, and the OS drops a lock when its holder dies
-    (``kill -9`` included), so while we hold it any such directory belongs to a dead process."""
-    removed = []
+def remove_stale_temp_dirs(out: Path) -> list[str]:
+    """Clear what ``stale_temp_dirs`` finds, and say what was done (one line each). Call only while holding
+    ``prepare_lock(out)``: every prepare makes its temporary directories while holding that lock, and
+    the OS drops a lock when its holder dies (``kill -9`` included), so while we hold it any such
+    directory belongs to a dead process. An old corpus set aside (``.NAME.old-*``) while ``out`` is
+    missing is the only copy left: it is put back, not removed."""
+    done = []
     for path in stale_temp_dirs(out):
+        if ".old-" in path.name and not out.exists() and is_prepared(path):
+            os.rename(path, out)
+            done.append(f"restored the corpus in {path} to {out}, set aside by an earlier prepare that was killed")
+            continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
-            removed.append(path)
-    return removed
+            done.append(f"removed {path}, left by an earlier prepare into {out} that was killed")
+    return done
 
 
 def prepare_lock(out: Path):
@@ -1324,17 +1330,33 @@ def _stats_json(stats: Sequence[SourceStats]) -> dict:
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; a corpus already there is removed only after the new one is in place."""
+    """Rename ``tmp`` to ``out``; a corpus already there is removed only after the new one is in place.
+    SIGTERM and SIGINT wait while the old corpus is set aside (between its rename and the new one's),
+    so an interruption never leaves ``out`` without a corpus; a ``kill -9`` there leaves the old one in
+    ``.NAME.old-*``, which the next prepare into ``out`` puts back (``remove_stale_temp_dirs``)."""
+    import signal
+
     from memplan.fsutil import temp_dir_beside
 
     old = None
-    if out.is_dir():
-        if any(out.iterdir()):
-            old = temp_dir_beside(out, "old")  # a fresh empty directory, which the rename replaces
-            os.rename(out, old)
-        else:
-            out.rmdir()
-    os.rename(tmp, out)
+    blocked = {signal.SIGTERM, signal.SIGINT}
+    saved = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        if out.is_dir():
+            if any(out.iterdir()):
+                old = temp_dir_beside(out, "old")  # a fresh empty directory, which the rename replaces
+                os.rename(out, old)
+            else:
+                out.rmdir()
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if old is not None:
+                os.rename(old, out)  # the old corpus back where it was
+            raise
+    finally:
+        if saved is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, saved)  # a signal that came meanwhile is raised here
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
