@@ -3,17 +3,25 @@
 Preparing (``prepare``; the CLI is ``memplan prepare``)
 ------------------------------------------------------
 1. Read every source (``resolve_inputs`` / ``embedded_sources``): .txt, .jsonl, .parquet files,
-   directories of them, ``hf:NAME`` datasets, or the embedded corpus that ships with CPython.
+   directories of them, ``hf:NAME`` datasets, or the embedded corpus that ships with CPython. A .txt
+   file that is not text (``binary_reason``) is skipped and reported.
 2. Clean each document (``clean_text``), filter it (``filter_document``), and drop exact duplicates
    of documents already kept (by hash of the cleaned text, across all sources; the first one wins).
-3. Hold out the last ``val_fraction`` of each source's documents (``val_document_count``).
+   A document longer than ``DOC_CHUNK_CHARS`` is read, cleaned (``PieceCleaner``), staged and
+   tokenized in pieces cut where a pre-token starts (``cut_point``), so memory stays bounded by a
+   piece whatever the document's size, and its ids are those of the whole.
+3. Hold out the last ``val_fraction`` of each source (``val_split_point``): its last documents, or,
+   when whole documents miss the fraction (one book, a few long files), the last ``val_fraction``
+   of its text, cut at a space inside a document.
 4. Train or load the tokenizer (BPE training sees the train documents only).
 5. Tokenize in parallel; write each split as flat little-endian shards of ``uint16`` ids (``uint32``
    when an id can exceed 65,535), every document preceded by the end-of-text id, so a split reads
    ``EOT doc EOT doc ...``. Documents are written source by source, in reading order.
 6. Write ``manifest.json`` (everything the loader needs, with sha256 of every file) and
    ``stats.json`` (per-source statistics). All of it goes into a temporary sibling directory that
-   is renamed into place at the end, so an interrupted prepare leaves nothing half-written.
+   is renamed into place at the end, so an interrupted prepare leaves nothing half-written: an
+   error, SIGTERM or SIGINT removes it, and what a ``kill -9`` leaves the next prepare into the same
+   directory clears (``remove_stale_temp_dirs``).
 
 Layout of a prepared directory::
 
