@@ -355,6 +355,25 @@ def test_an_old_corpus_set_aside_by_a_killed_prepare_is_put_back_not_removed(tmp
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not aside.exists()
 
 
+def test_a_signal_while_the_new_corpus_replaces_the_old_waits_until_it_is_in_place(tmp_path, monkeypatch):
+    src = write_stories(tmp_path / "s.jsonl")
+    out = tmp_path / "out"
+    assert cli("prepare", "-i", str(src), "--out", str(out), "--tokenizer", "bpe:300", "--workers", "1").exit_code == 0
+    rename = os.rename
+
+    def rename_then_signal(a, b):  # SIGTERM arrives just after the old corpus is set aside
+        rename(a, b)
+        if ".old-" in str(b):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(data.os, "rename", rename_then_signal)
+    result = cli("prepare", "-i", str(src), "--out", str(out), "--tokenizer", "bpe:320", "--workers", "1", "--force")
+    monkeypatch.undo()
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert "already complete" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert PreparedData(out).vocab_size == 320 and temp_dirs(out) == []
+
+
 ELF = b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 64  # NUL bytes, as every executable has
 LATIN1 = ("Grüße aus Köln, schöne Straße. " * 400).encode("latin-1")  # not UTF-8: one bad byte in ~10
 

@@ -889,17 +889,47 @@ def check_out_dir(out: str | Path, force: bool) -> Path:
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGINT arrived while preparing (its temporary directory is removed on the way out)."""
+    """SIGTERM or SIGINT arrived while preparing (its temporary directory is removed on the way out).
+    ``completed``: it came while the new corpus was being put in place, which was finished first."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, completed: bool = False):
         import signal
 
-        self.signum = signum
+        self.signum, self.completed = signum, completed
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
+_deferred_signals: list[int] = []
+_defer_depth = 0
+
+
 def _raise_interrupted(signum, frame):
+    if _defer_depth:
+        _deferred_signals.append(signum)  # raised when the critical section ends
+        return
     raise Interrupted(signum)
+
+
+class _SignalsDeferred:
+    """A critical section: SIGTERM / SIGINT (under ``_InterruptsRaise``) wait until it ends, then raise
+    ``Interrupted(completed=True)``. A flag rather than a signal mask, which would hold for this thread
+    only (the kernel hands a signal to any thread that does not block it, and Python runs the handler
+    in the main thread all the same)."""
+
+    def __enter__(self):
+        global _defer_depth
+        _defer_depth += 1
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        global _defer_depth
+        _defer_depth -= 1
+        if not _defer_depth and _deferred_signals:
+            signum = _deferred_signals[0]
+            _deferred_signals.clear()
+            if exc_type is None:
+                raise Interrupted(signum, completed=True)
+        return False
 
 
 class _InterruptsRaise:
@@ -1339,17 +1369,13 @@ def _stats_json(stats: Sequence[SourceStats]) -> dict:
 
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``; a corpus already there is removed only after the new one is in place.
-    SIGTERM and SIGINT wait while the old corpus is set aside (between its rename and the new one's),
-    so an interruption never leaves ``out`` without a corpus; a ``kill -9`` there leaves the old one in
-    ``.NAME.old-*``, which the next prepare into ``out`` puts back (``remove_stale_temp_dirs``)."""
-    import signal
-
+    SIGTERM and SIGINT wait until this is done (``_SignalsDeferred``), so an interruption never leaves
+    ``out`` without a corpus; a ``kill -9`` between the renames leaves the old one in ``.NAME.old-*``,
+    which the next prepare into ``out`` puts back (``remove_stale_temp_dirs``)."""
     from memplan.fsutil import temp_dir_beside
 
-    old = None
-    blocked = {signal.SIGTERM, signal.SIGINT}
-    saved = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if hasattr(signal, "pthread_sigmask") else None
-    try:
+    with _SignalsDeferred():
+        old = None
         if out.is_dir():
             if any(out.iterdir()):
                 old = temp_dir_beside(out, "old")  # a fresh empty directory, which the rename replaces
@@ -1362,11 +1388,8 @@ def _move_into_place(tmp: Path, out: Path) -> None:
             if old is not None:
                 os.rename(old, out)  # the old corpus back where it was
             raise
-    finally:
-        if saved is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, saved)  # a signal that came meanwhile is raised here
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _first_line(e: BaseException) -> str:

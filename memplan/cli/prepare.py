@@ -76,7 +76,9 @@ def prepare_command(
         with _ProgressBars(console) as bars:
             result = data.prepare(sources, out, config, force=force, progress=bars.update, notes=notes.append)
     except data.Interrupted as e:
-        _exit_one_line(f"prepare {e}; removed its temporary files, nothing written to {out}", 128 + e.signum)
+        done = (f"the new corpus was already complete and is in {out}" if e.completed else
+                f"removed its temporary files, nothing written to {out}")
+        _exit_one_line(f"prepare {e}; {done}", 128 + e.signum)
     except OSError as e:  # the environment failed (a full disk, a directory gone): not bad input
         where = e.filename or out
         _exit_one_line(f"{where}: {e.strerror or e} (errno {e.errno}) while preparing into {out}; removed its "
