@@ -205,7 +205,8 @@ def test_vocab_over_65535_writes_uint32_shards_end_to_end(tmp_path):
     hf.decoder = decoders.ByteLevel()
     hf.save(str(tmp_path / "big.json"))  # no <|endoftext|>: it is added as id 70000 > 65535
     corpus = write_jsonl(tmp_path / "docs.jsonl", [sentence(i) for i in range(6)])
-    res = run("--input", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "big.json"))
+    res = run("--input", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "big.json"),
+              "--val-fraction", "0.17")  # one document of six: a split between documents
     assert res.exit_code == 0, res.output
     d = PreparedData(tmp_path / "out")
     assert d.dtype.name == "uint32" and d.vocab_size == 70_001 and d.eot_id == 70_000
@@ -237,7 +238,8 @@ def test_gpt2_through_tiktoken_records_the_encoding_name_and_hash(tmp_path, monk
     tiktoken = pytest.importorskip("tiktoken")
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: tiny_tiktoken_encoding(name))
     corpus = write_jsonl(tmp_path / "c.jsonl", [sentence(i) for i in range(10)])
-    res = run("-i", str(corpus), "--out", str(tmp_path / "o"), "--tokenizer", "gpt2", "--workers", workers)
+    res = run("-i", str(corpus), "--out", str(tmp_path / "o"), "--tokenizer", "gpt2", "--workers", workers,
+              "--val-fraction", "0.1")  # one document of ten: a split between documents
     assert res.exit_code == 0, res.output
     d = PreparedData(tmp_path / "o")
     entry = d.manifest["tokenizer"]
@@ -367,12 +369,16 @@ def small(tmp_path_factory):
 def test_shards_decode_to_the_cleaned_documents_with_eot_separators(small):
     out, docs, _ = small
     tok = Tokenizer.from_dir(out)
-    train = docs["alpha"][:16] + docs["beta"] + docs["gamma"][:1]
-    val = docs["alpha"][16:] + docs["gamma"][1:]
-    assert decode_documents(tok, shard_tokens(out, "train")) == train
-    assert decode_documents(tok, shard_tokens(out, "val")) == val
+    train = decode_documents(tok, shard_tokens(out, "train"))
+    val = decode_documents(tok, shard_tokens(out, "val"))
+    # alpha: the last 4 of 20 documents; beta (one document) and gamma (two) are cut inside their last
+    # document, whose held-out tail starts a document of its own in the val split
+    assert train[:16] == docs["alpha"][:16] and val[:4] == docs["alpha"][16:]
+    assert train[16] + val[4] == docs["beta"][0]
+    assert train[17] == docs["gamma"][0] and train[18] + val[5] == docs["gamma"][1]
+    assert len(train) == 19 and len(val) == 6
     n_eot = int((shard_tokens(out, "train") == tok.eot_id).sum() + (shard_tokens(out, "val") == tok.eot_id).sum())
-    assert n_eot == 23  # one per document: the literal "<|endoftext|>" in gamma is text, not a boundary
+    assert n_eot == 25  # one per document and per held-out tail: the literal "<|endoftext|>" in gamma is text
 
 
 def test_shards_respect_the_shard_size_and_are_hashed_in_the_manifest(small):
@@ -391,30 +397,34 @@ def test_shards_respect_the_shard_size_and_are_hashed_in_the_manifest(small):
     assert m["format_version"] == data.FORMAT_VERSION
 
 
-def test_val_split_holds_out_the_last_documents_of_each_source(small):
+def test_val_split_holds_out_the_last_documents_or_the_last_fraction_of_the_text(small):
     out, docs, _ = small
     d = PreparedData(out)
     by = {s.name: s for s in d.sources}
     m = {s["name"]: s for s in d.manifest["sources"]}
-    assert [(m[n]["train_documents"], m[n]["val_documents"]) for n in ("alpha", "beta", "gamma")] == \
-        [(16, 4), (1, 0), (1, 1)]
+    assert [(m[n]["train_documents"], m[n]["val_documents"], m[n]["val_split"]) for n in ("alpha", "beta", "gamma")] \
+        == [(16, 4, "documents"), (1, 1, "window"), (2, 1, "window")]
     val = shard_tokens(out, "val")
     train = shard_tokens(out, "train")
-    for name, held_out, kept in (("alpha", docs["alpha"][16:], docs["alpha"][:16]),
-                                 ("gamma", docs["gamma"][1:], docs["gamma"][:1])):
+    s = by["alpha"]
+    assert decode_documents(d.tokenizer, val[s.val_offset:s.val_offset + s.val_tokens]) == docs["alpha"][16:]
+    assert decode_documents(d.tokenizer, train[s.train_offset:s.train_offset + s.train_tokens]) == docs["alpha"][:16]
+    for name in ("beta", "gamma"):  # the last fifth of the text, cut at a space: within a word of 0.2
         s = by[name]
-        assert decode_documents(d.tokenizer, val[s.val_offset:s.val_offset + s.val_tokens]) == held_out
-        assert decode_documents(d.tokenizer, train[s.train_offset:s.train_offset + s.train_tokens]) == kept
-    assert by["beta"].val_tokens == 0
+        held = "".join(decode_documents(d.tokenizer, val[s.val_offset:s.val_offset + s.val_tokens]))
+        total = sum(len(t) for t in docs[name])
+        assert abs(len(held) / total - 0.2) <= 12 / total, (name, len(held), total)
     assert sum(s.train_tokens for s in d.sources) == d.train_tokens
     assert sum(s.val_tokens for s in d.sources) == d.val_tokens
 
 
-def test_cli_prints_a_table_per_source_and_notes_sources_without_a_val_split(small):
+def test_cli_prints_a_table_per_source_and_notes_sources_split_inside_a_document(small):
     _, _, res = small
     for word in ("alpha", "beta", "gamma", "total", "docs", "chars", "tokens", "dups", "filtered"):
         assert word in res.stdout
-    assert "'beta' has 1 document" in " ".join(res.stdout.split())
+    text = " ".join(res.stdout.split())
+    assert "'beta': 1 document(s); whole documents cannot hold out 20%" in text
+    assert "'gamma': 2 document(s)" in text and "'alpha': " not in text
 
 
 def test_val_document_count():

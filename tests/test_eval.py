@@ -37,7 +37,7 @@ def env(tmp_path_factory):
         "".join(json.dumps({"text": story(1000 + i)}) + "\n" for i in range(120)))
     (root / "two" / "lists.jsonl").write_text("".join(json.dumps({"text": " ".join(
         f"item {j} of list {i} is a {['cat', 'dog', 'owl'][j % 3]}." for j in range(12))}) + "\n" for i in range(60)))
-    (root / "two" / "one.txt").write_text(story(5000) * 4)  # one document: nothing held out
+    (root / "two" / "one.txt").write_text(story(5000) * 4)  # one document: its held-out fifth is under a window
     two = root / "two-prepared"
     data_mod.prepare(data_mod.resolve_inputs([str(root / "two" / "tales.jsonl"), str(root / "two" / "lists.jsonl"),
                                                 str(root / "two" / "one.txt")]), two,
@@ -93,8 +93,10 @@ def test_eval_loss_is_the_mean_cross_entropy_over_every_held_out_window(env):
         total += float(loss)
         count += windows[:, 1:].numel()
     assert len(by_source) == 2
+    held = prepared.source("one").val_tokens
+    assert 0 < held < 33  # held out by a window of its text, too short for one window of ctx 32
     assert out["sources"][2] == {"name": "one", "eval_loss": None, "eval_ppl": None, "eval_tokens": 0,
-                                 "val_tokens": 0}
+                                 "val_tokens": held}
     for s in out["sources"][:2]:
         assert s["eval_loss"] == pytest.approx(by_source[s["name"]][0], rel=1e-5)
         assert s["eval_tokens"] == by_source[s["name"]][1]
@@ -105,7 +107,8 @@ def test_eval_loss_is_the_mean_cross_entropy_over_every_held_out_window(env):
 def test_max_batches_takes_that_many_batches_per_source(env):
     out = json.loads(cli("--run", str(env["run"]), "--data", str(env["two"]), "--ctx", "16", "--batch", "2",
                          "--max-batches", "3", "--json").stdout)
-    assert [s["eval_tokens"] for s in out["sources"]] == [3 * 2 * 16] * 2 + [0]
+    held = PreparedData(env["two"]).source("one").val_tokens  # a window's tail of one document: under 3 × 2 windows
+    assert [s["eval_tokens"] for s in out["sources"]] == [3 * 2 * 16] * 2 + [16 * ((held - 1) // 16)]
 
 
 def test_threads_is_accepted_and_leaves_the_loss_as_it_is(env):

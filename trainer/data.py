@@ -3,17 +3,25 @@
 Preparing (``prepare``; the CLI is ``memplan prepare``)
 ------------------------------------------------------
 1. Read every source (``resolve_inputs`` / ``embedded_sources``): .txt, .jsonl, .parquet files,
-   directories of them, ``hf:NAME`` datasets, or the embedded corpus that ships with CPython.
+   directories of them, ``hf:NAME`` datasets, or the embedded corpus that ships with CPython. A .txt
+   file that is not text (``binary_reason``) is skipped and reported.
 2. Clean each document (``clean_text``), filter it (``filter_document``), and drop exact duplicates
    of documents already kept (by hash of the cleaned text, across all sources; the first one wins).
-3. Hold out the last ``val_fraction`` of each source's documents (``val_document_count``).
+   A document longer than ``DOC_CHUNK_CHARS`` is read, cleaned (``PieceCleaner``), staged and
+   tokenized in pieces cut where a pre-token starts (``cut_point``), so memory stays bounded by a
+   piece whatever the document's size, and its ids are those of the whole.
+3. Hold out the last ``val_fraction`` of each source (``val_split_point``): its last documents, or,
+   when whole documents miss the fraction (one book, a few long files), the last ``val_fraction``
+   of its text, cut at a space inside a document.
 4. Train or load the tokenizer (BPE training sees the train documents only).
 5. Tokenize in parallel; write each split as flat little-endian shards of ``uint16`` ids (``uint32``
    when an id can exceed 65,535), every document preceded by the end-of-text id, so a split reads
    ``EOT doc EOT doc ...``. Documents are written source by source, in reading order.
 6. Write ``manifest.json`` (everything the loader needs, with sha256 of every file) and
    ``stats.json`` (per-source statistics). All of it goes into a temporary sibling directory that
-   is renamed into place at the end, so an interrupted prepare leaves nothing half-written.
+   is renamed into place at the end, so an interrupted prepare leaves nothing half-written: an
+   error, SIGTERM or SIGINT removes it, and what a ``kill -9`` leaves the next prepare into the same
+   directory clears (``remove_stale_temp_dirs``).
 
 Layout of a prepared directory::
 
@@ -156,12 +164,14 @@ def text_fraction(text: str) -> float:
     """
     if not text:
         return 1.0
+    return 1.0 - non_text_count(text) / len(text)
+
+
+def non_text_count(text: str) -> int:
+    """How many characters of ``text`` are not text (what ``text_fraction`` counts against)."""
     if text.isascii():
-        bad = len(_ASCII_NON_TEXT.findall(text))
-    else:
-        bad = len(_ASCII_NON_TEXT.findall(text)) + sum(1 for ch in _NON_ASCII.findall(text)
-                                                        if not _is_text_char(ch))
-    return 1.0 - bad / len(text)
+        return len(_ASCII_NON_TEXT.findall(text))
+    return len(_ASCII_NON_TEXT.findall(text)) + sum(1 for ch in _NON_ASCII.findall(text) if not _is_text_char(ch))
 
 
 def drop_nontext_lines(text: str, min_fraction: float = MIN_TEXT_FRACTION) -> str:
@@ -195,11 +205,248 @@ class Deduplicator:
         self._hashes: set[bytes] = set()
 
     def seen(self, text: str) -> bool:
-        h = document_hash(text)
+        return self.seen_digest(document_hash(text))
+
+    def seen_digest(self, h: bytes) -> bool:
+        """``seen`` for a document whose ``document_hash`` is ``h``."""
         if h in self._hashes:
             return True
         self._hashes.add(h)
         return False
+
+
+# =================================================================================================
+# Long documents, in pieces
+# =================================================================================================
+
+# A longer document is read, cleaned, staged and tokenized in pieces of at most this many characters. Its
+# cost beyond the same text as short documents is ~220 bytes per character of a piece (the tokenizers
+# library's per-sequence state while encoding; benchmarks/prepare_memory.py): ~14 MiB, whatever its size.
+DOC_CHUNK_CHARS = 1 << 16
+
+
+def cut_point(text: str, limit: int) -> int:
+    """Where to cut ``text`` so the head holds at most ``limit`` characters (``len(text)`` when it fits).
+
+    Just after the last newline that no space or tab follows; else just before the last run of spaces
+    or tabs that follows a non-space. Both are where GPT-2's byte-level pre-tokenizer starts a new
+    pre-token, and BPE merges never cross a pre-token, so the two halves encode to exactly the ids
+    the whole would. A stretch of ``limit`` characters without such a place is cut at ``limit``.
+    Always in [1, limit] for a text longer than ``limit`` >= 1.
+    """
+    if len(text) <= limit:
+        return len(text)
+    nl = text.rfind("\n", 0, limit)
+    while nl >= 0 and text[nl + 1] in " \t":
+        nl = text.rfind("\n", 0, nl)
+    if nl >= 0:
+        return nl + 1
+    p = max(text.rfind(" ", 0, limit), text.rfind("\t", 0, limit))
+    while p > 0 and text[p - 1] in " \t":
+        p -= 1
+    return p if p > 0 else limit
+
+
+def split_text(text: str, limit: int) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``limit`` characters, cut by ``cut_point``."""
+    while len(text) > limit:
+        p = cut_point(text, limit)
+        yield text[:p]
+        text = text[p:]
+    if text:
+        yield text
+
+
+class LongDocument:
+    """A document longer than the chunk size: its raw text as an iterator of pieces of at most about
+    ``DOC_CHUNK_CHARS`` characters, each cut by ``cut_point``. Iterate it once."""
+
+    def __init__(self, pieces: Iterable[str]):
+        self._pieces = iter(pieces)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+
+def documents_of_stream(blocks: Iterable[str], limit: int = DOC_CHUNK_CHARS) -> Iterator["str | LongDocument"]:
+    """The documents of a text stream (blocks of at most ``limit`` characters) separated by
+    ``<|endoftext|>``: each as a str, or as a ``LongDocument`` once it exceeds ``limit`` characters
+    (consume it before asking for the next document). At most about 2 × ``limit`` characters are
+    held, whatever the document sizes. Blank documents are skipped."""
+    stream = _pieces_of_stream(blocks, limit)
+    for first in stream:
+        if first is None:
+            continue  # an empty document
+        head, size, ended = [first], len(first), False
+        while size <= limit:
+            piece = next(stream, None)
+            if piece is None:
+                ended = True
+                break
+            head.append(piece)
+            size += len(piece)
+        if ended:
+            text = "".join(head)
+            if text.strip():
+                yield text
+            continue
+        rest = _until_document_end(stream)
+        yield LongDocument(_chain(head, rest))
+        for _ in rest:  # the consumer stopped early: skip what is left of this document
+            pass
+
+
+def _pieces_of_stream(blocks: Iterable[str], limit: int) -> Iterator[str | None]:
+    """Pieces of documents (each at most ``limit`` characters) and None after each document's last piece."""
+    carry = ""
+    keep = len(EOT) - 1  # an end-of-text marker may straddle two blocks
+    for block in blocks:
+        parts = (carry + block).split(EOT)
+        for part in parts[:-1]:
+            yield from split_text(part, limit)
+            yield None
+        rest = parts[-1]
+        while len(rest) > limit + keep:
+            p = cut_point(rest, limit)
+            yield rest[:p]
+            rest = rest[p:]
+        carry = rest
+    yield from split_text(carry, limit)
+    yield None
+
+
+def _until_document_end(stream: Iterator[str | None]) -> Iterator[str]:
+    for piece in stream:
+        if piece is None:
+            return
+        yield piece
+
+
+def _chain(head: list[str], rest: Iterator[str]) -> Iterator[str]:
+    while head:
+        yield head.pop(0)
+    yield from rest
+
+
+class PieceCleaner:
+    """``filter_document`` for a document that arrives in pieces (cut by ``cut_point``), in memory
+    bounded by a piece.
+
+    ``feed(piece)`` returns the cleaned text of that stretch: the concatenation over all pieces is
+    exactly ``clean_text`` followed by ``drop_nontext_lines`` of the whole document, except that a
+    line longer than a piece is judged for ``min_line_text_fraction`` one piece at a time (and a
+    stretch without whitespace cut mid-word may normalise slightly differently at the cut).
+    ``finish()`` gives the drop reason ("nontext" / "short") or None; ``characters`` and ``digest``
+    (``document_hash`` of the cleaned text) describe what was returned.
+    """
+
+    def __init__(self, config: CleanConfig):
+        self.config = config
+        self.characters = 0
+        self._hash = hashlib.blake2b(digest_size=16)
+        self._cr = False  # the last piece ended with a carriage return
+        self._in_line = False  # cleaning: the last piece ended inside a line
+        self._trailing = ""  # ... and this whitespace of it is not cleaned yet
+        self._cleaned = _LineJoiner(strip_start=True)  # clean_text's joining of lines
+        self._cleaned_chars = 0
+        self._bad_chars = 0
+        self._line_state = "start"  # line dropping: at a line's start, or inside a line "kept" / "dropped"
+        self._kept = _LineJoiner(strip_start=False)  # drop_nontext_lines' joining of kept lines
+
+    def feed(self, raw: str) -> str:
+        if self._cr and raw.startswith("\n"):
+            raw = raw[1:]  # the second half of a CRLF split between pieces
+        self._cr = raw.endswith("\r")
+        raw = _CONTROL.sub("", unicodedata.normalize("NFC", raw.replace("\r\n", "\n").replace("\r", "\n")))
+        cleaned = []
+        parts = raw.split("\n")
+        parts[0] = self._trailing + parts[0]
+        self._trailing = ""
+        for i, seg in enumerate(parts):
+            ends = i < len(parts) - 1
+            if not ends:  # the line goes on in the next piece: hold back its trailing whitespace
+                body = seg.rstrip()
+                seg, self._trailing = body, seg[len(body):][-4096:]
+                if not seg:
+                    continue
+            if not self._in_line:  # a line starts: keep its indentation (clean_text)
+                line = seg.rstrip() if ends else seg
+                body = line.lstrip()
+                text = line[: len(line) - len(body)] + _INNER_WS.sub(" ", body)
+            else:
+                text = _INNER_WS.sub(" ", seg)
+                if ends:
+                    text = text.rstrip()
+            cleaned.append(self._cleaned.add(text, ends))
+            self._in_line = not ends
+        cleaned_text = "".join(cleaned)
+        self._cleaned_chars += len(cleaned_text)
+        self._bad_chars += non_text_count(cleaned_text)
+        out = self._drop_lines(cleaned_text)
+        self.characters += len(out)
+        self._hash.update(out.encode("utf-8"))
+        return out
+
+    def _drop_lines(self, cleaned: str) -> str:
+        """drop_nontext_lines on a stretch of cleaned text; a line continued from an earlier stretch
+        (its newline comes late: ``_LineJoiner`` writes it before the next line) keeps its verdict."""
+        if not cleaned:
+            return ""
+        out = []
+        parts = cleaned.split("\n")
+        for i, seg in enumerate(parts):
+            ends = i < len(parts) - 1
+            if not ends and not seg:
+                continue
+            state = self._line_state
+            if state != "start" and not seg:  # the end of a line judged already
+                if state == "kept":
+                    out.append(self._kept.add("", True))
+            elif not seg.strip() or text_fraction(seg) >= self.config.min_line_text_fraction:
+                out.append(self._kept.add(seg, ends))
+                state = "kept"
+            elif state == "kept" and ends:  # the rest of a long line dropped: its newline stays
+                out.append(self._kept.add("", True))
+            elif state == "start":
+                state = "dropped"
+            self._line_state = "start" if ends else state
+        return "".join(out)
+
+    def finish(self) -> str | None:
+        if self._cleaned_chars and 1.0 - self._bad_chars / self._cleaned_chars < self.config.min_text_fraction:
+            return "nontext"
+        if self.characters < self.config.min_chars:
+            return "short"
+        return None
+
+    @property
+    def digest(self) -> bytes:
+        return self._hash.digest()
+
+
+class _LineJoiner:
+    """Joins line segments as ``clean_text`` does: at most three newlines in a row (two blank lines),
+    none at either end; with ``strip_start`` the whitespace before the first character goes too."""
+
+    def __init__(self, *, strip_start: bool):
+        self.strip_start = strip_start
+        self.started = False
+        self.owed = 0  # newlines to write before the next character
+
+    def add(self, text: str, ends_line: bool) -> str:
+        out = ""
+        if text:
+            if not self.started:
+                if self.strip_start:
+                    text = text.lstrip()
+                if text:
+                    self.started, out = True, text
+            else:
+                out = "\n" * min(self.owed, 3) + text
+                self.owed = 0
+        if ends_line and self.started:
+            self.owed += 1
+        return out
 
 
 # =================================================================================================
@@ -217,10 +464,26 @@ class Source:
     text_field: str = "text"  # for .jsonl, .parquet and hf datasets
     hf_split: str = "train"
 
-    def documents(self, workers: int = 1) -> Iterator[str]:
+    def documents(self, workers: int = 1, *, on_skip: Callable[[Path, str], None] | None = None,
+                  chunk_chars: int = 0) -> Iterator["str | LongDocument"]:
+        """Raw documents; a .txt file that is not text (``binary_reason``) is skipped, and ``on_skip(path,
+        reason)`` told. A file that vanishes or cannot be read is an ``InputError`` naming it."""
         if self.kind == "files":
             for path in self.paths:
-                yield from _READERS[path.suffix.lower()](path, self.text_field)
+                try:
+                    if path.suffix.lower() == ".txt":
+                        reason = binary_reason(path)
+                        if reason is not None:
+                            if on_skip is not None:
+                                on_skip(path, reason)
+                            continue
+                        yield from _read_txt(path, self.text_field, chunk_chars)
+                    else:
+                        yield from _READERS[path.suffix.lower()](path, self.text_field)
+                except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+                    why = "it vanished" if isinstance(e, FileNotFoundError) else (e.strerror or type(e).__name__)
+                    raise InputError(f"--input {path}: cannot read it while preparing ({why}); check the file and "
+                                     "run prepare again") from None
         elif self.kind == "hf":
             yield from _read_hf(self.origin, self.hf_split, self.text_field)
         elif self.kind == "pydoc":
@@ -231,19 +494,36 @@ class Source:
             raise ValueError(f"unknown source kind {self.kind!r}")
 
 
-def _read_txt(path: Path, text_field: str) -> Iterator[str]:
-    """A .txt file is one document, or several separated by ``<|endoftext|>`` (as TinyStories ships)."""
-    buffer: list[str] = []
+BINARY_SNIFF_BYTES = 1 << 16  # the head of a .txt file looked at to tell text from binary
+MAX_INVALID_UTF8_SHARE = 0.1  # more undecodable bytes than this in the head: not UTF-8 text
+
+
+def binary_reason(path: Path) -> str | None:
+    """Why ``path`` is not a text file, from its first ``BINARY_SNIFF_BYTES``: NUL bytes (executables,
+    images, archives, UTF-16) or more than ``MAX_INVALID_UTF8_SHARE`` of it undecodable as UTF-8.
+    None for text."""
+    with open(path, "rb") as f:
+        head = f.read(BINARY_SNIFF_BYTES)
+    if b"\0" in head:
+        return f"NUL bytes in its first {len(head):,} bytes"
+    text = head.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - head.decode("utf-8", errors="ignore").count("\ufffd")
+    if len(head) == BINARY_SNIFF_BYTES:  # a multi-byte character cut at the end is not an error
+        bad = max(0, bad - 1)
+    if head and bad > MAX_INVALID_UTF8_SHARE * len(text):
+        return f"{bad:,} of its first {len(head):,} bytes are not UTF-8"
+    return None
+
+
+def _read_txt(path: Path, text_field: str, chunk_chars: int = 0) -> Iterator["str | LongDocument"]:
+    """A .txt file is one document, or several separated by ``<|endoftext|>`` (as TinyStories ships).
+
+    Read in blocks of ``chunk_chars`` (default ``DOC_CHUNK_CHARS``); a document longer than that
+    comes as a ``LongDocument`` (``documents_of_stream``), so no line or document is held whole.
+    """
+    limit = chunk_chars or DOC_CHUNK_CHARS
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        for line in f:
-            if EOT in line:
-                parts = line.split(EOT)
-                buffer.append(parts[0])
-                yield from _nonblank(["".join(buffer), *parts[1:-1]])
-                buffer = [parts[-1]]
-            else:
-                buffer.append(line)
-    yield from _nonblank(["".join(buffer)])
+        yield from documents_of_stream(iter(lambda: f.read(limit), ""), limit)
 
 
 def _nonblank(texts: Iterable[str]) -> Iterator[str]:
@@ -453,7 +733,7 @@ def ordered_map(func, items: Iterable, workers: int, *, initializer=None, initar
             initializer(*initargs)
         yield from map(func, items)
         return
-    with mp.get_context("fork").Pool(workers, initializer=initializer, initargs=initargs) as pool:
+    with mp.get_context("fork").Pool(workers, initializer=_pool_child_init, initargs=(initializer, initargs)) as pool:
         pending: deque = deque()
         for item in items:
             pending.append(pool.apply_async(func, (item,)))
@@ -461,6 +741,14 @@ def ordered_map(func, items: Iterable, workers: int, *, initializer=None, initar
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+def _pool_child_init(initializer, initargs) -> None:
+    """A forked worker: default signal handling (a parent's handler that raises must not run here), then
+    the caller's initializer."""
+    _default_signals()
+    if initializer is not None:
+        initializer(*initargs)
 
 
 # =================================================================================================
@@ -477,6 +765,7 @@ class PrepareConfig:
     clean: CleanConfig = CleanConfig()
     shard_tokens: int = DEFAULT_SHARD_TOKENS  # tokens per shard file, at most
     max_docs: int | None = None  # keep at most this many documents per source (after filtering)
+    chunk_chars: int = DOC_CHUNK_CHARS  # longer documents are read, cleaned, staged and tokenized in pieces
 
     def __post_init__(self):
         if not (isinstance(self.val_fraction, (int, float)) and 0.0 <= self.val_fraction <= MAX_VAL_FRACTION):
@@ -488,6 +777,8 @@ class PrepareConfig:
             raise InputError(f"--shard-tokens: {self.shard_tokens} must be at least 1")
         if self.max_docs is not None and self.max_docs < 1:
             raise InputError(f"--max-docs: {self.max_docs} must be at least 1")
+        if self.chunk_chars < 1:
+            raise InputError(f"chunk_chars: {self.chunk_chars} must be at least 1")
 
 
 @dataclass(kw_only=True)
@@ -508,6 +799,10 @@ class SourceStats:
     duplicates_dropped: int = 0  # exact repeats of a document kept earlier (in any source)
     filtered_short: int = 0  # under min_chars after cleaning
     filtered_nontext: int = 0  # mostly not text
+    skipped_files: list = field(default_factory=list)  # [path, reason] of .txt files that are not text
+    val_split: str = "none"  # how the held-out split was cut: "documents", "window" or "none" (val_split_point)
+    val_start_document: int = 0  # the held-out split starts at this document ...
+    val_start_char: int = 0  # ... at this character of it (0 for a split between documents)
 
     @property
     def filtered_dropped(self) -> int:
@@ -536,12 +831,45 @@ def val_document_count(documents: int, val_fraction: float) -> int:
     return min(max(1, n), documents - 1)
 
 
+VAL_SPLIT_TOLERANCE = 0.2  # a split between documents may miss the fraction by this share of it
+
+
+def val_split_point(lengths: Sequence[int], val_fraction: float) -> tuple[int, int, str]:
+    """Where a source's held-out split starts: ``(document k, character c of it, how)``; everything from
+    character c of document k on is held out. ``lengths`` are the documents' characters, in order.
+
+    "documents": the last ``val_document_count`` documents (c = 0), when their share of the source's
+    characters is within ``VAL_SPLIT_TOLERANCE`` × fraction of the fraction.
+    "window": otherwise (one document, a few, or a long last one): the last ``val_fraction`` of the
+    source's characters, cut inside document k at character c = total × (1 − fraction) − start of k
+    (moved to the nearest space before it when the text is read, so within a word of the fraction).
+    "none": a fraction of 0 or an empty source (k = the number of documents).
+    """
+    n, total = len(lengths), sum(lengths)
+    if val_fraction <= 0 or total == 0:
+        return n, 0, "none"
+    n_val = val_document_count(n, val_fraction)
+    if n_val:
+        share = sum(lengths[n - n_val:]) / total
+        if abs(share - val_fraction) <= VAL_SPLIT_TOLERANCE * val_fraction:
+            return n - n_val, 0, "documents"
+    target = total - max(1, math.floor(total * val_fraction + 0.5))  # the first held-out character
+    start = 0
+    for k, length in enumerate(lengths):
+        if start + length > target:
+            c = target - start
+            return (k, 0, "documents") if c == 0 else (k, c, "window")
+        start += length
+    return n, 0, "none"
+
+
 def is_prepared(directory: str | Path) -> bool:
     return (Path(directory) / MANIFEST_FILE).is_file()
 
 
 def check_out_dir(out: str | Path, force: bool) -> Path:
-    """``out`` as a Path, or an InputError when writing there could lose something."""
+    """``out`` as a Path, or an InputError when writing there could lose something or cannot work (its
+    nearest existing ancestor is not a writable directory)."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: is a file; give a directory")
@@ -550,13 +878,100 @@ def check_out_dir(out: str | Path, force: bool) -> Path:
             raise InputError(f"--out {out}: exists and is not a prepared corpus; give a new or empty directory")
         if not force:
             raise InputError(f"--out {out}: already holds a prepared corpus; add --force to replace it")
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"--out {out}: {parent} is not a directory; give an --out under a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: cannot write in {parent} (read-only or not permitted); choose another --out")
     return out
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while preparing (its temporary directory is removed on the way out).
+    ``completed``: it came while the new corpus was being put in place, which was finished first."""
+
+    def __init__(self, signum: int, completed: bool = False):
+        import signal
+
+        self.signum, self.completed = signum, completed
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+_deferred_signals: list[int] = []
+_defer_depth = 0
+
+
+def _raise_interrupted(signum, frame):
+    if _defer_depth:
+        _deferred_signals.append(signum)  # raised when the critical section ends
+        return
+    raise Interrupted(signum)
+
+
+class _SignalsDeferred:
+    """A critical section: SIGTERM / SIGINT (under ``_InterruptsRaise``) wait until it ends, then raise
+    ``Interrupted(completed=True)``. A flag rather than a signal mask, which would hold for this thread
+    only (the kernel hands a signal to any thread that does not block it, and Python runs the handler
+    in the main thread all the same)."""
+
+    def __enter__(self):
+        global _defer_depth
+        _defer_depth += 1
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        global _defer_depth
+        _defer_depth -= 1
+        if not _defer_depth and _deferred_signals:
+            signum = _deferred_signals[0]
+            _deferred_signals.clear()
+            if exc_type is None:
+                raise Interrupted(signum, completed=True)
+        return False
+
+
+class _InterruptsRaise:
+    """While active (main thread only), SIGTERM and SIGINT raise ``Interrupted``, so ``try/except`` blocks
+    clean up as for any error; the old handlers come back afterwards."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._saved = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._saved[sig] = signal.signal(sig, _raise_interrupted)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+def _default_signals() -> None:
+    """In a forked worker: SIGTERM ends it (the pool's terminate), SIGINT is the parent's business."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = PrepareConfig(), *,
-            force: bool = False, progress: Progress | None = None) -> PrepareResult:
-    """Clean, dedupe, split, tokenize and shard ``sources`` into ``out`` (see the module docstring)."""
+            force: bool = False, progress: Progress | None = None,
+            notes: Callable[[str], None] | None = None) -> PrepareResult:
+    """Clean, dedupe, split, tokenize and shard ``sources`` into ``out`` (see the module docstring).
+
+    ``notes`` is told, one line each, what was done that the user should know (stale temporary
+    directories removed, files skipped). SIGTERM / SIGINT raise ``Interrupted`` after the temporary
+    directory is removed; an ``OSError`` (a full disk, a vanished directory) propagates likewise.
+    """
     progress = progress or (lambda stage, done, total: None)
+    notes = notes or (lambda line: None)
     out = check_out_dir(out, force)
     spec = parse_tokenizer_spec(config.tokenizer)
     if spec.kind == "tiktoken":
@@ -564,9 +979,40 @@ def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = 
     elif spec.kind == "file":
         build_tokenizer(spec)  # fail on a bad tokenizer.json before reading the corpus
     out.parent.mkdir(parents=True, exist_ok=True)
-    with prepare_lock(out):
+    with _InterruptsRaise(), prepare_lock(out):
+        for line in remove_stale_temp_dirs(out):
+            notes(line)
         check_out_dir(out, force)  # again, under the lock: another prepare may have filled it meanwhile
         return _prepare_locked(sources, out, config, spec, progress)
+
+
+def stale_temp_dirs(out: Path) -> list[Path]:
+    """The temporary directories beside ``out`` that a prepare into it makes (``.NAME.prepare-XXXXXXXX``,
+    ``.NAME.old-XXXXXXXX``; ``memplan.fsutil.temp_dir_beside``)."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(prepare|old)-[a-z0-9_]{{8}}$")
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        return sorted(p for p in parent.iterdir() if pattern.match(p.name) and p.is_dir() and not p.is_symlink())
+    except OSError:
+        return []
+
+
+def remove_stale_temp_dirs(out: Path) -> list[str]:
+    """Clear what ``stale_temp_dirs`` finds, and say what was done (one line each). Call only while holding
+    ``prepare_lock(out)``: every prepare makes its temporary directories while holding that lock, and
+    the OS drops a lock when its holder dies (``kill -9`` included), so while we hold it any such
+    directory belongs to a dead process. An old corpus set aside (``.NAME.old-*``) while ``out`` is
+    missing is the only copy left: it is put back, not removed."""
+    done = []
+    for path in stale_temp_dirs(out):
+        if ".old-" in path.name and not out.exists() and is_prepared(path):
+            os.rename(path, out)
+            done.append(f"restored the corpus in {path} to {out}, set aside by an earlier prepare that was killed")
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            done.append(f"removed {path}, left by an earlier prepare into {out} that was killed")
+    return done
 
 
 def prepare_lock(out: Path):
@@ -588,11 +1034,14 @@ def _prepare_locked(sources, out: Path, config: PrepareConfig, spec, progress: P
         staging = tmp / "staging"
         staging.mkdir()
         t0 = time.perf_counter()
-        stats = _read_clean_dedupe(sources, staging, config, progress)
+        stats, lengths = _read_clean_dedupe(sources, staging, config, progress)
         seconds["read"] = time.perf_counter() - t0
-        for s in stats:
-            s.val_documents = val_document_count(s.documents, config.val_fraction)
-            s.train_documents = s.documents - s.val_documents
+        for s, doc_lengths in zip(stats, lengths):
+            k, c, s.val_split = val_split_point(doc_lengths, config.val_fraction)
+            s.val_start_document, s.val_start_char = k, c
+            s.train_documents = k + (1 if c else 0)
+            s.val_documents = s.documents - k
+        del lengths
 
         t0 = time.perf_counter()
         progress("tokenizer", 0, None)
@@ -618,71 +1067,149 @@ def _prepare_locked(sources, out: Path, config: PrepareConfig, spec, progress: P
     return PrepareResult(out=out, manifest=manifest, stats=stats, seconds=seconds)
 
 
-def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: Progress) -> list[SourceStats]:
+def _stage_line(text: str, starts_document: bool) -> bytes:
+    """One staged piece: a JSON string, marked with a leading "+" when it continues the document before."""
+    return (("" if starts_document else "+") + json.dumps(text, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: Progress
+                       ) -> tuple[list[SourceStats], list]:
+    """Stage every kept document of every source (``staging/NNN.jsonl``, pieces of at most about
+    ``config.chunk_chars``); return the statistics and each source's document lengths in characters."""
+    from array import array
+
     dedupe = Deduplicator()
-    all_stats = []
+    all_stats, all_lengths = [], []
     seen = 0
+    limit = config.chunk_chars
     for index, source in enumerate(sources):
         stats = SourceStats(name=source.name, origin=source.origin)
-        with open(staging / f"{index:03d}.jsonl", "w", encoding="utf-8") as f:
-            for raw in source.documents(config.workers):
+        lengths = array("q")
+
+        def skipped(path, reason, stats=stats):
+            stats.skipped_files.append([str(path), reason])
+
+        with open(staging / f"{index:03d}.jsonl", "wb") as f:
+            for raw in source.documents(config.workers, on_skip=skipped, chunk_chars=limit):
                 seen += 1
                 if seen % 1000 == 0:
                     progress("read", seen, None)
-                text, reason = filter_document(raw, config.clean)
+                if isinstance(raw, str) and len(raw) > limit:
+                    raw = LongDocument(split_text(raw, limit))
+                if isinstance(raw, str):
+                    text, reason = filter_document(raw, config.clean)
+                    if text is not None and dedupe.seen(text):
+                        text, reason = None, "duplicate"
+                    if text is not None:
+                        f.write(_stage_line(text, True))
+                        chars = len(text)
+                else:
+                    start = f.tell()
+                    cleaner = PieceCleaner(config.clean)
+                    first = True
+                    for piece in raw:
+                        out = cleaner.feed(piece)
+                        if out:
+                            f.write(_stage_line(out, first))
+                            first = False
+                    reason = cleaner.finish()
+                    if reason is None and dedupe.seen_digest(cleaner.digest):
+                        reason = "duplicate"
+                    text, chars = (None, 0) if reason else ("", cleaner.characters)
+                    if reason:
+                        f.seek(start)
+                        f.truncate()
                 if text is None:
                     if reason == "short":
                         stats.filtered_short += 1
-                    else:
+                    elif reason == "nontext":
                         stats.filtered_nontext += 1
+                    else:
+                        stats.duplicates_dropped += 1
                     continue
-                if dedupe.seen(text):
-                    stats.duplicates_dropped += 1
-                    continue
-                f.write(json.dumps(text, ensure_ascii=False) + "\n")
+                lengths.append(chars)
                 stats.documents += 1
-                stats.characters += len(text)
+                stats.characters += chars
                 if config.max_docs is not None and stats.documents >= config.max_docs:
                     break
         all_stats.append(stats)
+        all_lengths.append(lengths)
     progress("read", seen, seen)
     if not any(s.documents for s in all_stats):
+        skipped_files = [p for s in all_stats for p, _ in s.skipped_files]
+        if skipped_files and not seen:
+            why = next(r for s in all_stats for _, r in s.skipped_files)
+            raise InputError(f"--input {skipped_files[0]}: not a text file ({why}); "
+                             f"{len(skipped_files)} file(s) skipped and no text left to prepare")
         short = sum(s.filtered_short for s in all_stats)
         nontext = sum(s.filtered_nontext for s in all_stats)
         dups = sum(s.duplicates_dropped for s in all_stats)
         raise InputError(f"empty corpus after filtering: {seen} documents read, {short} shorter than "
                          f"--min-chars {config.clean.min_chars}, {nontext} mostly non-text, {dups} duplicates; "
                          "lower --min-chars, check --text-field, or add inputs")
-    return all_stats
+    return all_stats, all_lengths
 
 
-def _staged_texts(staging: Path, stats: Sequence[SourceStats], *, split: str | None) -> Iterator[str]:
-    """Staged documents of every source in order: split "train", "val" or None (all)."""
+def _cut_at_space(text: str, at: int) -> int:
+    """A cut of ``text`` near ``at`` (0 < at < len): before the whitespace run that starts at or before it,
+    when there is one after the first character; else ``at``."""
+    p = max(text.rfind(" ", 0, at + 1), text.rfind("\n", 0, at + 1))
+    while p > 0 and text[p - 1] in " \n":
+        p -= 1
+    return p if p > 0 else at
+
+
+def _staged_pieces(staging: Path, index: int, s: SourceStats) -> Iterator[tuple[bool, bool, str]]:
+    """``(is_val, starts_document, text)`` for the staged pieces of source ``index``, cut where its held-out
+    split starts (``val_split_point``); the held-out part of a document cut in two starts a document."""
+    k, c = s.val_start_document, s.val_start_char
+    doc, offset = -1, 0
+    with open(staging / f"{index:03d}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            new = not line.startswith("+")
+            text = json.loads(line if new else line[1:])
+            if new:
+                doc, offset = doc + 1, 0
+            if doc == k and offset < c < offset + len(text):
+                cut = _cut_at_space(text, c - offset)
+                yield False, new, text[:cut]
+                yield True, True, text[cut:]
+            else:
+                is_val = doc > k or (doc == k and offset >= c)
+                yield is_val, new or (doc == k and c > 0 and offset == c), text
+            offset += len(text)
+
+
+TRAIN_PIECE_CHARS = 1 << 12  # what BPE training is fed at most at once (see _staged_texts)
+
+
+def _staged_texts(staging: Path, stats: Sequence[SourceStats], *, split: str | None,
+                  piece_chars: int = TRAIN_PIECE_CHARS) -> Iterator[str]:
+    """Staged text of every source in order, split "train", "val" or None (all), in pieces of at most
+    ``piece_chars`` cut by ``cut_point``. For BPE training: the tokenizers library buffers 256 texts of
+    the iterator at a time, so a long document staged in ``DOC_CHUNK_CHARS`` pieces would put 256 of
+    them (16 M characters) in flight; pieces cut where pre-tokens start leave the word counts as they were.
+    """
     for index, s in enumerate(stats):
-        with open(staging / f"{index:03d}.jsonl", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                is_val = i >= s.train_documents
-                if split is None or (split == "val") == is_val:
-                    yield json.loads(line)
+        for is_val, _, text in _staged_pieces(staging, index, s):
+            if split is None or (split == "val") == is_val:
+                yield from split_text(text, piece_chars)
 
 
 def _chunks_of_staged(staging: Path, stats: Sequence[SourceStats], max_chars: int = 1 << 20,
-                      max_docs: int = 2048) -> Iterator[tuple[int, bool, list[str]]]:
-    """(source index, is_val, documents) chunks that never mix sources or splits."""
+                      max_docs: int = 2048) -> Iterator[tuple[int, bool, list[tuple[bool, str]]]]:
+    """(source index, is_val, [(starts_document, text)]) chunks that never mix sources or splits."""
     for index, s in enumerate(stats):
-        with open(staging / f"{index:03d}.jsonl", encoding="utf-8") as f:
-            chunk, chars, chunk_is_val = [], 0, False
-            for i, line in enumerate(f):
-                is_val = i >= s.train_documents
-                if chunk and (is_val != chunk_is_val or chars >= max_chars or len(chunk) >= max_docs):
-                    yield index, chunk_is_val, chunk
-                    chunk, chars = [], 0
-                text = json.loads(line)
-                chunk.append(text)
-                chunk_is_val = is_val
-                chars += len(text)
-            if chunk:
+        chunk, chars, chunk_is_val = [], 0, False
+        for is_val, new, text in _staged_pieces(staging, index, s):
+            if chunk and (is_val != chunk_is_val or chars >= max_chars or len(chunk) >= max_docs):
                 yield index, chunk_is_val, chunk
+                chunk, chars = [], 0
+            chunk.append((new, text))
+            chunk_is_val = is_val
+            chars += len(text)
+        if chunk:
+            yield index, chunk_is_val, chunk
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -694,19 +1221,22 @@ def _init_worker_tokenizer(payload) -> None:
     _WORKER_TOKENIZER = Tokenizer.from_worker_payload(payload)
 
 
-def _encode_chunk(job: tuple[int, bool, list[str]]) -> tuple[int, bool, np.ndarray, int]:
-    """(source, is_val, uint32 ids with an end-of-text id before every document, documents)."""
-    index, is_val, texts = job
+def _encode_chunk(job: tuple[int, bool, list[tuple[bool, str]]]) -> tuple[int, bool, np.ndarray, int]:
+    """(source, is_val, uint32 ids with an end-of-text id before every document, documents started)."""
+    index, is_val, pieces = job
     tok = _WORKER_TOKENIZER
-    ids = tok.encode_batch(texts)
-    total = sum(len(x) for x in ids) + len(ids)
+    ids = tok.encode_batch([text for _, text in pieces])
+    starts = sum(1 for new, _ in pieces if new)
+    total = sum(len(x) for x in ids) + starts
     arr = np.empty(total, dtype=np.uint32)
     pos = 0
-    for doc in ids:
-        arr[pos] = tok.eot_id
-        arr[pos + 1: pos + 1 + len(doc)] = doc
-        pos += 1 + len(doc)
-    return index, is_val, arr, len(texts)
+    for (new, _), doc in zip(pieces, ids):
+        if new:
+            arr[pos] = tok.eot_id
+            pos += 1
+        arr[pos: pos + len(doc)] = doc
+        pos += len(doc)
+    return index, is_val, arr, starts
 
 
 def encode_documents(tokenizer: Tokenizer, chunks: Iterable[tuple[int, bool, list[str]]], workers: int
@@ -825,7 +1355,8 @@ def _manifest(stats, shards, tokenizer: Tokenizer, spec: str, dtype: np.dtype, c
         "sources": [{"name": s.name, "origin": s.origin, "documents": s.documents, "characters": s.characters,
                      "tokens": s.tokens, "train_documents": s.train_documents, "train_offset": s.train_offset,
                      "train_tokens": s.train_tokens, "val_documents": s.val_documents, "val_offset": s.val_offset,
-                     "val_tokens": s.val_tokens} for s in stats],
+                     "val_tokens": s.val_tokens, "val_split": s.val_split,
+                     "skipped_files": s.skipped_files} for s in stats],
     }
 
 
@@ -837,19 +1368,28 @@ def _stats_json(stats: Sequence[SourceStats]) -> dict:
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; a corpus already there is removed only after the new one is in place."""
+    """Rename ``tmp`` to ``out``; a corpus already there is removed only after the new one is in place.
+    SIGTERM and SIGINT wait until this is done (``_SignalsDeferred``), so an interruption never leaves
+    ``out`` without a corpus; a ``kill -9`` between the renames leaves the old one in ``.NAME.old-*``,
+    which the next prepare into ``out`` puts back (``remove_stale_temp_dirs``)."""
     from memplan.fsutil import temp_dir_beside
 
-    old = None
-    if out.is_dir():
-        if any(out.iterdir()):
-            old = temp_dir_beside(out, "old")  # a fresh empty directory, which the rename replaces
-            os.rename(out, old)
-        else:
-            out.rmdir()
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with _SignalsDeferred():
+        old = None
+        if out.is_dir():
+            if any(out.iterdir()):
+                old = temp_dir_beside(out, "old")  # a fresh empty directory, which the rename replaces
+                os.rename(out, old)
+            else:
+                out.rmdir()
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if old is not None:
+                os.rename(old, out)  # the old corpus back where it was
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _first_line(e: BaseException) -> str:
@@ -877,10 +1417,11 @@ class SourceInfo:
 class TokenStore:
     """One split's shards as a single read-only sequence of token ids (memory-mapped)."""
 
-    def __init__(self, directory: Path, shards: Sequence[dict], dtype: np.dtype):
+    def __init__(self, directory: Path, shards: Sequence[dict], dtype: np.dtype, vocab_size: int | None = None):
         self.directory = Path(directory)
         self.shards = list(shards)
         self.dtype = dtype
+        self.vocab_size = vocab_size  # when given, every read checks its ids are below it
         self._maps: list[np.ndarray | None] = [None] * len(self.shards)
         self._starts = [0]
         for sh in self.shards:
@@ -914,10 +1455,19 @@ class TokenStore:
         while pos < length:
             local = start + pos - self._starts[i]
             take = min(length - pos, self._starts[i + 1] - self._starts[i] - local)
-            out[pos:pos + take] = self._map(i)[local:local + take]
+            piece = self._map(i)[local:local + take]
+            if self.vocab_size is not None and take and int(piece.max()) >= self.vocab_size:
+                self._bad_id(i, local, piece)
+            out[pos:pos + take] = piece
             pos += take
             i += 1
         return out
+
+    def _bad_id(self, i: int, local: int, piece: np.ndarray) -> None:
+        at = int(np.argmax(piece >= self.vocab_size))
+        raise InputError(f"{self.directory / self.shards[i]['file']}: token id {int(piece[at])} at token {local + at} "
+                         f"is outside the vocabulary of {self.vocab_size} (ids 0..{self.vocab_size - 1}); the shard "
+                         "is corrupt or from another corpus, re-run memplan prepare")
 
     def verify(self) -> None:
         for sh in self.shards:
@@ -960,8 +1510,8 @@ class PreparedData:
                 self.dtype.itemsize < np.dtype(token_dtype_name(self.vocab_size)).itemsize:
             raise InputError(f"{where}: dtype {m['dtype']!r} cannot hold {self.vocab_size} token ids; "
                              "re-run memplan prepare")
-        self.train = TokenStore(self.path, train_shards, self.dtype)
-        self.val = TokenStore(self.path, val_shards, self.dtype)
+        self.train = TokenStore(self.path, train_shards, self.dtype, self.vocab_size)
+        self.val = TokenStore(self.path, val_shards, self.dtype, self.vocab_size)
         for name, store in (("train", self.train), ("val", self.val)):
             if len(store) != split_tokens[name]:
                 raise InputError(f"{where}: {name} shards hold {len(store)} tokens but the manifest says "
@@ -990,10 +1540,11 @@ class PreparedData:
             self._tokenizer = Tokenizer.from_manifest_entry(self.manifest["tokenizer"], self.path)
         return self._tokenizer
 
-    def verify(self) -> None:
-        """Check the sha256 of every shard and of the tokenizer against the manifest (reads all files)."""
-        self.train.verify()
-        self.val.verify()
+    def verify(self, splits: Sequence[str] = ("train", "val")) -> None:
+        """Check the sha256 of every shard of ``splits`` and of the tokenizer against the manifest (reads
+        those files)."""
+        for split in splits:
+            getattr(self, split).verify()
         self._tokenizer = None
         _ = self.tokenizer
 

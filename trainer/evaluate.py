@@ -135,6 +135,7 @@ def resolve_data(run_dir: Path, meta: dict, data_dir: str | Path | None,
                              "a corpus prepared with the run's tokenizer")
         data_dir = own_path
     data = PreparedData(data_dir)
+    data.verify(splits=("val",))  # the held-out shards eval reads, and the tokenizer, against their sha256
     run_sha = meta.get("tokenizer_sha256") or (meta.get("tokenizer") or {}).get("sha256")
     data_sha = data.manifest["tokenizer"]["sha256"]
     if run_sha != data_sha:

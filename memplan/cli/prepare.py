@@ -71,9 +71,29 @@ def prepare_command(
     out = Path(out)
     data.check_out_dir(out, force)
     sources = data.resolve_inputs(inputs, text_field=text_field) if inputs else data.embedded_sources()
-    with _ProgressBars(console) as bars:
-        result = data.prepare(sources, out, config, force=force, progress=bars.update)
+    notes: list[str] = []
+    try:
+        with _ProgressBars(console) as bars:
+            result = data.prepare(sources, out, config, force=force, progress=bars.update, notes=notes.append)
+    except data.Interrupted as e:
+        done = (f"the new corpus was already complete and is in {out}" if e.completed else
+                f"removed its temporary files, nothing written to {out}")
+        _exit_one_line(f"prepare {e}; {done}", 128 + e.signum)
+    except OSError as e:  # the environment failed (a full disk, a directory gone): not bad input
+        where = e.filename or out
+        _exit_one_line(f"{where}: {e.strerror or e} (errno {e.errno}) while preparing into {out}; removed its "
+                       "temporary files, nothing written", 1)
+    finally:  # on stdout: a failure's stderr is its one line
+        for line in notes:
+            Console(highlight=False).print(f"[yellow]note:[/] {line}", soft_wrap=True)
     _print_summary(result, config, time.perf_counter() - started)
+
+
+def _exit_one_line(message: str, code: int) -> None:
+    import sys
+
+    print("memplan: error: " + " ".join(message.split()), file=sys.stderr)
+    raise SystemExit(code)
 
 
 def _fraction(text: str, what: str) -> float:
@@ -124,6 +144,7 @@ def _print_summary(result, config, seconds: float) -> None:
 
     from memplan.cli.fit import fits
     from memplan.units import format_count
+    from trainer.data import VAL_SPLIT_TOLERANCE
 
     m = result.manifest
     headers = ("source", "docs", "chars", "tokens", "val", "dups", "filtered")
@@ -163,5 +184,15 @@ def _print_summary(result, config, seconds: float) -> None:
     out.print(f"{seconds:.1f} s in all: read and clean {t.get('read', 0):.1f} s, tokenizer {t.get('tokenizer', 0):.1f} s, "
               f"tokenize and write {t.get('tokenize', 0):.1f} s{rate} with {config.workers} worker(s)")
     for s in result.stats:
-        if s.documents and not s.val_documents and config.val_fraction > 0:
+        if s.val_split == "window":
+            share = s.val_tokens / s.tokens if s.tokens else 0.0
+            out.print(f"[yellow]note:[/] source {s.name!r}: {s.documents} document(s); whole documents cannot hold "
+                      f"out {config.val_fraction:.0%} (within ±{VAL_SPLIT_TOLERANCE:.0%} of it), so held out the "
+                      f"last {s.val_tokens:,} of its "
+                      f"{s.tokens:,} tokens ({share:.1%}) by cutting document {s.val_start_document + 1} at a space "
+                      "(manifest: val_split \"window\")")
+        elif s.documents and not s.val_documents and config.val_fraction > 0:
             out.print(f"[yellow]note:[/] source {s.name!r} has {s.documents} document(s): nothing held out for it")
+        if s.skipped_files:
+            out.print(f"[yellow]warning:[/] source {s.name!r}: skipped {len(s.skipped_files)} file(s) that are not "
+                      f"text: " + "; ".join(f"{p} ({why})" for p, why in s.skipped_files))

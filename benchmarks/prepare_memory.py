@@ -1,0 +1,110 @@
+"""Peak memory of `memplan prepare` for one huge document with no newline against the same text as many
+documents (issue 14, item 17).
+
+Writes SIZE megabytes of generated prose (words and numbers, single spaces, no newline) as one .txt
+document, and the same text cut into documents of ~1,400 characters separated by <|endoftext|>;
+prepares each in a child process (`memplan prepare --workers 1 --tokenizer bpe:4096`), one at a time,
+and reports each child's peak resident memory: VmHWM from /proc/PID/status read just before it exits
+(where /proc is missing, `resource.getrusage(RUSAGE_CHILDREN).ru_maxrss` of a fresh intermediate
+process). Prepare reads, cleans, stages and tokenizes a document longer than
+``trainer.data.DOC_CHUNK_CHARS`` in pieces of that size, so the two peaks should differ by at most a
+few pieces' worth, whatever SIZE; read whole, the one document took ~140 bytes per character.
+
+    python benchmarks/prepare_memory.py [--size-mb 50] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["river", "stone", "lantern", "orchard", "copper", "meadow", "harbour", "violet", "thunder", "pebble",
+         "the", "a", "of", "and", "walked", "slowly", "across", "under", "bright", "quiet"]
+
+# Run in the child: prepare, then print VmHWM (KiB) of this very process (exec resets it, fork does not
+# matter here: the child is a fresh interpreter started by a small parent).
+_CHILD = """
+import resource, sys
+from memplan.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+try:
+    hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+except OSError:
+    hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(f"VMHWM_KIB {hwm}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def prose(n_chars: int, seed: int = 0) -> str:
+    import random
+
+    rng = random.Random(seed)
+    out, size = [], 0
+    while size < n_chars:
+        w = rng.choice(WORDS) + (str(rng.randint(0, 999)) if rng.random() < 0.15 else "")
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+def peak_of_prepare(src: Path, out: Path) -> tuple[int, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _CHILD, "prepare", "--input", str(src), "--out", str(out),
+                           "--workers", "1", "--tokenizer", "bpe:4096", "--force"],
+                          env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"prepare failed ({done.returncode}): {done.stderr[-2000:]}")
+    kib = next(int(line.split()[1]) for line in done.stderr.splitlines() if line.startswith("VMHWM_KIB"))
+    return kib, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=50.0, help="megabytes of text (default 50)")
+    parser.add_argument("--keep", help="write the inputs and corpora here (default: a temporary directory)")
+    args = parser.parse_args()
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="prepare-memory-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        text = prose(int(args.size_mb * 1e6))
+        one = root / "one.txt"
+        one.write_text(text, encoding="utf-8")
+        words = text.split(" ")
+        many = root / "many.txt"
+        docs = [" ".join(words[i:i + 200]) for i in range(0, len(words), 200)]
+        many.write_text("<|endoftext|>".join(docs), encoding="utf-8")
+        del text, words
+        from trainer.data import DOC_CHUNK_CHARS
+
+        print(f"{len(docs):,} documents of ~{os.path.getsize(many) // len(docs):,} characters vs one of "
+              f"{os.path.getsize(one):,} with no newline; pieces of {DOC_CHUNK_CHARS:,} characters")
+        rows = []
+        for name, src in (("one document", one), (f"{len(docs):,} documents", many)):
+            kib, seconds = peak_of_prepare(src, root / f"out-{src.stem}")
+            rows.append((name, kib, seconds))
+            print(f"  {name:>18}: peak RSS {kib / 1024:8.1f} MiB  ({seconds:.1f} s)")
+        diff = rows[0][1] - rows[1][1]
+        per_char = diff * 1024 / DOC_CHUNK_CHARS
+        print(f"difference: {diff / 1024:+.1f} MiB ({per_char:+.0f} bytes per character of a piece)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
