@@ -397,3 +397,21 @@ def test_a_binary_file_named_txt_is_skipped_with_a_warning_or_refused_alone(tmp_
     assert "skipped 1 file(s) that are not text" in text and str(src / "program.txt") in text
     m = PreparedData(out).manifest
     assert m["sources"][0]["documents"] == 1 and m["sources"][0]["skipped_files"][0][0] == str(src / "program.txt")
+
+
+def _dies(item):
+    import os
+
+    if item == 3:
+        os._exit(9)  # a worker killed mid-item (OOM killer, kill -9)
+    return item
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang():
+    """multiprocessing.Pool waits forever for the result of a worker that died; ordered_map must raise."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from trainer.data import ordered_map
+
+    with pytest.raises(BrokenProcessPool):
+        list(ordered_map(_dies, range(8), workers=2))

@@ -724,23 +724,30 @@ def ordered_map(func, items: Iterable, workers: int, *, initializer=None, initar
     At most ``2 × workers`` items are in flight, so a long iterable is never held in memory.
     Uses the "fork" start method (the children need nothing re-imported, and the ``python -m
     memplan`` entry point must not re-run in them); where fork is missing (Windows) it runs
-    in-process. ``func`` must be a module-level function.
+    in-process. ``func`` must be a module-level function. A worker that dies (killed, out of
+    memory) raises ``BrokenProcessPool`` here: ``concurrent.futures`` notices a lost worker, where
+    ``multiprocessing.Pool`` waits for its result forever.
     """
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
 
     if workers <= 1 or "fork" not in mp.get_all_start_methods():
         if initializer is not None:
             initializer(*initargs)
         yield from map(func, items)
         return
-    with mp.get_context("fork").Pool(workers, initializer=_pool_child_init, initargs=(initializer, initargs)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_pool_child_init,
+                               initargs=(initializer, initargs))
+    try:
         pending: deque = deque()
         for item in items:
-            pending.append(pool.apply_async(func, (item,)))
+            pending.append(pool.submit(func, item))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _pool_child_init(initializer, initargs) -> None:
