@@ -398,7 +398,7 @@ CONFIG_MAX_BYTES = 1 << 20  # a config.json is a few KiB; more is not one (read 
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
     """The JSON object of a config file, read as UTF-8, at most CONFIG_MAX_BYTES; anything else one InputError."""
     what = f"--model: {str(path)!r}"
     try:
@@ -483,7 +483,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     Every value memplan reads is checked here, naming its key (``hidden_size``, not ``--hidden``): whole
     numbers in [1, MAX_DIM], finite positive floats, booleans, head counts that divide."""
     path = Path(path)
-    c = _Config(path, _read_config(path))
+    c = _Config(path, read_config(path))
     cfg, model_type = c.cfg, c.model_type
     if model_type not in HF_MODEL_TYPES:
         raise InputError(

@@ -155,7 +155,7 @@ def test_trace_stack_bad_input_is_one_line(args, needles):
 
 
 @pytest.mark.parametrize("content,needle", [
-    (b"\xff\xfe not utf-8", "UTF-8 JSON"),
+    (b"\xff\xfe not utf-8", "UTF-8"),
     (b"[1, 2]", "model_type"),
     (b'{"model_type": "no-such-family", "vocab_size": 10}', "no-such-family"),
     (b'{"model_type": "phi", "hidden_size": "wide", "num_hidden_layers": 2, "num_attention_heads": 4, '

@@ -25,7 +25,6 @@ StackOpt = Annotated[str, typer.Option(
 LoraDropoutOpt = Annotated[float | None, typer.Option(
     "--lora-dropout", help="--stack transformers with --lora-rank: peft's lora_dropout (default: peft's, 0.0). "
                            "Above 0, each adapter saves its dropout's mask and output.")]
-MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KiB; anything this large is not one
 
 
 def traced_json(est, traced) -> dict:
@@ -55,29 +54,15 @@ def traced_json(est, traced) -> dict:
 def read_hf_config(path: str) -> dict | None:
     """The contents of ``path`` when it is a Hugging Face config.json (a JSON object with a
     ``model_type``), else None (a size or preset name); a file that is not one is an InputError."""
-    import json
     from pathlib import Path
 
-    p = Path(path)
-    if not (path.endswith(".json") or p.is_file()):
+    from memplan.model import read_config
+
+    if not (path.endswith(".json") or Path(path).is_file() or Path(path).is_dir()):
         return None
-    try:
-        with p.open("rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise InputError(f"--model: no such file {path!r}") from None
-    except IsADirectoryError:
-        raise InputError(f"--model: {path!r} is a directory; give its config.json") from None
-    except OSError as e:
-        raise InputError(f"--model: cannot read {path!r} ({e.strerror})") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise InputError(f"--model: {path!r} is over {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a few KiB")
-    try:
-        cfg = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"--model: {path!r} is not a UTF-8 JSON file ({e})") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
-        raise InputError(f"--model: {path!r} is not a Hugging Face config (a JSON object with a model_type)")
+    cfg = read_config(Path(path))
+    if not isinstance(cfg.get("model_type"), str):
+        raise InputError(f"--model: {path!r} has no model_type; accepted: a Hugging Face config.json")
     return cfg
 
 
