@@ -130,6 +130,7 @@ class ValidationRow:
     measured_terms: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     rank: int | None = None  # the rank measured, under --world-size > 1
+    stack: str = "memplan"  # whose training code was measured (trainer/stacks)
 
     @property
     def error(self) -> float:
@@ -150,7 +151,8 @@ class ValidationRow:
                  "predicted_reserved": self.predicted_reserved, "measured_reserved": self.measured_reserved,
                  "driver_used": self.driver_used, "measured_rss_delta": self.measured_rss_delta,
                  "peak_moment": self.peak_moment, "predicted_terms": self.predicted_terms,
-                 "measured_terms": self.measured_terms, "seconds": self.seconds, "rank": self.rank}
+                 "measured_terms": self.measured_terms, "seconds": self.seconds, "rank": self.rank,
+                 "stack": self.stack if self.stack != "memplan" else None}
         row.update({k: v for k, v in extra.items() if v not in (None, {}, "")})
         return row
 
@@ -186,8 +188,16 @@ def summarize(rows: list[ValidationRow]) -> Summary:
 def validation_json(device: str, rows: list[ValidationRow]) -> dict:
     """The JSON of ``memplan validate`` (docs/json.md)."""
     summary = summarize(rows)
-    return {"device": device, "rows": [r.to_json() for r in rows], "median_abs_error": summary.median_abs_error,
-            "max_abs_error": summary.max_abs_error, "trace_max_abs_error": summary.trace_max_abs_error}
+    out = {"device": device, "rows": [r.to_json() for r in rows], "median_abs_error": summary.median_abs_error,
+           "max_abs_error": summary.max_abs_error, "trace_max_abs_error": summary.trace_max_abs_error}
+    stacks = list(dict.fromkeys(r.stack for r in rows))
+    if stacks != ["memplan"]:  # --stack: the same figures for each stack's rows alone
+        out["stacks"] = {}
+        for stack in stacks:
+            part = summarize([r for r in rows if r.stack == stack])
+            out["stacks"][stack] = {"median_abs_error": part.median_abs_error, "max_abs_error": part.max_abs_error,
+                                    "trace_max_abs_error": part.trace_max_abs_error}
+    return out
 
 
 # ---- inference: prefill and decode peaks of real generation ------------------------------------

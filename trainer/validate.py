@@ -44,6 +44,41 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
 
 
 
+def run_stack_config(config: MatrixConfig, device: Device, stack: str, trace: bool = True) -> ValidationRow:
+    """One config with another library's code (``trainer/stacks``): its real two steps on this CPU
+    (``measure_stack``, MemTracker on real tensors) against the analytic walk and the stack's trace."""
+    from trainer.stacks import StackModel, measure_stack, trace_stack
+
+    t0 = time.perf_counter()
+    model = StackModel(spec=config.spec)
+    predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead)
+    measured = measure_stack(stack, model, config.setup)
+    traced = trace_stack(stack, model, config.setup, "cpu") if trace else None
+    return ValidationRow(
+        name=f"{config.name} ({stack})", spec=config.spec, setup=config.setup,
+        predicted_allocated=predicted.peak_allocated, measured_allocated=measured.peak_allocated,
+        trace_allocated=traced.peak_allocated if traced else None, predicted_reserved=predicted.peak_reserved,
+        peak_moment=predicted.peak_moment, seconds=time.perf_counter() - t0, stack=stack,
+    )
+
+
+def stack_can_run(config: MatrixConfig, stack: str) -> str | None:
+    """Why ``stack``'s code cannot take ``config``'s step (None when it can): one process only, no
+    selective checkpointing (memplan's own), no 8-bit optimizer, no compile."""
+    setup = config.setup
+    if stack == "memplan":
+        return None
+    if setup.world_size > 1:
+        return "one process only"
+    if setup.checkpointing == "selective":
+        return "selective checkpointing is memplan's own"
+    if setup.optimizer == "adamw8bit":
+        return "bitsandbytes is not installed here"
+    if setup.compile:
+        return "compiled steps are not measured per stack"
+    return None
+
+
 def predicted_rank_terms(config: MatrixConfig, rank: int, collectives: str) -> dict[str, int]:
     """``predicted_terms`` of one rank of a DDP or FSDP step: the sharded (FSDP) or whole
     parameters, DDP's buckets or FSDP's sharded gradients, the rank's optimizer state."""

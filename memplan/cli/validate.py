@@ -20,6 +20,10 @@ QuickOpt = Annotated[bool, typer.Option("--quick", help="Only the matrix's repre
 HtmlOpt = Annotated[Optional[str], typer.Option("--html", help="Write a self-contained HTML report to this file.",
                                                 show_default=False)]
 NoTraceOpt = Annotated[bool, typer.Option("--no-trace", help="Skip the FakeTensor trace of each config.")]
+StacksOpt = Annotated[str, typer.Option(
+    "--stack", help="Whose training code to measure, comma-separated for side by side: memplan (its own "
+                    "trainer) | transformers (Hugging Face, peft for LoRA; `pip install 'memplan[stacks]'`). "
+                    "Other stacks run one process on this CPU.")]
 ModeOpt = Annotated[str, typer.Option(
     "--mode", help="training: a real training step per config (the default). inference: real generation per "
                    "config, its prefill and decode peaks against `estimate --mode inference` (matrices in "
@@ -88,7 +92,7 @@ def validation_page(device_name: str, rows, summary, ranks: int = 1):
 def validate_command(
     matrix: MatrixOpt = None, quick: QuickOpt = False, json: JsonOpt = False, html: HtmlOpt = None,
     no_trace: NoTraceOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    world_size: RanksOpt = "1", mode: ModeOpt = "training", threads: ThreadsOpt = None,
+    world_size: RanksOpt = "1", mode: ModeOpt = "training", threads: ThreadsOpt = None, stack: StacksOpt = "memplan",
 ) -> None:
     """Predict, trace and really measure each config of a matrix on this device; print the errors and the bars.
 
@@ -104,6 +108,14 @@ def validate_command(
     if mode not in ("training", "inference"):
         raise choice_error("--mode", mode, ["training", "inference"])
     threads_from(threads)  # a bad value is refused before torch starts
+    from trainer.stacks import STACKS
+
+    stacks = [t.strip() for t in stack.split(",") if t.strip()]
+    if not stacks or any(t not in STACKS for t in stacks) or len(set(stacks)) != len(stacks):
+        raise InputError(f"--stack: {stack!r} (accepted: a comma-separated list of {', '.join(STACKS)}, each once)")
+    if stacks != ["memplan"] and (mode != "training" or world_size != "1"):
+        raise InputError(f"--stack {stack}: other stacks are measured in one process, training "
+                         "(accepted with them: --mode training --world-size 1)")
     if mode == "inference":
         use_threads(threads)
         if world_size != "1":
@@ -137,7 +149,22 @@ def validate_command(
         check_report_path(html, "--html", "validate.html")
     dev = device_from(device, device_memory)
 
-    from trainer.validate import run_config, run_distributed
+    from trainer.validate import run_config, run_distributed, run_stack_config, stack_can_run
+
+    jobs = [(c, t) for c in configs for t in stacks if stack_can_run(c, t) is None]
+    skipped = [(c, t, stack_can_run(c, t)) for c in configs for t in stacks if stack_can_run(c, t) is not None]
+    if stacks != ["memplan"]:
+        from trainer.stacks import require
+
+        for t in stacks:  # a missing library is refused before anything is measured
+            if t == "transformers":
+                require("transformers", t)
+                require("peft", t)
+        from trainer.measure import local_family
+
+        if local_family() != "cpu":
+            raise InputError(f"--stack {stack}: other stacks are measured on the CPU for now (this machine: "
+                             f"{local_family()}); accepted here: --stack memplan")
 
     use_threads(threads)
 
@@ -153,11 +180,16 @@ def validate_command(
             rows = run_distributed(configs, dev, ranks,
                                    progress=lambda done: progress.update(task, completed=done))
         else:
-            task = progress.add_task("validating", total=len(configs))
-            for config in configs:
-                progress.update(task, description=f"validating {config.name}")
-                rows.append(run_config(config, dev, trace=not no_trace))
+            task = progress.add_task("validating", total=len(jobs))
+            for config, which in jobs:
+                progress.update(task, description=f"validating {config.name}"
+                                                  + (f" ({which})" if which != "memplan" else ""))
+                rows.append(run_config(config, dev, trace=not no_trace) if which == "memplan"
+                            else run_stack_config(config, dev, which, trace=not no_trace))
                 progress.advance(task)
+    if not rows:
+        raise InputError(f"--stack {stack}: no config of matrix {matrix!r} can run on it ("
+                         + "; ".join(sorted({why for _, _, why in skipped})) + ")")
     summary = summarize(rows)
     if html:
         from memplan.report import save_page
@@ -168,14 +200,55 @@ def validate_command(
         return
     where = f"{dev.name}, each rank of {ranks} gloo processes" if ranks > 1 else dev.name
     print_validation_table(console, rows, where)
-    console.print(f"median |error| [bold]{summary.median_abs_error:.2%}[/], worst [bold]{summary.max_abs_error:.2%}[/] "
-                  f"({summary.worst})")
-    for what, value, bar, met in summary.bars():
-        mark = "[green]met[/]" if met else "[red]MISSED[/]"
-        console.print(f"  {what}: {value:.2%} (bar ≤ {bar:.0%}) {mark}")
+    if skipped:
+        console.print(f"not run: {len(skipped)} config(s) a stack cannot take ("
+                      + "; ".join(sorted({f'{t}: {why}' for _, t, why in skipped})) + ")", soft_wrap=True)
+    if stacks != ["memplan"]:
+        _print_stacks_side_by_side(console, rows)
+    from rich.markup import escape
+
+    for which in dict.fromkeys(r.stack for r in rows):
+        part = summarize([r for r in rows if r.stack == which]) if len(stacks) > 1 else summary
+        if len(stacks) > 1:
+            walk = "memplan's own model's walk" if which != "memplan" else "the walk"
+            console.print(f"[bold]{which}[/] ({walk} against the measured {which} step):")
+        console.print(f"median |error| [bold]{part.median_abs_error:.2%}[/], worst [bold]{part.max_abs_error:.2%}[/] "
+                      f"({escape(part.worst)})")
+        for what, value, bar, met in part.bars():
+            mark = "[green]met[/]" if met else "[red]MISSED[/]"
+            console.print(f"  {what}: {value:.2%} (bar ≤ {bar:.0%}) {mark}")
     if html:
         console.print(f"report: {html}")
     sys.stdout.flush()
+
+
+def _print_stacks_side_by_side(console, rows) -> None:
+    """The measured peak of each config per stack, and each stack's against memplan's own, where both ran."""
+    from rich.table import Table
+
+    from memplan.units import format_bytes
+
+    by_config: dict[str, dict[str, int]] = {}
+    for r in rows:
+        by_config.setdefault(r.name.removesuffix(f" ({r.stack})"), {})[r.stack] = r.measured_allocated
+    stacks = list(dict.fromkeys(r.stack for r in rows))
+    table = Table(title="Measured peak allocated per stack (the same config)", title_justify="left")
+    table.add_column("config", no_wrap=True)
+    for t in stacks:
+        table.add_column(t, justify="right", no_wrap=True)
+    for name, peaks in by_config.items():
+        cells = []
+        for t in stacks:
+            if t not in peaks:
+                cells.append("-")
+            elif t != "memplan" and "memplan" in peaks:
+                cells.append(f"{format_bytes(peaks[t])} ({(peaks['memplan'] - peaks[t]) / peaks[t]:+.1%})")
+            else:
+                cells.append(format_bytes(peaks[t]))
+        table.add_row(name, *cells)
+    console.print(table)
+    if "memplan" in stacks:
+        console.print("(in brackets: memplan's own peak against that stack's, (memplan − stack) / stack)")
 
 
 def _validation_table(rows, where: str, moments: dict[str, str] | None = None):
