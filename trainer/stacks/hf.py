@@ -27,6 +27,7 @@ from memplan.setup import TrainSetup
 from trainer.stacks import StackModel, require
 
 STACK = "transformers"
+LIBRARY = "transformers"
 DEFAULT_LORA_ALPHA = 16.0
 PEFT_DEFAULT_DROPOUT = 0.0  # peft's LoraConfig.lora_dropout default
 
