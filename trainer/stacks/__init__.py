@@ -102,7 +102,8 @@ def _as_on_real_tensors(stack: str):
     if stack == "memplan":
         return contextlib.nullcontext()
     module = _stack_module(stack)
-    require(module.LIBRARY, stack, getattr(module, "EXTRA", EXTRA))  # missing: the one line, before any import
+    with getattr(module, "quiet_import", contextlib.nullcontext)():  # missing: the one line, before any import
+        require(module.LIBRARY, stack, getattr(module, "EXTRA", EXTRA))
     return module.as_on_real_tensors()
 
 
