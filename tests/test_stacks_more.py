@@ -6,8 +6,9 @@ accommodations, each with a test that fails without it: litgpt's model (built an
 Fabric's precision plugin) only within ``converting_fake_parameters``, and torchtune's Llama 3.2
 RoPE, whose scaling reads values, only within ``torchtune.as_on_real_tensors``.
 
-litgpt and torchtune are optional (litgpt in its own extra: its pins conflict with transformers 5's);
-without one, its tests are skipped.
+litgpt and torchtune are optional, each in an extra of its own (``memplan[litgpt]``,
+``memplan[torchtune]``: their pins conflict with transformers 5's and peft's); without one, its
+tests are skipped.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ SHAPE = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "
 
 
 def _needs(library: str):
-    pytest.importorskip(library)
     if library == "torchtune":
-        pytest.importorskip("torchao")
+        pytest.importorskip("torchao")  # torchtune without it raises a plain ImportError, which is no skip
+    pytest.importorskip(library)
 
 
 def _both(stack, spec, setup, lora_dropout=None):
@@ -144,7 +145,7 @@ def test_trace_cli_json_for_the_stack(stack):
     assert done.stderr.strip() == ""
 
 
-@pytest.mark.parametrize("stack,library,extra", [("torchtune", "torchtune", "memplan[stacks]"),
+@pytest.mark.parametrize("stack,library,extra", [("torchtune", "torchtune", "memplan[torchtune]"),
                                                  ("litgpt", "litgpt", "memplan[litgpt]")])
 def test_a_missing_library_is_one_line_naming_its_extra(monkeypatch, stack, library, extra):
     monkeypatch.setitem(sys.modules, library, None)  # import raises ImportError

@@ -21,8 +21,10 @@ Stacks (``--stack``):
   single-device recipes (``CEWithChunkedOutputLoss``, ``set_activation_checkpointing``,
   ``set_trainable_params``) (``trainer/stacks/torchtune.py``).
 
-The libraries are optional (``pip install 'memplan[stacks]'``; litgpt, whose pins conflict with
-transformers 5's, ``pip install 'memplan[litgpt]'``); without one, a one-line error names the extra.
+The libraries are optional: ``pip install 'memplan[stacks]'`` (transformers, peft),
+``'memplan[litgpt]'``, ``'memplan[torchtune]'``, the last two each in an environment of its own
+(their pins conflict with transformers 5's and peft's: pyproject.toml says how); without one, a
+one-line error names its extra.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from trainer.stacks import StackModel, require
 
 STACK = "torchtune"
 LIBRARY = "torchtune"
+EXTRA = "pip install 'memplan[torchtune]'"
 PRECISIONS = ("fp32", "tf32", "bf16")
 LORA_DEFAULT_DROPOUT = 0.0  # the recipes' configs: lora_dropout: 0.0
 IGNORE_INDEX = -100  # CEWithChunkedOutputLoss's ignore_index
@@ -92,7 +93,7 @@ def lora_modules(targets: str) -> tuple[list[str], bool]:
 def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None = None) -> torch.nn.Module:
     """torchtune's model for ``model`` as its single-device recipes set it up."""
     with quiet_import():
-        require("torchtune", STACK)
+        require("torchtune", STACK, EXTRA)
     check(model, setup)
     from torchtune import modules, training
     from torchtune.models.llama3 import llama3, lora_llama3
