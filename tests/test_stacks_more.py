@@ -181,3 +181,18 @@ def test_families_a_stack_does_not_build_are_one_line(stack, shape, needle):
                                     "--heads", "4", "--ffn", "256", "--vocab", "320", "--ctx", "64",
                                     "--device", "cpu"])
     one_line_error(done, needle, "accepted")
+
+
+def test_peft_refusing_an_old_torchao_is_one_line(monkeypatch):
+    """torchtune's extra installs a torchao older than 0.15, which peft 0.19+ refuses with an
+    ImportError from get_peft_model: --stack transformers --lora-rank says so in one line."""
+    pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+
+    def refuse(*args, **kwargs):
+        raise ImportError("Found an incompatible version of torchao. Found version 0.14.1, but only versions "
+                          "above 0.16.0 are supported")
+
+    monkeypatch.setattr(peft, "get_peft_model", refuse)
+    done = CliRunner().invoke(app, ["trace", "--stack", "transformers", *SHAPE, "--lora-rank", "4"])
+    one_line_error(done, "peft", "torchao", "memplan[torchtune]")
