@@ -21,10 +21,14 @@ TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits"
 
 StackOpt = Annotated[str, typer.Option(
     "--stack", help="Whose training code to trace: memplan (its own trainer) | transformers (Hugging Face "
-                    "transformers, with peft for --lora-rank). transformers needs `pip install 'memplan[stacks]'`.")]
+                    "transformers, with peft for --lora-rank) | litgpt (litgpt's GPT, pretrain.py's step or "
+                    "finetune/lora.py's with --lora-rank) | torchtune (its Llama builders and single-device "
+                    "recipes' step). transformers needs `pip install 'memplan[stacks]'`, litgpt 'memplan[litgpt]', "
+                    "torchtune 'memplan[torchtune]' (each of the last two in its own environment).")]
 LoraDropoutOpt = Annotated[float | None, typer.Option(
-    "--lora-dropout", help="--stack transformers with --lora-rank: peft's lora_dropout (default: peft's, 0.0). "
-                           "Above 0, each adapter saves its dropout's mask and output.")]
+    "--lora-dropout", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
+                           "(default: the library's own: peft's 0.0, litgpt finetune_lora's 0.05, torchtune's "
+                           "configs' 0.0). Above 0, each adapter saves its dropout's mask and output.")]
 
 
 def traced_json(est, traced) -> dict:
@@ -99,7 +103,9 @@ def trace_command(
 
     --stack memplan traces memplan's own model and step; --stack transformers builds transformers'
     model for the shape (or for --model config.json, any family transformers builds) and takes its
-    step as transformers' Trainer does, with peft's LoRA for --lora-rank. With --world-size N
+    step as transformers' Trainer does, with peft's LoRA for --lora-rank; --stack litgpt and
+    --stack torchtune build that library's model for the shape and take its scripts' step, with
+    its own LoRA and checkpointing. With --world-size N
     --sharding fsdp (memplan's stack): rank 0 of an FSDP2 step, the other ranks stood in for by a
     fake process group (collectives as NCCL runs them)."""
     from trainer.stacks import STACKS
@@ -112,8 +118,8 @@ def trace_command(
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
     if lora_dropout is not None and (stack == "memplan" or not rank or not 0.0 <= lora_dropout < 1.0):
-        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers with "
-                         "--lora-rank (memplan's own adapters have no dropout)")
+        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack "
+                         "transformers|litgpt|torchtune with --lora-rank (memplan's own adapters have no dropout)")
     if stack != "memplan":
         return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied),
                             device, device_memory, tokens, json, lora_dropout)

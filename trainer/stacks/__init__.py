@@ -13,10 +13,18 @@ Stacks (``--stack``):
 - ``memplan``: memplan's own trainer (``trainer/model.py``, ``trainer/step.py``);
 - ``transformers``: Hugging Face transformers' ``AutoModelForCausalLM.from_config``, its
   ``labels=`` loss, ``gradient_checkpointing_enable()``, and peft's ``LoraConfig`` /
-  ``get_peft_model`` for LoRA (``trainer/stacks/hf.py``).
+  ``get_peft_model`` for LoRA (``trainer/stacks/hf.py``);
+- ``litgpt``: litgpt's ``GPT(Config(...))`` with Fabric's precision plugin, pretrain.py's step
+  (``chunked_cross_entropy``, clipping) or, with LoRA, finetune/lora.py's (``litgpt.lora``,
+  ``mark_only_lora_as_trainable``, the head in chunks) (``trainer/stacks/litgpt.py``);
+- ``torchtune``: torchtune's ``llama3`` / ``lora_llama3`` component builders and the step of its
+  single-device recipes (``CEWithChunkedOutputLoss``, ``set_activation_checkpointing``,
+  ``set_trainable_params``) (``trainer/stacks/torchtune.py``).
 
-The libraries are optional (``pip install 'memplan[stacks]'``); without one, a one-line error
-names the extra.
+The libraries are optional: ``pip install 'memplan[stacks]'`` (transformers, peft),
+``'memplan[litgpt]'``, ``'memplan[torchtune]'``, the last two each in an environment of its own
+(their pins conflict with transformers 5's and peft's: pyproject.toml says how); without one, a
+one-line error names its extra.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from dataclasses import dataclass
 
 from memplan.errors import InputError
 
-STACKS = ("memplan", "transformers")
+STACKS = ("memplan", "transformers", "litgpt", "torchtune")
+_MODULES = {"transformers": "hf", "litgpt": "litgpt", "torchtune": "torchtune"}  # trainer/stacks/<module>.py
 EXTRA = "pip install 'memplan[stacks]'"
 
 
@@ -45,14 +54,21 @@ def check_stack(stack: str) -> str:
     return stack
 
 
-def require(module: str, stack: str):
+def require(module: str, stack: str, extra: str = EXTRA):
     """``module`` imported, or the one-line error naming the extra that installs it."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise InputError(f"--stack {stack}: needs the {module} package; install it with {EXTRA}") from None
+        raise InputError(f"--stack {stack}: needs the {module} package; install it with {extra}") from None
+
+
+def _stack_module(stack: str):
+    """trainer/stacks/<module>.py of a library's stack."""
+    import importlib
+
+    return importlib.import_module(f"trainer.stacks.{_MODULES[stack]}")
 
 
 def _vocab(model: StackModel) -> int:
@@ -76,22 +92,21 @@ def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
                              "(--params, --arch … or a config.json of llama, mistral, qwen2, gpt2, gpt_neox)")
         net = lora_for(build_model(model.spec, setup.attention, setup.checkpointing, param_dtype(setup.precision)),
                        setup)
-        step = train_step
-    else:
-        from trainer.stacks import hf
-
-        net = hf.build_model(model, setup, lora_dropout=lora_dropout)
-        step = hf.train_step
-    return net, make_optimizer(net, setup.optimizer), step
+        return net, make_optimizer(net, setup.optimizer), train_step
+    module = _stack_module(stack)
+    net = module.build_model(model, setup, lora_dropout=lora_dropout)
+    own = getattr(module, "make_optimizer", None)  # the library's optimizer as its scripts make it
+    return net, own(net, setup) if own else make_optimizer(net, setup.optimizer), module.train_step
 
 
 def _as_on_real_tensors(stack: str):
     """The stack's code on fake tensors takes the path it takes on real ones (``hf.as_on_real_tensors``)."""
-    if stack == "transformers":
-        from trainer.stacks import hf
-
-        return hf.as_on_real_tensors()
-    return contextlib.nullcontext()
+    if stack == "memplan":
+        return contextlib.nullcontext()
+    module = _stack_module(stack)
+    with getattr(module, "quiet_import", contextlib.nullcontext)():  # missing: the one line, before any import
+        require(module.LIBRARY, stack, getattr(module, "EXTRA", EXTRA))
+    return module.as_on_real_tensors()
 
 
 def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_dropout: float | None = None):

@@ -27,6 +27,7 @@ from memplan.setup import TrainSetup
 from trainer.stacks import StackModel, require
 
 STACK = "transformers"
+LIBRARY = "transformers"
 DEFAULT_LORA_ALPHA = 16.0
 PEFT_DEFAULT_DROPOUT = 0.0  # peft's LoraConfig.lora_dropout default
 
@@ -134,8 +135,12 @@ def _with_peft_lora(net, model_type: str, setup: TrainSetup, alpha: float, dropo
                              task_type="CAUSAL_LM")
     from trainer.stacks import converting_fake_parameters
 
-    with converting_fake_parameters():
-        return peft.get_peft_model(net, config)
+    try:
+        with converting_fake_parameters():
+            return peft.get_peft_model(net, config)
+    except ImportError as e:  # peft 0.19+ refuses a torchao older than 0.16 (torchtune 0.6 needs one older than 0.15)
+        raise InputError(f"--stack transformers --lora-rank: peft cannot load its adapters here "
+                         f"({' '.join(str(e).split())[:200]}); memplan[torchtune] needs an environment of its own") from None
 
 
 def train_step(model, optimizer, micro_batches, setup: TrainSetup, device_type: str, clip: float | None = 1.0,

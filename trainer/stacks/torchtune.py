@@ -1,0 +1,201 @@
+"""The torchtune stack: torchtune's Llama builders and the step of its single-device recipes.
+
+- the model: the component builder ``torchtune.models.llama3.llama3`` (an untied head) or
+  ``torchtune.models.llama3_2.llama3_2`` (``tie_word_embeddings=True``, a tied shape), with
+  vocab_size, num_layers, num_heads, num_kv_heads, embed_dim, max_seq_len, intermediate_dim,
+  norm_eps and rope_base from memplan's shape, built as the recipes build it: ``with
+  training.set_default_dtype(dtype), device:``. torchtune trains in one dtype (the recipes'
+  ``dtype: bf16 | fp32``, no autocast), so bf16 and fp32 (tf32: fp32 with TF32 matmuls) are
+  taken and the mixed precisions refused. Its attention is ``F.scaled_dot_product_attention``
+  with ``is_causal``, K and V expanded to every query head when the heads are grouped;
+- LoRA: ``lora_llama3`` / ``lora_llama3_2`` with ``lora_attn_modules`` (q_proj, k_proj, v_proj,
+  output_proj from memplan's qkv and proj), ``apply_lora_to_mlp`` (up and down together),
+  ``lora_rank``, ``lora_alpha = 2 * rank`` (the configs' "usually alpha=2*rank") and
+  ``lora_dropout`` (the configs' default 0.0), then ``set_trainable_params(model,
+  get_adapter_params(model))`` as ``lora_finetune_single_device`` does;
+- checkpointing ``full``: ``training.set_activation_checkpointing(model,
+  auto_wrap_policy={modules.TransformerSelfAttentionLayer})``, the recipes'
+  ``enable_activation_checkpointing: True``;
+- the loss: ``CEWithChunkedOutputLoss`` (8 chunks, each upcast to fp32) with
+  ``model.set_num_output_chunks(loss_fn.num_output_chunks)``; ``_loss_step`` shifts the labels
+  by appending ``ignore_labels_cache`` (not by slicing the logits) and frees the logits before
+  the backward;
+- the loop: each micro-batch's loss times its token count (``current_num_tokens``) is added to
+  ``running_loss`` and backpropagated; at the step ``training.scale_grads(model, 1 / num_tokens)``,
+  no clipping (``clip_grad_norm: null``), ``torch.optim.AdamW(model.parameters(), fused=True)``
+  as the recipes' configs set it, ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memplan.errors import InputError
+from memplan.setup import TrainSetup
+from trainer.stacks import StackModel, require
+
+STACK = "torchtune"
+LIBRARY = "torchtune"
+EXTRA = "pip install 'memplan[torchtune]'"
+PRECISIONS = ("fp32", "tf32", "bf16")
+LORA_DEFAULT_DROPOUT = 0.0  # the recipes' configs: lora_dropout: 0.0
+IGNORE_INDEX = -100  # CEWithChunkedOutputLoss's ignore_index
+
+
+@contextlib.contextmanager
+def quiet_import():
+    """torchao (which torchtune imports) logs a warning on import when its C++ kernels were built
+    for another torch; it then runs its Python paths, which are all the trace takes."""
+    import logging
+
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def check(model: StackModel, setup: TrainSetup) -> None:
+    spec = model.spec
+    if spec is None or spec.arch != "llama" or spec.norm != "rmsnorm" or spec.mlp != "swiglu" or spec.pos != "rope" \
+            or spec.bias or spec.qkv_bias or spec.parallel_residual or spec.rotary_pct != 1.0:
+        family = "a config.json" if spec is None else f"--arch {spec.arch}"
+        raise InputError(f"--stack torchtune: {family} is not taken; torchtune's Llama builders take llama shapes "
+                         "(accepted: --arch llama, a llama preset or size)")
+    if setup.precision not in PRECISIONS:
+        raise InputError(f"--stack torchtune: --precision {setup.precision}: torchtune's recipes train in one dtype "
+                         f"(dtype: bf16 | fp32, no autocast); accepted: {', '.join(PRECISIONS)}")
+    if setup.attention != "sdpa":
+        raise InputError("--stack torchtune: torchtune's attention is torch's scaled_dot_product_attention "
+                         "(accepted: --attention sdpa)")
+    if setup.checkpointing == "selective":
+        raise InputError("--stack torchtune: checkpointing 'selective' is memplan's own; torchtune's recipes "
+                         "checkpoint whole layers (accepted: none, full)")
+    if setup.optimizer not in ("adamw", "adamw-fused"):
+        raise InputError(f"--stack torchtune: --optimizer {setup.optimizer}: the recipes' configs train with "
+                         "torch.optim.AdamW (accepted: adamw, adamw-fused)")
+
+
+def lora_modules(targets: str) -> tuple[list[str], bool]:
+    """``lora_attn_modules`` and ``apply_lora_to_mlp`` for memplan's ``--lora-targets``."""
+    chosen = set(targets.split(","))
+    if ("up" in chosen) != ("down" in chosen):
+        raise InputError(f"--lora-targets {targets}: torchtune's apply_lora_to_mlp adapts every MLP matrix; give "
+                         "both up and down or neither (accepted: qkv, proj, up+down)")
+    attn = (["q_proj", "k_proj", "v_proj"] if "qkv" in chosen else []) + (["output_proj"] if "proj" in chosen else [])
+    return attn, "up" in chosen
+
+
+def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None = None) -> torch.nn.Module:
+    """torchtune's model for ``model`` as its single-device recipes set it up."""
+    with quiet_import():
+        require("torchtune", STACK, EXTRA)
+    check(model, setup)
+    from torchtune import modules, training
+    from torchtune.models.llama3 import llama3, lora_llama3
+    from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    from trainer.stacks import converting_fake_parameters
+
+    spec = model.spec
+    shape = dict(vocab_size=spec.vocab, num_layers=spec.layers, num_heads=spec.heads, num_kv_heads=spec.kv_heads,
+                 embed_dim=spec.hidden, max_seq_len=max(setup.ctx, spec.max_positions), intermediate_dim=spec.ffn,
+                 norm_eps=spec.norm_eps, rope_base=int(spec.rope_theta))
+    dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
+    with converting_fake_parameters(), training.set_default_dtype(dtype):
+        if setup.lora_rank:
+            attn, mlp = lora_modules(setup.lora_targets)
+            lora = dict(lora_attn_modules=attn, apply_lora_to_mlp=mlp, lora_rank=setup.lora_rank,
+                        lora_alpha=2.0 * setup.lora_rank,
+                        lora_dropout=LORA_DEFAULT_DROPOUT if lora_dropout is None else lora_dropout)
+            net = lora_llama3_2(**shape, **lora, tie_word_embeddings=True) if spec.tied else lora_llama3(**shape,
+                                                                                                          **lora)
+            set_trainable_params(net, get_adapter_params(net))
+        else:
+            net = llama3_2(**shape, tie_word_embeddings=True) if spec.tied else llama3(**shape)
+    if setup.checkpointing == "full":
+        training.set_activation_checkpointing(net, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    net._memplan_loss = CEWithChunkedOutputLoss()
+    net.set_num_output_chunks(net._memplan_loss.num_output_chunks)
+    net.train()
+    return net
+
+
+def make_optimizer(net: torch.nn.Module, setup: TrainSetup) -> torch.optim.Optimizer:
+    """The configs' ``optimizer: {_component_: torch.optim.AdamW, fused: True}`` over
+    ``model.parameters()`` (frozen ones get no state)."""
+    return torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+
+
+def _loss_step(model, tokens, labels, ignore_labels_cache):
+    """The recipes' ``_loss_step``."""
+    logits = model(tokens=tokens)
+    labels = torch.hstack((labels[..., 1:], ignore_labels_cache[: labels.shape[0]]))
+    if not isinstance(logits, list):
+        labels = labels.reshape(-1)
+        logits = logits.reshape(-1, logits.size(-1))
+    loss = model._memplan_loss(logits, labels)
+    del logits  # "free logits otherwise it peaks backward memory"
+    return loss
+
+
+def train_step(model, optimizer, micro_batches, setup: TrainSetup, device_type: str, before_forward=None,
+               after_forward=None) -> None:
+    """One optimizer step of the recipes' ``train`` loop; ``micro_batches`` are (tokens, labels) pairs."""
+    from torchtune import training
+
+    cache = getattr(model, "_memplan_ignore_labels", None)
+    if cache is None:  # the recipe's ignore_labels_cache, made once
+        cache = torch.full((setup.micro_batch, 1), IGNORE_INDEX, device=next(model.parameters()).device)
+        model._memplan_ignore_labels = cache
+    running_loss, num_tokens = 0, 0
+    for i, (tokens, labels) in enumerate(micro_batches):
+        if before_forward is not None:
+            before_forward(i)
+        current_num_tokens = (labels != IGNORE_INDEX).sum()
+        num_tokens += current_num_tokens
+        current_loss = _loss_step(model, tokens, labels, cache) * current_num_tokens
+        running_loss += current_loss
+        if after_forward is not None:
+            after_forward(i)
+        current_loss.backward()
+    training.scale_grads(model, 1 / num_tokens)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def as_on_real_tensors():
+    """Within a trace, torchtune's Llama 3.2 RoPE builds its cache as it does on real tensors.
+
+    ``Llama3ScaledRoPE.apply_scaling`` (``torchtune/models/llama3_1/_position_embeddings.py``)
+    reads each frequency's value in Python to pick its scale, which a fake tensor does not have
+    (``DataDependentOutputException``). What it returns is ``torch.tensor(new_freqs)``: a new
+    tensor of the frequencies' shape, dtype and device. On a fake tensor it returns that tensor
+    here (the values bear on no size); on a real one it runs as written."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import is_fake
+    from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+
+    original = Llama3ScaledRoPE.apply_scaling
+
+    def apply_scaling(self, freqs, *args, **kwargs):
+        if is_fake(freqs):
+            return torch.empty(freqs.shape, dtype=freqs.dtype, device=freqs.device)
+        return original(self, freqs, *args, **kwargs)
+
+    Llama3ScaledRoPE.apply_scaling = apply_scaling
+    try:
+        with warnings.catch_warnings():  # torchtune's RMSNorm upcasts its input (x.float()) but not its weight
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+            yield
+    finally:
+        Llama3ScaledRoPE.apply_scaling = original
