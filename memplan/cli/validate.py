@@ -154,11 +154,13 @@ def validate_command(
     jobs = [(c, t) for c in configs for t in stacks if stack_can_run(c, t) is None]
     skipped = [(c, t, stack_can_run(c, t)) for c in configs for t in stacks if stack_can_run(c, t) is not None]
     if stacks != ["memplan"]:
-        from trainer.stacks import require
+        from trainer.stacks import require_stack
 
         for t in stacks:  # a missing library is refused before anything is measured
+            require_stack(t)
             if t == "transformers":
-                require("transformers", t)
+                from trainer.stacks import require
+
                 require("peft", t)
         from trainer.measure import local_family
 
@@ -184,8 +186,13 @@ def validate_command(
             for config, which in jobs:
                 progress.update(task, description=f"validating {config.name}"
                                                   + (f" ({which})" if which != "memplan" else ""))
-                rows.append(run_config(config, dev, trace=not no_trace) if which == "memplan"
-                            else run_stack_config(config, dev, which, trace=not no_trace))
+                if which == "memplan":
+                    rows.append(run_config(config, dev, trace=not no_trace))
+                else:
+                    try:
+                        rows.append(run_stack_config(config, dev, which, trace=not no_trace))
+                    except InputError as e:  # the library refuses this setup (its own limits): say so, go on
+                        skipped.append((config, which, " ".join(str(e).split())))
                 progress.advance(task)
     if not rows:
         raise InputError(f"--stack {stack}: no config of matrix {matrix!r} can run on it ("

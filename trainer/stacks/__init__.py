@@ -99,6 +99,16 @@ def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
     return net, own(net, setup) if own else make_optimizer(net, setup.optimizer), module.train_step
 
 
+def require_stack(stack: str) -> None:
+    """The one-line InputError naming the extra to install when ``stack``'s library is missing."""
+    check_stack(stack)
+    if stack == "memplan":
+        return
+    module = _stack_module(stack)
+    with getattr(module, "quiet_import", contextlib.nullcontext)():
+        require(module.LIBRARY, stack, getattr(module, "EXTRA", EXTRA))
+
+
 def _as_on_real_tensors(stack: str):
     """The stack's code on fake tensors takes the path it takes on real ones (``hf.as_on_real_tensors``)."""
     if stack == "memplan":
