@@ -11,7 +11,7 @@ from memplan.cli import app
 from memplan.cli.fit import print_fields
 from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, EvalBatchesOpt,
                                  EvalEveryOpt, KeepOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, OptimizerOpt,
-                                 PromptOpt, SampleTokensOpt, SaveEveryOpt, SeedOpt, ThreadsOpt, TokensOpt,
+                                 LogOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt, SeedOpt, ThreadsOpt, TokensOpt,
                                  VerifyDataOpt, device_from, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -61,7 +61,7 @@ def finetune_command(
     eval_batches: EvalBatchesOpt = None, sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None,
     max_nonfinite: MaxNonfiniteOpt = None, verify_data: VerifyDataOpt = None, seed: SeedOpt = None,
     resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    threads: ThreadsOpt = None,
+    threads: ThreadsOpt = None, log: LogOpt = None,
 ) -> None:
     """Finetune a trained run on instructions (loss on the responses only), with LoRA or every weight; planned,
     checkpointed and resumable like `memplan train`."""
@@ -73,6 +73,9 @@ def finetune_command(
 
     console = Console()
     n_threads = threads_from(threads)
+    from trainer.loggers import check_loggers
+
+    check_loggers(log)  # a bad --log is refused before anything runs
     control = run_control_from(max_steps=max_steps, tokens=tokens, max_minutes=max_minutes, save_every=save_every,
                                eval_every=eval_every, keep=keep, eval_batches=eval_batches,
                                sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
@@ -166,5 +169,5 @@ def finetune_command(
         ])
     from memplan.cli.train import run_trainer
 
-    run_trainer(console, trainer, out_dir, what="finetuning")
+    run_trainer(console, trainer, out_dir, what="finetuning", log=log)
 

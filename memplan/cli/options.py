@@ -110,6 +110,11 @@ SeedOpt = Annotated[Optional[str], typer.Option(
     "--seed", help="Seed of the initialisation and the data order, 0 to 4294967295 (default 0).",
     show_default=False, rich_help_panel=_R)]
 
+LogOpt = Annotated[Optional[list[str]], typer.Option(
+    "--log", help="Also log to: tensorboard (RUN/tensorboard/) | wandb (RUN/wandb/, offline unless logged in); "
+                  "repeatable. metrics.jsonl is always written. Needs `pip install 'memplan[logging]'`.",
+    show_default=False, rich_help_panel=_R)]
+
 SEED_MAX = 2**32 - 1  # as trainer.loop.SEED_MAX (this module imports no torch)
 LIMITS = ("max_steps", "max_tokens", "max_minutes")  # as trainer.loop.LIMITS: the settings that decide when a run stops
 

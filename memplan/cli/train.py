@@ -25,7 +25,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
                                  KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
-                                 SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt, device_from,
+                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt, device_from,
                                  model_from, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -126,7 +126,7 @@ def train_command(
     sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None, max_nonfinite: MaxNonfiniteOpt = None,
     verify_data: VerifyDataOpt = None,
     global_batch_tokens: GlobalBatchTokensOpt = None, budget: BudgetOpt = None, margin: MarginOpt = "0.1",
-    nproc: NprocOpt = None, sharding: TrainShardingOpt = None, threads: ThreadsOpt = None,
+    nproc: NprocOpt = None, sharding: TrainShardingOpt = None, threads: ThreadsOpt = None, log: LogOpt = None,
     click_ctx: typer.Context = None,
 ) -> None:
     """Train a model on a plan and measure it against memplan's predictions; alone, a short run on the embedded corpus."""
@@ -138,6 +138,9 @@ def train_command(
     if report:
         return _report_only(out, console)
     n_threads = threads_from(threads)
+    from trainer.loggers import check_loggers
+
+    check_loggers(log)  # a bad --log is refused before anything runs
     if sharding is not None and sharding not in ("ddp", "fsdp"):
         raise InputError(f"--sharding: {sharding!r} (accepted: ddp, fsdp; training in one process shards nothing)")
     n = parse_count(nproc, "--nproc") if nproc is not None else 1
@@ -164,7 +167,7 @@ def train_command(
                        weight_decay=weight_decay, clip=clip, keep=keep, eval_batches=eval_batches,
                        sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
                        verify_data=verify_data, global_batch_tokens=global_batch_tokens, budget=budget,
-                       margin=margin, sharding=sharding, threads=n_threads)
+                       margin=margin, sharding=sharding, threads=n_threads, log=log)
     finally:
         distributed.shutdown()
 
@@ -173,7 +176,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
                    params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
                    precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
                    min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
-                   verify_data, global_batch_tokens, budget, margin, sharding, threads=None) -> None:
+                   verify_data, global_batch_tokens, budget, margin, sharding, threads=None, log=None) -> None:
     from memplan.units import parse_count
     from trainer import distributed
     from trainer.data import PreparedData
@@ -224,7 +227,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
         asked = None
         if plan or given_model or given_setup or ctx is not None:
             asked = _plan_from_flags(plan, model_flags, setup_flags, prepared, profile, console, quiet=True)
-        return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper,
+        return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper, log=log,
                       rates_note=rates_note, sharding=sharding)
 
     prepared = PreparedData(Path(data) if data else _embedded_data_once(console))
@@ -248,7 +251,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
     if launched > 1:  # every rank trains rank 0's plan (the quick start's is chosen on a timed matmul)
         the_plan = distributed.from_rank0(for_world(the_plan, launched, sharding, profile, console))
     run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
-    _train(console, run_dir, prepared, profile, plan=the_plan, overrides=overrides, hyper=hyper,
+    _train(console, run_dir, prepared, profile, plan=the_plan, overrides=overrides, hyper=hyper, log=log,
            allow_existing=resume, rates_note=rates_note)
 
 
@@ -600,7 +603,8 @@ def ensure_embedded_data(console) -> Path:
 # =================================================================================================
 
 def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=None, overrides, hyper,
-           allow_existing: bool = False, rates_note: str | None = None, sharding: str | None = None) -> None:
+           allow_existing: bool = False, rates_note: str | None = None, sharding: str | None = None,
+           log: list[str] | None = None) -> None:
     from trainer.loop import Trainer, TrainConfig
 
     if plan is not None:  # a new run
@@ -610,16 +614,19 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
     else:
         trainer = Trainer.resume(run_dir, prepared, profile, plan=resume_plan, overrides={**overrides, **hyper},
                                  sharding=sharding)
-    run_trainer(console, trainer, run_dir, rates_note=rates_note)
+    run_trainer(console, trainer, run_dir, rates_note=rates_note, log=log)
 
 
-def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rates_note: str | None = None) -> None:
-    """Print the plan, run ``trainer`` under the live progress view, then print the summary and a
-    sample; exit 1 when the run stopped on an error, 128 + N when signal N ended it (train, finetune)."""
+def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rates_note: str | None = None,
+                log: list[str] | None = None) -> None:
+    """Print the plan, run ``trainer`` under the live progress view (and the ``--log`` loggers), then print the
+    summary and a sample; exit 1 when the run stopped on an error, 128 + N when signal N ended it (train, finetune)."""
     from rich.markup import escape
 
+    from trainer import loggers
     from trainer.loop import DiskFull, TrainingStopped
 
+    attached = loggers.attach(trainer, loggers.check_loggers(log))
     _print_plan(trainer, console)
     if rates_note:
         console.print(f"  {rates_note}", soft_wrap=True)
@@ -627,7 +634,10 @@ def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rate
     trainer.on_event(view.update)
     try:
         with view:
-            summary = trainer.run()
+            try:
+                summary = trainer.run()
+            finally:
+                loggers.close_all(attached)  # every line the run wrote has reached them
     except DiskFull as e:  # one line: the report could not be written either
         _error_line(console, f"memplan: {what} stopped: {e}")
         raise typer.Exit(1)
