@@ -21,6 +21,34 @@ _CONTRACT_PLAN_KEYS = ("micro_batch", "grad_accum", "checkpointing", "attention"
                        "ctx", "world_size", "sharding")  # the last two were added to autotune's original plan keys
 
 
+# The optimisation settings a plan carries in its [training] table (trainer.loop.TrainConfig's names), so that a
+# plan file reproduces a run as a nanoGPT or litgpt config does. `schedule` (cosine, or wsd for a time-limited
+# run) is written for the reader; the trainer derives it from the run's limits.
+TRAINING_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "clip")
+
+
+def _training_table(table, where: str) -> dict:
+    """A plan's [training] table checked: known keys, finite numbers (``schedule`` a string)."""
+    import math
+
+    if not isinstance(table, dict):
+        raise InputError(f"{where}: [training] must be a table of {', '.join(TRAINING_KEYS)}")
+    out = {}
+    for key, value in table.items():
+        if key == "schedule":
+            if not isinstance(value, str):
+                raise InputError(f"{where}: [training] schedule = {value!r} must be a string (cosine, wsd)")
+            out[key] = value
+            continue
+        if key not in TRAINING_KEYS:
+            raise InputError(f"{where}: [training] has unknown key {key!r} (accepted: {', '.join(TRAINING_KEYS)}, "
+                             "schedule)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InputError(f"{where}: [training] {key} = {value!r} must be a finite number")
+        out[key] = int(value) if key == "warmup_steps" else float(value)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     model: ModelSpec
@@ -29,6 +57,7 @@ class Plan:
     budget_bytes: int = 0  # the memory budget it was made within
     predicted: dict = field(default_factory=dict)  # peak_reserved, step_seconds, tokens_per_second, epoch_seconds
     verified: dict = field(default_factory=dict)  # what autotune --verify measured (peak_measured, tokens/s, ...)
+    training: dict = field(default_factory=dict)  # lr, warmup, weight decay, betas, clip ([training], TRAINING_KEYS)
 
     def contract_plan(self) -> dict:
         """The ``plan`` object of ``autotune --json`` (docs/json.md)."""
@@ -42,6 +71,8 @@ class Plan:
                 "predicted": {k: v for k, v in self.predicted.items() if v is not None}}
         if self.verified:
             data["verified"] = {k: v for k, v in self.verified.items() if v is not None}
+        if self.training:  # a table older memplan versions skip: the plan stays readable by them
+            data["training"] = {k: v for k, v in self.training.items() if v is not None}
         return data
 
     def to_toml(self) -> str:
@@ -70,7 +101,7 @@ class Plan:
             raise InputError(f"{where}: {e}") from None
         return cls(model=model, setup=setup, device=str(data.get("device", "")),
                    budget_bytes=int(data.get("budget_bytes", 0)), predicted=dict(data.get("predicted", {})),
-                   verified=dict(data.get("verified", {})))
+                   verified=dict(data.get("verified", {})), training=_training_table(data.get("training", {}), where))
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

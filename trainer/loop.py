@@ -380,6 +380,17 @@ def predicted_for(plan: Plan, profile: Device) -> dict:
             "step_seconds": t.step_seconds, "tokens_per_second": t.tokens_per_second, "mfu": t.mfu}
 
 
+def training_settings(config: TrainConfig) -> dict:
+    """A plan's [training] table (``memplan.plan.TRAINING_KEYS``) for ``config``; ``schedule`` says which decay
+    its limits give (wsd for a run limited by time alone, else cosine)."""
+    from memplan.plan import TRAINING_KEYS
+
+    out = {k: getattr(config, k) for k in TRAINING_KEYS if getattr(config, k) is not None}
+    time_only = config.max_minutes is not None and config.max_steps is None and config.max_tokens is None
+    out["schedule"] = "wsd" if time_only else "cosine"
+    return out
+
+
 def check_plan_for_data(plan: Plan, data: PreparedData) -> None:
     """The model must embed the data's vocabulary and, with learned positions, hold the context."""
     if plan.model.vocab != data.vocab_size:
@@ -423,6 +434,8 @@ class Trainer:
                  device: torch.device | None, resume_from: ckpt.CheckpointRef | None):
         self.run_dir = Path(run_dir)
         self.plan, self.data, self.config, self.profile = plan, data, config, profile
+        # the plan the run writes carries the optimisation settings it trains with ([training], memplan.plan)
+        self.plan = dataclasses.replace(plan, training=training_settings(config))
         self.device = device or torch_device_for(profile)
         self.setup = plan.setup
         self.step = 0

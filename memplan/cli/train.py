@@ -10,6 +10,7 @@ progress with rich, and prints the summary. torch is imported only inside the co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -298,8 +299,7 @@ def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, con
             if not quiet:
                 console.print(f"[yellow]note[/]: the plan's model has vocab {p.model.vocab}; training with the data's "
                               f"{prepared.vocab_size} (predictions recomputed)")
-            p = Plan(model=p.model.replace(vocab=prepared.vocab_size), setup=p.setup, device=p.device,
-                     budget_bytes=p.budget_bytes, predicted={})
+            p = dataclasses.replace(p, model=p.model.replace(vocab=prepared.vocab_size), predicted={}, verified={})
     else:
         _check_vocab(model_flags["vocab"], prepared)
         spec = model_from(**{**model_flags, "vocab": None}).replace(vocab=prepared.vocab_size)
@@ -315,10 +315,9 @@ def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, con
         p = Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes)
     if not p.predicted:
         pred = predicted_for(p, profile)
-        p = Plan(model=p.model, setup=p.setup, device=p.device or profile.name,
-                 budget_bytes=p.budget_bytes or profile.usable_bytes,
-                 predicted={"peak_reserved": pred["peak_reserved"], "step_seconds": pred["step_seconds"],
-                            "tokens_per_second": pred["tokens_per_second"], "epoch_seconds": None})
+        p = dataclasses.replace(p, device=p.device or profile.name, budget_bytes=p.budget_bytes or profile.usable_bytes,
+                                predicted={"peak_reserved": pred["peak_reserved"], "step_seconds": pred["step_seconds"],
+                                           "tokens_per_second": pred["tokens_per_second"], "epoch_seconds": None})
     return p
 
 
@@ -608,7 +607,11 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
     from trainer.loop import Trainer, TrainConfig
 
     if plan is not None:  # a new run
-        fields = {k: v for k, v in {**overrides, **hyper}.items() if v is not None}
+        from memplan.plan import TRAINING_KEYS
+
+        # the plan's [training] settings where the command line gives none (a plan reproduces its run)
+        from_plan = {k: v for k, v in plan.training.items() if k in TRAINING_KEYS and hyper.get(k) is None}
+        fields = {k: v for k, v in {**overrides, **hyper, **from_plan}.items() if v is not None}
         config = TrainConfig(**fields)
         trainer = Trainer.start(run_dir, plan, prepared, config, profile, allow_existing=allow_existing)
     else:
