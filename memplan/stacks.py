@@ -1,0 +1,208 @@
+"""Whose training code the memory walk follows (``memplan estimate --stack``): torch-free.
+
+``memplan/memory.py`` walks one training step op by op, exactly as memplan's own model and step
+(``trainer/model.py``, ``trainer/step.py``) run it. Other code saves other tensors for the same
+model. A ``Stack`` is the walk's hooks: each a small pure function below whose docstring names the
+tensor it adds (or removes) and the line of the library that makes it. The walk calls them at
+fixed points (``memory._walk_step``, ``memory._block_forward``, ``memory._block_backward``);
+``memplan``'s hooks add nothing, so ``--stack memplan`` is the walk as it always was.
+
+Stacks:
+
+- ``memplan``: memplan's own model and step;
+- ``transformers``: Hugging Face transformers' model and ``Trainer`` step, with peft's LoRA: the
+  step ``memplan trace --stack transformers`` traces (``trainer/stacks/hf.py``), for the llama,
+  gpt2 and gpt_neox families.
+
+``loss_dtype`` (``--loss-dtype``): ``fp32`` takes cross-entropy over an fp32 copy of the logits
+(transformers' ``ForCausalLMLoss`` and memplan's step: ``logits.float()``); ``logits`` over the
+logits in their own dtype, as a plain PyTorch loop calling ``F.cross_entropy(logits, targets)``
+under autocast does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.errors import InputError
+
+STACKS = ("memplan", "transformers")
+LOSS_DTYPES = ("fp32", "logits")
+TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox")  # the families both memplan and the hooks walk
+FP32, HALF, MASK = 4, 2, 1
+
+
+def check_stack(stack: str) -> str:
+    if stack not in STACKS:
+        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(STACKS)})")
+    return stack
+
+
+def check_loss_dtype(loss_dtype: str) -> str:
+    if loss_dtype not in LOSS_DTYPES:
+        raise InputError(f"--loss-dtype: unknown {loss_dtype!r} (accepted: {', '.join(LOSS_DTYPES)})")
+    return loss_dtype
+
+
+def _n(setup) -> int:
+    return setup.micro_batch * setup.ctx
+
+
+def _a(setup) -> int:
+    return setup.compute_bytes
+
+
+def _r(setup) -> int:
+    return HALF if setup.precision == "bf16" else FP32
+
+
+# ---- the hooks of the transformers stack -------------------------------------------------------
+
+def hf_norm_saved_bytes(spec, setup) -> int:
+    """What one of transformers' ``LlamaRMSNorm`` saves beyond memplan's fused norm (input and rstd).
+
+    ``hidden_states = hidden_states.to(torch.float32)`` (modeling_llama.py, LlamaRMSNorm.forward):
+    under pure bf16 a new fp32 copy of the input, n·H·4, saved by ``pow`` and by the multiply with
+    ``rsqrt``; ``self.weight * hidden_states.to(input_dtype)`` saves the normalised input, n·H·r,
+    for the weight's gradient (not when the weight is frozen, under LoRA). LayerNorm (gpt2,
+    gpt_neox) is ``F.layer_norm``, memplan's own: 0."""
+    if spec.norm != "rmsnorm":
+        return 0
+    n, h = _n(setup), spec.hidden
+    out = n * h * FP32 if _r(setup) != FP32 else 0
+    if not setup.lora_rank:
+        out += n * h * _r(setup)
+    return out
+
+
+def hf_attention_saved_bytes(spec, setup) -> int:
+    """What transformers' attention saves beyond (or short of) memplan's, per block.
+
+    eager: ``softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)`` (llama's and
+    gpt_neox's ``eager_attention_forward``; gpt2's ``softmax`` under autocast is fp32 too, then
+    ``attn_weights.type(value.dtype)``): softmax saves its fp32 output, B·heads·T²·4, besides the
+    low-precision copy the matmul with V saves (memplan counts that one); 0 in fp32, and for
+    gpt2 under pure bf16 (its softmax stays bf16).
+
+    sdpa with rotary positions: ``q_embed = (q * cos) + (rotate_half(q) * sin)``
+    (``apply_rotary_pos_emb``) saves only cos and sin (shared by the blocks); SDPA saves q_embed,
+    k_embed and v. memplan's rotary saves the qkv output as well: n·(H + kv)·a less."""
+    n, a = _n(setup), _a(setup)
+    scores = setup.micro_batch * spec.heads * setup.ctx * setup.ctx
+    if setup.attention == "eager":
+        fp32_softmax = a != FP32 and (spec.arch != "gpt2" or setup.mixed)
+        return scores * FP32 if fp32_softmax else 0
+    if spec.pos == "rope":
+        return -n * (spec.hidden + spec.kv_dim) * a
+    return 0
+
+
+def hf_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+    """(in, out) of each peft-adapted module standing for memplan's fused ``matrix``: llama's
+    q_proj, k_proj, v_proj (``qkv``) and gate_proj, up_proj (``up``) are separate ``nn.Linear``,
+    each with its own adapter (peft ``LoraLayer.update_layer``); gpt2's c_attn and gpt_neox's
+    query_key_value are fused, as memplan's."""
+    h, kv, f = spec.hidden, spec.kv_dim, spec.ffn
+    if spec.arch == "llama" or spec.mlp == "swiglu":
+        return {"qkv": [(h, h), (h, kv), (h, kv)], "proj": [(h, h)], "up": [(h, f), (h, f)],
+                "down": [(f, h)]}[matrix]
+    return {"qkv": [(h, h + 2 * kv)], "proj": [(h, h)], "up": [(h, f)], "down": [(f, h)]}[matrix]
+
+
+def hf_lora_params_delta(spec, setup) -> int:
+    """Adapter parameters peft makes beyond memplan's: r·(in + out) per adapted module
+    (``hf_lora_modules``), less memplan's r·(in + out) of the fused matrix, over the layers."""
+    if not setup.lora_rank:
+        return 0
+    from memplan.memory import lora_matrix_params
+
+    total = 0
+    for m in setup.lora:
+        total += sum(setup.lora_rank * (i + o) for i, o in hf_lora_modules(spec, m))
+        total -= lora_matrix_params(spec, setup, m)
+    return spec.layers * total
+
+
+def hf_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
+    """What peft's adapters save beyond memplan's, per block.
+
+    peft ``lora.Linear.forward``: ``result = result + lora_B(lora_A(dropout(x))) * scaling``, the
+    adapter and its dropout per module. With ``lora_dropout`` > 0, ``nn.Dropout`` saves its mask:
+    n·in·1 (bool) where ATen's fused ``native_dropout`` runs (CUDA), n·in·x on the CPU (ATen's
+    ``_dropout_impl``: ``noise = empty_like(input).bernoulli_(1 - p)``, in the input's dtype), and ``lora_A`` its output (n·in·x, x the input's bytes; under autocast the bf16 copy
+    it casts, n·in·2), for every module: the input itself is then saved by nothing (memplan's
+    adapter saves it once, n·in·a). With ``lora_dropout`` 0 (``nn.Identity``) ``lora_A`` saves
+    the input itself, shared, except under autocast where each module's ``lora_A`` casts its
+    fp32 input to bf16 and saves that copy (one more per module than memplan's). Each module's
+    x·Aᵀ (n·r·a) beyond memplan's one per fused matrix. Inputs: the norm output for qkv and
+    up (r bytes), the attention output and the MLP product for proj and down (a bytes)."""
+    if not setup.lora_rank:
+        return 0
+    n, a, rank = _n(setup), _a(setup), setup.lora_rank
+    out = 0
+    for m in setup.lora:
+        modules = hf_lora_modules(spec, m)
+        width = modules[0][0]
+        x = _r(setup) if m in ("qkv", "up") else a
+        kept = HALF if setup.mixed else x  # what lora_A saves per module
+        if dropout > 0:
+            mask = x if cpu else MASK
+            out += len(modules) * n * width * (mask + kept) - n * width * a
+        elif setup.mixed and x != HALF:
+            out += (len(modules) - 1) * n * width * HALF
+        out += (len(modules) - 1) * n * rank * a
+    return out
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The walk's hooks for one stack's code. ``memplan`` (the default) adds nothing."""
+
+    name: str = "memplan"
+    loss_dtype: str = "fp32"  # LOSS_DTYPES
+    lora_dropout: float = 0.0  # peft's LoraConfig.lora_dropout (transformers)
+    cpu: bool = False  # the step runs on the CPU (dropout's mask in the input's dtype)
+
+    def block_saved_bytes(self, spec, setup) -> int:
+        """Bytes one block saves for backward beyond memplan's own block (may be negative)."""
+        if self.name != "transformers":
+            return 0
+        return (2 * hf_norm_saved_bytes(spec, setup) + hf_attention_saved_bytes(spec, setup)
+                + hf_lora_saved_bytes(spec, setup, self.lora_dropout, self.cpu))
+
+    def final_norm_saved_bytes(self, spec, setup) -> int:
+        """Bytes the final norm saves beyond memplan's."""
+        return hf_norm_saved_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def lora_params_delta(self, spec, setup) -> int:
+        """Adapter parameters beyond memplan's (weights, gradients and optimizer state follow)."""
+        return hf_lora_params_delta(spec, setup) if self.name == "transformers" else 0
+
+    @property
+    def ddp_gradient_as_bucket_view(self) -> bool:
+        """Whether DDP's ``.grad`` are views into its buckets: memplan's trainer sets
+        ``gradient_as_bucket_view=True`` (``trainer/distributed.py``); transformers' Trainer keeps
+        PyTorch's default, False, so the buckets are a second gradient-sized buffer
+        (``memory.ddp_separate_bucket_bytes``)."""
+        return self.name != "transformers"
+
+    @property
+    def fp32_loss(self) -> bool:
+        """Whether the loss upcasts the logits (``logits.float()``)."""
+        return self.loss_dtype == "fp32"
+
+    def on_cpu(self, cpu: bool) -> "Stack":
+        """The same hooks for a step on the CPU (True) or an accelerator."""
+        return Stack(self.name, self.loss_dtype, self.lora_dropout, cpu)
+
+
+MEMPLAN = Stack()
+
+
+def stack_of(name: str = "memplan", loss_dtype: str | None = None, lora_dropout: float = 0.0,
+             cpu: bool = False) -> Stack:
+    """The hooks of stack ``name``; ``loss_dtype`` None: what the stack's own loss does (fp32 for both)."""
+    check_stack(name)
+    if not 0.0 <= lora_dropout < 1.0:
+        raise InputError(f"--lora-dropout: {lora_dropout} must be in [0, 1)")
+    return Stack(name=name, loss_dtype=check_loss_dtype(loss_dtype or "fp32"), lora_dropout=lora_dropout, cpu=cpu)
