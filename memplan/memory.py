@@ -435,13 +435,14 @@ def ddp_bucket_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return spec.params * setup.param_bytes
 
 
-def ddp_separate_bucket_bytes(spec: ModelSpec, setup: TrainSetup, extra_adapter_params: int = 0) -> int:
+def ddp_separate_bucket_bytes(spec: ModelSpec, setup: TrainSetup, extra_gradient_bytes: int = 0) -> int:
     """DDP's buckets where ``.grad`` is not a view into them (PyTorch's default,
     ``DistributedDataParallel(gradient_as_bucket_view=False)``, as transformers' Trainer wraps the
     model): a second gradient-sized buffer, one flat tensor per bucket of the trainable parameters
-    (T·p, T = trainable_params, LoRA: the adapters), kept for the whole run; each ``.grad`` is
-    copied into its bucket for the all-reduce and copied back (``Reducer::copy_bucket_to_grad``)."""
-    return (trainable_params(spec, setup) + extra_adapter_params) * setup.param_bytes
+    (T·p, T = trainable_params, LoRA: the adapters, plus a stack's extra adapter bytes), kept for
+    the whole run; each ``.grad`` is copied into its bucket for the all-reduce and copied back
+    (``Reducer::copy_bucket_to_grad``)."""
+    return trainable_params(spec, setup) * setup.param_bytes + extra_gradient_bytes
 
 
 def gradients_persist(setup: TrainSetup) -> bool:
@@ -450,14 +451,15 @@ def gradients_persist(setup: TrainSetup) -> bool:
     return setup.grad_accum > 1 or setup.sharding == "ddp"
 
 
-def stack_adapter_state_bytes(setup: TrainSetup, extra_params: int) -> int:
-    """Optimizer state of adapter parameters a stack makes beyond memplan's (``Stack.lora_params_delta``):
-    AdamW's two moments or SGD's momentum, in the parameters' dtype (8-bit: one byte each, plus absmax)."""
+def stack_adapter_state_bytes(setup: TrainSetup, extra_bytes: int, extra_tensors: int) -> int:
+    """Optimizer state of the adapter bytes a stack keeps beyond memplan's (``Stack.lora_bytes_delta``):
+    AdamW's two moments (and a 0-dim fp32 ``step`` per extra tensor) or SGD's momentum, each the size of
+    the parameters; adamw8bit's 8-bit states are left as memplan's."""
     if setup.optimizer in ("adamw", "adamw-fused"):
-        return ADAMW_STATES_PER_PARAM * extra_params * setup.param_bytes
+        return ADAMW_STATES_PER_PARAM * extra_bytes + extra_tensors * ADAM_STEP_BYTES
     if setup.optimizer == "sgd":
-        return SGD_STATES_PER_PARAM * extra_params * setup.param_bytes
-    return ADAMW_STATES_PER_PARAM * extra_params
+        return SGD_STATES_PER_PARAM * extra_bytes
+    return 0
 
 
 # ---- the walk ------------------------------------------------------------------------------
@@ -891,14 +893,14 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     # persistent state
     w.alloc("weights", weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup), "start of step")
     w.alloc("optimizer", optimizer_state_bytes(spec, setup))
-    extra_adapters = stack.lora_params_delta(spec, setup)  # e.g. peft's separate q, k, v adapters
-    w.alloc("weights", extra_adapters * setup.param_bytes)
-    w.alloc("optimizer", stack_adapter_state_bytes(setup, extra_adapters))
+    extra_adapters = stack.lora_bytes_delta(spec, setup)  # e.g. peft's separate q, k, v adapters, in fp32
+    w.alloc("weights", extra_adapters)
+    w.alloc("optimizer", stack_adapter_state_bytes(setup, extra_adapters, stack.lora_tensors_delta(spec, setup)))
     if separate_buckets:
         w.alloc("gradients", ddp_separate_bucket_bytes(spec, setup, extra_adapters))
     if accum:  # earlier micro-batches' gradients, or DDP's buckets
         w.alloc("gradients", ddp_bucket_bytes(spec, setup) if setup.sharding == "ddp" and not separate_buckets
-                else gradient_bytes(spec, setup) + extra_adapters * setup.param_bytes)
+                else gradient_bytes(spec, setup) + extra_adapters)
     w.alloc("activations", input_bytes(spec, setup))
 
     w.mark("start of forward")
@@ -1004,7 +1006,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
         w.alloc("gradients", spec.layers * vectors * setup.param_bytes + spec.norm_params * setup.param_bytes)
 
     if not accum:  # the stack's adapters beyond memplan's
-        w.alloc("gradients", extra_adapters * setup.param_bytes)
+        w.alloc("gradients", extra_adapters)
     # ---- backward: embeddings (frozen under LoRA: nothing to do)
     w.where = "backward: embedding"
     if lora:
@@ -1040,7 +1042,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     w.where = "optimizer step"
     scratch = optimizer_temporary_bytes(spec, setup)
     if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
-        scratch += extra_adapters * setup.param_bytes
+        scratch += extra_adapters
     w.alloc("temporaries", scratch)
     w.free("temporaries", scratch)
     return w

@@ -109,48 +109,66 @@ def hf_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
     return {"qkv": [(h, h + 2 * kv)], "proj": [(h, h)], "up": [(h, f)], "down": [(f, h)]}[matrix]
 
 
-def hf_lora_params_delta(spec, setup) -> int:
-    """Adapter parameters peft makes beyond memplan's: r·(in + out) per adapted module
-    (``hf_lora_modules``), less memplan's r·(in + out) of the fused matrix, over the layers."""
+PEFT_ADAPTER_BYTES = FP32  # peft keeps adapters fp32: get_peft_model(autocast_adapter_dtype=True) upcasts bf16 ones
+
+
+def hf_lora_params(spec, setup) -> int:
+    """Adapter parameters peft makes: r·(in + out) per adapted module (``hf_lora_modules``), over the layers."""
     if not setup.lora_rank:
         return 0
-    from memplan.memory import lora_matrix_params
+    return spec.layers * sum(setup.lora_rank * (i + o) for m in setup.lora for i, o in hf_lora_modules(spec, m))
 
-    total = 0
-    for m in setup.lora:
-        total += sum(setup.lora_rank * (i + o) for i, o in hf_lora_modules(spec, m))
-        total -= lora_matrix_params(spec, setup, m)
-    return spec.layers * total
+
+def hf_lora_tensors(spec, setup) -> int:
+    """Adapter parameter tensors peft makes: A and B per adapted module, over the layers."""
+    return 2 * spec.layers * sum(len(hf_lora_modules(spec, m)) for m in setup.lora) if setup.lora_rank else 0
+
+
+def hf_lora_bytes_delta(spec, setup) -> int:
+    """Bytes of peft's adapters beyond memplan's (their weights; their gradients alike): peft's
+    parameters (``hf_lora_params``) in fp32, ``get_peft_model(..., autocast_adapter_dtype=True)``
+    upcasting bf16 adapters (peft ``tuners_utils._cast_adapter_dtype``), less memplan's
+    (``memory.lora_params`` · p)."""
+    if not setup.lora_rank:
+        return 0
+    from memplan.memory import lora_params
+
+    return hf_lora_params(spec, setup) * PEFT_ADAPTER_BYTES - lora_params(spec, setup) * setup.param_bytes
 
 
 def hf_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
     """What peft's adapters save beyond memplan's, per block.
 
-    peft ``lora.Linear.forward``: ``result = result + lora_B(lora_A(dropout(x))) * scaling``, the
-    adapter and its dropout per module. With ``lora_dropout`` > 0, ``nn.Dropout`` saves its mask:
-    n·in·1 (bool) where ATen's fused ``native_dropout`` runs (CUDA), n·in·x on the CPU (ATen's
-    ``_dropout_impl``: ``noise = empty_like(input).bernoulli_(1 - p)``, in the input's dtype), and ``lora_A`` its output (n·in·x, x the input's bytes; under autocast the bf16 copy
-    it casts, n·in·2), for every module: the input itself is then saved by nothing (memplan's
-    adapter saves it once, n·in·a). With ``lora_dropout`` 0 (``nn.Identity``) ``lora_A`` saves
-    the input itself, shared, except under autocast where each module's ``lora_A`` casts its
-    fp32 input to bf16 and saves that copy (one more per module than memplan's). Each module's
-    x·Aᵀ (n·r·a) beyond memplan's one per fused matrix. Inputs: the norm output for qkv and
-    up (r bytes), the attention output and the MLP product for proj and down (a bytes)."""
+    peft ``lora.Linear.forward``: ``x = self._cast_input_dtype(x, lora_A.weight.dtype)`` (fp32:
+    ``PEFT_ADAPTER_BYTES``), then ``result = result + lora_B(lora_A(dropout(x))) * scaling``, the
+    cast, the dropout and the adapter per module. ``lora_A`` saves its input: under autocast the
+    bf16 copy it casts (n·in·2), else the fp32 input (n·in·4). With ``lora_dropout`` 0
+    (``nn.Identity``) an fp32 input is shared by the modules (one copy, as memplan's); any cast is
+    per module. With ``lora_dropout`` > 0, ``lora_A``'s input is the dropout's output, per module,
+    and ``nn.Dropout`` saves its mask: n·in·1 (bool) where ATen's fused ``native_dropout`` runs
+    (CUDA), n·in·4 on the CPU (ATen's ``_dropout_impl``: ``noise = empty_like(input).bernoulli_(1 -
+    p)``, in the fp32 input's dtype). memplan's adapter saves its input once, n·in·a. Each module's
+    x·Aᵀ (n·r, 2 bytes under autocast, else 4) for memplan's one n·r·a per fused matrix. Inputs:
+    the norm output for qkv and up (r bytes), the attention output and the MLP product for proj
+    and down (a bytes)."""
     if not setup.lora_rank:
         return 0
     n, a, rank = _n(setup), _a(setup), setup.lora_rank
+    kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES  # what lora_A saves per module, per element
     out = 0
     for m in setup.lora:
         modules = hf_lora_modules(spec, m)
-        width = modules[0][0]
+        k, width = len(modules), modules[0][0]
         x = _r(setup) if m in ("qkv", "up") else a
-        kept = HALF if setup.mixed else x  # what lora_A saves per module
         if dropout > 0:
-            mask = x if cpu else MASK
-            out += len(modules) * n * width * (mask + kept) - n * width * a
-        elif setup.mixed and x != HALF:
-            out += (len(modules) - 1) * n * width * HALF
-        out += (len(modules) - 1) * n * rank * a
+            mask = PEFT_ADAPTER_BYTES if cpu else MASK
+            saved = k * n * width * (mask + kept)
+        elif not setup.mixed and x == PEFT_ADAPTER_BYTES:
+            saved = n * width * x
+        else:
+            saved = k * n * width * kept
+        out += saved - n * width * a
+        out += k * n * rank * kept - n * rank * a
     return out
 
 
@@ -174,9 +192,17 @@ class Stack:
         """Bytes the final norm saves beyond memplan's."""
         return hf_norm_saved_bytes(spec, setup) if self.name == "transformers" else 0
 
-    def lora_params_delta(self, spec, setup) -> int:
-        """Adapter parameters beyond memplan's (weights, gradients and optimizer state follow)."""
-        return hf_lora_params_delta(spec, setup) if self.name == "transformers" else 0
+    def lora_bytes_delta(self, spec, setup) -> int:
+        """Bytes of adapter weights beyond memplan's (their gradients alike; optimizer state follows)."""
+        return hf_lora_bytes_delta(spec, setup) if self.name == "transformers" else 0
+
+    def lora_tensors_delta(self, spec, setup) -> int:
+        """Adapter parameter tensors beyond memplan's (AdamW keeps a ``step`` per tensor)."""
+        if self.name != "transformers" or not setup.lora_rank:
+            return 0
+        from memplan.memory import lora_tensors
+
+        return hf_lora_tensors(spec, setup) - lora_tensors(spec, setup)
 
     @property
     def ddp_gradient_as_bucket_view(self) -> bool:
