@@ -63,15 +63,17 @@ def hf_norm_saved_bytes(spec, setup) -> int:
 
     ``hidden_states = hidden_states.to(torch.float32)`` (modeling_llama.py, LlamaRMSNorm.forward):
     under pure bf16 a new fp32 copy of the input, n·H·4, saved by ``pow`` and by the multiply with
-    ``rsqrt``; ``self.weight * hidden_states.to(input_dtype)`` saves the normalised input, n·H·r,
-    for the weight's gradient (not when the weight is frozen, under LoRA). LayerNorm (gpt2,
-    gpt_neox) is ``F.layer_norm``, memplan's own: 0."""
+    ``rsqrt`` in place of the bf16 input itself, n·H·2, which memplan's norm saves (under fp32 and
+    autocast the residual is fp32 already: ``.to`` returns it, the same tensor);
+    ``self.weight * hidden_states.to(input_dtype)`` saves the normalised input, n·H·r, for the
+    weight's gradient (not when the weight is frozen, under LoRA). LayerNorm (gpt2, gpt_neox) is
+    ``F.layer_norm``, memplan's own: 0."""
     if spec.norm != "rmsnorm":
         return 0
-    n, h = _n(setup), spec.hidden
-    out = n * h * FP32 if _r(setup) != FP32 else 0
+    n, h, r = _n(setup), spec.hidden, _r(setup)
+    out = n * h * (FP32 - r)
     if not setup.lora_rank:
-        out += n * h * _r(setup)
+        out += n * h * r
     return out
 
 
@@ -84,15 +86,17 @@ def hf_attention_saved_bytes(spec, setup) -> int:
     low-precision copy the matmul with V saves (memplan counts that one); 0 in fp32, and for
     gpt2 under pure bf16 (its softmax stays bf16).
 
-    sdpa with rotary positions: ``q_embed = (q * cos) + (rotate_half(q) * sin)``
+    sdpa with rotary positions, llama: ``q_embed = (q * cos) + (rotate_half(q) * sin)``
     (``apply_rotary_pos_emb``) saves only cos and sin (shared by the blocks); SDPA saves q_embed,
-    k_embed and v. memplan's rotary saves the qkv output as well: n·(H + kv)·a less."""
+    k_embed and v, v_proj's own output. memplan's rotary saves the fused qkv output as well:
+    n·(H + kv)·a less. (gpt_neox's v is a view of its fused query_key_value output, which SDPA
+    keeps whole, as memplan's.)"""
     n, a = _n(setup), _a(setup)
     scores = setup.micro_batch * spec.heads * setup.ctx * setup.ctx
     if setup.attention == "eager":
         fp32_softmax = a != FP32 and (spec.arch != "gpt2" or setup.mixed)
         return scores * FP32 if fp32_softmax else 0
-    if spec.pos == "rope":
+    if spec.pos == "rope" and spec.arch == "llama":
         return -n * (spec.hidden + spec.kv_dim) * a
     return 0
 
