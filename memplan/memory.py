@@ -482,6 +482,7 @@ class _StepWalk:
 
     def __init__(self, spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN):
         self.spec, self.setup, self.stack = spec, setup, stack
+        self.gradients_persist = gradients_persist(setup)  # .grad exists before the backward (see _walk_step)
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak: Moment | None = None
         self.phase = "forward"
@@ -735,7 +736,7 @@ def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_el
         w.alloc("temporaries", weight_elems * FP32_BYTES)
         w.free("temporaries", weight_elems * a)
     w.free("temporaries", weight_elems * setup.param_bytes)
-    if not gradients_persist(setup):
+    if not w.gradients_persist:
         w.alloc("gradients", weight_elems * setup.param_bytes)
 
 
@@ -884,7 +885,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     accum = gradients_persist(setup)
     separate_buckets = setup.sharding == "ddp" and not stack.ddp_gradient_as_bucket_view
     if separate_buckets:  # .grad is its own tensor, made by the backward as without DDP
-        accum = setup.grad_accum > 1
+        accum = w.gradients_persist = setup.grad_accum > 1
     ckpt = setup.checkpointing != "none"
     mode = setup.checkpointing
     vh_grad = head_weight_grad_bytes(spec, setup) if not setup.lora_rank else 0  # LoRA: the head is frozen
