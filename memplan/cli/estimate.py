@@ -83,7 +83,8 @@ def print_estimate(est, rates_note: str | None = None) -> None:
         ("Setup", f"ctx {setup.ctx}, micro-batch {setup.micro_batch} × {setup.grad_accum} accumulation, "
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
-                  + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")),
+                  + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")
+                  + _stack_words(est.stack)),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                    f"{format_bytes(device.usable_bytes)} usable"),
     ])
@@ -130,6 +131,16 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     if t.epoch_seconds is not None:
         line += f"; {format_count(est.tokens)} tokens take [bold]{format_seconds(t.epoch_seconds)}[/]"
     console.print(line)
+
+
+def _stack_words(stack) -> str:
+    """The Setup line's words for a stack other than memplan's own step, and a loss on the logits' dtype."""
+    words = ""
+    if stack.name == "transformers":
+        words += ", transformers' step" + (f" (peft dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
+    if not stack.fp32_loss:
+        words += ", loss in the logits' dtype"
+    return words
 
 
 def print_levers(console, est) -> None:
