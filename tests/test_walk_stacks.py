@@ -215,3 +215,14 @@ def test_estimate_json_names_its_stack_and_follows_it():
 def test_bad_stack_options_are_one_line_errors(extra, needles):
     result = CliRunner().invoke(app, [*ARGS, *extra])
     one_line_error(result, *needles)
+
+
+if __name__ == "__main__":  # the table of walk vs trace over the whole matrix: python tests/test_walk_stacks.py
+    import torch
+
+    torch.set_num_threads(1)
+    table = _errors(_matrix())
+    for name, error in table.items():
+        print(f"{name:45s} {error:+.2%}")
+    print(f"median |error| {statistics.median(abs(e) for e in table.values()):.2%}, "
+          f"worst {max(abs(e) for e in table.values()):.2%}")
