@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, LORA_TARGETS as LORA_MATRICES, TrainSetup
+from memplan.stacks import MEMPLAN, Stack
 
 INDEX_BYTES = 8  # token ids are int64
 MASK_BYTES = 1  # torch.bool
@@ -434,10 +435,31 @@ def ddp_bucket_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return spec.params * setup.param_bytes
 
 
+def ddp_separate_bucket_bytes(spec: ModelSpec, setup: TrainSetup, extra_gradient_bytes: int = 0) -> int:
+    """DDP's buckets where ``.grad`` is not a view into them (PyTorch's default,
+    ``DistributedDataParallel(gradient_as_bucket_view=False)``, as transformers' Trainer wraps the
+    model): a second gradient-sized buffer, one flat tensor per bucket of the trainable parameters
+    (T·p, T = trainable_params, LoRA: the adapters, plus a stack's extra adapter bytes), kept for
+    the whole run; each ``.grad`` is copied into its bucket for the all-reduce and copied back
+    (``Reducer::copy_bucket_to_grad``)."""
+    return trainable_params(spec, setup) * setup.param_bytes + extra_gradient_bytes
+
+
 def gradients_persist(setup: TrainSetup) -> bool:
     """Whether ``.grad`` exists before a micro-batch's backward: under gradient accumulation (the
     earlier micro-batches') and under DDP (its buckets)."""
     return setup.grad_accum > 1 or setup.sharding == "ddp"
+
+
+def stack_adapter_state_bytes(setup: TrainSetup, extra_bytes: int, extra_tensors: int) -> int:
+    """Optimizer state of the adapter bytes a stack keeps beyond memplan's (``Stack.lora_bytes_delta``):
+    AdamW's two moments (and a 0-dim fp32 ``step`` per extra tensor) or SGD's momentum, each the size of
+    the parameters; adamw8bit's 8-bit states are left as memplan's."""
+    if setup.optimizer in ("adamw", "adamw-fused"):
+        return ADAMW_STATES_PER_PARAM * extra_bytes + extra_tensors * ADAM_STEP_BYTES
+    if setup.optimizer == "sgd":
+        return SGD_STATES_PER_PARAM * extra_bytes
+    return 0
 
 
 # ---- the walk ------------------------------------------------------------------------------
@@ -458,8 +480,9 @@ class Moment:
 class _StepWalk:
     """Live bytes by category through a step's allocations and frees, remembering the peak."""
 
-    def __init__(self, spec: ModelSpec, setup: TrainSetup):
-        self.spec, self.setup = spec, setup
+    def __init__(self, spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN):
+        self.spec, self.setup, self.stack = spec, setup, stack
+        self.gradients_persist = gradients_persist(setup)  # .grad exists before the backward (see _walk_step)
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak: Moment | None = None
         self.phase = "forward"
@@ -620,6 +643,8 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
     if spec.mlp == "swiglu":
         inner += make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
     weight_copy("down")
+    if keep_all:  # the stack's own saved tensors beyond memplan's (memplan.stacks): 0 for memplan
+        w.alloc("activations", w.stack.block_saved_bytes(spec, setup))
     if mode == "recompute":  # stops here: everything the backward needs exists
         if spec.parallel_residual:
             w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
@@ -711,7 +736,7 @@ def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_el
         w.alloc("temporaries", weight_elems * FP32_BYTES)
         w.free("temporaries", weight_elems * a)
     w.free("temporaries", weight_elems * setup.param_bytes)
-    if not gradients_persist(setup):
+    if not w.gradients_persist:
         w.alloc("gradients", weight_elems * setup.param_bytes)
 
 
@@ -833,6 +858,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", dq)
     w.alloc("temporaries", qkv_output_bytes(spec, setup))  # the three gradients concatenated
     w.free("temporaries", dq + 2 * dkv)
+    w.free("activations", w.stack.block_saved_bytes(spec, setup))  # the stack's own, released by now
     frozen_below = bool(setup.lora_rank) and first  # LoRA: nothing below the first block's qkv trains
     _linear_backward(w, spec, setup, m["qkv"], qkv_output_bytes(spec, setup), norm_output_bytes(spec, setup),
                      n * hidden * a, input_cast=setup.mixed, matrix="qkv", needs_input_grad=not frozen_below)
@@ -847,15 +873,19 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     return n * hidden * r
 
 
-def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> _StepWalk:
+def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stack: Stack = MEMPLAN) -> _StepWalk:
     """Walk one steady-state step (its last micro-batch) and return the walk with its peak.
 
     ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for
-    grouped-query attention; see ``sdpa_gqa_repeats``)."""
-    w = _StepWalk(spec, setup)
+    grouped-query attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its
+    hooks (``memplan.stacks``) add the tensors that code saves beyond memplan's own."""
+    w = _StepWalk(spec, setup, stack)
     n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
     r = residual_bytes_per_element(setup)
     accum = gradients_persist(setup)
+    separate_buckets = setup.sharding == "ddp" and not stack.ddp_gradient_as_bucket_view
+    if separate_buckets:  # .grad is its own tensor, made by the backward as without DDP
+        accum = w.gradients_persist = setup.grad_accum > 1
     ckpt = setup.checkpointing != "none"
     mode = setup.checkpointing
     vh_grad = head_weight_grad_bytes(spec, setup) if not setup.lora_rank else 0  # LoRA: the head is frozen
@@ -864,8 +894,14 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     # persistent state
     w.alloc("weights", weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup), "start of step")
     w.alloc("optimizer", optimizer_state_bytes(spec, setup))
+    extra_adapters = stack.lora_bytes_delta(spec, setup)  # e.g. peft's separate q, k, v adapters, in fp32
+    w.alloc("weights", extra_adapters)
+    w.alloc("optimizer", stack_adapter_state_bytes(setup, extra_adapters, stack.lora_tensors_delta(spec, setup)))
+    if separate_buckets:
+        w.alloc("gradients", ddp_separate_bucket_bytes(spec, setup, extra_adapters))
     if accum:  # earlier micro-batches' gradients, or DDP's buckets
-        w.alloc("gradients", ddp_bucket_bytes(spec, setup) if setup.sharding == "ddp" else gradient_bytes(spec, setup))
+        w.alloc("gradients", ddp_bucket_bytes(spec, setup) if setup.sharding == "ddp" and not separate_buckets
+                else gradient_bytes(spec, setup) + extra_adapters)
     w.alloc("activations", input_bytes(spec, setup))
 
     w.mark("start of forward")
@@ -882,6 +918,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     # what each earlier block left alive: its saved tensors (its input included) and, under
     # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
     stored = saved_per_layer_bytes(spec, setup, gqa_repeat) - (lowp if not ckpt else 0)
+    if not ckpt:
+        stored += stack.block_saved_bytes(spec, setup)
     # LoRA without checkpointing: the first block's norm saves nothing (its input and weight are frozen)
     first_unsaved = first_block_unsaved_bytes(spec, setup, gqa_repeat) if spec.layers > 1 else 0
     w.alloc("activations", (spec.layers - 1) * stored - first_unsaved)
@@ -889,6 +927,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     _block_forward(w, spec, setup, mode, gqa_repeat)
     w.where = "forward: final norm and LM head"
     head_in = _norm_forward(w, spec, setup)
+    w.alloc("activations", stack.final_norm_saved_bytes(spec, setup))
     if setup.mixed:
         w.alloc("weights", spec.vocab * hidden * LOWP_WEIGHT_BYTES)
     w.alloc("logits", logits_bytes(spec, setup))
@@ -897,10 +936,12 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     if ckpt and setup.mixed:  # leaving autocast frees the cached copies nothing saved
         w.free("weights", spec.layers * layer_lowp_weight_bytes(spec, setup))
     w.where = "forward: loss"
-    if a != FP32_BYTES:
+    loss = fp32_logits_bytes(spec, setup) if stack.fp32_loss else logits_bytes(spec, setup)
+    upcast = stack.fp32_loss and a != FP32_BYTES
+    if upcast:
         w.alloc("logits", fp32_logits_bytes(spec, setup))  # logits.float()
-    w.alloc("logits", fp32_logits_bytes(spec, setup))  # log-softmax, saved
-    if a != FP32_BYTES:
+    w.alloc("logits", loss)  # log-softmax, saved
+    if upcast:
         w.free("logits", fp32_logits_bytes(spec, setup))
     w.free("logits", logits_bytes(spec, setup))  # `del logits`: log_softmax saved its output only
     w.mark("end of forward")
@@ -908,10 +949,10 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     # ---- backward: loss, LM head, final norm
     w.phase = "backward"
     w.where = "backward: loss"
-    w.alloc("logits", fp32_logits_bytes(spec, setup))  # gradient of the log-probabilities
-    w.alloc("logits", fp32_logits_bytes(spec, setup))  # gradient of the logits, fp32
-    w.free("logits", 2 * fp32_logits_bytes(spec, setup))
-    if a != FP32_BYTES:
+    w.alloc("logits", loss)  # gradient of the log-probabilities
+    w.alloc("logits", loss)  # gradient of the logits (fp32 when upcast)
+    w.free("logits", 2 * loss)
+    if upcast:
         w.alloc("logits", logits_bytes(spec, setup))
         w.free("logits", fp32_logits_bytes(spec, setup))
     w.where = "backward: LM head"
@@ -932,6 +973,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
         w.alloc("gradients", vh_grad)
     w.where = "backward: final norm"
     grad = _norm_backward(w, spec, setup, n * hidden * (FP32_BYTES if setup.mixed else a))
+    w.free("activations", stack.final_norm_saved_bytes(spec, setup))
     w.free("activations", n * hidden * r)  # the last block's output
 
     # ---- backward: the last block (recomputed first under checkpointing)
@@ -964,6 +1006,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
         vectors = spec.layer_params - sum(_layer_matrices(spec).values())
         w.alloc("gradients", spec.layers * vectors * setup.param_bytes + spec.norm_params * setup.param_bytes)
 
+    if not accum:  # the stack's adapters beyond memplan's
+        w.alloc("gradients", extra_adapters)
     # ---- backward: embeddings (frozen under LoRA: nothing to do)
     w.where = "backward: embedding"
     if lora:
@@ -997,8 +1041,11 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> 
     # ---- optimizer step
     w.phase = "optimizer"
     w.where = "optimizer step"
-    w.alloc("temporaries", optimizer_temporary_bytes(spec, setup))
-    w.free("temporaries", optimizer_temporary_bytes(spec, setup))
+    scratch = optimizer_temporary_bytes(spec, setup)
+    if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
+        scratch += extra_adapters
+    w.alloc("temporaries", scratch)
+    w.free("temporaries", scratch)
     return w
 
 
@@ -1430,19 +1477,20 @@ def sdpa_gqa_repeats(spec: ModelSpec, setup: TrainSetup, flash_attention: bool, 
 
 def peak_memory(spec: ModelSpec, setup: TrainSetup, runtime_context_bytes: int = 0,
                 allocator_overhead: float = 0.0, gqa_repeat: bool = False,
-                collectives: str = "nccl", heap_retention: bool = False) -> MemoryBreakdown:
+                collectives: str = "nccl", heap_retention: bool = False, stack: Stack = MEMPLAN) -> MemoryBreakdown:
     """The peak of a steady-state step, by category, with the runtime on top for peak_reserved.
 
     Under FSDP the step of rank 0, which holds the largest shards (every rank's within a few
     rows of it); ``peak_memory_of_rank`` gives any other rank's.
     """
     return peak_memory_of_rank(spec, setup, 0, runtime_context_bytes, allocator_overhead, gqa_repeat, collectives,
-                               heap_retention)
+                               heap_retention, stack)
 
 
 def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_context_bytes: int = 0,
                         allocator_overhead: float = 0.0, gqa_repeat: bool = False,
-                        collectives: str = "nccl", heap_retention: bool = False) -> MemoryBreakdown:
+                        collectives: str = "nccl", heap_retention: bool = False,
+                        stack: Stack = MEMPLAN) -> MemoryBreakdown:
     """``peak_memory`` of one rank (the ranks of a DDP or single-process step are alike).
     ``collectives``: the process group's backend, nccl (NVIDIA, and RCCL on ROCm) or gloo (CPU),
     which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``). ``heap_retention``
@@ -1452,7 +1500,7 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
     if setup.sharding == "fsdp":
         w = _walk_fsdp_step(spec, setup, rank, collectives, gqa_repeat)
     else:
-        w = _walk_step(spec, setup, gqa_repeat)
+        w = _walk_step(spec, setup, gqa_repeat, stack)
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     if heap_retention:

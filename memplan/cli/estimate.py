@@ -37,6 +37,17 @@ LoraRankOpt = Annotated[str, typer.Option(
 LoraTargetsOpt = Annotated[str, typer.Option(
     "--lora-targets", help="Training with --lora-rank: the block matrices with adapters (comma-separated subset "
                            "of qkv, proj, up, down).")]
+StackOpt = Annotated[str, typer.Option(
+    "--stack", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
+                    "transformers (Hugging Face transformers' model and Trainer step, peft for --lora-rank; "
+                    "llama, gpt2, gpt_neox). No library is imported: the walk's hooks model what each saves.")]
+LossDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--loss-dtype", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
+                         "the default) | logits (over the logits in their own dtype, as a plain PyTorch loop "
+                         "calling F.cross_entropy under autocast does).", show_default=False)]
+EstLoraDropoutOpt = Annotated[Optional[float], typer.Option(
+    "--lora-dropout", help="--stack transformers with --lora-rank: peft's lora_dropout (default: peft's, 0.0). "
+                           "Above 0, each adapted module saves its dropout's mask and output.", show_default=False)]
 SamplingOpt = Annotated[str, typer.Option("--sampling", help="Inference: top-k | greedy (how each token is chosen).")]
 MODES = ("training", "inference")
 
@@ -72,7 +83,8 @@ def print_estimate(est, rates_note: str | None = None) -> None:
         ("Setup", f"ctx {setup.ctx}, micro-batch {setup.micro_batch} × {setup.grad_accum} accumulation, "
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
-                  + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")),
+                  + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")
+                  + _stack_words(est.stack)),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                    f"{format_bytes(device.usable_bytes)} usable"),
     ])
@@ -119,6 +131,16 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     if t.epoch_seconds is not None:
         line += f"; {format_count(est.tokens)} tokens take [bold]{format_seconds(t.epoch_seconds)}[/]"
     console.print(line)
+
+
+def _stack_words(stack) -> str:
+    """The Setup line's words for a stack other than memplan's own step, and a loss on the logits' dtype."""
+    words = ""
+    if stack.name == "transformers":
+        words += ", transformers' step" + (f" (peft dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
+    if not stack.fp32_loss:
+        words += ", loss in the logits' dtype"
+    return words
 
 
 def print_levers(console, est) -> None:
@@ -195,6 +217,26 @@ def print_inference(est, rates_note: str | None = None) -> None:
         console.print(f"[yellow]note[/]: {note}")
 
 
+def _stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
+    """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error."""
+    from memplan.stacks import TRANSFORMERS_ARCHS, stack_of
+
+    if lora_dropout is not None and (stack == "memplan" or not setup.lora_rank or not 0.0 <= lora_dropout < 1.0):
+        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers with "
+                         "--lora-rank (memplan's own adapters have no dropout)")
+    if stack == "transformers":
+        if spec.arch not in TRANSFORMERS_ARCHS:
+            raise InputError(f"--stack transformers: the walk covers the {', '.join(TRANSFORMERS_ARCHS)} families, "
+                             f"not {spec.arch!r} (`memplan trace --stack transformers` traces any)")
+        if setup.checkpointing == "selective":
+            raise InputError("--stack transformers: checkpointing 'selective' is memplan's own; transformers "
+                             "checkpoints whole layers (accepted: none, full)")
+        if setup.sharding == "fsdp":
+            raise InputError("--stack transformers: --sharding fsdp is walked for memplan's own step only "
+                             "(accepted: none, ddp)")
+    return stack_of(stack, loss_dtype, lora_dropout or 0.0)
+
+
 @app.command("estimate")
 def estimate_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
@@ -207,6 +249,7 @@ def estimate_command(
     tokens: TokensOpt = None, json: JsonOpt = False, mode: ModeOpt = "training",
     weights_dtype: WeightsDtypeOpt = None, kv_dtype: KvDtypeOpt = None, prompt_tokens: PromptTokensOpt = None,
     sampling: SamplingOpt = "top-k", lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
+    stack: StackOpt = "memplan", loss_dtype: LossDtypeOpt = None, lora_dropout: EstLoraDropoutOpt = None,
 ) -> None:
     """Predict memory (term by term), whether it fits, the largest micro-batch, and step and epoch time.
 
@@ -215,8 +258,17 @@ def estimate_command(
     from memplan.estimate import estimate
     from memplan.units import choice_error
 
+    from memplan.stacks import check_loss_dtype, check_stack
+
     if mode not in MODES:
         raise choice_error("--mode", mode, list(MODES))
+    check_stack(stack)
+    if loss_dtype is not None:
+        check_loss_dtype(loss_dtype)
+    for flag, value in (("--stack", None if stack == "memplan" else stack), ("--loss-dtype", loss_dtype),
+                        ("--lora-dropout", lora_dropout)):
+        if value is not None and mode == "inference":
+            raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
     if mode == "inference":
         from memplan.inference import InferenceSetup, estimate_inference
@@ -242,8 +294,9 @@ def estimate_command(
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
+    walk = _stack_from(stack, loss_dtype, lora_dropout, spec, setup)
     dev, rates_note = local_device_from(device, device_memory)
-    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
+    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
         from memplan.advice import levers
 

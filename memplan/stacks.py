@@ -1,0 +1,238 @@
+"""Whose training code the memory walk follows (``memplan estimate --stack``): torch-free.
+
+``memplan/memory.py`` walks one training step op by op, exactly as memplan's own model and step
+(``trainer/model.py``, ``trainer/step.py``) run it. Other code saves other tensors for the same
+model. A ``Stack`` is the walk's hooks: each a small pure function below whose docstring names the
+tensor it adds (or removes) and the line of the library that makes it. The walk calls them at
+fixed points (``memory._walk_step``, ``memory._block_forward``, ``memory._block_backward``);
+``memplan``'s hooks add nothing, so ``--stack memplan`` is the walk as it always was.
+
+Stacks:
+
+- ``memplan``: memplan's own model and step;
+- ``transformers``: Hugging Face transformers' model and ``Trainer`` step, with peft's LoRA: the
+  step ``memplan trace --stack transformers`` traces (``trainer/stacks/hf.py``), for the llama,
+  gpt2 and gpt_neox families.
+
+``loss_dtype`` (``--loss-dtype``): ``fp32`` takes cross-entropy over an fp32 copy of the logits
+(transformers' ``ForCausalLMLoss`` and memplan's step: ``logits.float()``); ``logits`` over the
+logits in their own dtype, as a plain PyTorch loop calling ``F.cross_entropy(logits, targets)``
+under autocast does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.errors import InputError
+
+STACKS = ("memplan", "transformers")
+LOSS_DTYPES = ("fp32", "logits")
+TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox")  # the families both memplan and the hooks walk
+FP32, HALF, MASK = 4, 2, 1
+
+
+def check_stack(stack: str) -> str:
+    if stack not in STACKS:
+        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(STACKS)})")
+    return stack
+
+
+def check_loss_dtype(loss_dtype: str) -> str:
+    if loss_dtype not in LOSS_DTYPES:
+        raise InputError(f"--loss-dtype: unknown {loss_dtype!r} (accepted: {', '.join(LOSS_DTYPES)})")
+    return loss_dtype
+
+
+def _n(setup) -> int:
+    return setup.micro_batch * setup.ctx
+
+
+def _a(setup) -> int:
+    return setup.compute_bytes
+
+
+def _r(setup) -> int:
+    return HALF if setup.precision == "bf16" else FP32
+
+
+# ---- the hooks of the transformers stack -------------------------------------------------------
+
+def hf_norm_saved_bytes(spec, setup) -> int:
+    """What one of transformers' ``LlamaRMSNorm`` saves beyond memplan's fused norm (input and rstd).
+
+    ``hidden_states = hidden_states.to(torch.float32)`` (modeling_llama.py, LlamaRMSNorm.forward):
+    under pure bf16 a new fp32 copy of the input, n·H·4, saved by ``pow`` and by the multiply with
+    ``rsqrt`` in place of the bf16 input itself, n·H·2, which memplan's norm saves (under fp32 and
+    autocast the residual is fp32 already: ``.to`` returns it, the same tensor);
+    ``self.weight * hidden_states.to(input_dtype)`` saves the normalised input, n·H·r, for the
+    weight's gradient (not when the weight is frozen, under LoRA). LayerNorm (gpt2, gpt_neox) is
+    ``F.layer_norm``, memplan's own: 0."""
+    if spec.norm != "rmsnorm":
+        return 0
+    n, h, r = _n(setup), spec.hidden, _r(setup)
+    out = n * h * (FP32 - r)
+    if not setup.lora_rank:
+        out += n * h * r
+    return out
+
+
+def hf_attention_saved_bytes(spec, setup) -> int:
+    """What transformers' attention saves beyond (or short of) memplan's, per block.
+
+    eager: ``softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)`` (llama's and
+    gpt_neox's ``eager_attention_forward``; gpt2's ``softmax`` under autocast is fp32 too, then
+    ``attn_weights.type(value.dtype)``): softmax saves its fp32 output, B·heads·T²·4, besides the
+    low-precision copy the matmul with V saves (memplan counts that one); 0 in fp32, and for
+    gpt2 under pure bf16 (its softmax stays bf16).
+
+    sdpa with rotary positions, llama: ``q_embed = (q * cos) + (rotate_half(q) * sin)``
+    (``apply_rotary_pos_emb``) saves only cos and sin (shared by the blocks); SDPA saves q_embed,
+    k_embed and v, v_proj's own output. memplan's rotary saves the fused qkv output as well:
+    n·(H + kv)·a less. (gpt_neox's v is a view of its fused query_key_value output, which SDPA
+    keeps whole, as memplan's.)"""
+    n, a = _n(setup), _a(setup)
+    scores = setup.micro_batch * spec.heads * setup.ctx * setup.ctx
+    if setup.attention == "eager":
+        fp32_softmax = a != FP32 and (spec.arch != "gpt2" or setup.mixed)
+        return scores * FP32 if fp32_softmax else 0
+    if spec.pos == "rope" and spec.arch == "llama":
+        return -n * (spec.hidden + spec.kv_dim) * a
+    return 0
+
+
+def hf_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+    """(in, out) of each peft-adapted module standing for memplan's fused ``matrix``: llama's
+    q_proj, k_proj, v_proj (``qkv``) and gate_proj, up_proj (``up``) are separate ``nn.Linear``,
+    each with its own adapter (peft ``LoraLayer.update_layer``); gpt2's c_attn and gpt_neox's
+    query_key_value are fused, as memplan's."""
+    h, kv, f = spec.hidden, spec.kv_dim, spec.ffn
+    if spec.arch == "llama" or spec.mlp == "swiglu":
+        return {"qkv": [(h, h), (h, kv), (h, kv)], "proj": [(h, h)], "up": [(h, f), (h, f)],
+                "down": [(f, h)]}[matrix]
+    return {"qkv": [(h, h + 2 * kv)], "proj": [(h, h)], "up": [(h, f)], "down": [(f, h)]}[matrix]
+
+
+PEFT_ADAPTER_BYTES = FP32  # peft keeps adapters fp32: get_peft_model(autocast_adapter_dtype=True) upcasts bf16 ones
+
+
+def hf_lora_params(spec, setup) -> int:
+    """Adapter parameters peft makes: r·(in + out) per adapted module (``hf_lora_modules``), over the layers."""
+    if not setup.lora_rank:
+        return 0
+    return spec.layers * sum(setup.lora_rank * (i + o) for m in setup.lora for i, o in hf_lora_modules(spec, m))
+
+
+def hf_lora_tensors(spec, setup) -> int:
+    """Adapter parameter tensors peft makes: A and B per adapted module, over the layers."""
+    return 2 * spec.layers * sum(len(hf_lora_modules(spec, m)) for m in setup.lora) if setup.lora_rank else 0
+
+
+def hf_lora_bytes_delta(spec, setup) -> int:
+    """Bytes of peft's adapters beyond memplan's (their weights; their gradients alike): peft's
+    parameters (``hf_lora_params``) in fp32, ``get_peft_model(..., autocast_adapter_dtype=True)``
+    upcasting bf16 adapters (peft ``tuners_utils._cast_adapter_dtype``), less memplan's
+    (``memory.lora_params`` · p)."""
+    if not setup.lora_rank:
+        return 0
+    from memplan.memory import lora_params
+
+    return hf_lora_params(spec, setup) * PEFT_ADAPTER_BYTES - lora_params(spec, setup) * setup.param_bytes
+
+
+def hf_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
+    """What peft's adapters save beyond memplan's, per block.
+
+    peft ``lora.Linear.forward``: ``x = self._cast_input_dtype(x, lora_A.weight.dtype)`` (fp32:
+    ``PEFT_ADAPTER_BYTES``), then ``result = result + lora_B(lora_A(dropout(x))) * scaling``, the
+    cast, the dropout and the adapter per module. ``lora_A`` saves its input: under autocast the
+    bf16 copy it casts (n·in·2), else the fp32 input (n·in·4). With ``lora_dropout`` 0
+    (``nn.Identity``) an fp32 input is shared by the modules (one copy, as memplan's); any cast is
+    per module. With ``lora_dropout`` > 0, ``lora_A``'s input is the dropout's output, per module,
+    and ``nn.Dropout`` saves its mask: n·in·1 (bool) where ATen's fused ``native_dropout`` runs
+    (CUDA), n·in·4 on the CPU (ATen's ``_dropout_impl``: ``noise = empty_like(input).bernoulli_(1 -
+    p)``, in the fp32 input's dtype). memplan's adapter saves its input once, n·in·a. Each module's
+    x·Aᵀ (n·r, 2 bytes under autocast, else 4) for memplan's one n·r·a per fused matrix. Inputs:
+    the norm output for qkv and up (r bytes), the attention output and the MLP product for proj
+    and down (a bytes)."""
+    if not setup.lora_rank:
+        return 0
+    n, a, rank = _n(setup), _a(setup), setup.lora_rank
+    kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES  # what lora_A saves per module, per element
+    out = 0
+    for m in setup.lora:
+        modules = hf_lora_modules(spec, m)
+        k, width = len(modules), modules[0][0]
+        x = _r(setup) if m in ("qkv", "up") else a
+        if dropout > 0:
+            mask = PEFT_ADAPTER_BYTES if cpu else MASK
+            saved = k * n * width * (mask + kept)
+        elif not setup.mixed and x == PEFT_ADAPTER_BYTES:
+            saved = n * width * x
+        else:
+            saved = k * n * width * kept
+        out += saved - n * width * a
+        out += k * n * rank * kept - n * rank * a
+    return out
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The walk's hooks for one stack's code. ``memplan`` (the default) adds nothing."""
+
+    name: str = "memplan"
+    loss_dtype: str = "fp32"  # LOSS_DTYPES
+    lora_dropout: float = 0.0  # peft's LoraConfig.lora_dropout (transformers)
+    cpu: bool = False  # the step runs on the CPU (dropout's mask in the input's dtype)
+
+    def block_saved_bytes(self, spec, setup) -> int:
+        """Bytes one block saves for backward beyond memplan's own block (may be negative)."""
+        if self.name != "transformers":
+            return 0
+        return (2 * hf_norm_saved_bytes(spec, setup) + hf_attention_saved_bytes(spec, setup)
+                + hf_lora_saved_bytes(spec, setup, self.lora_dropout, self.cpu))
+
+    def final_norm_saved_bytes(self, spec, setup) -> int:
+        """Bytes the final norm saves beyond memplan's."""
+        return hf_norm_saved_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def lora_bytes_delta(self, spec, setup) -> int:
+        """Bytes of adapter weights beyond memplan's (their gradients alike; optimizer state follows)."""
+        return hf_lora_bytes_delta(spec, setup) if self.name == "transformers" else 0
+
+    def lora_tensors_delta(self, spec, setup) -> int:
+        """Adapter parameter tensors beyond memplan's (AdamW keeps a ``step`` per tensor)."""
+        if self.name != "transformers" or not setup.lora_rank:
+            return 0
+        from memplan.memory import lora_tensors
+
+        return hf_lora_tensors(spec, setup) - lora_tensors(spec, setup)
+
+    @property
+    def ddp_gradient_as_bucket_view(self) -> bool:
+        """Whether DDP's ``.grad`` are views into its buckets: memplan's trainer sets
+        ``gradient_as_bucket_view=True`` (``trainer/distributed.py``); transformers' Trainer keeps
+        PyTorch's default, False, so the buckets are a second gradient-sized buffer
+        (``memory.ddp_separate_bucket_bytes``)."""
+        return self.name != "transformers"
+
+    @property
+    def fp32_loss(self) -> bool:
+        """Whether the loss upcasts the logits (``logits.float()``)."""
+        return self.loss_dtype == "fp32"
+
+    def on_cpu(self, cpu: bool) -> "Stack":
+        """The same hooks for a step on the CPU (True) or an accelerator."""
+        return Stack(self.name, self.loss_dtype, self.lora_dropout, cpu)
+
+
+MEMPLAN = Stack()
+
+
+def stack_of(name: str = "memplan", loss_dtype: str | None = None, lora_dropout: float = 0.0,
+             cpu: bool = False) -> Stack:
+    """The hooks of stack ``name``; ``loss_dtype`` None: what the stack's own loss does (fp32 for both)."""
+    check_stack(name)
+    if not 0.0 <= lora_dropout < 1.0:
+        raise InputError(f"--lora-dropout: {lora_dropout} must be in [0, 1)")
+    return Stack(name=name, loss_dtype=check_loss_dtype(loss_dtype or "fp32"), lora_dropout=lora_dropout, cpu=cpu)
