@@ -94,5 +94,5 @@ def test_validate_prints_the_stacks_side_by_side_and_bars_per_stack(tmp_path):
     out = result.stdout
     assert "llama-gqa-bf16 (transformers)" in out  # the row names survive rich's markup
     assert "Measured peak allocated per stack" in out
-    assert "transformers (memplan's own model's walk against the measured transformers step):" in out
+    assert "transformers (the walk with its hooks against the measured transformers step):" in out
     assert "not run: 1 config(s)" in out and "selective" in out

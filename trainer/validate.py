@@ -49,9 +49,14 @@ def run_stack_config(config: MatrixConfig, device: Device, stack: str, trace: bo
     (``measure_stack``, MemTracker on real tensors) against the analytic walk and the stack's trace."""
     from trainer.stacks import StackModel, measure_stack, trace_stack
 
+    from memplan.stacks import STACKS as WALKED, stack_of
+
     t0 = time.perf_counter()
     model = StackModel(spec=config.spec)
-    predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead)
+    # the walk with the stack's hooks where it has them (memplan/stacks.py), else memplan's own model's
+    hooks = stack_of(stack, cpu=True) if stack in WALKED else stack_of("memplan")
+    predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
+                            stack=hooks)
     measured = measure_stack(stack, model, config.setup)
     traced = trace_stack(stack, model, config.setup, "cpu") if trace else None
     return ValidationRow(

@@ -217,7 +217,9 @@ def validate_command(
     for which in dict.fromkeys(r.stack for r in rows):
         part = summarize([r for r in rows if r.stack == which]) if len(stacks) > 1 else summary
         if len(stacks) > 1:
-            walk = "memplan's own model's walk" if which != "memplan" else "the walk"
+            from memplan.stacks import STACKS as WALKED
+
+            walk = "the walk with its hooks" if which in WALKED else "memplan's own model's walk"
             console.print(f"[bold]{which}[/] ({walk} against the measured {which} step):")
         console.print(f"median |error| [bold]{part.median_abs_error:.2%}[/], worst [bold]{part.max_abs_error:.2%}[/] "
                       f"({escape(part.worst)})")
