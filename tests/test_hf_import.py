@@ -349,3 +349,19 @@ def test_exact_gelu_is_said_not_hidden(tmp_path, sft):
     write_checkpoint(d, GPTNeoXConfig(**SHAPE, vocab_size=VOCAB, eos_token_id=0, hidden_act="gelu"), tokenizer())
     _, imported = memplan_model(d)
     assert any("exact erf" in n for n in imported.notes)
+
+
+def test_gpt2s_own_layout_without_prefix_and_with_old_buffers_imports(checkpoints, tmp_path):
+    """The Hub's gpt2 files: base-model names (h.0..., wte), attn.bias buffers, a tied lm_head stored anyway."""
+    d = copy_checkpoint(checkpoints["gpt2"][0], tmp_path / "ck")
+
+    def legacy(t):
+        for k in list(t):
+            t[k.removeprefix("transformer.")] = t.pop(k)
+        t["h.0.attn.bias"] = torch.ones(1, 1, 128, 128)
+        t["lm_head.weight"] = t["wte.weight"].clone()
+    edit_weights(d, legacy)
+    _, want = memplan_model(checkpoints["gpt2"][0])
+    _, got = memplan_model(d)
+    assert got.tensors.keys() == want.tensors.keys()
+    assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
