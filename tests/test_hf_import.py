@@ -365,3 +365,23 @@ def test_gpt2s_own_layout_without_prefix_and_with_old_buffers_imports(checkpoint
     _, got = memplan_model(d)
     assert got.tensors.keys() == want.tensors.keys()
     assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+
+
+def test_a_lora_finetune_from_a_checkpoint_exports_with_its_adapters_folded_in(checkpoints, sft, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.loop import load_trained
+
+    out, hf_out = tmp_path / "ft", tmp_path / "hf"
+    result = finetune("--from", str(checkpoints["gpt_neox"][0]), "--data", str(sft), "--out", str(out), "--ctx", "32",
+                      "--lora-rank", "4", "--batch", "2", "--max-steps", "3", "--precision", "fp32", "--lr", "1e-2")
+    assert result.exit_code == 0, result.output
+    exported = runner.invoke(app, ["export", "--run", str(out), "--format", "hf", "--out", str(hf_out)])
+    assert exported.exit_code == 0, exported.output
+    model = AutoModelForCausalLM.from_pretrained(hf_out).eval()
+    tuned, _, _ = load_trained(out)
+    base, _ = memplan_model(checkpoints["gpt_neox"][0])
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(ids).logits.float() - tuned(ids).float()).abs().max().item() < TOL
+        assert (base(ids) - tuned(ids)).abs().max().item() > 1e-4  # the adapters moved it
