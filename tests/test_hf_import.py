@@ -385,3 +385,8 @@ def test_a_lora_finetune_from_a_checkpoint_exports_with_its_adapters_folded_in(c
     with torch.no_grad():
         assert (model(ids).logits.float() - tuned(ids).float()).abs().max().item() < TOL
         assert (base(ids) - tuned(ids)).abs().max().item() > 1e-4  # the adapters moved it
+
+
+def test_a_missing_path_is_not_taken_for_a_hub_id(sft, tmp_path):
+    line = _refused(tmp_path / "nowhere", sft, tmp_path, "no such directory")
+    assert "hf download" not in line

@@ -103,10 +103,12 @@ def resolve_checkpoint(text: str) -> Path:
                          f"({CONFIG_FILE}, {WEIGHTS_FILE} or shards, {TOKENIZER_FILE})")
     cache = hub_cache()
     parts = text.split("/")
-    if 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~")):
-        snap = cached_snapshot(text, cache)
-        if snap is not None:
-            return snap
+    if not (1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~"))):  # a path, not an org/name id
+        raise InputError(f"--from {text}: no such directory; give a Hugging Face checkpoint directory "
+                         f"({CONFIG_FILE}, {WEIGHTS_FILE} or shards, {TOKENIZER_FILE}) or a Hub id cached in {cache}")
+    snap = cached_snapshot(text, cache)
+    if snap is not None:
+        return snap
     raise InputError(f"--from {text}: no such directory, and no snapshot of it in the Hugging Face cache "
                      f"{cache}; memplan reads a local checkpoint directory and downloads nothing "
                      f"(fetch it first, e.g. `hf download {text}`)")
