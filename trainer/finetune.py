@@ -188,6 +188,8 @@ class SFTData:
     base_run: Path
     lora_alpha: float = DEFAULT_ALPHA
     stats: dict = field(default_factory=dict)
+    base_weights: dict | None = None  # canonical tensors of an imported Hugging Face checkpoint (``base_of_hf``)
+    base_hf: dict | None = None  # what was imported: {"path", "model_type", "dtype"}
 
     @property
     def vocab_size(self) -> int:
@@ -210,7 +212,8 @@ class SFTData:
 
 def load_sft(path: str | Path, tokenizer, tokenizer_record: dict, *, ctx: int, template: str = "chat",
              packing: str = "packed", base_checkpoint: Path, base_run: Path,
-             lora_alpha: float = DEFAULT_ALPHA) -> SFTData:
+             lora_alpha: float = DEFAULT_ALPHA, base_weights: dict | None = None,
+             base_hf: dict | None = None) -> SFTData:
     if template not in TEMPLATES:
         raise InputError(f"--template: unknown {template!r} (accepted: {', '.join(TEMPLATES)})")
     if packing not in PACKINGS:
@@ -239,7 +242,7 @@ def load_sft(path: str | Path, tokenizer, tokenizer_record: dict, *, ctx: int, t
     return SFTData(path=path, tokenizer=tokenizer, manifest={"tokenizer": tokenizer_record}, template=template,
                    packing=packing, ctx=ctx, train_ids=train_ids, train_mask=train_mask, val_ids=val_ids,
                    val_mask=val_mask, sha256=sha, prompts=prompts, base_checkpoint=Path(base_checkpoint),
-                   base_run=Path(base_run), lora_alpha=lora_alpha,
+                   base_run=Path(base_run), lora_alpha=lora_alpha, base_weights=base_weights, base_hf=base_hf,
                    stats={"examples": len(raw), "train_examples": len(train), "val_examples": len(val),
                           "truncated": truncated, "dropped": dropped, "train_rows": int(train_ids.shape[0]),
                           "response_tokens": int(train_mask[:, 1:].sum())})
@@ -314,7 +317,10 @@ class FinetuneTrainer(Trainer):
     def _build_model(self):
         s = self.setup
         model = build_model(self.plan.model, s.attention, "none", param_dtype(s.precision), device=self.device)
-        if self._resume_from is None:  # a resumed finetune's checkpoint holds every weight
+        if self._resume_from is None and self.data.base_weights is not None:  # imported (``base_of_hf``)
+            ckpt.load_weights(model, self.data.base_weights, f"--from {self.data.base_run}")
+            self.data.base_weights = None  # in the model now: the copy is not kept
+        elif self._resume_from is None:  # a resumed finetune's checkpoint holds every weight
             path = self.data.base_checkpoint / ckpt.MODEL_FILE
             ckpt.load_weights(model, ckpt.read_weights(path), str(path))
         if s.lora_rank:
@@ -334,7 +340,8 @@ class FinetuneTrainer(Trainer):
         meta = super().meta()
         d = self.data
         meta["finetune"] = {"base_run": str(d.base_run.resolve()), "base_checkpoint": str(d.base_checkpoint.resolve()),
-                            "data_sha256": d.sha256, "template": d.template, "packing": d.packing, "stats": d.stats,
+                            "base_hf": d.base_hf, "data_sha256": d.sha256, "template": d.template,
+                            "packing": d.packing, "stats": d.stats,
                             "lora": ({"rank": self.setup.lora_rank, "alpha": d.lora_alpha,
                                       "targets": self.setup.lora_targets} if self.setup.lora_rank else None)}
         return meta
@@ -359,3 +366,18 @@ def base_of(run_dir: str | Path) -> tuple[Plan, object, dict, Path]:
     else:
         tokenizer = Tokenizer.from_file(ref.path / TOKENIZER_FILE, kind=tok.get("kind", "file"))
     return plan, tokenizer, tok, ref.path
+
+
+def base_of_hf(path: str | Path, *, weights: bool = True):
+    """A Hugging Face checkpoint directory (or a Hub id's cached snapshot) as a finetune's base: the
+    ``trainer.hf_import.ImportedModel`` (spec, canonical weights, its own tokenizer and record); with
+    ``weights=False`` only the spec and tokenizer are read (a resume takes its weights from its checkpoint)."""
+    from trainer import hf_import
+
+    if weights:
+        return hf_import.import_hf(path)
+    directory = hf_import.resolve_checkpoint(str(path))
+    model_type, spec, cfg, max_ctx, notes = hf_import.read_spec(directory)
+    tokenizer, record = hf_import.read_tokenizer(directory, cfg, spec)
+    return hf_import.ImportedModel(path=directory, model_type=model_type, spec=spec, tensors={}, tokenizer=tokenizer,
+                                   tokenizer_record=record, dtype="", max_ctx=max_ctx, notes=tuple(notes))

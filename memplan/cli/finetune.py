@@ -15,7 +15,12 @@ from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt
                                  VerifyDataOpt, device_from, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
-RunOpt = Annotated[str, typer.Option("--run", help="The trained run to start from (its newest checkpoint).")]
+RunOpt = Annotated[Optional[str], typer.Option("--run", help="The trained run to start from (its newest checkpoint).",
+                                                show_default=False)]
+FromOpt = Annotated[Optional[str], typer.Option(
+    "--from", help="Start from a Hugging Face checkpoint directory instead of a run: config.json (llama, mistral, "
+                   "qwen2, gpt2, gpt_neox), model.safetensors or its shards, tokenizer.json; a Hub id is looked up "
+                   "in the local Hugging Face cache only.", show_default=False)]
 DataOpt = Annotated[str, typer.Option(
     "--data", help='JSONL, one example a line: {"prompt": ..., "response": ...} or {"messages": [{"role": '
                    '"system"|"user"|"assistant", "content": ...}, ...]}. The loss is on the responses only.')]
@@ -51,7 +56,7 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the finetune
 
 @app.command("finetune")
 def finetune_command(
-    run: RunOpt, data: DataOpt, out: OutOpt, lora_rank: LoraRankOpt = 0, lora_alpha: LoraAlphaOpt = 16.0,
+    data: DataOpt, out: OutOpt, run: RunOpt = None, from_: FromOpt = None, lora_rank: LoraRankOpt = 0, lora_alpha: LoraAlphaOpt = 16.0,
     lora_targets: LoraTargetsOpt = "all", template: TemplateOpt = "chat", packing: PackingOpt = "packed",
     ctx: FtCtxOpt = None, batch: FtBatchOpt = None, grad_accum: FtAccumOpt = None, precision: FtPrecisionOpt = None,
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
@@ -63,7 +68,7 @@ def finetune_command(
     resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
     threads: ThreadsOpt = None, log: LogOpt = None,
 ) -> None:
-    """Finetune a trained run on instructions (loss on the responses only), with LoRA or every weight; planned,
+    """Finetune a trained run (--run) or a Hugging Face checkpoint (--from) on instructions (loss on the responses only), with LoRA or every weight; planned,
     checkpointed and resumable like `memplan train`."""
     from rich.console import Console
 
@@ -72,6 +77,9 @@ def finetune_command(
     from memplan.units import format_bytes, parse_count, parse_size
 
     console = Console()
+    if (run is None) == (from_ is None):
+        raise InputError("give --run RUN (a memplan run) or --from DIR (a Hugging Face checkpoint directory), "
+                         "exactly one")
     n_threads = threads_from(threads)
     from trainer.loggers import check_loggers
 
@@ -95,7 +103,7 @@ def finetune_command(
     if lora_rank < 0:
         raise InputError(f"--lora-rank: {lora_rank} must be 0 (full finetune) or a positive integer")
     from trainer import checkpoint as ckpt
-    from trainer.finetune import FinetuneTrainer, base_of, load_sft
+    from trainer.finetune import FinetuneTrainer, base_of, base_of_hf, load_sft
     from trainer.lora import parse_targets
     from trainer.loop import CHECKPOINT_DIR, TrainConfig
 
@@ -109,24 +117,47 @@ def finetune_command(
         if not ft:
             raise InputError(f"--resume: {out_dir} is a training run, not a finetune; resume it with memplan train")
         plan = Plan.from_dict(meta["plan"], str(ref.path / ckpt.META_FILE))
-        _, tokenizer, tok, _ = base_of(run)
+        if run is not None:
+            _, tokenizer, tok, _ = base_of(run)
+        else:
+            imported = base_of_hf(from_, weights=False)
+            tokenizer, tok = imported.tokenizer, imported.tokenizer_record
         if tok.get("sha256") != meta.get("tokenizer_sha256"):
-            raise InputError(f"--run {run}: its tokenizer is not the one {out_dir} was finetuned with")
+            raise InputError(f"{'--run' if run is not None else '--from'} {run or from_}: its tokenizer is not the "
+                             f"one {out_dir} was finetuned with")
         sft = load_sft(data, tokenizer, tok, ctx=plan.setup.ctx, template=ft["template"], packing=ft["packing"],
                        base_checkpoint=Path(ft["base_checkpoint"]), base_run=Path(ft["base_run"]),
-                       lora_alpha=float((ft.get("lora") or {}).get("alpha", lora_alpha)))
+                       lora_alpha=float((ft.get("lora") or {}).get("alpha", lora_alpha)), base_hf=ft.get("base_hf"))
         if sft.sha256 != ft["data_sha256"]:
             raise InputError(f"--data {data}: not the file {out_dir} was finetuned on (sha256 differs); resume with "
                              "the same data")
         overrides = {**control, "seed": seed_n, "lr": lr}  # None: as the finetune has it
         trainer = FinetuneTrainer.resume(out_dir, sft, profile, overrides=overrides)
     else:
-        base_plan, tokenizer, tok, base_ckpt = base_of(run)
-        ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx else base_plan.setup.ctx
-        sft = load_sft(data, tokenizer, tok, ctx=ctx_n, template=template, packing=packing, base_checkpoint=base_ckpt,
-                       base_run=Path(run), lora_alpha=lora_alpha)
-        spec = base_plan.model
-        prec = precision or base_plan.setup.precision
+        if run is not None:
+            base_plan, tokenizer, tok, base_ckpt = base_of(run)
+            ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx else base_plan.setup.ctx
+            sft = load_sft(data, tokenizer, tok, ctx=ctx_n, template=template, packing=packing,
+                           base_checkpoint=base_ckpt, base_run=Path(run), lora_alpha=lora_alpha)
+            spec = base_plan.model
+            prec = precision or base_plan.setup.precision
+        else:
+            from memplan.cli.train import best_precision
+
+            imported = base_of_hf(from_)
+            ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx else min(imported.max_ctx, 2048)
+            if ctx_n > imported.max_ctx:
+                raise InputError(f"--ctx {ctx_n}: {imported.path} computes as transformers does up to "
+                                 f"{imported.max_ctx} positions; use --ctx {imported.max_ctx} or less")
+            base_hf = {"path": str(imported.path.resolve()), "model_type": imported.model_type,
+                       "dtype": imported.dtype}
+            sft = load_sft(data, imported.tokenizer, imported.tokenizer_record, ctx=ctx_n, template=template,
+                           packing=packing, base_checkpoint=imported.path, base_run=imported.path,
+                           lora_alpha=lora_alpha, base_weights=imported.tensors, base_hf=base_hf)
+            spec = imported.spec
+            prec = precision or best_precision(profile)
+            for note in imported.notes:
+                console.print(f"[dim]--from: {note}[/dim]")
         if batch is not None:
             setup = TrainSetup(ctx=ctx_n, micro_batch=parse_count(batch, "--batch"),
                                grad_accum=parse_count(grad_accum, "--grad-accum") if grad_accum else 1,

@@ -138,6 +138,11 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> Loade
     meta = ckpt.verify_checkpoint(path)
     plan = Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE))
     tensors = ckpt.read_weights(path / ckpt.MODEL_FILE)
+    if plan.setup.lora_rank:  # a LoRA finetune holds base.weight, lora_a, lora_b: fold them, as load_trained does
+        from trainer.loop import load_trained
+
+        model, _, _ = load_trained(run_dir, checkpoint=path)
+        tensors = {k: v.detach() for k, v in model.state_dict().items() if not (plan.model.tied and k == "head.weight")}
     tok = meta.get("tokenizer") or {}
     tokenizer_json = None
     if tok.get("kind") != "tiktoken":
