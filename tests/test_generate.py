@@ -207,3 +207,10 @@ def test_a_missing_run_is_one_line_naming_it(tmp_path):
 def test_bad_sampling_options_are_one_line_errors(runs):
     one_line_error(cli("--run", str(runs["llama"]), "--temperature", "0"), "--temperature")
     one_line_error(cli("--run", str(runs["llama"]), "--top-p", "abc"), "--top-p")
+
+
+@pytest.mark.parametrize("seed", [str(2**70), str(2**32), "-1"])
+def test_a_seed_out_of_range_is_one_line_naming_the_range(runs, seed):
+    """torch.manual_seed refuses 2^70 with a traceback; the range is train's (0 to 2^32 - 1)."""
+    one_line_error(cli("--run", str(runs["llama"]), "--prompt", "Once", "--max-new-tokens", "2", "--seed", seed),
+                   "--seed", "4,294,967,295")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
-from memplan.cli.options import ThreadsOpt, threads_from, use_threads
+from memplan.cli.options import SEED_MAX, ThreadsOpt, threads_from, use_threads
 from memplan.units import parse_float, parse_int
 
 _G = "Generation"
@@ -30,7 +30,7 @@ TopPOpt = Annotated[str, typer.Option("--top-p", help="Sample among the most lik
                                       "to p (1: all).", rich_help_panel=_G)]
 RepetitionOpt = Annotated[str, typer.Option("--repetition-penalty", help="Divide the logits of tokens already seen "
                                             "by this (1: off; 1.1-1.3 breaks loops).", rich_help_panel=_G)]
-SeedOpt = Annotated[str, typer.Option("--seed", help="Seed of the sampling (same seed, same text).",
+SeedOpt = Annotated[str, typer.Option("--seed", help="Seed of the sampling, 0 to 4294967295 (same seed, same text).",
                                       rich_help_panel=_G)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print {text, stats} as JSON instead of streaming.")]
 
@@ -65,7 +65,7 @@ def generate_command(
         top_p=parse_float(top_p, "--top-p", low=0, low_open=True, high=1, example="0.9"),
         repetition_penalty=parse_float(repetition_penalty, "--repetition-penalty", low=0, low_open=True,
                                        example="1.2"),
-        seed=parse_int(seed, "--seed", minimum=0))
+        seed=parse_int(seed, "--seed", minimum=0, maximum=SEED_MAX))
     threads_from(threads)  # a bad value is refused before torch starts
 
     from trainer.generate import SamplingConfig, context_window, generate_text
