@@ -390,3 +390,48 @@ def test_a_lora_finetune_from_a_checkpoint_exports_with_its_adapters_folded_in(c
 def test_a_missing_path_is_not_taken_for_a_hub_id(sft, tmp_path):
     line = _refused(tmp_path / "nowhere", sft, tmp_path, "no such directory")
     assert "hf download" not in line
+
+
+def test_a_checkpoint_that_ends_text_with_its_own_token_keeps_it_after_the_finetune(sft, tmp_path):
+    """config.json's eos_token_id names <|im_end|> (as Qwen's instruct models do), not the <|endoftext|> the
+    vocabulary also holds: the finetune trains with that end-of-text id, and load_trained (generate, eval,
+    export) must read it back from the checkpoint's record rather than guess <|endoftext|> from the vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig
+
+    from trainer.loop import load_trained
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([f"Which animal is {i}? The cat is {i}." for i in range(200)],
+                            trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end != tok.token_to_id("<|endoftext|>")
+    directory = tmp_path / "instruct"
+    write_checkpoint(directory, LlamaConfig(**SHAPE, num_key_value_heads=2, vocab_size=VOCAB, eos_token_id=im_end,
+                                            bos_token_id=0), tok)
+    out = tmp_path / "ft"
+    result = finetune("--from", str(directory), "--data", str(sft), "--out", str(out), "--ctx", "32", "--batch", "2",
+                      "--max-steps", "2", "--save-every", "2", "--eval-every", "2", "--precision", "fp32",
+                      "--sample-tokens", "0")
+    assert result.exit_code == 0, result.output
+    meta = json.loads(next((out / "checkpoints").glob("step-*/meta.json")).read_text())
+    assert meta["tokenizer"]["eot_id"] == im_end
+    _, tokenizer, _ = load_trained(out)
+    assert (tokenizer.eot_id, tokenizer.eot_token) == (im_end, "<|im_end|>")
+
+
+def test_a_recorded_end_of_text_token_the_tokenizer_lacks_is_refused(tmp_path):
+    from memplan.errors import InputError
+    from trainer.tokenizer import Tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer().save(str(path))
+    tok = Tokenizer.from_file(path)
+    assert tok.as_recorded({"eot_token": tok.eot_token, "eot_id": tok.eot_id}, "t") is tok
+    with pytest.raises(InputError, match="not in its tokenizer"):
+        tok.as_recorded({"eot_token": "<|im_end|>", "eot_id": 7}, str(path))
+    assert tok.as_recorded({"vocab_size": VOCAB + 64}, "t").vocab_size == VOCAB + 64  # a padded embedding

@@ -1471,4 +1471,5 @@ def load_trained(run_dir: str | Path, device=None, checkpoint: str | Path | None
         tokenizer = Tokenizer.from_tiktoken(tok["encoding"])
     else:
         tokenizer = Tokenizer.from_file(path / TOKENIZER_FILE, kind=tok.get("kind", "file"))
+        tokenizer = tokenizer.as_recorded(tok, str(path / TOKENIZER_FILE))  # the end-of-text token it trained with
     return model, tokenizer, meta

@@ -124,6 +124,24 @@ class Tokenizer:
         return cls(hf_tokenizer, kind=kind, eot_id=vocab[eot_token], eot_token=eot_token,
                    vocab_size=max(vocab.values()) + 1)
 
+    def as_recorded(self, record: dict, where: str) -> "Tokenizer":
+        """This tokenizer with the end-of-text token and vocabulary size its record (a checkpoint's or a
+        manifest's ``tokenizer`` entry) names, where that differs from what ``from_hf`` guesses: an
+        imported checkpoint ends text with its config's ``eos_token_id`` (Qwen's ``<|im_end|>``, say) and
+        may pad its embedding past the tokenizer's last id. A record naming a token the file lacks, or an
+        id it does not have, is an InputError."""
+        token, eot_id = record.get("eot_token"), record.get("eot_id")
+        vocab_size = max(int(record.get("vocab_size") or 0), self.vocab_size)
+        if token is None or eot_id is None or (token, int(eot_id)) == (self.eot_token, self.eot_id):
+            return self if vocab_size == self.vocab_size else Tokenizer(
+                self._backend, kind=self.kind, eot_id=self.eot_id, eot_token=self.eot_token, vocab_size=vocab_size,
+                name=self.name)
+        if self.kind == "tiktoken" or self._backend.token_to_id(str(token)) != int(eot_id):
+            raise InputError(f"{where}: the recorded end-of-text token {token!r:.40} (id {eot_id!r:.20}) is not in "
+                             "its tokenizer; the checkpoint and its tokenizer.json disagree")
+        return Tokenizer(self._backend, kind=self.kind, eot_id=int(eot_id), eot_token=str(token),
+                         vocab_size=vocab_size, name=self.name)
+
     @classmethod
     def from_file(cls, path: str | Path, *, kind: str = "file") -> "Tokenizer":
         """Load a Hugging Face ``tokenizer.json``."""
