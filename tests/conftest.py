@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -45,19 +46,55 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A directory on a fresh 2 MiB tmpfs (``mount -t tmpfs``, which CI can do as root), for "disk full"
-    cases; yields its Path and unmounts afterwards. Skipped where mounting is not permitted."""
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: int | str = "2m"):
+    """A fresh tmpfs of ``size`` mounted at ``mount`` (created if missing; ``mount -t tmpfs``, which CI can do
+    as root) for the block, unmounted afterwards; the test is skipped where mounting is not permitted."""
+    mount.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@contextlib.contextmanager
+def read_only_directory(directory: Path, files: dict[str, str] | None = None):
+    """``directory`` holding ``files`` (name: text), then not writable by this process for the block: mode
+    0555 for a user, a tmpfs remounted read-only for root (who writes through file modes)."""
+    if os.geteuid() != 0:
+        directory.mkdir(exist_ok=True)
+        for name, text in (files or {}).items():
+            (directory / name).write_text(text)
+        directory.chmod(0o555)
+        try:
+            yield directory
+        finally:
+            directory.chmod(0o755)
+        return
+    with tmpfs(directory, "1m"):
+        for name, text in (files or {}).items():
+            (directory / name).write_text(text)
+        done = subprocess.run(["mount", "-o", "remount,ro", str(directory)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot remount a tmpfs read-only here: {done.stderr.decode(errors='replace').strip()}")
+        yield directory
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A directory on a fresh 2 MiB tmpfs, for "disk full" cases (``tmpfs``)."""
+    with tmpfs(tmp_path / "small-disk") as mount:
+        yield mount
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An existing, empty directory this process cannot write into (``read_only_directory``)."""
+    with read_only_directory(tmp_path / "read-only") as directory:
+        yield directory
 
 
 def fill_disk(mount: Path, leave: int = 0) -> None:

@@ -233,19 +233,6 @@ def test_disk_full_is_one_line_naming_the_path_and_leaves_no_temp_dir(tmp_path, 
     assert temp_dirs(out) == [] and not out.exists()
 
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode(errors='replace').strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
-
 @pytest.mark.parametrize("case", ["parent-is-a-file", "read-only"])
 def test_an_unusable_out_parent_is_one_line(tmp_path, case, request):
     src = write_stories(tmp_path / "s.jsonl")

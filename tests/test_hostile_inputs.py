@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from conftest import read_only_directory
 from memplan.cli import app
 from runs_helper import one_line_error
 
@@ -43,25 +43,9 @@ def assert_one_line(result, *needles):
 
 @pytest.fixture
 def read_only_dir(tmp_path):
-    """A directory nobody can write in, holding ``good.toml``: chmod 0555 for a user, a tmpfs remounted
-    read-only for root (who writes through permissions). Skipped where neither is possible."""
-    d = tmp_path / "ro"
-    d.mkdir()
-    if not ROOT:
-        (d / "good.toml").write_text("kept = true\n")
-        d.chmod(0o555)
+    """A directory nobody can write in, holding ``good.toml`` (conftest's ``read_only_directory``)."""
+    with read_only_directory(tmp_path / "ro", {"good.toml": "kept = true\n"}) as d:
         yield d
-        d.chmod(0o755)
-        return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        (d / "good.toml").write_text("kept = true\n")
-        if subprocess.run(["mount", "-o", "remount,ro", str(d)], capture_output=True).returncode:
-            pytest.skip("cannot remount a tmpfs read-only here")
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
 # ---- --device that is no profile file -------------------------------------------------------------

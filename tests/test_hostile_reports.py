@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import fill_disk
+from conftest import fill_disk, tmpfs
 from memplan.cli import app
 from runs_helper import one_line_error, tiny_corpus, tiny_run
 
@@ -89,20 +89,6 @@ def measured(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def read_only_dir(small_disk):
-    """A directory nobody can write: the small tmpfs remounted read-only (root ignores mode bits)."""
-    if os.geteuid() == 0:
-        done = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot remount read-only: {done.stderr.decode(errors='replace').strip()}")
-    else:
-        small_disk.chmod(0o555)
-    yield small_disk
-    if os.geteuid() != 0:
-        small_disk.chmod(0o755)
-
-
 # ---- a path that cannot be written: refused before any work, exit 2 ----------------------------
 
 COMMANDS = {"sweep": SWEEP, "validate": VALIDATE, "validate-json": VALIDATE_JSON,
@@ -157,13 +143,8 @@ def test_a_disk_that_fills_while_validate_measures_leaves_no_half_page(monkeypat
 
     import memplan.report
 
-    mount = tmp_path / "disk"
-    mount.mkdir()
     size = memplan.report.page_bytes_at_least() + (1 << 20)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "disk", size) as mount:
         (mount / "old.html").write_text("the previous report")
         answer = trainer.validate.run_config
 
@@ -178,8 +159,6 @@ def test_a_disk_that_fills_while_validate_measures_leaves_no_half_page(monkeypat
         assert len(measured) > 1  # it did measure: the disk filled afterwards
         assert (mount / "old.html").read_text() == "the previous report"
         assert leftovers(mount) == []
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.fixture(scope="module")

@@ -317,26 +317,6 @@ def test_rewriting_the_report_on_a_full_disk_is_one_line(small_disk, corpus, tmp
 
 # ---- 18: a read-only --out ---------------------------------------------------------------------------------
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """An existing, empty directory this process cannot write into: a read-only tmpfs where the tests run
-    as root (root writes through file modes), else mode 0555."""
-    directory = tmp_path / "read-only"
-    directory.mkdir()
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        yield directory
-        directory.chmod(0o755)
-        return
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode(errors='replace').strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], capture_output=True)
-
-
 @pytest.mark.parametrize("command", ["train", "finetune"])
 def test_a_read_only_out_is_refused_in_one_line_before_training(read_only_dir, corpus, bases, command, monkeypatch):
     trained = []
