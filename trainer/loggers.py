@@ -93,7 +93,29 @@ def hyperparameters(start: dict) -> dict:
     return flat
 
 
-class TensorBoardLogger:
+class _Logger:
+    """A metrics-line callback: the start (or resume) event goes to ``start``, with the plan's predicted
+    peak kept for the memory chart; every other line's scalars (``scalars``) to ``log``."""
+
+    predicted_peak: int | None = None
+
+    def __call__(self, line: dict) -> None:
+        if line.get("kind") == "event" and line.get("event") in ("start", "resume"):
+            self.predicted_peak = (line.get("predicted") or {}).get("peak_reserved")
+            self.start(line)
+            return
+        values = scalars(line, self.predicted_peak)
+        if values:
+            self.log(values, line.get("step"))
+
+    def start(self, line: dict) -> None:
+        raise NotImplementedError
+
+    def log(self, values: dict[str, float], step: int | None) -> None:
+        raise NotImplementedError
+
+
+class TensorBoardLogger(_Logger):
     """Scalars and the run's configuration into ``RUN/tensorboard/`` (SummaryWriter)."""
 
     def __init__(self, run_dir: Path):
@@ -102,17 +124,13 @@ class TensorBoardLogger:
         except ImportError:
             raise InputError(f"--log tensorboard: needs the tensorboard package; install it with {EXTRA}") from None
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
-        self.predicted_peak: int | None = None
 
-    def __call__(self, line: dict) -> None:
-        if line.get("kind") == "event" and line.get("event") in ("start", "resume"):
-            self.predicted_peak = (line.get("predicted") or {}).get("peak_reserved")
-            params = hyperparameters(line)
-            self.writer.add_text("run/config", "```\n" + json.dumps(params, indent=1, default=str) + "\n```",
-                                 global_step=line.get("step", 0))
-            return
-        step = line.get("step")
-        for name, value in scalars(line, self.predicted_peak).items():
+    def start(self, line: dict) -> None:
+        self.writer.add_text("run/config", "```\n" + json.dumps(hyperparameters(line), indent=1, default=str)
+                             + "\n```", global_step=line.get("step", 0))
+
+    def log(self, values: dict[str, float], step: int | None) -> None:
+        for name, value in values.items():
             self.writer.add_scalar(name, value, global_step=step)
 
     def close(self) -> None:
@@ -131,7 +149,7 @@ def _wandb_logged_in() -> bool:
         return False
 
 
-class WandbLogger:
+class WandbLogger(_Logger):
     """Scalars and the run's configuration into a W&B run under ``RUN/wandb/`` (offline unless logged in)."""
 
     def __init__(self, run_dir: Path):
@@ -143,21 +161,16 @@ class WandbLogger:
         self.run_dir = Path(run_dir)
         self.mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_logged_in() else "offline")
         self.run = None
-        self.predicted_peak: int | None = None
 
-    def __call__(self, line: dict) -> None:
-        if line.get("kind") == "event" and line.get("event") in ("start", "resume"):
-            self.predicted_peak = (line.get("predicted") or {}).get("peak_reserved")
-            if self.run is None:
-                self.run = self.wandb.init(project=os.environ.get("WANDB_PROJECT", "memplan"), name=self.run_dir.name,
-                                           dir=str(self.run_dir), mode=self.mode, config=hyperparameters(line),
-                                           settings=self.wandb.Settings(silent=True, console="off"))
-            return
+    def start(self, line: dict) -> None:
         if self.run is None:
-            return
-        values = scalars(line, self.predicted_peak)
-        if values:
-            self.run.log(values, step=line.get("step"))
+            self.run = self.wandb.init(project=os.environ.get("WANDB_PROJECT", "memplan"), name=self.run_dir.name,
+                                       dir=str(self.run_dir), mode=self.mode, config=hyperparameters(line),
+                                       settings=self.wandb.Settings(silent=True, console="off"))
+
+    def log(self, values: dict[str, float], step: int | None) -> None:
+        if self.run is not None:
+            self.run.log(values, step=step)
 
     def close(self) -> None:
         if self.run is not None:
