@@ -32,9 +32,11 @@ TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox")  # the families both memplan 
 FP32, HALF, MASK = 4, 2, 1
 
 
-def check_stack(stack: str) -> str:
-    if stack not in STACKS:
-        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(STACKS)})")
+def check_stack(stack: str, accepted: tuple[str, ...] = STACKS) -> str:
+    """``stack`` if it is one of ``accepted`` (the walk's stacks by default; ``trace`` takes more), else the
+    one-line InputError naming them."""
+    if stack not in accepted:
+        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(accepted)})")
     return stack
 
 

@@ -108,10 +108,9 @@ def trace_command(
     its own LoRA and checkpointing. With --world-size N
     --sharding fsdp (memplan's stack): rank 0 of an FSDP2 step, the other ranks stood in for by a
     fake process group (collectives as NCCL runs them)."""
-    from trainer.stacks import STACKS
+    from trainer.stacks import check_stack
 
-    if stack not in STACKS:
-        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(STACKS)})")
+    check_stack(stack)
     setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
                        compile)
     rank = parse_count(lora_rank, "--lora-rank") if lora_rank not in ("0", "") else 0

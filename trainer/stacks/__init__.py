@@ -49,9 +49,10 @@ class StackModel:
 
 
 def check_stack(stack: str) -> str:
-    if stack not in STACKS:
-        raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(STACKS)})")
-    return stack
+    """``stack`` if a trace can take it (``STACKS``), else the one-line InputError naming them."""
+    from memplan import stacks
+
+    return stacks.check_stack(stack, STACKS)
 
 
 def require(module: str, stack: str, extra: str = EXTRA):
