@@ -68,17 +68,15 @@ def run_stack_config(config: MatrixConfig, device: Device, stack: str, trace: bo
 
 
 def stack_can_run(config: MatrixConfig, stack: str) -> str | None:
-    """Why ``stack``'s code cannot take ``config``'s step (None when it can): one process only, no
-    selective checkpointing (memplan's own), no 8-bit optimizer, no compile."""
+    """Why ``stack``'s code cannot take ``config``'s step (None when it can), for what no library refuses
+    itself: several processes, and compile (a stack's step runs eagerly). What a library cannot build
+    (memplan's selective checkpointing, an optimizer it lacks) it refuses in one InputError line when
+    ``run_stack_config`` builds it, and validate lists that config as not run with the library's reason."""
     setup = config.setup
     if stack == "memplan":
         return None
     if setup.world_size > 1:
         return "one process only"
-    if setup.checkpointing == "selective":
-        return "selective checkpointing is memplan's own"
-    if setup.optimizer == "adamw8bit":
-        return "bitsandbytes is not installed here"
     if setup.compile:
         return "compiled steps are not measured per stack"
     return None

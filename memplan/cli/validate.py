@@ -192,7 +192,7 @@ def validate_command(
                     try:
                         rows.append(run_stack_config(config, dev, which, trace=not no_trace))
                     except InputError as e:  # the library refuses this setup (its own limits): say so, go on
-                        skipped.append((config, which, " ".join(str(e).split())))
+                        skipped.append((config, which, " ".join(str(e).split()).removeprefix(f"--stack {which}: ")))
                 progress.advance(task)
     if not rows:
         raise InputError(f"--stack {stack}: no config of matrix {matrix!r} can run on it ("
