@@ -31,6 +31,18 @@ LoraDropoutOpt = Annotated[float | None, typer.Option(
                            "configs' 0.0). Above 0, each adapter saves its dropout's mask and output.")]
 
 
+def traced_memory(traced, device) -> dict:
+    """The ``memory`` object of ``trace --json`` from a trace: its categories (MemTracker's "other" counted with
+    the weights), and the device's runtime on top of the traced peak for ``peak_reserved``."""
+    from memplan.memory import runtime_bytes
+
+    runtime = runtime_bytes(traced.peak_allocated, device.runtime_context_bytes, device.allocator_overhead)
+    memory = {k: int(traced.breakdown.get(k, 0)) for k in TRACE_CATEGORIES}
+    memory["weights"] += int(traced.breakdown.get("other", 0))
+    memory.update(runtime=runtime, peak_allocated=traced.peak_allocated, peak_reserved=traced.peak_allocated + runtime)
+    return memory
+
+
 def traced_json(est, traced) -> dict:
     """The JSON of ``memplan estimate`` (docs/json.md) with the memory object replaced by the trace.
 
@@ -39,14 +51,8 @@ def traced_json(est, traced) -> dict:
     from the planner's; peak_allocated is the exact figure. ``fits`` follows the traced peak;
     ``max_micro_batch`` and ``time`` stay analytic.
     """
-    from memplan.memory import runtime_bytes
-
     device = est.device
-    runtime = runtime_bytes(traced.peak_allocated, device.runtime_context_bytes, device.allocator_overhead)
-    memory = {k: int(traced.breakdown.get(k, 0)) for k in TRACE_CATEGORIES}
-    memory["weights"] += int(traced.breakdown.get("other", 0))
-    memory.update(runtime=runtime, peak_allocated=traced.peak_allocated, peak_reserved=traced.peak_allocated + runtime,
-                  peak_phase=est.memory.peak_phase)
+    memory = {**traced_memory(traced, device), "peak_phase": est.memory.peak_phase}
     data = est.to_json()
     data["memory"] = memory
     data["fits"] = memory["peak_reserved"] <= device.usable_bytes
@@ -73,13 +79,7 @@ def read_hf_config(path: str) -> dict | None:
 def stack_json(stack: str, cfg: dict, setup, dev, traced, params: int | None) -> dict:
     """``trace --json`` for a model memplan's analytic walk does not cover (a config.json of another
     family, traced through its library): the trace alone, with the setup and the device."""
-    from memplan.memory import runtime_bytes
-
-    runtime = runtime_bytes(traced.peak_allocated, dev.runtime_context_bytes, dev.allocator_overhead)
-    memory = {k: int(traced.breakdown.get(k, 0)) for k in TRACE_CATEGORIES}
-    memory["weights"] += int(traced.breakdown.get("other", 0))
-    memory.update(runtime=runtime, peak_allocated=traced.peak_allocated,
-                  peak_reserved=traced.peak_allocated + runtime)
+    memory = traced_memory(traced, dev)
     return {"stack": stack, "model": {"model_type": cfg.get("model_type"), "params": params},
             "setup": setup.to_json(),
             "device": dev.name, "memory": memory, "fits": memory["peak_reserved"] <= dev.usable_bytes,
