@@ -15,6 +15,7 @@ so a 1B model at 8k context is traced on a laptop CPU without allocating its mem
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -131,15 +132,17 @@ class _TermProbe:
 
 
 def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type: str,
-                   probe_terms: bool = False, step_fn=train_step) -> tuple[int, dict, dict]:
+                   probe_terms: bool = False, step_fn=None) -> tuple[int, dict, dict]:
     """Two steps under MemTracker (reset_mod_stats before every forward); returns the peak, its
     breakdown, and (with ``probe_terms``) the terms read by ``_TermProbe`` in the second step.
-    ``step_fn`` takes a step as ``trainer.step.train_step`` does (another stack's, trainer/stacks).
+    ``step_fn`` takes a step as ``trainer.step.train_step`` does (another stack's, trainer/stacks);
+    by default memplan's own, without its finiteness check (fake tensors have no values to check).
 
     The first step allocates the optimizer state; the second is the steady state. The
     tracker's peak is over both, and the second step's is never lower (it holds everything the
     first does, plus optimizer state from the start).
     """
+    take_step = step_fn or functools.partial(train_step, check_finite=False)
     tracker = PeakTracker()
     tracker.track_external(model, optimizer)
 
@@ -163,9 +166,7 @@ def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type:
                 if last and i == len(batches) - 1:
                     probe.after_forward(i)
 
-            kwargs = {"check_finite": False} if step_fn is train_step else {}
-            step_fn(model, optimizer, batches, setup, device_type, before_forward=before, after_forward=after,
-                    **kwargs)
+            take_step(model, optimizer, batches, setup, device_type, before_forward=before, after_forward=after)
             del batches
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     total = int(snapshot.get("Total", sum(v for k, v in snapshot.items())))

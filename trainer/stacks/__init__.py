@@ -82,10 +82,11 @@ def _vocab(model: StackModel) -> int:
 
 
 def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
-    """(the stack's model, its optimizer, its step function) for ``setup``."""
+    """(the stack's model, its optimizer, its step function) for ``setup``; memplan's own step is None:
+    ``trainer.measure._tracked_steps`` takes it by default."""
     from trainer.lora import lora_for
     from trainer.model import build_model
-    from trainer.step import make_optimizer, param_dtype, train_step
+    from trainer.step import make_optimizer, param_dtype
 
     if stack == "memplan":
         if model.spec is None:
@@ -93,7 +94,7 @@ def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
                              "(--params, --arch … or a config.json of llama, mistral, qwen2, gpt2, gpt_neox)")
         net = lora_for(build_model(model.spec, setup.attention, setup.checkpointing, param_dtype(setup.precision)),
                        setup)
-        return net, make_optimizer(net, setup.optimizer), train_step
+        return net, make_optimizer(net, setup.optimizer), None
     module = _stack_module(stack)
     net = module.build_model(model, setup, lora_dropout=lora_dropout)
     own = getattr(module, "make_optimizer", None)  # the library's optimizer as its scripts make it
