@@ -1,7 +1,7 @@
 """memplan finetune --from DIR: a Hugging Face checkpoint (llama, mistral, qwen2, gpt2, gpt_neox) written by
 transformers' own save_pretrained imports with the logits transformers computes (within 1e-4, fp32), finetunes,
 and exports back to a directory transformers loads; a missing, extra or misshapen tensor, an unsupported model,
-a missing tokenizer.json and a Hub id that is not in the cache are one-line errors."""
+a missing tokenizer.json and a Hub id that is not in the cache and cannot be fetched are one-line errors."""
 
 from __future__ import annotations
 
@@ -309,8 +309,9 @@ def test_a_hub_id_absent_from_the_cache_names_the_cache(sft, tmp_path, monkeypat
     cache = tmp_path / "hub-cache"
     cache.mkdir()
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network in tests: the fetch is refused as offline
     monkeypatch.chdir(tmp_path)
-    _refused("EleutherAI/pythia-14m", sft, tmp_path, "EleutherAI/pythia-14m", str(cache), "local")
+    _refused("EleutherAI/pythia-14m", sft, tmp_path, "EleutherAI/pythia-14m", str(cache), "HF_HUB_OFFLINE")
 
 
 def test_a_hub_id_in_the_cache_is_used(checkpoints, tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -359,8 +360,11 @@ def rescaled_for_world(setup: TrainSetup, world_size: int, sharding: str | None 
     return setup.replace(grad_accum=micro_batches // world_size, world_size=world_size, sharding=sharding)
 
 
-def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int) -> torch.nn.Module:
-    """The reference model with the initial weights of a single-process run with ``seed``, wrapped.
+def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int,
+                        initial: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """The reference model with the initial weights of a single-process run with ``seed``, wrapped;
+    ``initial``, if given, then loads the weights the run starts from into rank 0's unwrapped model (the
+    other ranks receive them from rank 0, as they do a seeded initialisation).
 
     DDP: every rank builds it on its device (DDP then broadcasts rank 0's weights anyway). FSDP:
     no rank ever holds the whole model on its device. The model is built on the meta device,
@@ -374,8 +378,10 @@ def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int) ->
     dtype = param_dtype(setup.precision)
     if setup.sharding != "fsdp":
         torch.manual_seed(seed)
-        return wrap_model(build_model(spec, setup.attention, setup.checkpointing, dtype, device=ctx.device),
-                          setup, ctx.device)
+        model = build_model(spec, setup.attention, setup.checkpointing, dtype, device=ctx.device)
+        if initial is not None and ctx.is_main:
+            initial(model)
+        return wrap_model(model, setup, ctx.device)  # DDP broadcasts rank 0's parameters to every rank
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = wrap_model(build_model(spec, setup.attention, setup.checkpointing, dtype, device="meta"), setup,
@@ -384,7 +390,10 @@ def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int) ->
     full = {}
     if ctx.is_main:
         torch.manual_seed(seed)
-        full = build_model(spec, setup.attention, setup.checkpointing, dtype, device="cpu").state_dict()
+        host = build_model(spec, setup.attention, setup.checkpointing, dtype, device="cpu")
+        if initial is not None:
+            initial(host)
+        full = host.state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 

@@ -21,8 +21,9 @@ default, a non-SiLU llama activation, GPT-2's ``scale_attn_by_inverse_layer_idx`
 attention biases. A sliding window caps the context (``ImportedModel.max_ctx``). An exact (erf) GELU runs as
 the trainer's tanh approximation (at most ~5e-4 apart per activation), said in ``notes``.
 
-A Hub id (``org/name``) is not downloaded: the Hugging Face cache (``huggingface_hub.constants.HF_HUB_CACHE``)
-is searched for a snapshot of it, and used if one is there.
+A Hub id (``org/name``) is looked up in the Hugging Face cache (``huggingface_hub.constants.HF_HUB_CACHE``)
+and, when no snapshot of it is there, fetched into it with ``huggingface_hub.snapshot_download`` (config,
+tokenizer and safetensors only) unless ``HF_HUB_OFFLINE`` is set; offline, the error names the cache.
 """
 
 from __future__ import annotations
@@ -90,33 +91,94 @@ def cached_snapshot(repo_id: str, cache: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def resolve_checkpoint(text: str) -> Path:
-    """The checkpoint directory ``--from`` names: a local directory, or a Hub id's snapshot in the HF cache."""
+FETCHED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "*.safetensors", INDEX_FILE)  # what a Hub fetch downloads: never pickle
+
+
+def hub_offline() -> bool:
+    """Whether the user forbade the network to huggingface_hub (``HF_HUB_OFFLINE``, its own switch)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true"):
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(constants.HF_HUB_OFFLINE)  # read when huggingface_hub was imported
+
+
+def fetch_from_hub(repo_id: str, cache: Path, flag: str = "--from") -> Path:
+    """``repo_id``'s config, safetensors weights and tokenizer fetched with ``huggingface_hub.snapshot_download``
+    into the Hugging Face cache ``cache``, and the snapshot directory; pickle weights are never fetched. Offline
+    (``HF_HUB_OFFLINE``, no network, no such repository) an InputError naming the cache it looked in."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise InputError(f"{flag} {repo_id}: not in the Hugging Face cache {cache}, and fetching it needs "
+                         "huggingface_hub (pip install huggingface_hub)") from None
+    if hub_offline():
+        raise InputError(f"{flag} {repo_id}: no snapshot of it in the Hugging Face cache {cache}, and HF_HUB_OFFLINE "
+                         f"forbids fetching it; fetch it where the network allows (`hf download {repo_id}`) or give "
+                         "a local checkpoint directory")
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=list(FETCHED), cache_dir=str(cache)))
+    except Exception as e:  # huggingface_hub's own errors: offline, unknown repository, gated, HTTP failures
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise InputError(f"{flag} {repo_id}: no snapshot of it in the Hugging Face cache {cache}, and fetching it "
+                         f"failed ({type(e).__name__}: {first[:160]}); give a local checkpoint directory, or fetch "
+                         f"it where the network allows (`hf download {repo_id}`)") from None
+    if not (path / CONFIG_FILE).is_file():
+        raise InputError(f"{flag} {repo_id}: the Hub repository has no {CONFIG_FILE}; it is not a transformers "
+                         "checkpoint")
+    return path
+
+
+def resolve_checkpoint(text: str, flag: str = "--from") -> Path:
+    """The checkpoint directory ``flag`` names: a local directory; or a Hub id's snapshot in the HF cache,
+    fetched into it first when it is not there (``fetch_from_hub``)."""
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / CONFIG_FILE).is_file():
-            raise InputError(f"--from {text}: no {CONFIG_FILE} in the directory; a Hugging Face checkpoint "
+            raise InputError(f"{flag} {text}: no {CONFIG_FILE} in the directory; a Hugging Face checkpoint "
                              f"directory holds {CONFIG_FILE}, {WEIGHTS_FILE} (or shards) and {TOKENIZER_FILE}")
         return path
     if path.exists():
-        raise InputError(f"--from {text}: not a directory; give a Hugging Face checkpoint directory "
+        raise InputError(f"{flag} {text}: not a directory; give a Hugging Face checkpoint directory "
                          f"({CONFIG_FILE}, {WEIGHTS_FILE} or shards, {TOKENIZER_FILE})")
     cache = hub_cache()
-    parts = text.split("/")
-    if not (1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~"))):  # a path, not an org/name id
-        raise InputError(f"--from {text}: no such directory; give a Hugging Face checkpoint directory "
-                         f"({CONFIG_FILE}, {WEIGHTS_FILE} or shards, {TOKENIZER_FILE}) or a Hub id cached in {cache}")
+    if not is_hub_id(text):  # a path, not an org/name id
+        raise InputError(f"{flag} {text}: no such directory; give a Hugging Face checkpoint directory "
+                         f"({CONFIG_FILE}, {WEIGHTS_FILE} or shards, {TOKENIZER_FILE}) or a Hub id (org/name)")
     snap = cached_snapshot(text, cache)
     if snap is not None:
         return snap
-    raise InputError(f"--from {text}: no such directory, and no snapshot of it in the Hugging Face cache "
-                     f"{cache}; memplan reads a local checkpoint directory and downloads nothing "
-                     f"(fetch it first, e.g. `hf download {text}`)")
+    return fetch_from_hub(text, cache, flag)
+
+
+def is_hub_id(text: str) -> bool:
+    """``name`` or ``org/name`` as the Hub spells repository ids (letters, digits, ``-_.``), not a path."""
+    import re
+
+    return re.fullmatch(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*", text) is not None \
+        and ".." not in text and not text.endswith(".")
+
+
+def weights_sha256(directory: Path) -> str:
+    """One sha256 over a checkpoint's weight files (the index, if any, and each .safetensors in name order):
+    what a run started from it records, so that it can tell later that the files are still the same."""
+    import hashlib
+
+    from trainer.tokenizer import file_sha256
+
+    h = hashlib.sha256()
+    names = sorted(p.name for p in directory.iterdir() if p.name == INDEX_FILE or p.name.endswith(".safetensors"))
+    for name in names:
+        h.update(name.encode() + b"\0" + file_sha256(directory / name).encode() + b"\n")
+    return h.hexdigest()
 
 
 # ---- the configuration -------------------------------------------------------------------------------
 
-def _rope(cfg: dict, where: str) -> tuple[float | None, float | None]:
+def _rope(cfg: dict, where: str, flag: str = "--from") -> tuple[float | None, float | None]:
     """(rope_theta, partial_rotary_factor) from transformers 5's ``rope_parameters`` (or none there);
     a RoPE scaling other than the default is refused."""
     params = cfg.get("rope_parameters")
@@ -125,28 +187,28 @@ def _rope(cfg: dict, where: str) -> tuple[float | None, float | None]:
         if value is None:
             continue
         if not isinstance(value, dict):
-            raise InputError(f"--from {where}: {key} must be an object, got {value!r:.40}")
+            raise InputError(f"{flag} {where}: {key} must be an object, got {value!r:.40}")
         kind = value.get("rope_type", value.get("type", "default"))
         if kind != "default":
-            raise InputError(f"--from {where}: {key} has rope_type {kind!r:.40}; memplan's trainer computes "
+            raise InputError(f"{flag} {where}: {key} has rope_type {kind!r:.40}; memplan's trainer computes "
                              "the default RoPE only (accepted: default)")
     if not isinstance(params, dict):
         return None, None
     theta, partial = params.get("rope_theta"), params.get("partial_rotary_factor")
     for key, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise InputError(f"--from {where}: rope_parameters.{key} must be a positive number, got {value!r:.40}")
+            raise InputError(f"{flag} {where}: rope_parameters.{key} must be a positive number, got {value!r:.40}")
     return (float(theta) if theta is not None else None), (float(partial) if partial is not None else None)
 
 
-def read_spec(directory: Path) -> tuple[str, ModelSpec, dict, int, list[str]]:
+def read_spec(directory: Path, flag: str = "--from") -> tuple[str, ModelSpec, dict, int, list[str]]:
     """(model_type, spec, config, max_ctx, notes) of a checkpoint directory's config.json."""
     path = directory / CONFIG_FILE
     spec = from_hf_config(path)  # checks every shape value and the model type
     cfg = json.loads(path.read_text(encoding="utf-8"))
     model_type, where = cfg["model_type"], str(directory)
     notes: list[str] = []
-    theta, partial = _rope(cfg, where)
+    theta, partial = _rope(cfg, where, flag)
     changes = {"name": cfg.get("_name_or_path") or directory.name, "source": str(directory)}
     if spec.pos == "rope":
         if theta is not None:
@@ -162,21 +224,21 @@ def read_spec(directory: Path) -> tuple[str, ModelSpec, dict, int, list[str]]:
     act = cfg.get(act_key, "gelu_new" if model_type == "gpt2" else ("gelu" if model_type == "gpt_neox" else "silu"))
     if spec.mlp == "swiglu":
         if act not in ("silu", "swish"):
-            raise InputError(f"--from {where}: {act_key} {act!r:.40}; memplan's llama family computes SwiGLU "
+            raise InputError(f"{flag} {where}: {act_key} {act!r:.40}; memplan's llama family computes SwiGLU "
                              "(accepted: silu)")
     elif act == "gelu":
         notes.append(f"{act_key} 'gelu' (exact erf) runs as the tanh approximation (at most ~5e-4 apart per "
                      "activation); an export writes gelu_pytorch_tanh")
     elif act not in TANH_GELUS:
-        raise InputError(f"--from {where}: {act_key} {act!r:.40}; accepted: gelu, {', '.join(TANH_GELUS)}")
+        raise InputError(f"{flag} {where}: {act_key} {act!r:.40}; accepted: gelu, {', '.join(TANH_GELUS)}")
     if model_type == "gpt2":
         if cfg.get("scale_attn_by_inverse_layer_idx"):
-            raise InputError(f"--from {where}: scale_attn_by_inverse_layer_idx is true; memplan's trainer scales "
+            raise InputError(f"{flag} {where}: scale_attn_by_inverse_layer_idx is true; memplan's trainer scales "
                              "attention by 1/sqrt(head_dim) only (accepted: false)")
         if cfg.get("scale_attn_weights", True) is not True:
-            raise InputError(f"--from {where}: scale_attn_weights is false; accepted: true")
+            raise InputError(f"{flag} {where}: scale_attn_weights is false; accepted: true")
     if model_type == "gpt_neox" and cfg.get("attention_bias", True) is not True:
-        raise InputError(f"--from {where}: attention_bias is false; memplan's gpt_neox has attention biases "
+        raise InputError(f"{flag} {where}: attention_bias is false; memplan's gpt_neox has attention biases "
                          "(accepted: true)")
     max_ctx = spec.max_positions
     window = cfg.get("sliding_window")
@@ -345,6 +407,20 @@ class _Files:
 
 def read_weights(directory: Path, spec: ModelSpec) -> tuple[dict[str, torch.Tensor], str]:
     """The canonical tensors of a checkpoint, every name and shape checked first; and the stored dtype."""
+    files, expected, rename, head = check_weights(directory, spec)
+    raw = files.read([rename.get(k, k) for k in expected])
+    hf = {k: raw[rename.get(k, k)] for k in expected}
+    tensors = {e.target: _combine(e, [hf[n] for n, _ in e.sources], spec) for e in _layout(spec)}
+    if not spec.tied:
+        tensors["head.weight"] = hf[head]
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    return tensors, (dtypes.pop() if len(dtypes) == 1 else "mixed")
+
+
+def check_weights(directory: Path, spec: ModelSpec):
+    """Every tensor of the checkpoint's safetensors headers checked by name and shape against ``spec``, no
+    data read: (files, expected HF names and shapes, renames of a prefix-less base model, the head's name);
+    a missing, extra or misshapen tensor is an InputError naming it."""
     files = _Files(directory)
     layout = _layout(spec)
     expected = {name: shape for e in layout for name, shape in e.sources}
@@ -377,13 +453,7 @@ def read_weights(directory: Path, spec: ModelSpec) -> tuple[dict[str, torch.Tens
         if present[name] != shape:
             raise InputError(f"--from {directory}: tensor {name} has shape {list(present[name])}, config.json "
                              f"makes it {list(shape)}")
-    raw = files.read([rename.get(k, k) for k in expected])
-    hf = {k: raw[rename.get(k, k)] for k in expected}
-    tensors = {e.target: _combine(e, [hf[n] for n, _ in e.sources], spec) for e in layout}
-    if not spec.tied:
-        tensors["head.weight"] = hf[head]
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
-    return tensors, (dtypes.pop() if len(dtypes) == 1 else "mixed")
+    return files, expected, rename, head
 
 
 # ---- the tokenizer ---------------------------------------------------------------------------------------
@@ -394,7 +464,7 @@ def _token_id(value):
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def read_tokenizer(directory: Path, cfg: dict, spec: ModelSpec):
+def read_tokenizer(directory: Path, cfg: dict, spec: ModelSpec, flag: str = "--from"):
     """The checkpoint's own tokenizer.json, its end-of-text the config's eos_token_id."""
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -402,17 +472,17 @@ def read_tokenizer(directory: Path, cfg: dict, spec: ModelSpec):
 
     path = directory / TOKENIZER_FILE
     if not path.is_file():
-        raise InputError(f"--from {directory}: no {TOKENIZER_FILE}; memplan finetunes with the checkpoint's own "
+        raise InputError(f"{flag} {directory}: no {TOKENIZER_FILE}; memplan finetunes with the checkpoint's own "
                          "fast tokenizer (a tokenizer.json beside config.json)")
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as e:
-        raise InputError(f"--from {directory}: {TOKENIZER_FILE} is not readable "
+        raise InputError(f"{flag} {directory}: {TOKENIZER_FILE} is not readable "
                          f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
     vocab = hf.get_vocab(with_added_tokens=True)
     largest = max(vocab.values()) if vocab else -1
     if largest >= spec.vocab:
-        raise InputError(f"--from {directory}: {TOKENIZER_FILE} has token id {largest}, beyond the model's "
+        raise InputError(f"{flag} {directory}: {TOKENIZER_FILE} has token id {largest}, beyond the model's "
                          f"vocab_size {spec.vocab}")
     eos = _token_id(cfg.get("eos_token_id"))
     gen = directory / "generation_config.json"
@@ -425,7 +495,7 @@ def read_tokenizer(directory: Path, cfg: dict, spec: ModelSpec):
     if token is None:
         token = next((t for t in EOT_CANDIDATES if t in vocab), None)
         if token is None:
-            raise InputError(f"--from {directory}: config.json's eos_token_id {cfg.get('eos_token_id')!r:.20} is not "
+            raise InputError(f"{flag} {directory}: config.json's eos_token_id {cfg.get('eos_token_id')!r:.20} is not "
                              f"a token of {TOKENIZER_FILE}, and it has none of {', '.join(EOT_CANDIDATES)}")
         eos = vocab[token]
     hf.encode_special_tokens = True  # as the trainer: the end-of-text string inside text is text

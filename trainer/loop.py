@@ -391,6 +391,54 @@ def training_settings(config: TrainConfig) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class StartingWeights:
+    """Weights a new run starts from instead of a seeded initialisation (``memplan train --from``: a Hugging
+    Face checkpoint, continued pretraining). ``load()`` reads them as canonical-named tensors, called once
+    while the model is built, after the process's baseline memory is taken (so the copy it holds only
+    briefly is not counted as runtime context); on ranks other than 0 it is not called, since DDP and FSDP
+    take rank 0's weights. ``record`` is what the run keeps of where they came from (``base_hf`` in
+    run.json and each checkpoint's meta.json): path, model_type, dtype and ``weights_sha256``."""
+
+    load: Callable[[], dict]
+    record: dict
+    where: str
+
+
+def starting_from_hf(directory: Path, spec, *, model_type: str, recorded_sha256: str | None = None,
+                     flag: str = "--from") -> StartingWeights:
+    """The weights of the Hugging Face checkpoint in ``directory`` as a run's start: names and shapes checked
+    against ``spec`` now (headers only), the files' sha256 taken now (``recorded_sha256``: it must still be
+    that one, for a run that starts again from step 0), the tensors read when the model is built."""
+    from trainer import hf_import
+
+    hf_import.check_weights(directory, spec)
+    sha = hf_import.weights_sha256(directory)
+    if recorded_sha256 is not None and sha != recorded_sha256:
+        raise InputError(f"{flag}: the weights in {directory} changed since the run started from them (sha256 "
+                         f"{sha[:12]}, recorded {recorded_sha256[:12]}); start a new run from them instead")
+
+    def load() -> dict:
+        return hf_import.read_weights(directory, spec)[0]
+
+    return StartingWeights(load=load, record={"path": str(directory.resolve()), "model_type": model_type,
+                                              "weights_sha256": sha}, where=f"{flag} {directory}")
+
+
+def starting_weights_again(meta: dict, where: str, plan: Plan) -> StartingWeights:
+    """A ``--from`` run resumed before its first checkpoint starts again from the checkpoint it recorded."""
+    base = meta.get("base_hf")
+    if not isinstance(base, dict) or not isinstance(base.get("path"), str) \
+            or not isinstance(base.get("weights_sha256"), str):
+        raise InputError(f"--resume: {where}: base_hf must name the checkpoint's path and weights_sha256")
+    directory = Path(base["path"])
+    if not directory.is_dir():
+        raise InputError(f"--resume: the run stopped before its first checkpoint and started from {directory}, "
+                         "which is gone; start it again with --from")
+    return starting_from_hf(directory, plan.model, model_type=str(base.get("model_type")),
+                            recorded_sha256=base["weights_sha256"], flag="--resume")
+
+
 def check_plan_for_data(plan: Plan, data: PreparedData) -> None:
     """The model must embed the data's vocabulary and, with learned positions, hold the context."""
     if plan.model.vocab != data.vocab_size:
@@ -431,8 +479,10 @@ class Trainer:
     run_kind = "train"  # RUN/run.json's kind: what resumes the run from step 0
 
     def __init__(self, run_dir: Path, plan: Plan, data: PreparedData, config: TrainConfig, profile: Device,
-                 device: torch.device | None, resume_from: ckpt.CheckpointRef | None):
+                 device: torch.device | None, resume_from: ckpt.CheckpointRef | None,
+                 starting: StartingWeights | None = None):
         self.run_dir = Path(run_dir)
+        self.base_hf = starting.record if starting is not None else None  # where its first weights came from
         self.plan, self.data, self.config, self.profile = plan, data, config, profile
         # the plan the run writes carries the optimisation settings it trains with ([training], memplan.plan)
         self.plan = dataclasses.replace(plan, training=training_settings(config))
@@ -471,12 +521,17 @@ class Trainer:
         if self.device.type == "cpu":  # what preparing data or planning left in the C heap is not the runtime's
             _trim_heap()
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
+        initial = starting if starting is not None and resume_from is None else None  # a checkpoint has its own
         if self.dist.world_size > 1:  # DDP or FSDP2; the plain module (FSDP2's is sharded in place) as self.model
-            self.wrapped = distributed.build_wrapped_model(plan.model, self.setup, self.dist, config.seed)
+            self.wrapped = distributed.build_wrapped_model(
+                plan.model, self.setup, self.dist, config.seed,
+                initial=(lambda model: ckpt.load_weights(model, initial.load(), initial.where)) if initial else None)
             self.model = distributed.unwrapped(self.wrapped)
         else:
             torch.manual_seed(config.seed)
             self.model = self._build_model()
+            if initial is not None:
+                ckpt.load_weights(self.model, initial.load(), initial.where)
             self.wrapped = self.model
         self.optimizer = self._make_optimizer()
         self.scaler = self._make_scaler()
@@ -494,9 +549,11 @@ class Trainer:
 
     @classmethod
     def start(cls, run_dir: str | Path, plan: Plan, data: PreparedData, config: TrainConfig, profile: Device,
-              device: torch.device | None = None, allow_existing: bool = False) -> "Trainer":
+              device: torch.device | None = None, allow_existing: bool = False,
+              starting: StartingWeights | None = None) -> "Trainer":
         """A new run in ``run_dir``, which must not hold a run already (``allow_existing``: it may hold
-        one that never reached a checkpoint; its metrics.jsonl is appended to)."""
+        one that never reached a checkpoint; its metrics.jsonl is appended to); from ``starting``'s weights
+        if given, else from a seeded initialisation."""
         run_dir = Path(run_dir)
 
         def checked() -> "Trainer":
@@ -509,7 +566,7 @@ class Trainer:
             check_plan_fits(plan, profile)
             if config.verify_data:
                 data.verify()
-            return cls(run_dir, plan, data, config, profile, device, None)
+            return cls(run_dir, plan, data, config, profile, device, None, starting)
 
         return cls._holding_run_lock(run_dir, checked)  # locked before the checks: no second writer passes them
 
@@ -593,7 +650,10 @@ class Trainer:
         check_plan_for_data(saved_plan, data)
         if config.verify_data:
             data.verify()
-        trainer = cls(run_dir, saved_plan, data, config, profile, device, ref)  # ref None: again from step 0
+        # ref None: again from step 0, from the weights it started from (a --from run's, checked unchanged)
+        starting = starting_weights_again(meta, where, saved_plan) if ref is None and meta.get("base_hf") else None
+        trainer = cls(run_dir, saved_plan, data, config, profile, device, ref, starting)
+        trainer.base_hf = meta.get("base_hf")
         if any((overrides or {}).get(k) is not None for k in LIMITS):
             trainer.replaced_limits = {k: getattr(stored, k) for k in LIMITS}
             trainer._refit_schedule()
@@ -1132,6 +1192,7 @@ class Trainer:
             "data": {"path": str(Path(self.data.path).resolve()), "train_tokens": self.data.train_tokens,
                      "sources": list(self.data.source_names)},
             "device": self.profile.name, "torch": torch.__version__, "created_unix_time": time.time(),
+            **({"base_hf": self.base_hf} if self.base_hf else {}),
         }
 
     def meta(self) -> dict:
@@ -1144,7 +1205,7 @@ class Trainer:
             "data": {"path": str(self.data.path.resolve()), "train_tokens": self.data.train_tokens,
                      "sources": list(self.data.source_names)},
             "torch": torch.__version__, "device": self.profile.name, "torch_device": str(self.device),
-            "saved_unix_time": time.time(),
+            "saved_unix_time": time.time(), **({"base_hf": self.base_hf} if self.base_hf else {}),
         }
 
     def save(self) -> Path:

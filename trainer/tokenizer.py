@@ -42,7 +42,8 @@ TOKENIZER_FILE = "tokenizer.json"
 TIKTOKEN_ENCODINGS = ("gpt2",)
 
 _BPE_RE = re.compile(r"^bpe:(.*)$", re.IGNORECASE)
-_ACCEPTED = "bpe:N (train a byte-level BPE of N tokens, e.g. bpe:8192), a tokenizer.json path, or gpt2"
+_ACCEPTED = ("bpe:N (train a byte-level BPE of N tokens, e.g. bpe:8192), a tokenizer.json path, a Hugging Face "
+             "checkpoint directory or Hub id (its own tokenizer, as `--from` reads it), or gpt2")
 
 
 # ---- what --tokenizer asks for ------------------------------------------------------------------
@@ -55,6 +56,9 @@ class TokenizerSpec:
     vocab_size: int | None = None  # for "bpe": the vocabulary to train
     path: Path | None = None  # for "file"
     encoding: str | None = None  # for "tiktoken"
+    # for "file" from a Hugging Face checkpoint directory: read as ``--from`` reads it (trainer.hf_import), with
+    # the end-of-text token its config names and the vocabulary of its (possibly padded) embedding
+    checkpoint: Path | None = None
 
     def __str__(self) -> str:
         if self.kind == "bpe":
@@ -83,9 +87,18 @@ def parse_tokenizer_spec(text: str) -> TokenizerSpec:
         return TokenizerSpec(kind="tiktoken", encoding=text.lower())
     path = Path(text).expanduser()
     if path.is_dir() and (path / TOKENIZER_FILE).is_file():
+        if (path / "config.json").is_file():
+            return TokenizerSpec(kind="file", path=path / TOKENIZER_FILE, checkpoint=path)
         path = path / TOKENIZER_FILE
     if path.is_file():
+        if path.name == TOKENIZER_FILE and (path.parent / "config.json").is_file():  # a checkpoint's own
+            return TokenizerSpec(kind="file", path=path, checkpoint=path.parent)
         return TokenizerSpec(kind="file", path=path)
+    from trainer import hf_import
+
+    if not path.exists() and hf_import.is_hub_id(text) and "/" in text:  # a Hub id: its cached (or fetched) snapshot
+        directory = hf_import.resolve_checkpoint(text, "--tokenizer")
+        return TokenizerSpec(kind="file", path=directory / TOKENIZER_FILE, checkpoint=directory)
     raise InputError(f"--tokenizer: {text!r} is not a file; use {_ACCEPTED}")
 
 
@@ -198,6 +211,8 @@ class Tokenizer:
                                  "the corpus was prepared, re-run memplan prepare")
             tok = cls.from_file(path, kind=kind)
             where = str(path)
+            if kind == "file":  # a checkpoint's own end-of-text and padded vocabulary, as prepare recorded them
+                tok = tok.as_recorded(entry, where)
         else:
             raise InputError(f"{Path(directory) / 'manifest.json'}: unknown tokenizer kind {kind!r}")
         if kind == "tiktoken" and tok.sha256() != entry.get("sha256"):
@@ -270,20 +285,22 @@ class Tokenizer:
             entry["file"] = TOKENIZER_FILE
         return entry
 
-    def worker_payload(self) -> tuple[str, str]:
-        """A picklable (kind, data) from which ``from_worker_payload`` rebuilds this tokenizer."""
+    def worker_payload(self) -> tuple[str, str, dict]:
+        """A picklable (kind, data, record) from which ``from_worker_payload`` rebuilds this tokenizer, with
+        its end-of-text token and vocabulary size (an imported checkpoint's need not be what ``from_hf`` guesses)."""
+        record = {"eot_token": self.eot_token, "eot_id": self.eot_id, "vocab_size": self.vocab_size}
         if self.kind == "tiktoken":
-            return ("tiktoken", self.name)
-        return (self.kind, self.to_json_str())
+            return ("tiktoken", self.name, record)
+        return (self.kind, self.to_json_str(), record)
 
     @classmethod
-    def from_worker_payload(cls, payload: tuple[str, str]) -> "Tokenizer":
-        kind, data = payload
+    def from_worker_payload(cls, payload: tuple[str, str, dict]) -> "Tokenizer":
+        kind, data, record = payload
         if kind == "tiktoken":
             return cls.from_tiktoken(data)
         from tokenizers import Tokenizer as HFTokenizer
 
-        return cls.from_hf(HFTokenizer.from_str(data), kind=kind)
+        return cls.from_hf(HFTokenizer.from_str(data), kind=kind).as_recorded(record, "the tokenizer")
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
@@ -318,6 +335,11 @@ def build_tokenizer(spec: TokenizerSpec, train_texts: Iterable[str] | None = Non
         if train_texts is None:
             raise ValueError("training a BPE needs texts")
         return train_bpe(train_texts, spec.vocab_size, length=length)
+    if spec.kind == "file" and spec.checkpoint is not None:
+        from trainer import hf_import
+
+        _, model, cfg, _, _ = hf_import.read_spec(spec.checkpoint, "--tokenizer")
+        return hf_import.read_tokenizer(spec.checkpoint, cfg, model, "--tokenizer")[0]
     if spec.kind == "file":
         return Tokenizer.from_file(spec.path)
     return Tokenizer.from_tiktoken(spec.encoding)

@@ -72,6 +72,12 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the run in -
                                          rich_help_panel=_R)]
 ReportOpt = Annotated[bool, typer.Option("--report", help="Only (re)write RUN/report.html from RUN/metrics.jsonl "
                                          "(also while the run is going) and exit.", rich_help_panel=_R)]
+FromOpt = Annotated[Optional[str], typer.Option(
+    "--from", help="Continue pretraining a Hugging Face checkpoint: a directory with config.json (llama, mistral, "
+                   "qwen2, gpt2, gpt_neox), model.safetensors or its shards and tokenizer.json, or a Hub id (the "
+                   "local Hugging Face cache, else fetched). --data must be prepared with its tokenizer "
+                   "(`memplan prepare --tokenizer SAME`); the learning rate defaults to 1e-4.", show_default=False,
+    rich_help_panel=_R)]
 CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
                                                     show_default=False, rich_help_panel="Setup")]
 NprocOpt = Annotated[Optional[str], typer.Option(
@@ -106,7 +112,7 @@ MarginOpt = Annotated[str, typer.Option("--margin", help="Share of the budget au
 
 @app.command("train")
 def train_command(
-    plan: PlanOpt = None, data: DataOpt = None, out: OutOpt = None,
+    plan: PlanOpt = None, data: DataOpt = None, out: OutOpt = None, from_: FromOpt = None,
     max_steps: MaxStepsOpt = None, tokens: TokensOpt = None, max_minutes: MaxMinutesOpt = None,
     save_every: SaveEveryOpt = None, eval_every: EvalEveryOpt = None, seed: SeedOpt = None,
     resume: ResumeOpt = False, report: ReportOpt = False,
@@ -168,7 +174,7 @@ def train_command(
                        weight_decay=weight_decay, clip=clip, keep=keep, eval_batches=eval_batches,
                        sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
                        verify_data=verify_data, global_batch_tokens=global_batch_tokens, budget=budget,
-                       margin=margin, sharding=sharding, threads=n_threads, log=log)
+                       margin=margin, sharding=sharding, threads=n_threads, log=log, from_=from_)
     finally:
         distributed.shutdown()
 
@@ -177,7 +183,8 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
                    params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
                    precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
                    min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
-                   verify_data, global_batch_tokens, budget, margin, sharding, threads=None, log=None) -> None:
+                   verify_data, global_batch_tokens, budget, margin, sharding, threads=None, log=None,
+                   from_=None) -> None:
     from memplan.units import parse_count
     from trainer import distributed
     from trainer.data import PreparedData
@@ -192,6 +199,16 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
     given_setup = any(v is not None for k, v in setup_flags.items() if k != "ctx")
     if plan and (given_model or given_setup or setup_flags["ctx"] is not None):
         raise InputError("give --plan FILE or MODEL/SETUP options, not both")
+    if from_ is not None:
+        if plan or given_model:
+            raise InputError("--from: the checkpoint is the model; give --from or --plan / model options "
+                             "(--params, --model, --layers, ...), not both")
+        if resume:
+            raise InputError("--from starts a run; --resume continues RUN from its own checkpoint (or, before the "
+                             "first one, from the weights it recorded), so drop --from")
+        if not data:
+            raise InputError(f"--from {from_}: give --data DIR, a corpus prepared with the checkpoint's own "
+                             f"tokenizer (`memplan prepare --input FILE --tokenizer {from_} --out DIR`)")
 
     def count(value, what, minimum=1):
         return None if value is None else parse_count(value, what, minimum=minimum)
@@ -204,7 +221,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
                  min_lr_ratio=_number(min_lr_ratio, "--min-lr-ratio"),
                  weight_decay=_number(weight_decay, "--weight-decay"), clip=_number(clip, "--clip"),
                  seed=seed_from(seed))
-    quickstart = not plan and not given_model and not given_setup and not resume
+    quickstart = not plan and not given_model and not given_setup and not resume and from_ is None
 
     profile = device_from(device, device_memory)
     from memplan.local import means_this_machine
@@ -231,6 +248,15 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
         return _train(console, run_dir, prepared, profile, resume_plan=asked, overrides=overrides, hyper=hyper, log=log,
                       rates_note=rates_note, sharding=sharding)
 
+    if from_ is not None:  # continued pretraining of a Hugging Face checkpoint: the checkpoint first, then the data
+        from trainer.finetune import base_of_hf
+
+        imported = base_of_hf(from_, weights=False)  # spec and tokenizer now; the weights when the model is built
+        return _train_from(console, from_, imported, PreparedData(Path(data)), profile, setup_flags=setup_flags,
+                           given_setup=given_setup,
+                           overrides=overrides, hyper=hyper, out=out, launched=launched, sharding=sharding,
+                           global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"), budget=budget,
+                           margin=_number(margin, "--margin"), rates_note=rates_note, log=log)
     prepared = PreparedData(Path(data) if data else _embedded_data_once(console))
     minutes = overrides["max_minutes"]
     if quickstart and overrides["max_steps"] is None and overrides["max_tokens"] is None and minutes is None:
@@ -254,6 +280,49 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
     run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
     _train(console, run_dir, prepared, profile, plan=the_plan, overrides=overrides, hyper=hyper, log=log,
            allow_existing=resume, rates_note=rates_note)
+
+
+FROM_LR = 1e-4  # continued pretraining's default peak: well below a from-scratch run's 6e-4, as it starts trained
+
+
+def _train_from(console, from_: str, imported, prepared, profile, *, setup_flags, given_setup, overrides, hyper, out,
+                launched, sharding, global_batch_tokens, budget, margin, rates_note, log) -> None:
+    """``memplan train --from CHECKPOINT``: the checkpoint's model (``imported``, read without its weights),
+    planned (autotuned unless the setup is given) and trained on ``prepared`` from its weights; the corpus must
+    have been prepared with its tokenizer."""
+    from memplan.units import parse_count
+    from trainer import distributed
+    from trainer.loop import starting_from_hf
+
+    want, got = imported.tokenizer_record, prepared.manifest["tokenizer"]
+    if (got.get("sha256"), got.get("eot_id"), prepared.vocab_size) != (want["sha256"], want["eot_id"],
+                                                                        imported.spec.vocab):
+        raise InputError(f"--data {prepared.path}: prepared with another tokenizer than {from_}'s own (or without "
+                         f"its end-of-text id {want['eot_id']} and vocabulary of {imported.spec.vocab}); prepare "
+                         f"it with `memplan prepare --input FILE --tokenizer {from_} --out DIR`")
+    for note in imported.notes:
+        console.print(f"[dim]--from: {note}[/dim]")
+    spec = imported.spec
+    ctx = setup_flags["ctx"]
+    ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else min(imported.max_ctx, DEFAULT_CTX)
+    if ctx_n > imported.max_ctx:
+        raise InputError(f"--ctx {ctx_n}: {imported.path} computes as transformers does up to {imported.max_ctx} "
+                         f"positions; use --ctx {imported.max_ctx} or less")
+    if given_setup:
+        the_plan = _plan_from_flags(None, None, {**setup_flags, "ctx": str(ctx_n)}, prepared, profile, console,
+                                    spec=spec)
+    else:
+        the_plan = _autotuned_plan(spec, ctx_n, prepared, profile, console, minutes=overrides["max_minutes"],
+                                   global_batch_tokens=global_batch_tokens, budget=budget, margin=margin,
+                                   world_size=launched)
+    if launched > 1:
+        the_plan = distributed.from_rank0(for_world(the_plan, launched, sharding, profile, console))
+    starting = starting_from_hf(imported.path, spec, model_type=imported.model_type)
+    if hyper["lr"] is None:
+        hyper["lr"] = FROM_LR
+    run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
+    _train(console, run_dir, prepared, profile, plan=the_plan, overrides=overrides, hyper=hyper, log=log,
+           rates_note=rates_note, starting=starting)
 
 
 # =================================================================================================
@@ -287,8 +356,10 @@ def best_precision(profile) -> str:
     return "fp32"
 
 
-def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, console, quiet: bool = False):
-    """The plan of --plan FILE, or of MODEL and SETUP flags as given (no autotune); vocab from the data."""
+def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, console, quiet: bool = False,
+                     spec=None):
+    """The plan of --plan FILE, or of MODEL and SETUP flags as given (no autotune); vocab from the data (``spec``:
+    this model, an imported checkpoint's, instead of MODEL flags)."""
     from memplan.cli.options import setup_from
     from memplan.plan import Plan
     from trainer.loop import predicted_for
@@ -301,8 +372,9 @@ def _plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, con
                               f"{prepared.vocab_size} (predictions recomputed)")
             p = dataclasses.replace(p, model=p.model.replace(vocab=prepared.vocab_size), predicted={}, verified={})
     else:
-        _check_vocab(model_flags["vocab"], prepared)
-        spec = model_from(**{**model_flags, "vocab": None}).replace(vocab=prepared.vocab_size)
+        if spec is None:
+            _check_vocab(model_flags["vocab"], prepared)
+            spec = model_from(**{**model_flags, "vocab": None}).replace(vocab=prepared.vocab_size)
         s = setup_flags
         precision = s["precision"] or best_precision(profile)
         setup = setup_from(ctx=s["ctx"] or str(DEFAULT_CTX), batch=s["batch"] or "1", grad_accum=s["grad_accum"] or "1",
@@ -603,7 +675,7 @@ def ensure_embedded_data(console) -> Path:
 
 def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=None, overrides, hyper,
            allow_existing: bool = False, rates_note: str | None = None, sharding: str | None = None,
-           log: list[str] | None = None) -> None:
+           log: list[str] | None = None, starting=None) -> None:
     from trainer.loop import Trainer, TrainConfig
 
     if plan is not None:  # a new run
@@ -613,7 +685,8 @@ def _train(console, run_dir: Path, prepared, profile, *, plan=None, resume_plan=
         from_plan = {k: v for k, v in plan.training.items() if k in TRAINING_KEYS and hyper.get(k) is None}
         fields = {k: v for k, v in {**overrides, **hyper, **from_plan}.items() if v is not None}
         config = TrainConfig(**fields)
-        trainer = Trainer.start(run_dir, plan, prepared, config, profile, allow_existing=allow_existing)
+        trainer = Trainer.start(run_dir, plan, prepared, config, profile, allow_existing=allow_existing,
+                                starting=starting)
     else:
         trainer = Trainer.resume(run_dir, prepared, profile, plan=resume_plan, overrides={**overrides, **hyper},
                                  sharding=sharding)
@@ -688,6 +761,11 @@ def _print_plan(trainer, console) -> None:
     print_hanging(console, "  predicted: ", f"peak {format_bytes(pred['peak_reserved'])} "
                   f"({format_bytes(pred['peak_allocated'])} live tensors), {pred['tokens_per_second']:,.0f} tokens/s, "
                   f"MFU {pred['mfu']:.1%}")
+    if trainer.base_hf:  # memplan train --from: where the weights came from
+        b = trainer.base_hf
+        print_hanging(console, "  weights: ", ("started from " if trainer.step else "from ")
+                      + f"{b.get('path')} ({b.get('model_type')} checkpoint, sha256 "
+                        f"{str(b.get('weights_sha256'))[:12]})")
     if trainer.step:
         console.print(f"  from step {trainer.step:,} ({format_count(trainer.tokens)} tokens seen)")
     limits = limits_text({k: getattr(trainer.config, k) for k in LIMITS})
