@@ -306,15 +306,101 @@ def test_a_hub_id_not_cached_is_fetched_and_offline_the_error_names_the_cache(ch
     assert "--tokenizer acme/tiny" in line and "fetching it failed" in line and str(cache) in line
 
 
+def test_a_hub_id_is_fetched_into_the_cache_then_read_from_it(checkpoint, tmp_path):
+    """A local server answering as the Hub does (huggingface_hub's own client, unmodified, against HF_ENDPOINT):
+    prepare --tokenizer ID fetches config, tokenizer and safetensors into the cache, never the pickle file the
+    repository also holds; train --from ID then reads the cached snapshot with the server gone."""
+    import shutil
+
+    repo = copy_checkpoint(checkpoint[0], tmp_path / "repo")
+    (repo / "pytorch_model.bin").write_bytes(b"a pickle memplan must never fetch")
+    server, requests = hub_server("acme/tiny", repo)
+    cache = tmp_path / "cache"
+    hub = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_CACHE": str(cache),
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "0"}
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    try:
+        prepared = subprocess.run([sys.executable, "-m", "memplan", "prepare", "--input", str(tmp_path / "corpus.txt"),
+                                   "--tokenizer", "acme/tiny", "--out", str(tmp_path / "data")],
+                                  env={**env(), **hub}, capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert prepared.returncode == 0, prepared.stderr
+    assert any(path.endswith("/model.safetensors") for _, path in requests)
+    snapshot = next((cache / "models--acme--tiny" / "snapshots").iterdir())
+    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "generation_config.json",
+                                                          "model.safetensors", "tokenizer.json"]
+    shutil.rmtree(repo)  # the server and its files are gone: the cache alone serves now
+    result = run_cli("--from", "acme/tiny", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+                     *FLAGS, "--max-steps", "2", "--sample-tokens", "0", "--device", "cpu",
+                     extra_env={**hub, "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["base_hf"]["path"] == str(snapshot.resolve())
+
+
+def hub_server(repo_id: str, directory: Path):
+    """A Hugging Face Hub endpoint for one repository of ``directory``'s files, on a free local port: the
+    revision and tree listings of its API, and HEAD/GET on resolve/ URLs with the commit and ETag headers
+    huggingface_hub's client reads. Returns the server (running in a thread) and the requests it received."""
+    import hashlib
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlparse
+
+    files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    commit = hashlib.sha1(b"".join(files[n] for n in sorted(files))).hexdigest()
+    requests: list[tuple[str, str]] = []
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def answer(self, head: bool):
+            path = urlparse(self.path).path
+            requests.append((self.command, path))
+            body, headers = b'{"error": "not found"}', {"Content-Type": "application/json",
+                                                        "X-Error-Code": "EntryNotFound"}
+            code = 404
+            if path == f"/api/models/{repo_id}/revision/main":
+                code, headers = 200, {"Content-Type": "application/json"}
+                body = json.dumps({"id": repo_id, "sha": commit,
+                                   "siblings": [{"rfilename": n} for n in files]}).encode()
+            elif path.startswith(f"/api/models/{repo_id}/tree/"):
+                code, headers = 200, {"Content-Type": "application/json"}
+                body = json.dumps([{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                                   for n, b in files.items()]).encode()
+            elif path.startswith(f"/{repo_id}/resolve/{commit}/") and path.rsplit("/", 1)[1] in files:
+                body = files[path.rsplit("/", 1)[1]]
+                code, headers = 200, {"Content-Type": "application/octet-stream", "X-Repo-Commit": commit,
+                                      "ETag": f'"{hashlib.sha1(body).hexdigest()}"'}
+            self.send_response(code)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+
+        def do_GET(self):
+            self.answer(head=False)
+
+        def do_HEAD(self):
+            self.answer(head=True)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, requests
+
+
 # ---- helpers -------------------------------------------------------------------------------------------------
 
 def env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_cli(*args: str, command: str = "train") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memplan", command, *args], env=env(), capture_output=True,
-                          text=True, timeout=300)
+def run_cli(*args: str, command: str = "train", extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memplan", command, *args], env={**env(), **(extra_env or {})},
+                          capture_output=True, text=True, timeout=300)
 
 
 def kill_when(args: list[str], ready, poll: float = 0.01, command: str = "train") -> None:

@@ -87,8 +87,6 @@ def parse_tokenizer_spec(text: str) -> TokenizerSpec:
         return TokenizerSpec(kind="tiktoken", encoding=text.lower())
     path = Path(text).expanduser()
     if path.is_dir() and (path / TOKENIZER_FILE).is_file():
-        if (path / "config.json").is_file():
-            return TokenizerSpec(kind="file", path=path / TOKENIZER_FILE, checkpoint=path)
         path = path / TOKENIZER_FILE
     if path.is_file():
         if path.name == TOKENIZER_FILE and (path.parent / "config.json").is_file():  # a checkpoint's own
