@@ -234,7 +234,7 @@ def test_finetune_errors_are_one_line(base_run, tmp_path, memplan_cli):
     assert len(result.stderr.strip().splitlines()) == 1
     result = memplan_cli("finetune", "--run", str(tmp_path / "nope"), "--data", str(data), "--out",
                          str(tmp_path / "y"), "--device", "cpu")
-    assert result.returncode == 2 and "no checkpoint" in result.stderr
+    assert result.returncode == 2 and "nope: no such directory" in result.stderr
     result = memplan_cli("finetune", "--run", str(run), "--data", str(data), "--out", str(tmp_path / "z"),
                          "--lora-rank", "4", "--lora-targets", "attn", "--device", "cpu")
     assert result.returncode == 2 and "--lora-targets: unknown attn" in result.stderr

@@ -201,7 +201,9 @@ def test_threads_is_accepted_and_leaves_the_greedy_continuation_as_it_is(runs):
 
 
 def test_a_missing_run_is_one_line_naming_it(tmp_path):
-    one_line_error(cli("--run", str(tmp_path / "nope"), "--prompt", "x"), "nope", "no checkpoint")
+    one_line_error(cli("--run", str(tmp_path / "nope"), "--prompt", "x"), "nope", "no such directory")
+    (tmp_path / "empty").mkdir()
+    one_line_error(cli("--run", str(tmp_path / "empty"), "--prompt", "x"), "empty", "no checkpoint")
 
 
 def test_bad_sampling_options_are_one_line_errors(runs):

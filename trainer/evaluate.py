@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from memplan.errors import InputError
-from trainer import checkpoint as ckpt
 from trainer.data import PreparedData
-from trainer.loop import CHECKPOINT_DIR, evaluate, load_trained
+from trainer import rundir
+from trainer.loop import build_trained, evaluate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,12 +155,10 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path | None = None, config
     split without one full window.
     """
     run_dir = Path(run_dir)
-    if checkpoint is None and not run_dir.is_dir():
-        raise InputError(f"--run {run_dir}: no such directory; train a run with `memplan train --out {run_dir}`")
-    ref = Path(checkpoint) if checkpoint is not None else getattr(ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR),
-                                                                    "path", None)
+    trained = rundir.trained_checkpoint(run_dir, checkpoint)
+    ref = trained.path
     device = device or torch.device("cpu")
-    model, _, meta = load_trained(run_dir, device=device, checkpoint=checkpoint)
+    model, _, meta = build_trained(trained, device=device)
     data, own = resolve_data(run_dir, meta, data_dir, ref)
     spec = model.spec
     setup = dataclasses.replace(_plan_setup(meta), checkpointing="none", compile=False)

@@ -40,7 +40,7 @@ import torch
 from memplan.errors import InputError
 from memplan.plan import Plan
 from trainer import checkpoint as ckpt
-from trainer.loop import CHECKPOINT_DIR, Trainer, _ppl
+from trainer.loop import Trainer, _ppl
 from trainer.lora import DEFAULT_ALPHA, apply_lora
 from trainer.model import apply_checkpointing, build_model, lm_loss
 from trainer.step import autocast, param_dtype
@@ -349,23 +349,10 @@ class FinetuneTrainer(Trainer):
 
 def base_of(run_dir: str | Path) -> tuple[Plan, object, dict, Path]:
     """A trained run's plan, tokenizer, tokenizer record and newest checkpoint (what finetuning starts from)."""
-    from trainer.loop import TOKENIZER_FILE
-    from trainer.tokenizer import Tokenizer
+    from trainer import rundir
 
-    run_dir = Path(run_dir)
-    ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
-    if ref is None:
-        raise InputError(f"--run {run_dir}: no checkpoint in {run_dir / CHECKPOINT_DIR}; train one with "
-                         f"`memplan train --out {run_dir}`")
-    meta = ckpt.verify_checkpoint(ref.path)
-    plan = Plan.from_dict(meta["plan"], str(ref.path / ckpt.META_FILE))
-    tok = dict(meta.get("tokenizer", {}))
-    tok.setdefault("sha256", meta.get("tokenizer_sha256"))
-    if tok.get("kind") == "tiktoken":
-        tokenizer = Tokenizer.from_tiktoken(tok["encoding"])
-    else:
-        tokenizer = Tokenizer.from_file(ref.path / TOKENIZER_FILE, kind=tok.get("kind", "file"))
-    return plan, tokenizer, tok, ref.path
+    trained = rundir.trained_checkpoint(run_dir)
+    return trained.plan, trained.tokenizer(), trained.tokenizer_record, trained.path
 
 
 def base_of_hf(path: str | Path, *, weights: bool = True):

@@ -1497,25 +1497,20 @@ def _apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
 # =================================================================================================
 
 def load_trained(run_dir: str | Path, device=None, checkpoint: str | Path | None = None):
-    """``(model, tokenizer, meta)`` from a run's newest (or the given) checkpoint, model in eval mode.
+    """``(model, tokenizer, meta)`` from a run's newest (or the given) checkpoint, model in eval mode
+    (``build_trained`` of ``rundir.trained_checkpoint``)."""
+    return build_trained(rundir.trained_checkpoint(run_dir, checkpoint), device)
+
+
+def build_trained(trained: rundir.TrainedCheckpoint, device=None):
+    """``(model, tokenizer, meta)`` of a verified checkpoint, model in eval mode.
 
     The model is built without checkpointing or compile, in fp32 weights unless the plan trained
-    pure bf16. The tokenizer comes from the checkpoint itself (tokenizer.json, or the tiktoken
-    encoding it names), so the prepared data need not be present.
+    pure bf16; a LoRA finetune's adapters are folded into its weights. The tokenizer comes from the
+    checkpoint itself (tokenizer.json, or the tiktoken encoding it names), so the prepared data need
+    not be present.
     """
-    from trainer.tokenizer import Tokenizer
-
-    run_dir = Path(run_dir)
-    if checkpoint is None:
-        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
-        if ref is None:
-            raise InputError(f"--run {run_dir}: no checkpoint in {run_dir / CHECKPOINT_DIR}; train one with "
-                             f"`memplan train --out {run_dir}`")
-        path = ref.path
-    else:
-        path = Path(checkpoint)
-    meta = ckpt.verify_checkpoint(path)
-    plan = Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE))
+    path, meta, plan = trained.path, trained.meta, trained.plan
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_model(plan.model, plan.setup.attention, "none", param_dtype(plan.setup.precision), device=device)
     if plan.setup.lora_rank:  # a LoRA finetune: its adapters, folded into the weights once loaded
@@ -1527,10 +1522,4 @@ def load_trained(run_dir: str | Path, device=None, checkpoint: str | Path | None
     if plan.setup.lora_rank:
         merge_lora(model)
     model.eval()
-    tok = meta.get("tokenizer", {})
-    if tok.get("kind") == "tiktoken":
-        tokenizer = Tokenizer.from_tiktoken(tok["encoding"])
-    else:
-        tokenizer = Tokenizer.from_file(path / TOKENIZER_FILE, kind=tok.get("kind", "file"))
-        tokenizer = tokenizer.as_recorded(tok, str(path / TOKENIZER_FILE))  # the end-of-text token it trained with
-    return model, tokenizer, meta
+    return model, trained.tokenizer(), meta

@@ -12,12 +12,17 @@ no run, and ``--resume`` refuses it.
 writing the run, from before its first check of the directory until it is done; a second writer is
 refused with the PID that holds it. The OS frees the lock when its holder dies, so a run killed with
 SIGKILL can be resumed at once.
+
+A trained run is read back through one function, ``trained_checkpoint``: its newest (or a named)
+checkpoint, verified file by file against its meta.json, with the plan and the tokenizer it trained
+with. ``memplan generate``, ``eval``, ``export`` and ``finetune --run`` all start there.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from memplan.errors import InputError
@@ -130,3 +135,59 @@ def recorded_data_path(run_dir: str | Path) -> Path:
     """The prepared data the run in ``run_dir`` trains on (from its newest checkpoint, else its record)."""
     _, source = resume_source(run_dir)
     return Path(str(source.get("data", {}).get("path", "")))
+
+
+@dataclass(frozen=True)
+class TrainedCheckpoint:
+    """A verified checkpoint of a run: where it is, its meta.json and its plan."""
+
+    path: Path
+    meta: dict
+    plan: object  # memplan.plan.Plan
+
+    @property
+    def tokenizer_record(self) -> dict:
+        """meta.json's ``tokenizer`` entry (its sha256 filled from ``tokenizer_sha256`` where older runs lack it)."""
+        tok = dict(self.meta.get("tokenizer") or {})
+        tok.setdefault("sha256", self.meta.get("tokenizer_sha256"))
+        return tok
+
+    def tokenizer(self):
+        """The tokenizer the run trained with: the checkpoint's tokenizer.json (or the tiktoken encoding it names),
+        with the end-of-text token and vocabulary its record names (an imported checkpoint's need not be what the
+        file alone suggests)."""
+        from trainer.loop import TOKENIZER_FILE
+        from trainer.tokenizer import Tokenizer
+
+        tok = self.tokenizer_record
+        if tok.get("kind") == "tiktoken":
+            return Tokenizer.from_tiktoken(tok["encoding"])
+        path = self.path / TOKENIZER_FILE
+        if not path.is_file():
+            raise InputError(f"{path}: missing; the checkpoint is incomplete")
+        return Tokenizer.from_file(path, kind=tok.get("kind", "file")).as_recorded(tok, str(path))
+
+
+def trained_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None,
+                       flag: str = "--run") -> TrainedCheckpoint:
+    """The newest checkpoint of the run in ``run_dir`` (or ``checkpoint``), every file's size and sha256 checked
+    against its meta.json, and its plan; an InputError naming what is missing (the directory, any checkpoint)."""
+    from memplan.plan import Plan
+    from trainer import checkpoint as ckpt
+    from trainer.loop import CHECKPOINT_DIR
+
+    run_dir = Path(run_dir)
+    if checkpoint is None:
+        if not run_dir.is_dir():
+            raise InputError(f"{flag} {run_dir}: no such directory; train a run with `memplan train --out {run_dir}`")
+        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
+        if ref is None:
+            raise InputError(f"{flag} {run_dir}: no checkpoint in {run_dir / CHECKPOINT_DIR}; the run is incomplete "
+                             f"(train it with `memplan train --out {run_dir}`)")
+        path = ref.path
+    else:
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise InputError(f"--checkpoint {path}: no such directory")
+    meta = ckpt.verify_checkpoint(path)
+    return TrainedCheckpoint(path=path, meta=meta, plan=Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE)))

@@ -117,31 +117,19 @@ def check_exportable(spec: ModelSpec, fmt: str) -> str:
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> LoadedRun:
-    """The newest (or the given) checkpoint of a run, verified (sizes and sha256 against meta.json)."""
-    from memplan.plan import Plan
+    """The newest (or the given) checkpoint of a run, verified (``rundir.trained_checkpoint``)."""
     from trainer import checkpoint as ckpt
-    from trainer.loop import CHECKPOINT_DIR, TOKENIZER_FILE
+    from trainer import rundir
+    from trainer.loop import TOKENIZER_FILE
 
     run_dir = Path(run_dir)
-    if checkpoint is None:
-        if not run_dir.is_dir():
-            raise InputError(f"--run {run_dir}: no such directory; train a run with `memplan train --out {run_dir}`")
-        ref = ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR)
-        if ref is None:
-            raise InputError(f"--run {run_dir}: no checkpoint in {run_dir / CHECKPOINT_DIR}; the run is incomplete "
-                             f"(train it with `memplan train --out {run_dir}`)")
-        path = ref.path
-    else:
-        path = Path(checkpoint)
-        if not path.is_dir():
-            raise InputError(f"--checkpoint {path}: no such directory")
-    meta = ckpt.verify_checkpoint(path)
-    plan = Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE))
+    trained = rundir.trained_checkpoint(run_dir, checkpoint)
+    path, meta, plan = trained.path, trained.meta, trained.plan
     tensors = ckpt.read_weights(path / ckpt.MODEL_FILE)
     if plan.setup.lora_rank:  # a LoRA finetune holds base.weight, lora_a, lora_b: fold them, as load_trained does
-        from trainer.loop import load_trained
+        from trainer.loop import build_trained
 
-        model, _, _ = load_trained(run_dir, checkpoint=path)
+        model, _, _ = build_trained(trained)
         tensors = {k: v.detach() for k, v in model.state_dict().items() if not (plan.model.tied and k == "head.weight")}
     tok = meta.get("tokenizer") or {}
     tokenizer_json = None
