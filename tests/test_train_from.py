@@ -415,3 +415,24 @@ def kill_when(args: list[str], ready, poll: float = 0.01, command: str = "train"
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_finetune_of_a_from_run_keeps_the_checkpoints_end_of_text(checkpoint, tmp_path):
+    """A run trained --from a checkpoint whose config ends text with id 7 (not the <|endoftext|> its tokenizer.json
+    also holds): finetuning that run (--run) reads the tokenizer back as the run recorded it, id 7."""
+    from trainer import checkpoint as ckpt
+
+    ck = copy_checkpoint(checkpoint[0], tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 7}))
+    data, run, ft = prepare(tmp_path, str(ck)), tmp_path / "run", tmp_path / "ft"
+    assert train("--from", str(ck), "--data", str(data), "--out", str(run), *FLAGS, "--max-steps", "1").exit_code == 0
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Which animal is {i}?", "response": "The cat."}) + "\n"
+                           for i in range(20)))
+    result = runner.invoke(app, ["finetune", "--run", str(run), "--data", str(sft), "--out", str(ft), "--ctx", "32",
+                                 "--batch", "2", "--max-steps", "1", "--precision", "fp32", "--device", "cpu",
+                                 "--sample-tokens", "0"])
+    assert result.exit_code == 0, result.output
+    meta = ckpt.verify_checkpoint(ckpt.latest_checkpoint(ft / "checkpoints").path)
+    assert meta["tokenizer"]["eot_id"] == 7
