@@ -138,7 +138,7 @@ def open_append(path: str | Path, what: str):
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o666)
-    except OSError as e:
+    except OSError:
         if path.is_symlink():
             raise InputError(f"{what} {path}: is a symbolic link; refusing to write through it (remove it)") from None
         raise

@@ -724,7 +724,7 @@ def test_missing_out(tmp_path):
 
 
 def test_gpt2_offline_without_a_cached_encoding(tmp_path, monkeypatch):
-    tiktoken = pytest.importorskip("tiktoken")
+    pytest.importorskip("tiktoken")
     import tiktoken.load
     import tiktoken.registry
 
@@ -737,7 +737,6 @@ def test_gpt2_offline_without_a_cached_encoding(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "r.jsonl", [sentence(1)])
     assert_one_line_error(run("-i", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "o"), "--tokenizer", "gpt2"),
                           "gpt2", "TIKTOKEN_CACHE_DIR", "bpe:N")
-    del tiktoken
 
 
 def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):

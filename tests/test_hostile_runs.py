@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import typer
 from typer.testing import CliRunner
 
@@ -36,7 +35,7 @@ from memplan.setup import TrainSetup
 from runs_helper import one_line_error, tiny_corpus, tiny_run
 from trainer import checkpoint as ckpt
 from trainer.data import PreparedData
-from trainer.loop import LIMITS, REPEAT_WARN_PASSES, SEED_MAX, TrainConfig, Trainer, TrainingStopped, read_metrics
+from trainer.loop import LIMITS, REPEAT_WARN_PASSES, SEED_MAX, TrainConfig, Trainer, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -36,7 +36,6 @@ def test_tensorboard_event_files_hold_every_scalar_of_metrics_jsonl(corpus, tmp_
     assert result.exit_code == 0, result.output
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
-    tags = events.Tags()["scalars"]
     lines = _metrics(run)
     train = [m for m in lines if m["kind"] == "train"]
     evals = [m for m in lines if m["kind"] == "eval"]

@@ -321,7 +321,7 @@ def test_fsdp_mixed_precision_computes_without_autocast_casts_and_casts_only_the
     backward, the root once) and copies the gathered output out, as memory.py's FSDP walk allocates."""
     from memplan.memory import fsdp_group_numel
 
-    spec, device = from_size("1b"), load_profile("h100-sxm")
+    spec = from_size("1b")
     fsdp = TrainSetup(ctx=2048, micro_batch=1, grad_accum=2, precision="bf16-mixed", world_size=8, sharding="fsdp")
     kernels = step_kernels(spec, fsdp)
     names = {k.name for k in kernels}
