@@ -29,6 +29,8 @@ from typing import Callable
 
 import pytest
 
+pytestmark = pytest.mark.browser
+
 VIEWPORT = (1366, 768)  # a common laptop screen
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",

@@ -20,6 +20,8 @@ from memplan.hardware import load_profile
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 
+pytestmark = pytest.mark.distributed
+
 LLAMA = ModelSpec(arch="llama", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, tied=True)
 GPT2 = ModelSpec(arch="gpt2", layers=3, hidden=96, heads=3, kv_heads=3, ffn=200, vocab=1001, tied=False,
                  max_positions=64)
