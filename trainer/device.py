@@ -66,6 +66,23 @@ def torch_device_for(profile=None):
     return torch_device(index=0 if local_family() in ("cuda", "rocm") else None)
 
 
+def gpu_index(device) -> int:
+    """The index of a CUDA/ROCm device (``cuda`` alone: the current one), for the driver's readers."""
+    import torch
+
+    device = torch.device(device)
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available() else 0
+
+
+def fake_device(family: str) -> str:
+    """The device a FakeTensor trace claims for ``family``: cuda on CUDA and ROCm (every allocation rounded to
+    the caching allocator's 512-byte blocks, as max_memory_allocated counts), else cpu (exact bytes; a torch
+    without CUDA cannot make fake CUDA tensors, and Apple's allocator keeps no such counter)."""
+    return "cuda" if family in ("cuda", "rocm") else "cpu"
+
+
 def synchronizer(device) -> Callable[[], None]:
     """A function that waits for the device's queued work (nothing to wait for on a CPU)."""
     import torch

@@ -252,7 +252,7 @@ def _allocator_step(model, optimizer, batches_fn, setup: TrainSetup, family: str
     sync()
     elapsed = time.perf_counter() - t0
     allocator = devices.allocator_memory(dev)
-    driver = devices.driver_memory(dev.index or 0)
+    driver = devices.driver_memory(devices.gpu_index(dev))
     driver_peak = None
     if driver is not None:  # the driver's figure now, with torch's reserve now swapped for its peak
         driver_peak = allocator.peak_reserved + max(0, driver.used - allocator.reserved)

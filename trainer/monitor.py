@@ -52,7 +52,7 @@ class MemoryMonitor:
         self._file_baseline = None
         self._index = 0
         if self.kind == "cuda":
-            self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._index = devices.gpu_index(self.device)
             self.source = "torch.cuda.max_memory_allocated/reserved"
             driver = devices.driver_memory(self._index)
             self._driver = driver is not None

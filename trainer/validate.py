@@ -38,7 +38,7 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
                             repeat)
     measured = measure_step(config.spec, config.setup, family)
-    traced = trace_step(config.spec, config.setup, "cpu" if family == "cpu" else "cuda") if trace else None
+    traced = trace_step(config.spec, config.setup, devices.fake_device(family)) if trace else None
     rss_delta = (measured.peak_rss - measured.baseline_rss) if measured.peak_rss is not None else None
     return ValidationRow(
         name=config.name, spec=config.spec, setup=config.setup,
@@ -79,7 +79,7 @@ def run_stack_config(config: MatrixConfig, device: Device, stack: str, trace: bo
         measured = measure_stack(stack, model, config.setup)
     else:
         measured = measure_stack_on_device(stack, model, config.setup, family)
-    traced = trace_stack(stack, model, config.setup, "cpu" if family == "cpu" else "cuda") if trace else None
+    traced = trace_stack(stack, model, config.setup, devices.fake_device(family)) if trace else None
     return ValidationRow(
         name=f"{config.name} ({stack})", spec=config.spec, setup=config.setup,
         predicted_allocated=predicted.peak_allocated, measured_allocated=measured.peak_allocated,
