@@ -131,6 +131,11 @@ class ValidationRow:
     seconds: float = 0.0
     rank: int | None = None  # the rank measured, under --world-size > 1
     stack: str = "memplan"  # whose training code was measured (trainer/stacks)
+    # on a GPU (CUDA, ROCm, MPS): the reserve, measured two ways against the prediction
+    predicted_context: int | None = None  # the profile's runtime context, inside predicted_reserved
+    driver_peak: int | None = None  # the peak reserve + what the device held outside it (NVML / ROCm SMI)
+    driver_source: str | None = None  # NVML | ROCm SMI (VRAM) | ROCm SMI (GTT)
+    family: str | None = None  # cuda | rocm | mps: the device measured (None: the CPU)
 
     @property
     def error(self) -> float:
@@ -143,6 +148,28 @@ class ValidationRow:
             return None
         return (self.trace_allocated - self.measured_allocated) / self.measured_allocated
 
+    @property
+    def predicted_allocator_reserve(self) -> int | None:
+        """What the prediction says torch's allocator reserves: peak_reserved less the runtime context
+        (peak_allocated × (1 + the profile's allocator_overhead))."""
+        if self.predicted_reserved is None or self.predicted_context is None:
+            return None
+        return self.predicted_reserved - self.predicted_context
+
+    @property
+    def reserved_error(self) -> float | None:
+        """(predicted allocator reserve − measured max_memory_reserved) / measured, on a GPU."""
+        if self.predicted_allocator_reserve is None or not self.measured_reserved:
+            return None
+        return (self.predicted_allocator_reserve - self.measured_reserved) / self.measured_reserved
+
+    @property
+    def driver_error(self) -> float | None:
+        """(predicted peak_reserved − the driver's peak) / the driver's peak, on a GPU with NVML or ROCm SMI."""
+        if self.predicted_reserved is None or not self.driver_peak:
+            return None
+        return (self.predicted_reserved - self.driver_peak) / self.driver_peak
+
     def to_json(self) -> dict:
         row = {"name": self.name, "model": self.spec.to_json(), "setup": self.setup.to_json(),
                "predicted_allocated": self.predicted_allocated, "measured_allocated": self.measured_allocated,
@@ -152,7 +179,11 @@ class ValidationRow:
                  "driver_used": self.driver_used, "measured_rss_delta": self.measured_rss_delta,
                  "peak_moment": self.peak_moment, "predicted_terms": self.predicted_terms,
                  "measured_terms": self.measured_terms, "seconds": self.seconds, "rank": self.rank,
-                 "stack": self.stack if self.stack != "memplan" else None}
+                 "stack": self.stack if self.stack != "memplan" else None,
+                 "family": self.family, "predicted_context": self.predicted_context,
+                 "predicted_allocator_reserve": self.predicted_allocator_reserve,
+                 "reserved_error": self.reserved_error, "driver_peak": self.driver_peak,
+                 "driver_source": self.driver_source, "driver_error": self.driver_error}
         row.update({k: v for k, v in extra.items() if v not in (None, {}, "")})
         return row
 

@@ -32,10 +32,8 @@ those back as their own terms (``memplan/timing.py``). ``calibrate`` returns a `
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import math
 import os
-import platform
 import re
 import statistics
 import time
@@ -46,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from memplan.errors import InputError
+from trainer import device as devices
 
 MiB = 2**20
 MATMUL_TOKENS = (64, 512, 4096)  # rows of a linear's input: micro_batch × ctx of small runs
@@ -109,130 +108,19 @@ class Calibration:
 
 # ---- the device ----------------------------------------------------------------------------
 
-def local_family() -> str:
-    """cuda | rocm | mps | cpu: the device torch would train on (as trainer.measure.local_family, without
-    importing the memory tracker)."""
-    if torch.cuda.is_available():
-        return "rocm" if torch.version.hip else "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def _torch_device(family: str) -> torch.device:
-    return torch.device({"cuda": "cuda", "rocm": "cuda", "mps": "mps", "cpu": "cpu"}[family])
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return torch.cuda.synchronize
-    if device.type == "mps":
-        return torch.mps.synchronize
-    return lambda: None
-
-
-def device_title(family: str) -> str:
-    if family in ("cuda", "rocm"):
-        return torch.cuda.get_device_name(0)
-    if family == "mps":
-        import subprocess
-
-        try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                  timeout=2).stdout.strip() or "Apple GPU"
-        except Exception:
-            return "Apple GPU"
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return name
-
-
-def device_memory(family: str) -> tuple[int, int, str]:
-    """(total, usable, source): what the device holds and what one training process can hold now."""
-    import psutil
-
-    if family in ("cuda", "rocm"):
-        free, total = torch.cuda.mem_get_info(0)
-        source = "torch.cuda.mem_get_info"
-        if family == "cuda":
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                try:
-                    info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
-                    total, source = int(info.total), "nvidia-ml-py nvmlDeviceGetMemoryInfo (total), " \
-                                                     "torch.cuda.mem_get_info (free)"
-                finally:
-                    pynvml.nvmlShutdown()
-            except Exception:
-                pass
-        else:
-            try:
-                from pyrsmi import rocml
-
-                rocml.smi_initialize()
-                try:
-                    gtt = rocml.smi_get_device_memory_total(0, type="GTT")
-                    vram = rocml.smi_get_device_memory_total(0, type="VRAM")
-                    # an APU (Strix Halo) trains from GTT; a discrete card from VRAM
-                    if gtt and vram and gtt > 0 and vram > 0 and gtt > 4 * vram:
-                        total, free = int(gtt), int(gtt) - max(0, int(rocml.smi_get_device_memory_used(0, type="GTT")))
-                        source = "pyrsmi smi_get_device_memory_total/used(type='GTT')"
-                finally:
-                    rocml.smi_shutdown()
-            except Exception:
-                pass
-        return int(total), int(min(free, total)), source
-    if family == "mps":
-        vm = psutil.virtual_memory()
-        usable = int(torch.mps.recommended_max_memory()) if hasattr(torch.mps, "recommended_max_memory") \
-            else int(vm.available)
-        return int(vm.total), min(usable, int(vm.total)), "psutil total; torch.mps.recommended_max_memory usable"
-    vm = psutil.virtual_memory()
-    return int(vm.total), int(vm.available), "psutil.virtual_memory (total, available)"
-
+# The device itself (its family, torch device, name and memory) is read by trainer/device.py.
 
 def runtime_context_bytes(family: str) -> int:
     """Memory the runtime holds outside the allocator. CPU: what a training process measurably holds
     before its model exists (``process_baseline_bytes``). CUDA: the driver's view less torch's reserve."""
     if family == "cuda":
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == os.getpid() and proc.usedGpuMemory:
-                        return max(0, int(proc.usedGpuMemory) - int(torch.cuda.memory_reserved()))
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception:
-            pass
-        return 0
+        held = devices.driver_process_bytes(os.getpid())
+        if held is None:
+            return 0
+        return max(0, held - devices.allocator_memory().reserved)
     if family == "cpu":
         return process_baseline_bytes()
     return 0
-
-
-def trim_heap() -> None:
-    """Collect Python's garbage and give the C heap's free pages back to the OS (glibc's malloc_trim),
-    so that the resident size is what is in use, not what an earlier workload left in the arenas."""
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def process_baseline_bytes() -> int:
@@ -242,8 +130,6 @@ def process_baseline_bytes() -> int:
     pages of every kernel a step uses: oneDNN's among them, tens of MiB), then its garbage collected
     and the C heap trimmed. Measure it in a fresh process (calibration does): what an earlier workload
     in the same process left behind is not the runtime's."""
-    import psutil
-
     import memplan.cli  # noqa: F401  (what `memplan train` has loaded before its model exists)
     import trainer.loop  # noqa: F401
     from memplan.model import ModelSpec
@@ -261,8 +147,8 @@ def process_baseline_bytes() -> int:
             for _ in range(2):
                 train_step(model, opt, batch, setup, "cpu")
             del model, opt, batch
-    trim_heap()
-    return int(psutil.Process().memory_info().rss)
+    devices.trim_heap()
+    return devices.current_rss()
 
 
 # ---- threads -------------------------------------------------------------------------------
@@ -331,7 +217,7 @@ class _Clock:
     """Times callables on the device, keeping a budget and the spread of every measurement."""
 
     def __init__(self, device: torch.device, deadline: float, clock: str = "wall"):
-        self.device, self.sync, self.deadline = device, _sync(device), deadline
+        self.device, self.sync, self.deadline = device, devices.synchronizer(device), deadline
         self.now = clock_function(clock)
         self.spreads: list[float] = []
         self.tick: Callable[[], None] = lambda: None  # called after every measurement (progress)
@@ -789,7 +675,7 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         if threads < 1:
             raise InputError(f"--threads: {threads!r} must be a positive integer")
         torch.set_num_threads(threads)
-    family = local_family()
+    family = devices.local_family()
     clock_function(clock)
     thread_seconds: dict[str, float] = {}
     if threads is None and choose_threads and family == "cpu" and clock == "wall":
@@ -802,10 +688,10 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     if clock == "cpu" and (family != "cpu" or torch.get_num_threads() != 1):
         raise InputError(f"--clock cpu measures one CPU thread; this run has device {family} and "
                          f"{torch.get_num_threads()} thread(s) (use --threads 1 on a CPU, or --clock wall)")
-    device = _torch_device(family)
+    device = devices.torch_device(family)
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    total, usable, source = device_memory(family)
-    cal = Calibration(family=family, title=device_title(family), threads=torch.get_num_threads(),
+    total, usable, source = devices.device_memory(family)
+    cal = Calibration(family=family, title=devices.device_title(family), threads=torch.get_num_threads(),
                       torch_version=torch.__version__, started=_dt.datetime.now().isoformat(timespec="seconds"),
                       memory_total_bytes=total, memory_usable_bytes=usable, memory_source=source,
                       runtime_context_bytes=runtime_context_bytes(family), thread_seconds=thread_seconds)

@@ -36,6 +36,8 @@ import torch.distributed as dist
 
 from memplan.errors import InputError
 from memplan.setup import TrainSetup
+from trainer import device as devices
+from trainer.wrapping import is_ddp, is_fsdp, no_sync, unwrapped  # noqa: F401  (loop and others ask distributed.*)
 
 BACKENDS = {"cuda": "nccl", "rocm": "nccl", "cpu": "gloo", "mps": "gloo"}  # ROCm's torch maps nccl to RCCL
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -71,20 +73,12 @@ def env_world() -> tuple[int, int, int]:
     return get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0)
 
 
-def device_for(family: str, local_rank: int) -> torch.device:
-    """The torch device of this process: its GPU by local rank on CUDA/ROCm, else the CPU."""
-    if family in ("cuda", "rocm"):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def init(family: str | None = None) -> DistContext:
-    """Join the process group torchrun described (a no-op context for a single process)."""
-    from trainer.measure import local_family
-
-    family = family or local_family()
+    """Join the process group torchrun described (a no-op context for a single process). Each process
+    runs on its GPU by local rank on CUDA/ROCm, else on the CPU (gloo has no Apple GPU)."""
+    family = family or devices.local_family()
     rank, world_size, local_rank = env_world()
-    device = device_for(family, local_rank)
+    device = devices.torch_device(family, local_rank) if family in ("cuda", "rocm") else torch.device("cpu")
     backend = BACKENDS[family]
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
@@ -141,30 +135,6 @@ def wrap_model(model: torch.nn.Module, setup: TrainSetup, device: torch.device, 
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the root keeps its parameters unsharded from forward to backward
     return model
-
-
-def is_ddp(model: torch.nn.Module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return isinstance(model, DistributedDataParallel)
-
-
-def is_fsdp(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The reference model inside a DDP wrapper (FSDP2 keeps the module itself)."""
-    return model.module if is_ddp(model) else model
-
-
-def no_sync(model: torch.nn.Module, last: bool):
-    """DDP's ``no_sync`` for every micro-batch but the last of a step (a no-op otherwise)."""
-    if not last and is_ddp(model):
-        return model.no_sync()
-    return contextlib.nullcontext()
 
 
 def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:

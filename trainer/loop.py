@@ -70,6 +70,7 @@ from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import rundir
 from trainer.data import PreparedData, TrainStream
+from trainer.device import current_rss as _process_rss, torch_device_for, trim_heap as _trim_heap  # noqa: F401
 from trainer.model import build_model, lm_loss
 from trainer.monitor import MemoryMonitor
 from trainer.sample import sample_text
@@ -344,15 +345,6 @@ class RunSummary:
     samples: list[dict] = field(default_factory=list)
     first_step: int = 0  # the step this invocation started from (0 for a new run)
     wall_seconds: float = 0.0  # this invocation's training, wall clock (what --max-minutes counts)
-
-
-def torch_device_for(profile: Device | None = None) -> torch.device:
-    """Where to train: the first CUDA/ROCm GPU, else Apple's GPU, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", 0)
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 def model_flops_per_step(plan: Plan) -> float:
@@ -1320,29 +1312,6 @@ class Trainer:
                           last_eval=self.last_eval, checkpoint=checkpoint, report=report,
                           samples=(self.last_eval or {}).get("samples", []), first_step=self.first_step,
                           wall_seconds=self.elapsed_seconds)
-
-
-def _trim_heap() -> None:
-    """Collect garbage and give the C heap's free pages back to the OS (glibc's malloc_trim), so that the
-    process's resident memory is what it uses (the runtime context that calibration measured the same way)."""
-    import gc
-
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _process_rss() -> int | None:
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except Exception:
-        return None
 
 
 def _ppl(loss: float) -> float | None:

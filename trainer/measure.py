@@ -27,6 +27,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
+from trainer import device as devices
 from trainer.lora import frozen_params_tracked, lora_for
 from trainer.model import build_model
 from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
@@ -43,7 +44,9 @@ class StepMemory:
     peak_allocated: int  # largest total of live tensor bytes
     breakdown: dict[str, int] = field(default_factory=dict)  # by category at the peak (MemTracker only)
     peak_reserved: int | None = None  # the allocator's reserve (CUDA/ROCm/MPS)
-    driver_used: int | None = None  # what the driver reports for the device (NVML, ROCm SMI)
+    driver_used: int | None = None  # what the driver reports in use on the device after the step (NVML, ROCm SMI)
+    driver_peak: int | None = None  # the peak reserve + what the device holds outside it (compare with peak_reserved)
+    driver_source: str = ""  # NVML | ROCm SMI (VRAM) | ROCm SMI (GTT)
     peak_rss: int | None = None  # process peak resident memory (CPU)
     baseline_rss: int | None = None  # resident memory before the model existed (CPU)
     step_seconds: float | None = None  # wall time of the measured step
@@ -192,22 +195,17 @@ def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda") -> Step
 
 
 def _rss_sampler(stop: threading.Event, out: list[int], interval: float = 0.002) -> None:
-    import psutil
-
-    proc = psutil.Process()
     peak = 0
     while not stop.is_set():
-        peak = max(peak, proc.memory_info().rss)
+        peak = max(peak, devices.current_rss())
         time.sleep(interval)
-    out.append(max(peak, proc.memory_info().rss))
+    out.append(max(peak, devices.current_rss()))
 
 
 def measure_step_cpu(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
     """Live tensor bytes of a real steady-state step on the CPU (MemTracker), plus peak RSS."""
-    import psutil
-
     gc.collect()
-    baseline = psutil.Process().memory_info().rss
+    baseline = devices.current_rss()
     torch.manual_seed(seed)
     set_matmul_precision(setup.precision)
     model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision)), setup)
@@ -231,62 +229,58 @@ def measure_step_cpu(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepM
                       step_seconds=elapsed / 2, method="MemTracker on real tensors (cpu) + psutil RSS", terms=terms)
 
 
-def _driver_used_bytes(index: int = 0) -> int | None:
-    """Device memory in use as the driver reports it (NVML on NVIDIA, ROCm SMI on AMD)."""
-    if torch.version.hip:
-        try:
-            from pyrsmi import rocml
+def _allocator_step(model, optimizer, batches_fn, setup: TrainSetup, family: str, step_fn=None,
+                    probe_terms: bool = True) -> StepMemory:
+    """A warm-up step, then the steady-state step read by torch's allocator (CUDA, ROCm): its
+    ``max_memory_allocated`` (compare with ``peak_allocated``) and ``max_memory_reserved``, and what the
+    driver (NVML, ROCm SMI) reports right after it. The driver's figure is taken back to the step's peak:
+    ``driver_peak`` = the peak reserve + what the device held outside torch's reserve (the runtime
+    context, and other processes' memory on a shared GPU), comparable with the predicted ``peak_reserved``."""
+    dev = next(model.parameters()).device
+    take_step = step_fn or functools.partial(train_step, check_finite=False)
+    sync = devices.synchronizer(dev)
+    take_step(model, optimizer, batches_fn(), setup, dev.type)
+    sync()
+    devices.reset_allocator_peaks(dev)
+    probe = _TermProbe(model, optimizer, lambda: devices.live_tensor_bytes(dev)) if probe_terms else None
+    batches = batches_fn()
+    last = len(batches) - 1
+    t0 = time.perf_counter()
+    take_step(model, optimizer, batches, setup, dev.type,
+              before_forward=lambda i: probe.before_forward(i) if probe and i == last else None,
+              after_forward=lambda i: probe.after_forward(i) if probe and i == last else None)
+    sync()
+    elapsed = time.perf_counter() - t0
+    allocator = devices.allocator_memory(dev)
+    driver = devices.driver_memory(devices.gpu_index(dev))
+    driver_peak = None
+    if driver is not None:  # the driver's figure now, with torch's reserve now swapped for its peak
+        driver_peak = allocator.peak_reserved + max(0, driver.used - allocator.reserved)
+    return StepMemory(peak_allocated=allocator.peak_allocated, peak_reserved=allocator.peak_reserved,
+                      driver_used=driver.used if driver else None, driver_peak=driver_peak,
+                      driver_source=driver.source if driver else "", step_seconds=elapsed,
+                      method=f"torch.cuda.max_memory_allocated/reserved ({family})"
+                             + (f" + {driver.source}" if driver else ""),
+                      terms=probe.finish() if probe else {})
 
-            rocml.smi_initialize()
-            try:
-                used = rocml.smi_get_device_memory_used(index)
-                return int(used) if used is not None and used >= 0 else None
-            finally:
-                rocml.smi_shutdown()
-        except Exception:
-            return None
-    try:
-        import pynvml
 
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
-
-
-def measure_step_cuda(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
+def measure_step_cuda(spec: ModelSpec, setup: TrainSetup, seed: int = 0, family: str = "cuda") -> StepMemory:
     """``max_memory_allocated`` / ``max_memory_reserved`` of a steady-state step on CUDA or ROCm."""
-    dev = torch.device("cuda")
+    dev = devices.torch_device(family)
     torch.manual_seed(seed)
     set_matmul_precision(setup.precision)
     model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev), setup)
     optimizer = make_optimizer(model, setup.optimizer)
-    train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "cuda", check_finite=False)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    probe = _TermProbe(model, optimizer, torch.cuda.memory_allocated)
-    batches = _random_batches(spec, setup, dev)
-    last = len(batches) - 1
-    t0 = time.perf_counter()
-    train_step(model, optimizer, batches, setup, "cuda", check_finite=False,
-               before_forward=lambda i: probe.before_forward(i) if i == last else None,
-               after_forward=lambda i: probe.after_forward(i) if i == last else None)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    result = StepMemory(peak_allocated=int(torch.cuda.max_memory_allocated()),
-                        peak_reserved=int(torch.cuda.max_memory_reserved()), driver_used=_driver_used_bytes(),
-                        step_seconds=elapsed, method="torch.cuda.max_memory_allocated", terms=probe.finish())
+    result = _allocator_step(model, optimizer, lambda: _random_batches(spec, setup, dev), setup, family)
     del model, optimizer
     gc.collect()
-    torch.cuda.empty_cache()
+    devices.release_cached(dev)
     return result
 
 
-def measure_step_mps(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
-    """Apple GPUs: the allocator has no peak counter, so sample current_allocated_memory per op."""
+def _mps_step(model, optimizer, batches_fn, setup: TrainSetup, step_fn=None) -> StepMemory:
+    """Apple GPUs: the allocator has no peak counter, so ``devices.mps_memory`` is sampled after every op
+    of the steady-state step (live tensors; what Metal holds, as the reserve)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Sampler(TorchDispatchMode):
@@ -295,37 +289,39 @@ def measure_step_mps(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepM
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, torch.mps.current_allocated_memory())
-            self.driver_peak = max(self.driver_peak, torch.mps.driver_allocated_memory())
+            allocated, driver = devices.mps_memory()
+            self.peak = max(self.peak, allocated)
+            self.driver_peak = max(self.driver_peak, driver)
             return out
 
-    dev = torch.device("mps")
+    dev = next(model.parameters()).device
+    take_step = step_fn or functools.partial(train_step, check_finite=False)
+    sync = devices.synchronizer(dev)
+    take_step(model, optimizer, batches_fn(), setup, dev.type)
+    sync()
+    sampler = _Sampler()
+    t0 = time.perf_counter()
+    with sampler:
+        take_step(model, optimizer, batches_fn(), setup, dev.type)
+    sync()
+    return StepMemory(peak_allocated=sampler.peak, peak_reserved=sampler.driver_peak,
+                      step_seconds=time.perf_counter() - t0, method="torch.mps.current_allocated_memory per op")
+
+
+def measure_step_mps(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
+    """Apple GPUs: the allocator has no peak counter, so sample current_allocated_memory per op."""
+    dev = devices.torch_device("mps")
     torch.manual_seed(seed)
     model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=dev), setup)
     optimizer = make_optimizer(model, setup.optimizer)
-    train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "mps", check_finite=False)
-    torch.mps.synchronize()
-    sampler = _Sampler()
-    with sampler:
-        train_step(model, optimizer, _random_batches(spec, setup, dev), setup, "mps", check_finite=False)
-    torch.mps.synchronize()
-    return StepMemory(peak_allocated=sampler.peak, peak_reserved=sampler.driver_peak,
-                      method="torch.mps.current_allocated_memory per op")
+    return _mps_step(model, optimizer, lambda: _random_batches(spec, setup, dev), setup)
 
 
 def measure_step(spec: ModelSpec, setup: TrainSetup, family: str, seed: int = 0) -> StepMemory:
     """Measure a real steady-state step on the local device of ``family`` (cuda, rocm, mps, cpu)."""
     if family in ("cuda", "rocm"):
-        return measure_step_cuda(spec, setup, seed)
+        return measure_step_cuda(spec, setup, seed, family)
     if family == "mps":
         return measure_step_mps(spec, setup, seed)
     return measure_step_cpu(spec, setup, seed)
 
-
-def local_family() -> str:
-    """The family of the device torch would train on here."""
-    if torch.cuda.is_available():
-        return "rocm" if torch.version.hip else "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"

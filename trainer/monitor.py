@@ -20,10 +20,11 @@ read, and how it compares with memplan's prediction:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from trainer import device as devices
 
 
 @dataclass(frozen=True)
@@ -42,125 +43,52 @@ class MemoryReading:
 
 
 class MemoryMonitor:
-    """``reset()`` before a step, ``read()`` after it. ``source`` names what is read."""
+    """``reset()`` before a step, ``read()`` after it. ``source`` names what is read (trainer/device.py reads it)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.kind = self.device.type
-        self._nvml = None
-        self._rocm = False
-        self._proc = None
         self._clear_refs = False
         self._file_baseline = None
+        self._index = 0
         if self.kind == "cuda":
+            self._index = devices.gpu_index(self.device)
             self.source = "torch.cuda.max_memory_allocated/reserved"
-            self._open_driver()
+            driver = devices.driver_memory(self._index)
+            self._driver = driver is not None
+            if driver is not None:
+                self.source += " + " + driver.source.split(" (")[0]  # NVML | ROCm SMI
         elif self.kind == "mps":
             self.source = "torch.mps allocated/driver memory"
         else:
-            import psutil
-
-            self._proc = psutil.Process()
-            self._clear_refs = _can_reset_hwm()
-            self._file_baseline = _status_bytes("RssFile")
+            self._clear_refs = devices.can_reset_peak_rss()
+            self._file_baseline = devices.status_bytes("RssFile")
             self.source = ("peak resident memory (VmHWM, reset per step, less the token shards' mapped pages)"
                            if self._clear_refs else "resident memory (psutil)")
 
-    def _open_driver(self) -> None:
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        if torch.version.hip:
-            try:
-                from pyrsmi import rocml
-
-                rocml.smi_initialize()
-                self._rocm = True
-                self._rocm_index = index
-                self.source += " + ROCm SMI"
-            except Exception:
-                self._rocm = False
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self.source += " + NVML"
-        except Exception:
-            self._nvml = None
-
-    def _driver_used(self) -> int | None:
-        try:
-            if self._nvml is not None:
-                import pynvml
-
-                return int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml).used)
-            if self._rocm:
-                from pyrsmi import rocml
-
-                used = rocml.smi_get_device_memory_used(self._rocm_index)
-                return int(used) if used is not None and used >= 0 else None
-        except Exception:
-            return None
-        return None
-
     def reset(self) -> None:
         if self.kind == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            devices.reset_allocator_peaks(self.device)
         elif self._clear_refs:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                self._clear_refs = False
+            self._clear_refs = devices.reset_peak_rss()
 
     def read(self) -> MemoryReading:
         if self.kind == "cuda":
-            allocated = int(torch.cuda.max_memory_allocated(self.device))
-            reserved = int(torch.cuda.max_memory_reserved(self.device))
-            driver = self._driver_used()
-            context = max(0, driver - int(torch.cuda.memory_reserved(self.device))) if driver is not None else 0
-            stats = torch.cuda.memory_stats(self.device)
-            return MemoryReading(peak_bytes=reserved + context, allocated_bytes=allocated, reserved_bytes=reserved,
-                                 driver_bytes=driver, alloc_retries=int(stats.get("num_alloc_retries", 0)),
-                                 ooms=int(stats.get("num_ooms", 0)))
+            allocator = devices.allocator_memory(self.device)
+            driver = devices.driver_memory(self._index) if self._driver else None
+            context = max(0, driver.used - allocator.reserved) if driver is not None else 0
+            return MemoryReading(peak_bytes=allocator.peak_reserved + context, allocated_bytes=allocator.peak_allocated,
+                                 reserved_bytes=allocator.peak_reserved, driver_bytes=driver.used if driver else None,
+                                 alloc_retries=allocator.alloc_retries, ooms=allocator.ooms)
         if self.kind == "mps":
-            allocated = int(torch.mps.current_allocated_memory())
-            return MemoryReading(peak_bytes=int(torch.mps.driver_allocated_memory()), allocated_bytes=allocated)
+            allocated, driver = devices.mps_memory()
+            return MemoryReading(peak_bytes=driver, allocated_bytes=allocated)
         if self._clear_refs:
-            hwm, file_now = _status_bytes("VmHWM"), _status_bytes("RssFile")
+            hwm, file_now = devices.status_bytes("VmHWM"), devices.status_bytes("RssFile")
             if hwm is not None:
                 mapped = max(0, file_now - self._file_baseline) if None not in (file_now, self._file_baseline) else 0
                 return MemoryReading(peak_bytes=hwm - mapped)
-        return MemoryReading(peak_bytes=int(self._proc.memory_info().rss))
+        return MemoryReading(peak_bytes=devices.current_rss())
 
     def close(self) -> None:
-        try:
-            if self._nvml is not None:
-                import pynvml
-
-                pynvml.nvmlShutdown()
-            if self._rocm:
-                from pyrsmi import rocml
-
-                rocml.smi_shutdown()
-        except Exception:
-            pass
-        self._nvml, self._rocm = None, False
-
-
-def _status_bytes(field: str) -> int | None:
-    """A ``kB`` field of /proc/self/status in bytes."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _can_reset_hwm() -> bool:
-    """Linux lets a process reset its own peak RSS by writing 5 to /proc/self/clear_refs."""
-    return os.path.exists("/proc/self/clear_refs") and os.access("/proc/self/clear_refs", os.W_OK) \
-        and _status_bytes("VmHWM") is not None
+        """Nothing to release: the driver libraries stay initialised for the process (trainer/device.py)."""

@@ -85,7 +85,7 @@ def _distributed(model: torch.nn.Module):
     buckets, zeroed in place rather than freed; FSDP2's MixedPrecisionPolicy casts the parameters
     itself, so autocast stays off under it. A model outside a process group: neither."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from trainer.distributed import is_ddp, is_fsdp, no_sync
+        from trainer.wrapping import is_ddp, is_fsdp, no_sync
 
         return no_sync, not is_fsdp(model), not is_ddp(model)
     return (lambda model, last: contextlib.nullcontext()), True, True

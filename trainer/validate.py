@@ -7,9 +7,10 @@ import time
 from memplan.hardware import Device
 from memplan.memory import (COLLECTIVES_OF_FAMILY, ddp_bucket_bytes, fsdp_all_sharded_grad_bytes,
                             fsdp_optimizer_state_bytes, fsdp_sharded_weight_bytes, gradient_bytes, optimizer_state_bytes,
-                            peak_memory, peak_memory_of_rank, rope_buffer_bytes, weight_bytes)
+                            peak_memory, peak_memory_of_rank, rope_buffer_bytes, sdpa_gqa_repeats, weight_bytes)
 from memplan.validate import MatrixConfig, ValidationRow
-from trainer.measure import local_family, measure_step, trace_step
+from trainer import device as devices
+from trainer.measure import measure_step, trace_step
 
 
 def predicted_terms(config: MatrixConfig) -> dict[str, int]:
@@ -25,12 +26,19 @@ def predicted_terms(config: MatrixConfig) -> dict[str, int]:
 
 
 def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> ValidationRow:
-    """Predict, trace and measure one config on the local device."""
+    """Predict, trace and measure one config on the local device.
+
+    On a GPU the walk repeats K/V where this device's SDPA does (``sdpa_gqa_repeats``: grouped-query
+    attention without a flash kernel for the dtype), and the row carries the reserve as well as the
+    live tensors: ``max_memory_reserved`` against the predicted allocator reserve, and the driver's
+    figure at the peak (NVML, ROCm SMI) against the predicted ``peak_reserved``."""
     t0 = time.perf_counter()
-    family = local_family()
-    predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead)
+    family = devices.local_family()
+    repeat = sdpa_gqa_repeats(config.spec, config.setup, device.flash_attention, family)
+    predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
+                            repeat)
     measured = measure_step(config.spec, config.setup, family)
-    traced = trace_step(config.spec, config.setup, "cpu" if family == "cpu" else "cuda") if trace else None
+    traced = trace_step(config.spec, config.setup, devices.fake_device(family)) if trace else None
     rss_delta = (measured.peak_rss - measured.baseline_rss) if measured.peak_rss is not None else None
     return ValidationRow(
         name=config.name, spec=config.spec, setup=config.setup,
@@ -39,8 +47,17 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
         predicted_reserved=predicted.peak_reserved,
         measured_reserved=measured.peak_reserved, driver_used=measured.driver_used, measured_rss_delta=rss_delta,
         peak_moment=predicted.peak_moment, predicted_terms=predicted_terms(config), measured_terms=measured.terms,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, **_reserve_fields(device, measured, family),
     )
+
+
+def _reserve_fields(device: Device, measured, family: str) -> dict:
+    """A GPU row's reserve figures: the predicted runtime context (what peak_reserved holds beyond the
+    allocator's reserve), and the driver's peak with where it was read. Nothing on a CPU."""
+    if family == "cpu" or measured.peak_reserved is None:
+        return {}
+    return {"predicted_context": device.runtime_context_bytes, "driver_peak": measured.driver_peak,
+            "driver_source": measured.driver_source or None, "family": family}
 
 
 
@@ -52,19 +69,55 @@ def run_stack_config(config: MatrixConfig, device: Device, stack: str, trace: bo
     from memplan.stacks import STACKS as WALKED, stack_of
 
     t0 = time.perf_counter()
+    family = devices.local_family()
     model = StackModel(spec=config.spec)
     # the walk with the stack's hooks where it has them (memplan/stacks.py), else memplan's own model's
-    hooks = stack_of(stack, cpu=True) if stack in WALKED else stack_of("memplan")
+    hooks = stack_of(stack, cpu=family == "cpu") if stack in WALKED else stack_of("memplan")
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
                             stack=hooks)
-    measured = measure_stack(stack, model, config.setup)
-    traced = trace_stack(stack, model, config.setup, "cpu") if trace else None
+    if family == "cpu":
+        measured = measure_stack(stack, model, config.setup)
+    else:
+        measured = measure_stack_on_device(stack, model, config.setup, family)
+    traced = trace_stack(stack, model, config.setup, devices.fake_device(family)) if trace else None
     return ValidationRow(
         name=f"{config.name} ({stack})", spec=config.spec, setup=config.setup,
         predicted_allocated=predicted.peak_allocated, measured_allocated=measured.peak_allocated,
         trace_allocated=traced.peak_allocated if traced else None, predicted_reserved=predicted.peak_reserved,
+        measured_reserved=measured.peak_reserved, driver_used=measured.driver_used,
         peak_moment=predicted.peak_moment, seconds=time.perf_counter() - t0, stack=stack,
+        **_reserve_fields(device, measured, family),
     )
+
+
+def measure_stack_on_device(stack: str, model, setup, family: str, seed: int = 0):
+    """A stack's warm-up step and steady-state step on this machine's GPU, built as ``trace_stack`` builds
+    it (``trainer.stacks``), read as memplan's own step is read there (``trainer.measure``: the
+    allocator's peaks and the driver on CUDA/ROCm, per-op samples on Apple)."""
+    import torch
+
+    from trainer.measure import _allocator_step, _mps_step, _random_ids
+    from trainer.stacks import _built, _vocab, check_stack
+    from trainer.step import set_matmul_precision
+
+    check_stack(stack)
+    dev = devices.torch_device(family)
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    gen = torch.Generator(dev).manual_seed(seed)
+    with torch.device(dev):
+        net, optimizer, step = _built(stack, model, setup, None)
+
+    def batches():
+        return _random_ids(_vocab(model), setup, dev, gen)
+
+    if family == "mps":
+        result = _mps_step(net, optimizer, batches, setup, step_fn=step)
+    else:
+        result = _allocator_step(net, optimizer, batches, setup, family, step_fn=step, probe_terms=False)
+    del net, optimizer
+    devices.release_cached(dev)
+    return result
 
 
 def stack_can_run(config: MatrixConfig, stack: str) -> str | None:

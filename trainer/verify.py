@@ -59,6 +59,7 @@ from memplan.errors import InputError
 from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
+from trainer import device as devices
 
 DEFAULT_STEPS = 3  # per trial: one warm-up step, two timed (Lightning's BatchSizeFinder also runs 3 per trial)
 DEFAULT_MAX_MICRO_BATCHES = 4  # micro-batches a trial step runs at most (the peak is the same with more)
@@ -93,64 +94,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 # ---- one trial, inside its own process ---------------------------------------------------
-
-def local_family() -> str:
-    """cuda | rocm | mps | cpu: the device torch trains on here (trainer.measure.local_family's rule,
-    without importing MemTracker, which adds 75 MB to every trial's resident memory)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return "rocm" if torch.version.hip else "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def _current_rss() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's resident-memory high-water mark (Linux: write 5 to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss() -> int:
-    """The process's peak resident memory: VmHWM on Linux, ru_maxrss on macOS, peak_wset on Windows."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)
-    except ImportError:
-        import psutil
-
-        return int(getattr(psutil.Process().memory_info(), "peak_wset", _current_rss()))
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc), so that the baseline is what is in use."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
 
 def _warm_up(spec: ModelSpec, setup: TrainSetup, device: str, steps: int = 2) -> None:
     """Steps of a tiny model with the plan's configuration: loads every kernel's code (tens of MB of
@@ -188,8 +131,8 @@ def run_trial(request: dict) -> dict:
     spec = ModelSpec(**request["model"])
     setup = TrainSetup(**request["setup"])
     steps = int(request["steps"])
-    family = local_family()
-    device = {"cuda": "cuda", "rocm": "cuda", "mps": "mps", "cpu": "cpu"}[family]
+    family = devices.local_family()
+    device = devices.torch_device(family)
     run_accum = min(setup.grad_accum, int(request["max_micro_batches"]))
     run_setup = setup.replace(grad_accum=run_accum)
     out = {"status": "ok", "family": family, "steps_run": 0, "micro_batches": run_accum, "error": "",
@@ -198,20 +141,15 @@ def run_trial(request: dict) -> dict:
     baseline = 0
     if family == "cpu":
         # the trial server has run every configuration once already (fork mode): one step reloads nothing
-        _warm_up(spec, setup, device, steps=1 if request.get("server_warmed") else 2)
-        _trim_heap()
-        out["hwm_reset"] = _reset_peak_rss()
-        baseline = _current_rss()
+        _warm_up(spec, setup, device.type, steps=1 if request.get("server_warmed") else 2)
+        devices.trim_heap()
+        out["hwm_reset"] = devices.reset_peak_rss()
+        baseline = devices.current_rss()
         out["baseline_rss"] = baseline
     elif family in ("cuda", "rocm"):
-        torch.cuda.reset_peak_memory_stats()
+        devices.reset_allocator_peaks(device)
     mps_peak = 0
-
-    def sync() -> None:
-        if family in ("cuda", "rocm"):
-            torch.cuda.synchronize()
-        elif family == "mps":
-            torch.mps.synchronize()
+    sync = devices.synchronizer(device)
 
     try:
         seed = int(request.get("seed", 0))
@@ -221,7 +159,7 @@ def run_trial(request: dict) -> dict:
         optimizer = make_optimizer(model, setup.optimizer)
         if setup.compile:
             model = torch.compile(model)
-        scaler = torch.amp.GradScaler(device) if setup.precision == "fp16-mixed" else None
+        scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16-mixed" else None
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def ids():
@@ -232,11 +170,11 @@ def run_trial(request: dict) -> dict:
         for _ in range(steps):
             out["steps_run"] += 1
             t0 = time.perf_counter()
-            train_step(model, optimizer, batches[:run_accum], run_setup, device, scaler=scaler)
+            train_step(model, optimizer, batches[:run_accum], run_setup, device.type, scaler=scaler)
             sync()
             out["step_seconds"].append(time.perf_counter() - t0)
             if family == "mps":
-                mps_peak = max(mps_peak, int(torch.mps.driver_allocated_memory()))
+                mps_peak = max(mps_peak, devices.mps_memory()[1])
     except Exception as e:  # noqa: BLE001 - every failure is reported; OOMs are told apart
         out["status"] = "oom" if is_out_of_memory(e) else "error"
         out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500]
@@ -246,19 +184,19 @@ def run_trial(request: dict) -> dict:
     if out["status"] == "ok" and timed:  # the median step: robust to another process taking the CPU a while
         out["tokens_per_second"] = tokens_per_step / statistics.median(timed)
     if family == "cpu":
-        out["peak_rss"] = _peak_rss()
+        out["peak_rss"] = devices.peak_rss()
         out["peak_bytes"] = int(request["context_bytes"]) + max(0, out["peak_rss"] - baseline)
         out["method"] = ("profile runtime context + growth of resident memory (VmHWM) over a baseline "
                          "taken after a warm-up step")
     elif family in ("cuda", "rocm"):
         sync()
-        free, total = torch.cuda.mem_get_info()
-        outside = max(0, (total - free) - torch.cuda.memory_reserved())
-        out["peak_allocated"] = int(torch.cuda.max_memory_allocated())
-        out["peak_bytes"] = int(torch.cuda.max_memory_reserved()) + int(outside)
+        outside = devices.outside_allocator_bytes(device)
+        allocator = devices.allocator_memory(device)
+        out["peak_allocated"] = allocator.peak_allocated
+        out["peak_bytes"] = allocator.peak_reserved + int(outside)
         out["method"] = "torch.cuda.max_memory_reserved + memory outside the allocator (mem_get_info)"
     else:
-        out["peak_allocated"] = int(torch.mps.current_allocated_memory())
+        out["peak_allocated"] = devices.mps_memory()[0]
         out["peak_bytes"] = mps_peak + int(request["context_bytes"])
         out["method"] = "largest torch.mps.driver_allocated_memory after a step + profile runtime context"
     return out
@@ -444,7 +382,7 @@ def _serve() -> None:
                                   checkpointing=checkpointing, optimizer=optimizer), "cpu")
     gc.collect()
     gc.freeze()  # children's collections skip everything made so far (else each one touches every page: ~1 s)
-    family = _in_child(lambda: {"family": local_family()}).get("family", "cpu")
+    family = _in_child(lambda: {"family": devices.local_family()}).get("family", "cpu")
     out = sys.stdout
     out.write(json.dumps({"ready": True, "family": family, "pid": os.getpid()}) + "\n")
     out.flush()
@@ -626,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
             result = {"status": "oom" if is_out_of_memory(e) else "error", "error": f"{type(e).__name__}: {e}"[:500]}
         sys.stdout.write(json.dumps(result) + "\n")
     elif mode == "family":
-        sys.stdout.write(local_family() + "\n")
+        sys.stdout.write(devices.local_family() + "\n")
     else:
         sys.exit("usage: python -m trainer.verify serve | trial | family")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Annotated, Optional
 
 import typer
@@ -23,7 +24,7 @@ NoTraceOpt = Annotated[bool, typer.Option("--no-trace", help="Skip the FakeTenso
 StacksOpt = Annotated[str, typer.Option(
     "--stack", help="Whose training code to measure, comma-separated for side by side: memplan (its own "
                     "trainer) | transformers (Hugging Face, peft for LoRA; `pip install 'memplan[stacks]'`). "
-                    "Other stacks run one process on this CPU.")]
+                    "Other stacks run in one process, on this machine's device.")]
 ModeOpt = Annotated[str, typer.Option(
     "--mode", help="training: a real training step per config (the default). inference: real generation per "
                    "config, its prefill and decode peaks against `estimate --mode inference` (matrices in "
@@ -72,20 +73,34 @@ def validation_page(device_name: str, rows, summary, ranks: int = 1):
     style_figure(per_term, "Error per memory term (forward saved = what the forward leaves alive for backward)",
                  height=520)
 
+    figures = [scatter, errors, per_term]
+    gpu = [r for r in rows if r.reserved_error is not None]
+    if gpu:  # CUDA, ROCm, MPS: the reserve, against the allocator and against the driver
+        reserve = go.Figure(go.Bar(x=[r.name for r in gpu], y=[100 * r.reserved_error for r in gpu],
+                                   name="reserve vs max_memory_reserved", hovertemplate="%{x}<br>%{y:+.2f}%"))
+        if any(r.driver_error is not None for r in gpu):
+            reserve.add_trace(go.Bar(x=[r.name for r in gpu], y=[100 * (r.driver_error or 0) for r in gpu],
+                                     name="peak_reserved vs the driver's peak", hovertemplate="%{x}<br>%{y:+.2f}%"))
+        reserve.update_yaxes(title="error (%) = (predicted − measured) / measured")
+        reserve.update_xaxes(tickangle=-45)
+        style_figure(reserve, "Reserve per config: torch's allocator and the driver (NVML / ROCm SMI)", height=520)
+        figures.append(reserve)
     bars = "; ".join(f"{what} {value:.2%} (bar {bar:.0%}: {'met' if met else 'MISSED'})"
                      for what, value, bar, met in summary.bars())
     return Page(title="Memory validation", model=f"{len(rows)} configs", device=device_name,
                 summary={"median |error|": f"{summary.median_abs_error:.2%}",
                          "worst |error|": f"{summary.max_abs_error:.2%} ({summary.worst})",
                          "bars": bars},
-                figures=[scatter, errors, per_term],
+                figures=figures,
                 notes=[f"Measured: a real steady-state DDP or FSDP2 training step (after two warm-up steps) of "
                        f"memplan's reference model in each of {ranks} gloo processes on this machine's CPU; every "
                        "rank's MemTracker peak is checked against the prediction for that rank (one row per rank)."
                        if ranks > 1 else
                        "Measured: a real steady-state training step (the second of two, so optimizer state "
                        "exists) of memplan's reference model on this device. On the CPU, MemTracker counts the "
-                       "live tensor bytes; on CUDA/ROCm it is torch.cuda.max_memory_allocated."])
+                       "live tensor bytes; on CUDA/ROCm it is torch.cuda.max_memory_allocated, and the reserve is "
+                       "max_memory_reserved (against peak_reserved less the runtime context) and the driver's "
+                       "figure at the peak (NVML / ROCm SMI, against peak_reserved)."])
 
 
 @app.command("validate")
@@ -162,11 +177,6 @@ def validate_command(
                 from trainer.stacks import require
 
                 require("peft", t)
-        from trainer.measure import local_family
-
-        if local_family() != "cpu":
-            raise InputError(f"--stack {stack}: other stacks are measured on the CPU for now (this machine: "
-                             f"{local_family()}); accepted here: --stack memplan")
 
     use_threads(threads)
 
@@ -207,6 +217,7 @@ def validate_command(
         return
     where = f"{dev.name}, each rank of {ranks} gloo processes" if ranks > 1 else dev.name
     print_validation_table(console, rows, where)
+    print_reserve_table(console, rows, where)
     if skipped:
         console.print(f"not run: {len(skipped)} config(s) a stack cannot take ("
                       + "; ".join(sorted({f'{t}: {why}' for _, t, why in skipped})) + ")", soft_wrap=True)
@@ -229,6 +240,47 @@ def validate_command(
     if html:
         console.print(f"report: {html}")
     sys.stdout.flush()
+
+
+def print_reserve_table(console, rows, where: str) -> None:
+    """On a GPU: the reserve of each config, predicted against measured two ways. torch's allocator
+    (``max_memory_reserved``) against the predicted reserve (peak_reserved less the runtime context),
+    and the driver's figure at the peak (NVML, ROCm SMI: the reserve plus the context and whatever else
+    the device holds) against the predicted peak_reserved. Nothing on a CPU, where there is no reserve."""
+    gpu = [r for r in rows if r.reserved_error is not None]
+    if not gpu:
+        return
+    from rich.table import Table
+
+    from memplan.cli.fit import print_fitted
+    from memplan.units import format_bytes
+
+    def size(value):
+        return format_bytes(value) if value is not None else "-"
+
+    def error(value):
+        return f"{value:+.2%}" if value is not None else "-"
+
+    table = Table(title=f"Peak reserved: predicted vs measured on {where}", title_justify="left")
+    for col, justify in (("config", "left"), ("reserve predicted", "right"), ("max_memory_reserved", "right"),
+                         ("error", "right"), ("peak_reserved", "right"), ("driver peak", "right"), ("error", "right"),
+                         ("context measured", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for r in gpu:
+        context = r.driver_peak - r.measured_reserved if r.driver_peak is not None else None
+        table.add_row(r.name, size(r.predicted_allocator_reserve), size(r.measured_reserved), error(r.reserved_error),
+                      size(r.predicted_reserved), size(r.driver_peak), error(r.driver_error), size(context))
+    print_fitted(console, table)
+    sources = sorted({r.driver_source for r in gpu if r.driver_source})
+    reserved = [abs(r.reserved_error) for r in gpu]
+    driver = [abs(r.driver_error) for r in gpu if r.driver_error is not None]
+    line = f"reserve: median |error| {statistics.median(reserved):.2%}, worst {max(reserved):.2%}"
+    if driver:
+        line += (f"; driver peak ({', '.join(sources)}): median |error| {statistics.median(driver):.2%}, "
+                 f"worst {max(driver):.2%} (the runtime context predicted: {size(gpu[0].predicted_context)})")
+    else:
+        line += "; no driver figure (NVML / ROCm SMI did not answer, or Apple's Metal has none)"
+    console.print(line, soft_wrap=True)
 
 
 def _print_stacks_side_by_side(console, rows) -> None:
