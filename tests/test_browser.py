@@ -71,10 +71,10 @@ def sweep_report_one_setup(tmp_path: Path) -> Path:
 
 
 def report_module_page(tmp_path: Path) -> Path:
-    """A page made directly with memplan/report.py, with the kinds of figure other reports draw."""
+    """A page made directly with memplan/reports/page.py, with the kinds of figure other reports draw."""
     import plotly.graph_objects as go
 
-    from memplan.report import Page, style_figure, write_page
+    from memplan.reports.page import Page, style_figure, write_page
 
     steps = list(range(0, 200, 10))
     loss = [10.0 * 0.98 ** s + 2.0 for s in steps]
@@ -89,7 +89,7 @@ def report_module_page(tmp_path: Path) -> Path:
     heat = style_figure(go.Figure(go.Heatmap(z=[[0.01, -0.02], [0.03, 0.00]], x=["1k", "2k"], y=["b1", "b2"],
                                              colorscale="RdBu", zmid=0)), title="Relative error")
     page = Page(title="Report module", model="llama 22.9M", device="cpu (24 GiB)",
-                summary={"what": "the shared page of memplan/report.py", "figures": "3"},
+                summary={"what": "the shared page of memplan/reports/page.py", "figures": "3"},
                 figures=[line, bars, heat], notes=["A note under the figures."])
     return write_page(page, tmp_path / "report.html")
 
@@ -97,10 +97,10 @@ def report_module_page(tmp_path: Path) -> Path:
 def validate_report(tmp_path: Path) -> Path:
     """`memplan validate`'s page, from rows made here: the real predictions of a small matrix, with
     "measured" figures set a few percent off them (no torch, no measuring)."""
-    from memplan.cli.validate import validation_page
+    from memplan.reports.validate import validation_page
     from memplan.estimate import memory_on
     from memplan.hardware import load_profile
-    from memplan.report import write_page
+    from memplan.reports.page import write_page
     from memplan.validate import ValidationRow, load_matrix, summarize
 
     cpu = load_profile("cpu")
@@ -120,9 +120,9 @@ def validate_report(tmp_path: Path) -> Path:
 def validate_inference_report(tmp_path: Path) -> Path:
     """`memplan validate --mode inference`'s page, from rows made here: the real predictions of the
     inference matrix, "measured" peaks a few percent off them (no torch, no generating)."""
-    from memplan.cli.validate import inference_page
+    from memplan.reports.validate import inference_page
     from memplan.inference import inference_memory
-    from memplan.report import write_page
+    from memplan.reports.page import write_page
     from memplan.validate import InferenceRow, load_inference_matrix
 
     rows = []
@@ -582,7 +582,7 @@ def test_the_layout_check_finds_what_falls_off_a_canvas(browser, tmp_path):
     for its rows are each reported."""
     import plotly.graph_objects as go
 
-    from memplan.report import Page, style_figure, write_page
+    from memplan.reports.page import Page, style_figure, write_page
 
     legend = style_figure(go.Figure([go.Bar(x=[1, 2], y=[1, 2], name=f"a long series name {k}") for k in range(3)]),
                           title="legend off the canvas")

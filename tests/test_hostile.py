@@ -299,7 +299,7 @@ def test_two_prepares_into_one_new_out_the_second_is_refused_naming_the_first(tm
 
 
 def _write_report_many(path: str, times: int) -> str | None:
-    from memplan.report import Page, write_page
+    from memplan.reports.page import Page, write_page
 
     try:
         for i in range(times):

@@ -141,9 +141,9 @@ def test_a_disk_that_fills_while_validate_measures_leaves_no_half_page(monkeypat
     a tmpfs just big enough for the check, filled by the second measurement)."""
     import trainer.validate
 
-    import memplan.report
+    import memplan.reports.page
 
-    size = memplan.report.page_bytes_at_least() + (1 << 20)
+    size = memplan.reports.page.page_bytes_at_least() + (1 << 20)
     with tmpfs(tmp_path / "disk", size) as mount:
         (mount / "old.html").write_text("the previous report")
         answer = trainer.validate.run_config
@@ -198,11 +198,11 @@ def test_train_report_on_a_full_disk_is_one_line_and_keeps_the_old_report(finish
 
 def test_train_report_whose_write_fails_midway_leaves_no_half_page(finished_run, small_disk, monkeypatch):
     """The free-space check passed (here: told a page needs nothing) but the page does not fit."""
-    import memplan.report
+    import memplan.reports.page
 
     run = copy_run(finished_run, small_disk)
     fill_disk(small_disk, leave=128 << 10)
-    monkeypatch.setattr(memplan.report, "page_bytes_at_least", lambda: 0)
+    monkeypatch.setattr(memplan.reports.page, "page_bytes_at_least", lambda: 0)
     before = sorted(p.name for p in run.iterdir())
     result = cli("train", "--out", str(run), "--report")
     one_line_failure(result, 1, "--report: cannot write", "No space left on device", "nothing was written")

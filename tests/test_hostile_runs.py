@@ -251,7 +251,8 @@ def test_resume_prints_the_limits_in_force_and_what_the_resume_itself_did(tmp_pa
 @pytest.mark.parametrize("where", ["checkpoint", "metrics", "report"])
 def test_a_full_disk_during_train_is_one_line_and_keeps_the_earlier_checkpoint(small_disk, corpus, monkeypatch,
                                                                                where):
-    from trainer import loop, run_report
+    from memplan.reports import run as run_report
+    from trainer import loop
 
     run = small_disk / "run"
     real_save, real_report = loop.Trainer.save, run_report.write_run_report
@@ -309,7 +310,7 @@ def test_rewriting_the_report_on_a_full_disk_is_one_line(small_disk, corpus, tmp
     result = cli("train", "--out", str(run), "--report")
     no_traceback(result)
     assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()  # refused before writing (memplan.report.check_report_path)
+    lines = result.stderr.strip().splitlines()  # refused before writing (memplan.reports.page.check_report_path)
     assert len(lines) == 1 and str(run / "report.html") in lines[0] and "free" in lines[0], lines
     assert leftovers(run) == [] and not (run / "report.html").exists()
 

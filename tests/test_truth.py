@@ -11,7 +11,7 @@ from memplan.cli import app
 
 
 def test_report_samples_show_their_newlines_not_a_literal_backslash_n(tmp_path):
-    from trainer.run_report import write_run_report
+    from memplan.reports.run import write_run_report
 
     records = [
         {"kind": "event", "event": "start", "step": 0, "model": {"describe": "llama 1M"}, "setup": {},

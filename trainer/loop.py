@@ -13,7 +13,7 @@ A run directory (documented key by key in docs/run-directory.md)::
                         later line is the one that counts (``read_metrics(..., latest=True)``).
     RUN/plan.toml       the plan trained on (rewritten if an out-of-memory step halves the micro-batch)
     RUN/checkpoints/    atomic checkpoints (trainer/checkpoint.py)
-    RUN/report.html     the run report (trainer/run_report.py)
+    RUN/report.html     the run report (memplan/reports/run.py)
 
 Each step is ``trainer.step.train_step``, the step memplan's memory model describes, with the
 learning rate of a linear warmup then cosine decay to ``min_lr_ratio`` of the peak; a run limited
@@ -69,6 +69,7 @@ from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import rundir
+from trainer.rundir import METRICS_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.data import PreparedData, TrainStream
 from trainer.device import current_rss as _process_rss, torch_device_for, trim_heap as _trim_heap  # noqa: F401
 from trainer.model import build_model, lm_loss
@@ -76,7 +77,6 @@ from trainer.monitor import MemoryMonitor
 from trainer.sample import sample_text
 from trainer.step import autocast, make_optimizer, param_dtype, set_matmul_precision, train_step
 
-METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.toml"
 REPORT_FILE = "report.html"
 CHECKPOINT_DIR = "checkpoints"
@@ -265,35 +265,6 @@ class DiskFull(TrainingStopped):
 # =================================================================================================
 # Metrics
 # =================================================================================================
-
-def read_metrics(run_dir: str | Path, latest: bool = False) -> list[dict]:
-    """The lines of RUN/metrics.jsonl (a malformed line, such as one cut by a kill, is skipped).
-
-    With ``latest``, a train or eval line for a step that a later line of the same kind repeats
-    (a run resumed from a checkpoint before it) is dropped, so each step appears once.
-    """
-    path = Path(run_dir) / METRICS_FILE
-    lines = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for raw in f:
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    lines.append(obj)
-    except FileNotFoundError:
-        return []
-    if not latest:
-        return lines
-    last = {}
-    for i, obj in enumerate(lines):
-        if obj.get("kind") in ("train", "eval"):
-            last[(obj["kind"], obj.get("step"))] = i
-    return [obj for i, obj in enumerate(lines)
-            if obj.get("kind") not in ("train", "eval") or last[(obj["kind"], obj.get("step"))] == i]
-
 
 class _MetricsWriter:
     def __init__(self, path: Path):
@@ -1276,7 +1247,7 @@ class Trainer:
         return f"the newest checkpoint, {newest.path.name}, is intact" if newest else "no checkpoint was saved"
 
     def _write_report(self) -> Path | None:
-        from trainer.run_report import write_run_report
+        from memplan.reports.run import write_run_report
 
         if not self.is_main:
             return None

@@ -29,6 +29,7 @@ from memplan.errors import InputError
 from memplan.fsutil import Lock, hold_lock, write_atomic
 
 RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"  # one JSON object per line (docs/run-directory.md)
 LOCK_FILE = ".lock"
 RUN_FORMAT = "memplan-run"
 RUN_VERSION = 1
@@ -191,3 +192,32 @@ def trained_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
             raise InputError(f"--checkpoint {path}: no such directory")
     meta = ckpt.verify_checkpoint(path)
     return TrainedCheckpoint(path=path, meta=meta, plan=Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE)))
+
+
+def read_metrics(run_dir: str | Path, latest: bool = False) -> list[dict]:
+    """The lines of RUN/metrics.jsonl (a malformed line, such as one cut by a kill, is skipped).
+
+    With ``latest``, a train or eval line for a step that a later line of the same kind repeats
+    (a run resumed from a checkpoint before it) is dropped, so each step appears once.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    lines = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for raw in f:
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    lines.append(obj)
+    except FileNotFoundError:
+        return []
+    if not latest:
+        return lines
+    last = {}
+    for i, obj in enumerate(lines):
+        if obj.get("kind") in ("train", "eval"):
+            last[(obj["kind"], obj.get("step"))] = i
+    return [obj for i, obj in enumerate(lines)
+            if obj.get("kind") not in ("train", "eval") or last[(obj["kind"], obj.get("step"))] == i]

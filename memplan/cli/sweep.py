@@ -273,7 +273,7 @@ def _oom_label(sw) -> str:
 def memory_figure(sw):
     """Peak reserved memory against context, one line per setup, with the usable line and the OOM region."""
     import plotly.graph_objects as go
-    from memplan.report import style_figure
+    from memplan.reports.page import style_figure
 
     x, facet, lines = _lines(sw)
     fig, nrows, where = _facets(sw, facet)
@@ -317,7 +317,7 @@ def memory_figure(sw):
 def breakdown_figure(sw):
     """Stacked bars of the memory terms of each setup at one context (buttons pick the context)."""
     import plotly.graph_objects as go
-    from memplan.report import style_figure
+    from memplan.reports.page import style_figure
 
     variants = sw.axes.variants
     many = len(variants) > 1
@@ -391,7 +391,7 @@ PARETO_LABEL_ROOM = 0.08  # a front label goes right of its point within this sh
 def speed_figure(sw):
     """Tokens/s against peak memory for every cell, with the Pareto front of the setups that fit."""
     import plotly.graph_objects as go
-    from memplan.report import style_figure
+    from memplan.reports.page import style_figure
 
     fig = go.Figure()
     variants = sw.axes.variants
@@ -439,7 +439,7 @@ def speed_figure(sw):
 def epoch_figure(sw):
     """Time of one epoch of ``--tokens`` against context, for the setups that fit."""
     import plotly.graph_objects as go
-    from memplan.report import style_figure
+    from memplan.reports.page import style_figure
 
     seconds = sorted(c.time.epoch_seconds for c in sw.cells if c.fits)
     unit, scale = _time_unit(seconds[len(seconds) // 2] if seconds else 3600.0)
@@ -474,8 +474,8 @@ def _time_unit(typical_seconds: float) -> tuple[str, float]:
 
 
 def sweep_page(sw):
-    """The sweep as a report page (``memplan.report.Page``)."""
-    from memplan.report import Page
+    """The sweep as a report page (``memplan.reports.page.Page``)."""
+    from memplan.reports.page import Page
 
     spec, dev, axes = sw.model, sw.device, sw.axes
     summary = {
@@ -547,7 +547,7 @@ def sweep_command(
     dev, rates_note = local_device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
     if html is not None:  # before the sweep and before anything is printed
-        from memplan.report import check_report_path
+        from memplan.reports.page import check_report_path
 
         check_report_path(html, "--html", "sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens)
@@ -556,7 +556,7 @@ def sweep_command(
     else:
         print_sweep(sw, rates_note)
     if html is not None:
-        from memplan.report import save_page
+        from memplan.reports.page import save_page
 
         path = save_page(sweep_page(sw), html, "--html")  # a full disk: one line, exit 1, nothing left
         print(f"wrote {path}", file=sys.stderr if json else sys.stdout)

@@ -1131,14 +1131,14 @@ def printable(text: str) -> str:
 
 def _report_only(out: str | None, console) -> None:
     from trainer.loop import METRICS_FILE, REPORT_FILE
-    from trainer.run_report import write_run_report
+    from memplan.reports.run import write_run_report
 
     if not out:
         raise InputError("--report: name the run with --out RUN")
     if not (Path(out) / METRICS_FILE).is_file():
         raise InputError(f"--report: {out} has no {METRICS_FILE}; not a training run")
     from memplan.fsutil import no_space
-    from memplan.report import check_report_path
+    from memplan.reports.page import check_report_path
 
     check_report_path(Path(out) / "report.html", "--report", "report.html")
     try:

@@ -1,7 +1,7 @@
 """The run report, RUN/report.html: what a run measured beside what memplan predicted for it.
 
 Built from RUN/metrics.jsonl alone (so it can be rebuilt at any time, also while the run goes on:
-``memplan train --out RUN --report``), rendered by ``memplan.report``:
+``memplan train --out RUN --report``), rendered by ``memplan.reports.page``:
 
 - loss: training loss per step (raw and smoothed) and held-out loss, overall and per source;
 - memory over training time: the measured peak of every step, with the predicted peak as a line
@@ -16,7 +16,7 @@ import math
 import statistics
 from pathlib import Path
 
-from memplan.report import Page, style_figure, write_page
+from memplan.reports.page import Page, style_figure, write_page
 from memplan.units import format_bytes, format_count, format_seconds
 
 SMOOTHING = 0.9  # exponential moving average of the training loss (plotted beside the raw loss)
@@ -54,7 +54,7 @@ def build_run_page(run_dir: str | Path) -> Page:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from trainer.loop import read_metrics
+    from trainer.rundir import read_metrics  # torch-free
 
     run_dir = Path(run_dir)
     lines = read_metrics(run_dir, latest=True)
@@ -228,8 +228,8 @@ def build_run_page(run_dir: str | Path) -> Page:
 
 def write_run_report(run_dir: str | Path, flag: str | None = None) -> Path:
     """Write RUN/report.html (atomically) and return its path. With ``flag`` (the option that asked for
-    it), a failed write is one line naming it (``memplan.report.save_page``)."""
-    from memplan.report import save_page
+    it), a failed write is one line naming it (``memplan.reports.page.save_page``)."""
+    from memplan.reports.page import save_page
 
     run_dir = Path(run_dir)
     page = build_run_page(run_dir)
