@@ -1,9 +1,9 @@
 """Every kind of HTML report, opened in a real headless Chromium: no console errors, every plot drawn,
 nothing fetched from outside the file, and screenshots that are not blank.
 
-Chromium is driven over the DevTools protocol (``--remote-debugging-port`` and the
-``websocket-client`` package). `.ci/run` installs Debian's ``chromium`` where it is missing, so CI
-never skips; elsewhere these tests skip, saying so, when no Chromium is installed.
+Chromium is driven by Playwright (its Python package; the browser is the installed Chromium, not one
+Playwright downloads). `.ci/run` installs Debian's ``chromium`` where it is missing, so CI never skips;
+elsewhere these tests skip, saying so, when no Chromium is installed.
 
 To add a report: write a builder ``(tmp_path) -> Path`` that makes the page from data made in the
 test, and add one line to ``REPORTS``.
@@ -19,10 +19,7 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,7 +29,7 @@ import pytest
 pytestmark = pytest.mark.browser
 
 VIEWPORT = (1366, 768)  # a common laptop screen
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+CHROMIUM_FLAGS = ("--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
                   "--disable-default-apps", "--disable-extensions", "--mute-audio", "--hide-scrollbars",
                   "--no-default-browser-check")
@@ -140,7 +137,6 @@ def validate_inference_report(tmp_path: Path) -> Path:
 def train_report(tmp_path: Path) -> Path:
     """`memplan train`'s run report: a tiny Llama trained 8 steps on a corpus made here (an OOM-free,
     resumed-free run: loss, eval per source, memory with its predicted line, throughput, lr)."""
-    import json
 
     from memplan.hardware import load_profile
     from memplan.model import ModelSpec
@@ -202,7 +198,7 @@ REPORTS = [  # one line per kind of report
 ]
 
 
-# ---- a small DevTools client ---------------------------------------------------------------
+# ---- the browser: Playwright driving the installed Chromium ---------------------------------
 
 def chromium_path() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
@@ -212,92 +208,30 @@ def chromium_path() -> str | None:
     return None
 
 
-class Tab:
-    """One page target: commands with their results, and the events that arrive meanwhile."""
-
-    def __init__(self, ws_url: str):
-        import websocket
-
-        # Chromium refuses DevTools websockets that carry an Origin it was not told to allow.
-        self.ws = websocket.create_connection(ws_url, timeout=RENDER_SECONDS, suppress_origin=True,
-                                              enable_multithread=False)
-        self.next_id = 0
-        self.events: list[dict] = []
-
-    def send(self, method: str, **params):
-        self.next_id += 1
-        msg_id = self.next_id
-        self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == msg_id:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg.get("result", {})
-            if "method" in msg:
-                self.events.append(msg)
-
-    def wait_for_event(self, method: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        seen = next((e for e in self.events if e["method"] == method), None)
-        while seen is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {method} within {timeout:.0f} s")
-            self.ws.settimeout(max(0.1, deadline - time.monotonic()))
-            msg = json.loads(self.ws.recv())
-            if "method" in msg:
-                self.events.append(msg)
-                if msg["method"] == method:
-                    seen = msg
-        return seen
-
-    def evaluate(self, expression: str):
-        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
-        return result["result"].get("value")
-
-    def close(self) -> None:
-        self.ws.close()
+def _opened(browser, path: Path, width: int):
+    """A new page of ``width`` × VIEWPORT's height (device scale 1) with ``path`` loaded and every plotly plot
+    laid out; its console errors, uncaught exceptions and requests are gathered from before the load on."""
+    context = browser.new_context(viewport={"width": width, "height": VIEWPORT[1]}, device_scale_factor=1)
+    page = context.new_page()
+    seen = {"errors": [], "requests": []}
+    page.on("console", lambda m: seen["errors"].append(m.text) if m.type in ("error", "assert") else None)
+    page.on("pageerror", lambda e: seen["errors"].append(str(e)))
+    page.on("request", lambda r: seen["requests"].append(r.url))
+    page.goto(path.resolve().as_uri(), wait_until="load", timeout=RENDER_SECONDS * 1000)
+    page.wait_for_function(SETTLED_JS, timeout=RENDER_SECONDS * 1000)
+    page.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    return context, page, seen
 
 
-class Chromium:
-    """A headless Chromium with a fresh profile, its DevTools port read from DevToolsActivePort."""
-
-    def __init__(self, executable: str, profile_dir: Path):
-        self.profile_dir = profile_dir
-        self.proc = subprocess.Popen(
-            [executable, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}", "--remote-debugging-port=0",
-             f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        port_file = profile_dir / "DevToolsActivePort"
-        deadline = time.monotonic() + START_SECONDS
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"chromium exited with {self.proc.returncode}: "
-                                   f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}")
-            if time.monotonic() > deadline:
-                self.quit()
-                raise TimeoutError(f"chromium did not open its DevTools port within {START_SECONDS} s")
-            time.sleep(0.1)
-        self.port = int(port_file.read_text().split()[0])
-
-    def new_tab(self) -> Tab:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/json/new?about:blank", method="PUT")
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            target = json.load(resp)
-        return Tab(target["webSocketDebuggerUrl"])
-
-    def quit(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # the browser process ends its own renderers
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the process group this test started
-                self.proc.wait(timeout=15)
-        if self.proc.stderr:
-            self.proc.stderr.close()
+def _whole_page_png(page, width: int, scale: float = 1.0) -> bytes:
+    """The whole page, ``width`` px wide, at ``scale`` (Chromium's own screenshot through Playwright's CDP session:
+    Playwright's screenshots take no scale other than the device's)."""
+    height = page.evaluate("document.documentElement.scrollHeight")
+    cdp = page.context.new_cdp_session(page)
+    shot = cdp.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
+                                               "clip": {"x": 0, "y": 0, "width": width, "height": height,
+                                                        "scale": scale}})
+    return base64.b64decode(shot["data"])
 
 
 # ---- what a check of one page finds --------------------------------------------------------
@@ -396,29 +330,17 @@ LAYOUT_JS = """
 """
 
 
-def layout_problems(browser: "Chromium", path: Path, shot: Path | None = None) -> list[str]:
+def layout_problems(browser, path: Path, shot: Path | None = None) -> list[str]:
     """Open ``path`` in a ``LAYOUT_WIDTH`` px window and list, in words, every legend, annotation, title,
     axis or point label drawn outside its plot's canvas, every table row out of sight, and a page
     wider than the window. With ``shot``, the whole page's screenshot at that width is saved there."""
-    tab = browser.new_tab()
+    context, page, _ = _opened(browser, path, LAYOUT_WIDTH)
     try:
-        tab.send("Emulation.setDeviceMetricsOverride", width=LAYOUT_WIDTH, height=VIEWPORT[1], deviceScaleFactor=1,
-                 mobile=False)
-        tab.send("Page.enable")
-        tab.send("Page.navigate", url=path.resolve().as_uri())
-        tab.wait_for_event("Page.loadEventFired", RENDER_SECONDS)
-        deadline = time.monotonic() + RENDER_SECONDS
-        while not tab.evaluate(SETTLED_JS) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        tab.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-        found = tab.evaluate(LAYOUT_JS)
+        found = page.evaluate(LAYOUT_JS)
         if shot is not None:
-            height = tab.evaluate("document.documentElement.scrollHeight")
-            png = tab.send("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                           clip={"x": 0, "y": 0, "width": LAYOUT_WIDTH, "height": height, "scale": 1})
-            shot.write_bytes(base64.b64decode(png["data"]))
+            shot.write_bytes(_whole_page_png(page, LAYOUT_WIDTH))
     finally:
-        tab.close()
+        context.close()
     return found
 
 
@@ -443,52 +365,25 @@ def pixel_stats(png: bytes) -> dict:
     return {"width": img.width, "height": img.height, "colors": len(colors), "off_background": 1 - common / total}
 
 
-def check_page(browser: Chromium, path: Path, page_scale: float | None = None) -> PageCheck:
+def check_page(browser, path: Path, page_scale: float | None = None) -> PageCheck:
     """Open ``path`` at a laptop's viewport, wait for plotly, and gather what ``problems`` judges.
     With ``page_scale``, also a screenshot of the whole page at that scale."""
-    tab = browser.new_tab()
+    context, page, seen = _opened(browser, path, VIEWPORT[0])
     try:
-        tab.send("Emulation.setDeviceMetricsOverride", width=VIEWPORT[0], height=VIEWPORT[1],
-                 deviceScaleFactor=1, mobile=False)
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            tab.send(f"{domain}.enable")
-        tab.send("Page.navigate", url=path.resolve().as_uri())
-        tab.wait_for_event("Page.loadEventFired", RENDER_SECONDS)
-        deadline = time.monotonic() + RENDER_SECONDS
-        while not tab.evaluate(SETTLED_JS) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        tab.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-        check = PageCheck(plots=tab.evaluate(PLOT_STATUS_JS))
-        shot = tab.send("Page.captureScreenshot", format="png")
-        check.viewport_pixels = pixel_stats(base64.b64decode(shot["data"]))
+        check = PageCheck(plots=page.evaluate(PLOT_STATUS_JS))
+        check.viewport_pixels = pixel_stats(page.screenshot(type="png"))
         for plot in check.plots:
             if plot["width"] > 0 and plot["height"] > 0:
-                clip = {k: plot[k] for k in ("x", "y", "width", "height")} | {"scale": 1}
-                shot = tab.send("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)
-                check.plot_pixels.append(pixel_stats(base64.b64decode(shot["data"])))
+                clip = {k: plot[k] for k in ("x", "y", "width", "height")}  # page coordinates
+                check.plot_pixels.append(pixel_stats(page.screenshot(type="png", clip=clip, full_page=True)))
             else:
                 check.plot_pixels.append({"width": 0, "height": 0, "colors": 0, "off_background": 0.0})
         if page_scale:
-            height = tab.evaluate("document.documentElement.scrollHeight")
-            shot = tab.send("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                            clip={"x": 0, "y": 0, "width": VIEWPORT[0], "height": height, "scale": page_scale})
-            check.page_png = base64.b64decode(shot["data"])
-        tab.send("Runtime.evaluate", expression="0")  # collect the events that arrived meanwhile
+            check.page_png = _whole_page_png(page, VIEWPORT[0], page_scale)
     finally:
-        tab.close()
-    for e in tab.events:
-        p = e.get("params", {})
-        if e["method"] == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
-            check.console_errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p["args"]))
-        elif e["method"] == "Runtime.exceptionThrown":
-            d = p["exceptionDetails"]
-            check.console_errors.append(d.get("exception", {}).get("description") or d.get("text", "exception"))
-        elif e["method"] == "Log.entryAdded" and p["entry"]["level"] == "error":
-            check.console_errors.append(f"{p['entry']['source']}: {p['entry']['text']} {p['entry'].get('url', '')}")
-        elif e["method"] == "Network.requestWillBeSent":
-            url = p["request"]["url"]
-            if not url.startswith(("file:", "data:", "blob:", "about:")):
-                check.outside_requests.append(url)
+        context.close()
+    check.console_errors = list(seen["errors"])
+    check.outside_requests = [u for u in seen["requests"] if not u.startswith(("file:", "data:", "blob:", "about:"))]
     return check
 
 
@@ -520,16 +415,25 @@ def problems(check: PageCheck) -> list[str]:
 # ---- tests ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
+def browser():
     executable = chromium_path()
     if executable is None:
         if os.environ.get("CI"):  # .ci/run installs it: a CI without it is broken, not excused
             pytest.fail("Chromium is missing on CI; .ci/run should have installed Debian's chromium")
         pytest.skip("Chromium is not installed (`apt-get install -y chromium`; .ci/run installs it)")
-    pytest.importorskip("websocket", reason="websocket-client is not installed (pip install -e '.[test]')")
-    b = Chromium(executable, tmp_path_factory.mktemp("chromium-profile"))
+    pytest.importorskip("playwright", reason="playwright is not installed (pip install -e '.[test]')")
+    from playwright.sync_api import sync_playwright
+
+    driver = sync_playwright().start()
+    try:
+        b = driver.chromium.launch(executable_path=executable, args=list(CHROMIUM_FLAGS),
+                                   timeout=START_SECONDS * 1000)
+    except Exception:
+        driver.stop()
+        raise
     yield b
-    b.quit()
+    b.close()
+    driver.stop()
 
 
 @pytest.mark.parametrize("report", REPORTS, ids=[r.name for r in REPORTS])
