@@ -11,7 +11,7 @@ from memplan.cli.fit import print_described, print_fields
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
-                                 WorldSizeOpt, local_device_from, model_from, print_json, setup_from,
+                                 WorldSizeOpt, local_device_from, print_json, setup_from,
                                  with_rates)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
@@ -40,7 +40,8 @@ LoraTargetsOpt = Annotated[str, typer.Option(
 StackOpt = Annotated[str, typer.Option(
     "--stack", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step, peft for --lora-rank; "
-                    "llama, gpt2, gpt_neox). No library is imported: the walk's hooks model what each saves.")]
+                    "llama, gpt2, gpt_neox, and phi, gemma, stablelm, qwen3, which memplan's own trainer does not "
+                    "build). No library is imported: the walk's hooks model what each saves.")]
 LossDtypeOpt = Annotated[Optional[str], typer.Option(
     "--loss-dtype", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
                          "the default) | logits (over the logits in their own dtype, as a plain PyTorch loop "
@@ -217,17 +218,17 @@ def print_inference(est, rates_note: str | None = None) -> None:
         console.print(f"[yellow]note[/]: {note}")
 
 
-def _stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
-    """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error."""
-    from memplan.stacks import TRANSFORMERS_ARCHS, stack_of
+def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
+    """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error:
+    a family the stack's code does not build (``check_stack_builds``: phi, gemma, stablelm, qwen3 under
+    --stack memplan), or a setting it does not have. estimate, autotune and sweep check alike."""
+    from memplan.stacks import check_stack_builds, stack_of
 
     if lora_dropout is not None and (stack == "memplan" or not setup.lora_rank or not 0.0 <= lora_dropout < 1.0):
         raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers with "
                          "--lora-rank (memplan's own adapters have no dropout)")
+    check_stack_builds(stack, spec)
     if stack == "transformers":
-        if spec.arch not in TRANSFORMERS_ARCHS:
-            raise InputError(f"--stack transformers: the walk covers the {', '.join(TRANSFORMERS_ARCHS)} families, "
-                             f"not {spec.arch!r} (`memplan trace --stack transformers` traces any)")
         if setup.checkpointing == "selective":
             raise InputError("--stack transformers: checkpointing 'selective' is memplan's own; transformers "
                              "checkpoints whole layers (accepted: none, full)")
@@ -256,6 +257,7 @@ def estimate_command(
     With --mode inference: the memory of generation (weights, KV cache, prefill and decode peaks), the
     largest context and batch that fit, and prefill and decode tokens/s."""
     from memplan.estimate import estimate
+    from memplan.model import MEMPLAN_ARCHS, resolve
     from memplan.units import choice_error
 
     from memplan.stacks import check_loss_dtype, check_stack
@@ -269,8 +271,12 @@ def estimate_command(
                         ("--lora-dropout", lora_dropout)):
         if value is not None and mode == "inference":
             raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
-    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
+                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
     if mode == "inference":
+        if not spec.memplan_builds:
+            raise InputError(f"--mode inference: the {spec.arch} family is planned for training under --stack "
+                             f"transformers only (accepted with --mode inference: {', '.join(MEMPLAN_ARCHS)})")
         from memplan.inference import InferenceSetup, estimate_inference
 
         dev, rates_note = local_device_from(device, device_memory)
@@ -294,7 +300,7 @@ def estimate_command(
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
-    walk = _stack_from(stack, loss_dtype, lora_dropout, spec, setup)
+    walk = stack_from(stack, loss_dtype, lora_dropout, spec, setup)
     dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
