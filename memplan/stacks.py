@@ -146,6 +146,28 @@ def hf_sdpa_output_copy_bytes(spec, setup) -> int:
     return _n(setup) * spec.q_dim * _a(setup)
 
 
+def hf_autocast_input_casts_bytes(spec, setup) -> int:
+    """The bf16 copies of a norm's output that transformers' separate projections each make and save
+    under autocast, beyond memplan's one per norm.
+
+    Autocast caches the cast of a leaf weight only (``cached_cast``: ``arg.is_leaf() &&
+    arg.requires_grad()``); an activation is cast anew by every op that takes it. llama's
+    ``self.q_proj(hidden_states)``, ``self.k_proj(...)``, ``self.v_proj(...)`` (modeling_llama.py,
+    LlamaAttention.forward; phi, gemma, stablelm, qwen3 alike) each cast the fp32 norm output to
+    bf16 and save their copy, n·H·2; ``gate_proj(x)`` and ``up_proj(x)`` (LlamaMLP) two more. memplan
+    fuses each group in one matmul and casts once. Extra copies: (readers − 1) per norm, readers =
+    3 (q, k, v) or 1 (gpt2's c_attn, gpt_neox's query_key_value) for attention, 2 (gate, up) or 1
+    (fc1) for the MLP, all of them reading one norm where it is shared (phi; memplan's second norm
+    output is taken out by ``hf_shared_norm_saved_bytes``). 0 without autocast, and under LoRA (a
+    frozen projection saves no input; peft's casts are ``hf_lora_saved_bytes``)."""
+    if not setup.mixed or setup.lora_rank:
+        return 0
+    attention = 1 if spec.arch in FUSED_QKV_ARCHS else 3
+    mlp = 2 if spec.mlp == "swiglu" and spec.arch in TRANSFORMERS_ARCHS and spec.arch not in FUSED_QKV_ARCHS else 1
+    extra = attention + mlp - 1 if spec.shared_norm else (attention - 1) + (mlp - 1)
+    return extra * _n(setup) * spec.hidden * HALF
+
+
 def hf_shared_norm_saved_bytes(spec, setup) -> int:
     """What a block with one shared norm saves less than memplan's parallel block with two (gpt_neox's).
 
@@ -294,7 +316,8 @@ class Stack:
         return (spec.norms_per_layer * hf_norm_saved_bytes(spec, setup) + hf_attention_saved_bytes(spec, setup)
                 + hf_lora_saved_bytes(spec, setup, self.lora_dropout, self.cpu)
                 + hf_shared_norm_saved_bytes(spec, setup) + hf_gelu_new_saved_bytes(spec, setup, self.cpu)
-                + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup))
+                + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup)
+                + hf_autocast_input_casts_bytes(spec, setup))
 
     def final_norm_saved_bytes(self, spec, setup) -> int:
         """Bytes the final norm saves beyond memplan's."""
@@ -319,6 +342,17 @@ class Stack:
         PyTorch's default, False, so the buckets are a second gradient-sized buffer
         (``memory.ddp_separate_bucket_bytes``)."""
         return self.name != "transformers"
+
+    @property
+    def checkpointings(self) -> tuple[str, ...]:
+        """The checkpointing modes this stack's code has: transformers checkpoints whole layers
+        (``gradient_checkpointing_enable()``), no selective policy."""
+        return ("none", "full") if self.name == "transformers" else ("none", "selective", "full")
+
+    @property
+    def shardings(self) -> tuple[str, ...]:
+        """The shardings the walk follows for this stack: FSDP is walked for memplan's own step only."""
+        return ("none", "ddp") if self.name == "transformers" else ("none", "ddp", "fsdp")
 
     @property
     def fp32_loss(self) -> bool:

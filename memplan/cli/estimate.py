@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Optional
 
 import typer
@@ -216,6 +217,35 @@ def print_inference(est, rates_note: str | None = None) -> None:
                   f"({format_bytes(t.bandwidth_bytes_per_second)}/s)")
     for note in est.notes:
         console.print(f"[yellow]note[/]: {note}")
+
+
+PlanStackOpt = Annotated[str, typer.Option(
+    "--stack", help="Whose code runs the step every candidate's memory walk follows: memplan (its own trainer) | "
+                    "transformers (Hugging Face transformers' model and Trainer step; also phi, gemma, stablelm, "
+                    "qwen3). As `memplan estimate --stack`.")]
+
+
+@dataclass(frozen=True)
+class SearchStack:
+    """A search's model and the walk's hooks for ``--stack`` (autotune, sweep)."""
+
+    spec: object  # memplan.model.ModelSpec
+    stack: object  # memplan.stacks.Stack
+
+
+def stack_for_search(stack: str, params, model, shape: tuple) -> SearchStack:
+    """``--stack`` of autotune and sweep, checked as estimate checks it (``memplan.stacks.check_stack``, then
+    ``check_stack_builds`` for the model's family), with the model resolved as estimate resolves it (a
+    config.json of phi, gemma, stablelm or qwen3 accepted, for --stack transformers)."""
+    from memplan.model import resolve
+    from memplan.stacks import check_stack, check_stack_builds, stack_of
+
+    check_stack(stack)
+    arch, layers, hidden, heads, kv_heads, ffn, vocab, tied = shape
+    spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
+                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
+    check_stack_builds(stack, spec)
+    return SearchStack(spec=spec, stack=stack_of(stack))
 
 
 def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
