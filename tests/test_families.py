@@ -238,7 +238,6 @@ def test_estimate_of_a_family_config_follows_transformers_walk(tmp_path):
 @pytest.mark.parametrize("args,needles", [
     ([], ["--stack memplan", "phi", "--stack transformers"]),
     (["--stack", "memplan"], ["--stack memplan", "phi", "--stack transformers"]),
-    (["--stack", "transformers", "--mode", "inference"], ["--stack", "--mode training"]),
     (["--mode", "inference"], ["--mode inference", "phi", "llama, gpt2, gpt_neox"]),
 ])
 def test_estimate_of_a_family_memplan_cannot_build_names_the_stack_that_can(tmp_path, args, needles):
