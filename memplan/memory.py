@@ -790,8 +790,9 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.alloc("temporaries", mlp_up_bytes(spec, setup))  # the fused gradient
         w.free("temporaries", 2 * inner)
     else:
-        w.alloc("temporaries", inner)  # gelu's input gradient
-        w.free("temporaries", inner)
+        scratch = w.stack.mlp_backward_scratch_bytes(spec, setup)  # a stack's activation in Python ops: 0 for memplan
+        w.alloc("temporaries", inner + scratch)  # gelu's input gradient
+        w.free("temporaries", inner + scratch)
         w.free("activations", mlp_up_bytes(spec, setup))
     _linear_backward(w, spec, setup, m["up"], mlp_up_bytes(spec, setup), norm_output_bytes(spec, setup),
                      n * hidden * a, input_cast=setup.mixed, matrix="up")

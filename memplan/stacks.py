@@ -207,6 +207,19 @@ def hf_gelu_new_saved_bytes(spec, setup, cpu: bool = False) -> int:
     return 3 * n * f * a
 
 
+def hf_gelu_new_backward_bytes(spec, setup) -> int:
+    """The gradients ``NewGELUActivation``'s backward holds at once beyond memplan's one GELU input
+    gradient (n·F·a): autograd runs the Python ops of ``0.5 * input * (1.0 + torch.tanh(...))``
+    (transformers/activations.py) backward one by one; the last product's backward makes the
+    gradients of both factors, ``0.5 * input`` and ``1.0 + tanh(...)`` (n·F·a each), and the
+    second is taken through ``tanh``, the scaling and ``pow`` (each step's gradient replacing the
+    one before) while the first waits to be summed into the input's gradient: n·F·a more at once.
+    0 for any other activation."""
+    if spec.act != "gelu_new":
+        return 0
+    return _n(setup) * spec.ffn * _a(setup)
+
+
 def hf_qk_norm_saved_bytes(spec, setup) -> int:
     """What qwen3's per-head RMSNorms on q and k save (memplan's model has none).
 
@@ -318,6 +331,10 @@ class Stack:
                 + hf_shared_norm_saved_bytes(spec, setup) + hf_gelu_new_saved_bytes(spec, setup, self.cpu)
                 + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup)
                 + hf_autocast_input_casts_bytes(spec, setup))
+
+    def mlp_backward_scratch_bytes(self, spec, setup) -> int:
+        """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
+        return hf_gelu_new_backward_bytes(spec, setup) if self.name == "transformers" else 0
 
     def final_norm_saved_bytes(self, spec, setup) -> int:
         """Bytes the final norm saves beyond memplan's."""

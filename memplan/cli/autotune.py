@@ -103,7 +103,8 @@ def print_result(result, top: int, rates_note: str | None = None) -> None:
         ("Model", f"{escape(spec.name or 'custom')}: {escape(spec.describe())}  ({spec.params:,} parameters)"),
         *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Device", f"{escape(device.name)} ({escape(device.title)}): {format_bytes(device.usable_bytes)} usable"),
-        *([("Stack", f"{result._evaluator.stack.name}'s step: every candidate's memory walked as its code runs it")]
+        *([("Stack", f"{result._evaluator.stack.name}: every candidate's memory walked as that library's step "
+                      "runs it (memplan estimate --stack)")]
           if result._evaluator.stack.name != "memplan" else []),
         *([("Rates", f"[dim]{escape(rates_note.removeprefix('rates: '))}[/]")] if rates_note else []),
         ("Budget", f"{format_bytes(result.budget_bytes)}: the predicted peak must stay under "
@@ -312,7 +313,10 @@ def autotune_command(
             if not json:
                 print(f"Wrote {out}")
     if json:
-        print_json(with_rates({**result.to_json(verification), "stack": stack}, rates_note))
+        data = result.to_json(verification)
+        if stack != "memplan":  # memplan's own step: the JSON as it always was
+            data["stack"] = stack
+        print_json(with_rates(data, rates_note))
     if final is None:  # answered, but there is nothing to train: a script must not go on
         raise typer.Exit(EXIT_NOTHING_FITS)
 

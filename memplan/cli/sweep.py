@@ -558,7 +558,10 @@ def sweep_command(
         check_report_path(html, "--html", "sweep.html")
     sw = sweep(spec, base, dev, axes, n_tokens, stack=walk.stack)
     if json:
-        print_json(with_rates({**sw.to_json(), "stack": stack}, rates_note))
+        data = sw.to_json()
+        if stack != "memplan":  # memplan's own step: the JSON as it always was
+            data["stack"] = stack
+        print_json(with_rates(data, rates_note))
     else:
         print_sweep(sw, rates_note)
     if html is not None:
