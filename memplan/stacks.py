@@ -127,7 +127,7 @@ def hf_attention_saved_bytes(spec, setup) -> int:
 CAT_ROTARY_ARCHS = ("gpt_neox", "phi", "stablelm")  # partial rotary: torch.cat((query_rot, query_pass), dim=-1)
 
 
-def hf_sdpa_output_copy_bytes(spec, setup) -> int:
+def hf_sdpa_output_copy_bytes(spec, setup, dropout: float = 0.0) -> int:
     """The contiguous copy of SDPA's output the out-projection saves where q comes from ``torch.cat``.
 
     gpt_neox, phi and stablelm rotate part of each head and put it back with ``query_states =
@@ -137,11 +137,13 @@ def hf_sdpa_output_copy_bytes(spec, setup) -> int:
     sdpa_attention_forward) copies it, n·q_dim·a, which ``dense`` / ``o_proj`` saves beside the
     output SDPA saves itself. (llama's rotary is elementwise on the (B, T, heads, hd) projection:
     the transpose back is a view, as in memplan's model.) 0 under eager attention, whose
-    transposed copy memplan counts (``memory.attention_output_copy_bytes``), and where the
-    out-projection is frozen without an adapter (LoRA)."""
+    transposed copy memplan counts (``memory.attention_output_copy_bytes``). Under LoRA the frozen
+    out-projection saves nothing; peft's ``lora_A`` saves the copy itself only where it takes it
+    as it is: in fp32, without dropout (else it saves its cast or its dropout's output, which
+    ``hf_lora_saved_bytes`` counts)."""
     if setup.attention != "sdpa" or spec.arch not in CAT_ROTARY_ARCHS or spec.pos != "rope":
         return 0
-    if setup.lora_rank and "proj" not in setup.lora:
+    if setup.lora_rank and ("proj" not in setup.lora or dropout > 0 or setup.precision != "fp32"):
         return 0
     return _n(setup) * spec.q_dim * _a(setup)
 
@@ -329,7 +331,7 @@ class Stack:
         return (spec.norms_per_layer * hf_norm_saved_bytes(spec, setup) + hf_attention_saved_bytes(spec, setup)
                 + hf_lora_saved_bytes(spec, setup, self.lora_dropout, self.cpu)
                 + hf_shared_norm_saved_bytes(spec, setup) + hf_gelu_new_saved_bytes(spec, setup, self.cpu)
-                + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup)
+                + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup, self.lora_dropout)
                 + hf_autocast_input_casts_bytes(spec, setup))
 
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
