@@ -262,7 +262,8 @@ class ModelSpec:
         kv = f"{self.kv_heads} kv" if self.kv_heads != self.heads else "MHA"
         return (
             f"{self.arch} {format_count(self.params)}: {self.layers} layers, hidden {self.hidden}, "
-            f"{self.heads} heads ({kv}), ffn {self.ffn}, vocab {self.vocab}, "
+            f"{self.heads} heads{f' × {self.head_size}' if self.head_size is not None else ''} ({kv}), "
+            f"ffn {self.ffn}, vocab {self.vocab}, "
             f"{'tied' if self.tied else 'untied'}"
         )
 

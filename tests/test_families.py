@@ -219,6 +219,24 @@ def test_the_walk_meets_the_bars_over_every_family_precision_attention_and_check
     assert max(abs(e) for e in errors.values()) <= WORST_BAR, errors
 
 
+@pytest.mark.slow
+def test_the_walk_meets_the_bars_for_every_family_under_peft_lora():
+    """peft LoRA rank 4 on every matrix, dropout 0 and 0.05, each precision, SDPA, no checkpointing."""
+    cases = []
+    for (name, spec, setup), dropout in itertools.product(_matrix(attentions=("sdpa",), checkpointings=("none",)),
+                                                           (0.0, 0.05)):
+        cases.append((f"{name}-r4-{dropout}", spec, setup.replace(lora_rank=4), dropout))
+    errors = {}
+    for name, spec, setup, dropout in cases:
+        from trainer.stacks import StackModel, trace_stack
+
+        traced = trace_stack("transformers", StackModel(spec=spec), setup, lora_dropout=dropout).peak_allocated
+        walked = peak_memory(spec, setup, stack=stack_of("transformers", lora_dropout=dropout, cpu=True)).peak_allocated
+        errors[name] = (walked - traced) / traced
+    assert statistics.median(abs(e) for e in errors.values()) <= MEDIAN_BAR, errors
+    assert max(abs(e) for e in errors.values()) <= WORST_BAR, errors
+
+
 # ---- the CLI: estimate ------------------------------------------------------------------------
 
 def test_estimate_of_a_family_config_follows_transformers_walk(tmp_path):
