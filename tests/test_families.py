@@ -237,6 +237,18 @@ def test_the_walk_meets_the_bars_for_every_family_under_peft_lora():
     assert max(abs(e) for e in errors.values()) <= WORST_BAR, errors
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_walk_of_each_published_model_at_four_layers_is_its_trace_to_a_percent(tmp_path, name):
+    """Each published config at its own width and vocabulary, cut to 4 layers, ctx 2048, micro-batch 4,
+    bf16-mixed with SDPA and pure bf16 with eager attention: activations are most of the peak."""
+    cfg = {**PUBLISHED[name][0], "num_hidden_layers": 4, "resid_pdrop": 0.0}
+    spec = from_hf_config(_write(tmp_path, cfg), stack_families=True)
+    for precision, attention in (("bf16-mixed", "sdpa"), ("bf16", "eager")):
+        setup = TrainSetup(ctx=2048, micro_batch=4, precision=precision, attention=attention)
+        assert abs(_error(spec, setup)) <= 0.01, (precision, attention, _error(spec, setup))
+
+
 # ---- the CLI: estimate ------------------------------------------------------------------------
 
 def test_estimate_of_a_family_config_follows_transformers_walk(tmp_path):
