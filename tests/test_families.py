@@ -461,3 +461,14 @@ def test_compile_moves_the_peak_both_ways_so_it_is_not_modelled():
         eager = bench.step_peak("transformers", spec, setup, compiled=False)
         changes[precision, checkpointing] = (bench.step_peak("transformers", spec, setup, compiled=True) - eager) / eager
     assert changes["bf16-mixed", "none"] < -0.05 and changes["fp32", "full"] > 0.02, changes
+
+
+if __name__ == "__main__":  # the table of walk vs trace over the families' matrix: python tests/test_families.py
+    import torch
+
+    torch.set_num_threads(1)
+    table = _errors(_matrix())
+    for name, error in table.items():
+        print(f"{name:32s} {error:+.2%}")
+    print(f"median |error| {statistics.median(abs(e) for e in table.values()):.2%}, "
+          f"worst {max(abs(e) for e in table.values()):.2%}")
