@@ -51,6 +51,7 @@ from memplan.memory import MemoryBreakdown
 from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import CHECKPOINTINGS, TrainSetup
+from memplan.stacks import MEMPLAN, Stack
 from memplan.timing import TimeBreakdown, step_time
 from memplan.units import format_bytes, format_count
 
@@ -297,8 +298,10 @@ class _Evaluator:
     memory), so walks are shared between the two.
     """
 
-    def __init__(self, spec: ModelSpec, device: Device, speedup: float | None, epoch_tokens: int | None):
+    def __init__(self, spec: ModelSpec, device: Device, speedup: float | None, epoch_tokens: int | None,
+                 stack: Stack = MEMPLAN):
         self.spec, self.device, self.speedup, self.epoch_tokens = spec, device, speedup, epoch_tokens
+        self.stack = stack  # whose code runs the step: the walk's hooks (memplan.stacks)
         self._memory: dict[TrainSetup, MemoryBreakdown] = {}
         self._time: dict[TrainSetup, TimeBreakdown] = {}
 
@@ -309,7 +312,7 @@ class _Evaluator:
     def memory(self, setup: TrainSetup) -> MemoryBreakdown:
         key = setup.replace(compile=False) if setup.compile else setup
         if key not in self._memory:
-            self._memory[key] = memory_on(self.spec, key, self.device)
+            self._memory[key] = memory_on(self.spec, key, self.device, self.stack)
         return self._memory[key]
 
     def time(self, setup: TrainSetup) -> TimeBreakdown:
@@ -387,12 +390,14 @@ def _validate(spec: ModelSpec, ctx: int, global_batch_tokens, global_batch, budg
 def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: int | None = None,
              global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
              tokens: int | None = None, world_size: int = 1, lora_rank: int = 0,
-             lora_targets: str = "qkv,proj,up,down", precision: str | None = None) -> AutotuneResult:
+             lora_targets: str = "qkv,proj,up,down", precision: str | None = None,
+             stack: Stack = MEMPLAN) -> AutotuneResult:
     """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
 
     ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
     ``precision``, if given, is the only precision tried (a finetune keeps its base run's); else
-    ``precision_candidates(device)``.
+    ``precision_candidates(device)``. ``stack``: whose code runs the step (``memplan.stacks``): every
+    candidate's memory is walked with its hooks, over the checkpointing and sharding it has.
 
     ``global_batch_tokens`` or ``global_batch`` (sequences, all processes) fixes micro_batch ·
     grad_accum · ctx · world_size; with neither, ``default_global_batch_tokens(spec)``. ``budget_bytes``
@@ -414,8 +419,9 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     elif speedup <= 1:
         notes.append(f"torch.compile not considered: the profile's compile_speedup is {speedup:g} (no gain)")
     precisions = (precision,) if precision else precision_candidates(device)
-    ev = _Evaluator(spec, device, speedup, tokens)
-    shardings = SHARDINGS if world_size > 1 else ("none",)
+    ev = _Evaluator(spec, device, speedup, tokens, stack)
+    shardings = tuple(s for s in SHARDINGS if s in stack.shardings) if world_size > 1 else ("none",)
+    checkpointings = tuple(c for c in CHECKPOINTINGS if c in stack.checkpointings)
     sizes = divisors(per)
     accumulating = sizes[:-1]  # micro-batches that leave grad_accum ≥ 2
 
@@ -423,7 +429,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     best_points: list[TrainSetup] = []  # the fastest fitting micro-batch of each configuration
     rejected_points: list[TrainSetup] = []  # the next micro-batch up, which does not fit
     for sharding, precision, checkpointing, attention, optimizer, compiled in itertools.product(
-            shardings, precisions, CHECKPOINTINGS, ATTENTIONS, OPTIMIZERS, compiles):
+            shardings, precisions, checkpointings, ATTENTIONS, OPTIMIZERS, compiles):
         base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
                           attention=attention, checkpointing=checkpointing, optimizer=optimizer,
                           world_size=world_size, sharding=sharding, compile=compiled,
@@ -458,7 +464,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
                      global_batch_sequences=per * world_size, requested_global_batch_tokens=requested,
                      default_global_batch=default, exact_global_batch=exact, tokens=tokens,
                      configs=tuple(configs), _evaluator=ev,
-                     space={"micro_batch": sizes, "checkpointing": list(CHECKPOINTINGS), "attention": list(ATTENTIONS),
+                     space={"micro_batch": sizes, "checkpointing": list(checkpointings), "attention": list(ATTENTIONS),
                             "precision": list(precisions), "optimizer": list(OPTIMIZERS),
                             "compile": list(compiles), "sharding": list(shardings)})
 

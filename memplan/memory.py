@@ -61,13 +61,14 @@ def _up_width(spec: ModelSpec) -> int:
 
 
 def _qkv_width(spec: ModelSpec) -> int:
-    return spec.hidden + 2 * spec.kv_dim
+    """q, k and v together: q_dim + 2·kv (q_dim = heads·head_dim: H unless a config sets head_dim)."""
+    return spec.q_dim + 2 * spec.kv_dim
 
 
 def _layer_matrices(spec: ModelSpec) -> dict[str, int]:
     """Elements of each weight matrix in a block."""
     h = spec.hidden
-    return {"qkv": h * _qkv_width(spec), "proj": h * h, "up": h * _up_width(spec), "down": spec.ffn * h}
+    return {"qkv": h * _qkv_width(spec), "proj": spec.q_dim * h, "up": h * _up_width(spec), "down": spec.ffn * h}
 
 
 # ---- LoRA ------------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ def _layer_matrices(spec: ModelSpec) -> dict[str, int]:
 def _matrix_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in, out) of each block matrix."""
     h = spec.hidden
-    return {"qkv": (h, _qkv_width(spec)), "proj": (h, h), "up": (h, _up_width(spec)), "down": (spec.ffn, h)}
+    return {"qkv": (h, _qkv_width(spec)), "proj": (spec.q_dim, h), "up": (h, _up_width(spec)), "down": (spec.ffn, h)}
 
 
 def lora_matrix_params(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
@@ -154,13 +155,10 @@ def layer_gradient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def decay_params(spec: ModelSpec) -> int:
-    """Parameters in the weight-decay group: every matrix and the embeddings (norms and biases are not)."""
-    vectors = 2 * spec.norm_params
-    if spec.bias:
-        vectors += _qkv_width(spec) + spec.hidden + _up_width(spec) + spec.hidden
-    elif spec.qkv_bias:
-        vectors += _qkv_width(spec)
-    return spec.params - spec.layers * vectors - spec.norm_params
+    """Parameters in the weight-decay group: every matrix and the embeddings (norms and biases are not):
+    N less each block's vectors (layer_params less its matrices), the final norm and phi's head bias."""
+    vectors = spec.layer_params - sum(_layer_matrices(spec).values())
+    return spec.params - spec.layers * vectors - spec.norm_params - (spec.vocab if spec.head_bias else 0)
 
 
 def optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -241,8 +239,8 @@ def qkv_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def rotated_q_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Rotary's output for q, n·H·a (0 for learned positions)."""
-    return tokens(setup) * spec.hidden * act_bytes(setup) if spec.pos == "rope" else 0
+    """Rotary's output for q, n·q_dim·a (0 for learned positions)."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup) if spec.pos == "rope" else 0
 
 
 def rotated_k_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -251,8 +249,8 @@ def rotated_k_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def sdpa_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """SDPA's output, n·H·a, in (B, T, heads, hd) layout, so the output projection saves a view of it."""
-    return tokens(setup) * spec.hidden * act_bytes(setup)
+    """SDPA's output, n·q_dim·a, in (B, T, heads, hd) layout, so the output projection saves a view of it."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup)
 
 
 def sdpa_logsumexp_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -271,14 +269,14 @@ def causal_mask_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def eager_q_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """The contiguous (B, heads, T, hd) copy of q that eager attention's first matmul makes and saves: n·H·a."""
-    return tokens(setup) * spec.hidden * act_bytes(setup)
+    """The contiguous (B, heads, T, hd) copy of q that eager attention's first matmul makes and saves: n·q_dim·a."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup)
 
 
 def eager_kv_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """Eager attention's copy of k or of v, saved by its matmul: repeated to all heads under
     grouped-query attention (``repeat_interleave``, n·H·a), else a contiguous copy (n·kv·a)."""
-    width = spec.hidden if spec.kv_heads != spec.heads else spec.kv_dim
+    width = spec.q_dim if spec.kv_heads != spec.heads else spec.kv_dim
     return tokens(setup) * width * act_bytes(setup)
 
 
@@ -288,13 +286,13 @@ def sdpa_repeated_kv_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool)
     and the qkv output."""
     if not gqa_repeat or setup.attention != "sdpa" or spec.kv_heads == spec.heads:
         return 0
-    return 2 * tokens(setup) * spec.hidden * act_bytes(setup)
+    return 2 * tokens(setup) * spec.q_dim * act_bytes(setup)
 
 
 def attention_output_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     """Eager attention's output transposed back to (B, T, H), a contiguous copy saved by the
-    output projection: n·H·a."""
-    return tokens(setup) * spec.hidden * act_bytes(setup)
+    output projection: n·q_dim·a."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup)
 
 
 def mlp_up_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -617,9 +615,9 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
         drop(scores, False)
         v = make(eager_kv_bytes(spec, setup))
         drop(qkv, keep_outputs)
-        make(n * hidden * a)  # probs·v, (B, heads, T, hd)
-        proj_in = make(attention_output_copy_bytes(spec, setup))  # transposed back to (B, T, H)
-        drop(n * hidden * a, False)
+        make(n * spec.q_dim * a)  # probs·v, (B, heads, T, hd)
+        proj_in = make(attention_output_copy_bytes(spec, setup))  # transposed back to (B, T, q_dim)
+        drop(n * spec.q_dim * a, False)
         drop(q + k + v, keep_all)
         drop(probs, keep_all or keep_outputs)
         w.where = "block forward: output projection"
@@ -792,8 +790,9 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.alloc("temporaries", mlp_up_bytes(spec, setup))  # the fused gradient
         w.free("temporaries", 2 * inner)
     else:
-        w.alloc("temporaries", inner)  # gelu's input gradient
-        w.free("temporaries", inner)
+        scratch = w.stack.mlp_backward_scratch_bytes(spec, setup)  # a stack's activation in Python ops: 0 for memplan
+        w.alloc("temporaries", inner + scratch)  # gelu's input gradient
+        w.free("temporaries", inner + scratch)
         w.free("activations", mlp_up_bytes(spec, setup))
     _linear_backward(w, spec, setup, m["up"], mlp_up_bytes(spec, setup), norm_output_bytes(spec, setup),
                      n * hidden * a, input_cast=setup.mixed, matrix="up")
@@ -814,30 +813,30 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
     proj_saved = attention_output_copy_bytes(spec, setup) if setup.attention == "eager" else 0
-    _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * hidden * a,
+    _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * spec.q_dim * a,
                      input_cast=False, matrix="proj")
-    dq, dkv = n * hidden * a, n * spec.kv_dim * a
+    dq, dkv = n * spec.q_dim * a, n * spec.kv_dim * a
     repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
     if setup.attention == "sdpa" and repeated:
         w.alloc("temporaries", dq + repeated)  # dq and the repeated dk, dv
-        w.free("temporaries", n * hidden * a)
+        w.free("temporaries", dq)  # the projection's input gradient
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
                + rotated_q_bytes(spec, setup) + repeated + (qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0))
         w.alloc("temporaries", 2 * dkv)  # repeat_interleave backward sums the groups
         w.free("temporaries", repeated)
     elif setup.attention == "sdpa":
         w.alloc("temporaries", dq + 2 * dkv)
-        w.free("temporaries", n * hidden * a)
+        w.free("temporaries", dq)  # the projection's input gradient
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
                + rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup) + qkv_output_bytes(spec, setup))
     else:
         scores = attention_scores_bytes(spec, setup)
         kv_copy = eager_kv_bytes(spec, setup)
-        w.alloc("temporaries", n * hidden * a)  # the output gradient, contiguous in (B, heads, T, hd)
-        w.free("temporaries", n * hidden * a)  # ... replaces the projection's input gradient
+        w.alloc("temporaries", dq)  # the output gradient, contiguous in (B, heads, T, hd)
+        w.free("temporaries", dq)  # ... replaces the projection's input gradient
         w.alloc("temporaries", kv_copy + scores)  # probs·v backward: dv, dprobs
         w.free("activations", kv_copy)  # v
-        w.free("temporaries", n * hidden * a)
+        w.free("temporaries", dq)
         w.alloc("temporaries", scores)  # softmax backward
         w.free("temporaries", scores)
         w.free("activations", scores)  # probabilities
@@ -845,7 +844,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", scores)
         w.alloc("temporaries", scores)  # scaling backward
         w.free("temporaries", scores)
-        w.alloc("temporaries", n * hidden * a + kv_copy)  # q·kᵀ backward: dq, dk
+        w.alloc("temporaries", dq + kv_copy)  # q·kᵀ backward: dq, dk
         w.free("temporaries", scores)
         w.free("activations", eager_q_bytes(spec, setup) + kv_copy)
         if kv_copy != dkv:  # repeat_interleave backward sums the groups

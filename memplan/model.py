@@ -6,8 +6,11 @@ Three sources of a shape, all returning the same frozen ``ModelSpec``:
   other size a rule (``shape_for_params``) that picks depth and width the way small-model
   recipes do.
 - ``preset("tinyllama-1.1b")``: named published models, each row citing the config it copies.
-- ``from_hf_config(path)``: a Hugging Face ``config.json`` of the llama, mistral, qwen2, gpt2 or
-  gpt_neox families.
+- ``from_hf_config(path)``: a Hugging Face ``config.json`` of the llama, mistral, qwen2, gpt2,
+  gpt_neox, phi, gemma, stablelm or qwen3 families.
+
+The last four (``STACK_ARCHS``) are families memplan's own trainer does not build: their shapes
+are counted exactly and walked as transformers runs them (``estimate --stack transformers``).
 """
 
 from __future__ import annotations
@@ -22,18 +25,29 @@ from pathlib import Path
 from memplan.errors import InputError
 from memplan.units import choice_error, format_count, parse_count
 
-ARCHS = ("llama", "gpt2", "gpt_neox")
+ARCHS = ("llama", "gpt2", "gpt_neox", "phi", "gemma", "stablelm", "qwen3")
+MEMPLAN_ARCHS = ("llama", "gpt2", "gpt_neox")  # the families memplan's own trainer (trainer/model.py) builds
+STACK_ARCHS = ("phi", "gemma", "stablelm", "qwen3")  # counted and walked as transformers runs them only
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
-MLPS = ("swiglu", "gelu")
+MLPS = ("swiglu", "gelu")  # swiglu: a gated MLP, down(act(gate(x))·up(x)), its act SiLU or (gemma) GELU
+ACTS = ("silu", "gelu", "gelu_tanh", "gelu_new")  # gelu_new: transformers' NewGELUActivation, in Python ops
 MAX_DIM = 2**31 - 1  # the largest count a shape field takes (a 32-bit count; far beyond any real model)
 
 # Defaults of each family, applied where a field is left as None.
 _FAMILY_DEFAULTS = {
-    #            norm         pos        mlp       bias   parallel_residual
-    "llama": ("rmsnorm", "rope", "swiglu", False, False),
-    "gpt2": ("layernorm", "learned", "gelu", True, False),
-    "gpt_neox": ("layernorm", "rope", "gelu", True, True),
+    #            norm         pos        mlp       bias   parallel_residual  act
+    "llama": ("rmsnorm", "rope", "swiglu", False, False, "silu"),
+    "gpt2": ("layernorm", "learned", "gelu", True, False, "gelu_tanh"),
+    "gpt_neox": ("layernorm", "rope", "gelu", True, True, "gelu"),
+    # PhiDecoderLayer: one LayerNorm feeds attention and MLP (parallel), every linear with a bias
+    "phi": ("layernorm", "rope", "gelu", True, True, "gelu_new"),
+    # GemmaDecoderLayer: RMSNorm with (1 + w), GeGLU (gelu_pytorch_tanh on the gate)
+    "gemma": ("rmsnorm", "rope", "swiglu", False, False, "gelu_tanh"),
+    # StableLmDecoderLayer: LayerNorm, SwiGLU, q/k/v bias per use_qkv_bias, parallel per use_parallel_residual
+    "stablelm": ("layernorm", "rope", "swiglu", False, False, "silu"),
+    # Qwen3DecoderLayer: llama's with an RMSNorm on each head of q and of k (q_norm, k_norm)
+    "qwen3": ("rmsnorm", "rope", "swiglu", False, False, "silu"),
 }
 
 
@@ -56,6 +70,8 @@ class ModelSpec:
     qkv_bias: bool = False  # biases on the q, k and v projections only (qwen2)
     parallel_residual: bool | None = None  # attention and MLP read the same input (gpt_neox)
     rotary_pct: float = 1.0  # share of each head's dims that rotate (gpt_neox uses 0.25)
+    act: str | None = None  # the MLP's activation (ACTS); None = the family's
+    head_size: int | None = None  # each head's width where it is not hidden / heads (gemma, qwen3); None: hidden / heads
     max_positions: int = 2048  # rows of the learned position table; RoPE's nominal context
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -65,9 +81,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise choice_error("--arch", self.arch, list(ARCHS))
-        norm, pos, mlp, bias, parallel = _FAMILY_DEFAULTS[self.arch]
+        norm, pos, mlp, bias, parallel, act = _FAMILY_DEFAULTS[self.arch]
         for field, default in (("norm", norm), ("pos", pos), ("mlp", mlp), ("bias", bias),
-                               ("parallel_residual", parallel)):
+                               ("parallel_residual", parallel), ("act", act)):
             if getattr(self, field) is None:
                 object.__setattr__(self, field, default)
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions"):
@@ -75,7 +91,10 @@ class ModelSpec:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIM:
                 raise InputError(f"--{field.replace('_', '-')}: {value!r} must be a positive integer, at most "
                                  f"{MAX_DIM:,}")
-        if self.hidden % self.heads:
+        if self.head_size is not None and (not isinstance(self.head_size, int) or isinstance(self.head_size, bool)
+                                           or not 1 <= self.head_size <= MAX_DIM):
+            raise InputError(f"head_dim: {self.head_size!r} must be a positive integer, at most {MAX_DIM:,}")
+        if self.head_size is None and self.hidden % self.heads:
             divisors = [h for h in range(1, min(self.hidden, 128) + 1) if self.hidden % h == 0]
             raise InputError(
                 f"--heads {self.heads} does not divide --hidden {self.hidden}; "
@@ -93,13 +112,47 @@ class ModelSpec:
             raise choice_error("pos", self.pos, list(POSITIONS))
         if self.mlp not in MLPS:
             raise choice_error("mlp", self.mlp, list(MLPS))
+        if self.act not in ACTS:
+            raise choice_error("act", self.act, list(ACTS))
         if not 0 < self.rotary_pct <= 1:
             raise InputError(f"rotary_pct: {self.rotary_pct} must be in (0, 1]")
 
     # ---- derived shape ---------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """Each head's width: hidden / heads, or the config's own head_dim (gemma: 256 at hidden 2048, 8 heads)."""
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q and of attention's output: heads · head_dim (hidden, unless head_dim is the config's own)."""
+        return self.heads * self.head_dim
+
+    @property
+    def shared_norm(self) -> bool:
+        """One norm per block feeds both attention and the MLP: phi's ``input_layernorm`` (PhiDecoderLayer),
+        stablelm's with ``use_parallel_residual`` (no ``post_attention_layernorm``). gpt_neox's parallel
+        block keeps two norms of the same input."""
+        return self.arch == "phi" or (self.arch == "stablelm" and bool(self.parallel_residual))
+
+    @property
+    def norms_per_layer(self) -> int:
+        return 1 if self.shared_norm else 2
+
+    @property
+    def qk_norm(self) -> bool:
+        """qwen3's RMSNorm over each head of q and of k (``q_norm``, ``k_norm``, weights of width head_dim)."""
+        return self.arch == "qwen3"
+
+    @property
+    def head_bias(self) -> bool:
+        """phi's LM head has a bias (``nn.Linear(hidden_size, vocab_size, bias=True)``, PhiForCausalLM)."""
+        return self.arch == "phi"
+
+    @property
+    def memplan_builds(self) -> bool:
+        """Whether memplan's own trainer (trainer/model.py) builds this model."""
+        return self.arch in MEMPLAN_ARCHS
 
     @property
     def kv_dim(self) -> int:
@@ -123,13 +176,16 @@ class ModelSpec:
 
     @property
     def attention_params(self) -> int:
-        """Per layer: W_q (H×H), W_k and W_v (H×kv_dim each), W_o (H×H), plus biases."""
-        h, kv = self.hidden, self.kv_dim
-        n = h * h + 2 * h * kv + h * h
+        """Per layer: W_q (H×q), W_k and W_v (H×kv_dim each), W_o (q×H), q = heads·head_dim (H unless the
+        config sets head_dim), plus biases, plus qwen3's q_norm and k_norm (head_dim each)."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        n = h * q + 2 * h * kv + q * h
         if self.bias:
-            n += h + 2 * kv + h
+            n += q + 2 * kv + h
         elif self.qkv_bias:
-            n += h + 2 * kv
+            n += q + 2 * kv
+        if self.qk_norm:
+            n += 2 * self.head_dim
         return n
 
     @property
@@ -142,8 +198,8 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """One block: attention, MLP and its two norms."""
-        return self.attention_params + self.mlp_params + 2 * self.norm_params
+        """One block: attention, MLP and its norms (two; one where it is shared, phi)."""
+        return self.attention_params + self.mlp_params + self.norms_per_layer * self.norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -155,8 +211,8 @@ class ModelSpec:
 
     @property
     def head_params(self) -> int:
-        """The LM head (V×H) when untied; 0 when it shares the embedding."""
-        return 0 if self.tied else self.vocab * self.hidden
+        """The LM head (V×H) when untied, 0 when it shares the embedding; plus phi's head bias (V)."""
+        return (0 if self.tied else self.vocab * self.hidden) + (self.vocab if self.head_bias else 0)
 
     @property
     def params(self) -> int:
@@ -167,7 +223,7 @@ class ModelSpec:
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (what 6·N counts): blocks' weight
         matrices and the LM head (the embedding lookup and the norms do no matmul)."""
-        per_layer = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        per_layer = 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
         per_layer += (3 if self.mlp == "swiglu" else 2) * self.hidden * self.ffn
         return self.layers * per_layer + self.vocab * self.hidden
 
@@ -176,7 +232,15 @@ class ModelSpec:
         """Parameter tensors of memplan's reference model (the optimizer keeps per-tensor state
         such as AdamW's ``step``): per block the fused qkv, out-projection, MLP up (SwiGLU's gate
         and up fused) and down matrices, their biases, and two norms; then the final norm, the
-        embedding, the position table and the untied head."""
+        embedding, the position table and the untied head. The families memplan does not build
+        (``STACK_ARCHS``) count transformers' tensors: q, k and v separate, a gated MLP's gate and up
+        separate, one norm where it is shared, qwen3's q_norm and k_norm, phi's head bias."""
+        if not self.memplan_builds:
+            norm = 2 if self.norm == "layernorm" else 1
+            mlp = 3 if self.mlp == "swiglu" else 2
+            per_layer = 4 + mlp + self.norms_per_layer * norm + (2 if self.qk_norm else 0)
+            per_layer += (3 + 1 + mlp) if self.bias else (3 if self.qkv_bias else 0)
+            return self.layers * per_layer + norm + 1 + (0 if self.tied else 1) + (1 if self.head_bias else 0)
         per_layer = 4 + 2 * (2 if self.norm == "layernorm" else 1)
         if self.bias:
             per_layer += 4
@@ -198,7 +262,8 @@ class ModelSpec:
         kv = f"{self.kv_heads} kv" if self.kv_heads != self.heads else "MHA"
         return (
             f"{self.arch} {format_count(self.params)}: {self.layers} layers, hidden {self.hidden}, "
-            f"{self.heads} heads ({kv}), ffn {self.ffn}, vocab {self.vocab}, "
+            f"{self.heads} heads{f' × {self.head_size}' if self.head_size is not None else ''} ({kv}), "
+            f"ffn {self.ffn}, vocab {self.vocab}, "
             f"{'tied' if self.tied else 'untied'}"
         )
 
@@ -362,7 +427,8 @@ def preset(name: str) -> ModelSpec:
 
 # ---- Hugging Face config.json --------------------------------------------------------------
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")  # memplan's own trainer builds these
+STACK_MODEL_TYPES = STACK_ARCHS  # counted and walked for --stack transformers only (estimate, autotune, sweep)
 
 
 # Directory names that say nothing about the model in them (``path/to/config.json`` is not a model "to").
@@ -477,17 +543,23 @@ class _Config:
                              f"{hidden}; accepted: a divisor of {hidden}, such as {', '.join(map(str, divisors[-8:]))}")
 
 
-def from_hf_config(path: str | Path) -> ModelSpec:
-    """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox).
+def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox, and the
+    ``STACK_ARCHS`` phi, gemma, stablelm, qwen3 where ``stack_families``: the commands whose walk follows
+    transformers' code, ``--stack transformers``; elsewhere memplan's trainer would build the model,
+    and these are refused).
 
     Every value memplan reads is checked here, naming its key (``hidden_size``, not ``--hidden``): whole
     numbers in [1, MAX_DIM], finite positive floats, booleans, head counts that divide."""
     path = Path(path)
     c = _Config(path, read_config(path))
     cfg, model_type = c.cfg, c.model_type
-    if model_type not in HF_MODEL_TYPES:
+    if model_type not in HF_MODEL_TYPES and not (stack_families and model_type in STACK_MODEL_TYPES):
+        also = "" if stack_families else (f" ({', '.join(STACK_MODEL_TYPES)}: with --stack transformers, in "
+                                          "estimate, autotune, sweep and trace)")
+        accepted = HF_MODEL_TYPES + (STACK_MODEL_TYPES if stack_families else ())
         raise InputError(
-            f"--model: {str(path)!r} has model_type {model_type!r:.40}; accepted: {', '.join(HF_MODEL_TYPES)}"
+            f"--model: {str(path)!r} has model_type {model_type!r:.40}; accepted: {', '.join(accepted)}{also}"
         )
     common = dict(name=config_name(path, cfg), source=str(path))
     if model_type == "gpt2":
@@ -501,7 +573,8 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     c.need(*keys)
     hidden, layers, heads, ffn, vocab = (c.count(k) for k in keys)
-    c.divides("num_attention_heads", heads, "hidden_size", hidden)
+    if model_type not in ("gemma", "qwen3"):  # their head_dim is their own
+        c.divides("num_attention_heads", heads, "hidden_size", hidden)
     if model_type == "gpt_neox":
         return ModelSpec(arch="gpt_neox", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn,
                          vocab=vocab, tied=c.flag("tie_word_embeddings", False),
@@ -510,6 +583,8 @@ def from_hf_config(path: str | Path) -> ModelSpec:
                          max_positions=c.count("max_position_embeddings", 2048),
                          norm_eps=c.number("layer_norm_eps", 1e-5, at_most=1),
                          rope_theta=c.number("rotary_emb_base", 10000.0), **common)
+    if model_type in STACK_ARCHS:
+        return _stack_family(c, model_type, hidden, layers, heads, ffn, vocab, common)
     attention_bias, mlp_bias = c.flag("attention_bias", False), c.flag("mlp_bias", False)
     if attention_bias != mlp_bias:
         raise InputError(f"--model: {str(path)!r} sets attention_bias={attention_bias} but mlp_bias={mlp_bias}; "
@@ -530,25 +605,89 @@ def from_hf_config(path: str | Path) -> ModelSpec:
                      **common)
 
 
-def resolve(params: str | None = None, model: str | None = None, **overrides) -> ModelSpec:
+def _rotary_fraction(c: _Config, default: float) -> float:
+    """``partial_rotary_factor`` at the top level or (transformers 5) inside ``rope_parameters``."""
+    rope = c.cfg.get("rope_parameters")
+    if c.cfg.get("partial_rotary_factor") is None and isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        return _Config(c.path, rope).number("partial_rotary_factor", default, at_most=1)
+    return c.number("partial_rotary_factor", default, at_most=1)
+
+
+def _rope_theta(c: _Config) -> float:
+    rope = c.cfg.get("rope_parameters")
+    if c.cfg.get("rope_theta") is None and isinstance(rope, dict) and "rope_theta" in rope:
+        return _Config(c.path, rope).number("rope_theta", 10000.0)
+    return c.number("rope_theta", 10000.0)
+
+
+# hidden_act values of each family's configs that memplan walks (transformers' ACT2FN names)
+_HF_ACTS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
+
+
+def _stack_family(c: _Config, model_type: str, hidden: int, layers: int, heads: int, ffn: int, vocab: int,
+                  common: dict) -> ModelSpec:
+    """phi, gemma, stablelm and qwen3 config.json (transformers' PhiConfig, GemmaConfig, StableLmConfig,
+    Qwen3Config, with their defaults): the shape memplan counts and walks as transformers builds it."""
+    path = str(c.path)
+    kv_heads = c.count("num_key_value_heads", optional=True) or heads
+    c.divides("num_key_value_heads", kv_heads, "num_attention_heads", heads)
+    act_key = "hidden_activation" if model_type == "gemma" and c.cfg.get("hidden_activation") else "hidden_act"
+    default_act = {"phi": "gelu_new", "gemma": "gelu_pytorch_tanh", "stablelm": "silu", "qwen3": "silu"}[model_type]
+    hf_act = c.cfg.get(act_key) or default_act
+    if model_type == "gemma" and hf_act == "gelu":  # GemmaConfig: the legacy "gelu" means the tanh approximation
+        hf_act = "gelu_pytorch_tanh"
+    if hf_act not in _HF_ACTS:
+        raise InputError(f"--model: {path!r}: {act_key} = {hf_act!r:.40}; accepted: {', '.join(_HF_ACTS)}")
+    for key in ("qk_layernorm",):
+        if c.flag(key, False):
+            raise InputError(f"--model: {path!r} sets {key}=true; memplan walks {model_type} without per-head "
+                             f"norms on q and k (accepted: {key} false)")
+    shape = dict(arch=model_type, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+                 act=_HF_ACTS[hf_act], max_positions=c.count("max_position_embeddings", 2048),
+                 rope_theta=_rope_theta(c), **common)
+    if model_type in ("gemma", "qwen3"):
+        head_dim = c.count("head_dim", 256 if model_type == "gemma" else 128)
+        if c.flag("attention_bias", False):
+            raise InputError(f"--model: {path!r} sets attention_bias=true; memplan walks {model_type} without "
+                             "attention biases (accepted: attention_bias false)")
+        return ModelSpec(**shape, head_size=head_dim if head_dim * heads != hidden else None,
+                         tied=c.flag("tie_word_embeddings", model_type == "gemma"),
+                         norm_eps=c.number("rms_norm_eps", 1e-6, at_most=1))
+    c.divides("num_attention_heads", heads, "hidden_size", hidden)
+    common_ln = dict(norm_eps=c.number("layer_norm_eps", 1e-5, at_most=1),
+                     tied=c.flag("tie_word_embeddings", False))
+    if model_type == "phi":
+        return ModelSpec(**shape, **common_ln, rotary_pct=_rotary_fraction(c, 0.5))
+    return ModelSpec(**shape, **common_ln, rotary_pct=_rotary_fraction(c, 0.25),
+                     qkv_bias=c.flag("use_qkv_bias", False),
+                     parallel_residual=c.flag("use_parallel_residual", False))
+
+
+def resolve(params: str | None = None, model: str | None = None, stack_families: bool = False,
+            **overrides) -> ModelSpec:
     """The ModelSpec for the MODEL option group: ``--params`` or ``--model``, then the overrides.
 
-    Overrides left as None keep the base shape's values. ``--kv-heads`` defaults to ``--heads``
+    ``stack_families``: a config.json may be of a family only transformers' code builds (phi, gemma,
+    stablelm, qwen3; ``from_hf_config``). Overrides left as None keep the base shape's values. ``--kv-heads`` defaults to ``--heads``
     when only the head count is overridden on a multi-head base.
     """
     if params and model:
         raise InputError("give --params SIZE or --model NAME|PATH, not both")
     if model:
         looks_like_file = model.endswith(".json") or "/" in model or Path(model).is_file()
-        spec = from_hf_config(model) if looks_like_file else preset(model)
+        spec = from_hf_config(model, stack_families) if looks_like_file else preset(model)
     else:
         spec = from_size(params or "22m")
     changes = {k: v for k, v in overrides.items() if v is not None}
+    if not stack_families and changes.get("arch") in STACK_ARCHS:
+        raise InputError(f"--arch {changes['arch']}: memplan's own trainer builds {', '.join(MEMPLAN_ARCHS)} "
+                         f"(accepted here: {', '.join(MEMPLAN_ARCHS)}; {', '.join(STACK_ARCHS)}: with --stack "
+                         "transformers, in estimate, autotune and sweep)")
     if not changes:
         return spec
     if "arch" in changes and changes["arch"] != spec.arch:
         # a different family brings its own components
-        for field in ("norm", "pos", "mlp", "bias", "parallel_residual"):
+        for field in ("norm", "pos", "mlp", "bias", "parallel_residual", "act", "head_size"):
             changes.setdefault(field, None)
         changes.setdefault("qkv_bias", False)
     if "heads" in changes and "kv_heads" not in changes and spec.kv_heads == spec.heads:

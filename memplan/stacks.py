@@ -12,7 +12,8 @@ Stacks:
 - ``memplan``: memplan's own model and step;
 - ``transformers``: Hugging Face transformers' model and ``Trainer`` step, with peft's LoRA: the
   step ``memplan trace --stack transformers`` traces (``trainer/stacks/hf.py``), for the llama,
-  gpt2 and gpt_neox families.
+  gpt2 and gpt_neox families, and for phi, gemma, stablelm and qwen3, which memplan's own trainer
+  does not build (``memplan.model.STACK_ARCHS``: ``--stack memplan`` refuses them).
 
 ``loss_dtype`` (``--loss-dtype``): ``fp32`` takes cross-entropy over an fp32 copy of the logits
 (transformers' ``ForCausalLMLoss`` and memplan's step: ``logits.float()``); ``logits`` over the
@@ -28,7 +29,8 @@ from memplan.errors import InputError
 
 STACKS = ("memplan", "transformers")
 LOSS_DTYPES = ("fp32", "logits")
-TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox")  # the families both memplan and the hooks walk
+TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox", "phi", "gemma", "stablelm", "qwen3")  # the families the hooks walk
+FUSED_QKV_ARCHS = ("gpt2", "gpt_neox")  # one c_attn / query_key_value matrix; the others have q_proj, k_proj, v_proj
 FP32, HALF, MASK = 4, 2, 1
 
 
@@ -37,6 +39,21 @@ def check_stack(stack: str, accepted: tuple[str, ...] = STACKS) -> str:
     one-line InputError naming them."""
     if stack not in accepted:
         raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(accepted)})")
+    return stack
+
+
+def check_stack_builds(stack: str, spec, accepted: tuple[str, ...] = STACKS) -> str:
+    """``stack`` if its code builds ``spec``'s family, else the one-line InputError naming the stacks
+    that do: memplan's own trainer builds llama, gpt2 and gpt_neox only (``ModelSpec.memplan_builds``);
+    phi, gemma, stablelm and qwen3 are walked as transformers runs them."""
+    check_stack(stack, accepted)
+    if stack == "memplan" and not spec.memplan_builds:
+        others = [s for s in accepted if s != "memplan"]
+        raise InputError(f"--stack memplan: memplan's own trainer does not build the {spec.arch} family "
+                         f"(accepted for {spec.arch}: --stack {', '.join(others)})")
+    if stack == "transformers" and spec.arch not in TRANSFORMERS_ARCHS:
+        raise InputError(f"--stack transformers: the walk covers the {', '.join(TRANSFORMERS_ARCHS)} families, "
+                         f"not {spec.arch!r}")
     return stack
 
 
@@ -61,21 +78,24 @@ def _r(setup) -> int:
 # ---- the hooks of the transformers stack -------------------------------------------------------
 
 def hf_norm_saved_bytes(spec, setup) -> int:
-    """What one of transformers' ``LlamaRMSNorm`` saves beyond memplan's fused norm (input and rstd).
+    """What one of transformers' ``LlamaRMSNorm`` (``GemmaRMSNorm``) saves beyond memplan's fused norm
+    (input and rstd).
 
-    ``hidden_states = hidden_states.to(torch.float32)`` (modeling_llama.py, LlamaRMSNorm.forward):
-    under pure bf16 a new fp32 copy of the input, n·H·4, saved by ``pow`` and by the multiply with
-    ``rsqrt`` in place of the bf16 input itself, n·H·2, which memplan's norm saves (under fp32 and
-    autocast the residual is fp32 already: ``.to`` returns it, the same tensor);
-    ``self.weight * hidden_states.to(input_dtype)`` saves the normalised input, n·H·r, for the
-    weight's gradient (not when the weight is frozen, under LoRA). LayerNorm (gpt2, gpt_neox) is
+    ``hidden_states = hidden_states.to(torch.float32)`` (modeling_llama.py, LlamaRMSNorm.forward;
+    gemma: ``self._norm(x.float())``): under pure bf16 a new fp32 copy of the input, n·H·4, saved by
+    ``pow`` and by the multiply with ``rsqrt`` in place of the bf16 input itself, n·H·2, which
+    memplan's norm saves (under fp32 and autocast the residual is fp32 already: ``.to`` returns it,
+    the same tensor). llama: ``self.weight * hidden_states.to(input_dtype)`` saves the normalised
+    input, n·H·r; gemma: ``output * (1.0 + self.weight.float())`` saves it in fp32, n·H·4 (modeling_gemma.py,
+    GemmaRMSNorm.forward: ``(x * w).to(float16)``, the cast after), both for the weight's gradient
+    (not when the weight is frozen, under LoRA). LayerNorm (gpt2, gpt_neox, phi, stablelm) is
     ``F.layer_norm``, memplan's own: 0."""
     if spec.norm != "rmsnorm":
         return 0
     n, h, r = _n(setup), spec.hidden, _r(setup)
     out = n * h * (FP32 - r)
     if not setup.lora_rank:
-        out += n * h * r
+        out += n * h * (FP32 if spec.arch == "gemma" else r)
     return out
 
 
@@ -88,19 +108,137 @@ def hf_attention_saved_bytes(spec, setup) -> int:
     low-precision copy the matmul with V saves (memplan counts that one); 0 in fp32, and for
     gpt2 under pure bf16 (its softmax stays bf16).
 
-    sdpa with rotary positions, llama: ``q_embed = (q * cos) + (rotate_half(q) * sin)``
-    (``apply_rotary_pos_emb``) saves only cos and sin (shared by the blocks); SDPA saves q_embed,
-    k_embed and v, v_proj's own output. memplan's rotary saves the fused qkv output as well:
-    n·(H + kv)·a less. (gpt_neox's v is a view of its fused query_key_value output, which SDPA
-    keeps whole, as memplan's.)"""
+    sdpa with rotary positions and separate q_proj, k_proj, v_proj (llama, phi, gemma, stablelm,
+    qwen3): ``q_embed = (q * cos) + (rotate_half(q) * sin)`` (``apply_rotary_pos_emb``) saves only
+    cos and sin (shared by the blocks); a partial rotary (phi, stablelm: ``torch.cat((query_rot,
+    query_pass), dim=-1)``) saves no more; SDPA saves q_embed, k_embed and v, v_proj's own output.
+    memplan's rotary saves the fused qkv output as well: n·(q_dim + kv)·a less. (gpt_neox's v is a
+    view of its fused query_key_value output, which SDPA keeps whole, as memplan's.)"""
     n, a = _n(setup), _a(setup)
     scores = setup.micro_batch * spec.heads * setup.ctx * setup.ctx
     if setup.attention == "eager":
         fp32_softmax = a != FP32 and (spec.arch != "gpt2" or setup.mixed)
         return scores * FP32 if fp32_softmax else 0
-    if spec.pos == "rope" and spec.arch == "llama":
-        return -n * (spec.hidden + spec.kv_dim) * a
+    if spec.pos == "rope" and spec.arch not in FUSED_QKV_ARCHS:
+        return -n * (spec.q_dim + spec.kv_dim) * a
     return 0
+
+
+CAT_ROTARY_ARCHS = ("gpt_neox", "phi", "stablelm")  # partial rotary: torch.cat((query_rot, query_pass), dim=-1)
+
+
+def hf_sdpa_output_copy_bytes(spec, setup, dropout: float = 0.0) -> int:
+    """The contiguous copy of SDPA's output the out-projection saves where q comes from ``torch.cat``.
+
+    gpt_neox, phi and stablelm rotate part of each head and put it back with ``query_states =
+    torch.cat((query_rot, query_pass), dim=-1)`` (modeling_phi.py, PhiAttention.forward): the result
+    is contiguous in (B, heads, T, hd), SDPA's output comes back in that layout, and
+    ``attn_output.transpose(1, 2).contiguous()`` (integrations/sdpa_attention.py,
+    sdpa_attention_forward) copies it, n·q_dim·a, which ``dense`` / ``o_proj`` saves beside the
+    output SDPA saves itself. (llama's rotary is elementwise on the (B, T, heads, hd) projection:
+    the transpose back is a view, as in memplan's model.) 0 under eager attention, whose
+    transposed copy memplan counts (``memory.attention_output_copy_bytes``). Under LoRA the frozen
+    out-projection saves nothing; peft's ``lora_A`` saves the copy itself only where it takes it
+    as it is: in fp32, without dropout (else it saves its cast or its dropout's output, which
+    ``hf_lora_saved_bytes`` counts)."""
+    if setup.attention != "sdpa" or spec.arch not in CAT_ROTARY_ARCHS or spec.pos != "rope":
+        return 0
+    if setup.lora_rank and ("proj" not in setup.lora or dropout > 0 or setup.precision != "fp32"):
+        return 0
+    return _n(setup) * spec.q_dim * _a(setup)
+
+
+def hf_autocast_input_casts_bytes(spec, setup) -> int:
+    """The bf16 copies of a norm's output that transformers' separate projections each make and save
+    under autocast, beyond memplan's one per norm.
+
+    Autocast caches the cast of a leaf weight only (``cached_cast``: ``arg.is_leaf() &&
+    arg.requires_grad()``); an activation is cast anew by every op that takes it. llama's
+    ``self.q_proj(hidden_states)``, ``self.k_proj(...)``, ``self.v_proj(...)`` (modeling_llama.py,
+    LlamaAttention.forward; phi, gemma, stablelm, qwen3 alike) each cast the fp32 norm output to
+    bf16 and save their copy, n·H·2; ``gate_proj(x)`` and ``up_proj(x)`` (LlamaMLP) two more. memplan
+    fuses each group in one matmul and casts once. Extra copies: (readers − 1) per norm, readers =
+    3 (q, k, v) or 1 (gpt2's c_attn, gpt_neox's query_key_value) for attention, 2 (gate, up) or 1
+    (fc1) for the MLP, all of them reading one norm where it is shared (phi; memplan's second norm
+    output is taken out by ``hf_shared_norm_saved_bytes``). 0 without autocast, and under LoRA (a
+    frozen projection saves no input; peft's casts are ``hf_lora_saved_bytes``)."""
+    if not setup.mixed or setup.lora_rank:
+        return 0
+    attention = 1 if spec.arch in FUSED_QKV_ARCHS else 3
+    mlp = 2 if spec.mlp == "swiglu" and spec.arch in TRANSFORMERS_ARCHS and spec.arch not in FUSED_QKV_ARCHS else 1
+    extra = attention + mlp - 1 if spec.shared_norm else (attention - 1) + (mlp - 1)
+    return extra * _n(setup) * spec.hidden * HALF
+
+
+def hf_shared_norm_saved_bytes(spec, setup) -> int:
+    """What a block with one shared norm saves less than memplan's parallel block with two (gpt_neox's).
+
+    phi: ``hidden_states = self.input_layernorm(hidden_states)`` feeds both ``self.self_attn`` and
+    ``self.mlp(hidden_states)`` (modeling_phi.py, PhiDecoderLayer.forward); stablelm with
+    ``use_parallel_residual`` likewise (``post_attention_layernorm = None``). One LayerNorm's
+    statistics (n·2·r) are saved, not two, and its output (n·H·a, as the first matmuls save it)
+    once where memplan counts one per norm whose matmul trains ([qkv adapted] + [up adapted] under
+    LoRA, 2 without): −stats − (count − 1)·n·H·a; 0 for two norms."""
+    if not spec.shared_norm:
+        return 0
+    from memplan.memory import norm_output_bytes, norm_stat_bytes
+
+    if setup.lora_rank:
+        kept = ("qkv" in setup.lora) + ("up" in setup.lora)
+        counted = kept - (1 if kept else 0)
+    else:
+        counted = 1
+    return -norm_stat_bytes(spec, setup) - counted * norm_output_bytes(spec, setup)
+
+
+def hf_gelu_new_saved_bytes(spec, setup, cpu: bool = False) -> int:
+    """What transformers' ``NewGELUActivation`` (phi's ``hidden_act="gelu_new"``) saves beyond
+    memplan's fused GELU (which saves only its input, fc1's output).
+
+    ``0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 *
+    torch.pow(input, 3.0))))`` (transformers/activations.py, NewGELUActivation.forward), in Python
+    ops: ``tanh`` saves its output, and the last multiply saves both factors, ``0.5 * input`` and
+    ``1.0 + tanh(...)``: 3·n·F·a (``pow`` saves fc1's output, memplan's own). Under autocast on
+    CUDA ``pow`` is on autocast's fp32 list: it saves an fp32 copy of its input, and ``tanh`` and
+    ``1.0 + tanh`` follow in fp32: n·F·(4 + 4 + 4 + 2). 0 for any other activation."""
+    if spec.act != "gelu_new":
+        return 0
+    n, f, a = _n(setup), spec.ffn, _a(setup)
+    if setup.mixed and not cpu:
+        return n * f * (3 * FP32 + HALF)
+    return 3 * n * f * a
+
+
+def hf_gelu_new_backward_bytes(spec, setup) -> int:
+    """The gradients ``NewGELUActivation``'s backward holds at once beyond memplan's one GELU input
+    gradient (n·F·a): autograd runs the Python ops of ``0.5 * input * (1.0 + torch.tanh(...))``
+    (transformers/activations.py) backward one by one; the last product's backward makes the
+    gradients of both factors, ``0.5 * input`` and ``1.0 + tanh(...)`` (n·F·a each), and the
+    second is taken through ``tanh``, the scaling and ``pow`` (each step's gradient replacing the
+    one before) while the first waits to be summed into the input's gradient: n·F·a more at once.
+    0 for any other activation."""
+    if spec.act != "gelu_new":
+        return 0
+    return _n(setup) * spec.ffn * _a(setup)
+
+
+def hf_qk_norm_saved_bytes(spec, setup) -> int:
+    """What qwen3's per-head RMSNorms on q and k save (memplan's model has none).
+
+    ``self.q_norm(self.q_proj(hidden_states).view(hidden_shape))`` (modeling_qwen3.py,
+    Qwen3Attention.forward; Qwen3RMSNorm is LlamaRMSNorm): ``hidden_states.to(torch.float32)``,
+    saved by ``pow`` and the multiply with ``rsqrt`` (n·q_dim·4: q_proj's own output in fp32, else an
+    fp32 copy), ``rsqrt``'s output (n·heads·4), and the normalised q in q's dtype, saved by
+    ``self.weight * ...`` (n·q_dim·a; not when the weight is frozen, under LoRA). Likewise for k
+    (kv, kv_heads). 0 without qk norms."""
+    if not spec.qk_norm:
+        return 0
+    n, a = _n(setup), _a(setup)
+    width = spec.q_dim + spec.kv_dim
+    out = n * width * FP32 + n * (spec.heads + spec.kv_heads) * FP32
+    if not setup.lora_rank:
+        out += n * width * a
+    return out
 
 
 def hf_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
@@ -108,11 +246,10 @@ def hf_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
     q_proj, k_proj, v_proj (``qkv``) and gate_proj, up_proj (``up``) are separate ``nn.Linear``,
     each with its own adapter (peft ``LoraLayer.update_layer``); gpt2's c_attn and gpt_neox's
     query_key_value are fused, as memplan's."""
-    h, kv, f = spec.hidden, spec.kv_dim, spec.ffn
-    if spec.arch == "llama" or spec.mlp == "swiglu":
-        return {"qkv": [(h, h), (h, kv), (h, kv)], "proj": [(h, h)], "up": [(h, f), (h, f)],
-                "down": [(f, h)]}[matrix]
-    return {"qkv": [(h, h + 2 * kv)], "proj": [(h, h)], "up": [(h, f)], "down": [(f, h)]}[matrix]
+    h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
+    qkv = [(h, q), (h, kv), (h, kv)] if spec.arch not in FUSED_QKV_ARCHS else [(h, q + 2 * kv)]
+    up = [(h, f), (h, f)] if spec.mlp == "swiglu" else [(h, f)]  # gate_proj and up_proj; fc1 (phi)
+    return {"qkv": qkv, "proj": [(q, h)], "up": up, "down": [(f, h)]}[matrix]
 
 
 PEFT_ADAPTER_BYTES = FP32  # peft keeps adapters fp32: get_peft_model(autocast_adapter_dtype=True) upcasts bf16 ones
@@ -191,8 +328,15 @@ class Stack:
         """Bytes one block saves for backward beyond memplan's own block (may be negative)."""
         if self.name != "transformers":
             return 0
-        return (2 * hf_norm_saved_bytes(spec, setup) + hf_attention_saved_bytes(spec, setup)
-                + hf_lora_saved_bytes(spec, setup, self.lora_dropout, self.cpu))
+        return (spec.norms_per_layer * hf_norm_saved_bytes(spec, setup) + hf_attention_saved_bytes(spec, setup)
+                + hf_lora_saved_bytes(spec, setup, self.lora_dropout, self.cpu)
+                + hf_shared_norm_saved_bytes(spec, setup) + hf_gelu_new_saved_bytes(spec, setup, self.cpu)
+                + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup, self.lora_dropout)
+                + hf_autocast_input_casts_bytes(spec, setup))
+
+    def mlp_backward_scratch_bytes(self, spec, setup) -> int:
+        """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
+        return hf_gelu_new_backward_bytes(spec, setup) if self.name == "transformers" else 0
 
     def final_norm_saved_bytes(self, spec, setup) -> int:
         """Bytes the final norm saves beyond memplan's."""
@@ -217,6 +361,17 @@ class Stack:
         PyTorch's default, False, so the buckets are a second gradient-sized buffer
         (``memory.ddp_separate_bucket_bytes``)."""
         return self.name != "transformers"
+
+    @property
+    def checkpointings(self) -> tuple[str, ...]:
+        """The checkpointing modes this stack's code has: transformers checkpoints whole layers
+        (``gradient_checkpointing_enable()``), no selective policy."""
+        return ("none", "full") if self.name == "transformers" else ("none", "selective", "full")
+
+    @property
+    def shardings(self) -> tuple[str, ...]:
+        """The shardings the walk follows for this stack: FSDP is walked for memplan's own step only."""
+        return ("none", "ddp") if self.name == "transformers" else ("none", "ddp", "fsdp")
 
     @property
     def fp32_loss(self) -> bool:

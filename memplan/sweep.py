@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 from memplan.errors import InputError
 from memplan.estimate import Estimate, estimate, memory_on
+from memplan.stacks import MEMPLAN, Stack
 from memplan.hardware import Device
 from memplan.model import ModelSpec
 from memplan.setup import ATTENTIONS, CHECKPOINTINGS, PRECISIONS, TrainSetup
@@ -156,8 +157,9 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def sweep(spec: ModelSpec, base: TrainSetup, device: Device, axes: SweepAxes, tokens: int | None = None) -> Sweep:
-    """Estimate every cell of the grid on ``device``."""
+def sweep(spec: ModelSpec, base: TrainSetup, device: Device, axes: SweepAxes, tokens: int | None = None,
+          stack: Stack = MEMPLAN) -> Sweep:
+    """Estimate every cell of the grid on ``device``, the memory walked as ``stack``'s code runs the step."""
     cells: list[Estimate] = []
     for attention, checkpointing, precision in axes.variants:
         for ctx in axes.ctx:
@@ -166,10 +168,10 @@ def sweep(spec: ModelSpec, base: TrainSetup, device: Device, axes: SweepAxes, to
                 setup = base.replace(ctx=ctx, micro_batch=micro_batch, attention=attention,
                                      checkpointing=checkpointing, precision=precision)
                 if row is None:
-                    row = estimate(spec, setup, device, tokens)
+                    row = estimate(spec, setup, device, tokens, stack=stack)
                     cells.append(row)
                     continue
-                memory = memory_on(spec, setup, device)
+                memory = memory_on(spec, setup, device, stack)
                 cells.append(dataclasses.replace(
                     row, setup=setup, memory=memory, time=step_time(spec, setup, device, tokens),
                     fits=memory.peak_reserved <= device.usable_bytes))

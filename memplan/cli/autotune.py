@@ -13,8 +13,9 @@ from memplan.cli import app
 from memplan.cli.fit import fits, print_fields
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
                                  KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt,
-                                 local_device_from, model_from, threads_from, with_rates,
+                                 local_device_from, threads_from, with_rates,
                                  print_json)
+from memplan.cli.estimate import PlanStackOpt, stack_for_search
 from memplan.errors import EXIT_NOTHING_FITS, InputError
 from memplan.units import (GiB, at_least, format_bytes, format_count, format_seconds, parse_count, parse_float,
                            parse_size)
@@ -102,6 +103,9 @@ def print_result(result, top: int, rates_note: str | None = None) -> None:
         ("Model", f"{escape(spec.name or 'custom')}: {escape(spec.describe())}  ({spec.params:,} parameters)"),
         *([("", f"[dim]{escape(spec.size_note())}[/]")] if spec.size_note() else []),
         ("Device", f"{escape(device.name)} ({escape(device.title)}): {format_bytes(device.usable_bytes)} usable"),
+        *([("Stack", f"{result._evaluator.stack.name}: every candidate's memory walked as that library's step "
+                      "runs it (memplan estimate --stack)")]
+          if result._evaluator.stack.name != "memplan" else []),
         *([("Rates", f"[dim]{escape(rates_note.removeprefix('rates: '))}[/]")] if rates_note else []),
         ("Budget", f"{format_bytes(result.budget_bytes)}: the predicted peak must stay under "
                    f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})"),
@@ -228,7 +232,7 @@ def autotune_command(
     ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
     budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
     verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
-    json: JsonOpt = False, threads: ThreadsOpt = None,
+    json: JsonOpt = False, threads: ThreadsOpt = None, stack: PlanStackOpt = "memplan",
 ) -> None:
     """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
     plan that fits the memory budget at the global batch asked; --verify runs it for real."""
@@ -243,7 +247,12 @@ def autotune_command(
         if Path(out).is_dir():
             raise InputError(f"--out: {out!r} is a directory; give a file name such as {Path(out) / 'plan.toml'}")
         check_target(out, "--out", "plan.toml")
-    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied))
+    spec = walk.spec
+    if stack != "memplan" and (verify or out):
+        raise InputError(f"--{'verify' if verify else 'out'} runs (or writes a plan for) memplan's own trainer; "
+                         f"a plan for --stack {stack} is one for that library's step (accepted with --verify and --out: "
+                         "--stack memplan)")
     dev, rates_note = local_device_from(device, device_memory, n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
@@ -251,7 +260,7 @@ def autotune_command(
         global_batch=parse_count(global_batch, "--global-batch") if global_batch else None,
         budget_bytes=parse_size(budget, "--budget") if budget else None, margin=_parse_margin(margin),
         tokens=parse_count(tokens, "--tokens") if tokens else None,
-        world_size=parse_count(world_size, "--world-size"))
+        world_size=parse_count(world_size, "--world-size"), stack=walk.stack)
     if not json:
         print_result(result, top, rates_note)
         from rich.console import Console
@@ -304,7 +313,10 @@ def autotune_command(
             if not json:
                 print(f"Wrote {out}")
     if json:
-        print_json(with_rates(result.to_json(verification), rates_note))
+        data = result.to_json(verification)
+        if stack != "memplan":  # memplan's own step: the JSON as it always was
+            data["stack"] = stack
+        print_json(with_rates(data, rates_note))
     if final is None:  # answered, but there is nothing to train: a script must not go on
         raise typer.Exit(EXIT_NOTHING_FITS)
 

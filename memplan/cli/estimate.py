@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Optional
 
 import typer
@@ -11,7 +12,7 @@ from memplan.cli.fit import print_described, print_fields
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
-                                 WorldSizeOpt, local_device_from, model_from, print_json, setup_from,
+                                 WorldSizeOpt, local_device_from, print_json, setup_from,
                                  with_rates)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
@@ -40,7 +41,8 @@ LoraTargetsOpt = Annotated[str, typer.Option(
 StackOpt = Annotated[str, typer.Option(
     "--stack", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step, peft for --lora-rank; "
-                    "llama, gpt2, gpt_neox). No library is imported: the walk's hooks model what each saves.")]
+                    "llama, gpt2, gpt_neox, and phi, gemma, stablelm, qwen3, which memplan's own trainer does not "
+                    "build). No library is imported: the walk's hooks model what each saves.")]
 LossDtypeOpt = Annotated[Optional[str], typer.Option(
     "--loss-dtype", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
                          "the default) | logits (over the logits in their own dtype, as a plain PyTorch loop "
@@ -95,7 +97,8 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
 
     def memory_table(described: bool):
-        table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
+        compiled = " of the eager step: torch.compile's peak is not modelled" if setup.compile else ""
+        table = Table(title=f"Memory at the peak ({mem.peak_moment}){compiled}", title_justify="left")
         table.add_column("term", no_wrap=True)
         table.add_column("bytes", justify="right", no_wrap=True)
         table.add_column("share", justify="right", no_wrap=True)
@@ -105,11 +108,14 @@ def print_estimate(est, rates_note: str | None = None) -> None:
             table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", helps[key] if described else "")
         table.add_section()
         table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors" if described else "")
-        table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]", "",
+        table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]"
+                      + (" [yellow](eager)[/]" if setup.compile else ""), "",
                       f"{verdict} in {format_bytes(device.usable_bytes)}")
         return table, [(k, helps[k]) for k in helps] + [("peak allocated", "live tensors")]
 
     print_described(console, memory_table)
+    if setup.compile:
+        console.print(f"[yellow]note[/]: {COMPILE_MEMORY_NOTE}")
     if est.max_micro_batch:
         console.print(f"Largest micro-batch that fits: [bold]{est.max_micro_batch}[/]")
     else:
@@ -131,6 +137,12 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     if t.epoch_seconds is not None:
         line += f"; {format_count(est.tokens)} tokens take [bold]{format_seconds(t.epoch_seconds)}[/]"
     console.print(line)
+
+
+# benchmarks/compile_memory.py, on this project's CPU (2-layer llama, hidden 256, ctx 256, micro-batch 4)
+COMPILE_MEMORY_NOTE = ("--compile: the memory above is the eager step's; torch.compile's peak is not modelled. "
+                       "Measured on a CPU (inductor), it moved from -26% to +8% of the eager peak by stack, "
+                       "precision and checkpointing (benchmarks/compile_memory.py): check it with a real step.")
 
 
 def _stack_words(stack) -> str:
@@ -217,17 +229,46 @@ def print_inference(est, rates_note: str | None = None) -> None:
         console.print(f"[yellow]note[/]: {note}")
 
 
-def _stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
-    """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error."""
-    from memplan.stacks import TRANSFORMERS_ARCHS, stack_of
+PlanStackOpt = Annotated[str, typer.Option(
+    "--stack", help="Whose code runs the step every candidate's memory walk follows: memplan (its own trainer) | "
+                    "transformers (Hugging Face transformers' model and Trainer step; also phi, gemma, stablelm, "
+                    "qwen3). As `memplan estimate --stack`.")]
+
+
+@dataclass(frozen=True)
+class SearchStack:
+    """A search's model and the walk's hooks for ``--stack`` (autotune, sweep)."""
+
+    spec: object  # memplan.model.ModelSpec
+    stack: object  # memplan.stacks.Stack
+
+
+def stack_for_search(stack: str, params, model, shape: tuple) -> SearchStack:
+    """``--stack`` of autotune and sweep, checked as estimate checks it (``memplan.stacks.check_stack``, then
+    ``check_stack_builds`` for the model's family), with the model resolved as estimate resolves it (a
+    config.json of phi, gemma, stablelm or qwen3 accepted, for --stack transformers)."""
+    from memplan.model import resolve
+    from memplan.stacks import check_stack, check_stack_builds, stack_of
+
+    check_stack(stack)
+    arch, layers, hidden, heads, kv_heads, ffn, vocab, tied = shape
+    spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
+                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
+    check_stack_builds(stack, spec)
+    return SearchStack(spec=spec, stack=stack_of(stack))
+
+
+def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
+    """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error:
+    a family the stack's code does not build (``check_stack_builds``: phi, gemma, stablelm, qwen3 under
+    --stack memplan), or a setting it does not have. estimate, autotune and sweep check alike."""
+    from memplan.stacks import check_stack_builds, stack_of
 
     if lora_dropout is not None and (stack == "memplan" or not setup.lora_rank or not 0.0 <= lora_dropout < 1.0):
         raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers with "
                          "--lora-rank (memplan's own adapters have no dropout)")
+    check_stack_builds(stack, spec)
     if stack == "transformers":
-        if spec.arch not in TRANSFORMERS_ARCHS:
-            raise InputError(f"--stack transformers: the walk covers the {', '.join(TRANSFORMERS_ARCHS)} families, "
-                             f"not {spec.arch!r} (`memplan trace --stack transformers` traces any)")
         if setup.checkpointing == "selective":
             raise InputError("--stack transformers: checkpointing 'selective' is memplan's own; transformers "
                              "checkpoints whole layers (accepted: none, full)")
@@ -256,6 +297,7 @@ def estimate_command(
     With --mode inference: the memory of generation (weights, KV cache, prefill and decode peaks), the
     largest context and batch that fit, and prefill and decode tokens/s."""
     from memplan.estimate import estimate
+    from memplan.model import MEMPLAN_ARCHS, resolve
     from memplan.units import choice_error
 
     from memplan.stacks import check_loss_dtype, check_stack
@@ -269,8 +311,12 @@ def estimate_command(
                         ("--lora-dropout", lora_dropout)):
         if value is not None and mode == "inference":
             raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
-    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
+                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
     if mode == "inference":
+        if not spec.memplan_builds:
+            raise InputError(f"--mode inference: the {spec.arch} family is planned for training under --stack "
+                             f"transformers only (accepted with --mode inference: {', '.join(MEMPLAN_ARCHS)})")
         from memplan.inference import InferenceSetup, estimate_inference
 
         dev, rates_note = local_device_from(device, device_memory)
@@ -294,14 +340,17 @@ def estimate_command(
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
-    walk = _stack_from(stack, loss_dtype, lora_dropout, spec, setup)
+    walk = stack_from(stack, loss_dtype, lora_dropout, spec, setup)
     dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
         from memplan.advice import levers
 
         advice = [lever.to_json() for lever in levers(spec, setup, dev)] if not est.max_micro_batch else []
-        print_json(with_rates({**est.to_json(), "advice": advice}, rates_note))
+        data = {**est.to_json(), "advice": advice}
+        if setup.compile:  # the number is the eager step's: said beside it, never passed off as compiled
+            data["compile_memory"] = "not modelled: memory is the eager step's"
+        print_json(with_rates(data, rates_note))
     else:
         print_estimate(est, rates_note)
         from memplan.units import resolved

@@ -17,10 +17,11 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli import app
+from memplan.cli.estimate import PlanStackOpt
 from memplan.cli.options import local_device_from, with_rates  # noqa: I001
 from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt,
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
-                                 ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, model_from, print_json,
+                                 ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, print_json,
                                  setup_from)
 from memplan.units import GiB, format_bytes, format_count, format_seconds, parse_count
 
@@ -527,7 +528,7 @@ def sweep_command(
     grad_accum: GradAccumOpt = "1", optimizer: OptimizerOpt = "adamw", world_size: WorldSizeOpt = "1",
     sharding: ShardingOpt = "none", compile: CompileOpt = False,
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    tokens: TokensOpt = None, html: HtmlOpt = None, json: JsonOpt = False,
+    tokens: TokensOpt = None, html: HtmlOpt = None, json: JsonOpt = False, stack: PlanStackOpt = "memplan",
 ) -> None:
     """Estimate a grid of settings (lists of contexts, micro-batches, attention, checkpointing, precision):
     a table of peak memory and tokens/s, the grid's JSON, or an HTML page of plots."""
@@ -541,18 +542,26 @@ def sweep_command(
         checkpointing=parse_choices(checkpointing, "--checkpointing", CHECKPOINTINGS),
         precision=parse_choices(precision, "--precision", PRECISIONS),
     )
-    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    from memplan.cli.estimate import stack_for_search, stack_from
+
+    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied))
+    spec = walk.spec
     base = setup_from(str(axes.ctx[0]), str(axes.micro_batch[0]), grad_accum, axes.precision[0], axes.attention[0],
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)
+    for checkpointing in axes.checkpointing:  # every cell's setting, checked as estimate checks it
+        stack_from(stack, None, None, spec, base.replace(checkpointing=checkpointing))
     dev, rates_note = local_device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
     if html is not None:  # before the sweep and before anything is printed
         from memplan.reports.page import check_report_path
 
         check_report_path(html, "--html", "sweep.html")
-    sw = sweep(spec, base, dev, axes, n_tokens)
+    sw = sweep(spec, base, dev, axes, n_tokens, stack=walk.stack)
     if json:
-        print_json(with_rates(sw.to_json(), rates_note))
+        data = sw.to_json()
+        if stack != "memplan":  # memplan's own step: the JSON as it always was
+            data["stack"] = stack
+        print_json(with_rates(data, rates_note))
     else:
         print_sweep(sw, rates_note)
     if html is not None:

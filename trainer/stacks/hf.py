@@ -57,7 +57,32 @@ def config_dict(model: StackModel, setup: TrainSetup) -> dict:
     context = max(setup.ctx, spec.max_positions)
     if spec.pos == "learned" and setup.ctx > spec.max_positions:
         raise InputError(f"--ctx {setup.ctx}: longer than the {spec.max_positions} learned positions of this model")
-    return {**spec_config(spec, context), "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    cfg = family_config(spec, context) if not spec.memplan_builds else spec_config(spec, context)
+    return {**cfg, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+_ACT_NAMES = {"gelu_new": "gelu_new", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "silu": "silu"}
+
+
+def family_config(spec, context: int) -> dict:
+    """config.json's contents for a spec of a family memplan's trainer does not build (phi, gemma,
+    stablelm, qwen3: ``memplan.model.STACK_ARCHS``), as ``memplan.model.from_hf_config`` reads them
+    back: the family's own keys, no dropout."""
+    common = {"model_type": spec.arch, "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
+              "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
+              "num_key_value_heads": spec.kv_heads, "vocab_size": spec.vocab, "tie_word_embeddings": spec.tied,
+              "max_position_embeddings": context, "rope_theta": spec.rope_theta, "hidden_act": _ACT_NAMES[spec.act],
+              "attention_dropout": 0.0, "initializer_range": 0.02}
+    if spec.arch in ("gemma", "qwen3"):
+        extra = {"head_dim": spec.head_dim, "rms_norm_eps": spec.norm_eps, "attention_bias": False}
+        if spec.arch == "gemma":
+            extra["hidden_activation"] = _ACT_NAMES[spec.act]
+        return {**common, **extra}
+    extra = {"layer_norm_eps": spec.norm_eps, "partial_rotary_factor": spec.rotary_pct, "qk_layernorm": False}
+    if spec.arch == "phi":
+        return {**common, **extra, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+    return {**common, **extra, "use_qkv_bias": spec.qkv_bias, "use_parallel_residual": spec.parallel_residual,
+            "hidden_dropout": 0.0}
 
 
 @contextlib.contextmanager
