@@ -436,3 +436,24 @@ def test_a_recorded_end_of_text_token_the_tokenizer_lacks_is_refused(tmp_path):
     with pytest.raises(InputError, match="not in its tokenizer"):
         tok.as_recorded({"eot_token": "<|im_end|>", "eot_id": 7}, str(path))
     assert tok.as_recorded({"vocab_size": VOCAB + 64}, "t").vocab_size == VOCAB + 64  # a padded embedding
+
+
+def test_estimate_reads_the_rope_settings_transformers_5_writes(tmp_path):
+    """transformers 5 writes RoPE's base and rotary share only inside ``rope_parameters``: the planner's
+    ``from_hf_config`` (estimate --model, autotune --out, train --plan) reads them there, as the importer does."""
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    from memplan.model import from_hf_config
+
+    LlamaConfig(**SHAPE, num_key_value_heads=2, vocab_size=VOCAB, rope_theta=500000.0).save_pretrained(tmp_path / "l")
+    assert "rope_theta" not in json.loads((tmp_path / "l" / "config.json").read_text())  # only in rope_parameters
+    assert from_hf_config(tmp_path / "l" / "config.json").rope_theta == 500000.0
+    GPTNeoXConfig(**SHAPE, vocab_size=VOCAB, rotary_pct=0.5, rotary_emb_base=500).save_pretrained(tmp_path / "n")
+    spec = from_hf_config(tmp_path / "n" / "config.json")
+    assert (spec.rope_theta, spec.rotary_pct) == (500.0, 0.5)
+    for name in ("l", "n"):  # and the importer agrees with the planner
+        from trainer.hf_import import read_spec
+
+        imported = read_spec(tmp_path / name)[1]
+        planned = from_hf_config(tmp_path / name / "config.json")
+        assert (imported.rope_theta, imported.rotary_pct) == (planned.rope_theta, planned.rotary_pct)
