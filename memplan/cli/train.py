@@ -769,6 +769,7 @@ def progress_fraction(step: int, total: int | None, total_fixed: bool, elapsed: 
 STATUS_FIELDS = ("loss", "tokens/s", "mfu", "memory", "eta")
 STATUS_DROP_ORDER = ("prediction", "mfu", "memory", "tokens/s", "loss", "eta")
 LIVE_BAR_WIDTHS = (24, 12)
+LIVE_REFRESH_SECONDS = 0.25  # the live line is redrawn at most this often (on a step's metrics line)
 
 
 def fit_live_line(width: int, count: str, fields: dict[str, str], prediction: str = "") -> tuple[str, int]:
@@ -820,9 +821,13 @@ class _ProgressView:
         self.bar = BarColumn(bar_width=LIVE_BAR_WIDTHS[0])
         self.columns = (SpinnerColumn(), TextColumn("{task.fields[count]}"), self.bar,
                         TextColumn("{task.fields[status]}"))
-        self.progress = Progress(*self.columns, console=console, transient=False, disable=not self.live)
+        # no refresh thread (rich's redraws the line 10 times a second, ~1% of a core beside the training): the
+        # line is redrawn when a step's metrics line arrives, at most every LIVE_REFRESH_SECONDS
+        self.progress = Progress(*self.columns, console=console, transient=False, disable=not self.live,
+                                 auto_refresh=False)
         self.task = None
         self._last_print = -1
+        self._refreshed = -math.inf
 
     def __enter__(self):
         self.progress.__enter__()
@@ -877,6 +882,9 @@ class _ProgressView:
                                                    count=count, status=status)
             self.progress.update(self.task, total=None if done is None else 1000, completed=done or 0,
                                  count=count, status=status)
+            if self.live and time.perf_counter() - self._refreshed >= LIVE_REFRESH_SECONDS:
+                self._refreshed = time.perf_counter()
+                self.progress.refresh()
             if not self.live and fraction is not None:
                 decile = int(fraction * 10)
                 if decile != self._last_print:
