@@ -181,15 +181,20 @@ class TrainerLoop:
         self._null.close()
 
 
-def matmul_seconds(reps: int = 3) -> float:
-    """CPU seconds of one square fp32 matmul (the fastest of ``reps``), timed between the rounds."""
-    a = torch.randn(MATMUL_SIDE, MATMUL_SIDE)
+def matmul_seconds(device: torch.device, reps: int = 3) -> float:
+    """Seconds of one square fp32 matmul (the fastest of ``reps``), timed between the rounds: by CPU time on a
+    CPU, by the wall clock around a device sync on a GPU (where it is 4× larger, to be worth timing)."""
+    side = MATMUL_SIDE * (4 if device.type == "cuda" else 1)
+    a = torch.randn(side, side, device=device)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     best = math.inf
-    for _ in range(reps):
-        c0 = time.process_time()
+    for _ in range(reps + 1):
+        _sync(device)
+        c0 = clock()
         a @ a
-        best = min(best, time.process_time() - c0)
-    return best
+        _sync(device)
+        best = min(best, clock() - c0)
+    return best * (MATMUL_SIDE / side) ** 3
 
 
 def load_average() -> list[float] | None:
@@ -250,7 +255,7 @@ def timed_rounds(runners: dict, rounds: int, steps: int, device) -> tuple[dict, 
     mm = []
     names = list(runners)
     for r in range(rounds):
-        mm.append(matmul_seconds())
+        mm.append(matmul_seconds(device))
         order = names[r % len(names):] + names[:r % len(names)]
         if (r // len(names)) % 2:
             order.reverse()
@@ -321,8 +326,8 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
     cal_rate = profile.calibrated.get("matmul_tflops", {}).get("fp32", 0) * 1e12
     mm_rate = 2 * MATMUL_SIDE**3 / statistics.median(mm)
     peak, peak_source = (cal_rate, f"{profile.name}: calibrated fp32 matmul peak") if cal_rate else \
-        (mm_rate, f"a {MATMUL_SIDE}² fp32 matmul timed between the rounds (CPU time)")
-    clock = profile.calibrated.get("clock", "wall") if cal_rate else "cpu"
+        (mm_rate, f"a square fp32 matmul timed between the rounds ({'wall clock' if device.type == 'cuda' else 'CPU time'})")
+    clock = profile.calibrated.get("clock", "wall") if cal_rate else ("wall" if device.type == "cuda" else "cpu")
     measured = cpu_med if clock == "cpu" else med
     compile_one_off = first_seconds["bare"] - med["bare"] if setup.compile else 0.0
     return {

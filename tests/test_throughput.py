@@ -80,10 +80,11 @@ def test_memory_is_read_on_a_sample_of_steps_and_every_line_says_which_step_it_m
     trainer.open()
     lines = [trainer.advance() for _ in range(12)]
     trainer.close()
-    assert counting.resets == counting.reads == 1  # the first step only: no /proc read on the other 11
-    assert all(l["memory_step"] == 1 and l["memory_bytes"] == lines[0]["memory_bytes"] > 0 for l in lines)
+    assert counting.resets == counting.reads == 2  # the first two steps only: no /proc read on the other 10
+    assert [l["memory_step"] for l in lines] == [1] + [2] * 11
+    assert all(l["memory_bytes"] == lines[1]["memory_bytes"] > 0 for l in lines[1:])
     on_disk = [l for l in read_metrics(tmp_path / "run") if l["kind"] == "train"]
-    assert [l["memory_step"] for l in on_disk] == [1] * 12
+    assert [l["memory_step"] for l in on_disk] == [1] + [2] * 11
 
 
 def test_memory_is_measured_again_once_the_sample_interval_of_training_time_has_passed(tmp_path, corpus,

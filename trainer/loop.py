@@ -472,6 +472,7 @@ class Trainer:
         self._memory_step: int | None = None
         self._memory_at = -math.inf
         self._memory_clock = 0.0  # training seconds of this invocation, the clock memory samples run on
+        self._memory_reads = 0  # steps measured since the invocation started (or the micro-batch changed)
         self._eval_seconds: list[float] = []  # the latest evaluations' times
         self._started = time.perf_counter()
         self._resume_from = resume_from
@@ -1046,6 +1047,7 @@ class Trainer:
                         memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(
                             memory.peak_bytes, self.device))
                     self._memory, self._memory_step, self._memory_at = memory, step, self._memory_clock
+                    self._memory_reads += 1
                 return loss, grad_norm, bool(result.skipped), seconds, self._memory
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 oom = out_of_memory(e)
@@ -1063,15 +1065,16 @@ class Trainer:
     def _memory_due(self) -> bool:
         """Whether this step's memory is measured (the monitor reset before it, read after it). Reading it
         costs /proc reads (CPU) or driver queries (GPU) that a step need not pay: one process measures the
-        first step of an invocation (and of a new micro-batch), then a step once MEMORY_SAMPLE_SECONDS of
-        training have passed since the last measured one; the lines between carry that reading, with
+        first two steps of an invocation (and of a new micro-batch: the first allocates the optimizer state,
+        the second is the steady state the report takes), then a step once MEMORY_SAMPLE_SECONDS of training
+        have passed since the last measured one; the lines between carry that reading, with
         ``memory_step`` naming the step it measured. Several processes measure every step (each rank's
         decision must be the same, and the largest over the ranks is a collective)."""
-        return self.dist.world_size > 1 or self._memory is None or \
+        return self.dist.world_size > 1 or self._memory_reads < 2 or \
             self._memory_clock - self._memory_at >= MEMORY_SAMPLE_SECONDS
 
     def _recover_from_oom(self, step: int, data_state: dict, message: str) -> None:
-        self._memory = None  # the next step, at the new micro-batch, is measured
+        self._memory_reads = 0  # the next steps, at the new micro-batch, are measured
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.device.type == "cuda":

@@ -769,7 +769,7 @@ def progress_fraction(step: int, total: int | None, total_fixed: bool, elapsed: 
 STATUS_FIELDS = ("loss", "tokens/s", "mfu", "memory", "eta")
 STATUS_DROP_ORDER = ("prediction", "mfu", "memory", "tokens/s", "loss", "eta")
 LIVE_BAR_WIDTHS = (24, 12)
-LIVE_REFRESH_SECONDS = 0.25  # the live line is redrawn at most this often (on a step's metrics line)
+LIVE_REFRESH_SECONDS = 0.5  # the live line is redrawn at most this often (on a step's metrics line)
 
 
 def fit_live_line(width: int, count: str, fields: dict[str, str], prediction: str = "") -> tuple[str, int]:
