@@ -221,30 +221,36 @@ def default_plan(spec: ModelSpec, ctx: int, batch: int, profile, overrides: dict
     return plan, [n for n in result.notes if "compile" in n]
 
 
-def gap_account(spec: ModelSpec, setup: TrainSetup, profile, measured_seconds: float, peak: float) -> dict:
+def gap_account(spec: ModelSpec, setup: TrainSetup, profile, measured_seconds: float, peak: float,
+                clock: str = "wall") -> dict:
     """Where memplan's measured step goes beyond its model FLOPs at ``peak``, term by term.
 
-    memplan.timing's breakdown of this step on ``profile`` is scaled to the measured step (so the terms add up to
-    it: the model's error is spread over them in proportion). Each term's useful part is its FLOPs at the peak
-    (only the matmul terms have any); the rest of it is that term's share of the gap."""
+    memplan.timing's breakdown of this step on ``profile`` (a compiled step as it models it from the calibrated
+    reference) is scaled to the measured step, so the terms add up to it: the model's error is spread over them
+    in proportion. A step measured by CPU time leaves out the time other processes held the core, so the
+    ``contention`` term is left out too. Each term's useful part is its FLOPs at the peak (only the matmul and
+    attention terms have any); the rest of it is that term's share of the gap."""
     t = step_time(spec, setup, profile)
-    scale = measured_seconds / t.step_seconds
+    terms = {n: term for n, term in t.terms.items() if term.seconds > 0 and not (n == "contention" and clock == "cpu")}
+    predicted = sum(term.seconds for term in terms.values())
+    scale = measured_seconds / predicted
     ideal = model_flops(spec, setup) / peak
     rows = {}
-    for name, term in t.terms.items():
-        if term.seconds <= 0:
-            continue
+    for name, term in terms.items():
         seconds = term.seconds * scale
         useful = term.flops / peak if name in ("forward", "backward", "attention") else 0.0
         rows[name] = {"seconds": seconds, "share_of_step": seconds / measured_seconds,
                       "gap_seconds": max(0.0, seconds - useful), "gap_share": max(0.0, seconds - useful) / measured_seconds,
                       "bound": term.bound}
-    if setup.compile:
-        note = ("memplan.timing models the eager step; compiled, the elementwise and launch terms shrink and the "
-                "breakdown is scaled down to the measured step")
-    else:
-        note = "memplan.timing's terms, scaled to the measured step"
-    return {"predicted_step_seconds": t.step_seconds, "scale": scale, "ideal_seconds": ideal,
+    # the useful parts count the FLOPs the kernels do (causal attention's half, its backward's 2.5×); MFU counts
+    # PaLM's model FLOPs: the difference closes the account, so the rows add up to 1 − MFU
+    useful = sum(row["seconds"] - row["gap_seconds"] for row in rows.values())
+    rows["flop convention"] = {"seconds": 0.0, "share_of_step": 0.0, "gap_seconds": useful - ideal,
+                               "gap_share": (useful - ideal) / measured_seconds, "bound": "none"}
+    note = "memplan.timing's terms" + (" (compiled, as modelled from the calibrated reference)" if t.compile_seconds
+                                       else "") + ", scaled to the measured step" + \
+        (", contention left out (CPU time)" if clock == "cpu" else "")
+    return {"predicted_step_seconds": predicted, "scale": scale, "ideal_seconds": ideal,
             "mfu": ideal / measured_seconds, "terms": rows, "note": note}
 
 
@@ -354,11 +360,13 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
         "speedup_vs_transformers": statistics.median(speed_rounds),
         "speedup_vs_transformers_cpu": statistics.median(cpu_speed_rounds),
         "speedup_rounds": speed_rounds,
+        "speedup_rounds_cpu": cpu_speed_rounds,
+        "trainer_overhead_rounds_cpu": cpu_overhead_rounds,
         "model_flops_per_step": flops,
         "peak_flops": peak, "peak_source": peak_source, "peak_clock": clock,
         "matmul_flops_per_cpu_second_measured": mm_rate,
         "mfu": {k: flops / v / peak for k, v in measured.items()},
-        "gap": gap_account(spec, setup, profile, measured["trainer"], peak),
+        "gap": gap_account(spec, setup, profile, measured["trainer"], peak, clock),
         "run_steps_for_plan": args.run_steps,
         "autotune_notes": notes,
     }
@@ -458,14 +466,16 @@ def _print(out: dict) -> None:
                                                   (("bare", 12), ("trainer", 12), ("transformers", 14))) + " s"
               + (f"   (compile one-off ≈ {r['compile_seconds_measured']:.1f} s)" if r["plan"]["compile"] else ""))
         print(f"   trainer overhead over the bare step: {r['trainer_overhead']:+.2%} wall, "
-              f"{r['trainer_overhead_cpu']:+.2%} CPU time (median of per-round ratios; rounds: "
-              + ", ".join(f"{x:+.1%}" for x in r["trainer_overhead_rounds"]) + ")")
+              f"{r['trainer_overhead_cpu']:+.2%} CPU time (median of per-round ratios; rounds, wall: "
+              + ", ".join(f"{x:+.1%}" for x in r["trainer_overhead_rounds"]) + "; CPU: "
+              + ", ".join(f"{x:+.1%}" for x in r["trainer_overhead_rounds_cpu"]) + ")")
         print(f"   bookkeeping measured directly: {r['outside_step_seconds'] * 1e3:.2f} ms per advance() outside its "
               f"step, less the {r['bare_data_seconds'] * 1e3:.2f} ms the bare loop also spends reading its batch = "
               f"{r['bookkeeping_seconds'] * 1e3:.2f} ms, {r['bookkeeping_share']:.2%} of the step (goal < 1%)")
         print(f"   memplan's plan vs transformers: {r['speedup_vs_transformers']:.3f}× wall, "
-              f"{r['speedup_vs_transformers_cpu']:.3f}× CPU time (goal ≥ 1.1×; rounds: "
-              + ", ".join(f"{x:.3f}" for x in r["speedup_rounds"]) + ")")
+              f"{r['speedup_vs_transformers_cpu']:.3f}× CPU time (goal ≥ 1.1×; rounds, wall: "
+              + ", ".join(f"{x:.3f}" for x in r["speedup_rounds"]) + "; CPU: "
+              + ", ".join(f"{x:.3f}" for x in r["speedup_rounds_cpu"]) + ")")
         g = r["gap"]
         print(f"   where the trainer's step goes (MFU {g['mfu']:.1%}; {g['note']}; predicted "
               f"{g['predicted_step_seconds']:.3f} s, measured ×{g['scale']:.2f}):")
