@@ -226,3 +226,17 @@ def test_a_failed_compile_is_recorded_as_skipped_and_leaves_no_compile_figures(m
     cal_mod.measure_compile(cal_mod._Clock(torch.device("cpu"), deadline=float("inf")), cal, steps=2)
     assert cal.compile == {} and any("torch.compile" in s and "no C++ compiler" in s for s in cal.skipped)
     assert "compile_reference" not in cal_mod.profile_data(cal, "test", None)["calibrated"]
+
+
+def test_memplan_train_weighs_the_compile_time_against_the_run_it_plans():
+    from memplan.cli.train import _autotuned_plan
+
+    device = _calibrated_cpu(eager=1.0, compiled=0.8, compile_s=30.0)
+
+    def plan(**limits):
+        return _autotuned_plan(SPEC, 256, None, device, Console(file=io.StringIO()), global_batch_tokens=2048,
+                               budget=None, margin=0.1, **{"minutes": None, **limits}).setup.compile
+
+    assert plan()  # no limit to weigh it against: the fastest step
+    assert not plan(max_steps=3) and not plan(max_tokens=2048 * 3) and not plan(minutes=0.5)
+    assert plan(max_steps=100_000) and plan(minutes=600)

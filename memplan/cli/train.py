@@ -247,6 +247,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
         ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else (
             DEFAULT_CTX if given_model else QUICKSTART_CTX)
         the_plan = _autotuned_plan(spec, ctx_n, prepared, profile, console, minutes=minutes,
+                                   max_steps=overrides["max_steps"], max_tokens=overrides["max_tokens"],
                                    global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"),
                                    budget=budget, margin=_number(margin, "--margin"), world_size=launched)
     if launched > 1:  # every rank trains rank 0's plan (the quick start's is chosen on a timed matmul)
@@ -529,7 +530,7 @@ def for_world(plan, world_size: int, sharding: str | None, profile, console):
 
 
 def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_batch_tokens, budget, margin,
-                    world_size: int = 1):
+                    world_size: int = 1, max_steps: int | None = None, max_tokens: int | None = None):
     from memplan.units import parse_size
 
     try:
@@ -544,9 +545,17 @@ def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_ba
         if global_batch_tokens is None:  # small steps, so the run gets QUICKSTART_MIN_STEPS or more
             steps_tokens = tps * minutes * 60 / QUICKSTART_MIN_STEPS
             global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
-    result = autotune(spec, profile, ctx=ctx, global_batch_tokens=global_batch_tokens,
-                      budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin,
-                      tokens=None, world_size=world_size)
+    kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
+              budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin, world_size=world_size)
+    result = autotune(spec, profile, tokens=None, **kw)
+    if result.plan is not None and result.plan.setup.compile:
+        # torch.compile's compile time is a one-off: weigh it against the tokens this run will train (its limit,
+        # or what the fastest plan trains in its time), so a short run stays eager
+        p = result.plan.predicted
+        run = [t for t in (max_tokens, max_steps * result.plan.setup.tokens_per_step * world_size if max_steps else None,
+                           int(p["tokens_per_second"] * minutes * 60) if minutes else None) if t]
+        if run:
+            result = autotune(spec, profile, tokens=min(run), **kw)
     if result.plan is None:
         advice = "; ".join(getattr(result, "advice", None) or ["try a smaller model or a shorter --ctx"])
         raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}: {advice}")
