@@ -68,8 +68,7 @@ from memplan.setup import TrainSetup  # noqa: E402
 from memplan.timing import model_flops, step_time  # noqa: E402
 from trainer.data import PreparedData, TrainStream  # noqa: E402
 from trainer.loop import TrainConfig, Trainer  # noqa: E402
-from trainer.model import build_model  # noqa: E402
-from trainer.step import make_optimizer, param_groups, train_step  # noqa: E402
+from trainer.step import param_groups, train_step  # noqa: E402
 
 MATMUL_SIDE = 1024
 LOOPS = ("bare", "trainer", "transformers")
@@ -129,16 +128,16 @@ class HFLoop:
 
 
 class BareLoop:
-    """``train_step`` in a loop on the plan's setup: the floor the trainer's loop adds to."""
+    """``train_step`` in a loop on the plan's setup: the floor the trainer's loop adds to. It steps the trainer's
+    own model (compiled as the trainer compiled it) and optimizer, so that the two differ in nothing but the
+    loop around the step: separate copies of the weights in other memory can differ by a few percent in speed
+    (their placement), which would be counted as the loop's."""
 
-    def __init__(self, plan: Plan, data: PreparedData, seed: int, device):
-        s = plan.setup
-        torch.manual_seed(seed)
+    def __init__(self, trainer: Trainer, data: PreparedData, seed: int, device):
+        s = trainer.setup
         self.setup, self.device = s, device
-        self.model = build_model(plan.model, s.attention, s.checkpointing, torch.float32, device=device)
-        self.step_model = torch.compile(self.model) if s.compile else self.model
-        self.optimizer = make_optimizer(self.model, s.optimizer, lr=LR)
-        self.stream = TrainStream(data, batch=s.micro_batch, ctx=s.ctx, seed=seed)
+        self.model, self.step_model, self.optimizer = trainer.model, trainer.step_model, trainer.optimizer
+        self.stream = TrainStream(data, batch=s.micro_batch, ctx=s.ctx, seed=seed + 1)
         self.data_seconds: list[float] = []  # reading each step's batches (the trainer's loop reads them too)
 
     def step(self) -> float:
@@ -293,14 +292,15 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
         loops = {}
         first_seconds = {}
         t0 = time.perf_counter()
-        loops["bare"] = BareLoop(plan, data, seed, device)
         loops["trainer"] = TrainerLoop(Path(tmp) / "run", plan, data, seed, profile, device)
+        loops["bare"] = BareLoop(loops["trainer"].trainer, data, seed, device)
         loops["transformers"] = HFLoop(spec, setup, data, seed, device, args.hf_optimizer)
         n = {k: sum(p.numel() for p in (v.trainer.model if k == "trainer" else v.model).parameters())
              for k, v in loops.items()}
         assert len(set(n.values())) == 1 and n["bare"] == spec.params, (n, spec.params)
         first_loss = {}
-        for k, loop in loops.items():  # warm-up, not timed: compile happens in the first step
+        for k in ("trainer", "bare", "transformers"):  # warm-up, not timed: the trainer's first step compiles
+            loop = loops[k]
             for i in range(args.warmup):
                 _sync(device)
                 t0 = time.perf_counter()
@@ -335,7 +335,7 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
         (mm_rate, f"a square fp32 matmul timed between the rounds ({'wall clock' if device.type == 'cuda' else 'CPU time'})")
     clock = profile.calibrated.get("clock", "wall") if cal_rate else ("wall" if device.type == "cuda" else "cpu")
     measured = cpu_med if clock == "cpu" else med
-    compile_one_off = first_seconds["bare"] - med["bare"] if setup.compile else 0.0
+    compile_one_off = first_seconds["trainer"] - med["trainer"] if setup.compile else 0.0
     return {
         "size": name,
         "model": {**spec.to_json(), "describe": spec.describe()},
