@@ -794,8 +794,8 @@ class Trainer:
         if self._writer is not None:
             try:
                 self._flush_metrics()
-            except DiskFull:  # closing after a failure: the lines that did not fit are lost, the run's state is not
-                pass
+            except (DiskFull, OSError):  # closing after a failure: lines that could not be written are lost (the
+                pass  # run's checkpoints are not); a run that ends normally flushed them in _finish already
             self._writer.close()
         if self._lock is not None:
             self._lock.release()
