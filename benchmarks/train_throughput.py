@@ -350,6 +350,7 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
         "median_step_seconds": med,
         "median_step_cpu_seconds": cpu_med,
         "tokens_per_second": {k: tokens / v for k, v in med.items()},
+        "tokens_per_cpu_second": {k: tokens / v for k, v in cpu_med.items()},
         "trainer_overhead": statistics.median(overhead_rounds),
         "trainer_overhead_cpu": statistics.median(cpu_overhead_rounds),
         "trainer_overhead_rounds": overhead_rounds,
@@ -459,7 +460,10 @@ def _print(out: dict) -> None:
             print(f"   autotune: {note}")
         print(f"   transformers: LlamaForCausalLM, labels= loss, {r['transformers_optimizer']}, clip 1.0")
         print(f"   {'':13}{'bare':>12}{'trainer':>12}{'transformers':>14}")
-        print(f"   {'tokens/s':13}{t['bare']:>12,.0f}{t['trainer']:>12,.0f}{t['transformers']:>14,.0f}")
+        c = r["tokens_per_cpu_second"]
+        print(f"   {'tokens/s':13}{t['bare']:>12,.0f}{t['trainer']:>12,.0f}{t['transformers']:>14,.0f}   (wall clock)")
+        print(f"   {'tokens/cpu-s':13}{c['bare']:>12,.0f}{c['trainer']:>12,.0f}{c['transformers']:>14,.0f}"
+              "   (this process's CPU time: the steady figure with one thread on a shared machine)")
         print(f"   {'MFU':13}{m['bare']:>12.1%}{m['trainer']:>12.1%}{m['transformers']:>14.1%}"
               f"   of {r['peak_flops'] / 1e9:,.1f} GFLOP/s ({r['peak_source']})")
         print(f"   {'first step':13}" + "".join(f"{r['first_step_seconds'][k]:>{w}.2f}" for k, w in
@@ -481,7 +485,7 @@ def _print(out: dict) -> None:
               f"{g['predicted_step_seconds']:.3f} s, measured ×{g['scale']:.2f}):")
         print(f"     model FLOPs at the peak: {g['ideal_seconds'] * 1e3:.1f} ms")
         for name, row in sorted(g["terms"].items(), key=lambda kv: -kv[1]["gap_seconds"]):
-            print(f"     {name:13} {row['seconds'] * 1e3:9.1f} ms ({row['share_of_step']:5.1%} of the step, "
+            print(f"     {name:15} {row['seconds'] * 1e3:9.1f} ms ({row['share_of_step']:5.1%} of the step, "
                   f"{row['bound']}), beyond its FLOPs at the peak: {row['gap_share']:5.1%}")
     if "nanogpt_124m" in out:
         n = out["nanogpt_124m"]
