@@ -13,7 +13,12 @@ The search space, for one model at one context length on one device:
   autocast weight copies. Pure bf16 is never proposed: it drops the fp32 master weights and
   changes the training, not just its speed;
 - optimizer: AdamW with the foreach implementation (``adamw``) or the fused kernel (``adamw-fused``);
-- ``torch.compile``, only where the profile's ``[calibrated] compile_speedup`` says it helps (> 1).
+- ``torch.compile``, only where the profile's ``[calibrated] compile_speedup`` says it helps (> 1). With
+  ``memplan calibrate --compile``'s reference step in the profile, ``memplan.timing`` models each compiled
+  setup (the fusible work sped up as calibrated) and its one-off compile time; with ``tokens`` (one epoch)
+  the ranking is by epoch time, compile included, so compile is taken only where it pays back its compile
+  time over the run; without, by step time, with a note of how many steps it takes to pay back. A profile
+  with ``compile_speedup`` alone divides the eager step by it (and adds ``compile_seconds`` if given).
   The memory of a compiled step is taken as that of the eager one (compile usually saves some);
 - with ``world_size`` > 1 (that many devices like this one): DDP or FSDP2 over all of them
   (``memplan.memory`` plans each rank's memory; FSDP shards weights, gradients and optimizer state).
@@ -52,7 +57,7 @@ from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import CHECKPOINTINGS, TrainSetup
 from memplan.stacks import MEMPLAN, Stack
-from memplan.timing import TimeBreakdown, step_time
+from memplan.timing import TimeBreakdown, compile_fusion, compile_seconds, step_time
 from memplan.units import format_bytes, format_count
 
 DEFAULT_MARGIN = 0.1  # share of the budget kept free for what the model does not see
@@ -133,11 +138,12 @@ def compile_speedup(device: Device) -> float | None:
 # ---- results -------------------------------------------------------------------------------
 
 def predicted_json(memory: MemoryBreakdown, time_: TimeBreakdown, step_seconds: float, tokens_per_second: float,
-                   epoch_tokens: int | None) -> dict:
-    """The ``predicted`` object of ``autotune --json`` (docs/json.md), with peak_allocated and peak_phase."""
+                   epoch_tokens: int | None, one_off_seconds: float = 0.0) -> dict:
+    """The ``predicted`` object of ``autotune --json`` (docs/json.md), with peak_allocated and peak_phase. The
+    epoch's seconds include ``one_off_seconds`` (torch.compile's compile time)."""
     return {"peak_reserved": memory.peak_reserved, "step_seconds": step_seconds,
             "tokens_per_second": tokens_per_second,
-            "epoch_seconds": epoch_tokens / tokens_per_second if epoch_tokens else None,
+            "epoch_seconds": epoch_tokens / tokens_per_second + one_off_seconds if epoch_tokens else None,
             "peak_allocated": memory.peak_allocated, "peak_phase": memory.peak_phase}
 
 
@@ -302,6 +308,7 @@ class _Evaluator:
                  stack: Stack = MEMPLAN):
         self.spec, self.device, self.speedup, self.epoch_tokens = spec, device, speedup, epoch_tokens
         self.stack = stack  # whose code runs the step: the walk's hooks (memplan.stacks)
+        self.models_compile = compile_fusion(device) is not None  # timing models compiled steps itself
         self._memory: dict[TrainSetup, MemoryBreakdown] = {}
         self._time: dict[TrainSetup, TimeBreakdown] = {}
 
@@ -316,30 +323,45 @@ class _Evaluator:
         return self._memory[key]
 
     def time(self, setup: TrainSetup) -> TimeBreakdown:
-        key = setup.replace(compile=False) if setup.compile else setup
+        key = setup.replace(compile=False) if setup.compile and not self.models_compile else setup
         if key not in self._time:
             self._time[key] = step_time(self.spec, key, self.device)
         return self._time[key]
 
     def seconds(self, setup: TrainSetup) -> float:
-        """Predicted step seconds; a compiled step is the eager one over the profile's compile speedup."""
+        """Predicted step seconds; a compiled step as memplan.timing models it from the calibrated reference,
+        else the eager one over the profile's compile speedup."""
         seconds = self.time(setup).step_seconds
-        return seconds / self.speedup if setup.compile and self.speedup else seconds
+        if setup.compile and not self.models_compile and self.speedup:
+            return seconds / self.speedup
+        return seconds
+
+    def one_off(self, setup: TrainSetup) -> float:
+        """Seconds spent once per run before the steps: torch.compile's compile time (0 for an eager step)."""
+        return compile_seconds(self.spec, self.device) if setup.compile else 0.0
 
     def tokens_per_second(self, setup: TrainSetup) -> float:
+        """Steady-state tokens per second (the step's)."""
         return setup.tokens_per_step / self.seconds(setup)
+
+    def rate(self, setup: TrainSetup) -> float:
+        """What the search maximises: tokens per second over the epoch (``tokens``) with the one-offs in, else
+        the steady-state rate."""
+        if not self.epoch_tokens:
+            return self.tokens_per_second(setup)
+        return self.epoch_tokens / (self.epoch_tokens / self.tokens_per_second(setup) + self.one_off(setup))
 
     def peak(self, setup: TrainSetup) -> int:
         return self.memory(setup).peak_reserved
 
     def rank_key(self, s: TrainSetup) -> tuple:
         """The objective's order: fastest first; on a tie, no checkpointing, then less memory."""
-        return (-_sig(self.tokens_per_second(s)), s.checkpointing != "none", self.peak(s), s.attention != "sdpa",
+        return (-_sig(self.rate(s)), s.checkpointing != "none", self.peak(s), s.attention != "sdpa",
                 s.optimizer != "adamw-fused", s.precision, s.compile)
 
     def predicted(self, setup: TrainSetup) -> dict:
         return predicted_json(self.memory(setup), self.time(setup), self.seconds(setup),
-                              self.tokens_per_second(setup), self.epoch_tokens)
+                              self.tokens_per_second(setup), self.epoch_tokens, self.one_off(setup))
 
 
 def _global_batch(spec: ModelSpec, ctx: int, world_size: int, global_batch_tokens: int | None,
@@ -475,6 +497,8 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     candidates: list[Candidate] = []
     advice: list[str] = []
     chosen = best_points[0] if best_points else None
+    if chosen is not None and True in compiles:
+        notes.append(_compile_note(chosen, ev))
     if chosen is not None:
         best_tps, best_peak = ev.tokens_per_second(chosen), ev.peak(chosen)
         candidates.append(Candidate(plan=plan_of(chosen), predicted=ev.predicted(chosen), fits=True,
@@ -495,6 +519,23 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
 
 
 # ---- why -----------------------------------------------------------------------------------
+
+def _compile_note(chosen: TrainSetup, ev: _Evaluator) -> str:
+    """Whether torch.compile pays on the chosen configuration: its step gain, its one-off, the steps to pay back."""
+    eager, compiled = chosen.replace(compile=False), chosen.replace(compile=True)
+    saved = ev.seconds(eager) - ev.seconds(compiled)
+    one_off = ev.one_off(compiled)
+    gain = ev.seconds(eager) / ev.seconds(compiled) - 1
+    if saved <= 0:
+        return f"torch.compile not taken: its step is predicted {-gain:.1%} slower on this configuration"
+    payback = math.ceil(one_off / saved) if one_off else 0
+    run = (f"a run of {ev.epoch_tokens:,} tokens ({math.ceil(ev.epoch_tokens / chosen.tokens_per_step):,} steps)"
+           if ev.epoch_tokens else None)
+    what = (f"torch.compile: steps {gain:.1%} faster, ~{one_off:.0f} s to compile once, paid back after "
+            f"{payback:,} steps")
+    if run is None:
+        return what + ("; taken (no --tokens to weigh the compile time against)" if chosen.compile else "")
+    return what + (f"; taken for {run}" if chosen.compile else f"; not taken for {run}")
 
 def _describe(s: TrainSetup) -> str:
     parts = [f"micro-batch {s.micro_batch} × {s.grad_accum}", f"checkpointing {s.checkpointing}", s.attention,

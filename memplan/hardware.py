@@ -38,7 +38,10 @@ nvlink4 | pcie4 | infinity-fabric | ethernet, ``bandwidth_bytes_per_second`` per
 ``latency_seconds`` per hop, ``peer_bandwidth_bytes_per_second`` where one peer gets less than all
 together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``memplan calibrate``).
 ``[calibrated]`` may also hold ``compile_speedup``, the eager step time over the ``torch.compile``d
-one (e.g. 1.25): ``memplan autotune`` proposes torch.compile only where it is present and above 1.
+one (e.g. 1.25): ``memplan autotune`` proposes torch.compile only where it is present and above 1;
+``compile_seconds``, the one-off compile time; and ``[calibrated.compile_reference]`` (written by
+``memplan calibrate --compile``: the reference step's shape and its measured ``eager_seconds``,
+``compiled_seconds`` and ``compile_seconds``), from which ``memplan.timing`` models every compiled setup.
 Every table's ``source`` ends up in ``Device.sources``. A bundled profile's ``source`` is its own evidence:
 for each origin, the document (repository and file, URL, issue or pull request) and the figure it states,
 ``; ``-separated, so the profile needs nothing outside it. ``--device PATH`` loads any file of this schema.

@@ -31,6 +31,14 @@ host dispatches ahead while the device works, so the step takes the longer of th
 allocator's mmap threshold is fresh memory the kernel zeroes page by page on first write
 (measured by ``memplan calibrate``): its ``first touch`` is counted with the kernel that writes it.
 
+**torch.compile** (``setup.compile``) is modelled where the profile carries ``memplan calibrate --compile``'s
+measurement (``[calibrated] compile_reference``: a reference step eager and compiled, and the compile's one-off
+time): compiling fuses the elementwise kernels, the loss and the dispatches around them (the *fusible* work)
+and leaves the matmuls, attention and the optimizer as they are, so the fusible seconds of a compiled step are
+the eager ones over the speedup that makes the reference's prediction match its measurement
+(``compile_fusion``). The compile itself is a one-off (``compile_seconds``, scaled from the reference by the
+number of layers): not in the step time, in the epoch time.
+
 Rates come from the device profile. A profile written by ``memplan calibrate`` carries measured
 rates (``[calibrated]``, see ``memplan/hardware.py``); a bundled profile has only vendor peaks,
 achievable matmul fractions and bandwidths, so the terms fall back to the sourced defaults below.
@@ -112,6 +120,8 @@ ADAMW_FOREACH_PASSES = 21
 ADAMW_FUSED_PASSES = 7  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 SGD_FOREACH_PASSES = 8  # weight decay add 3, momentum mul+add 3 (buf = buf·m + g), param add 3 → ~8 with reuse
 CLIP_PASSES = 3  # the foreach norm reads every gradient; the scale reads and writes it
+FUSIBLE_KINDS = ("elementwise", "transcendental", "module")  # what torch.compile fuses (with the loss and dispatch)
+COMPILE_FUSION_BOUNDS = (0.5, 20.0)  # the fusible speedup a calibration can give, at most this slower / faster
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -893,6 +903,8 @@ class TimeBreakdown:
     notes: list[str] = field(default_factory=list)
     matmul_flops_per_second: float = 0.0  # the achievable (calibrated or peak × achievable) large-matmul rate
     dispatches: int = 0  # aten ops dispatched per step (forward, backward, recompute)
+    fusible_seconds: float = 0.0  # of step_seconds, what torch.compile fuses (elementwise, loss, dispatch)
+    compile_seconds: float = 0.0  # torch.compile's one-off (in epoch_seconds, not step_seconds); 0 when eager
 
     @property
     def mfu_achievable(self) -> float:
@@ -912,6 +924,8 @@ class TimeBreakdown:
             "mfu_achievable": self.mfu_achievable,
             "rate_source": self.rate_source,
             "notes": list(self.notes),
+            "fusible_seconds": self.fusible_seconds,
+            "compile_seconds": self.compile_seconds,
             **({"communication": self.communication.to_json()} if self.communication is not None else {}),
         }
 
@@ -930,9 +944,65 @@ def contention_seconds(busy_seconds: float, device: Device) -> float:
     return busy_seconds * (1.0 / share - 1.0)
 
 
+def compile_reference(device: Device) -> tuple[ModelSpec, TrainSetup, dict] | None:
+    """The reference step ``memplan calibrate --compile`` timed (``[calibrated] compile_reference``: its shape and
+    its measured eager_seconds, compiled_seconds, compile_seconds), or None when the profile has none."""
+    ref = device.calibrated.get("compile_reference")
+    if not isinstance(ref, dict):
+        return None
+    try:
+        spec = ModelSpec(arch="llama", layers=int(ref["layers"]), hidden=int(ref["hidden"]), heads=int(ref["heads"]),
+                         kv_heads=int(ref["heads"]), ffn=int(ref["ffn"]), vocab=int(ref["vocab"]), tied=True)
+        setup = TrainSetup(ctx=int(ref["ctx"]), micro_batch=int(ref["micro_batch"]), precision="fp32",
+                           attention="sdpa", optimizer="adamw")
+        measured = {k: float(ref[k]) for k in ("eager_seconds", "compiled_seconds", "compile_seconds")}
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not (measured["eager_seconds"] > 0 and measured["compiled_seconds"] > 0 and measured["compile_seconds"] >= 0):
+        return None
+    return spec, setup, measured
+
+
+def compile_fusion(device: Device) -> float | None:
+    """The speedup torch.compile gives the fusible work on ``device``: f / (f − saved), where the reference
+    step's measured eager seconds E were saved ``E − compiled`` by compiling, and f = E × (its predicted fusible
+    seconds / its predicted busy seconds) is the fusible part of E. Bounded by COMPILE_FUSION_BOUNDS (a compile
+    that saved more than the fusible work is taken as the upper bound). None without a calibrated reference."""
+    found = compile_reference(device)
+    if found is None:
+        return None
+    spec, setup, m = found
+    eager = step_time(spec, setup, device)  # (not compiled: no recursion)
+    busy = eager.step_seconds - eager.terms["contention"].seconds
+    fusible = m["eager_seconds"] * eager.fusible_seconds / busy if busy > 0 else 0.0
+    if fusible <= 0:
+        return None
+    saved = m["eager_seconds"] - m["compiled_seconds"]
+    low, high = COMPILE_FUSION_BOUNDS
+    if saved >= fusible * (1 - 1 / high):
+        return high
+    return min(high, max(low, fusible / (fusible - saved)))
+
+
+def compile_seconds(spec: ModelSpec, device: Device) -> float:
+    """torch.compile's one-off for this model: the reference's measured compile time × (layers + 1) /
+    (its layers + 1) (dynamo traces and inductor compiles every block, the + 1 the embedding, head and loss;
+    an estimate); a profile without the reference may give ``[calibrated] compile_seconds`` as is; else 0."""
+    found = compile_reference(device)
+    if found is not None:
+        ref, _, m = found
+        return m["compile_seconds"] * (spec.layers + 1) / (ref.layers + 1)
+    value = device.calibrated.get("compile_seconds")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0.0
+
+
 def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: int | None = None) -> TimeBreakdown:
-    """Predicted seconds per optimizer step on ``device`` (one process), by term."""
+    """Predicted seconds per optimizer step on ``device`` (one process), by term. ``epoch_seconds`` adds a
+    compiled setup's one-off ``compile_seconds`` to the epoch's steps."""
     rates = rates_for(device)
+    fusion = compile_fusion(device) if setup.compile else None
+    fuse = fusion or 1.0  # the fusible kernels' and dispatches' speedup under torch.compile
+    fusible = 0.0
     acc: dict[str, list[float]] = {t: [0.0, 0.0, 0.0, 0.0] for t in TERMS}  # compute, memory, flops, bytes
     repeat_kv = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
     kernels = step_kernels(spec, setup, repeat_kv, COLLECTIVES_OF_FAMILY[device.family])
@@ -948,6 +1018,8 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
             elif k.name != "clip_grad_norm_":
                 memory += optimizer_dispatches(spec, setup) * rates.launch_seconds()
         slot = acc[k.term]
+        if k.kind in FUSIBLE_KINDS or k.term == "loss":
+            compute, memory, first = compute / fuse, memory / fuse, first / fuse
         seconds = max(compute, memory)
         if compute >= memory:
             slot[0] += k.calls * seconds
@@ -957,6 +1029,8 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
         slot[2] += k.calls * k.flops
         slot[3] += k.calls * (k.read_bytes + k.write_bytes)
         device_seconds += k.calls * (seconds + first)
+        if k.kind in FUSIBLE_KINDS or k.term == "loss":
+            fusible += k.calls * (seconds + first)
     communication = None
     if setup.world_size > 1 and setup.sharding != "none":  # what the compute does not hide (memplan.comm)
         from memplan.comm import communication as step_communication
@@ -970,7 +1044,7 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
     dispatches = step_dispatches(spec, compute_setup(setup), repeat_kv) + DATA_DISPATCHES_PER_MICRO_BATCH * setup.grad_accum
     # calibrated kernel times (linears, attention, modules) include their own dispatches; static ones do not
     timed = sum(k.calls * k.dispatches for k in kernels if rates.includes_dispatch(k))
-    host = max(0, dispatches - timed) * rates.launch_seconds()
+    host = max(0, dispatches - timed) * rates.launch_seconds() / fuse
     notes: list[str] = []
     if rates.family == "cpu":
         launch = host  # the CPU dispatches and computes in turn
@@ -1003,9 +1077,14 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
     if rates.matmul_dtype(setup.compute_dtype) != setup.compute_dtype:
         notes.append(f"{device.name} has no fast native {setup.compute_dtype}; the time below uses its fp32 rate "
                      "(see `memplan autotune` for the precision it runs best)")
-    if setup.compile:
+    one_off = compile_seconds(spec, device) if setup.compile else 0.0
+    if setup.compile and fusion is not None:
+        notes.append(f"torch.compile modelled from the calibrated reference step: elementwise kernels, the loss and "
+                     f"dispatch at 1/{fusion:.2f} of their eager time; compiling takes ~{one_off:.0f} s once "
+                     "(in epoch_seconds, not in the step)")
+    elif setup.compile:
         notes.append("torch.compile is not modelled: the prediction is for eager PyTorch (compile fuses elementwise "
-                     "kernels and is usually faster)")
+                     "kernels and is usually faster; `memplan calibrate --compile` measures it)")
     measured = [d for d in (setup.compute_dtype,) if d in device.calibrated.get("matmul", {})]
     source = (f"calibrated {str(device.calibrated.get('date', ''))[:10]}, "
               f"{device.calibrated.get('threads', '?')} thread(s)" if rates.calibrated and measured else
@@ -1013,8 +1092,10 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
     return TimeBreakdown(
         terms=terms, flops_per_step=flops, model_flops_per_step=mflops, step_seconds=seconds,
         tokens_per_second=tps, mfu=mflops / seconds / peak,
-        epoch_seconds=(epoch_tokens / tps) if epoch_tokens else None, rate_source=source, notes=notes,
+        epoch_seconds=(epoch_tokens / tps + one_off) if epoch_tokens else None, rate_source=source, notes=notes,
         matmul_flops_per_second=rates.matmul_flops_per_second(setup.compute_dtype),
         dispatches=dispatches,
         communication=communication,
+        fusible_seconds=fusible + launch,
+        compile_seconds=one_off,
     )

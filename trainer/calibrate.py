@@ -22,6 +22,11 @@ device torch would train on, with the thread count it is given:
 - **optimizer**: clip_grad_norm_ + optimizer.step() + zero_grad() as ``train_step`` runs them, for
   foreach and fused AdamW and for SGD, as seconds per parameter plus seconds per parameter tensor.
 - **device memory**: total and usable from torch, nvidia-ml-py, pyrsmi or psutil.
+- **torch.compile** (``compile=True``, ``memplan calibrate --compile``; outside the time budget, since one
+  compile takes tens of seconds): a reference training step (``COMPILE_REFERENCE``) eager and compiled,
+  interleaved, and the compile's one-off wall time (the first compiled step less a compiled step).
+  ``memplan.timing`` turns it into the share of the fusible work (elementwise kernels, the loss, dispatch)
+  that compiling saves, and scales the compile time with the model.
 
 Measured times are turned into *net* kernel rates: the dispatch overhead (dispatched ops × launch
 overhead) and the first-touch cost of fresh outputs are subtracted, because memplan's model adds
@@ -100,6 +105,8 @@ class Calibration:
     skipped: list[str] = field(default_factory=list)  # measurements the budget did not allow
     thread_seconds: dict[str, float] = field(default_factory=dict)  # threads -> median step of the thread trial
     cpu_share: float | None = None  # one thread, --clock cpu: CPU time / wall time over the calibration
+    # torch.compile of COMPILE_REFERENCE's step: its shape, eager_seconds, compiled_seconds, compile_seconds
+    compile: dict = field(default_factory=dict)
 
     def matmul_tflops(self) -> dict[str, float]:
         """Best net forward rate per dtype over the measured shapes (the device's achievable matmul rate)."""
@@ -644,6 +651,67 @@ def measure_optimizer(clock: _Clock, cal: Calibration, budget: float) -> None:
 # ---- the whole run -------------------------------------------------------------------------
 
 
+# The step measure_compile times: a small Llama (4.2M parameters at vocab 4096), fp32, SDPA, foreach AdamW, one
+# micro-batch; small enough that a compile takes ~20-40 s on a laptop core, large enough that its step is not
+# all dispatch.
+COMPILE_REFERENCE = {"layers": 2, "hidden": 256, "heads": 4, "ffn": 704, "vocab": 4096, "ctx": 256, "micro_batch": 4}
+COMPILE_STEPS = 6  # timed steps of each (eager, compiled), alternating
+
+
+def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS) -> None:
+    """``cal.compile``: COMPILE_REFERENCE's training step (``train_step``) eager and ``torch.compile``d, median
+    seconds of ``steps`` of each (alternating, by the calibration's clock) and the compile's one-off: the wall
+    time of the first compiled step less a compiled step (compiling runs in worker processes too, which a
+    CPU-time clock would not see). A compile that fails (no C compiler for inductor on a CPU, ...) is recorded
+    in ``cal.skipped``, and nothing else."""
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, train_step
+
+    r = COMPILE_REFERENCE
+    spec = ModelSpec(arch="llama", layers=r["layers"], hidden=r["hidden"], heads=r["heads"], kv_heads=r["heads"],
+                     ffn=r["ffn"], vocab=r["vocab"], tied=True)
+    setup = TrainSetup(ctx=r["ctx"], micro_batch=r["micro_batch"], precision="fp32", attention="sdpa",
+                       optimizer="adamw")
+    device = clock.device
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(r["vocab"], (r["micro_batch"], r["ctx"]), generator=gen).to(device)
+    y = torch.randint(r["vocab"], (r["micro_batch"], r["ctx"]), generator=gen).to(device)
+
+    def make(compiled: bool):
+        torch.manual_seed(0)
+        model = build_model(spec, "sdpa", "none", torch.float32, device=device)
+        return (torch.compile(model) if compiled else model), make_optimizer(model, "adamw")
+
+    def step(model, opt, now=clock.now) -> float:
+        clock.sync()
+        t0 = now()
+        train_step(model, opt, [(x, y)], setup, device.type, check_finite=False)
+        clock.sync()
+        return now() - t0
+
+    eager, eager_opt = make(False)
+    step(eager, eager_opt)  # warm-up
+    try:
+        compiled, compiled_opt = make(True)
+        first = step(compiled, compiled_opt, now=time.perf_counter)
+        step(compiled, compiled_opt)  # a second call can still specialise
+    except Exception as e:  # inductor needs a C++ compiler on a CPU, Triton on a GPU
+        cal.skipped.append(f"torch.compile: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+        return
+    e_times, c_times, c_wall = [], [], []
+    for _ in range(steps):
+        e_times.append(step(eager, eager_opt))
+        c_times.append(step(compiled, compiled_opt))
+        c_wall.append(step(compiled, compiled_opt, now=time.perf_counter))
+    cal.compile = {**r, "eager_seconds": statistics.median(e_times), "compiled_seconds": statistics.median(c_times),
+                   "compile_seconds": max(0.0, first - statistics.median(c_wall))}
+    clock.tick()
+    del compiled, compiled_opt
+    torch._dynamo.reset()
+
+
 def matmul_dtypes(family: str) -> list[str]:
     """Every dtype memplan plans that runs here: fp32, tf32 (NVIDIA Ampere+), bf16, fp16."""
     dtypes = ["fp32"]
@@ -655,7 +723,7 @@ def matmul_dtypes(family: str) -> list[str]:
 
 def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "wall",
               progress: Callable[[str, float], None] | None = None, choose_threads: bool = False,
-              share_clock: bool = False) -> Calibration:
+              share_clock: bool = False, compile: bool = False) -> Calibration:
     """Measure the local device within about ``seconds`` (the smallest case of every table is measured
     even when the budget is spent). ``threads`` pins torch's CPU threads (default: as they are, or with
     ``choose_threads`` on a CPU, the fastest of one and all cores by ``fastest_threads``, recorded in
@@ -666,6 +734,8 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     ``clock`` is ``wall`` or, for a one-thread CPU calibration on a shared machine, ``cpu``: timings and
     the budget then run on the process's CPU time, so a loaded machine measures the same shapes (in
     more wall time) as an idle one.
+
+    With ``compile``, ``measure_compile`` times torch.compile on a reference step after the budgeted stages.
 
     ``progress(stage, fraction_done)`` is called as the stages advance.
     """
@@ -748,6 +818,10 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         budget = max(share("optimizer") / 2, t0 + plan - timer.now())
         timer.deadline = timer.now() + budget
         measure_optimizer(timer, cal, budget)
+        if compile:
+            report("torch.compile", 0.99)
+            timer.deadline = math.inf
+            measure_compile(timer, cal)
         report("done", 1.0)
     finally:
         torch.set_grad_enabled(was_grad)
@@ -885,6 +959,11 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
         calibrated["thread_seconds"] = dict(cal.thread_seconds)
     if cal.cpu_share:
         calibrated["cpu_share"] = cal.cpu_share
+    if cal.compile:  # memplan.timing models compiled steps from this reference (compile_reference)
+        c = cal.compile
+        calibrated["compile_speedup"] = c["eager_seconds"] / c["compiled_seconds"]
+        calibrated["compile_seconds"] = c["compile_seconds"]
+        calibrated["compile_reference"] = dict(c)
     reader = {"cuda": "nvml", "rocm": "rocm-smi", "mps": "mps", "cpu": "psutil"}[cal.family]
     return {
         "name": name,

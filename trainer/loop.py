@@ -92,6 +92,8 @@ DECAY_SHARE = 0.2  # a time-limited run decays its learning rate over the last f
 TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
 ETA_WINDOW = 20  # steps whose median step time predicts the rest
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)
+METRICS_FLUSH_SECONDS = 1.0  # train lines reach metrics.jsonl at most this late (events and evals at once)
+MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
 SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
 LIMITS = ("max_steps", "max_tokens", "max_minutes")  # the settings that decide when a run stops
@@ -276,19 +278,31 @@ class _MetricsWriter:
         if needs_newline:  # a kill cut the last line: start on a fresh one
             self._f.write("\n")
 
-    def write(self, obj: dict) -> None:
+        self.flushed = time.perf_counter()
+
+    def write(self, obj: dict, flush: bool = True) -> None:
+        """Append one line; flushed now with ``flush``, else left in the buffer for a later flush (the
+        loop flushes train lines at most every METRICS_FLUSH_SECONDS, and before anything reads the file)."""
         self._f.write(json.dumps(obj, allow_nan=False) + "\n")
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
         self._f.flush()
+        self.flushed = time.perf_counter()
+
+    def flush_due(self) -> bool:
+        return time.perf_counter() - self.flushed >= METRICS_FLUSH_SECONDS
 
     def sync(self) -> None:
-        self._f.flush()
+        self.flush()
         os.fsync(self._f.fileno())
 
     def close(self) -> None:
         if not self._f.closed:
             try:
                 self._f.close()
-            except OSError:  # every line was flushed as written: a failed flush has raised already
+            except OSError:  # the loop flushed every line before (Trainer._flush_metrics): a failure raised there
                 pass
 
 
@@ -466,6 +480,12 @@ class Trainer:
         self._writer: _MetricsWriter | None = None
         self._report_written = -math.inf
         self._recent: list[float] = []  # the latest step times, for the ETA
+        # the latest memory reading, the step it measured and when (``_memory_due``: sampled, not every step)
+        self._memory = None
+        self._memory_step: int | None = None
+        self._memory_at = -math.inf
+        self._memory_clock = 0.0  # training seconds of this invocation, the clock memory samples run on
+        self._memory_reads = 0  # steps measured since the invocation started (or the micro-batch changed)
         self._eval_seconds: list[float] = []  # the latest evaluations' times
         self._started = time.perf_counter()
         self._resume_from = resume_from
@@ -723,9 +743,16 @@ class Trainer:
             return
         if self._writer is not None:
             with self._writing(self._writer.path):
-                self._writer.write(line)
+                # train lines are flushed in batches (at most METRICS_FLUSH_SECONDS late); any other at once
+                self._writer.write(line, flush=line.get("kind") != "train" or self._writer.flush_due())
         for cb in self._events:
             cb(line)
+
+    def _flush_metrics(self) -> None:
+        """Every line written so far onto the file (before anything reads it: the report, the summary)."""
+        if self._writer is not None:
+            with self._writing(self._writer.path):
+                self._writer.flush()
 
     def run(self) -> RunSummary:
         """Train until a stop criterion is met (or a signal arrives); returns what happened.
@@ -788,6 +815,10 @@ class Trainer:
     def close(self) -> None:
         self.monitor.close()
         if self._writer is not None:
+            try:
+                self._flush_metrics()
+            except (DiskFull, OSError):  # closing after a failure: lines that could not be written are lost (the
+                pass  # run's checkpoints are not); a run that ends normally flushed them in _finish already
             self._writer.close()
         if self._lock is not None:
             self._lock.release()
@@ -950,7 +981,8 @@ class Trainer:
             "tokens_per_second": self.setup.tokens_per_step / seconds, "lr": lr,
             "grad_norm": _finite_or_none(grad_norm), "tokens": self.tokens, "step_seconds": seconds,
             "time": self.train_seconds, "mfu": self.flops_per_step / seconds / self.peak_flops,
-            "memory_bytes": memory.peak_bytes, "micro_batch": self.setup.micro_batch,
+            "memory_bytes": memory.peak_bytes, "memory_step": self._memory_step,
+            "micro_batch": self.setup.micro_batch,
             "grad_accum": self.setup.grad_accum, "skipped": skipped,
             "eta_seconds": self._eta(),
             "total_steps": self.schedule.total_steps,
@@ -1021,7 +1053,9 @@ class Trainer:
         while True:
             data_state = self.stream.state_dict()
             batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
-            self.monitor.reset()
+            measure = self._memory_due()
+            if measure:
+                self.monitor.reset()
             oom = None
             t0 = time.perf_counter()
             try:
@@ -1029,11 +1063,15 @@ class Trainer:
                 loss = float(distributed.mean_across_ranks(result.loss))  # waits for the device
                 seconds = time.perf_counter() - t0
                 grad_norm = float(result.grad_norm)
-                memory = self.monitor.read()
-                if self.dist.world_size > 1 and memory.peak_bytes is not None:  # the fullest device
-                    memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(
-                        memory.peak_bytes, self.device))
-                return loss, grad_norm, bool(result.skipped), seconds, memory
+                self._memory_clock += seconds
+                if measure:
+                    memory = self.monitor.read()
+                    if self.dist.world_size > 1 and memory.peak_bytes is not None:  # the fullest device
+                        memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(
+                            memory.peak_bytes, self.device))
+                    self._memory, self._memory_step, self._memory_at = memory, step, self._memory_clock
+                    self._memory_reads += 1
+                return loss, grad_norm, bool(result.skipped), seconds, self._memory
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 oom = out_of_memory(e)
                 if oom is None:
@@ -1047,7 +1085,19 @@ class Trainer:
                     f"{self.dist.world_size}` (FSDP shards the model), or use --checkpointing full")
             self._recover_from_oom(step, data_state, oom)
 
+    def _memory_due(self) -> bool:
+        """Whether this step's memory is measured (the monitor reset before it, read after it). Reading it
+        costs /proc reads (CPU) or driver queries (GPU) that a step need not pay: one process measures the
+        first two steps of an invocation (and of a new micro-batch: the first allocates the optimizer state,
+        the second is the steady state the report takes), then a step once MEMORY_SAMPLE_SECONDS of training
+        have passed since the last measured one; the lines between carry that reading, with
+        ``memory_step`` naming the step it measured. Several processes measure every step (each rank's
+        decision must be the same, and the largest over the ranks is a collective)."""
+        return self.dist.world_size > 1 or self._memory_reads < 2 or \
+            self._memory_clock - self._memory_at >= MEMORY_SAMPLE_SECONDS
+
     def _recover_from_oom(self, step: int, data_state: dict, message: str) -> None:
+        self._memory_reads = 0  # the next steps, at the new micro-batch, are measured
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.device.type == "cuda":
@@ -1253,6 +1303,7 @@ class Trainer:
             return None
 
         self._report_written = time.perf_counter()
+        self._flush_metrics()  # the report reads metrics.jsonl
         try:
             with self._writing(self.run_dir / REPORT_FILE, report=True):
                 return write_run_report(self.run_dir)
@@ -1272,6 +1323,7 @@ class Trainer:
         else:
             ref = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
             checkpoint = ref.path if ref else None
+        self._flush_metrics()
         last_train = next((l for l in reversed(read_metrics(self.run_dir)) if l.get("kind") == "train"), None) \
             if self.is_main else None
         self._emit({"kind": "event", "event": "stop", "step": self.step, "reason": reason, "tokens": self.tokens,

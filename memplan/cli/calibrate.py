@@ -31,6 +31,9 @@ ClockOpt = Annotated[str, typer.Option(
     "--clock", help="wall | cpu. cpu times one CPU thread by its process CPU time, which leaves out the time "
                     "other processes hold the core (shared machines); needs --threads 1.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")]
+CompileMeasureOpt = Annotated[bool, typer.Option(
+    "--compile", help="Also time torch.compile on a reference training step (its speedup and its one-off compile "
+                      "time, outside --seconds: tens of seconds), so autotune can weigh it.")]
 
 DEFAULT_SECONDS = "50"  # measurements plan 80% of it; with torch's import the command ends within a minute
 
@@ -100,7 +103,7 @@ def _print_summary(console, device, cal, out: Path) -> None:
 def calibrate_command(
     out: OutOpt = None, device_name: DeviceNameOpt = None, seconds: SecondsOpt = DEFAULT_SECONDS,
     threads: ThreadsOpt = None,
-    clock: ClockOpt = "wall", force: ForceOpt = False, json: JsonOpt = False,
+    clock: ClockOpt = "wall", force: ForceOpt = False, json: JsonOpt = False, compile: CompileMeasureOpt = False,
 ) -> None:
     """Measure this machine's device (matmul per dtype and shape, memory bandwidth, attention, optimizer, launch
     overhead, memory) and write a profile TOML with the measured rates."""
@@ -130,7 +133,7 @@ def calibrate_command(
                TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=json) as progress:
         task = progress.add_task("starting", total=1.0)
-        cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock, choose_threads=n_threads is None,
+        cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock, choose_threads=n_threads is None, compile=compile,
                                 progress=lambda stage, done: progress.update(task, description=stage, completed=done))
     base = match_profile(cal.title, cal.family) if cal.family != "cpu" else None
     name = device_name.strip() if device_name else (f"{base.name}-calibrated" if base else slug(cal.title))

@@ -273,6 +273,7 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
         ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else (
             DEFAULT_CTX if given_model else QUICKSTART_CTX)
         the_plan = _autotuned_plan(spec, ctx_n, prepared, profile, console, minutes=minutes,
+                                   max_steps=overrides["max_steps"], max_tokens=overrides["max_tokens"],
                                    global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"),
                                    budget=budget, margin=_number(margin, "--margin"), world_size=launched)
     if launched > 1:  # every rank trains rank 0's plan (the quick start's is chosen on a timed matmul)
@@ -601,7 +602,7 @@ def for_world(plan, world_size: int, sharding: str | None, profile, console):
 
 
 def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_batch_tokens, budget, margin,
-                    world_size: int = 1):
+                    world_size: int = 1, max_steps: int | None = None, max_tokens: int | None = None):
     from memplan.units import parse_size
 
     try:
@@ -616,9 +617,17 @@ def _autotuned_plan(spec, ctx, prepared, profile, console, *, minutes, global_ba
         if global_batch_tokens is None:  # small steps, so the run gets QUICKSTART_MIN_STEPS or more
             steps_tokens = tps * minutes * 60 / QUICKSTART_MIN_STEPS
             global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
-    result = autotune(spec, profile, ctx=ctx, global_batch_tokens=global_batch_tokens,
-                      budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin,
-                      tokens=None, world_size=world_size)
+    kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
+              budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin, world_size=world_size)
+    result = autotune(spec, profile, tokens=None, **kw)
+    if result.plan is not None and result.plan.setup.compile:
+        # torch.compile's compile time is a one-off: weigh it against the tokens this run will train (its limit,
+        # or what the fastest plan trains in its time), so a short run stays eager
+        p = result.plan.predicted
+        run = [t for t in (max_tokens, max_steps * result.plan.setup.tokens_per_step * world_size if max_steps else None,
+                           int(p["tokens_per_second"] * minutes * 60) if minutes else None) if t]
+        if run:
+            result = autotune(spec, profile, tokens=min(run), **kw)
     if result.plan is None:
         advice = "; ".join(getattr(result, "advice", None) or ["try a smaller model or a shorter --ctx"])
         raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}: {advice}")
@@ -847,6 +856,7 @@ def progress_fraction(step: int, total: int | None, total_fixed: bool, elapsed: 
 STATUS_FIELDS = ("loss", "tokens/s", "mfu", "memory", "eta")
 STATUS_DROP_ORDER = ("prediction", "mfu", "memory", "tokens/s", "loss", "eta")
 LIVE_BAR_WIDTHS = (24, 12)
+LIVE_REFRESH_SECONDS = 0.5  # the live line is redrawn at most this often (on a step's metrics line)
 
 
 def fit_live_line(width: int, count: str, fields: dict[str, str], prediction: str = "") -> tuple[str, int]:
@@ -898,9 +908,13 @@ class _ProgressView:
         self.bar = BarColumn(bar_width=LIVE_BAR_WIDTHS[0])
         self.columns = (SpinnerColumn(), TextColumn("{task.fields[count]}"), self.bar,
                         TextColumn("{task.fields[status]}"))
-        self.progress = Progress(*self.columns, console=console, transient=False, disable=not self.live)
+        # no refresh thread (rich's redraws the line 10 times a second, ~1% of a core beside the training): the
+        # line is redrawn when a step's metrics line arrives, at most every LIVE_REFRESH_SECONDS
+        self.progress = Progress(*self.columns, console=console, transient=False, disable=not self.live,
+                                 auto_refresh=False)
         self.task = None
         self._last_print = -1
+        self._refreshed = -math.inf
 
     def __enter__(self):
         self.progress.__enter__()
@@ -955,6 +969,9 @@ class _ProgressView:
                                                    count=count, status=status)
             self.progress.update(self.task, total=None if done is None else 1000, completed=done or 0,
                                  count=count, status=status)
+            if self.live and time.perf_counter() - self._refreshed >= LIVE_REFRESH_SECONDS:
+                self._refreshed = time.perf_counter()
+                self.progress.refresh()
             if not self.live and fraction is not None:
                 decile = int(fraction * 10)
                 if decile != self._last_print:
