@@ -40,3 +40,25 @@ def test_the_step_time_page_has_its_five_figures_and_the_bars_it_is_given(tmp_pa
     assert page.summary["calibrated: median |error|"] == "10.0% (bar 15%)"
     html = write_page(page, tmp_path / "step.html").read_text()
     assert "Where the predicted time goes" in html and "llama 2" in html
+
+
+def test_the_run_reports_memory_plot_shows_only_the_steps_that_were_measured(tmp_path):
+    """metrics.jsonl repeats the latest memory reading on the lines between measured steps (memory_step names
+    the step measured): the memory figure draws the measured steps only, not flat copies of a reading."""
+    pytest.importorskip("plotly")
+    import json
+
+    from memplan.reports.run import build_run_page
+
+    lines = [{"kind": "event", "event": "start", "step": 0, "time": 0.0,
+              "predicted": {"peak_reserved": 1 << 30, "tokens_per_second": 1000.0}}]
+    measured_at = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5}
+    for step, at in measured_at.items():
+        lines.append({"kind": "train", "step": step, "loss": 5.0 - step / 10, "time": float(step),
+                      "tokens_per_second": 1000.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100 * step,
+                      "memory_bytes": (500 + at) << 20, "memory_step": at})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    page = build_run_page(tmp_path)
+    memory = next(f for f in page.figures if "Memory over time" in (f.layout.title.text or ""))
+    drawn = [y for y in memory.data[0].y]
+    assert [y is not None for y in drawn] == [True, True, False, False, True]

@@ -93,19 +93,21 @@ def build_run_page(run_dir: str | Path) -> Page:
     fig.update_yaxes(title="cross-entropy (nats/token)")
     figures.append(style_figure(fig, "Loss"))
 
-    # ---- memory over time
+    # ---- memory over time: the steps that were measured (a line repeating an earlier step's reading, as
+    # memory_step says, is not a measurement of its own; runs before memory_step measured every step)
     times_min = [l.get("time", 0.0) / 60 for l in train]
-    measured = [l.get("memory_bytes") for l in train]
-    allocated = [l.get("memory_allocated_bytes") for l in train]
+    measured_here = [l.get("memory_step", l.get("step")) == l.get("step") for l in train]
+    measured = [l.get("memory_bytes") if here else None for l, here in zip(train, measured_here)]
+    allocated = [l.get("memory_allocated_bytes") if here else None for l, here in zip(train, measured_here)]
     peak_pred = predicted.get("peak_reserved")
     biggest = max([m for m in measured if m] + [peak_pred or 0] + [1])
     scale, unit = _unit(biggest)
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=times_min, y=[m / scale if m else None for m in measured], mode="lines+markers",
-                             marker=dict(size=3), name="measured peak (each step)"))
+                             marker=dict(size=3), name="measured peak (each measured step)", connectgaps=True))
     if any(a is not None for a in allocated):
         fig.add_trace(go.Scatter(x=times_min, y=[a / scale if a else None for a in allocated], mode="lines",
-                                 name="measured live tensors (max_memory_allocated)"))
+                                 name="measured live tensors (max_memory_allocated)", connectgaps=True))
     for key, label, dash in (("peak_reserved", "predicted peak (peak_reserved)", "dash"),
                              ("peak_allocated", "predicted live tensors (peak_allocated)", "dot")):
         if key == "peak_allocated" and not any(a is not None for a in allocated):
@@ -122,7 +124,7 @@ def build_run_page(run_dir: str | Path) -> Page:
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label, line=dict(dash=dash, width=2)))
     fig.update_xaxes(title="training time (minutes)")
     fig.update_yaxes(title=unit, rangemode="tozero")
-    figures.append(style_figure(fig, "Memory over time: measured per step, predicted as a line"))
+    figures.append(style_figure(fig, "Memory over time: measured on a sample of steps, predicted as a line"))
 
     # ---- throughput (MFU is tokens/s times a constant: it rides along in the hover, not as a second line)
     fig = go.Figure()
