@@ -411,9 +411,10 @@ def main(argv=None) -> dict:
     else:
         from rich.console import Console
 
-        from memplan.cli.train import ensure_embedded_data
+        from memplan.cli.train import RichUI
+        from trainer.request import ensure_embedded_data
 
-        data_dir = ensure_embedded_data(Console(stderr=True))
+        data_dir = ensure_embedded_data(RichUI(Console(stderr=True)))
     data = PreparedData(data_dir)
     profile = load_profile(args.device)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

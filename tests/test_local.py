@@ -198,13 +198,12 @@ def _fake_child(tmp_path, noises):
 
 
 def test_a_noisy_calibration_is_measured_again_and_never_cached(cache, tmp_path, monkeypatch):
-    from rich.console import Console
 
-    from memplan.cli import train
+    from trainer import request as train
 
     child, calls = _fake_child(tmp_path, [0.5, 0.3])
-    monkeypatch.setattr(train, "_calibrate_in_child", child)
-    profile, note = train.local_calibration(load_profile("cpu"), Console(stderr=True), measure_now=True)
+    monkeypatch.setattr(train, "calibrate_in_child", child)
+    profile, note = train.local_calibration(load_profile("cpu"), train.TrainUI(), measure_now=True)
     assert calls == [0.5, 0.3]  # measured again, the steadier used for this run
     assert profile.calibrated["noise"] == 0.3 and profile.runtime_context_bytes == CONTEXT
     assert "too noisy to keep" in note and "±30%" in note
@@ -224,20 +223,19 @@ def test_a_noisy_calibration_is_measured_again_and_never_cached(cache, tmp_path,
 
 
 def test_a_steady_calibration_is_cached_with_its_thread_choice(cache, tmp_path, monkeypatch):
-    from rich.console import Console
 
-    from memplan.cli import train
+    from trainer import request as train
 
     child, calls = _fake_child(tmp_path, [0.5, 0.05])
-    monkeypatch.setattr(train, "_calibrate_in_child", child)
-    profile, note = train.local_calibration(load_profile("cpu"), Console(stderr=True), measure_now=True)
+    monkeypatch.setattr(train, "calibrate_in_child", child)
+    profile, note = train.local_calibration(load_profile("cpu"), train.TrainUI(), measure_now=True)
     assert calls == [0.5, 0.05] and "kept" in note
     found = local.find_calibration("cpu")
     assert found is not None and found.noise == 0.05 and found.runtime_context_bytes == CONTEXT
     assert local.chosen_threads("cpu") == 1
     # the next run reads the cache and measures nothing
-    monkeypatch.setattr(train, "_calibrate_in_child", lambda *a, **k: pytest.fail("calibrated again"))
-    again, note = train.local_calibration(load_profile("cpu"), Console(stderr=True), measure_now=True)
+    monkeypatch.setattr(train, "calibrate_in_child", lambda *a, **k: pytest.fail("calibrated again"))
+    again, note = train.local_calibration(load_profile("cpu"), train.TrainUI(), measure_now=True)
     assert again.calibrated == found.calibrated and note == found.note()
 
 

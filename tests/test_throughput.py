@@ -229,12 +229,12 @@ def test_a_failed_compile_is_recorded_as_skipped_and_leaves_no_compile_figures(m
 
 
 def test_memplan_train_weighs_the_compile_time_against_the_run_it_plans():
-    from memplan.cli.train import _autotuned_plan
+    from trainer.request import TrainUI, autotuned_plan
 
     device = _calibrated_cpu(eager=1.0, compiled=0.8, compile_s=30.0)
 
     def plan(**limits):
-        return _autotuned_plan(SPEC, 256, None, device, Console(file=io.StringIO()), global_batch_tokens=2048,
+        return autotuned_plan(SPEC, 256, None, device, TrainUI(), global_batch_tokens=2048,
                                budget=None, margin=0.1, **{"minutes": None, **limits}).setup.compile
 
     assert plan()  # no limit to weigh it against: the fastest step

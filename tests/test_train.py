@@ -503,7 +503,7 @@ def test_cli_prints_a_stopped_run_on_one_line_with_exit_1(tmp_path, corpus, monk
 def test_without_a_plan_train_picks_a_model_autotunes_it_and_trains_for_the_time_given(tmp_path, corpus, monkeypatch):
     """The quick start's path (what `memplan train` alone does, on this corpus and for 6 seconds): a model
     sized for the time, its setup from autotune, a time-limited schedule, a sample at the end."""
-    from memplan.cli import train as train_cli
+    from trainer import request as train_cli
 
     monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "cache"))  # this test's own calibration of the machine
     monkeypatch.setattr(train_cli, "QUICKSTART_CALIBRATE_SECONDS", 4.0)
@@ -542,7 +542,7 @@ def test_the_quick_start_model_is_the_largest_rung_predicted_to_meet_its_tokens_
     QUICKSTART_TOKENS_PER_PARAM in the time given and the next rung does not; where no rung does (a 100
     GFLOP/s CPU core for 3 minutes, as in benchmarks/quickstart.py) it is the smallest rung, and the line
     printed says so rather than claiming the ratio."""
-    from memplan.cli.train import QUICKSTART_LAYERS, QUICKSTART_TOKENS_PER_PARAM, quickstart_model, \
+    from trainer.request import QUICKSTART_LAYERS, QUICKSTART_TOKENS_PER_PARAM, quickstart_model, \
         quickstart_model_line
     from memplan.model import _round_up
     from memplan.timing import step_time

@@ -93,12 +93,12 @@ def finetune_command(
     from memplan.local import means_this_machine
 
     if means_this_machine(device):  # the local device: its cached measured rates (memplan train's), if any
-        from memplan.cli.train import local_calibration
+        from trainer.request import local_calibration
 
-        profile, _ = local_calibration(profile, console, measure_now=False, threads=n_threads)
-    from memplan.cli.train import _set_threads
+        profile, _ = local_calibration(profile, None, measure_now=False, threads=n_threads)
+    from trainer.request import set_threads
 
-    _set_threads(n_threads, profile)
+    set_threads(n_threads, profile)
     out_dir = Path(out)
     if lora_rank < 0:
         raise InputError(f"--lora-rank: {lora_rank} must be 0 (full finetune) or a positive integer")
@@ -142,7 +142,7 @@ def finetune_command(
             spec = base_plan.model
             prec = precision or base_plan.setup.precision
         else:
-            from memplan.cli.train import best_precision
+            from trainer.request import best_precision
 
             imported = base_of_hf(from_)
             ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx else min(imported.max_ctx, 2048)

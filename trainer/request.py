@@ -1,0 +1,574 @@
+"""What ``memplan train`` will run, resolved from what it was asked: a ``TrainRequest`` (every flag as a
+value) becomes a ``ResolvedTrain`` (the plan, the prepared data, the device profile, the run directory, the
+weights it starts from) in ``resolve_train``. The quick start's model and corpus, the local calibration, the
+plan of a checkpoint (``--from``), autotune, and the rescaling for N processes all happen here; the command
+line only maps flags to the request and renders what this module says through a ``TrainUI``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memplan.errors import InputError
+
+QUICKSTART_MINUTES = 3.0  # `memplan train` alone trains this long
+QUICKSTART_CTX = 256  # the embedded corpus's documents are short; 256 tokens hold most of one
+# (ctx 128 trained to the same held-out loss in 1-minute trials; the quick start is not compiled: its model's
+# first compiled step took 22 s, for steps 2.6% faster after, on a 2-core CPU)
+# 1-minute trials of the quick start's model: 6e-3 ended far above 3e-3, 2e-3 beat 3e-3 (bpe:4096), and
+# 1e-3..3e-3 were within the trials' noise at bpe:8192 (benchmarks/quickstart.py; 6e-4 is tuned for 125M)
+QUICKSTART_LR = 2e-3
+DEFAULT_CTX = 1024  # with MODEL flags, as the other commands
+TOKENS_PER_PARAM = 20  # compute-optimal tokens per parameter (Hoffmann et al. 2022, Chinchilla)
+# The quick start's rung: the largest of the ladder predicted to train on Chinchilla's tokens per parameter in
+# its minutes, else the smallest rung. On a CPU no rung gets there (3 minutes buy ~1-2M tokens, 20 per parameter
+# for a 50-100k-parameter model), so it is the smallest, 2 layers × 128: in 1-minute trials on a 2-core CPU
+# 2×192 was within noise of it and 2×256, 4×128, 4×256 trained too few tokens and ended higher. The line printed
+# says which case applied and the tokens per parameter predicted.
+QUICKSTART_TOKENS_PER_PARAM = TOKENS_PER_PARAM
+# The quick start's global batch is sized for at least this many steps: in 1-minute trials of its model the
+# held-out loss fell steadily from 16k-token steps down to 512-token ones (2 sequences of 256) on a 2-core CPU.
+QUICKSTART_MIN_STEPS = 1500
+QUICKSTART_LAYERS = (2, 3, 4, 6, 8, 10, 12)  # the model ladder: hidden = 64·layers (memplan's size rule)
+QUICKSTART_CALIBRATE_SECONDS = 15.0  # the quick start's first calibration of this machine (then cached)
+MATMUL_PROBE = 1024  # side of the square fp32 matmul timed to rate the local device for the quick start
+FROM_LR = 1e-4  # continued pretraining's default peak: well below a from-scratch run's 6e-4, as it starts trained
+CALIBRATE_ATTEMPTS = 2  # the quick start measures again once when the first calibration is too noisy to keep
+
+
+class TrainUI:
+    """How resolving a run speaks: lines of text (rich markup allowed) and two progress displays, the local
+    calibration's and the embedded corpus's preparation. This base says nothing and shows nothing (a library
+    caller's); ``memplan train`` renders them with rich (``memplan.cli.train.RichUI``)."""
+
+    def say(self, text: str, soft_wrap: bool = False) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def calibrating(self, what: str):
+        """A progress display for a calibration: yields ``update(stage, done)``, done in [0, 1]."""
+        yield lambda stage, done: None
+
+    @contextlib.contextmanager
+    def preparing(self):
+        """A progress display for ``trainer.data.prepare``: yields its ``progress(stage, done, total)``."""
+        yield lambda stage, done, total: None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRequest:
+    """What ``memplan train`` was asked, flag by flag. ``model`` and ``setup`` hold MODEL and SETUP flags as
+    typed (text, or None when not given: ``memplan.cli.options.model_from`` / ``setup_from`` parse them);
+    ``control`` and ``hyper`` are parsed already (``run_control_from``; lr, warmup_steps, min_lr_ratio,
+    weight_decay, clip, seed)."""
+
+    plan: str | None = None  # --plan FILE
+    data: str | None = None
+    out: str | None = None
+    from_: str | None = None  # --from: a Hugging Face checkpoint (continued pretraining)
+    resume: bool = False
+    model: dict = field(default_factory=dict)
+    setup: dict = field(default_factory=dict)
+    control: dict = field(default_factory=dict)
+    hyper: dict = field(default_factory=dict)
+    device: str | None = None
+    device_memory: str | None = None
+    threads: int | None = None
+    sharding: str | None = None
+    global_batch_tokens: int | None = None
+    budget: str | None = None
+    margin: float | None = None
+
+
+@dataclass
+class ResolvedTrain:
+    """The run ``resolve_train`` found: a new one (``plan``) or one to resume (``resume``, with the plan asked
+    for if any), what it trains on and where, and what the command line is to say of its rates."""
+
+    run_dir: Path
+    prepared: object  # trainer.data.PreparedData
+    profile: object  # memplan.hardware.Device, with this machine's calibration where it has one
+    plan: object | None = None  # memplan.plan.Plan of a new run
+    resume: bool = False
+    resume_plan: object | None = None  # a resume's --plan / MODEL / SETUP, checked against the run's
+    overrides: dict = field(default_factory=dict)  # run control
+    hyper: dict = field(default_factory=dict)
+    rates_note: str | None = None
+    starting: object | None = None  # trainer.loop.StartingWeights (--from)
+    sharding: str | None = None
+
+
+def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
+    """The run ``req`` asks for, every option checked before anything is written: an InputError otherwise."""
+    from memplan.cli.options import device_from, model_from
+    from memplan.units import parse_count
+    from trainer import distributed
+    from trainer.data import PreparedData
+
+    _, launched, _ = distributed.env_world()
+    plan, data, out, from_, resume = req.plan, req.data, req.out, req.from_, req.resume
+    model_flags = {k: req.model.get(k) for k in MODEL_FLAGS}
+    setup_flags = {k: req.setup.get(k) for k in SETUP_FLAGS}
+    ctx, vocab = setup_flags["ctx"], model_flags["vocab"]
+    given_model = any(v is not None for v in model_flags.values())
+    given_setup = any(v is not None for k, v in setup_flags.items() if k != "ctx")
+    if plan and (given_model or given_setup or ctx is not None):
+        raise InputError("give --plan FILE or MODEL/SETUP options, not both")
+    if from_ is not None:
+        if plan or given_model:
+            raise InputError("--from: the checkpoint is the model; give --from or --plan / model options "
+                             "(--params, --model, --layers, ...), not both")
+        if resume:
+            raise InputError("--from starts a run; --resume continues RUN from its own checkpoint (or, before the "
+                             "first one, from the weights it recorded), so drop --from")
+        if not data:
+            raise InputError(f"--from {from_}: give --data DIR, a corpus prepared with the checkpoint's own "
+                             f"tokenizer (`memplan prepare --input FILE --tokenizer {from_} --out DIR`)")
+    overrides, hyper = dict(req.control), dict(req.hyper)
+    quickstart = not plan and not given_model and not given_setup and not resume and from_ is None
+
+    profile = device_from(req.device, req.device_memory)
+    from memplan.local import means_this_machine
+
+    if means_this_machine(req.device):  # the local device: plan with what it measured, where memplan has it
+        profile, rates_note = local_calibration(profile, ui, measure_now=quickstart, threads=req.threads)
+    else:
+        rates_note = None
+    set_threads(req.threads, profile)
+    if resume:
+        if not out:
+            raise InputError("--resume: name the run to continue with --out RUN")
+        run_dir = Path(out)
+        from trainer import rundir
+
+        # the run its newest checkpoint, else its run.json, records (from step 0); else an InputError
+        data_dir = Path(data) if data else rundir.recorded_data_path(run_dir)
+        if not data and not (data_dir / "manifest.json").is_file():
+            raise InputError(f"--resume: the run's prepared data {data_dir} is gone; give it with --data DIR")
+        prepared = PreparedData(data_dir)
+        asked = None
+        if plan or given_model or given_setup or ctx is not None:
+            asked = plan_from_flags(plan, model_flags, setup_flags, prepared, profile, ui, quiet=True)
+        return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, resume=True, resume_plan=asked,
+                             overrides=overrides, hyper=hyper, rates_note=rates_note, sharding=req.sharding)
+
+    if from_ is not None:  # continued pretraining of a Hugging Face checkpoint: the checkpoint first, then the data
+        from trainer.finetune import base_of_hf
+
+        imported = base_of_hf(from_, weights=False)  # spec and tokenizer now; the weights when the model is built
+        return _resolve_from(ui, from_, imported, PreparedData(Path(data)), profile, setup_flags=setup_flags,
+                             given_setup=given_setup, overrides=overrides, hyper=hyper, out=out, launched=launched,
+                             sharding=req.sharding, global_batch_tokens=req.global_batch_tokens, budget=req.budget,
+                             margin=req.margin, rates_note=rates_note)
+    prepared = PreparedData(Path(data) if data else embedded_data_once(ui))
+    minutes = overrides["max_minutes"]
+    if quickstart and overrides["max_steps"] is None and overrides["max_tokens"] is None and minutes is None:
+        minutes = overrides["max_minutes"] = QUICKSTART_MINUTES
+    if quickstart and hyper["lr"] is None:
+        hyper["lr"] = QUICKSTART_LR
+    if plan or given_setup:
+        the_plan = plan_from_flags(plan, model_flags, setup_flags, prepared, profile, ui)
+    else:
+        spec = (model_from(**{**model_flags, "vocab": None}).replace(vocab=prepared.vocab_size) if given_model
+                else None)
+        if given_model:
+            check_vocab(vocab, prepared)
+        ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else (
+            DEFAULT_CTX if given_model else QUICKSTART_CTX)
+        the_plan = autotuned_plan(spec, ctx_n, prepared, profile, ui, minutes=minutes,
+                                  max_steps=overrides["max_steps"], max_tokens=overrides["max_tokens"],
+                                  global_batch_tokens=req.global_batch_tokens, budget=req.budget, margin=req.margin,
+                                  world_size=launched)
+    if launched > 1:  # every rank trains rank 0's plan (the quick start's is chosen on a timed matmul)
+        the_plan = distributed.from_rank0(for_world(the_plan, launched, req.sharding, profile, ui))
+    run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
+    return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, plan=the_plan, overrides=overrides,
+                         hyper=hyper, rates_note=rates_note)
+
+
+MODEL_FLAGS = ("params", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied")
+SETUP_FLAGS = ("ctx", "batch", "grad_accum", "precision", "attention", "checkpointing", "optimizer", "compile")
+
+
+# ---- --from: a Hugging Face checkpoint -----------------------------------------------------------------
+
+def _resolve_from(ui, from_: str, imported, prepared, profile, *, setup_flags, given_setup, overrides, hyper, out,
+                  launched, sharding, global_batch_tokens, budget, margin, rates_note) -> "ResolvedTrain":
+    """``memplan train --from CHECKPOINT``: the checkpoint's model (``imported``, read without its weights),
+    planned (autotuned unless the setup is given) and trained on ``prepared`` from its weights; the corpus must
+    have been prepared with its tokenizer."""
+    from memplan.units import parse_count
+    from trainer import distributed
+    from trainer.loop import starting_from_hf
+
+    want, got = imported.tokenizer_record, prepared.manifest["tokenizer"]
+    if (got.get("sha256"), got.get("eot_id"), prepared.vocab_size) != (want["sha256"], want["eot_id"],
+                                                                        imported.spec.vocab):
+        raise InputError(f"--data {prepared.path}: prepared with another tokenizer than {from_}'s own (or without "
+                         f"its end-of-text id {want['eot_id']} and vocabulary of {imported.spec.vocab}); prepare "
+                         f"it with `memplan prepare --input FILE --tokenizer {from_} --out DIR`")
+    for note in imported.notes:
+        ui.say(f"[dim]--from: {note}[/dim]")
+    spec = imported.spec
+    ctx = setup_flags["ctx"]
+    ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else min(imported.max_ctx, DEFAULT_CTX)
+    if ctx_n > imported.max_ctx:
+        raise InputError(f"--ctx {ctx_n}: {imported.path} computes as transformers does up to {imported.max_ctx} "
+                         f"positions; use --ctx {imported.max_ctx} or less")
+    if given_setup:
+        the_plan = plan_from_flags(None, None, {**setup_flags, "ctx": str(ctx_n)}, prepared, profile, ui,
+                                   spec=spec)
+    else:
+        the_plan = autotuned_plan(spec, ctx_n, prepared, profile, ui, minutes=overrides["max_minutes"],
+                                  global_batch_tokens=global_batch_tokens, budget=budget, margin=margin,
+                                  world_size=launched, max_steps=overrides["max_steps"],
+                                  max_tokens=overrides["max_tokens"])
+    if launched > 1:
+        the_plan = distributed.from_rank0(for_world(the_plan, launched, sharding, profile, ui))
+    starting = starting_from_hf(imported.path, spec, model_type=imported.model_type)
+    if hyper["lr"] is None:
+        hyper["lr"] = FROM_LR
+    run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
+    return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, plan=the_plan, overrides=overrides,
+                         hyper=hyper, rates_note=rates_note, starting=starting)
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------
+
+def check_vocab(vocab: int | None, prepared) -> None:
+    if vocab is not None and vocab != prepared.vocab_size:
+        raise InputError(f"--vocab {vocab} conflicts with the prepared data's tokenizer ({prepared.vocab_size} tokens, "
+                         f"{prepared.path}); for train the vocabulary comes from the data, so drop --vocab")
+
+
+def best_precision(profile) -> str:
+    """bf16-mixed where bf16 is native, else fp16-mixed where fp16 is, else fp32 (a CPU emulates half types)."""
+    if profile.supports("bf16"):
+        return "bf16-mixed"
+    if profile.supports("fp16"):
+        return "fp16-mixed"
+    return "fp32"
+
+
+def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, quiet: bool = False,
+                     spec=None):
+    """The plan of --plan FILE, or of MODEL and SETUP flags as given (no autotune); vocab from the data (``spec``:
+    this model, an imported checkpoint's, instead of MODEL flags)."""
+    from memplan.cli.options import setup_from
+    from memplan.plan import Plan
+    from trainer.loop import predicted_for
+
+    if plan_path:
+        p = Plan.load(plan_path)
+        if p.model.vocab != prepared.vocab_size:
+            if not quiet:
+                ui.say(f"[yellow]note[/]: the plan's model has vocab {p.model.vocab}; training with the data's "
+                       f"{prepared.vocab_size} (predictions recomputed)")
+            p = dataclasses.replace(p, model=p.model.replace(vocab=prepared.vocab_size), predicted={}, verified={})
+    else:
+        if spec is None:
+            from memplan.cli.options import model_from
+
+            check_vocab(model_flags["vocab"], prepared)
+            spec = model_from(**{**model_flags, "vocab": None}).replace(vocab=prepared.vocab_size)
+        s = setup_flags
+        precision = s["precision"] or best_precision(profile)
+        setup = setup_from(ctx=s["ctx"] or str(DEFAULT_CTX), batch=s["batch"] or "1", grad_accum=s["grad_accum"] or "1",
+                           precision=precision, attention=s["attention"] or "sdpa",
+                           checkpointing=s["checkpointing"] or "none", optimizer=s["optimizer"] or "adamw",
+                           compile=bool(s["compile"]))
+        if not s["precision"] and not quiet:
+            ui.say(f"precision {precision}: the best the {profile.name} profile runs natively "
+                   "(--precision to choose)")
+        p = Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes)
+    if not p.predicted:
+        pred = predicted_for(p, profile)
+        p = dataclasses.replace(p, device=p.device or profile.name, budget_bytes=p.budget_bytes or profile.usable_bytes,
+                                predicted={"peak_reserved": pred["peak_reserved"], "step_seconds": pred["step_seconds"],
+                                           "tokens_per_second": pred["tokens_per_second"], "epoch_seconds": None})
+    return p
+
+
+
+
+def local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads: int | None = None):
+    """The local ``profile`` with what this machine measured (rates and runtime context): its cached
+    calibration (``memplan.local``) with ``threads`` torch threads (default: the count calibration
+    found fastest) if there is a trusted one; else, with ``measure_now`` (the quick start), a short
+    calibration (QUICKSTART_CALIBRATE_SECONDS) run now in a process of its own, and cached if its
+    timings are steady enough to trust (measured again once if not; a noisy one is used for this run
+    only, its spread printed); else the profile as it is. Returns the profile and a line saying
+    where its rates come from (printed once the run's options are all accepted, so that an error
+    stays one line)."""
+    from memplan import local
+
+    if profile.calibrated:
+        return profile, None
+    family = profile.family
+    cached = local.find_calibration(family, threads)
+    if cached is not None:
+        return cached.applied(profile), cached.note()
+    noisy = local.find_noisy_calibration(family, threads)
+    if not measure_now and noisy is not None:
+        return local.context_only(profile, noisy)
+    if not measure_now:
+        return profile, ("[dim]rates: the profile's nominal figures; `memplan train` measures this machine once "
+                         "(predictions of time are far closer afterwards)[/]")
+    local.require_cache("the quick start keeps this machine's calibration there")  # before measuring, not after
+    measured = []  # each in a temporary file, removed below
+    try:
+        for attempt in range(CALIBRATE_ATTEMPTS):
+            try:
+                measured.append(calibrate_in_child(profile.name, threads, ui or TrainUI(), again=attempt > 0))
+            except RuntimeError as e:
+                if measured:
+                    break
+                return profile, f"[yellow]rates: the profile's nominal figures[/] ({e})"
+            if measured[-1].trusted:
+                break
+        best = min(measured, key=lambda c: c.noise)
+        title = local.local_title(family)
+        version = local.torch_version()
+        path = local.calibration_path(family, title, best.threads, version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from memplan.cli.calibrate import write_atomically
+
+        if threads is None:  # the thread count it found fastest (steps interleaved) is this machine's default
+            seconds = best.calibrated.get("thread_seconds", {})
+            write_atomically(local.threads_path(family, title, version),
+                             "# the torch thread count `memplan train` measured fastest here\n"
+                             f"threads = {best.threads}\n"
+                             + "".join(f"seconds_{n}t = {v:.6g}\n" for n, v in seconds.items()))
+        if not best.trusted:  # kept apart, for its runtime memory only: never as this machine's rates
+            write_atomically(local.noisy_path(path), best.path.read_text())
+            return best.applied(profile), (
+                f"{best.note()} — [yellow]too noisy to keep[/] (other processes competed for the CPU): time "
+                f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again")
+        write_atomically(path, best.path.read_text())
+        local.noisy_path(path).unlink(missing_ok=True)
+    finally:
+        for cal in measured:
+            cal.path.unlink(missing_ok=True)
+    kept = local.read_calibration(path)
+    return kept.applied(profile), f"{kept.note()} (measured now in {kept.calibrated.get('seconds', 0):.0f} s; kept)"
+
+
+def set_threads(threads: int | None, profile) -> int:
+    """torch's CPU threads for this run: --threads, else those the profile's rates were measured with,
+    else the count this machine's calibration chose, else torch's default."""
+    import torch
+
+    from memplan.local import chosen_threads
+
+    n = threads or int(profile.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def calibrate_in_child(name: str, threads: int | None, ui: "TrainUI", again: bool = False):
+    """A calibration of QUICKSTART_CALIBRATE_SECONDS in a fresh process (``python -m trainer.calibrate``),
+    with a progress bar; returns it as a ``memplan.local.LocalCalibration`` read from a temporary file."""
+    import json
+    import subprocess
+    import tempfile
+
+    from memplan import local
+
+    tmp = Path(tempfile.mkstemp(prefix="memplan-calibration-", suffix=".toml")[1])
+    args = [sys.executable, "-m", "trainer.calibrate", str(QUICKSTART_CALIBRATE_SECONDS), str(tmp), name,
+            str(threads or "")]
+    what = "measuring this machine" + (" again" if again else "")
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])  # this checkout importable in the child, as in this process
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with ui.calibrating(what) as progress:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for line in proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if "stage" in msg:
+                progress(msg["stage"], msg["done"])
+        err = proc.stderr.read()
+        proc.wait()
+    cal = local.read_calibration(tmp) if proc.returncode == 0 else None
+    if cal is None:
+        tmp.unlink(missing_ok=True)
+        tail = [ln for ln in err.strip().splitlines() if ln.strip()]
+        raise RuntimeError(f"calibrating this machine failed (exit {proc.returncode})"
+                           + (f": {tail[-1][:300]}" if tail else ""))
+    return cal
+
+
+def measured_matmul_rate(seconds: float = 0.5) -> float:
+    """FLOP/s of a square fp32 matmul on the local torch device (a quick rate for the quick start's model choice)."""
+    import torch
+
+    from trainer.loop import torch_device_for
+
+    dev = torch_device_for()
+    a = torch.randn(MATMUL_PROBE, MATMUL_PROBE, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    (a @ a).sum().item()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+        n += 1
+    sync()
+    return 2 * MATMUL_PROBE**3 * n / (time.perf_counter() - t0)
+
+
+def quickstart_model(vocab: int, profile, minutes: float, ctx: int):
+    """The quick start's model: the largest of the ladder (hidden = 64·layers) that memplan predicts
+    trains on at least QUICKSTART_TOKENS_PER_PARAM × params tokens within ``minutes`` (tokens/s at
+    micro-batch 8, with the local matmul rate: the profile's calibrated one, else one measured now),
+    else the ladder's smallest rung. Returns (spec, predicted tokens/s, matmul FLOP/s, whether a rung
+    met the rule)."""
+    from memplan.model import ModelSpec, _round_up
+    from memplan.setup import TrainSetup
+    from memplan.timing import step_time
+
+    if profile.calibrated.get("matmul_tflops", {}).get("fp32"):
+        rated, rate = profile, profile.calibrated["matmul_tflops"]["fp32"] * 1e12
+    else:
+        rate = measured_matmul_rate()
+        rated = profile.replace(calibrated={**profile.calibrated, "matmul_tflops": {
+            **profile.calibrated.get("matmul_tflops", {}), "fp32": rate / 1e12}})
+    chosen, met = None, False
+    for layers in QUICKSTART_LAYERS:
+        hidden = 64 * layers
+        spec = ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=hidden // 64, kv_heads=hidden // 64,
+                         ffn=_round_up(8 * hidden / 3, 256), vocab=vocab, tied=True,
+                         name=f"quickstart-{layers}x{hidden}",
+                         source="memplan's rule: hidden = 64·layers, ffn = 8/3·hidden")
+        setup = TrainSetup(ctx=ctx, micro_batch=8, precision=best_precision(profile))
+        tps = step_time(spec, setup, rated).tokens_per_second
+        meets = tps * minutes * 60 >= QUICKSTART_TOKENS_PER_PARAM * spec.params
+        if chosen is None or meets:
+            chosen, met = (spec, tps), meets
+    return chosen[0], chosen[1], rate, met
+
+
+def quickstart_model_line(spec, tps: float, rate: float, met: bool, minutes: float) -> str:
+    """What the quick start says of its model choice: the rule it applied and the tokens predicted."""
+    from memplan.units import format_count
+
+    tokens = tps * minutes * 60
+    why = (f"the largest of memplan's ladder predicted to train on ≥ {QUICKSTART_TOKENS_PER_PARAM:g} tokens per "
+           "parameter" if met else "the smallest of memplan's ladder (none is predicted to train on "
+           f"{QUICKSTART_TOKENS_PER_PARAM:g} tokens per parameter in that time)")
+    return (f"Model for a {minutes:g}-minute run: [bold]{spec.describe()}[/] — {why}: ~{format_count(tokens)} "
+            f"tokens ({tokens / spec.params:.1f} per parameter) at ~{format_count(tps)} tokens/s predicted "
+            f"(local matmul measured at {rate / 1e9:,.0f} GFLOP/s)")
+
+
+def for_world(plan, world_size: int, sharding: str | None, profile, ui: "TrainUI"):
+    """``plan`` as trained by ``world_size`` processes: a plan for one process runs its micro-batch and
+    accumulation in every rank (a global batch ``world_size`` times larger); ``sharding`` (else the
+    plan's, else ddp) chooses DDP or FSDP2. Predictions are recomputed for what changed."""
+    from memplan.plan import Plan
+    from trainer.loop import predicted_for
+
+    s = plan.setup
+    if s.world_size not in (1, world_size):
+        raise InputError(f"the plan is for --world-size {s.world_size} but {world_size} processes were launched; "
+                         f"launch it with `memplan train --nproc {s.world_size}`")
+    chosen = sharding or (s.sharding if s.sharding != "none" else "ddp")
+    if s.world_size == world_size and s.sharding == chosen:
+        return plan
+    if s.world_size == 1:
+        ui.say(f"[yellow]note[/]: the plan is for one process; each of the {world_size} ranks runs its "
+               f"micro-batch {s.micro_batch} × {s.grad_accum} accumulation, so a step is {world_size}× "
+               f"the plan's global batch ({chosen})")
+    setup = s.replace(world_size=world_size, sharding=chosen)
+    p = Plan(model=plan.model, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes, predicted={})
+    pred = predicted_for(p, profile)
+    return Plan(model=p.model, setup=setup, device=p.device, budget_bytes=p.budget_bytes,
+                predicted={"peak_reserved": pred["peak_reserved"], "step_seconds": pred["step_seconds"],
+                           "tokens_per_second": pred["tokens_per_second"], "epoch_seconds": None})
+
+
+def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, global_batch_tokens, budget, margin,
+                   world_size: int = 1, max_steps: int | None = None, max_tokens: int | None = None):
+    """autotune's plan for ``spec`` (None: the quick start's model, sized for ``minutes`` on this device);
+    a plan that compiles is weighed again against the tokens this run will train."""
+    from memplan.units import parse_size
+
+    try:
+        from memplan.autotune import autotune
+    except ImportError:
+        raise InputError("planning needs memplan.autotune, which this build of memplan lacks; give --plan FILE or "
+                         "the setup yourself (e.g. --params 22m --batch 8 --ctx 256)") from None
+    if spec is None:
+        minutes = minutes or QUICKSTART_MINUTES  # with a step or token limit instead, size it for the default
+        spec, tps, rate, met = quickstart_model(prepared.vocab_size, profile, minutes, ctx)
+        ui.say(quickstart_model_line(spec, tps, rate, met, minutes), soft_wrap=True)
+        if global_batch_tokens is None:  # small steps, so the run gets QUICKSTART_MIN_STEPS or more
+            steps_tokens = tps * minutes * 60 / QUICKSTART_MIN_STEPS
+            global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
+    kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
+              budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin, world_size=world_size)
+    result = autotune(spec, profile, tokens=None, **kw)
+    if result.plan is not None and result.plan.setup.compile:
+        # torch.compile's compile time is a one-off: weigh it against the tokens this run will train (its limit,
+        # or what the fastest plan trains in its time), so a short run stays eager
+        p = result.plan.predicted
+        run = [t for t in (max_tokens, max_steps * result.plan.setup.tokens_per_step * world_size if max_steps else None,
+                           int(p["tokens_per_second"] * minutes * 60) if minutes else None) if t]
+        if run:
+            result = autotune(spec, profile, tokens=min(run), **kw)
+    if result.plan is None:
+        advice = "; ".join(getattr(result, "advice", None) or ["try a smaller model or a shorter --ctx"])
+        raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}: {advice}")
+    return result.plan
+
+
+# ---- the embedded corpus -------------------------------------------------------------------------------------
+
+def embedded_data_dir() -> Path:
+    """Where the embedded corpus is prepared: per Python version (its docstrings are the corpus)."""
+    from trainer.data import DEFAULT_TOKENIZER_EMBEDDED
+
+    version = ".".join(map(str, sys.version_info[:3]))
+    from memplan.local import cache_dir
+
+    return cache_dir() / "data" / f"embedded-py{version}-{DEFAULT_TOKENIZER_EMBEDDED.replace(':', '')}"
+
+
+def embedded_data_once(ui: "TrainUI") -> Path:
+    """The embedded corpus; under torchrun rank 0 prepares it while the others wait."""
+    from trainer import distributed
+
+    rank, world_size, _ = distributed.env_world()
+    if world_size == 1:
+        return ensure_embedded_data(ui)
+    out = ensure_embedded_data(ui) if rank == 0 else embedded_data_dir()
+    distributed.barrier()
+    return out
+
+
+def ensure_embedded_data(ui: "TrainUI | None" = None) -> Path:
+    """The embedded corpus, prepared into the cache on first use (as `memplan prepare` with no --input)."""
+    from trainer import data
+
+    out = embedded_data_dir()
+    if data.is_prepared(out):
+        return out
+    from memplan.local import require_cache
+
+    require_cache("the quick start prepares its corpus there")
+    ui = ui or TrainUI()
+    ui.say(f"Preparing the embedded corpus (CPython's documentation) into {out} — once")
+    config = data.PrepareConfig(tokenizer=data.DEFAULT_TOKENIZER_EMBEDDED)
+    with ui.preparing() as progress:
+        data.prepare(data.embedded_sources(), out, config, progress=progress)
+    return out
