@@ -76,6 +76,7 @@ from trainer.model import build_model, lm_loss
 from trainer.monitor import MemoryMonitor
 from trainer.sample import sample_text
 from trainer.step import autocast, make_optimizer, param_dtype, set_matmul_precision, train_step
+from trainer.verify import is_out_of_memory
 
 PLAN_FILE = "plan.toml"
 REPORT_FILE = "report.html"
@@ -232,9 +233,8 @@ def out_of_memory(e: BaseException) -> str | None:
     """The first line of ``e`` (at most 300 characters) when it says the device ran out of memory
     (``trainer.verify.is_out_of_memory``: a GPU's ``torch.OutOfMemoryError``; on a CPU the allocator's
     RuntimeError ``DefaultCPUAllocator: can't allocate memory``, as under ``ulimit -v``, or a MemoryError),
-    else None. The loop backs off from either alike."""
-    from trainer.verify import is_out_of_memory
-
+    else None. The loop backs off from either alike. (``is_out_of_memory`` is imported with this module: an
+    import while memory is exhausted fails with a MemoryError of its own.)"""
     if not is_out_of_memory(e):
         return None
     text = str(e).strip()
