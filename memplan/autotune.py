@@ -141,10 +141,13 @@ def predicted_json(memory: MemoryBreakdown, time_: TimeBreakdown, step_seconds: 
                    epoch_tokens: int | None, one_off_seconds: float = 0.0) -> dict:
     """The ``predicted`` object of ``autotune --json`` (docs/json.md), with peak_allocated and peak_phase. The
     epoch's seconds include ``one_off_seconds`` (torch.compile's compile time)."""
-    return {"peak_reserved": memory.peak_reserved, "step_seconds": step_seconds,
-            "tokens_per_second": tokens_per_second,
-            "epoch_seconds": epoch_tokens / tokens_per_second + one_off_seconds if epoch_tokens else None,
-            "peak_allocated": memory.peak_allocated, "peak_phase": memory.peak_phase}
+    from memplan.prediction import Prediction
+
+    return Prediction(peak_allocated=memory.peak_allocated, peak_reserved=memory.peak_reserved,
+                      peak_phase=memory.peak_phase, step_seconds=step_seconds, tokens_per_second=tokens_per_second,
+                      mfu=time_.mfu,
+                      epoch_seconds=epoch_tokens / tokens_per_second + one_off_seconds if epoch_tokens else None
+                      ).json()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,3 +75,20 @@ def test_request_refusals_are_input_errors_before_anything_runs(corpus, tmp_path
     with pytest.raises(InputError, match="drop --from"):
         resolve_train(request(corpus, tmp_path, model={}, from_="x", resume=True), TrainUI())
     assert not (tmp_path / "run").exists()
+
+
+def test_every_plan_carries_the_same_prediction_table(corpus, tmp_path):
+    """A plan from flags, one rescaled for N processes and autotune's: one Prediction, one [predicted] table."""
+    from memplan.autotune import autotune
+    from memplan.hardware import load_profile
+    from memplan.prediction import predict
+    from trainer.request import for_world
+
+    run = resolve_train(request(corpus, tmp_path), TrainUI())
+    p = run.plan
+    assert p.predicted == predict(p.model, p.setup, run.profile).plan_table()
+    assert set(p.predicted) == {"peak_reserved", "step_seconds", "tokens_per_second", "peak_allocated", "peak_phase"}
+    two = for_world(p, 2, "ddp", run.profile, TrainUI())
+    assert two.predicted == predict(two.model, two.setup, run.profile).plan_table()
+    tuned = autotune(p.model, load_profile("cpu"), ctx=64, global_batch_tokens=256).plan
+    assert set(tuned.predicted) == set(p.predicted)

@@ -347,14 +347,11 @@ def peak_flops_per_second(profile: Device, setup: TrainSetup) -> float:
 
 
 def predicted_for(plan: Plan, profile: Device) -> dict:
-    """What memplan predicts for this plan on this device (the figures the run is measured against)."""
-    from memplan.estimate import memory_on
-    from memplan.timing import step_time
+    """What memplan predicts for this plan on this device (the figures the run is measured against):
+    ``memplan.prediction.predict``'s, as a dict."""
+    from memplan.prediction import predict
 
-    mem = memory_on(plan.model, plan.setup, profile)
-    t = step_time(plan.model, plan.setup, profile)
-    return {"peak_allocated": mem.peak_allocated, "peak_reserved": mem.peak_reserved, "peak_phase": mem.peak_phase,
-            "step_seconds": t.step_seconds, "tokens_per_second": t.tokens_per_second, "mfu": t.mfu}
+    return predict(plan.model, plan.setup, profile).as_dict()
 
 
 def training_settings(config: TrainConfig) -> dict:

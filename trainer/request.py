@@ -263,7 +263,7 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
     this model, an imported checkpoint's, instead of MODEL flags)."""
     from memplan.cli.options import setup_from
     from memplan.plan import Plan
-    from trainer.loop import predicted_for
+    from memplan.prediction import predict
 
     if plan_path:
         p = Plan.load(plan_path)
@@ -289,10 +289,8 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
                    "(--precision to choose)")
         p = Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes)
     if not p.predicted:
-        pred = predicted_for(p, profile)
         p = dataclasses.replace(p, device=p.device or profile.name, budget_bytes=p.budget_bytes or profile.usable_bytes,
-                                predicted={"peak_reserved": pred["peak_reserved"], "step_seconds": pred["step_seconds"],
-                                           "tokens_per_second": pred["tokens_per_second"], "epoch_seconds": None})
+                                predicted=predict(p.model, p.setup, profile).plan_table())
     return p
 
 
@@ -476,7 +474,7 @@ def for_world(plan, world_size: int, sharding: str | None, profile, ui: "TrainUI
     accumulation in every rank (a global batch ``world_size`` times larger); ``sharding`` (else the
     plan's, else ddp) chooses DDP or FSDP2. Predictions are recomputed for what changed."""
     from memplan.plan import Plan
-    from trainer.loop import predicted_for
+    from memplan.prediction import predict
 
     s = plan.setup
     if s.world_size not in (1, world_size):
@@ -490,11 +488,8 @@ def for_world(plan, world_size: int, sharding: str | None, profile, ui: "TrainUI
                f"micro-batch {s.micro_batch} × {s.grad_accum} accumulation, so a step is {world_size}× "
                f"the plan's global batch ({chosen})")
     setup = s.replace(world_size=world_size, sharding=chosen)
-    p = Plan(model=plan.model, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes, predicted={})
-    pred = predicted_for(p, profile)
-    return Plan(model=p.model, setup=setup, device=p.device, budget_bytes=p.budget_bytes,
-                predicted={"peak_reserved": pred["peak_reserved"], "step_seconds": pred["step_seconds"],
-                           "tokens_per_second": pred["tokens_per_second"], "epoch_seconds": None})
+    return Plan(model=plan.model, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes,
+                predicted=predict(plan.model, setup, profile).plan_table())
 
 
 def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, global_batch_tokens, budget, margin,

@@ -178,12 +178,11 @@ def finetune_command(
                                  + (" with LoRA" if lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
                                  "--checkpointing full")
             setup = result.plan.setup
-        plan = Plan(model=spec, setup=setup, device=profile.name)
-        from memplan.estimate import memory_on
+        from memplan.prediction import predict
 
-        predicted = memory_on(spec, setup, profile)
+        predicted = predict(spec, setup, profile)
         plan = Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes,
-                    predicted={"peak_reserved": predicted.peak_reserved, "peak_allocated": predicted.peak_allocated})
+                    predicted=predicted.plan_table())
         config = TrainConfig(**{k: v for k, v in control.items() if v is not None},
                              lr=lr if lr is not None else (2e-4 if lora_rank else 3e-5),
                              weight_decay=0.0 if lora_rank else 0.1, seed=seed_n or 0)
