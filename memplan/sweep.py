@@ -2,7 +2,7 @@
 
 ``sweep`` returns a ``Sweep``: one ``Estimate`` per cell, exactly what ``memplan.estimate.estimate``
 returns for that cell's setup, plus which cells are on the Pareto front of (memory, tokens/s).
-Reports only render it (``memplan/cli/sweep.py``).
+Reports only render it (``memplan/cli/sweep.py`` prints the tables, ``memplan/reports/sweep.py`` draws the page).
 
 Cells are ordered attention → checkpointing → precision → context → micro-batch, the last varying
 fastest, so the cells of one (attention, checkpointing, precision, context) row sit together.

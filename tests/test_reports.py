@@ -11,7 +11,7 @@ import pytest
 
 def test_the_report_pages_import_without_torch():
     code = ("import sys; import memplan.reports.page, memplan.reports.run, memplan.reports.validate, "
-            "memplan.reports.step_time; print('torch' in sys.modules, 'plotly' in sys.modules)")
+            "memplan.reports.step_time, memplan.reports.sweep; print('torch' in sys.modules, 'plotly' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]  # plotly too is imported only when a page is drawn
 

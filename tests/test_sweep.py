@@ -282,7 +282,7 @@ def test_epoch_figure_only_with_tokens(tmp_path):
 
 
 def test_figures_draw_every_cell_with_the_usable_line():
-    from memplan.cli.sweep import breakdown_figure, memory_figure, speed_figure
+    from memplan.reports.sweep import breakdown_figure, memory_figure, speed_figure
 
     spec, dev = resolve(params="124m"), load_profile("gtx-1650")
     sw = sweep(spec, TrainSetup(), dev, small_grid())
