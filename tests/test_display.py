@@ -251,3 +251,18 @@ def test_validate_tables_fit_80_columns_with_every_bundled_config_on_one_line():
     for r in inference:
         _line_with(lines, rf"^{re.escape(r.name)} +{BYTES} +[+-][\d.]+% +{BYTES} +[+-][\d.]+%$")
         _line_with(lines, rf"^{re.escape(r.name)} +{TIME} +{TIME} +[\d.]+ +{TIME}$")
+
+
+@pytest.mark.parametrize("command, extra", [("trace", "memplan[stacks]"), ("trace", "memplan[torchtune]"),
+                                            ("validate", "memplan[stacks]"), ("train", "memplan[logging]")])
+def test_help_names_the_extras_with_their_brackets(command, extra, monkeypatch):
+    """rich reads "[stacks]" as markup and drops it: the help must escape it, or it tells people to
+    `pip install 'memplan'`."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    monkeypatch.setenv("COLUMNS", "400")
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0
+    assert extra in " ".join(result.output.replace("│", " ").split())

@@ -112,7 +112,7 @@ SeedOpt = Annotated[Optional[str], typer.Option(
 
 LogOpt = Annotated[Optional[list[str]], typer.Option(
     "--log", help="Also log to: tensorboard (RUN/tensorboard/) | wandb (RUN/wandb/, offline unless logged in); "
-                  "repeatable. metrics.jsonl is always written. Needs `pip install 'memplan[logging]'`.",
+                  "repeatable. metrics.jsonl is always written. Needs `pip install 'memplan\\[logging]'`.",
     show_default=False, rich_help_panel=_R)]
 
 SEED_MAX = 2**32 - 1  # as trainer.loop.SEED_MAX (this module imports no torch)

@@ -24,7 +24,7 @@ HtmlOpt = Annotated[Optional[str], typer.Option("--html", help="Write a self-con
 NoTraceOpt = Annotated[bool, typer.Option("--no-trace", help="Skip the FakeTensor trace of each config.")]
 StacksOpt = Annotated[str, typer.Option(
     "--stack", help="Whose training code to measure, comma-separated for side by side: memplan (its own "
-                    "trainer) | transformers (Hugging Face, peft for LoRA; `pip install 'memplan[stacks]'`). "
+                    "trainer) | transformers (Hugging Face, peft for LoRA; `pip install 'memplan\\[stacks]'`). "
                     "Other stacks run in one process, on this machine's device.")]
 ModeOpt = Annotated[str, typer.Option(
     "--mode", help="training: a real training step per config (the default). inference: real generation per "
