@@ -315,6 +315,28 @@ def hf_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
     return out
 
 
+
+def hf_first_block_unsaved_bytes(spec, setup, cpu: bool = False) -> int:
+    """What transformers' first block does not save of this stack's own tensors (``Stack.block_saved_bytes``)
+    under LoRA without checkpointing: nothing below it trains (embedding and norms frozen, and no
+    ``enable_input_require_grads()`` without checkpointing), so an op saves nothing until an
+    adapter's output has joined its input. The first ``LlamaRMSNorm`` never saves its fp32 copy
+    (``hf_norm_saved_bytes``); without a qkv adapter neither attention's own tensors
+    (``hf_attention_saved_bytes``, ``hf_qk_norm_saved_bytes``) nor, unless proj trains (or the
+    block is parallel: its MLP norm reads the frozen input), the second norm's; with the MLP's
+    input frozen and no up adapter, neither ``NewGELUActivation``'s (``hf_gelu_new_saved_bytes``).
+    memplan's own tensors the block does not save are ``memory.first_block_unsaved_bytes``'s."""
+    if not setup.lora_rank or setup.checkpointing != "none":
+        return 0
+    out = hf_norm_saved_bytes(spec, setup)
+    if "qkv" not in setup.lora:
+        out += hf_attention_saved_bytes(spec, setup) + hf_qk_norm_saved_bytes(spec, setup)
+    if spec.parallel_residual or not {"qkv", "proj"} & set(setup.lora):  # the MLP's input is frozen
+        out += hf_norm_saved_bytes(spec, setup) if spec.norms_per_layer > 1 else 0
+        if "up" not in setup.lora:
+            out += hf_gelu_new_saved_bytes(spec, setup, cpu)
+    return out
+
 @dataclass(frozen=True)
 class Stack:
     """The walk's hooks for one stack's code. ``memplan`` (the default) adds nothing."""
@@ -333,6 +355,10 @@ class Stack:
                 + hf_shared_norm_saved_bytes(spec, setup) + hf_gelu_new_saved_bytes(spec, setup, self.cpu)
                 + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup, self.lora_dropout)
                 + hf_autocast_input_casts_bytes(spec, setup))
+
+    def first_block_unsaved_bytes(self, spec, setup) -> int:
+        """Of ``block_saved_bytes``, what the first block does not save under LoRA (its input is frozen)."""
+        return hf_first_block_unsaved_bytes(spec, setup, self.cpu) if self.name == "transformers" else 0
 
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
