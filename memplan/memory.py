@@ -606,8 +606,9 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
         low = n * setup.lora_rank * a
         out = n * _matrix_shapes(spec)[matrix][1] * a
         w.alloc("activations", low)
-        w.alloc("temporaries", out)
-        w.free("temporaries", out)
+        transient = out + w.stack.lora_forward_transient_bytes(spec, setup, matrix)  # 0 for memplan
+        w.alloc("temporaries", transient)
+        w.free("temporaries", transient)
         if keep_outputs and not reuse:  # selective keeps both mm outputs
             w.alloc("activations", out)
         if mode == "full":

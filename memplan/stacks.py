@@ -337,6 +337,33 @@ def hf_first_block_unsaved_bytes(spec, setup, cpu: bool = False) -> int:
             out += hf_gelu_new_saved_bytes(spec, setup, cpu)
     return out
 
+
+def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
+    """The transient of peft's adapter forward beyond memplan's one n·out·a adapter output, for one
+    adapted ``matrix``.
+
+    peft ``lora.Linear.forward``: ``result = result + lora_B(lora_A(dropout(x))) * scaling``:
+    ``lora_B``'s output and its scaled copy are alive together (the product is freed only after
+    the multiply), each n·out·e, e = 4 for peft's fp32 adapters on a cast input (fp32 and pure
+    bf16: ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``), 2 under autocast (the mm runs in
+    bf16); the sum with the base output (fp32 where the base is bf16 and the adapter fp32) and its
+    cast back (``result.to(torch_result_dtype)``) hold no more than the two. Per module: the widest
+    of the modules standing for ``matrix`` (``hf_lora_modules``: gate_proj's and up_proj's run one
+    after the other), against memplan's fused adapter output n·out·a. For up_proj also
+    ``act_fn(gate_proj(x))``, n·F·a: ``self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``
+    (modeling_llama.py, LlamaMLP.forward) applies the activation before up_proj runs; memplan's fused
+    up matmul comes before its silu."""
+    if matrix not in setup.lora:
+        return 0
+    from memplan.memory import _matrix_shapes
+
+    n, a = _n(setup), _a(setup)
+    e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    modules = hf_lora_modules(spec, matrix)
+    widest = max(o for _, o in modules)
+    silu_first = n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0
+    return 2 * n * widest * e + silu_first - n * _matrix_shapes(spec)[matrix][1] * a
+
 @dataclass(frozen=True)
 class Stack:
     """The walk's hooks for one stack's code. ``memplan`` (the default) adds nothing."""
@@ -359,6 +386,10 @@ class Stack:
     def first_block_unsaved_bytes(self, spec, setup) -> int:
         """Of ``block_saved_bytes``, what the first block does not save under LoRA (its input is frozen)."""
         return hf_first_block_unsaved_bytes(spec, setup, self.cpu) if self.name == "transformers" else 0
+
+    def lora_forward_transient_bytes(self, spec, setup, matrix: str) -> int:
+        """The adapter forward's transient beyond memplan's n·out·a, for ``matrix`` (may be negative)."""
+        return hf_lora_forward_transient_bytes(spec, setup, matrix) if self.name == "transformers" else 0
 
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
