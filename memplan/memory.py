@@ -725,8 +725,19 @@ def _lora_linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matr
         w.alloc("temporaries", low)  # gradient of x·Aᵀ
         weight_grad(fan_out * rank)
         w.free("activations", low)
-        if needs_input_grad:
-            w.alloc("temporaries", input_grad_bytes)
+        release = w.stack.lora_input_release(spec, setup, matrix)  # None for memplan
+        if release is None:
+            if needs_input_grad:
+                w.alloc("temporaries", input_grad_bytes)
+        else:  # peft: A's input gradient in the adapter's dtype, then A's saved input goes, then the cast back
+            extra_saved, grad_e = release
+            if needs_input_grad:
+                w.alloc("temporaries", grad_e)
+            w.free("activations", saved_input_bytes + extra_saved)
+            saved_input_bytes = 0
+            if needs_input_grad and grad_e != input_grad_bytes:
+                w.alloc("temporaries", input_grad_bytes)
+                w.free("temporaries", grad_e)
         weight_grad(rank * fan_in)
         w.free("temporaries", low)
     if needs_input_grad:
@@ -892,7 +903,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", dq)
     w.alloc("temporaries", qkv_output_bytes(spec, setup))  # the three gradients concatenated
     w.free("temporaries", dq + 2 * dkv)
-    w.free("activations", w.stack.block_saved_bytes(spec, setup))  # the stack's own, released by now
+    released = sum(r[0] for r in (w.stack.lora_input_release(spec, setup, mm) for mm in ("proj", "up", "down")) if r)
+    w.free("activations", w.stack.block_saved_bytes(spec, setup) - released)  # the stack's own, released by now
     frozen_below = bool(setup.lora_rank) and first  # LoRA: nothing below the first block's qkv trains
     _linear_backward(w, spec, setup, m["qkv"], qkv_output_bytes(spec, setup), norm_output_bytes(spec, setup),
                      n * hidden * a, input_cast=setup.mixed, matrix="qkv", needs_input_grad=not frozen_below)
