@@ -381,6 +381,40 @@ def first_block_unsaved_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bo
             out -= sdpa_output_bytes(spec, setup)
         if "proj" not in setup.lora and not spec.parallel_residual:
             out += n * spec.hidden * r + norm_stat_bytes(spec, setup)
+    return out + first_block_frozen_mlp_bytes(spec, setup)
+
+
+def first_block_frozen_mlp_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Under LoRA without checkpointing, what the first block's MLP saves less when only its down
+    matrix trains (no qkv, proj or up adapter): the MLP's input needs no gradient, so the up
+    matmul's output (SwiGLU's gate and up, n·2F·a; GELU's input, n·F·a) is saved by neither the
+    activation nor the product (SwiGLU's ``F.silu(gate) * up``, trainer/model.py; transformers'
+    ``act_fn(gate_proj(x)) * up_proj(x)``, modeling_llama.py LlamaMLP.forward), nor is silu(gate);
+    only down's input (SwiGLU's product, GELU's output), which the down adapter's A saves, stays:
+    mlp_up + (inner − 1)·n·F·a. 0 where the MLP's input needs a gradient: up trains, or qkv or
+    proj does in a sequential block (a parallel block's MLP, gpt_neox's, reads the frozen input)."""
+    if not setup.lora_rank or setup.checkpointing != "none" or "up" in setup.lora:
+        return 0
+    if not spec.parallel_residual and {"qkv", "proj"} & set(setup.lora):
+        return 0
+    inner = 2 if spec.mlp == "swiglu" else 1
+    return mlp_up_bytes(spec, setup) + (inner - 1) * mlp_inner_bytes(spec, setup)
+
+
+def first_block_frozen_weight_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Under LoRA without checkpointing and autocast, the bf16 weight copies the first block does
+    not keep: autocast caches the cast of a leaf weight that requires grad only (``cached_cast``:
+    ``arg.is_leaf() && arg.requires_grad()``), so a frozen matrix's copy lives on only where its
+    matmul saves it, for its input's gradient; in the first block a matmul's input needs none
+    until an adapter has run before it. qkv's copy is never kept there; proj's unless qkv trains;
+    up's unless qkv or proj trains; down's unless one of qkv, proj, up trains: Σ weights·2 over
+    those matrices. 0 without autocast."""
+    if not setup.lora_rank or setup.checkpointing != "none" or not setup.mixed:
+        return 0
+    out, m = 0, _layer_matrices(spec)
+    for i, matrix in enumerate(LORA_MATRICES):
+        if not any(before in setup.lora for before in LORA_MATRICES[:i]):
+            out += m[matrix] * LOWP_WEIGHT_BYTES
     return out
 
 
@@ -572,8 +606,9 @@ def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, 
         low = n * setup.lora_rank * a
         out = n * _matrix_shapes(spec)[matrix][1] * a
         w.alloc("activations", low)
-        w.alloc("temporaries", out)
-        w.free("temporaries", out)
+        transient = out + w.stack.lora_forward_transient_bytes(spec, setup, matrix)  # 0 for memplan
+        w.alloc("temporaries", transient)
+        w.free("temporaries", transient)
         if keep_outputs and not reuse:  # selective keeps both mm outputs
             w.alloc("activations", out)
         if mode == "full":
@@ -690,8 +725,19 @@ def _lora_linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matr
         w.alloc("temporaries", low)  # gradient of x·Aᵀ
         weight_grad(fan_out * rank)
         w.free("activations", low)
-        if needs_input_grad:
-            w.alloc("temporaries", input_grad_bytes)
+        release = w.stack.lora_input_release(spec, setup, matrix)  # None for memplan
+        if release is None:
+            if needs_input_grad:
+                w.alloc("temporaries", input_grad_bytes)
+        else:  # peft: A's input gradient in the adapter's dtype, then A's saved input goes, then the cast back
+            extra_saved, grad_e = release
+            if needs_input_grad:
+                w.alloc("temporaries", grad_e)
+            w.free("activations", saved_input_bytes + extra_saved)
+            saved_input_bytes = 0
+            if needs_input_grad and grad_e != input_grad_bytes:
+                w.alloc("temporaries", input_grad_bytes)
+                w.free("temporaries", grad_e)
         weight_grad(rank * fan_in)
         w.free("temporaries", low)
     if needs_input_grad:
@@ -857,7 +903,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", dq)
     w.alloc("temporaries", qkv_output_bytes(spec, setup))  # the three gradients concatenated
     w.free("temporaries", dq + 2 * dkv)
-    w.free("activations", w.stack.block_saved_bytes(spec, setup))  # the stack's own, released by now
+    released = sum(r[0] for r in (w.stack.lora_input_release(spec, setup, mm) for mm in ("proj", "up", "down")) if r)
+    w.free("activations", w.stack.block_saved_bytes(spec, setup) - released)  # the stack's own, released by now
     frozen_below = bool(setup.lora_rank) and first  # LoRA: nothing below the first block's qkv trains
     _linear_backward(w, spec, setup, m["qkv"], qkv_output_bytes(spec, setup), norm_output_bytes(spec, setup),
                      n * hidden * a, input_cast=setup.mixed, matrix="qkv", needs_input_grad=not frozen_below)
@@ -919,11 +966,17 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     stored = saved_per_layer_bytes(spec, setup, gqa_repeat) - (lowp if not ckpt else 0)
     if not ckpt:
         stored += stack.block_saved_bytes(spec, setup)
-    # LoRA without checkpointing: the first block's norm saves nothing (its input and weight are frozen)
-    first_unsaved = first_block_unsaved_bytes(spec, setup, gqa_repeat) if spec.layers > 1 else 0
-    w.alloc("activations", (spec.layers - 1) * stored - first_unsaved)
-    w.alloc("weights", (spec.layers - 1) * lowp)
+    # LoRA without checkpointing: the first block saves nothing before its first adapter (its input
+    # and the weights before are frozen), memplan's tensors, the stack's, and autocast's weight copies
+    first_unsaved = first_block_unsaved_bytes(spec, setup, gqa_repeat) + stack.first_block_unsaved_bytes(spec, setup)
+    first_copies = first_block_frozen_weight_copy_bytes(spec, setup)
+    if spec.layers > 1:
+        w.alloc("activations", (spec.layers - 1) * stored - first_unsaved)
+        w.alloc("weights", (spec.layers - 1) * lowp - first_copies)
     _block_forward(w, spec, setup, mode, gqa_repeat)
+    if spec.layers == 1:  # the one block walked is the first: what it made and does not save goes now
+        w.free("activations", first_unsaved)
+        w.free("weights", first_copies)
     w.where = "forward: final norm and LM head"
     head_in = _norm_forward(w, spec, setup)
     w.alloc("activations", stack.final_norm_saved_bytes(spec, setup))
@@ -981,7 +1034,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
             w.where = f"backward: recomputing the {which} block"
             _block_forward(w, spec, setup, "recompute", gqa_repeat)
         w.mark(f"start of the {which} block's backward")
-        grad = _block_backward(w, spec, setup, grad, gqa_repeat, first=which == "first" and bool(first_unsaved))
+        first = (which == "first" or spec.layers == 1) and bool(first_unsaved)
+        grad = _block_backward(w, spec, setup, grad, gqa_repeat, first=first)
         if setup.checkpointing == "selective":  # kept outputs the recomputation never reached
             w.free("activations", n * hidden * a)  # the down-projection's
         return grad

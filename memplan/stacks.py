@@ -301,19 +301,121 @@ def hf_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
     out = 0
     for m in setup.lora:
         modules = hf_lora_modules(spec, m)
-        k, width = len(modules), modules[0][0]
-        x = _r(setup) if m in ("qkv", "up") else a
-        if dropout > 0:
-            mask = PEFT_ADAPTER_BYTES if cpu else MASK
-            saved = k * n * width * (mask + kept)
-        elif not setup.mixed and x == PEFT_ADAPTER_BYTES:
-            saved = n * width * x
-        else:
-            saved = k * n * width * kept
-        out += saved - n * width * a
-        out += k * n * rank * kept - n * rank * a
+        out += hf_lora_input_saved_bytes(spec, setup, m, dropout, cpu) - memplan_lora_input_bytes(spec, setup, m, dropout)
+        out += len(modules) * n * rank * kept - n * rank * a
     return out
 
+
+def hf_lora_input_saved_bytes(spec, setup, matrix: str, dropout: float, cpu: bool = False) -> int:
+    """What peft's adapters on ``matrix`` save of their input (``hf_lora_saved_bytes``'s cast, mask and
+    dropout output, per module; one shared fp32 input without dropout): the tensors ``lora_A`` (and
+    ``nn.Dropout``) release in their own backward, before the frozen base matmul's input gradient
+    is made. 0 for a matrix without an adapter."""
+    if not setup.lora_rank or matrix not in setup.lora:
+        return 0
+    n, a = _n(setup), _a(setup)
+    kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    modules = hf_lora_modules(spec, matrix)
+    k, width = len(modules), modules[0][0]
+    x = _r(setup) if matrix in ("qkv", "up") else a
+    if dropout > 0:
+        return k * n * width * ((PEFT_ADAPTER_BYTES if cpu else MASK) + kept)
+    if not setup.mixed and x == PEFT_ADAPTER_BYTES:
+        return n * width * x
+    return k * n * width * kept
+
+
+def memplan_lora_input_bytes(spec, setup, matrix: str, dropout: float) -> int:
+    """What memplan's walk counts as the saved input of ``matrix``'s adapter, which peft's saved input
+    (``hf_lora_input_saved_bytes``) replaces: n·in·a (a norm output, the MLP product, eager
+    attention's transposed output), but 0 for proj under SDPA where peft saves a new tensor (its
+    cast, or its dropout's output): memplan's proj reads SDPA's output, which SDPA saves itself
+    (``memory.layer_activation_terms``' attention), and that stays saved beside peft's copy. (In
+    fp32 without dropout peft's lora_A takes SDPA's output as it is: nothing new.)"""
+    if not setup.lora_rank or matrix not in setup.lora:
+        return 0
+    fresh = dropout > 0 or setup.precision != "fp32"
+    if matrix == "proj" and setup.attention == "sdpa" and fresh:
+        return 0
+    return _n(setup) * hf_lora_modules(spec, matrix)[0][0] * _a(setup)
+
+
+def hf_lora_input_grad_bytes(spec, setup, matrix: str) -> int:
+    """The input gradient one of peft's ``lora_A`` makes in its backward, before it is cast back:
+    n·in·e in the adapter's dtype (e = 4: fp32 adapters on an input cast by ``_cast_input_dtype``;
+    2 under autocast), the backward of ``x.to(lora_A.weight.dtype)`` then casting it to the
+    input's dtype (n·in·a). 0 for a matrix without an adapter."""
+    if not setup.lora_rank or matrix not in setup.lora:
+        return 0
+    e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    return _n(setup) * hf_lora_modules(spec, matrix)[0][0] * e
+
+
+
+def hf_first_block_unsaved_bytes(spec, setup, dropout: float = 0.0, cpu: bool = False) -> int:
+    """What transformers' first block does not save of this stack's own tensors (``Stack.block_saved_bytes``)
+    under LoRA without checkpointing: nothing below it trains (embedding and norms frozen, and no
+    ``enable_input_require_grads()`` without checkpointing), so an op saves nothing until an
+    adapter's output has joined its input. The first ``LlamaRMSNorm`` never saves its fp32 copy
+    (``hf_norm_saved_bytes``); without a qkv adapter neither attention's own tensors
+    (``hf_attention_saved_bytes``, ``hf_qk_norm_saved_bytes``) nor, unless proj trains (or the
+    block is parallel: its MLP norm reads the frozen input), the second norm's; with the MLP's
+    input frozen and no up adapter, neither ``NewGELUActivation``'s (``hf_gelu_new_saved_bytes``).
+    With ``lora_dropout`` > 0, an adapter whose input is frozen keeps no dropout mask: ``input *
+    noise`` (ATen ``_dropout_impl``; CUDA's ``native_dropout`` alike) records nothing for an input
+    that needs no gradient, so the mask dies with the op, n·in·(4 on the CPU, 1 on CUDA) per module
+    (the dropout's output, lora_A's input, stays). With a proj adapter but no qkv one, SDPA's output
+    needs no gradient and SDPA saves nothing (n·q·a, ``sdpa_output_bytes``, which memplan keeps as
+    its proj adapter's input) where peft's lora_A saves a new tensor (its cast or dropout output;
+    ``memplan_lora_input_bytes``). memplan's own tensors the block does not save are
+    ``memory.first_block_unsaved_bytes``'s."""
+    if not setup.lora_rank or setup.checkpointing != "none":
+        return 0
+    n, a = _n(setup), _a(setup)
+    mask = (PEFT_ADAPTER_BYTES if cpu else MASK) if dropout > 0 else 0
+    frozen_mlp = spec.parallel_residual or not {"qkv", "proj"} & set(setup.lora)  # the MLP's input is frozen
+    frozen_input = {"qkv": True, "proj": "qkv" not in setup.lora, "up": frozen_mlp,
+                    "down": frozen_mlp and "up" not in setup.lora}
+    out = hf_norm_saved_bytes(spec, setup)
+    for m in setup.lora:
+        if frozen_input[m]:
+            out += sum(n * i * mask for i, _ in hf_lora_modules(spec, m))
+    if "qkv" not in setup.lora:
+        out += hf_attention_saved_bytes(spec, setup) + hf_qk_norm_saved_bytes(spec, setup)
+        if "proj" in setup.lora and setup.attention == "sdpa" and not memplan_lora_input_bytes(spec, setup, "proj", dropout):
+            out += n * spec.q_dim * a
+    if frozen_mlp:
+        out += hf_norm_saved_bytes(spec, setup) if spec.norms_per_layer > 1 else 0
+        if "up" not in setup.lora:
+            out += hf_gelu_new_saved_bytes(spec, setup, cpu)
+    return out
+
+
+def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
+    """The transient of peft's adapter forward beyond memplan's one n·out·a adapter output, for one
+    adapted ``matrix``.
+
+    peft ``lora.Linear.forward``: ``result = result + lora_B(lora_A(dropout(x))) * scaling``:
+    ``lora_B``'s output and its scaled copy are alive together (the product is freed only after
+    the multiply), each n·out·e, e = 4 for peft's fp32 adapters on a cast input (fp32 and pure
+    bf16: ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``), 2 under autocast (the mm runs in
+    bf16); the sum with the base output (fp32 where the base is bf16 and the adapter fp32) and its
+    cast back (``result.to(torch_result_dtype)``) hold no more than the two. Per module: the widest
+    of the modules standing for ``matrix`` (``hf_lora_modules``: gate_proj's and up_proj's run one
+    after the other), against memplan's fused adapter output n·out·a. For up_proj also
+    ``act_fn(gate_proj(x))``, n·F·a: ``self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``
+    (modeling_llama.py, LlamaMLP.forward) applies the activation before up_proj runs; memplan's fused
+    up matmul comes before its silu."""
+    if matrix not in setup.lora:
+        return 0
+    from memplan.memory import _matrix_shapes
+
+    n, a = _n(setup), _a(setup)
+    e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    modules = hf_lora_modules(spec, matrix)
+    widest = max(o for _, o in modules)
+    silu_first = n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0
+    return 2 * n * widest * e + silu_first - n * _matrix_shapes(spec)[matrix][1] * a
 
 @dataclass(frozen=True)
 class Stack:
@@ -333,6 +435,24 @@ class Stack:
                 + hf_shared_norm_saved_bytes(spec, setup) + hf_gelu_new_saved_bytes(spec, setup, self.cpu)
                 + hf_qk_norm_saved_bytes(spec, setup) + hf_sdpa_output_copy_bytes(spec, setup, self.lora_dropout)
                 + hf_autocast_input_casts_bytes(spec, setup))
+
+    def first_block_unsaved_bytes(self, spec, setup) -> int:
+        """Of ``block_saved_bytes``, what the first block does not save under LoRA (its input is frozen)."""
+        return hf_first_block_unsaved_bytes(spec, setup, self.lora_dropout, self.cpu) if self.name == "transformers" else 0
+
+    def lora_forward_transient_bytes(self, spec, setup, matrix: str) -> int:
+        """The adapter forward's transient beyond memplan's n·out·a, for ``matrix`` (may be negative)."""
+        return hf_lora_forward_transient_bytes(spec, setup, matrix) if self.name == "transformers" else 0
+
+    def lora_input_release(self, spec, setup, matrix: str) -> tuple[int, int] | None:
+        """Where a stack's adapter releases its saved input in its own backward (peft's ``lora_A``):
+        (bytes saved beyond memplan's adapter input, the adapter's input-gradient bytes before the
+        cast back); None where the walk's own order holds (memplan's)."""
+        if self.name != "transformers" or matrix not in setup.lora:
+            return None
+        saved = (hf_lora_input_saved_bytes(spec, setup, matrix, self.lora_dropout, self.cpu)
+                 - memplan_lora_input_bytes(spec, setup, matrix, self.lora_dropout))
+        return saved, hf_lora_input_grad_bytes(spec, setup, matrix)
 
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
