@@ -275,7 +275,7 @@ def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
         if setup.sharding == "fsdp":
             raise InputError("--stack transformers: --sharding fsdp is walked for memplan's own step only "
                              "(accepted: none, ddp)")
-    return stack_of(stack, loss_dtype, lora_dropout or 0.0)
+    return stack_of(stack, loss_dtype, lora_dropout)
 
 
 @app.command("estimate")
