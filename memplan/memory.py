@@ -924,6 +924,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     # LoRA without checkpointing: the first block's norm saves nothing (its input and weight are frozen)
     first_unsaved = first_block_unsaved_bytes(spec, setup, gqa_repeat) if spec.layers > 1 else 0
     w.alloc("activations", (spec.layers - 1) * stored - first_unsaved)
+    w.alloc("activations", stack.first_block_saved_bytes(spec, setup))  # a stack's first block, LoRA (≤ 0)
     w.alloc("weights", (spec.layers - 1) * lowp)
     _block_forward(w, spec, setup, mode, gqa_repeat)
     w.where = "forward: final norm and LM head"
@@ -989,6 +990,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
             _block_forward(w, spec, setup, "recompute", gqa_repeat)
         w.mark(f"start of the {which} block's backward")
         grad = _block_backward(w, spec, setup, grad, gqa_repeat, first=which == "first" and bool(first_unsaved))
+        w.free("activations", stack.first_block_saved_bytes(spec, setup) if which == "first" else 0)
         if setup.checkpointing == "selective":  # kept outputs the recomputation never reached
             w.free("activations", n * hidden * a)  # the down-projection's
         return grad

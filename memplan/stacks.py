@@ -493,6 +493,34 @@ def _lib_lora_saved_bytes(spec, setup, dropout: float, cpu: bool, modules_of) ->
     return out
 
 
+def _lib_first_block_saved_bytes(spec, setup, dropout: float, cpu: bool, modules_of) -> int:
+    """What the first block of litgpt's or torchtune's LoRA model saves short of the others (≤ 0).
+
+    Under LoRA the embedding and norms are frozen: the first block's input needs no gradient, and
+    neither does anything computed from it alone. Autograd then saves nothing for that input's sake:
+    no dropout mask (``input * noise`` keeps ``noise`` only for the input's gradient) where an
+    adapter's input needs no gradient (qkv's always; proj's without qkv adapters; up's without
+    attention adapters; down's without any adapter below it in the block), n·in·mask per module; and
+    no fp32 copy of the first norm's input (``x.float()`` kept by ``x * x`` / ``rms_norm`` for the
+    input's gradient), n·H·(4 − r). Without checkpointing (a checkpointed block keeps only its
+    input; not modelled there); 0 for one layer, as memplan's own first-block terms."""
+    if not setup.lora_rank or spec.layers < 2 or setup.checkpointing != "none":
+        return 0
+    n, r = _n(setup), _r(setup)
+    out = -n * spec.hidden * (FP32 - r) if spec.norm == "rmsnorm" else 0
+    if dropout <= 0:
+        return out
+    attn = "qkv" in setup.lora or "proj" in setup.lora
+    needs_grad = {"qkv": False, "proj": "qkv" in setup.lora, "up": attn, "down": attn or "up" in setup.lora}
+    for m in setup.lora:
+        if needs_grad[m]:
+            continue
+        modules = modules_of(spec, m)
+        x = r if m in ("qkv", "up") else _a(setup)
+        out -= len(modules) * n * modules[0][0] * (x if cpu else MASK)
+    return out
+
+
 def lit_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
     """Bytes one of litgpt's ``Block`` saves beyond memplan's block: its norms, its attention's
     layout, autocast's second cast for the MLP, its LoRA."""
@@ -592,14 +620,16 @@ def tt_rope_cache_bytes(spec, setup) -> int:
 
     ``RotaryPositionalEmbeddings.build_rope_cache(max_seq_len)``: ``cache = torch.stack([torch.cos(idx_theta),
     torch.sin(idx_theta)], dim=-1)`` (torchtune/modules/position_embeddings.py), a buffer of max_seq_len ×
-    head_dim/2 × 2, fp32 (built under the recipe's default dtype: bf16 under bf16), one per model;
+    head_dim/2 × 2, fp32 under every dtype (``idx_theta = torch.einsum(...).float()``), shared by the layers,
+    except in ``lora_llama3``, whose ``lora_llama3_self_attention`` builds one per layer
+    (torchtune/models/llama3/_component_builders.py; ``lora_llama3_2``, the tied shapes', shares one);
     ``max_seq_len`` is the model's, max(ctx, the shape's max positions), where memplan's tables cover
     the context."""
     from memplan.memory import rope_buffer_bytes
 
     seq = max(setup.ctx, spec.max_positions)
-    dtype = HALF if setup.precision == "bf16" else FP32
-    return 2 * seq * (spec.rotary_dim // 2) * dtype - rope_buffer_bytes(spec, setup)
+    copies = spec.layers if setup.lora_rank and not spec.tied else 1
+    return copies * 2 * seq * (spec.rotary_dim // 2) * FP32 - rope_buffer_bytes(spec, setup)
 
 
 def tt_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
@@ -663,6 +693,13 @@ class Stack:
         if self.name == "torchtune":
             return tt_rope_cache_bytes(spec, setup)
         return lit_rope_cache_bytes(spec, setup) if self.name == "litgpt" else 0
+
+    def first_block_saved_bytes(self, spec, setup) -> int:
+        """Bytes (≤ 0) the first block saves short of the others (LoRA: its input needs no gradient)."""
+        modules = {"litgpt": lit_lora_modules, "torchtune": tt_lora_modules}.get(self.name)
+        if modules is None:
+            return 0
+        return _lib_first_block_saved_bytes(spec, setup, self.lora_dropout, self.cpu, modules)
 
     def walked_spec(self, spec):
         """The model the stack's code builds for ``spec``: litgpt's ``GPT`` has no tied head."""
