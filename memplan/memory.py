@@ -878,7 +878,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for
     grouped-query attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its
     hooks (``memplan.stacks``) add the tensors that code saves beyond memplan's own."""
-    spec = stack.walked_spec(spec)  # the model the stack's code builds (litgpt: no tied head)
+    spec, setup = stack.walked_spec(spec), stack.walked_setup(setup)  # as the stack's code builds and steps
     w = _StepWalk(spec, setup, stack)
     n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
     r = residual_bytes_per_element(setup)
@@ -966,6 +966,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     head_grad = spec.vocab * hidden if not lora else 0
     w.alloc("temporaries", n * hidden * a)  # input gradient
     w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
+    w.alloc("temporaries", stack.chunked_head_grad_bytes(spec, setup))  # a head run in chunks: its sums
+    w.free("temporaries", stack.chunked_head_grad_bytes(spec, setup))
     if not lora:
         w.free("activations", head_in)
     w.free("logits", logits_bytes(spec, setup) if a != FP32_BYTES else fp32_logits_bytes(spec, setup))

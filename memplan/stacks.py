@@ -57,6 +57,35 @@ def check_stack_builds(stack: str, spec, accepted: tuple[str, ...] = STACKS) -> 
     return stack
 
 
+LIB_SETUPS = {  # what litgpt's and torchtune's single-device scripts take (trainer/stacks/litgpt.py, torchtune.py)
+    "litgpt": {"precision": ("fp32", "tf32", "bf16-mixed", "bf16"), "attention": ("sdpa",),
+               "checkpointing": ("none",), "sharding": ("none",), "archs": ("llama", "gpt_neox")},
+    "torchtune": {"precision": ("fp32", "tf32", "bf16"), "attention": ("sdpa",),
+                  "checkpointing": ("none", "full"), "sharding": ("none",), "archs": ("llama",)},
+}
+
+
+def check_stack_setup(stack: str, spec, setup) -> str:
+    """``stack`` if its code runs ``setup``'s step for ``spec``, else the one-line InputError naming what
+    it takes: litgpt's scripts and torchtune's recipes on one device (the settings of ``LIB_SETUPS``;
+    their LoRA adapts the MLP whole, up and down together)."""
+    allowed = LIB_SETUPS.get(stack)
+    if allowed is None:
+        return stack
+    if spec.arch not in allowed["archs"] or spec.pos != "rope":
+        raise InputError(f"--stack {stack}: the walk covers {stack}'s {', '.join(allowed['archs'])} models "
+                         f"(rotary positions), not {spec.arch!r}")
+    for field in ("precision", "attention", "checkpointing", "sharding"):
+        value = getattr(setup, field)
+        if value not in allowed[field]:
+            raise InputError(f"--stack {stack}: --{field} {value} is not one that {stack}'s code takes "
+                             f"(accepted: {', '.join(allowed[field])})")
+    if setup.lora_rank and ("up" in setup.lora) != ("down" in setup.lora):
+        raise InputError(f"--stack {stack}: --lora-targets {setup.lora_targets}: {stack} adapts the MLP whole "
+                         "(accepted: qkv, proj, and up with down)")
+    return stack
+
+
 def check_loss_dtype(loss_dtype: str) -> str:
     if loss_dtype not in LOSS_DTYPES:
         raise InputError(f"--loss-dtype: unknown {loss_dtype!r} (accepted: {', '.join(LOSS_DTYPES)})")
@@ -377,20 +406,26 @@ def lit_held_logits_bytes(spec, setup) -> int:
     return _n(setup) * spec.vocab * FP32
 
 
+LIT_LOSS_CHUNK = 128  # chunked_cross_entropy(chunk_size=128); finetune/lora.py's lm_head_chunk_size=128
+
+
 def lit_chunked_loss_backward_bytes(spec, setup) -> int:
-    """The log-probabilities litgpt's chunked loss has freed when its gradient is whole (≤ 0).
+    """The log-probabilities litgpt's chunked loss has freed by the time it holds its gradients (≤ 0).
 
     ``logit_chunks = logits.split(chunk_size)``, ``[F.cross_entropy(logit_chunk, ...) for ...]``,
-    ``torch.cat(loss_chunks)`` (litgpt/utils.py, chunked_cross_entropy, ``chunk_size=128`` rows):
-    each chunk's backward frees its saved log-probabilities as it makes its gradient, and ``split``'s
-    backward ``cat``s the chunks' gradients into the logits' gradient, n·V·4, when no log-probability
-    is left: one n·V·4 fewer than memplan's walk (log-probs, their gradient, the logits' gradient)
-    holds at the loss's backward. With LoRA, finetune/lora.py gives the loss the head's chunks of 128
-    positions (``lm_head_chunk_size=128``): at ctx ≤ 128 one chunk, whose log-probabilities stay until
-    its backward is done: 0."""
+    ``torch.cat(loss_chunks)`` (litgpt/utils.py, chunked_cross_entropy, chunks of 128 rows of the n):
+    each chunk's backward frees its saved log-probabilities as it makes its gradients, and ``split``'s
+    backward ``cat``s the chunks' gradients into the logits' gradient, n·V·4, when no log-probability is
+    left: with two chunks or more, one n·V·4 fewer than memplan's walk (log-probs, their gradient, the
+    logits' gradient) holds at the loss's backward; one chunk holds all three. With LoRA, finetune/lora.py
+    gives the loss the head's k = ⌈T/128⌉ chunks (``lm_head_chunk_size=128``), whose gradients go each to
+    its own head matmul: at the first chunk's backward the log-probabilities and that chunk's two
+    gradients, −2·n·V·4·(1 − 1/k)."""
+    full = _n(setup) * spec.vocab * FP32
     if setup.lora_rank:
-        return 0
-    return -_n(setup) * spec.vocab * FP32
+        k = -(-setup.ctx // LIT_LOSS_CHUNK)
+        return -2 * full * (k - 1) // k
+    return -full if _n(setup) > LIT_LOSS_CHUNK else 0
 
 
 def lit_rope_cache_bytes(spec, setup) -> int:
@@ -406,6 +441,15 @@ def lit_rope_cache_bytes(spec, setup) -> int:
         return 0
     dtype = HALF if setup.precision == "bf16" else FP32
     return 2 * setup.ctx * spec.rotary_dim * dtype - rope_buffer_bytes(spec, setup)
+
+
+def lit_walked_setup(setup, cpu: bool):
+    """litgpt's AdamW: ``extra_kwargs = {"fused": fabric.device.type == "cuda"}`` (litgpt/pretrain.py):
+    fused on an accelerator, torch's default (foreach) on the CPU; finetune/lora.py passes nothing
+    (foreach). ``--optimizer adamw`` is walked as fused where pretrain.py fuses it."""
+    if setup.optimizer == "adamw" and not setup.lora_rank and not cpu:
+        return setup.replace(optimizer="adamw-fused")
+    return setup
 
 
 def lit_walked_spec(spec):
@@ -632,6 +676,24 @@ def tt_rope_cache_bytes(spec, setup) -> int:
     return copies * 2 * seq * (spec.rotary_dim // 2) * FP32 - rope_buffer_bytes(spec, setup)
 
 
+def tt_chunked_head_grad_bytes(spec, setup) -> int:
+    """The head's weight gradient summed over torchtune's output chunks: 2·V·H·p at the head's backward.
+
+    ``[self.output(chunk) for chunk in last_hidden_state.chunk(self.num_output_chunks, dim=1)]``
+    (torchtune/modules/transformer.py, TransformerDecoder.chunked_output): one weight used 8 times,
+    so autograd sums 8 weight gradients: at each sum the running total, the chunk's gradient and
+    their sum (``aten.add``) are live, 3·V·H·p where memplan's one matmul makes one. 0 under LoRA
+    (the head is frozen)."""
+    return 0 if setup.lora_rank else 2 * spec.vocab * spec.hidden * setup.param_bytes
+
+
+def tt_walked_setup(setup):
+    """torchtune's recipes' AdamW is fused: ``optimizer: {_component_: torch.optim.AdamW, fused: True}``
+    (the configs of lora_finetune_single_device and full_finetune_single_device): no foreach scratch,
+    whatever ``--optimizer adamw`` says."""
+    return setup.replace(optimizer="adamw-fused") if setup.optimizer == "adamw" else setup
+
+
 def tt_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
     """Bytes one of torchtune's ``TransformerSelfAttentionLayer`` saves beyond memplan's block: its norms,
     its attention's layout, its LoRA."""
@@ -700,6 +762,17 @@ class Stack:
         if modules is None:
             return 0
         return _lib_first_block_saved_bytes(spec, setup, self.lora_dropout, self.cpu, modules)
+
+    def chunked_head_grad_bytes(self, spec, setup) -> int:
+        """Temporaries of a head run in chunks, summing its weight's gradients, at the head's backward."""
+        return tt_chunked_head_grad_bytes(spec, setup) if self.name == "torchtune" else 0
+
+    def walked_setup(self, setup):
+        """The step the stack's code takes for ``setup``: its own optimizer (``lit_walked_setup``,
+        ``tt_walked_setup``)."""
+        if self.name == "litgpt":
+            return lit_walked_setup(setup, self.cpu)
+        return tt_walked_setup(setup) if self.name == "torchtune" else setup
 
     def walked_spec(self, spec):
         """The model the stack's code builds for ``spec``: litgpt's ``GPT`` has no tied head."""
