@@ -1054,6 +1054,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     scratch = optimizer_temporary_bytes(spec, setup)
     if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
         scratch += extra_adapters
+    scratch += stack.optimizer_scratch_bytes(spec, setup)  # a stack's own optimizer loop in place of foreach's
     w.alloc("temporaries", scratch)
     w.free("temporaries", scratch)
     return w

@@ -444,12 +444,36 @@ def lit_rope_cache_bytes(spec, setup) -> int:
 
 
 def lit_walked_setup(setup, cpu: bool):
-    """litgpt's AdamW: ``extra_kwargs = {"fused": fabric.device.type == "cuda"}`` (litgpt/pretrain.py):
-    fused on an accelerator, torch's default (foreach) on the CPU; finetune/lora.py passes nothing
-    (foreach). ``--optimizer adamw`` is walked as fused where pretrain.py fuses it."""
+    """litgpt's AdamW: ``instantiate_torch_optimizer("AdamW", model.parameters(), **extra_kwargs)`` with
+    ``extra_kwargs = {"fused": fabric.device.type == "cuda"}`` (litgpt/pretrain.py; finetune/lora.py
+    passes nothing): fused on CUDA without LoRA; otherwise torch's default, which is foreach on an
+    accelerator and, on the CPU (``_default_to_fused_or_foreach``: CUDA tensors only), the for-loop
+    ``_single_tensor_adamw``, whose scratch ``lit_optimizer_scratch_bytes`` puts in place of foreach's."""
     if setup.optimizer == "adamw" and not setup.lora_rank and not cpu:
         return setup.replace(optimizer="adamw-fused")
     return setup
+
+
+def lit_optimizer_scratch_bytes(spec, setup, cpu: bool) -> int:
+    """The scratch of torch's for-loop AdamW, litgpt's on the CPU (``lit_walked_setup``), less the foreach
+    scratch memplan's walk counts for ``--optimizer adamw`` (may be negative): one parameter at a time,
+    ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`` (torch/optim/adamw.py,
+    ``_single_tensor_adam``) makes two tensors of the parameter's size, beside the update's own
+    temporary: 3 × the largest trained tensor (the V·H head, or an adapter under LoRA), in the
+    parameters' dtype."""
+    if not cpu or setup.optimizer != "adamw":
+        return 0
+    from memplan.memory import optimizer_temporary_bytes
+
+    foreach = optimizer_temporary_bytes(spec, setup)
+    foreach += lit_lora_bytes_delta(spec, setup) if foreach else 0
+    if setup.lora_rank:
+        largest = max(setup.lora_rank * max(i, o) for m in setup.lora for i, o in
+                      [(spec.hidden, spec.q_dim + 2 * spec.kv_dim), (spec.q_dim, spec.hidden),
+                       (spec.hidden, spec.ffn), (spec.ffn, spec.hidden)])
+    else:
+        largest = max(spec.vocab * spec.hidden, spec.hidden * (spec.q_dim + 2 * spec.kv_dim), spec.hidden * spec.ffn)
+    return 3 * largest * setup.param_bytes - foreach
 
 
 def lit_walked_spec(spec):
@@ -766,6 +790,10 @@ class Stack:
     def chunked_head_grad_bytes(self, spec, setup) -> int:
         """Temporaries of a head run in chunks, summing its weight's gradients, at the head's backward."""
         return tt_chunked_head_grad_bytes(spec, setup) if self.name == "torchtune" else 0
+
+    def optimizer_scratch_bytes(self, spec, setup) -> int:
+        """Scratch of a stack's own optimizer loop at the optimizer step (beyond the walked optimizer's)."""
+        return lit_optimizer_scratch_bytes(spec, setup, self.cpu) if self.name == "litgpt" else 0
 
     def walked_setup(self, setup):
         """The step the stack's code takes for ``setup``: its own optimizer (``lit_walked_setup``,
