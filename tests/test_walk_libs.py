@@ -77,9 +77,12 @@ LIT_CASES = [
     ("lit_lora_saved_bytes", LLAMA, _setup(precision="fp32", lora_rank=4), 0.05, _zero, WORST_BAR),
     ("lit_lora_bytes_delta", {**LLAMA, "vocab": 64}, _setup(ctx=32, micro_batch=2, precision="bf16", lora_rank=32),
      0.0, _zero, MEDIAN_BAR),
+    ("lit_optimizer_scratch_bytes", {**LLAMA, "layers": 1, "kv_heads": 4, "ffn": 256, "vocab": 256, "tied": True},
+     _setup(ctx=32, micro_batch=1, precision="fp32"), None, _zero, WORST_BAR),
 ]
 LIT_IDS = ["rmsnorm-fp32-copies", "repeated-kv-and-reshape-copy", "logits-held-to-the-step-end",
-           "chunked-loss-frees-log-probs", "no-tied-head", "lora-dropout-mask-and-output", "lora-qkv-3r-and-fc1-fc2"]
+           "chunked-loss-frees-log-probs", "no-tied-head", "lora-dropout-mask-and-output", "lora-qkv-3r-and-fc1-fc2",
+           "for-loop-adamw-on-the-cpu"]
 
 TT_CASES = [
     ("tt_norm_saved_bytes", LLAMA, _setup(precision="bf16"), None, _zero, WORST_BAR),
@@ -129,6 +132,15 @@ def test_litgpt_autocast_casts_the_mlp_input_twice(monkeypatch):
                                                   _setup(precision="bf16-mixed"), None, _zero)
     assert abs(with_hook) <= 0.001, with_hook
     assert abs(without) > 0.02, without
+
+
+def test_litgpt_rotary_tables_cover_the_whole_head(monkeypatch):
+    """litgpt's cos and sin are ctx × head_size each (memplan's: ctx × head_size/2): 8 KiB here, the
+    walk's whole gap to the trace without the hook, none with it."""
+    with_hook, without = _errors_with_and_without(monkeypatch, "litgpt", "lit_rope_cache_bytes", ModelSpec(**LLAMA),
+                                                  _setup(precision="fp32"), None, _zero)
+    assert abs(with_hook) <= 0.0001, with_hook
+    assert abs(without) > 0.0005, without
 
 
 # ---- the matrices ------------------------------------------------------------------------------
