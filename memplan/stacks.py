@@ -848,6 +848,20 @@ class Stack:
             self.name, ("none", "ddp", "fsdp"))
 
     @property
+    def attentions(self) -> tuple[str, ...]:
+        """The attention implementations the stack's code has: litgpt's and torchtune's are SDPA only."""
+        return LIB_SETUPS[self.name]["attention"] if self.name in LIB_SETUPS else ("sdpa", "eager")
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions the stack's code trains in (torchtune: one dtype, no autocast; litgpt: no fp16)."""
+        if self.name in LIB_SETUPS:
+            return LIB_SETUPS[self.name]["precision"]
+        from memplan.setup import PRECISIONS
+
+        return PRECISIONS
+
+    @property
     def fp32_loss(self) -> bool:
         """Whether the loss upcasts the logits (``logits.float()``)."""
         return self.loss_dtype == "fp32"

@@ -236,6 +236,23 @@ def test_what_the_libraries_do_not_run_is_a_one_line_error(extra, needles):
     one_line_error(result, *needles)
 
 
+def test_autotune_searches_only_what_the_library_runs():
+    """autotune --stack torchtune: SDPA only, no autocast precision, checkpointing none or full, one process;
+    litgpt: SDPA, no checkpointing."""
+    import json
+
+    args = ["autotune", "--arch", "llama", "--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "4",
+            "--ffn", "256", "--vocab", "512", "--untied", "--ctx", "2k", "--device", "a100-80gb", "--budget", "2GiB",
+            "--json"]
+    tt = CliRunner().invoke(app, [*args, "--stack", "torchtune"])
+    lit = CliRunner().invoke(app, [*args, "--stack", "litgpt"])
+    assert tt.exit_code == 0 and lit.exit_code == 0, (tt.output, lit.output)
+    tt, lit = json.loads(tt.stdout)["space"], json.loads(lit.stdout)["space"]
+    assert tt["attention"] == lit["attention"] == ["sdpa"]
+    assert "bf16-mixed" not in tt["precision"] and "bf16-mixed" in lit["precision"]
+    assert tt["checkpointing"] == ["none", "full"] and lit["checkpointing"] == ["none"]
+
+
 if __name__ == "__main__":  # the walk-vs-trace table of one library: python tests/test_walk_libs.py litgpt
     import sys
 
