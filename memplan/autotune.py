@@ -109,6 +109,16 @@ def device_ref(device: Device) -> str:
     return str(Path(device.path).resolve())
 
 
+def _stack_precisions(precisions: tuple[str, ...], stack) -> tuple[str, ...]:
+    """The precisions of ``precisions`` the stack's code trains in (torchtune: no autocast), else the one-line
+    error naming those it takes."""
+    kept = tuple(p for p in precisions if p in stack.precisions)
+    if not kept:
+        raise InputError(f"--stack {stack.name}: --precision {', '.join(precisions)} is not one its code takes "
+                         f"(accepted: {', '.join(stack.precisions)})")
+    return kept
+
+
 def precision_candidates(device: Device) -> tuple[str, ...]:
     """The precisions worth trying on ``device``: its fast mixed precision, then its full precision.
 
@@ -447,6 +457,8 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     ev = _Evaluator(spec, device, speedup, tokens, stack)
     shardings = tuple(s for s in SHARDINGS if s in stack.shardings) if world_size > 1 else ("none",)
     checkpointings = tuple(c for c in CHECKPOINTINGS if c in stack.checkpointings)
+    attentions = tuple(a for a in ATTENTIONS if a in stack.attentions)  # litgpt, torchtune: sdpa only
+    precisions = _stack_precisions(precisions, stack)
     sizes = divisors(per)
     accumulating = sizes[:-1]  # micro-batches that leave grad_accum ≥ 2
 
@@ -454,7 +466,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     best_points: list[TrainSetup] = []  # the fastest fitting micro-batch of each configuration
     rejected_points: list[TrainSetup] = []  # the next micro-batch up, which does not fit
     for sharding, precision, checkpointing, attention, optimizer, compiled in itertools.product(
-            shardings, precisions, checkpointings, ATTENTIONS, OPTIMIZERS, compiles):
+            shardings, precisions, checkpointings, attentions, OPTIMIZERS, compiles):
         base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
                           attention=attention, checkpointing=checkpointing, optimizer=optimizer,
                           world_size=world_size, sharding=sharding, compile=compiled,
@@ -489,7 +501,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
                      global_batch_sequences=per * world_size, requested_global_batch_tokens=requested,
                      default_global_batch=default, exact_global_batch=exact, tokens=tokens,
                      configs=tuple(configs), _evaluator=ev,
-                     space={"micro_batch": sizes, "checkpointing": list(checkpointings), "attention": list(ATTENTIONS),
+                     space={"micro_batch": sizes, "checkpointing": list(checkpointings), "attention": list(attentions),
                             "precision": list(precisions), "optimizer": list(OPTIMIZERS),
                             "compile": list(compiles), "sharding": list(shardings)})
 

@@ -925,6 +925,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for
     grouped-query attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its
     hooks (``memplan.stacks``) add the tensors that code saves beyond memplan's own."""
+    spec, setup = stack.walked_spec(spec), stack.walked_setup(setup)  # as the stack's code builds and steps
     w = _StepWalk(spec, setup, stack)
     n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
     r = residual_bytes_per_element(setup)
@@ -939,6 +940,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
 
     # persistent state
     w.alloc("weights", weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup), "start of step")
+    w.alloc("weights", stack.buffer_bytes_delta(spec, setup))  # a stack's own rotary tables
     w.alloc("optimizer", optimizer_state_bytes(spec, setup))
     extra_adapters = stack.lora_bytes_delta(spec, setup)  # e.g. peft's separate q, k, v adapters, in fp32
     w.alloc("weights", extra_adapters)
@@ -992,18 +994,23 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     upcast = stack.fp32_loss and a != FP32_BYTES
     if upcast:
         w.alloc("logits", fp32_logits_bytes(spec, setup))  # logits.float()
+    w.alloc("logits", stack.chunked_upcast_bytes(spec, setup))  # a loss upcasting chunk by chunk (≤ 0)
     w.alloc("logits", loss)  # log-softmax, saved
+    w.free("logits", stack.chunked_upcast_bytes(spec, setup))
     if upcast:
         w.free("logits", fp32_logits_bytes(spec, setup))
     w.free("logits", logits_bytes(spec, setup))  # `del logits`: log_softmax saved its output only
+    w.alloc("logits", stack.held_logits_bytes(spec, setup))  # logits a stack's loop keeps to the step's end
     w.mark("end of forward")
 
     # ---- backward: loss, LM head, final norm
     w.phase = "backward"
     w.where = "backward: loss"
+    w.alloc("logits", stack.chunked_loss_backward_bytes(spec, setup))  # a chunked loss's freed log-probs (≤ 0)
     w.alloc("logits", loss)  # gradient of the log-probabilities
     w.alloc("logits", loss)  # gradient of the logits (fp32 when upcast)
     w.free("logits", 2 * loss)
+    w.free("logits", stack.chunked_loss_backward_bytes(spec, setup))
     if upcast:
         w.alloc("logits", logits_bytes(spec, setup))
         w.free("logits", fp32_logits_bytes(spec, setup))
@@ -1011,6 +1018,8 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     head_grad = spec.vocab * hidden if not lora else 0
     w.alloc("temporaries", n * hidden * a)  # input gradient
     w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
+    w.alloc("temporaries", stack.chunked_head_grad_bytes(spec, setup))  # a head run in chunks: its sums
+    w.free("temporaries", stack.chunked_head_grad_bytes(spec, setup))
     if not lora:
         w.free("activations", head_in)
     w.free("logits", logits_bytes(spec, setup) if a != FP32_BYTES else fp32_logits_bytes(spec, setup))
@@ -1097,6 +1106,7 @@ def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, sta
     scratch = optimizer_temporary_bytes(spec, setup)
     if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
         scratch += extra_adapters
+    scratch += stack.optimizer_scratch_bytes(spec, setup)  # a stack's own optimizer loop in place of foreach's
     w.alloc("temporaries", scratch)
     w.free("temporaries", scratch)
     return w

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from memplan.errors import InputError
 
-STACKS = ("memplan", "transformers")
+STACKS = ("memplan", "transformers", "litgpt", "torchtune")
 LOSS_DTYPES = ("fp32", "logits")
 TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox", "phi", "gemma", "stablelm", "qwen3")  # the families the hooks walk
 FUSED_QKV_ARCHS = ("gpt2", "gpt_neox")  # one c_attn / query_key_value matrix; the others have q_proj, k_proj, v_proj
@@ -54,6 +54,35 @@ def check_stack_builds(stack: str, spec, accepted: tuple[str, ...] = STACKS) -> 
     if stack == "transformers" and spec.arch not in TRANSFORMERS_ARCHS:
         raise InputError(f"--stack transformers: the walk covers the {', '.join(TRANSFORMERS_ARCHS)} families, "
                          f"not {spec.arch!r}")
+    return stack
+
+
+LIB_SETUPS = {  # what litgpt's and torchtune's single-device scripts take (trainer/stacks/litgpt.py, torchtune.py)
+    "litgpt": {"precision": ("fp32", "tf32", "bf16-mixed", "bf16"), "attention": ("sdpa",),
+               "checkpointing": ("none",), "sharding": ("none",), "archs": ("llama", "gpt_neox")},
+    "torchtune": {"precision": ("fp32", "tf32", "bf16"), "attention": ("sdpa",),
+                  "checkpointing": ("none", "full"), "sharding": ("none",), "archs": ("llama",)},
+}
+
+
+def check_stack_setup(stack: str, spec, setup) -> str:
+    """``stack`` if its code runs ``setup``'s step for ``spec``, else the one-line InputError naming what
+    it takes: litgpt's scripts and torchtune's recipes on one device (the settings of ``LIB_SETUPS``;
+    their LoRA adapts the MLP whole, up and down together)."""
+    allowed = LIB_SETUPS.get(stack)
+    if allowed is None:
+        return stack
+    if spec.arch not in allowed["archs"] or spec.pos != "rope":
+        raise InputError(f"--stack {stack}: the walk covers {stack}'s {', '.join(allowed['archs'])} models "
+                         f"(rotary positions), not {spec.arch!r}")
+    for field in ("precision", "attention", "checkpointing", "sharding"):
+        value = getattr(setup, field)
+        if value not in allowed[field]:
+            raise InputError(f"--stack {stack}: --{field} {value} is not one that {stack}'s code takes "
+                             f"(accepted: {', '.join(allowed[field])})")
+    if setup.lora_rank and ("up" in setup.lora) != ("down" in setup.lora):
+        raise InputError(f"--stack {stack}: --lora-targets {setup.lora_targets}: {stack} adapts the MLP whole "
+                         "(accepted: qkv, proj, and up with down)")
     return stack
 
 
@@ -417,6 +446,388 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     silu_first = n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0
     return 2 * n * widest * e + silu_first - n * _matrix_shapes(spec)[matrix][1] * a
 
+
+# ---- the hooks of the litgpt stack (litgpt 0.5: litgpt/model.py, litgpt/lora.py, litgpt/utils.py) ----------
+
+def lit_norm_saved_bytes(spec, setup) -> int:
+    """What one of litgpt's ``RMSNorm`` saves beyond memplan's fused norm (input and rstd).
+
+    ``x = x.float()``, ``x_normed = x * torch.rsqrt(norm_x + self.eps)``, ``return (x_normed *
+    weight.float()).to(dtype=dtype)`` (litgpt/model.py, RMSNorm.forward): ``x * x`` and ``x * rsqrt``
+    save the fp32 input, n·H·4, in place of the input memplan's norm saves, n·H·r (the same tensor
+    under fp32 and autocast, a new copy under pure bf16, where nothing else keeps the bf16 residual);
+    ``x_normed * weight.float()`` saves ``x_normed`` in fp32, n·H·4, for the weight's gradient (not
+    when the weight is frozen, under LoRA). LayerNorm (gpt_neox shapes) is ``F.layer_norm``: 0."""
+    if spec.norm != "rmsnorm":
+        return 0
+    n, h = _n(setup), spec.hidden
+    out = n * h * (FP32 - _r(setup))
+    if not setup.lora_rank:
+        out += n * h * FP32
+    return out
+
+
+def lit_attention_saved_bytes(spec, setup, dropout: float = 0.0) -> int:
+    """What litgpt's ``CausalSelfAttention`` saves beyond memplan's attention (fused qkv output, q and k
+    rotated), per block.
+
+    ``q = torch.cat((q_roped, q[..., rope_n_elem:]), dim=-1)`` and likewise k (litgpt/model.py,
+    CausalSelfAttention.forward): q, n·q_dim·a, saved by SDPA. Grouped heads: ``k =
+    k.repeat_interleave(q_per_kv, dim=1)`` and v alike, each n·q_dim·a, saved by SDPA; the fused qkv
+    output is saved by nothing (``apply_rope``'s ``x * cos`` saves only cos). Ungrouped: k, n·kv·a,
+    and v, a view of the qkv output, which SDPA keeps whole, n·(q_dim + 2·kv)·a. Then ``y =
+    y.reshape(B, T, head_size * n_head)`` of SDPA's output transposed back (``.transpose(1, 2)``) is a
+    copy, n·q_dim·a, which ``self.proj`` saves beside the output SDPA saves (under LoRA a frozen
+    proj without an adapter saves none of it, nor does one whose adapter takes its dropout's output)."""
+    n, a, q, kv = _n(setup), _a(setup), spec.q_dim, spec.kv_dim
+    grouped = spec.kv_heads != spec.heads
+    kept = q + (2 * q if grouped else kv + q + 2 * kv)
+    if not setup.lora_rank or ("proj" in setup.lora and dropout == 0):
+        kept += q
+    return n * a * kept - n * a * ((q + 2 * kv) + q + kv)
+
+
+def lit_autocast_mlp_cast_bytes(spec, setup) -> int:
+    """The second bf16 copy of the MLP norm's output that litgpt's ``LLaMAMLP`` makes and saves under
+    autocast: ``x_fc_1 = self.fc_1(x)``, ``x_fc_2 = self.fc_2(x)`` (litgpt/model.py, LLaMAMLP.forward)
+    each cast the fp32 input (autocast caches only leaf weights' casts), n·H·2, where memplan's fused
+    up matmul casts once. 0 without autocast, for a one-matrix MLP (GptNeoxMLP), and under LoRA (a
+    frozen fc saves no input)."""
+    if not setup.mixed or setup.lora_rank or spec.mlp != "swiglu":
+        return 0
+    return _n(setup) * spec.hidden * HALF
+
+
+def lit_held_logits_bytes(spec, setup) -> int:
+    """The logits litgpt's scripts keep through the backward and the optimizer step, n·V·4.
+
+    ``logits = model(input_ids)``, ``loss = chunked_cross_entropy(logits, targets)``,
+    ``fabric.backward(loss / ...)`` (litgpt/pretrain.py, fit; finetune/lora.py likewise): the local
+    ``logits``, fp32 after Fabric's ``convert_output`` (``_FabricModule.forward``) under every
+    precision, lives until the next forward returns; memplan's step ``del``s them once the loss has
+    saved its log-probabilities."""
+    return _n(setup) * spec.vocab * FP32
+
+
+LIT_LOSS_CHUNK = 128  # chunked_cross_entropy(chunk_size=128); finetune/lora.py's lm_head_chunk_size=128
+
+
+def lit_chunked_loss_backward_bytes(spec, setup) -> int:
+    """The log-probabilities litgpt's chunked loss has freed by the time it holds its gradients (≤ 0).
+
+    ``logit_chunks = logits.split(chunk_size)``, ``[F.cross_entropy(logit_chunk, ...) for ...]``,
+    ``torch.cat(loss_chunks)`` (litgpt/utils.py, chunked_cross_entropy, chunks of 128 rows of the n):
+    each chunk's backward frees its saved log-probabilities as it makes its gradients, and ``split``'s
+    backward ``cat``s the chunks' gradients into the logits' gradient, n·V·4, when no log-probability is
+    left: with two chunks or more, one n·V·4 fewer than memplan's walk (log-probs, their gradient, the
+    logits' gradient) holds at the loss's backward; one chunk holds all three. With LoRA, finetune/lora.py
+    gives the loss the head's k = ⌈T/128⌉ chunks (``lm_head_chunk_size=128``), whose gradients go each to
+    its own head matmul: at the first chunk's backward the log-probabilities and that chunk's two
+    gradients, −2·n·V·4·(1 − 1/k)."""
+    full = _n(setup) * spec.vocab * FP32
+    if setup.lora_rank:
+        k = -(-setup.ctx // LIT_LOSS_CHUNK)
+        return -2 * full * (k - 1) // k
+    return -full if _n(setup) > LIT_LOSS_CHUNK else 0
+
+
+def lit_rope_cache_bytes(spec, setup) -> int:
+    """litgpt's cos and sin beyond memplan's.
+
+    ``cos, sin = self.rope_cache()`` (litgpt/model.py, GPT.max_seq_length's setter: ``build_rope_cache(
+    seq_len=self.max_seq_length, n_elem=self.config.rope_n_elem, ...)``, then ``torch.cat([cos, cos],
+    dim=-1)`` alike): two buffers of ctx × rotary_dim, where memplan's cover ctx × rotary_dim/2; fp32,
+    bf16 once Fabric's bf16-true converts the module."""
+    from memplan.memory import rope_buffer_bytes
+
+    if spec.pos != "rope":
+        return 0
+    dtype = HALF if setup.precision == "bf16" else FP32
+    return 2 * setup.ctx * spec.rotary_dim * dtype - rope_buffer_bytes(spec, setup)
+
+
+def lit_walked_setup(setup, cpu: bool):
+    """litgpt's AdamW: ``instantiate_torch_optimizer("AdamW", model.parameters(), **extra_kwargs)`` with
+    ``extra_kwargs = {"fused": fabric.device.type == "cuda"}`` (litgpt/pretrain.py; finetune/lora.py
+    passes nothing): fused on CUDA without LoRA; otherwise torch's default, which is foreach on an
+    accelerator and, on the CPU (``_default_to_fused_or_foreach``: CUDA tensors only), the for-loop
+    ``_single_tensor_adamw``, whose scratch ``lit_optimizer_scratch_bytes`` puts in place of foreach's."""
+    if setup.optimizer == "adamw" and not setup.lora_rank and not cpu:
+        return setup.replace(optimizer="adamw-fused")
+    return setup
+
+
+def lit_optimizer_scratch_bytes(spec, setup, cpu: bool) -> int:
+    """The scratch of torch's for-loop AdamW, litgpt's on the CPU (``lit_walked_setup``), less the foreach
+    scratch memplan's walk counts for ``--optimizer adamw`` (may be negative): one parameter at a time,
+    ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`` (torch/optim/adamw.py,
+    ``_single_tensor_adam``) makes two tensors of the parameter's size, beside the update's own
+    temporary: 3 × the largest trained tensor (the V·H head, or an adapter under LoRA), in the
+    parameters' dtype."""
+    if not cpu or setup.optimizer != "adamw":
+        return 0
+    from memplan.memory import optimizer_temporary_bytes
+
+    foreach = optimizer_temporary_bytes(spec, setup)
+    foreach += lit_lora_bytes_delta(spec, setup) if foreach else 0
+    if setup.lora_rank:
+        largest = max(setup.lora_rank * max(i, o) for m in setup.lora for i, o in
+                      [(spec.hidden, spec.q_dim + 2 * spec.kv_dim), (spec.q_dim, spec.hidden),
+                       (spec.hidden, spec.ffn), (spec.ffn, spec.hidden)])
+    else:
+        largest = max(spec.vocab * spec.hidden, spec.hidden * (spec.q_dim + 2 * spec.kv_dim), spec.hidden * spec.ffn)
+    return 3 * largest * setup.param_bytes - foreach
+
+
+def lit_walked_spec(spec):
+    """litgpt's ``GPT`` has a separate ``lm_head`` always (``GPT.__init__``: ``self.lm_head =
+    nn.Linear(config.n_embd, config.padded_vocab_size, ...)``, no weight tying; its tied models load
+    the embedding into it): a tied shape is walked untied, V·H more weights, gradients and state."""
+    return spec.replace(tied=False) if spec.tied else spec
+
+
+def lit_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+    """(in, rank multiple) of each litgpt LoRA module standing for memplan's fused ``matrix``
+    (litgpt/lora.py): ``LoRAQKVLinear`` is one module for q, k and v, whose ``lora_A`` has r rows per
+    enabled projection (``r * sum(enable_lora)``: 3r, as memplan's qkv adapts all three); the
+    ``LLaMAMLP``'s ``fc_1`` and ``fc_2`` are separate ``LoRALinear`` (``GptNeoxMLP``: one ``fc``)."""
+    h, q, f = spec.hidden, spec.q_dim, spec.ffn
+    up = [(h, 1), (h, 1)] if spec.mlp == "swiglu" else [(h, 1)]
+    return {"qkv": [(h, 3)], "proj": [(q, 1)], "up": up, "down": [(f, 1)]}[matrix]
+
+
+def lit_lora_bytes_delta(spec, setup) -> int:
+    """Bytes of litgpt's adapters beyond memplan's (their gradients alike), in the model's dtype.
+
+    ``self.lora_A = nn.Parameter(torch.empty((r * sum(enable_lora), in_features)))`` (LoRAQKVLinear:
+    3·r·H where memplan's fused qkv adapter has r·H: 2·r·H more), and ``fc_1``, ``fc_2`` each with
+    its own A (r·H) and B (F·r) where memplan's fused gate-and-up adapter has one A (r·H): r·H more."""
+    if not setup.lora_rank:
+        return 0
+    extra = 0
+    if "qkv" in setup.lora:
+        extra += 2 * setup.lora_rank * spec.hidden
+    if "up" in setup.lora and spec.mlp == "swiglu":
+        extra += setup.lora_rank * spec.hidden
+    return spec.layers * extra * setup.param_bytes
+
+
+def lit_lora_tensors_delta(spec, setup) -> int:
+    """Adapter tensors beyond memplan's: ``fc_1`` and ``fc_2`` with an A and a B each, for memplan's one
+    fused gate-and-up adapter (two tensors more per layer)."""
+    if not setup.lora_rank or "up" not in setup.lora or spec.mlp != "swiglu":
+        return 0
+    return 2 * spec.layers
+
+
+def lit_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
+    """What litgpt's LoRA modules save beyond memplan's adapters, per block.
+
+    ``(self.lora_dropout(x) @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) *
+    self.scaling`` (litgpt/lora.py, LoRALinear.forward; LoRAQKVLinear: ``F.linear(self.lora_dropout(x),
+    self.lora_A)``, then ``conv1d``): ``x·Aᵀ`` is n·r·a per module, n·3r·a for the fused qkv (one r per
+    enabled projection), where memplan's adapter has n·r·a per matrix.
+
+    ``lora_dropout`` 0 (``nn.Identity``): ``lora_A`` saves its input, as memplan's adapter does; under
+    autocast each module casts the fp32 norm output anew (autocast caches leaf weights' casts only), so
+    ``fc_1`` and ``fc_2`` save two bf16 copies, n·H·2, for memplan's one. ``lora_dropout`` > 0: each
+    module's ``nn.Dropout`` output, saved by ``lora_A`` in the compute dtype (n·in·a), and its mask
+    (ATen's ``_dropout_impl``: ``noise = empty_like(input).bernoulli_(1 - p)``, the input's dtype on the
+    CPU; the fused ``native_dropout``'s bool mask, 1 byte, on CUDA), in place of the input memplan's
+    adapter saves (qkv, up: the norm output, n·H·a; down: the MLP product, n·F·a; proj: none, SDPA's
+    output is kept either way, and litgpt's reshaped copy of it is then saved by nothing).
+    (Blocks where nothing below trains save no mask for an input that needs no gradient: the first
+    block's qkv; not modelled.)"""
+    return _lib_lora_saved_bytes(spec, setup, dropout, cpu, lit_lora_modules)
+
+
+def _lib_lora_saved_bytes(spec, setup, dropout: float, cpu: bool, modules_of) -> int:
+    """litgpt's and torchtune's adapters beyond memplan's (``lit_lora_saved_bytes``, ``tt_lora_saved_bytes``):
+    per module n·r·a (x·Aᵀ) times its rank multiple; with dropout, its output (n·in·a) and mask (n·in·x
+    on the CPU, x the input's bytes; 1 on CUDA) for memplan's saved input; under autocast (litgpt) a
+    cast of the norm output per module reading it."""
+    if not setup.lora_rank:
+        return 0
+    n, a, rank, r = _n(setup), _a(setup), setup.lora_rank, _r(setup)
+    out = 0
+    for m in setup.lora:
+        modules = modules_of(spec, m)
+        k, width = len(modules), modules[0][0]
+        out += n * rank * a * (sum(mult for _, mult in modules) - 1)
+        x = r if m in ("qkv", "up") else a  # the input's dtype: the norm's output, or an activation
+        mine = n * width * a if m != "proj" else 0
+        if dropout > 0:
+            mask = x if cpu else MASK
+            out += k * n * width * (mask + a) - mine
+        elif setup.mixed and m in ("qkv", "up"):
+            out += (k - 1) * n * width * HALF
+    return out
+
+
+def _lib_first_block_saved_bytes(spec, setup, dropout: float, cpu: bool, modules_of) -> int:
+    """What the first block of litgpt's or torchtune's LoRA model saves short of the others (≤ 0).
+
+    Under LoRA the embedding and norms are frozen: the first block's input needs no gradient, and
+    neither does anything computed from it alone. Autograd then saves nothing for that input's sake:
+    no dropout mask (``input * noise`` keeps ``noise`` only for the input's gradient) where an
+    adapter's input needs no gradient (qkv's always; proj's without qkv adapters; up's without
+    attention adapters; down's without any adapter below it in the block), n·in·mask per module; and
+    no fp32 copy of the first norm's input (``x.float()`` kept by ``x * x`` / ``rms_norm`` for the
+    input's gradient), n·H·(4 − r). Without checkpointing (a checkpointed block keeps only its
+    input; not modelled there); 0 for one layer, as memplan's own first-block terms."""
+    if not setup.lora_rank or spec.layers < 2 or setup.checkpointing != "none":
+        return 0
+    n, r = _n(setup), _r(setup)
+    out = -n * spec.hidden * (FP32 - r) if spec.norm == "rmsnorm" else 0
+    if dropout <= 0:
+        return out
+    attn = "qkv" in setup.lora or "proj" in setup.lora
+    needs_grad = {"qkv": False, "proj": "qkv" in setup.lora, "up": attn, "down": attn or "up" in setup.lora}
+    for m in setup.lora:
+        if needs_grad[m]:
+            continue
+        modules = modules_of(spec, m)
+        x = r if m in ("qkv", "up") else _a(setup)
+        out -= len(modules) * n * modules[0][0] * (x if cpu else MASK)
+    return out
+
+
+def lit_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
+    """Bytes one of litgpt's ``Block`` saves beyond memplan's block: its norms, its attention's
+    layout, autocast's second cast for the MLP, its LoRA."""
+    return (spec.norms_per_layer * lit_norm_saved_bytes(spec, setup) + lit_attention_saved_bytes(spec, setup, dropout)
+            + lit_autocast_mlp_cast_bytes(spec, setup) + lit_lora_saved_bytes(spec, setup, dropout, cpu))
+
+
+# ---- the hooks of the torchtune stack (torchtune 0.6: torchtune/modules/*, modules/peft/lora.py) -------
+
+def tt_norm_saved_bytes(spec, setup) -> int:
+    """What one of torchtune's ``RMSNorm`` saves beyond memplan's fused norm (input and rstd).
+
+    ``F.rms_norm(x.float(), normalized_shape=..., weight=self.scale, eps=self.eps).to(x.dtype)``
+    (torchtune/modules/rms_norm.py, RMSNorm.forward): torch's ``rms_norm`` saves its fp32 input, n·H·4,
+    in place of memplan's saved input, n·H·r (a new copy under bf16, the same tensor under fp32), and
+    its normalised output before the weight, n·H·4, for the scale's gradient (not when the scale is
+    frozen, under LoRA): the terms of litgpt's norm (``lit_norm_saved_bytes``)."""
+    return lit_norm_saved_bytes(spec, setup)
+
+
+def tt_attention_saved_bytes(spec, setup) -> int:
+    """What torchtune's ``MultiHeadAttention`` saves beyond memplan's attention (fused qkv output, q and k
+    rotated), per block.
+
+    ``q = self.pos_embeddings(q, ...)`` and k likewise (``RotaryPositionalEmbeddings``: ``x_out.type_as(x)``),
+    n·q_dim·a and n·kv·a; ``v = self.v_proj(y)``, n·kv·a; no fused output is kept. Grouped heads:
+    ``k = k.unsqueeze(2).expand(expand_shape).flatten(1, 2)`` and v alike (torchtune/modules/attention.py,
+    MultiHeadAttention.forward) are copies, n·q_dim·a each, which SDPA saves in place of k and v.
+    (``output.transpose(1, 2).contiguous()`` copies nothing: q is rotated in (b, s, n_h, h_d), so SDPA's
+    output comes back in that layout, and ``output_proj`` saves it as SDPA does, as in memplan's model.)"""
+    n, a, q, kv = _n(setup), _a(setup), spec.q_dim, spec.kv_dim
+    kept = q + (2 * q if spec.kv_heads != spec.heads else 2 * kv)
+    return n * a * kept - n * a * ((q + 2 * kv) + q + kv)
+
+
+def tt_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+    """(in, rank multiple) of torchtune's ``LoRALinear`` modules for memplan's fused ``matrix``
+    (``lora_llama3``: ``lora_attn_modules`` q_proj, k_proj, v_proj, output_proj, each its own module;
+    ``apply_lora_to_mlp``: w1, w3 (gate, up) and w2 (down))."""
+    h, q, f = spec.hidden, spec.q_dim, spec.ffn
+    return {"qkv": [(h, 1)] * 3, "proj": [(q, 1)], "up": [(h, 1)] * 2, "down": [(f, 1)]}[matrix]
+
+
+def tt_lora_bytes_delta(spec, setup) -> int:
+    """Bytes of torchtune's adapters beyond memplan's (gradients alike), in the model's dtype
+    (``training.set_default_dtype``): ``self.lora_a = nn.Linear(in_features=in_dim, out_features=rank)``
+    per module (torchtune/modules/peft/lora.py, LoRALinear.__init__): q_proj, k_proj and v_proj each an
+    A of r·H where memplan's fused qkv has one (2·r·H more), w1 and w3 likewise (r·H more)."""
+    return lit_lora_bytes_delta(spec, setup)
+
+
+def tt_lora_tensors_delta(spec, setup) -> int:
+    """Adapter tensors beyond memplan's: A and B for each of q_proj, k_proj, v_proj (4 more than memplan's
+    fused qkv adapter) and of w1, w3 (2 more), per layer."""
+    if not setup.lora_rank:
+        return 0
+    extra = (4 if "qkv" in setup.lora else 0) + (2 if "up" in setup.lora else 0)
+    return spec.layers * extra
+
+
+def tt_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
+    """What torchtune's adapters save beyond memplan's, per block: ``lora_out =
+    self.lora_a(self.dropout(x))``, ``self.lora_b(lora_out)`` (torchtune/modules/peft/lora.py,
+    LoRALinear.forward) per module (``tt_lora_modules``): x·Aᵀ, n·r·a each (q, k, v: 3 for memplan's 1;
+    w1, w3: 2 for 1); with ``lora_dropout`` > 0 each module's ``nn.Dropout`` output and mask, for
+    memplan's one saved input (``_lib_lora_saved_bytes``). Without dropout (the configs' 0.0,
+    ``nn.Identity``) the modules share their input, as memplan's fused adapter saves it once."""
+    return _lib_lora_saved_bytes(spec, setup, dropout, cpu, tt_lora_modules)
+
+
+def tt_chunked_loss_backward_bytes(spec, setup, chunks: int = 8) -> int:
+    """What torchtune's chunked loss holds at its backward short of memplan's walk (≤ 0).
+
+    ``CEWithChunkedOutputLoss``: ``F.cross_entropy(logits.float(), labels, ..., reduction="sum")`` per
+    chunk of ``num_output_chunks = 8`` (torchtune/modules/loss/ce_chunked_output_loss.py), over the
+    chunks ``model.output(chunk)`` made (TransformerDecoder.chunked_output). Backward takes the chunks
+    one at a time: at the first, all the saved log-probabilities (n·V·4) and that chunk's two
+    gradients (2·n·V·4/8), where memplan's walk holds the log-probabilities and two whole gradients:
+    −2·n·V·4·(1 − 1/8)."""
+    return -2 * _n(setup) * spec.vocab * FP32 * (chunks - 1) // chunks
+
+
+def tt_chunked_upcast_bytes(spec, setup, chunks: int = 8) -> int:
+    """The fp32 copy of the logits torchtune's loss never holds whole (≤ 0).
+
+    ``F.cross_entropy(logits.float(), ...)`` per chunk (CEWithChunkedOutputLoss.compute_cross_entropy):
+    under bf16 each chunk's fp32 copy, n·V·4/8, lives until that chunk's log-probabilities are made,
+    where memplan's ``logits.float()`` copies the whole logits: −n·V·4·(1 − 1/8). 0 under fp32
+    (``.float()`` returns the logits themselves)."""
+    if _a(setup) == FP32:
+        return 0
+    return -_n(setup) * spec.vocab * FP32 * (chunks - 1) // chunks
+
+
+def tt_rope_cache_bytes(spec, setup) -> int:
+    """torchtune's rotary table beyond memplan's cos and sin for the context.
+
+    ``RotaryPositionalEmbeddings.build_rope_cache(max_seq_len)``: ``cache = torch.stack([torch.cos(idx_theta),
+    torch.sin(idx_theta)], dim=-1)`` (torchtune/modules/position_embeddings.py), a buffer of max_seq_len ×
+    head_dim/2 × 2, fp32 under every dtype (``idx_theta = torch.einsum(...).float()``), shared by the layers,
+    except in ``lora_llama3``, whose ``lora_llama3_self_attention`` builds one per layer
+    (torchtune/models/llama3/_component_builders.py; ``lora_llama3_2``, the tied shapes', shares one);
+    ``max_seq_len`` is the model's, max(ctx, the shape's max positions), where memplan's tables cover
+    the context."""
+    from memplan.memory import rope_buffer_bytes
+
+    seq = max(setup.ctx, spec.max_positions)
+    copies = spec.layers if setup.lora_rank and not spec.tied else 1
+    return copies * 2 * seq * (spec.rotary_dim // 2) * FP32 - rope_buffer_bytes(spec, setup)
+
+
+def tt_chunked_head_grad_bytes(spec, setup) -> int:
+    """The head's weight gradient summed over torchtune's output chunks: 2·V·H·p at the head's backward.
+
+    ``[self.output(chunk) for chunk in last_hidden_state.chunk(self.num_output_chunks, dim=1)]``
+    (torchtune/modules/transformer.py, TransformerDecoder.chunked_output): one weight used 8 times,
+    so autograd sums 8 weight gradients: at each sum the running total, the chunk's gradient and
+    their sum (``aten.add``) are live, 3·V·H·p where memplan's one matmul makes one. 0 under LoRA
+    (the head is frozen)."""
+    return 0 if setup.lora_rank else 2 * spec.vocab * spec.hidden * setup.param_bytes
+
+
+def tt_walked_setup(setup):
+    """torchtune's recipes' AdamW is fused: ``optimizer: {_component_: torch.optim.AdamW, fused: True}``
+    (the configs of lora_finetune_single_device and full_finetune_single_device): no foreach scratch,
+    whatever ``--optimizer adamw`` says."""
+    return setup.replace(optimizer="adamw-fused") if setup.optimizer == "adamw" else setup
+
+
+def tt_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
+    """Bytes one of torchtune's ``TransformerSelfAttentionLayer`` saves beyond memplan's block: its norms,
+    its attention's layout, its LoRA."""
+    return (spec.norms_per_layer * tt_norm_saved_bytes(spec, setup) + tt_attention_saved_bytes(spec, setup)
+            + tt_lora_saved_bytes(spec, setup, dropout, cpu))
+
+
 @dataclass(frozen=True)
 class Stack:
     """The walk's hooks for one stack's code. ``memplan`` (the default) adds nothing."""
@@ -428,6 +839,10 @@ class Stack:
 
     def block_saved_bytes(self, spec, setup) -> int:
         """Bytes one block saves for backward beyond memplan's own block (may be negative)."""
+        if self.name == "litgpt":
+            return lit_block_saved_bytes(spec, setup, self.lora_dropout, self.cpu)
+        if self.name == "torchtune":
+            return tt_block_saved_bytes(spec, setup, self.lora_dropout, self.cpu)
         if self.name != "transformers":
             return 0
         return (spec.norms_per_layer * hf_norm_saved_bytes(spec, setup) + hf_attention_saved_bytes(spec, setup)
@@ -438,7 +853,9 @@ class Stack:
 
     def first_block_unsaved_bytes(self, spec, setup) -> int:
         """Of ``block_saved_bytes``, what the first block does not save under LoRA (its input is frozen)."""
-        return hf_first_block_unsaved_bytes(spec, setup, self.lora_dropout, self.cpu) if self.name == "transformers" else 0
+        if self.name == "transformers":
+            return hf_first_block_unsaved_bytes(spec, setup, self.lora_dropout, self.cpu)
+        return -self.first_block_saved_bytes(spec, setup)  # litgpt's, torchtune's (0 for memplan)
 
     def lora_forward_transient_bytes(self, spec, setup, matrix: str) -> int:
         """The adapter forward's transient beyond memplan's n·out·a, for ``matrix`` (may be negative)."""
@@ -460,14 +877,72 @@ class Stack:
 
     def final_norm_saved_bytes(self, spec, setup) -> int:
         """Bytes the final norm saves beyond memplan's."""
+        if self.name == "litgpt":
+            return lit_norm_saved_bytes(spec, setup)
+        if self.name == "torchtune":
+            return tt_norm_saved_bytes(spec, setup)
         return hf_norm_saved_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def held_logits_bytes(self, spec, setup) -> int:
+        """Logits the stack's loop keeps alive from the LM head's backward to the end of the step."""
+        return lit_held_logits_bytes(spec, setup) if self.name == "litgpt" else 0
+
+    def chunked_loss_backward_bytes(self, spec, setup) -> int:
+        """Loss bytes (≤ 0) a chunked loss has freed by the moment its gradient is whole."""
+        if self.name == "torchtune":
+            return tt_chunked_loss_backward_bytes(spec, setup)
+        return lit_chunked_loss_backward_bytes(spec, setup) if self.name == "litgpt" else 0
+
+    def chunked_upcast_bytes(self, spec, setup) -> int:
+        """Bytes (≤ 0) of the logits' fp32 copy a loss upcasting chunk by chunk never holds."""
+        return tt_chunked_upcast_bytes(spec, setup) if self.name == "torchtune" else 0
+
+    def buffer_bytes_delta(self, spec, setup) -> int:
+        """Buffers (rotary tables) the stack's model keeps beyond memplan's."""
+        if self.name == "torchtune":
+            return tt_rope_cache_bytes(spec, setup)
+        return lit_rope_cache_bytes(spec, setup) if self.name == "litgpt" else 0
+
+    def first_block_saved_bytes(self, spec, setup) -> int:
+        """Bytes (≤ 0) the first block saves short of the others (LoRA: its input needs no gradient)."""
+        modules = {"litgpt": lit_lora_modules, "torchtune": tt_lora_modules}.get(self.name)
+        if modules is None:
+            return 0
+        return _lib_first_block_saved_bytes(spec, setup, self.lora_dropout, self.cpu, modules)
+
+    def chunked_head_grad_bytes(self, spec, setup) -> int:
+        """Temporaries of a head run in chunks, summing its weight's gradients, at the head's backward."""
+        return tt_chunked_head_grad_bytes(spec, setup) if self.name == "torchtune" else 0
+
+    def optimizer_scratch_bytes(self, spec, setup) -> int:
+        """Scratch of a stack's own optimizer loop at the optimizer step (beyond the walked optimizer's)."""
+        return lit_optimizer_scratch_bytes(spec, setup, self.cpu) if self.name == "litgpt" else 0
+
+    def walked_setup(self, setup):
+        """The step the stack's code takes for ``setup``: its own optimizer (``lit_walked_setup``,
+        ``tt_walked_setup``)."""
+        if self.name == "litgpt":
+            return lit_walked_setup(setup, self.cpu)
+        return tt_walked_setup(setup) if self.name == "torchtune" else setup
+
+    def walked_spec(self, spec):
+        """The model the stack's code builds for ``spec``: litgpt's ``GPT`` has no tied head."""
+        return lit_walked_spec(spec) if self.name == "litgpt" else spec
 
     def lora_bytes_delta(self, spec, setup) -> int:
         """Bytes of adapter weights beyond memplan's (their gradients alike; optimizer state follows)."""
+        if self.name == "litgpt":
+            return lit_lora_bytes_delta(spec, setup)
+        if self.name == "torchtune":
+            return tt_lora_bytes_delta(spec, setup)
         return hf_lora_bytes_delta(spec, setup) if self.name == "transformers" else 0
 
     def lora_tensors_delta(self, spec, setup) -> int:
         """Adapter parameter tensors beyond memplan's (AdamW keeps a ``step`` per tensor)."""
+        if self.name == "litgpt":
+            return lit_lora_tensors_delta(spec, setup)
+        if self.name == "torchtune":
+            return tt_lora_tensors_delta(spec, setup)
         if self.name != "transformers" or not setup.lora_rank:
             return 0
         from memplan.memory import lora_tensors
@@ -486,12 +961,28 @@ class Stack:
     def checkpointings(self) -> tuple[str, ...]:
         """The checkpointing modes this stack's code has: transformers checkpoints whole layers
         (``gradient_checkpointing_enable()``), no selective policy."""
-        return ("none", "full") if self.name == "transformers" else ("none", "selective", "full")
+        return {"transformers": ("none", "full"), "torchtune": ("none", "full"),
+                "litgpt": ("none",)}.get(self.name, ("none", "selective", "full"))
 
     @property
     def shardings(self) -> tuple[str, ...]:
         """The shardings the walk follows for this stack: FSDP is walked for memplan's own step only."""
-        return ("none", "ddp") if self.name == "transformers" else ("none", "ddp", "fsdp")
+        return {"transformers": ("none", "ddp"), "litgpt": ("none",), "torchtune": ("none",)}.get(
+            self.name, ("none", "ddp", "fsdp"))
+
+    @property
+    def attentions(self) -> tuple[str, ...]:
+        """The attention implementations the stack's code has: litgpt's and torchtune's are SDPA only."""
+        return LIB_SETUPS[self.name]["attention"] if self.name in LIB_SETUPS else ("sdpa", "eager")
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions the stack's code trains in (torchtune: one dtype, no autocast; litgpt: no fp16)."""
+        if self.name in LIB_SETUPS:
+            return LIB_SETUPS[self.name]["precision"]
+        from memplan.setup import PRECISIONS
+
+        return PRECISIONS
 
     @property
     def fp32_loss(self) -> bool:
@@ -506,10 +997,16 @@ class Stack:
 MEMPLAN = Stack()
 
 
-def stack_of(name: str = "memplan", loss_dtype: str | None = None, lora_dropout: float = 0.0,
+LORA_DEFAULT_DROPOUT = {"litgpt": 0.05}  # finetune/lora.py's lora_dropout; peft's and torchtune's configs: 0.0
+
+
+def stack_of(name: str = "memplan", loss_dtype: str | None = None, lora_dropout: float | None = None,
              cpu: bool = False) -> Stack:
-    """The hooks of stack ``name``; ``loss_dtype`` None: what the stack's own loss does (fp32 for both)."""
+    """The hooks of stack ``name``; ``loss_dtype`` None: what the stack's own loss does (fp32 for all);
+    ``lora_dropout`` None: the stack's own default (``LORA_DEFAULT_DROPOUT``, else 0)."""
     check_stack(name)
+    if lora_dropout is None:
+        lora_dropout = LORA_DEFAULT_DROPOUT.get(name, 0.0)
     if not 0.0 <= lora_dropout < 1.0:
         raise InputError(f"--lora-dropout: {lora_dropout} must be in [0, 1)")
     return Stack(name=name, loss_dtype=check_loss_dtype(loss_dtype or "fp32"), lora_dropout=lora_dropout, cpu=cpu)

@@ -358,7 +358,7 @@ def test_autotune_cli_stack_transformers_plan_matches_estimate_stack_transformer
 
 
 @pytest.mark.parametrize("args,needles", [
-    (["--stack", "litgpt"], ["--stack", "memplan, transformers"]),
+    (["--stack", "nanogpt"], ["--stack", "memplan, transformers, litgpt, torchtune"]),
     (["--stack", "transformers", "--out", "plan.toml"], ["--out", "--stack memplan"]),
     (["--stack", "transformers", "--verify"], ["--verify", "--stack memplan"]),
 ])

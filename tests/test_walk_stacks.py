@@ -204,7 +204,7 @@ def test_estimate_json_names_its_stack_and_follows_it():
 
 
 @pytest.mark.parametrize("extra,needles", [
-    (["--stack", "litgpt"], ["--stack", "memplan, transformers"]),
+    (["--stack", "nanogpt"], ["--stack", "memplan, transformers, litgpt, torchtune"]),
     (["--loss-dtype", "fp16"], ["--loss-dtype", "fp32, logits"]),
     (["--stack", "transformers", "--checkpointing", "selective"], ["selective", "none, full"]),
     (["--stack", "transformers", "--world-size", "2", "--sharding", "fsdp"], ["fsdp", "none, ddp"]),

@@ -42,13 +42,15 @@ StackOpt = Annotated[str, typer.Option(
     "--stack", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step, peft for --lora-rank; "
                     "llama, gpt2, gpt_neox, and phi, gemma, stablelm, qwen3, which memplan's own trainer does not "
-                    "build). No library is imported: the walk's hooks model what each saves.")]
+                    "build) | litgpt (its GPT, pretrain.py / finetune/lora.py) | torchtune (its Llama builders, "
+                    "single-device recipes). No library is imported: the walk's hooks model what each saves.")]
 LossDtypeOpt = Annotated[Optional[str], typer.Option(
     "--loss-dtype", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
                          "the default) | logits (over the logits in their own dtype, as a plain PyTorch loop "
                          "calling F.cross_entropy under autocast does).", show_default=False)]
 EstLoraDropoutOpt = Annotated[Optional[float], typer.Option(
-    "--lora-dropout", help="--stack transformers with --lora-rank: peft's lora_dropout (default: peft's, 0.0). "
+    "--lora-dropout", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
+                           "(default: the library's, peft's and torchtune's 0.0, litgpt's 0.05). "
                            "Above 0, each adapted module saves its dropout's mask and output.", show_default=False)]
 SamplingOpt = Annotated[str, typer.Option("--sampling", help="Inference: top-k | greedy (how each token is chosen).")]
 MODES = ("training", "inference")
@@ -150,6 +152,8 @@ def _stack_words(stack) -> str:
     words = ""
     if stack.name == "transformers":
         words += ", transformers' step" + (f" (peft dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
+    elif stack.name in ("litgpt", "torchtune"):
+        words += f", {stack.name}'s step" + (f" (LoRA dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
     if not stack.fp32_loss:
         words += ", loss in the logits' dtype"
     return words
@@ -232,7 +236,7 @@ def print_inference(est, rates_note: str | None = None) -> None:
 PlanStackOpt = Annotated[str, typer.Option(
     "--stack", help="Whose code runs the step every candidate's memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step; also phi, gemma, stablelm, "
-                    "qwen3). As `memplan estimate --stack`.")]
+                    "qwen3) | litgpt | torchtune. As `memplan estimate --stack`.")]
 
 
 @dataclass(frozen=True)
@@ -262,11 +266,11 @@ def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
     """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error:
     a family the stack's code does not build (``check_stack_builds``: phi, gemma, stablelm, qwen3 under
     --stack memplan), or a setting it does not have. estimate, autotune and sweep check alike."""
-    from memplan.stacks import check_stack_builds, stack_of
+    from memplan.stacks import check_stack_builds, check_stack_setup, stack_of
 
     if lora_dropout is not None and (stack == "memplan" or not setup.lora_rank or not 0.0 <= lora_dropout < 1.0):
-        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers with "
-                         "--lora-rank (memplan's own adapters have no dropout)")
+        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers, litgpt "
+                         "or torchtune with --lora-rank (memplan's own adapters have no dropout)")
     check_stack_builds(stack, spec)
     if stack == "transformers":
         if setup.checkpointing == "selective":
@@ -275,7 +279,8 @@ def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
         if setup.sharding == "fsdp":
             raise InputError("--stack transformers: --sharding fsdp is walked for memplan's own step only "
                              "(accepted: none, ddp)")
-    return stack_of(stack, loss_dtype, lora_dropout or 0.0)
+    check_stack_setup(stack, spec, setup)
+    return stack_of(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
 
 
 @app.command("estimate")
