@@ -24,8 +24,9 @@ HtmlOpt = Annotated[Optional[str], typer.Option("--html", help="Write a self-con
 NoTraceOpt = Annotated[bool, typer.Option("--no-trace", help="Skip the FakeTensor trace of each config.")]
 StacksOpt = Annotated[str, typer.Option(
     "--stack", help="Whose training code to measure, comma-separated for side by side: memplan (its own "
-                    "trainer) | transformers (Hugging Face, peft for LoRA; `pip install 'memplan\\[stacks]'`). "
-                    "Other stacks run in one process, on this machine's device.")]
+                    "trainer) | transformers (Hugging Face, peft for LoRA; `pip install 'memplan\\[stacks]'`) | "
+                    "litgpt ('memplan\\[litgpt]') | torchtune ('memplan\\[torchtune]'), the last two each in its own "
+                    "environment. Other stacks run in one process, on this machine's device.")]
 ModeOpt = Annotated[str, typer.Option(
     "--mode", help="training: a real training step per config (the default). inference: real generation per "
                    "config, its prefill and decode peaks against `estimate --mode inference` (matrices in "
