@@ -579,10 +579,10 @@ def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
         return ModelSpec(arch="gpt_neox", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn,
                          vocab=vocab, tied=c.flag("tie_word_embeddings", False),
                          parallel_residual=c.flag("use_parallel_residual", True),
-                         rotary_pct=_rotary_fraction(c, 0.25, key="rotary_pct"),
+                         rotary_pct=_rotary_fraction(c, 0.25, keys=("rotary_pct", "partial_rotary_factor")),
                          max_positions=c.count("max_position_embeddings", 2048),
                          norm_eps=c.number("layer_norm_eps", 1e-5, at_most=1),
-                         rope_theta=_rope_theta(c, key="rotary_emb_base"), **common)
+                         rope_theta=_rope_theta(c, keys=("rotary_emb_base", "rope_theta")), **common)
     if model_type in STACK_ARCHS:
         return _stack_family(c, model_type, hidden, layers, heads, ffn, vocab, common)
     attention_bias, mlp_bias = c.flag("attention_bias", False), c.flag("mlp_bias", False)
@@ -604,22 +604,30 @@ def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
                      norm_eps=c.number("rms_norm_eps", 1e-6, at_most=1), rope_theta=_rope_theta(c), **common)
 
 
-def _rotary_fraction(c: _Config, default: float, key: str = "partial_rotary_factor") -> float:
-    """The share of each head that rotates: ``key`` at the top level (gpt_neox's older configs: ``rotary_pct``),
-    else (transformers 5) ``partial_rotary_factor`` inside ``rope_parameters``."""
+def _rotary_fraction(c: _Config, default: float, keys: tuple[str, ...] = ("partial_rotary_factor",)) -> float:
+    """The share of each head that rotates: the first of ``keys`` at the top level (gpt_neox's configs:
+    ``rotary_pct``, then ``partial_rotary_factor``), else (transformers 5) ``partial_rotary_factor`` inside
+    ``rope_parameters``."""
+    for key in keys:
+        if c.cfg.get(key) is not None:
+            return c.number(key, default, at_most=1)
     rope = c.cfg.get("rope_parameters")
-    if c.cfg.get(key) is None and isinstance(rope, dict) and "partial_rotary_factor" in rope:
+    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
         return _Config(c.path, rope).number("partial_rotary_factor", default, at_most=1)
-    return c.number(key, default, at_most=1)
+    return default
 
 
-def _rope_theta(c: _Config, key: str = "rope_theta") -> float:
-    """RoPE's base: ``key`` at the top level (gpt_neox's older configs: ``rotary_emb_base``), else (transformers
-    5, which writes no top-level key) ``rope_theta`` inside ``rope_parameters``."""
+def _rope_theta(c: _Config, keys: tuple[str, ...] = ("rope_theta",)) -> float:
+    """RoPE's base: the first of ``keys`` at the top level (gpt_neox's configs: ``rotary_emb_base``, then
+    ``rope_theta``), else (transformers 5, which writes no top-level key) ``rope_theta`` inside
+    ``rope_parameters``."""
+    for key in keys:
+        if c.cfg.get(key) is not None:
+            return c.number(key, 10000.0)
     rope = c.cfg.get("rope_parameters")
-    if c.cfg.get(key) is None and isinstance(rope, dict) and "rope_theta" in rope:
+    if isinstance(rope, dict) and "rope_theta" in rope:
         return _Config(c.path, rope).number("rope_theta", 10000.0)
-    return c.number(key, 10000.0)
+    return 10000.0
 
 
 # hidden_act values of each family's configs that memplan walks (transformers' ACT2FN names)

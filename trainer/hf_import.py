@@ -178,12 +178,11 @@ def weights_sha256(directory: Path) -> str:
 
 # ---- the configuration -------------------------------------------------------------------------------
 
-def _rope(cfg: dict, where: str, flag: str = "--from") -> tuple[float | None, float | None]:
-    """(rope_theta, partial_rotary_factor) from transformers 5's ``rope_parameters`` (or none there);
-    a RoPE scaling other than the default is refused."""
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
-    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+def _check_rope(cfg: dict, where: str, flag: str = "--from") -> None:
+    """A RoPE scaling other than the default is refused (its base and rotary share are read by
+    ``memplan.model.from_hf_config``, wherever the config puts them)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(key)
         if value is None:
             continue
         if not isinstance(value, dict):
@@ -192,13 +191,6 @@ def _rope(cfg: dict, where: str, flag: str = "--from") -> tuple[float | None, fl
         if kind != "default":
             raise InputError(f"{flag} {where}: {key} has rope_type {kind!r:.40}; memplan's trainer computes "
                              "the default RoPE only (accepted: default)")
-    if not isinstance(params, dict):
-        return None, None
-    theta, partial = params.get("rope_theta"), params.get("partial_rotary_factor")
-    for key, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise InputError(f"{flag} {where}: rope_parameters.{key} must be a positive number, got {value!r:.40}")
-    return (float(theta) if theta is not None else None), (float(partial) if partial is not None else None)
 
 
 def read_spec(directory: Path, flag: str = "--from") -> tuple[str, ModelSpec, dict, int, list[str]]:
@@ -208,18 +200,8 @@ def read_spec(directory: Path, flag: str = "--from") -> tuple[str, ModelSpec, di
     cfg = json.loads(path.read_text(encoding="utf-8"))
     model_type, where = cfg["model_type"], str(directory)
     notes: list[str] = []
-    theta, partial = _rope(cfg, where, flag)
-    changes = {"name": cfg.get("_name_or_path") or directory.name, "source": str(directory)}
-    if spec.pos == "rope":
-        if theta is not None:
-            changes["rope_theta"] = theta
-        elif model_type == "gpt_neox" and "rotary_emb_base" not in cfg and isinstance(cfg.get("rope_theta"), (int, float)):
-            changes["rope_theta"] = float(cfg["rope_theta"])
-        if model_type == "gpt_neox" and partial is not None:
-            changes["rotary_pct"] = partial
-        elif model_type == "gpt_neox" and "rotary_pct" not in cfg and isinstance(cfg.get("partial_rotary_factor"), float):
-            changes["rotary_pct"] = cfg["partial_rotary_factor"]
-    spec = dataclasses.replace(spec, **changes)
+    _check_rope(cfg, where, flag)
+    spec = dataclasses.replace(spec, name=cfg.get("_name_or_path") or directory.name, source=str(directory))
     act_key = "activation_function" if model_type == "gpt2" else "hidden_act"
     act = cfg.get(act_key, "gelu_new" if model_type == "gpt2" else ("gelu" if model_type == "gpt_neox" else "silu"))
     if spec.mlp == "swiglu":
