@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +168,31 @@ class LocalCalibration:
         share = self.calibrated.get("cpu_share")
         return (f"rates: this machine's calibration of {when}, {n} thread{'s' if n != 1 else ''}, "
                 f"spread {self.noise:.0%}" + (f", {share:.0%} of a core free" if share and share < 0.95 else ""))
+
+
+SHARE_PROBE_SECONDS = 0.5  # the probe of the share of a core this process gets now (train, before its steps)
+
+
+def core_share_now(seconds: float = SHARE_PROBE_SECONDS) -> float:
+    """The share of one core this process gets now: CPU time / wall time of ``seconds`` of busy Python.
+
+    A one-thread calibration timed by CPU time records its share (``cpu_share``) while it ran, and
+    ``memplan.timing.contention_seconds`` adds busy × (1/share − 1) to each step. On a shared machine
+    the share when a run starts can be far from the calibration's (other work came or went), so
+    ``train`` measures it again, here, just before it predicts."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall0 < seconds:
+        pass
+    wall = time.perf_counter() - wall0
+    return min(1.0, max(0.01, (time.process_time() - cpu0) / wall))
+
+
+def with_share_now(profile: Device, share: float) -> tuple[Device, str]:
+    """``profile`` (a one-thread CPU calibration timed by CPU time) with ``share``, the share of a core
+    measured now, as its ``cpu_share``; and the words for the rates line."""
+    was = profile.calibrated.get("cpu_share")
+    calibrated = {**profile.calibrated, "cpu_share": share}
+    return profile.replace(calibrated=calibrated), f"{share:.0%} of a core free now (calibration: {was:.0%})"
 
 
 def read_calibration(path: Path) -> LocalCalibration | None:

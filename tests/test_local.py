@@ -40,13 +40,14 @@ def run_cli(*args: str):
 
 
 def calibration_text(noise: float = 0.04, threads: int = 1, context: int = CONTEXT, matmul_tflops: float = 0.05,
-                     name: str = "cpu") -> str:
+                     name: str = "cpu", cpu_share: float | None = None) -> str:
     """A calibrated CPU profile as `python -m trainer.calibrate` writes it, with made-up measurements."""
     from trainer.calibrate import Calibration, profile_data, profile_toml
 
     c = Calibration(family="cpu", title=local.cpu_title(), threads=threads, started="2026-02-03T04:05:06",
                     torch_version=local.torch_version(), seconds=15.0, memory_total_bytes=16 * 2**30,
-                    memory_usable_bytes=8 * 2**30, runtime_context_bytes=context, noise=noise)
+                    memory_usable_bytes=8 * 2**30, runtime_context_bytes=context, noise=noise,
+                    cpu_share=cpu_share)
     c.bandwidth_bytes_per_second, c.launch_overhead_seconds = 1e10, 1e-5
     c.matmul = {"fp32": [[512, 384, 1024, matmul_tflops, matmul_tflops]]}
     c.thread_seconds = {"1": 0.05, "2": 0.9}
@@ -237,6 +238,55 @@ def test_a_steady_calibration_is_cached_with_its_thread_choice(cache, tmp_path, 
     monkeypatch.setattr(train, "calibrate_in_child", lambda *a, **k: pytest.fail("calibrated again"))
     again, note = train.local_calibration(load_profile("cpu"), train.TrainUI(), measure_now=True)
     assert again.calibrated == found.calibrated and note == found.note()
+
+
+SHARE_PROBE = """
+import os, subprocess, sys, time
+os.sched_setaffinity(0, {0})
+spin = "import os, time\\nos.sched_setaffinity(0, {0})\\nt = time.time()\\nwhile time.time() - t < 5: pass"
+alone = __import__("memplan.local", fromlist=["x"]).core_share_now(0.5)
+child = subprocess.Popen([sys.executable, "-c", spin])
+time.sleep(0.2)
+from memplan.local import core_share_now
+shared = core_share_now(1.0)
+child.kill()
+print(alone, shared)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+def test_the_share_of_a_core_now_halves_when_another_process_spins_on_it():
+    r = subprocess.run([sys.executable, "-c", SHARE_PROBE], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    alone, shared = map(float, r.stdout.split())
+    assert 0 < shared <= 0.7 < 1  # two processes on one core: about half each, less under other load
+    assert 0 < alone <= 1
+
+
+def test_train_predicts_with_the_share_of_a_core_measured_when_it_starts(cache, monkeypatch):
+    from memplan.model import resolve
+    from memplan.setup import TrainSetup
+    from memplan.timing import step_time
+    from trainer import request as train
+
+    title, version = local.cpu_title(), local.torch_version()
+    path = local.calibration_path("cpu", title, 1, version)
+    path.parent.mkdir(parents=True)
+    path.write_text(calibration_text(cpu_share=0.9))
+    monkeypatch.setattr(local, "core_share_now", lambda seconds=0: 0.3)
+    profile, note = train.local_calibration(load_profile("cpu"), None, measure_now=False)
+    assert profile.calibrated["cpu_share"] == 0.3
+    assert note.endswith("30% of a core free now (calibration: 90%)"), note
+    spec, setup = resolve(params="1m"), TrainSetup(ctx=256, micro_batch=4, precision="fp32")
+    then = step_time(spec, setup, local.find_calibration("cpu").applied(load_profile("cpu")))
+    now = step_time(spec, setup, profile)
+    busy = then.step_seconds - then.terms["contention"].seconds
+    assert now.terms["contention"].seconds == pytest.approx(busy * (1 / 0.3 - 1))
+    # estimate, which runs nothing, keeps the calibration's share
+    data = json.loads(run_cli("estimate", "--params", "1m", "--ctx", "256", "--batch", "4", "--precision", "fp32",
+                              "--json").stdout)
+    assert "now" not in data["rates"]
 
 
 def test_the_calibration_process_records_threads_and_the_runtime_context(tmp_path):

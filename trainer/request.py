@@ -297,6 +297,20 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
 
 
 def local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads: int | None = None):
+    """``_local_calibration``, and where its rates are a one-thread CPU calibration timed by CPU time,
+    its share of the core measured again now (``memplan.local.core_share_now``): the contention of the
+    run about to start, not of the calibration's minute."""
+    from memplan import local
+
+    profile, note = _local_calibration(profile, ui, measure_now, threads)
+    share = profile.calibrated.get("cpu_share") if profile.family == "cpu" else None
+    if share and note and "nominal" not in note:
+        profile, said = local.with_share_now(profile, local.core_share_now())
+        note = f"{note}; {said}"
+    return profile, note
+
+
+def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads: int | None = None):
     """The local ``profile`` with what this machine measured (rates and runtime context): its cached
     calibration (``memplan.local``) with ``threads`` torch threads (default: the count calibration
     found fastest) if there is a trusted one; else, with ``measure_now`` (the quick start), a short
