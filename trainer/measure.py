@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from memplan.model import ModelSpec
@@ -64,11 +65,53 @@ class PeakTracker(MemTracker):
     model (about 1,000 modules more) it was 95% of a trace's time. The global peak and its
     snapshot are kept exactly as MemTracker keeps them."""
 
+    def __enter__(self):
+        self._register = mod_tracker.register_multi_grad_hook
+        mod_tracker.register_multi_grad_hook = _releasing_leaves(self._register)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            mod_tracker.register_multi_grad_hook = self._register
+
     def _update_peak_stats(self, peak_state) -> None:
         for dev, dev_snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
                 self._peak_mem[dev] = dev_snap["Total"]
                 self._peak_mem_snap[dev] = dict(dev_snap)
+
+
+def _releasing_leaves(register):
+    """``register_multi_grad_hook`` as ModTracker calls it, less the leak it causes.
+
+    For a module's inputs, ModTracker registers ``register_multi_grad_hook(inputs, pop)`` (mode
+    ``all``). The hooks it puts on each input close over the inputs' grad_fns, and each grad_fn
+    holds that hook dictionary back: a cycle through C++ that Python's collector cannot see, so
+    the nodes and everything they reach outlive the step. That is harmless for most inputs, whose
+    graph holds no memory once its backward has run, but not for a leaf activation: what
+    transformers' ``enable_input_require_grads()`` makes of the embedding output under gradient
+    checkpointing with frozen embeddings (LoRA), and the detached copies reentrant checkpointing
+    recomputes from. Its AccumulateGrad node holds the leaf, so the leaf and its n·H ``.grad``
+    stayed alive into every later step under the tracker (the 2·n·H·r bytes that traces of LoRA
+    under checkpointing held beyond a plain step's), where a plain step frees them when its
+    backward ends. Here each input also gets a hook that removes those hooks when the backward
+    that ran them ends, which breaks the cycle."""
+
+    def register_multi_grad_hook(tensors, fn, mode="all"):
+        handle = register(tensors, fn, mode=mode)
+        if mode == "all":
+            for t in tensors:
+                if not isinstance(t, torch.nn.Parameter):
+                    t.register_hook(functools.partial(_remove_when_backward_ends, handle))
+        return handle
+
+    return register_multi_grad_hook
+
+
+def _remove_when_backward_ends(handle, grad):
+    torch.autograd.Variable._execution_engine.queue_callback(handle.remove)
 
 
 def _random_batches(spec: ModelSpec, setup: TrainSetup, device, generator: torch.Generator | None = None):
