@@ -190,9 +190,8 @@ def core_share_now(seconds: float = SHARE_PROBE_SECONDS) -> float:
 def with_share_now(profile: Device, share: float) -> tuple[Device, str]:
     """``profile`` (a one-thread CPU calibration timed by CPU time) with ``share``, the share of a core
     measured now, as its ``cpu_share``; and the words for the rates line."""
-    was = profile.calibrated.get("cpu_share")
     calibrated = {**profile.calibrated, "cpu_share": share}
-    return profile.replace(calibrated=calibrated), f"{share:.0%} of a core free now (calibration: {was:.0%})"
+    return profile.replace(calibrated=calibrated), f"now {share:.0%} of a core free"
 
 
 def read_calibration(path: Path) -> LocalCalibration | None:

@@ -277,7 +277,7 @@ def test_train_predicts_with_the_share_of_a_core_measured_when_it_starts(cache, 
     monkeypatch.setattr(local, "core_share_now", lambda seconds=0: 0.3)
     profile, note = train.local_calibration(load_profile("cpu"), None, measure_now=False)
     assert profile.calibrated["cpu_share"] == 0.3
-    assert note.endswith("30% of a core free now (calibration: 90%)"), note
+    assert note.endswith("spread 4%, 90% of a core free; now 30% of a core free"), note
     spec, setup = resolve(params="1m"), TrainSetup(ctx=256, micro_batch=4, precision="fp32")
     then = step_time(spec, setup, local.find_calibration("cpu").applied(load_profile("cpu")))
     now = step_time(spec, setup, profile)
