@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from memplan.errors import InputError
 from memplan.hardware import Device
 from memplan.memory import (COLLECTIVES_OF_FAMILY, ddp_bucket_bytes, fsdp_all_sharded_grad_bytes,
                             fsdp_optimizer_state_bytes, fsdp_sharded_weight_bytes, gradient_bytes, optimizer_state_bytes,
@@ -283,3 +286,91 @@ def run_inference_config(config, device: Device):
                         decode_step_seconds=measured["decode_step_seconds"], roofline_step_seconds=roofline,
                         predicted_step_seconds=step, threads=torch.get_num_threads(),
                         seconds=time.perf_counter() - t0)
+
+
+# ---- a validation run: which configs on which stacks, then their rows ------------------------------
+
+@dataclass
+class Validation:
+    """What ``memplan validate`` measures: the configs of a matrix, each on each stack it can run on
+    (``jobs``), and those it cannot (``skipped``: config, stack, why)."""
+
+    matrix: str
+    stacks: list[str]
+    ranks: int
+    configs: list[MatrixConfig]
+    jobs: list[tuple[MatrixConfig, str]] = field(default_factory=list)
+    skipped: list[tuple[MatrixConfig, str, str]] = field(default_factory=list)
+
+
+def parse_stacks(stack: str) -> list[str]:
+    """``--stack``'s comma-separated list, each a stack ``trainer.stacks`` traces, each once."""
+    from trainer.stacks import STACKS
+
+    stacks = [t.strip() for t in stack.split(",") if t.strip()]
+    if not stacks or any(t not in STACKS for t in stacks) or len(set(stacks)) != len(stacks):
+        raise InputError(f"--stack: {stack!r} (accepted: a comma-separated list of {', '.join(STACKS)}, each once)")
+    return stacks
+
+
+def plan_validation(matrix: str | None, quick: bool, ranks: int, stacks: list[str]) -> Validation:
+    """The configs of ``matrix`` (default: ``default``, or ``distributed`` for ``ranks`` > 1), their
+    quick subset with ``quick``, rescaled for ``ranks`` processes, paired with the stacks that can run
+    them. Every refusal is one InputError, before anything is measured, a missing library included."""
+    from memplan.validate import DISTRIBUTED_MATRIX, distributed_configs, load_matrix
+
+    matrix = matrix or (DISTRIBUTED_MATRIX if ranks > 1 else "default")
+    configs = load_matrix(matrix)
+    if quick:
+        configs = [c for c in configs if c.quick]
+        if not configs:
+            raise InputError(f"--quick: matrix {matrix!r} has no config with quick = true")
+    if ranks > 1:
+        configs = distributed_configs(configs, ranks)
+    elif any(c.setup.world_size > 1 for c in configs):
+        raise InputError(f"--matrix {matrix}: its configs are distributed; run it with --world-size N (N > 1)")
+    whys = [(config, stack, stack_can_run(config, stack)) for config in configs for stack in stacks]
+    _require_libraries(stacks)
+    return Validation(matrix=matrix, stacks=stacks, ranks=ranks, configs=configs,
+                      jobs=[(config, stack) for config, stack, why in whys if why is None],
+                      skipped=[(config, stack, why) for config, stack, why in whys if why is not None])
+
+
+def _require_libraries(stacks: list[str]) -> None:
+    """A stack whose library is not installed is refused in one line naming the extra (peft with transformers)."""
+    from trainer.stacks import require, require_stack
+
+    for stack in stacks:
+        if stack != "memplan":
+            require_stack(stack)
+        if stack == "transformers":
+            require("peft", stack)
+
+
+def measure_validation(run: Validation, device: Device, trace: bool = True,
+                       started: Callable[[MatrixConfig, str], None] | None = None,
+                       done: Callable[[int], None] | None = None) -> list[ValidationRow]:
+    """The rows of ``run``: each job predicted, traced (with ``trace``) and measured here, in one
+    process, or every config in ``run.ranks`` gloo processes. A setup a library refuses by its own
+    limits is added to ``run.skipped`` with its reason, and the others go on. ``started`` hears of
+    each job as it starts; ``done`` gets the count finished. No row at all is one InputError."""
+    rows: list[ValidationRow] = []
+    if run.ranks > 1:
+        rows = run_distributed(run.configs, device, run.ranks, progress=done)
+    else:
+        for i, (config, stack) in enumerate(run.jobs):
+            if started is not None:
+                started(config, stack)
+            if stack == "memplan":
+                rows.append(run_config(config, device, trace=trace))
+            else:
+                try:
+                    rows.append(run_stack_config(config, device, stack, trace=trace))
+                except InputError as e:  # the library refuses this setup (its own limits): say so, go on
+                    run.skipped.append((config, stack, " ".join(str(e).split()).removeprefix(f"--stack {stack}: ")))
+            if done is not None:
+                done(i + 1)
+    if not rows:
+        raise InputError(f"--stack {','.join(run.stacks)}: no config of matrix {run.matrix!r} can run on it ("
+                         + "; ".join(sorted({why for _, _, why in run.skipped})) + ")")
+    return rows

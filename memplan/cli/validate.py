@@ -53,11 +53,9 @@ def validate_command(
     if mode not in ("training", "inference"):
         raise choice_error("--mode", mode, ["training", "inference"])
     threads_from(threads)  # a bad value is refused before torch starts
-    from trainer.stacks import STACKS
+    from trainer.validate import parse_stacks
 
-    stacks = [t.strip() for t in stack.split(",") if t.strip()]
-    if not stacks or any(t not in STACKS for t in stacks) or len(set(stacks)) != len(stacks):
-        raise InputError(f"--stack: {stack!r} (accepted: a comma-separated list of {', '.join(STACKS)}, each once)")
+    stacks = parse_stacks(stack)
     if stacks != ["memplan"] and (mode != "training" or world_size != "1"):
         raise InputError(f"--stack {stack}: other stacks are measured in one process, training "
                          "(accepted with them: --mode training --world-size 1)")
@@ -71,72 +69,38 @@ def validate_command(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memplan.cli.options import device_from
-    from memplan.errors import InputError
     from memplan.units import parse_count
-    from memplan.validate import DISTRIBUTED_MATRIX, distributed_configs, load_matrix, summarize, validation_json
+    from memplan.validate import summarize, validation_json
+    from trainer.validate import measure_validation, plan_validation
 
     ranks = parse_count(world_size, "--world-size")
     if ranks < 1:
         raise InputError(f"--world-size: {world_size!r} must be a positive integer")
-    matrix = matrix or (DISTRIBUTED_MATRIX if ranks > 1 else "default")
-    configs = load_matrix(matrix)
-    if quick:
-        configs = [c for c in configs if c.quick]
-        if not configs:
-            raise InputError(f"--quick: matrix {matrix!r} has no config with quick = true")
-    if ranks > 1:
-        configs = distributed_configs(configs, ranks)
-    elif any(c.setup.world_size > 1 for c in configs):
-        raise InputError(f"--matrix {matrix}: its configs are distributed; run it with --world-size N (N > 1)")
+    run = plan_validation(matrix, quick, ranks, stacks)
     if html:  # refused now, not after minutes of measuring
         from memplan.reports.page import check_report_path
 
         check_report_path(html, "--html", "validate.html")
     dev = device_from(device, device_memory)
-
-    from trainer.validate import run_config, run_distributed, run_stack_config, stack_can_run
-
-    jobs = [(c, t) for c in configs for t in stacks if stack_can_run(c, t) is None]
-    skipped = [(c, t, stack_can_run(c, t)) for c in configs for t in stacks if stack_can_run(c, t) is not None]
-    if stacks != ["memplan"]:
-        from trainer.stacks import require_stack
-
-        for t in stacks:  # a missing library is refused before anything is measured
-            require_stack(t)
-            if t == "transformers":
-                from trainer.stacks import require
-
-                require("peft", t)
-
     use_threads(threads)
 
     console = Console(stderr=json)
     if not console.is_terminal and not os.environ.get("COLUMNS"):  # COLUMNS set: that width
         console = Console(stderr=json, width=140)  # a log or a pipe: keep each row on one line
-    rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         if ranks > 1:
-            task = progress.add_task(f"measuring {len(configs)} configs in {ranks} gloo processes",
-                                     total=len(configs))
-            rows = run_distributed(configs, dev, ranks,
-                                   progress=lambda done: progress.update(task, completed=done))
+            task = progress.add_task(f"measuring {len(run.configs)} configs in {ranks} gloo processes",
+                                     total=len(run.configs))
         else:
-            task = progress.add_task("validating", total=len(jobs))
-            for config, which in jobs:
-                progress.update(task, description=f"validating {config.name}"
-                                                  + (f" ({which})" if which != "memplan" else ""))
-                if which == "memplan":
-                    rows.append(run_config(config, dev, trace=not no_trace))
-                else:
-                    try:
-                        rows.append(run_stack_config(config, dev, which, trace=not no_trace))
-                    except InputError as e:  # the library refuses this setup (its own limits): say so, go on
-                        skipped.append((config, which, " ".join(str(e).split()).removeprefix(f"--stack {which}: ")))
-                progress.advance(task)
-    if not rows:
-        raise InputError(f"--stack {stack}: no config of matrix {matrix!r} can run on it ("
-                         + "; ".join(sorted({why for _, _, why in skipped})) + ")")
+            task = progress.add_task("validating", total=len(run.jobs))
+
+        def started(config, which):
+            progress.update(task, description=f"validating {config.name}"
+                                              + (f" ({which})" if which != "memplan" else ""))
+
+        rows = measure_validation(run, dev, trace=not no_trace, started=started,
+                                  done=lambda n: progress.update(task, completed=n))
     summary = summarize(rows)
     if html:
         from memplan.reports.page import save_page
@@ -145,19 +109,29 @@ def validate_command(
     if json:
         print_json(validation_json(dev.name, rows))
         return
-    where = f"{dev.name}, each rank of {ranks} gloo processes" if ranks > 1 else dev.name
-    print_validation_table(console, rows, where)
-    print_reserve_table(console, rows, where)
-    if skipped:
-        console.print(f"not run: {len(skipped)} config(s) a stack cannot take ("
-                      + "; ".join(sorted({f'{t}: {why}' for _, t, why in skipped})) + ")", soft_wrap=True)
-    if stacks != ["memplan"]:
-        _print_stacks_side_by_side(console, rows)
+    print_validation(console, run, rows, f"{dev.name}, each rank of {ranks} gloo processes" if ranks > 1 else dev.name)
+    if html:
+        console.print(f"report: {html}")
+    sys.stdout.flush()
+
+
+def print_validation(console, run, rows, where: str) -> None:
+    """The tables of a validation run, what was not run and why, and each stack's errors against its bars."""
     from rich.markup import escape
 
+    from memplan.validate import summarize
+
+    print_validation_table(console, rows, where)
+    print_reserve_table(console, rows, where)
+    if run.skipped:
+        console.print(f"not run: {len(run.skipped)} config(s) a stack cannot take ("
+                      + "; ".join(sorted({f'{t}: {why}' for _, t, why in run.skipped})) + ")", soft_wrap=True)
+    several = len(run.stacks) > 1
+    if run.stacks != ["memplan"]:
+        _print_stacks_side_by_side(console, rows)
     for which in dict.fromkeys(r.stack for r in rows):
-        part = summarize([r for r in rows if r.stack == which]) if len(stacks) > 1 else summary
-        if len(stacks) > 1:
+        part = summarize([r for r in rows if r.stack == which] if several else rows)
+        if several:
             from memplan.stacks import STACKS as WALKED
 
             walk = "the walk with its hooks" if which in WALKED else "memplan's own model's walk"
@@ -167,9 +141,6 @@ def validate_command(
         for what, value, bar, met in part.bars():
             mark = "[green]met[/]" if met else "[red]MISSED[/]"
             console.print(f"  {what}: {value:.2%} (bar ≤ {bar:.0%}) {mark}")
-    if html:
-        console.print(f"report: {html}")
-    sys.stdout.flush()
 
 
 def print_reserve_table(console, rows, where: str) -> None:
