@@ -550,6 +550,15 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
             runner.close()
 
 
+def verify_here(result, *, steps: int = DEFAULT_STEPS, threads: int | None = None, on_attempt=None):
+    """``verify`` on this machine with ``threads`` torch threads in the trial processes (their
+    ``OMP_NUM_THREADS``; None: the trial processes' default)."""
+    if not threads:
+        return verify(result, steps=steps, on_attempt=on_attempt)
+    with TrialRunner(env={"OMP_NUM_THREADS": str(threads)}) as runner:
+        return verify(result, steps=steps, runner=runner, on_attempt=on_attempt)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m trainer.verify serve | trial | family`` (used by TrialRunner)."""
     argv = sys.argv[1:] if argv is None else argv

@@ -242,11 +242,7 @@ def autotune_command(
         raise InputError("give --global-batch-tokens N or --global-batch N (sequences), not both")
     n_threads = threads_from(threads)
     if out:  # refused before any work: a plan computed (or verified) for nothing is lost time
-        from memplan.fsutil import check_target
-
-        if Path(out).is_dir():
-            raise InputError(f"--out: {out!r} is a directory; give a file name such as {Path(out) / 'plan.toml'}")
-        check_target(out, "--out", "plan.toml")
+        _check_out(out)
     walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied))
     spec = walk.spec
     if stack != "memplan" and (verify or out):
@@ -263,55 +259,12 @@ def autotune_command(
         world_size=parse_count(world_size, "--world-size"), stack=walk.stack)
     if not json:
         print_result(result, top, rates_note)
-        from rich.console import Console
+        _print_units(result, global_batch_tokens, tokens)
 
-        from memplan.units import resolved
-
-        units = resolved([("--global-batch-tokens", global_batch_tokens, result.requested_global_batch_tokens),
-                          ("--tokens", tokens, result.tokens)])
-        if units:  # 256k tokens is 256,000, not 262,144
-            Console(highlight=False).print(f"[dim]note: {units}[/]")
-
-    verification = None
-    if verify and result.world_size > 1:
-        raise InputError("--verify runs trial steps in one process on this machine; a plan for --world-size "
-                         f"{result.world_size} is checked rank by rank with `memplan validate --world-size "
-                         f"{result.world_size}` or trained with `torchrun --nproc-per-node {result.world_size} -m "
-                         "trainer --plan PLAN`")
-    if verify and result.plan is not None:
-        from memplan.local import chosen_threads
-        from trainer.verify import TrialRunner, verify as run_verify
-
-        # the trials run with the threads the rates were measured with (else the count calibration chose)
-        n = n_threads or int(dev.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
-        if not json:
-            print(f"Verifying on this machine ({verify_steps} steps per trial"
-                  + (f", {n} thread{'s' if n != 1 else ''}" if n else "") + ")...", flush=True)
-        started = time.perf_counter()
-        runner = TrialRunner(env={"OMP_NUM_THREADS": str(n)} if n else None) if n else None
-        if runner is not None:
-            with runner:
-                verification = run_verify(result, steps=verify_steps, runner=runner,
-                                          on_attempt=None if json else print_attempt)
-        else:
-            verification = run_verify(result, steps=verify_steps, on_attempt=None if json else print_attempt)
-        if not json:
-            print_verification(verification)
-            print(f"verify took {format_seconds(time.perf_counter() - started)}")
-    elif verify:
-        print(f"memplan: --verify skipped: nothing fits, so there is no plan to run (exit {EXIT_NOTHING_FITS})",
-              file=sys.stderr)
-
+    verification = _verify_here(result, dev, n_threads, verify_steps, json) if verify else None
     final = verification.plan if verification is not None else result.plan
     if out:
-        if final is None:
-            _save_no_plan(out, result, verification)
-            print(f"memplan: no plan: wrote {out} saying that nothing fits (`memplan train --plan` refuses it)",
-                  file=sys.stderr)
-        else:
-            final.save(out)
-            if not json:
-                print(f"Wrote {out}")
+        _write_out(out, final, result, verification, json)
     if json:
         data = result.to_json(verification)
         if stack != "memplan":  # memplan's own step: the JSON as it always was
@@ -319,6 +272,66 @@ def autotune_command(
         print_json(with_rates(data, rates_note))
     if final is None:  # answered, but there is nothing to train: a script must not go on
         raise typer.Exit(EXIT_NOTHING_FITS)
+
+
+def _check_out(out: str) -> None:
+    """--out refused in one line before any work: a directory, or a path that cannot be written."""
+    from memplan.fsutil import check_target
+
+    if Path(out).is_dir():
+        raise InputError(f"--out: {out!r} is a directory; give a file name such as {Path(out) / 'plan.toml'}")
+    check_target(out, "--out", "plan.toml")
+
+
+def _print_units(result, global_batch_tokens: str | None, tokens: str | None) -> None:
+    """One dim note of how suffixed counts were read (256k tokens is 256,000, not 262,144)."""
+    from rich.console import Console
+
+    from memplan.units import resolved
+
+    units = resolved([("--global-batch-tokens", global_batch_tokens, result.requested_global_batch_tokens),
+                      ("--tokens", tokens, result.tokens)])
+    if units:
+        Console(highlight=False).print(f"[dim]note: {units}[/]")
+
+
+def _verify_here(result, dev, n_threads: int | None, steps: int, json: bool):
+    """--verify: the plan's trials run on this machine (None when nothing fits: there is nothing to run)."""
+    if result.world_size > 1:
+        raise InputError("--verify runs trial steps in one process on this machine; a plan for --world-size "
+                         f"{result.world_size} is checked rank by rank with `memplan validate --world-size "
+                         f"{result.world_size}` or trained with `torchrun --nproc-per-node {result.world_size} -m "
+                         "trainer --plan PLAN`")
+    if result.plan is None:
+        print(f"memplan: --verify skipped: nothing fits, so there is no plan to run (exit {EXIT_NOTHING_FITS})",
+              file=sys.stderr)
+        return None
+    from memplan.local import chosen_threads
+    from trainer.verify import verify_here
+
+    # the trials run with the threads the rates were measured with (else the count calibration chose)
+    n = n_threads or int(dev.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
+    if not json:
+        print(f"Verifying on this machine ({steps} steps per trial"
+              + (f", {n} thread{'s' if n != 1 else ''}" if n else "") + ")...", flush=True)
+    started = time.perf_counter()
+    verification = verify_here(result, steps=steps, threads=n, on_attempt=None if json else print_attempt)
+    if not json:
+        print_verification(verification)
+        print(f"verify took {format_seconds(time.perf_counter() - started)}")
+    return verification
+
+
+def _write_out(out: str, final, result, verification, json: bool) -> None:
+    """--out: the plan chosen (and verified), or a file saying that nothing fits, never an older plan."""
+    if final is None:
+        _save_no_plan(out, result, verification)
+        print(f"memplan: no plan: wrote {out} saying that nothing fits (`memplan train --plan` refuses it)",
+              file=sys.stderr)
+        return
+    final.save(out)
+    if not json:
+        print(f"Wrote {out}")
 
 
 def _save_no_plan(out: str, result, verification) -> None:
