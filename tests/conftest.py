@@ -34,6 +34,21 @@ def _private_cache(tmp_path_factory):
         os.environ["MEMPLAN_CACHE"] = saved
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_inductor_cache(tmp_path_factory):
+    """torch.compile's cache (inductor's compiled kernels) in a directory of this test session: the
+    default, /tmp/torchinductor_USER, is shared with every other process of the machine, and a
+    kernel another process left half-written there fails every later compile that loads it
+    ("file too short")."""
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
