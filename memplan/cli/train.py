@@ -364,19 +364,19 @@ def limits_text(limits: dict, clock: bool = True) -> str:
     return ", ".join(parts) if parts else "none: to the schedule's end (one epoch)"
 
 
-def repeat_warning(line: dict) -> str | None:
+def repeat_warning(line) -> str | None:
     """The one-line warning for a run planned to pass over its training tokens more than REPEAT_WARN_PASSES
-    times (from its start line), else None."""
+    times (from its start line, a ``trainer.records.StartEvent``), else None."""
     from trainer.loop import REPEAT_WARN_PASSES
 
-    passes, steps = line.get("data_passes"), line.get("planned_steps")
+    passes, steps = line.data_passes, line.planned_steps
     if passes is None or steps is None or passes <= REPEAT_WARN_PASSES:
         return None
-    config, schedule = line.get("config", {}), line.get("schedule", {})
+    config, schedule = line.config, line.schedule
     estimated = (config.get("max_steps") is None and config.get("max_tokens") is None
                  and schedule.get("kind") == "wsd" and schedule.get("decay_start") is None)
-    return (f"warning: {'about ' if estimated else ''}{steps:,} steps of {line['tokens_per_step']:,} tokens are "
-            f"{passes:,.0f} passes over the {line['train_tokens']:,} training tokens: the model will see each "
+    return (f"warning: {'about ' if estimated else ''}{steps:,} steps of {line.tokens_per_step:,} tokens are "
+            f"{passes:,.0f} passes over the {line.train_tokens:,} training tokens: the model will see each "
             f"token ~{passes:,.0f} times and learn them by heart; give more data or fewer steps (--max-steps, "
             "--tokens, --max-minutes)")
 
@@ -500,22 +500,23 @@ class _ProgressView:
             return None, None
         return self.trainer.elapsed_seconds, minutes * 60.0
 
-    def update(self, line: dict) -> None:
+    def update(self, line) -> None:
+        """Show one metrics line (a ``trainer.records`` record, as ``Trainer.on_event`` passes it)."""
         from memplan.units import format_bytes, format_count, format_seconds
+        from trainer import records
 
-        kind = line.get("kind")
-        if kind == "train":
-            total = line.get("total_steps")
+        if isinstance(line, records.TrainLine):
+            total = line.total_steps
             fixed = self.trainer.schedule.fixed
             elapsed, limit = self._clock()
-            count = progress_count(line["step"], total, fixed, elapsed, limit)
-            fraction = progress_fraction(line["step"], total, fixed, elapsed, limit)
+            count = progress_count(line.step, total, fixed, elapsed, limit)
+            fraction = progress_fraction(line.step, total, fixed, elapsed, limit)
             pred = self.trainer.predicted["peak_reserved"]
-            mem = line.get("memory_bytes")
-            loss = "n/a" if line.get("loss") is None else f"{line['loss']:.4f}"
-            fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line['tokens_per_second'])} tok/s",
-                      "mfu": f"MFU {line['mfu']:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
-                      "eta": f"ETA {format_seconds(line.get('eta_seconds'))}"}
+            mem = line.memory_bytes
+            loss = "n/a" if line.loss is None else f"{line.loss:.4f}"
+            fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line.tokens_per_second)} tok/s",
+                      "mfu": f"MFU {line.mfu:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
+                      "eta": f"ETA {format_seconds(line.eta_seconds)}"}
             prediction = f"(pred {format_bytes(pred)})"
             if self.live:
                 status, bar = fit_live_line(self.progress.console.width, count, fields, prediction)
@@ -537,29 +538,29 @@ class _ProgressView:
                 if decile != self._last_print:
                     self._last_print = decile
                     self._print(f"{count} {status}")
-        elif kind == "eval":
-            per = ", ".join(f"{k} {v:.3f}" for k, v in line.get("eval_loss_by_source", {}).items() if v is not None)
-            ppl = line.get("eval_ppl")
-            self._print(f"[bold]eval[/] step {line['step']}: held-out loss {line.get('eval_loss'):.4f}"
+        elif isinstance(line, records.EvalLine):
+            per = ", ".join(f"{k} {v:.3f}" for k, v in line.eval_loss_by_source.items() if v is not None)
+            ppl = line.eval_ppl
+            loss = "n/a" if line.eval_loss is None else f"{line.eval_loss:.4f}"
+            self._print(f"[bold]eval[/] step {line.step}: held-out loss {loss}"
                         + (f" (perplexity {ppl:,.1f})" if ppl else "") + (f" — {per}" if per else ""))
-            for s in line.get("samples", [])[:2]:
+            for s in line.samples[:2]:
                 self._print(f"  [dim]{s['prompt']!r} →[/] {s['text'][:160]!r}")
-        elif kind == "event":
-            ev = line.get("event")
-            if ev in ("start", "resume") and (warning := repeat_warning(line)):
+        elif isinstance(line, records.StartEvent):
+            if warning := repeat_warning(line):
                 self._warn(warning)
-            elif ev == "oom":
-                self._print(f"[yellow]out of memory[/] at step {line['step']}: micro-batch "
-                            f"{line['previous']['micro_batch']} → {line['micro_batch']}, accumulation "
-                            f"{line['previous']['grad_accum']} → {line['grad_accum']} (same global batch); "
-                            "redoing the step")
-            elif ev == "nonfinite":
-                self._print(f"[yellow]non-finite loss[/] at step {line['step']} ({line['loss']}): update skipped "
-                            f"({line['in_a_row']} in a row)")
-            elif ev == "checkpoint":
-                self._print(f"[dim]checkpoint {line['path']} ({line['seconds']:.1f} s)[/]")
-            elif ev == "stop" and line.get("reason") == "interrupted":
-                self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
+        elif isinstance(line, records.OomEvent):
+            self._print(f"[yellow]out of memory[/] at step {line.step}: micro-batch "
+                        f"{line.previous['micro_batch']} → {line.micro_batch}, accumulation "
+                        f"{line.previous['grad_accum']} → {line.grad_accum} (same global batch); "
+                        "redoing the step")
+        elif isinstance(line, records.NonfiniteEvent):
+            self._print(f"[yellow]non-finite loss[/] at step {line.step} ({line.loss}): update skipped "
+                        f"({line.in_a_row} in a row)")
+        elif isinstance(line, records.CheckpointEvent):
+            self._print(f"[dim]checkpoint {line.path} ({line.seconds:.1f} s)[/]")
+        elif isinstance(line, records.StopEvent) and line.reason == "interrupted":
+            self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
 
 
 def _final_sample(trainer) -> tuple[str, str] | None:
@@ -578,10 +579,10 @@ def _print_summary(trainer, summary, sample) -> None:
     from rich.console import Console
 
     from memplan.units import format_bytes, format_count, format_seconds
-    from trainer.loop import read_metrics
+    from trainer.records import TrainLine
+    from trainer.rundir import metric_records
 
-    lines = read_metrics(trainer.run_dir, latest=True)
-    train = [l for l in lines if l.get("kind") == "train"]
+    train = [l for l in metric_records(trainer.run_dir, latest=True) if isinstance(l, TrainLine)]
     steady = train[1:] or train
     out = Console(highlight=False)
     reasons = {"max_steps": "reached --max-steps", "max_tokens": "reached --tokens", "max_minutes": "time limit",
@@ -597,16 +598,16 @@ def _print_summary(trainer, summary, sample) -> None:
                   f"{format_seconds(summary.train_seconds)} ({reason})")
     if summary.last_eval:
         e = summary.last_eval
-        per = ", ".join(f"{k} {v:.3f}" for k, v in e.get("eval_loss_by_source", {}).items() if v is not None)
-        print_hanging(out, "  ", f"held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:,.1f}"
+        per = ", ".join(f"{k} {v:.3f}" for k, v in e.eval_loss_by_source.items() if v is not None)
+        print_hanging(out, "  ", f"held-out loss {e.eval_loss:.4f}, perplexity {e.eval_ppl:,.1f}"
                       + (f" ({per})" if per else ""))
     if steady:
         import statistics
 
-        meas = max((l["memory_bytes"] for l in steady if l.get("memory_bytes")), default=None)
+        meas = max((l.memory_bytes for l in steady if l.memory_bytes), default=None)
         pred = trainer.predicted
-        tps = statistics.median(l["tokens_per_second"] for l in steady)
-        mfu = statistics.median(l["mfu"] for l in steady)
+        tps = statistics.median(l.tokens_per_second for l in steady)
+        mfu = statistics.median(l.mfu for l in steady)
         if meas:
             print_hanging(out, "  memory: ", f"measured peak {format_bytes(meas)}, predicted "
                           f"{format_bytes(pred['peak_reserved'])} ({(pred['peak_reserved'] - meas) / meas:+.1%}); "
