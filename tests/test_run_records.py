@@ -235,3 +235,200 @@ def test_a_hostile_metrics_file_is_one_line_from_train_report(tmp_path):
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"memplan: error: {run / 'metrics.jsonl'} "
                                                                         "line 2: 'tokens_per_second'"), result.stderr
     assert not (run / "report.html").exists()
+
+
+# ---- memplan train --nproc: resolved once, handed to the ranks in RUN/launch.json --------------------------------
+
+TINY = ["--arch", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "2", "--ffn", "64",
+        "--ctx", "32", "--batch", "2", "--precision", "fp32", "--max-steps", "2", "--sample-tokens", "0"]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """torchrun's launcher replaced by a recorder: the arguments `memplan train --nproc` starts it with."""
+    import torch.distributed.run
+
+    calls = []
+    monkeypatch.setattr(torch.distributed.run, "run", calls.append)
+    monkeypatch.setenv("MEMPLAN_LAUNCHED_BY", "")  # restored after: the launcher sets it for its ranks
+    return calls
+
+
+def _memplan(*args):
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_nproc_resolves_the_run_once_and_starts_each_rank_with_the_run_directory_alone(corpus, tmp_path, launched):
+    from trainer.request import read_launch
+
+    run = tmp_path / "run"
+    result = _memplan("train", "--nproc", "2", "--data", str(corpus), "--out", str(run), *TINY, "--lr", "1e-3",
+                      "--prompt", "The")
+    assert result.exit_code == 0, result.output
+    (args,) = launched
+    assert args.module and args.training_script == "trainer" and args.training_script_args == [str(run)]
+    assert args.nproc_per_node == "2"
+    spec = read_launch(run)
+    assert spec.plan["setup"]["world_size"] == 2 and spec.plan["setup"]["sharding"] == "ddp"
+    assert spec.config["max_steps"] == 2 and spec.config["lr"] == 1e-3 and spec.config["prompts"] == ["The"]
+    assert spec.data == str(corpus.resolve()) and not spec.resume and spec.nproc == 2
+    assert sorted(p.name for p in run.iterdir()) == ["launch.json"]  # the ranks write the rest
+
+
+def test_a_rank_builds_its_run_from_the_launch_file_not_from_flags(corpus, tmp_path, launched, capsys, monkeypatch):
+    """One process given RUN (no torchrun) takes the plan in RUN/launch.json, made for 2 processes: refused in
+    one line, as the plan says, before anything is written."""
+    from trainer.__main__ import entry
+
+    run = tmp_path / "run"
+    assert _memplan("train", "--nproc", "2", "--data", str(corpus), "--out", str(run), *TINY).exit_code == 0
+    monkeypatch.delenv("MEMPLAN_LAUNCHED_BY")  # launched by hand, not by memplan
+    with pytest.raises(SystemExit) as e:
+        entry([str(run)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m trainer: error: the plan is for --world-size 2 but 1 process(es) run it; launch it "
+                   "with `memplan train --nproc 2` (torchrun)"]
+    assert sorted(p.name for p in run.iterdir()) == ["launch.json"]
+
+
+def test_nproc_refuses_a_run_directory_in_use_before_anything_is_launched_or_written(corpus, tmp_path, launched):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    result = _memplan("train", "--nproc", "2", "--data", str(corpus), "--out", str(run), *TINY)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "already holds a run; add --resume" in result.stderr
+    assert not launched and sorted(p.name for p in run.iterdir()) == ["run.json"]
+    result = _memplan("train", "--nproc", "2", "--out", str(tmp_path / "none"), "--resume")
+    assert result.exit_code == 2 and "--resume: " in result.stderr and result.stderr.count("\n") == 1
+    assert not launched and not (tmp_path / "none").exists()
+
+
+def _spec(corpus) -> dict:
+    from memplan.model import ModelSpec
+    from memplan.plan import Plan
+    from memplan.setup import TrainSetup
+    from trainer.loop import TrainConfig
+    from trainer.request import LaunchSpec
+
+    plan = Plan(model=ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=300, tied=True),
+                setup=TrainSetup(ctx=32, micro_batch=2, precision="fp32", world_size=2, sharding="ddp"), device="cpu")
+    return LaunchSpec(resume=False, data=str(corpus), plan=plan.to_dict(), config=TrainConfig(max_steps=2).to_dict(),
+                      overrides={}, sharding=None, device=None, device_memory=None, threads=None, starting=None,
+                      log=[], nproc=2).to_json()
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d.update(format="other"), "not a memplan launch file"),
+    (lambda d: d.update(version=9), "launch file version 9; this memplan reads 1"),
+    (lambda d: d.pop("plan"), "no 'plan'"),
+    (lambda d: d.update(plan=None), "a new run without its 'plan'"),
+    (lambda d: d.update(nproc="2"), "'nproc' is \"2\"; accepted: a whole number"),
+    (lambda d: d.update(sharding="zero"), "'sharding' is 'zero'; accepted: ddp, fsdp or null"),
+    (lambda d: d.update(resume=True), "a new run carries its 'config', a resume none"),
+    (lambda d: d.update(log=[3]), "'log' is 3; accepted: a string"),
+    (lambda d: d.update(starting={"path": "x"}), "'starting'['model_type'] is null"),
+])
+def test_a_tampered_launch_file_is_one_error_naming_it(corpus, tmp_path, change, needle):
+    from trainer.request import read_launch
+
+    body = _spec(corpus)
+    change(body)
+    (tmp_path / "launch.json").write_text(json.dumps(body))
+    with pytest.raises(InputError) as e:
+        read_launch(tmp_path)
+    assert str(e.value).startswith(str(tmp_path / "launch.json")) and "\n" not in str(e.value)
+    assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"lr": "fast"}, "config 'lr' is \"fast\"; accepted: a number"),
+    ({"lr": -1.0}, "config: --lr: -1.0 must be a positive number"),
+    ({"min_lr_ratio": [0.1]}, "config 'min_lr_ratio' is [0.1]"),
+    ({"prompts": "The"}, "config 'prompts' is \"The\"; accepted: a list"),
+    ({"verify_data": "yes"}, "config 'verify_data' is \"yes\"; accepted: true or false"),
+    ({"steps": 3}, "config 'steps' is not a training setting"),
+])
+def test_a_launch_file_with_bad_settings_or_plan_is_refused_in_one_line(corpus, tmp_path, config, needle):
+    from trainer.request import TrainUI, read_launch, resolve_launch
+
+    body = _spec(corpus)
+    body["config"].update(config)
+    (tmp_path / "launch.json").write_text(json.dumps(body))
+    with pytest.raises(InputError) as e:
+        resolve_launch(read_launch(tmp_path), tmp_path, TrainUI())
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b'{"format": NaN}', "unreadable (ValueError: NaN is not a number JSON holds)"),
+    (b"\xff\xfe", "unreadable (UnicodeDecodeError"),
+    (b"[" * 100_000, "unreadable (RecursionError"),
+    (b"[1]", "not a memplan launch file"),
+])
+def test_a_launch_file_that_is_not_json_or_too_large_is_one_error(tmp_path, monkeypatch, raw, needle):
+    from trainer import request
+
+    (tmp_path / "launch.json").write_bytes(raw)
+    with pytest.raises(InputError, match=re.escape(needle)):
+        request.read_launch(tmp_path)
+    monkeypatch.setattr(request, "MAX_LAUNCH_BYTES", 10)
+    (tmp_path / "launch.json").write_bytes(b" " * 11)
+    with pytest.raises(InputError, match="larger than"):
+        request.read_launch(tmp_path)
+    (tmp_path / "launch.json").unlink()
+    with pytest.raises(InputError, match="missing"):
+        request.read_launch(tmp_path)
+
+
+def _ranks(*args: str, via: str):
+    """2 gloo ranks on this CPU: `memplan train --nproc 2 ARGS` or `torchrun --nproc-per-node 2 -m trainer ARGS`."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("MEMPLAN_LAUNCHED_BY", None)
+    cmd = ([sys.executable, "-m", "memplan", "train", "--nproc", "2"] if via == "memplan" else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer"])
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.distributed
+def test_ranks_train_the_run_their_launch_file_describes_and_refuse_a_tampered_one(corpus, tmp_path):
+    from trainer.rundir import read_metrics
+
+    run = tmp_path / "run"
+    done = _ranks("--data", str(corpus), "--out", str(run), *TINY, via="memplan")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (start,) = [l for l in read_metrics(run) if l.get("event") == "start"]
+    spec = json.loads((run / "launch.json").read_text())
+    assert start["config"] == spec["config"] and start["setup"]["world_size"] == 2
+    assert [l["step"] for l in read_metrics(run) if l["kind"] == "train"] == [1, 2]
+
+    # the same file with other settings, launched by hand: the ranks train what the file says
+    again = tmp_path / "again"
+    again.mkdir()
+    spec["config"].update(max_steps=3, seed=7)
+    (again / "launch.json").write_text(json.dumps(spec))
+    done = _ranks(str(again), via="torchrun")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (start,) = [l for l in read_metrics(again) if l.get("event") == "start"]
+    assert start["config"]["seed"] == 7 and [l["step"] for l in read_metrics(again) if l["kind"] == "train"] == [1, 2, 3]
+
+    # a tampered file: one line, from rank 0 only, and nothing written
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    spec["config"]["lr"] = "fast"
+    (bad / "launch.json").write_text(json.dumps(spec))
+    done = _ranks(str(bad), via="torchrun")
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert errors == [f"python -m trainer: error: {bad / 'launch.json'}: config 'lr' is \"fast\"; accepted: a number"]
+    assert sorted(p.name for p in bad.iterdir()) == ["launch.json"]

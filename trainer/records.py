@@ -71,7 +71,7 @@ class _Record:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                     raise InputError(f"{where}: a {cls.describe()} line without {f.name!r}; not a line memplan wrote")
                 continue
-            values[f.name] = _checked(obj[f.name], hints[f.name], f"{where}: {f.name!r}")
+            values[f.name] = check_value(obj[f.name], hints[f.name], f"{where}: {f.name!r}")
         record = cls(**values)
         record._check(where)
         return record
@@ -97,9 +97,10 @@ _NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: 
           list: "a list", type(None): "null"}
 
 
-def _checked(value, hint, where: str):
-    """``value`` if it has the type ``hint`` names (``float`` takes an int as JSON writes 2.0 as 2 in other
-    tools; ``int`` takes no bool), else an InputError."""
+def check_value(value, hint, where: str):
+    """``value`` if it has the JSON type ``hint`` names (``int``, ``float``, ``bool``, ``str``, ``dict``, ``list``,
+    or a union of them with None; ``float`` takes an int, as other tools write 2.0 as 2; ``int`` takes no
+    bool), else an InputError naming ``where``, the value and the accepted types."""
     allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     allowed = tuple(typing.get_origin(a) or a for a in allowed)
     for kind in allowed:
@@ -119,7 +120,7 @@ def _checked(value, hint, where: str):
 
 def _check_mapping(mapping: dict, kind, where: str) -> None:
     for key, value in mapping.items():
-        _checked(value, kind, f"{where}[{json.dumps(key)[:40]}]")
+        check_value(value, kind, f"{where}[{json.dumps(key)[:40]}]")
 
 
 # ---- "kind": "train" ---------------------------------------------------------------------------------------
@@ -179,11 +180,11 @@ class EvalLine(_Record):
         _check_mapping(self.eval_ppl_by_source, float | None, f"{where}: 'eval_ppl_by_source'")
         _check_mapping(self.eval_tokens_by_source, int, f"{where}: 'eval_tokens_by_source'")
         for i, sample in enumerate(self.samples):
-            _checked(sample, dict, f"{where}: 'samples'[{i}]")
+            check_value(sample, dict, f"{where}: 'samples'[{i}]")
             for key in ("prompt", "text"):
                 if key not in sample:
                     raise InputError(f"{where}: 'samples'[{i}] has no {key!r}; not a line memplan wrote")
-                _checked(sample[key], str, f"{where}: 'samples'[{i}][{key!r}]")
+                check_value(sample[key], str, f"{where}: 'samples'[{i}][{key!r}]")
 
 
 # ---- "kind": "event" ---------------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ class StartEvent(_Event):
         if self.event not in self.NAMES:
             raise InputError(f"{where}: 'event' is {self.event!r}; accepted: start, resume")
         if "params" in self.model:
-            _checked(self.model["params"], int, f"{where}: 'model'['params']")
+            check_value(self.model["params"], int, f"{where}: 'model'['params']")
         _check_mapping({k: v for k, v in self.predicted.items() if k != "peak_phase"}, float | None,
                        f"{where}: 'predicted'")
 
@@ -264,7 +265,7 @@ class OomEvent(_Event):
         for key in ("micro_batch", "grad_accum"):
             if key not in self.previous:
                 raise InputError(f"{where}: 'previous' has no {key!r}; not a line memplan wrote")
-            _checked(self.previous[key], int, f"{where}: 'previous'[{key!r}]")
+            check_value(self.previous[key], int, f"{where}: 'previous'[{key!r}]")
         _check_mapping({k: v for k, v in self.predicted.items() if k != "peak_phase"}, float | None,
                        f"{where}: 'predicted'")
 
@@ -330,7 +331,7 @@ class OtherEvent(_Event):
     def from_json(cls, obj: dict, where: str = "metrics line"):
         if "step" not in obj:
             raise InputError(f"{where}: an event without 'step'; not a line memplan wrote")
-        return cls(event=obj["event"], step=_checked(obj["step"], int, f"{where}: 'step'"),
+        return cls(event=obj["event"], step=check_value(obj["step"], int, f"{where}: 'step'"),
                    extra={k: v for k, v in obj.items() if k not in ("kind", "event", "step")})
 
 

@@ -92,6 +92,17 @@ def lock_run(run_dir: str | Path) -> RunLock:
     return RunLock(run_dir, lock, created)
 
 
+def remove_launch(run_dir: Path, created: bool) -> None:
+    """Remove RUN/launch.json of a launch whose ranks were refused before the run began, and RUN itself when the
+    launch created it and nothing else is left in it: a refused launch leaves nothing a later command trusts."""
+    try:
+        (Path(run_dir) / LAUNCH_FILE).unlink(missing_ok=True)
+        if created:
+            Path(run_dir).rmdir()  # only if empty
+    except OSError:
+        pass
+
+
 def write_record(run_dir: Path, record: dict) -> None:
     """Write RUN/run.json (atomically, to disk)."""
     body = {"format": RUN_FORMAT, "version": RUN_VERSION, **record}
