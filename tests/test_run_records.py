@@ -353,12 +353,16 @@ def test_a_tampered_launch_file_is_one_error_naming_it(corpus, tmp_path, change,
     ({"prompts": "The"}, "config 'prompts' is \"The\"; accepted: a list"),
     ({"verify_data": "yes"}, "config 'verify_data' is \"yes\"; accepted: true or false"),
     ({"steps": 3}, "config 'steps' is not a training setting"),
+    ({"plan": {"model": {"layers": "x"}}}, "launch.json: plan: --layers: 'x' must be a positive integer"),
 ])
 def test_a_launch_file_with_bad_settings_or_plan_is_refused_in_one_line(corpus, tmp_path, config, needle):
     from trainer.request import TrainUI, read_launch, resolve_launch
 
     body = _spec(corpus)
-    body["config"].update(config)
+    if "plan" in config:
+        body["plan"]["model"].update(config["plan"]["model"])
+    else:
+        body["config"].update(config)
     (tmp_path / "launch.json").write_text(json.dumps(body))
     with pytest.raises(InputError) as e:
         resolve_launch(read_launch(tmp_path), tmp_path, TrainUI())

@@ -786,19 +786,23 @@ def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> Resolv
     opened, its plan and settings checked by what builds them. Nothing here measures, autotunes or parses a
     command line: the launcher did that."""
     from memplan.plan import Plan
+    from trainer import rundir
     from trainer.data import PreparedData
     from trainer.loggers import check_loggers
     from trainer.loop import TrainConfig, starting_from_hf
 
     run_dir = Path(run_dir)
-    where = str(run_dir / "launch.json")
+    where = str(run_dir / rundir.LAUNCH_FILE)
     check_loggers(spec.log)
     profile, _ = profile_for(spec.device, spec.device_memory, spec.threads, ui, measure_now=False)
     data = Path(spec.data)
     if not (data / "manifest.json").is_file():
         raise InputError(f"{where}: the prepared data {data} is gone; launch the run again with --data DIR")
     prepared = PreparedData(data)
-    plan = Plan.from_dict(spec.plan, f"{where} plan") if spec.plan is not None else None
+    try:
+        plan = Plan.from_dict(spec.plan, f"{where}: plan") if spec.plan is not None else None
+    except InputError as e:  # named by the file, also where the plan's own check names the flag it mirrors
+        raise (e if str(e).startswith(where) else InputError(f"{where}: plan: {e}")) from None
     if spec.resume:
         overrides = _checked_settings(spec.overrides, where, "overrides", partial=True)
         return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, resume=True, resume_plan=plan,
