@@ -231,6 +231,10 @@ class StartEvent(_Event):
 
     NAMES: typing.ClassVar[tuple[str, ...]] = ("start", "resume")
 
+    @classmethod
+    def describe(cls) -> str:
+        return "'start' or 'resume' event"
+
     def _check(self, where: str) -> None:
         if self.event not in self.NAMES:
             raise InputError(f"{where}: 'event' is {self.event!r}; accepted: start, resume")
