@@ -436,3 +436,42 @@ def test_ranks_train_the_run_their_launch_file_describes_and_refuse_a_tampered_o
     errors = [line for line in done.stderr.splitlines() if ": error: " in line]
     assert errors == [f"python -m trainer: error: {bad / 'launch.json'}: config 'lr' is \"fast\"; accepted: a number"]
     assert sorted(p.name for p in bad.iterdir()) == ["launch.json"]
+
+
+@pytest.mark.distributed
+def test_ranks_start_from_the_checkpoint_the_launch_file_names(tmp_path, hf_checkpoint, hf_data):
+    """`memplan train --nproc 2 --from CHECKPOINT`: the launcher records the checkpoint (path, sha256 of its weights)
+    in launch.json; the ranks start from those weights, as one process does at the same global batch."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    from trainer.rundir import read_metrics
+
+    ck, _ = hf_checkpoint
+    flags = ["--from", str(ck), "--data", str(hf_data), "--ctx", "32", "--precision", "fp32", "--max-steps", "1",
+             "--device", "cpu", "--sample-tokens", "0", "--eval-batches", "1"]
+    done = _ranks(*flags, "--batch", "2", "--out", str(tmp_path / "two"), via="memplan")
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = json.loads((tmp_path / "two" / "launch.json").read_text())
+    record = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert spec["starting"] == record["base_hf"] and spec["starting"]["path"] == str(ck.resolve())
+    one = CliRunner().invoke(app, ["train", *flags, "--batch", "2", "--grad-accum", "2", "--out", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    first = [[l["loss"] for l in read_metrics(tmp_path / run) if l["kind"] == "train"][0] for run in ("two", "one")]
+    assert first[0] == pytest.approx(first[1], abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    from test_hf_import import tokenizer, write_checkpoint
+    from test_train_from import llama_config
+
+    directory = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    return directory, write_checkpoint(directory, llama_config(), tokenizer())
+
+
+@pytest.fixture(scope="module")
+def hf_data(hf_checkpoint, tmp_path_factory):
+    from test_train_from import prepare
+
+    return prepare(tmp_path_factory.mktemp("corpus"), str(hf_checkpoint[0]))
