@@ -123,7 +123,9 @@ def summarize_validation(data: dict) -> dict:
 
 def summarize_train(run: Path) -> dict:
     """Step time and memory of a short run against its predictions (from its metrics.jsonl)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from trainer.rundir import read_metrics
+
+    records = read_metrics(run)
     start = next(r for r in records if r.get("kind") == "event" and r.get("event") == "start")
     steps = [r for r in records if r.get("kind") == "train"]
     timed = [r["step_seconds"] for r in steps[WARMUP_STEPS:]] or [r["step_seconds"] for r in steps]

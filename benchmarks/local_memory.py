@@ -64,7 +64,9 @@ def memplan(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 def run_figures(run: Path) -> dict:
     """The predicted and measured peak and tokens/s of a training run, as its summary prints them."""
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from trainer.rundir import read_metrics
+
+    lines = read_metrics(run)
     start = next(line for line in lines if line.get("event") == "start")
     train = [line for line in lines if line.get("kind") == "train"]
     steady = train[1:] or train

@@ -123,7 +123,7 @@ def train_one(name: str, prepared, plan, lr: float, minutes: float, profile, run
         "tokens": summary.tokens, "tokens_per_param": summary.tokens / plan.model.params,
         "wall_seconds": wall, "held_out_loss": ev["loss"], "bits_per_byte": ev["bits_per_byte"],
         "perplexity": ev["perplexity"], "held_out_tokens": ev["tokens"], "held_out_bytes": ev["bytes"],
-        "trainer_eval_loss": summary.last_eval["eval_loss"] if summary.last_eval else None,
+        "trainer_eval_loss": summary.last_eval.eval_loss if summary.last_eval else None,
         "tokens_per_second": statistics.median(l["tokens_per_second"] for l in steady) if steady else None,
         "mfu": statistics.median(l["mfu"] for l in steady) if steady else None,
         "load_before": load_before, "load_after": os.getloadavg()[0],

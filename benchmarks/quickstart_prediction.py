@@ -45,7 +45,9 @@ def main() -> int:
             sys.exit(f"run {i}: {r.stderr.strip()[-800:]}")
         text = " ".join(r.stderr.split())
         rates = text[text.index("rates:"):].split(" eval step")[0].split(" step ")[0][:160] if "rates:" in text else ""
-        start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        from trainer.rundir import read_metrics
+
+        start = read_metrics(out)[0]
         f = run_figures(out)
         ratio = f["predicted_tps"] / f["measured_tps"]
         rows.append({"run": i, "model": start["model"]["describe"], "rates": rates, **f, "ratio": ratio,

@@ -170,9 +170,9 @@ class TrainerLoop:
     def step(self) -> float:
         t0 = time.perf_counter()
         line = self.trainer.advance()
-        self.outside.append(time.perf_counter() - t0 - line["step_seconds"])
+        self.outside.append(time.perf_counter() - t0 - line.step_seconds)
         self.lines.append(line)
-        return line["loss"]
+        return line.loss
 
     def close(self) -> None:
         self.view.__exit__(None, None, None)
@@ -327,7 +327,7 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
     cpu_overhead_rounds = [t / b - 1 for t, b in zip(cpu_rounds["trainer"], cpu_rounds["bare"])]
     speed_rounds = [h / t for h, t in zip(rounds["transformers"], rounds["trainer"])]
     cpu_speed_rounds = [h / t for h, t in zip(cpu_rounds["transformers"], cpu_rounds["trainer"])]
-    step_in_trainer = statistics.median(line["step_seconds"] for line in lines)
+    step_in_trainer = statistics.median(line.step_seconds for line in lines)
     flops = model_flops(spec, setup)
     cal_rate = profile.calibrated.get("matmul_tflops", {}).get("fp32", 0) * 1e12
     mm_rate = 2 * MATMUL_SIDE**3 / statistics.median(mm)

@@ -64,3 +64,23 @@ def one_line_error(result, *needles):
     for n in needles:
         assert n in lines[0], (n, lines[0])
     return lines[0]
+
+
+def whole_line(line: dict) -> dict:
+    """``line`` (a metrics.jsonl line a test writes by hand) with every key its record requires that it lacks
+    filled with a zero of the key's type (``trainer.records``: a reader refuses a line missing one)."""
+    import dataclasses
+    import typing
+
+    from trainer import records
+
+    cls = (records.EVENTS.get(line.get("event"), records.OtherEvent) if line.get("kind") == "event"
+           else records.KINDS[line["kind"]])
+    hints = typing.get_type_hints(cls)
+    zero = {int: 0, float: 0.0, bool: False, str: "", dict: {}, list: []}
+    out = dict(line)
+    for f in dataclasses.fields(cls):
+        if f.name not in out and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
+            out[f.name] = zero[next(k for k in kinds if k in zero)]
+    return out

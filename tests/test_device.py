@@ -363,7 +363,9 @@ def test_gpu_check_compares_a_runs_median_step_and_largest_memory_with_the_predi
              for i in range(gpu_check.WARMUP_STEPS)]
     steps += [{"kind": "train", "step": 6 + i, "step_seconds": s, "memory_bytes": 10 * GiB + i,
                "memory_allocated_bytes": 8 * GiB + i} for i, s in enumerate((0.12, 0.11, 0.13, 0.5))]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [start, *steps]) + "\n")
+    from runs_helper import whole_line  # the keys this test does not care about (gpu_check reads them checked)
+
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(whole_line(r)) for r in [start, *steps]) + "\n")
     out = gpu_check.summarize_train(tmp_path)
     assert out["steps"] == 9 and out["timed_steps"] == 4
     assert out["measured_step_seconds"] == pytest.approx(0.125) and out["step_ratio"] == pytest.approx(1.25)

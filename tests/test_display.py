@@ -17,9 +17,13 @@ GiB = 2**30
 
 # ---- the live training line ---------------------------------------------------------------------------
 
-def _train_line(step: int, total: int, eta: float) -> dict:
-    return {"kind": "train", "step": step, "total_steps": total, "loss": 8.3068, "tokens_per_second": 12345.0,
-            "mfu": 0.125, "memory_bytes": int(1.23 * GiB), "eta_seconds": eta}
+def _train_line(step: int, total: int, eta: float):
+    from trainer.records import TrainLine
+
+    return TrainLine(step=step, total_steps=total, loss=8.3068, tokens_per_second=12345.0, mfu=0.125,
+                     memory_bytes=int(1.23 * GiB), eta_seconds=eta, lr=1e-3, grad_norm=1.0, tokens=step * 1000,
+                     step_seconds=0.1, time=step * 0.1, memory_step=step, micro_batch=1, grad_accum=1,
+                     skipped=False)
 
 
 def _render_view(updates, *, max_minutes, width: int = 80) -> list[str]:

@@ -50,13 +50,18 @@ def test_the_run_reports_memory_plot_shows_only_the_steps_that_were_measured(tmp
 
     from memplan.reports.run import build_run_page
 
-    lines = [{"kind": "event", "event": "start", "step": 0, "time": 0.0,
-              "predicted": {"peak_reserved": 1 << 30, "tokens_per_second": 1000.0}}]
+    # whole lines, as the trainer writes them (metrics.jsonl's lines are checked when read: trainer/records.py)
+    lines = [{"kind": "event", "event": "start", "step": 0, "tokens": 0, "time": 0.0, "unix_time": 0.0,
+              "model": {}, "setup": {}, "device": "cpu", "torch_device": "cpu", "torch": "2", "schedule": {},
+              "predicted": {"peak_reserved": 1 << 30, "tokens_per_second": 1000.0}, "eval_every": 5,
+              "save_every": 5, "tokens_per_step": 100, "train_tokens": 10_000, "memory_source": "rss",
+              "mfu_peak_flops_per_second": 1e12, "data": "data", "config": {}}]
     measured_at = {1: 1, 2: 2, 3: 2, 4: 2, 5: 5}
     for step, at in measured_at.items():
         lines.append({"kind": "train", "step": step, "loss": 5.0 - step / 10, "time": float(step),
                       "tokens_per_second": 1000.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100 * step,
-                      "memory_bytes": (500 + at) << 20, "memory_step": at})
+                      "step_seconds": 1.0, "mfu": 0.1, "micro_batch": 1, "grad_accum": 1, "skipped": False,
+                      "eta_seconds": 1.0, "total_steps": 5, "memory_bytes": (500 + at) << 20, "memory_step": at})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     page = build_run_page(tmp_path)
     memory = next(f for f in page.figures if "Memory over time" in (f.layout.title.text or ""))

@@ -76,8 +76,8 @@ def test_memory_is_read_on_a_sample_of_steps_and_every_line_says_which_step_it_m
     lines = [trainer.advance() for _ in range(12)]
     trainer.close()
     assert counting.resets == counting.reads == 2  # the first two steps only: no /proc read on the other 10
-    assert [l["memory_step"] for l in lines] == [1] + [2] * 11
-    assert all(l["memory_bytes"] == lines[1]["memory_bytes"] > 0 for l in lines[1:])
+    assert [l.memory_step for l in lines] == [1] + [2] * 11  # advance() returns the step's TrainLine
+    assert all(l.memory_bytes == lines[1].memory_bytes > 0 for l in lines[1:])
     on_disk = [l for l in read_metrics(tmp_path / "run") if l["kind"] == "train"]
     assert [l["memory_step"] for l in on_disk] == [1] + [2] * 11
 
@@ -90,7 +90,7 @@ def test_memory_is_measured_again_once_the_sample_interval_of_training_time_has_
     trainer.open()
     lines = [trainer.advance() for _ in range(4)]
     trainer.close()
-    assert counting.reads == 4 and [l["memory_step"] for l in lines] == [1, 2, 3, 4]
+    assert counting.reads == 4 and [l.memory_step for l in lines] == [1, 2, 3, 4]
 
 
 def test_train_lines_are_flushed_in_batches_and_all_reach_the_file(tmp_path, corpus, monkeypatch):

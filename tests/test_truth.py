@@ -20,7 +20,9 @@ def test_report_samples_show_their_newlines_not_a_literal_backslash_n(tmp_path):
         {"kind": "eval", "step": 3, "eval_loss": 4.5, "eval_loss_by_source": {"docs": 4.5},
          "samples": [{"source": "docs", "prompt": "def parse(", "text": "x):\n    return x"}]},
     ]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    from runs_helper import whole_line  # the keys this test does not care about (the report reads them checked)
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(whole_line(r)) + "\n" for r in records))
     page = write_run_report(tmp_path).read_text()
     sample = page[page.index("Sample at step 3"):]
     sample = sample[:sample.index("</p>")]

@@ -1,12 +1,23 @@
-"""``python -m trainer``: ``memplan train`` in this process, which is one rank of a torchrun launch.
+"""``python -m trainer``: one rank of a torchrun launch (or one process alone), in one of two forms.
+
+    python -m trainer RUN
+
+trains the run prepared in ``RUN``: ``memplan train --nproc N --out RUN ...`` resolves the run once (the plan
+for N processes, the settings, the data), writes it into RUN/launch.json (docs/run-directory.md) and starts
+``torchrun --nproc-per-node N -m trainer RUN``; each rank reads that file, checked as any input is, and builds
+its trainer from it (``trainer.request.read_launch`` / ``resolve_launch``). No command line is parsed here.
+A launch that stopped before its run began can be started again the same way, e.g. with torchrun's own
+options: ``torchrun --nproc-per-node 2 -m trainer RUN``.
 
     torchrun --nproc-per-node 2 -m trainer --plan plan.toml --data DATA --out RUN --sharding fsdp
-    torchrun --nproc-per-node 2 -m trainer --params 22m --ctx 256 --batch 4 --data DATA --out RUN --max-steps 100
 
-It takes ``memplan train``'s options (``memplan train --nproc N`` launches exactly this). Under
-torchrun each process trains on its own device (its GPU by local rank, or the CPU over gloo) with
-DDP or FSDP2 (``--sharding``, or the plan's, else DDP); only rank 0 prints and writes the run.
-Alone, it trains in one process as ``memplan train`` does.
+(options, no RUN) is still accepted for those who launch torchrun themselves: it takes ``memplan train``'s
+options, and every rank resolves them through the same request (``trainer.request.resolve_train``; what is
+decided by a measurement, such as the quick start's model, is rank 0's).
+
+Under torchrun each process trains on its own device (its GPU by local rank, or the CPU over gloo) with DDP or
+FSDP2 (the plan's sharding, else DDP); only rank 0 prints and writes the run. Alone, it trains in one process.
+Bad input is one line on stderr, from rank 0 only, and exit code 2.
 """
 
 from __future__ import annotations
@@ -18,14 +29,17 @@ PROG = "python -m trainer"
 
 
 def entry(argv: list[str] | None = None) -> None:
-    """Run ``memplan train ARGV``. Bad input is one line on stderr (from rank 0 only) and exit code 2."""
+    """``python -m trainer RUN`` (the run prepared in RUN) or ``python -m trainer OPTIONS`` (``memplan train
+    OPTIONS``). Bad input is one line on stderr (from rank 0 only) and exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and not argv[0].startswith("-"):
+        return _prepared(argv)
     import typer
     from typer.core import TyperGroup
 
     from memplan.cli import app, click_exceptions
     from memplan.errors import InputError
 
-    argv = sys.argv[1:] if argv is None else argv
     command = typer.main.get_command(app)
     try:  # the group's own main, not memplan's one-line wrapper: here only rank 0 may print the error
         rv = TyperGroup.main(command, args=["train", *argv], prog_name=PROG, standalone_mode=False)
@@ -37,6 +51,46 @@ def entry(argv: list[str] | None = None) -> None:
         _exit(e.exit_code)
     else:
         _exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+    _fail(message)
+
+
+def _prepared(argv: list[str]) -> None:
+    """``python -m trainer RUN``: train the run RUN/launch.json describes, in this rank."""
+    from memplan.errors import InputError
+
+    try:
+        if len(argv) != 1:
+            raise InputError(f"{PROG} RUN: one run directory, prepared by `memplan train --nproc N --out RUN`; "
+                             f"got {' '.join(argv)!r} (or give `memplan train`'s options alone)")
+        code = run_prepared(argv[0])
+    except InputError as e:
+        _fail(str(e))
+    _exit(code)
+
+
+def run_prepared(run_dir: str) -> int:
+    """Read RUN/launch.json, join the process group torchrun described, build this rank's trainer from the
+    file and train; its exit code (0, 1 when the run stopped on an error, 128 + N for signal N)."""
+    from rich.console import Console
+
+    from memplan.cli.train import RichUI, trained
+    from trainer import distributed
+    from trainer.request import read_launch, resolve_launch, start_trainer
+
+    spec = read_launch(run_dir)  # checked before the group is joined: every rank refuses it alike
+    rank, launched, _ = distributed.env_world()
+    console = Console(stderr=True, highlight=False, quiet=rank != 0)
+    try:
+        if launched > 1:
+            distributed.init()
+        run = resolve_launch(spec, run_dir, RichUI(console))
+        return trained(console, start_trainer(run), run.run_dir, rates_note=run.rates_note, log=spec.log)
+    finally:
+        distributed.shutdown()
+
+
+def _fail(message: str) -> None:
+    """``message`` as one line on stderr from rank 0 (the others say nothing), then exit code 2."""
     if os.environ.get("RANK", "0") == "0":
         prog = "memplan" if os.environ.get("MEMPLAN_LAUNCHED_BY") == "memplan" else PROG
         print(f"{prog}: error: " + " ".join(message.split()), file=sys.stderr)

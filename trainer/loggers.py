@@ -99,7 +99,8 @@ class _Logger:
 
     predicted_peak: int | None = None
 
-    def __call__(self, line: dict) -> None:
+    def __call__(self, record) -> None:
+        line = record.to_json()  # a trainer.records record: its JSON object, whose documented keys map to names
         if line.get("kind") == "event" and line.get("event") in ("start", "resume"):
             self.predicted_peak = (line.get("predicted") or {}).get("peak_reserved")
             self.start(line)

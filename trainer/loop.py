@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import errno
 import gc
-import json
 import math
 import os
 import signal
@@ -68,7 +67,7 @@ from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
 from trainer import distributed
-from trainer import rundir
+from trainer import records, rundir
 from trainer.rundir import METRICS_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.data import PreparedData, TrainStream
 from trainer.device import current_rss as _process_rss, torch_device_for, trim_heap as _trim_heap  # noqa: F401
@@ -280,10 +279,11 @@ class _MetricsWriter:
 
         self.flushed = time.perf_counter()
 
-    def write(self, obj: dict, flush: bool = True) -> None:
-        """Append one line; flushed now with ``flush``, else left in the buffer for a later flush (the
-        loop flushes train lines at most every METRICS_FLUSH_SECONDS, and before anything reads the file)."""
-        self._f.write(json.dumps(obj, allow_nan=False) + "\n")
+    def write(self, record: records.Record, flush: bool = True) -> None:
+        """Append one record's line (``trainer.records.dumps``); flushed now with ``flush``, else left in the
+        buffer for a later flush (the loop flushes train lines at most every METRICS_FLUSH_SECONDS, and before
+        anything reads the file)."""
+        self._f.write(records.dumps(record) + "\n")
         if flush:
             self.flush()
 
@@ -324,7 +324,7 @@ class RunSummary:
     stop_reason: str  # max_steps | max_tokens | max_minutes | epoch | interrupted (by SIGINT or SIGTERM)
     train_seconds: float
     last_loss: float | None
-    last_eval: dict | None
+    last_eval: records.EvalLine | None
     checkpoint: Path | None
     report: Path | None
     samples: list[dict] = field(default_factory=list)
@@ -469,7 +469,7 @@ class Trainer:
         self.eval_every = config.eval_every
         self.save_every = config.save_every
         self.nonfinite_run = 0
-        self.last_eval: dict | None = None
+        self.last_eval: records.EvalLine | None = None
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.stop_signal: int | None = None  # the signal (SIGINT, SIGTERM) that asked the run to stop
@@ -731,17 +731,17 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------
 
-    def on_event(self, callback: Callable[[dict], None]) -> None:
-        """Call ``callback(line)`` for every metrics line, as it is written."""
+    def on_event(self, callback: Callable[[records.Record], None]) -> None:
+        """Call ``callback(record)`` for every metrics line (``trainer.records``), as it is written."""
         self._events.append(callback)
 
-    def _emit(self, line: dict) -> None:
+    def _emit(self, line: records.Record) -> None:
         if not self.is_main:  # rank 0 alone writes and reports
             return
         if self._writer is not None:
             with self._writing(self._writer.path):
                 # train lines are flushed in batches (at most METRICS_FLUSH_SECONDS late); any other at once
-                self._writer.write(line, flush=line.get("kind") != "train" or self._writer.flush_due())
+                self._writer.write(line, flush=not isinstance(line, records.TrainLine) or self._writer.flush_due())
         for cb in self._events:
             cb(line)
 
@@ -901,25 +901,25 @@ class Trainer:
         steps = self.planned_steps()
         return None if steps is None else steps * self.setup.tokens_per_step / max(1, self.data.train_tokens)
 
-    def _start_line(self) -> dict:
+    def _start_line(self) -> records.StartEvent:
         spec, s = self.plan.model, self.setup
-        return {
-            "kind": "event", "event": "resume" if self._resume_from is not None else "start", "step": self.step,
-            "tokens": self.tokens, "time": self.train_seconds, "unix_time": time.time(),
-            "model": {**spec.to_json(), "describe": spec.describe()},
-            "setup": {**s.to_json(), "compile": s.compile}, "device": self.profile.name,
-            "torch_device": str(self.device), "torch": torch.__version__,
-            "predicted": self.predicted, "schedule": self.schedule.to_dict(),
-            "eval_every": self.eval_every, "save_every": self.save_every,
-            "tokens_per_step": s.tokens_per_step, "planned_steps": self.planned_steps(),
-            "data_passes": self.data_passes(), "train_tokens": self.data.train_tokens,
-            **({"replaced_limits": self.replaced_limits} if self.replaced_limits is not None else {}),
-            "memory_source": self.monitor.source,
-            "baseline_memory_bytes": self.baseline_bytes,
-            "mfu_peak_flops_per_second": self.peak_flops, "data": str(self.data.path),
-            "config": self.config.to_dict(),
-            **({"checkpoint": str(self._resume_from.path)} if self._resume_from is not None else {}),
-        }
+        return records.StartEvent(
+            event="resume" if self._resume_from is not None else "start", step=self.step,
+            tokens=self.tokens, time=self.train_seconds, unix_time=time.time(),
+            model={**spec.to_json(), "describe": spec.describe()},
+            setup={**s.to_json(), "compile": s.compile}, device=self.profile.name,
+            torch_device=str(self.device), torch=torch.__version__,
+            predicted=self.predicted, schedule=self.schedule.to_dict(),
+            eval_every=self.eval_every, save_every=self.save_every,
+            tokens_per_step=s.tokens_per_step, planned_steps=self.planned_steps(),
+            data_passes=self.data_passes(), train_tokens=self.data.train_tokens,
+            replaced_limits=self.replaced_limits,
+            memory_source=self.monitor.source,
+            baseline_memory_bytes=self.baseline_bytes,
+            mfu_peak_flops_per_second=self.peak_flops, data=str(self.data.path),
+            config=self.config.to_dict(),
+            checkpoint=str(self._resume_from.path) if self._resume_from is not None else None,
+        )
 
     def _to_device(self, xy):
         x, y = xy
@@ -956,9 +956,9 @@ class Trainer:
             return "max_minutes"
         return None
 
-    def advance(self) -> dict:
+    def advance(self) -> records.TrainLine:
         """One optimizer step with everything around it (learning rate, logging, evaluation and checkpoint
-        when due); returns the step's metrics line."""
+        when due); returns the step's metrics line (a ``records.TrainLine``)."""
         step = self.step + 1
         if not self.schedule.fixed:
             self._maybe_start_decay()
@@ -973,25 +973,22 @@ class Trainer:
         self._recent = (self._recent + [seconds])[-ETA_WINDOW:]
         finite = math.isfinite(loss)
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
-        line = {
-            "kind": "train", "step": step, "loss": _finite_or_none(loss),
-            "tokens_per_second": self.setup.tokens_per_step / seconds, "lr": lr,
-            "grad_norm": _finite_or_none(grad_norm), "tokens": self.tokens, "step_seconds": seconds,
-            "time": self.train_seconds, "mfu": self.flops_per_step / seconds / self.peak_flops,
-            "memory_bytes": memory.peak_bytes, "memory_step": self._memory_step,
-            "micro_batch": self.setup.micro_batch,
-            "grad_accum": self.setup.grad_accum, "skipped": skipped,
-            "eta_seconds": self._eta(),
-            "total_steps": self.schedule.total_steps,
-        }
-        if memory.allocated_bytes is not None:
-            line["memory_allocated_bytes"] = memory.allocated_bytes
-        if not finite:
-            line["nonfinite"] = str(loss)
+        line = records.TrainLine(
+            step=step, loss=_finite_or_none(loss),
+            tokens_per_second=self.setup.tokens_per_step / seconds, lr=lr,
+            grad_norm=_finite_or_none(grad_norm), tokens=self.tokens, step_seconds=seconds,
+            time=self.train_seconds, mfu=self.flops_per_step / seconds / self.peak_flops,
+            memory_bytes=memory.peak_bytes, memory_step=self._memory_step,
+            micro_batch=self.setup.micro_batch,
+            grad_accum=self.setup.grad_accum, skipped=skipped,
+            eta_seconds=self._eta(),
+            total_steps=self.schedule.total_steps,
+            memory_allocated_bytes=memory.allocated_bytes,
+            nonfinite=None if finite else str(loss),
+        )
         self._emit(line)
         if not finite:
-            self._emit({"kind": "event", "event": "nonfinite", "step": step, "loss": str(loss),
-                        "in_a_row": self.nonfinite_run, "lr": lr})
+            self._emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.nonfinite_run, lr=lr))
             if self.nonfinite_run >= self.config.max_nonfinite:
                 self._write_report()
                 raise TrainingStopped(
@@ -1019,9 +1016,9 @@ class Trainer:
         final_eval = statistics.median(self._eval_seconds) if self._eval_seconds else 0.0
         steps = int((budget - elapsed - final_eval) / per_step)
         self.schedule = self.schedule.with_decay(self.step, steps)
-        self._emit({"kind": "event", "event": "decay", "step": self.step, "decay_steps": max(1, steps),
-                    "total_steps": self.schedule.total_steps, "seconds_left": budget - elapsed,
-                    "step_seconds": per_step})
+        self._emit(records.DecayEvent(step=self.step, decay_steps=max(1, steps),
+                                      total_steps=self.schedule.total_steps, seconds_left=budget - elapsed,
+                                      step_seconds=per_step))
 
     @property
     def elapsed_seconds(self) -> float:
@@ -1122,10 +1119,10 @@ class Trainer:
             self.scaler.load_state_dict(scaler_state)
         with self._writing(self.run_dir / PLAN_FILE):
             self.plan.save(self.run_dir / PLAN_FILE)
-        self._emit({"kind": "event", "event": "oom", "step": step, "time": self.train_seconds, "message": message,
-                    "micro_batch": new_micro, "grad_accum": new_accum,
-                    "previous": {"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
-                    "predicted": self.predicted})
+        self._emit(records.OomEvent(step=step, time=self.train_seconds, message=message,
+                                    micro_batch=new_micro, grad_accum=new_accum,
+                                    previous={"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
+                                    predicted=self.predicted))
 
     # ---- evaluation ------------------------------------------------------------------------------
 
@@ -1147,7 +1144,7 @@ class Trainer:
                                      precision=self.setup.precision)}
                 for i, prompt in enumerate(self.sample_prompts())]
 
-    def _evaluate(self, step: int, emit: bool = True) -> dict | None:
+    def _evaluate(self, step: int, emit: bool = True) -> records.EvalLine | None:
         t0 = time.perf_counter()
         oom = None
         try:
@@ -1163,7 +1160,7 @@ class Trainer:
                 torch.cuda.empty_cache()
             if emit:
                 self.last_eval_step = step
-                self._emit({"kind": "event", "event": "eval_oom", "step": step, "message": oom})
+                self._emit(records.EvalOomEvent(step=step, message=oom))
             return None
         if not emit:
             return None
@@ -1171,8 +1168,8 @@ class Trainer:
         if not result:
             return None
         self._eval_seconds = (self._eval_seconds + [time.perf_counter() - t0])[-ETA_WINDOW:]
-        line = {"kind": "eval", "step": step, **{k: _json_safe(v) for k, v in result.items()},
-                "samples": samples, "eval_seconds": self._eval_seconds[-1], "tokens": self.tokens}
+        line = records.EvalLine(step=step, **{k: _json_safe(v) for k, v in result.items()},
+                                samples=samples, eval_seconds=self._eval_seconds[-1], tokens=self.tokens)
         self.last_eval = line
         self._emit(line)
         return line
@@ -1234,8 +1231,7 @@ class Trainer:
         if self._writer is not None:
             with self._writing(self._writer.path):
                 self._writer.sync()
-        self._emit({"kind": "event", "event": "checkpoint", "step": self.step, "path": str(path),
-                    "seconds": time.perf_counter() - t0})
+        self._emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
         if time.perf_counter() - self._report_written >= REPORT_REFRESH_SECONDS:
             self._write_report()
         return path
@@ -1307,8 +1303,7 @@ class Trainer:
         except DiskFull:  # the run's checkpoints are saved; nothing more can be written
             raise
         except Exception as e:  # a report must never cost the run
-            self._emit({"kind": "event", "event": "report_failed", "step": self.step,
-                        "error": f"{type(e).__name__}: {e}"[:300]})
+            self._emit(records.ReportFailedEvent(step=self.step, error=f"{type(e).__name__}: {e}"[:300]))
             return None
 
     def _finish(self, reason: str) -> RunSummary:
@@ -1321,16 +1316,16 @@ class Trainer:
             ref = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
             checkpoint = ref.path if ref else None
         self._flush_metrics()
-        last_train = next((l for l in reversed(read_metrics(self.run_dir)) if l.get("kind") == "train"), None) \
-            if self.is_main else None
-        self._emit({"kind": "event", "event": "stop", "step": self.step, "reason": reason, "tokens": self.tokens,
-                    "time": self.train_seconds, "wall_seconds": time.perf_counter() - self._started,
-                    **({"signal": signal.Signals(self.stop_signal).name} if self.stop_signal else {})})
+        last_train = next((r for r in reversed(rundir.metric_records(self.run_dir))
+                           if isinstance(r, records.TrainLine)), None) if self.is_main else None
+        self._emit(records.StopEvent(step=self.step, reason=reason, tokens=self.tokens, time=self.train_seconds,
+                                     wall_seconds=time.perf_counter() - self._started,
+                                     signal=signal.Signals(self.stop_signal).name if self.stop_signal else None))
         report = self._write_report()
         return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
-                          train_seconds=self.train_seconds, last_loss=last_train.get("loss") if last_train else None,
+                          train_seconds=self.train_seconds, last_loss=last_train.loss if last_train else None,
                           last_eval=self.last_eval, checkpoint=checkpoint, report=report,
-                          samples=(self.last_eval or {}).get("samples", []), first_step=self.first_step,
+                          samples=self.last_eval.samples if self.last_eval else [], first_step=self.first_step,
                           wall_seconds=self.elapsed_seconds)
 
 
@@ -1428,10 +1423,10 @@ def check_metrics_file(run_dir: Path) -> None:
 
 def check_run_dir_free(run_dir: Path) -> None:
     """A new run needs an absent or empty directory (or one that is not a run: then it must be empty);
-    the lock file of the process checking does not count."""
+    the lock file of the process checking and the launch file of ``memplan train --nproc`` do not count."""
     if run_dir.exists() and not run_dir.is_dir():
         raise InputError(f"--out {run_dir}: is a file; give a directory for the run")
-    if run_dir.is_dir() and any(p.name != rundir.LOCK_FILE for p in run_dir.iterdir()):
+    if run_dir.is_dir() and any(p.name not in rundir.NOT_A_RUN for p in run_dir.iterdir()):
         if any(os.path.lexists(run_dir / n) for n in (METRICS_FILE, CHECKPOINT_DIR, rundir.RUN_FILE)):
             raise InputError(f"--out {run_dir}: already holds a run; add --resume to continue it, or choose "
                              "another --out")

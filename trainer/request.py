@@ -3,6 +3,12 @@ value) becomes a ``ResolvedTrain`` (the plan, the prepared data, the device prof
 weights it starts from) in ``resolve_train``. The quick start's model and corpus, the local calibration, the
 plan of a checkpoint (``--from``), autotune, and the rescaling for N processes all happen here; the command
 line only maps flags to the request and renders what this module says through a ``TrainUI``.
+
+``memplan train --nproc N`` resolves its request here once, in the launching process (``nproc``: the plan is made
+for N processes), and hands the run to its N ranks as a file: ``LaunchSpec``, written into RUN/launch.json
+(``write_launch``) before torchrun starts them. Each rank (``python -m trainer RUN``) reads it back
+(``read_launch``, checked as any input is) and builds its trainer from it (``resolve_launch``, ``start_trainer``):
+no rank parses a command line.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import math
 import os
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +92,7 @@ class TrainRequest:
     global_batch_tokens: int | None = None
     budget: str | None = None
     margin: float | None = None
+    nproc: int = 1  # --nproc: resolved for this many processes (which this process will launch)
 
 
 @dataclass
@@ -103,16 +111,59 @@ class ResolvedTrain:
     rates_note: str | None = None
     starting: object | None = None  # trainer.loop.StartingWeights (--from)
     sharding: str | None = None
+    config: object | None = None  # trainer.loop.TrainConfig of a new run, where already made (a rank's)
+
+
+def train_config(run: ResolvedTrain):
+    """The ``trainer.loop.TrainConfig`` a new run trains with: the run control and hyper-parameters asked for,
+    and the plan's [training] settings where the request gives none (a plan reproduces its run)."""
+    from memplan.plan import TRAINING_KEYS
+    from trainer.loop import TrainConfig
+
+    if run.config is not None:
+        return run.config
+    from_plan = {k: v for k, v in run.plan.training.items() if k in TRAINING_KEYS and run.hyper.get(k) is None}
+    return TrainConfig(**{k: v for k, v in {**run.overrides, **run.hyper, **from_plan}.items() if v is not None})
+
+
+def start_trainer(run: ResolvedTrain):
+    """The ``trainer.loop.Trainer`` of the resolved run: a new one (``Trainer.start``) or one resumed."""
+    from trainer.loop import Trainer
+
+    if not run.resume:
+        return Trainer.start(run.run_dir, run.plan, run.prepared, train_config(run), run.profile,
+                             starting=run.starting)
+    return Trainer.resume(run.run_dir, run.prepared, run.profile, plan=run.resume_plan,
+                          overrides={**run.overrides, **run.hyper}, sharding=run.sharding)
+
+
+def profile_for(device: str | None, device_memory: str | None, threads: int | None, ui: TrainUI,
+                measure_now: bool) -> tuple[object, str | None]:
+    """The device profile a run plans and measures against, and the line saying where its rates come from:
+    ``--device`` (else this machine's), with this machine's calibration where it means the local device
+    (``local_calibration``; ``measure_now``: the quick start measures it when none is cached); torch's threads
+    set for it (``set_threads``)."""
+    from memplan.cli.options import device_from
+    from memplan.local import means_this_machine
+
+    profile = device_from(device, device_memory)
+    rates_note = None
+    if means_this_machine(device):  # the local device: plan with what it measured, where memplan has it
+        profile, rates_note = local_calibration(profile, ui, measure_now=measure_now, threads=threads)
+    set_threads(threads, profile)
+    return profile, rates_note
 
 
 def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
     """The run ``req`` asks for, every option checked before anything is written: an InputError otherwise."""
-    from memplan.cli.options import device_from, model_from
+    from memplan.cli.options import model_from
     from memplan.units import parse_count
     from trainer import distributed
     from trainer.data import PreparedData
 
     _, launched, _ = distributed.env_world()
+    if req.nproc > 1:  # resolved here for the processes this one will launch
+        launched = req.nproc
     plan, data, out, from_, resume = req.plan, req.data, req.out, req.from_, req.resume
     model_flags = {k: req.model.get(k) for k in MODEL_FLAGS}
     setup_flags = {k: req.setup.get(k) for k in SETUP_FLAGS}
@@ -134,14 +185,7 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
     overrides, hyper = dict(req.control), dict(req.hyper)
     quickstart = not plan and not given_model and not given_setup and not resume and from_ is None
 
-    profile = device_from(req.device, req.device_memory)
-    from memplan.local import means_this_machine
-
-    if means_this_machine(req.device):  # the local device: plan with what it measured, where memplan has it
-        profile, rates_note = local_calibration(profile, ui, measure_now=quickstart, threads=req.threads)
-    else:
-        rates_note = None
-    set_threads(req.threads, profile)
+    profile, rates_note = profile_for(req.device, req.device_memory, req.threads, ui, measure_now=quickstart)
     if resume:
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
@@ -580,4 +624,236 @@ def ensure_embedded_data(ui: "TrainUI | None" = None) -> Path:
     config = data.PrepareConfig(tokenizer=data.DEFAULT_TOKENIZER_EMBEDDED)
     with ui.preparing() as progress:
         data.prepare(data.embedded_sources(), out, config, progress=progress)
+    return out
+
+
+# ---- memplan train --nproc: the run, resolved once, handed to each rank ------------------------------------
+
+LAUNCH_FORMAT = "memplan-launch"
+LAUNCH_VERSION = 1
+MAX_LAUNCH_BYTES = 4 << 20  # a plan, its settings and a few prompts: KiB; anything near this is not ours
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """RUN/launch.json: what ``memplan train --nproc N`` resolved, for each of its ranks to build its trainer
+    from (docs/run-directory.md). A new run carries its plan (made for N processes) and its whole
+    ``TrainConfig``; a resume carries what the command line asked of the run (a plan to check against it, the
+    settings it replaces), the run itself being in RUN. The device profile is named as it was asked
+    (``device``, ``device_memory``): each rank derives it again as the launcher did, reading the calibration
+    the launcher measured or found (``profile_for``)."""
+
+    resume: bool
+    data: str  # the prepared corpus
+    plan: dict | None  # Plan.to_dict(): a new run's plan; a resume's --plan / MODEL / SETUP, or None
+    config: dict | None  # a new run's TrainConfig.to_dict(); None for a resume
+    overrides: dict  # a resume: run control and hyper-parameters given (None: not given); {} for a new run
+    sharding: str | None  # ddp | fsdp, or None (the plan's, else the run's, else ddp)
+    device: str | None  # --device as given (None: this machine)
+    device_memory: str | None
+    threads: int | None
+    starting: dict | None  # --from: {path, model_type, weights_sha256} of the checkpoint the run starts from
+    log: list  # --log: the loggers besides metrics.jsonl
+    nproc: int  # the processes it was resolved for
+    rates_note: str | None = None  # where the profile's rates came from, as the launcher found them
+
+    def to_json(self) -> dict:
+        return {"format": LAUNCH_FORMAT, "version": LAUNCH_VERSION, "kind": "train",
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def from_json(cls, obj, where: str) -> "LaunchSpec":
+        """The spec of a parsed launch.json, every field checked (its type here; the plan, the settings and the
+        loggers by what builds them, in ``resolve_launch``); an InputError naming ``where`` otherwise."""
+        from trainer.records import check_value
+
+        if not isinstance(obj, dict) or obj.get("format") != LAUNCH_FORMAT:
+            raise InputError(f"{where}: not a memplan launch file (format {LAUNCH_FORMAT!r})")
+        if obj.get("version") != LAUNCH_VERSION:
+            raise InputError(f"{where}: launch file version {obj.get('version')!r}; this memplan reads "
+                             f"{LAUNCH_VERSION}")
+        if obj.get("kind") != "train":
+            raise InputError(f"{where}: kind {obj.get('kind')!r}; accepted: train")
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in obj:
+                if f.default is not dataclasses.MISSING:
+                    continue
+                raise InputError(f"{where}: no {f.name!r}; write it again with `memplan train --nproc N`")
+            values[f.name] = check_value(obj[f.name], hints[f.name], f"{where}: {f.name!r}")
+        spec = cls(**values)
+        if spec.sharding not in (None, "ddp", "fsdp"):
+            raise InputError(f"{where}: 'sharding' is {spec.sharding!r}; accepted: ddp, fsdp or null")
+        if spec.nproc < 1 or (spec.threads is not None and spec.threads < 1):
+            raise InputError(f"{where}: 'nproc' and 'threads' must be 1 or more")
+        if spec.resume != (spec.config is None):
+            raise InputError(f"{where}: a new run carries its 'config', a resume none")
+        if not spec.resume and spec.plan is None:
+            raise InputError(f"{where}: a new run without its 'plan'")
+        for name in spec.log:
+            check_value(name, str, f"{where}: 'log'")
+        if spec.starting is not None:
+            for key in ("path", "model_type", "weights_sha256"):
+                check_value(spec.starting.get(key), str, f"{where}: 'starting'[{key!r}]")
+        return spec
+
+
+def launch_spec(run: ResolvedTrain, req: TrainRequest, log: list[str]) -> LaunchSpec:
+    """The ``LaunchSpec`` of ``run``, resolved from ``req`` for ``req.nproc`` processes."""
+    if run.resume:
+        plan, config, overrides = (run.resume_plan.to_dict() if run.resume_plan is not None else None), None, \
+            _jsonable({**run.overrides, **run.hyper})
+    else:
+        plan, config, overrides = run.plan.to_dict(), train_config(run).to_dict(), {}
+    return LaunchSpec(resume=run.resume, data=str(Path(run.prepared.path).resolve()), plan=plan, config=config,
+                      overrides=overrides, sharding=req.sharding, device=req.device, device_memory=req.device_memory,
+                      threads=req.threads, starting=run.starting.record if run.starting is not None else None,
+                      log=list(log), nproc=req.nproc, rates_note=run.rates_note)
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def check_launch_target(req: TrainRequest) -> None:
+    """Before anything is resolved or said: the run directory ``req`` names is free for a new run (a launch file
+    of a launch that never began aside), or holds a run to resume; an InputError otherwise. (``write_launch``
+    checks again, holding the run's lock.)"""
+    from trainer import rundir
+    from trainer.loop import check_run_dir_free
+
+    if req.out is None:
+        return
+    if req.resume:
+        rundir.resume_source(req.out)
+    else:
+        check_run_dir_free(Path(req.out))
+
+
+def write_launch(run_dir: Path, spec: LaunchSpec) -> Path:
+    """RUN/launch.json for the ranks, written atomically (an exclusive temporary file beside it, renamed) while
+    this process holds the run's lock, after the run directory was checked: free for a new run (a launch file
+    of an earlier launch that never started aside), holding a run for a resume. An InputError otherwise, and
+    nothing written."""
+    import json
+
+    from memplan.fsutil import write_atomic
+    from trainer import rundir
+    from trainer.loop import check_run_dir_free
+
+    lock = rundir.lock_run(run_dir)
+    try:
+        if spec.resume:
+            rundir.resume_source(run_dir)
+        else:
+            check_run_dir_free(run_dir)
+        path = run_dir / rundir.LAUNCH_FILE
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise InputError(f"--out {run_dir}: its {rundir.LAUNCH_FILE} is not a regular file; refusing to "
+                             "write through it")
+        try:
+            write_atomic(path, json.dumps(spec.to_json(), indent=1, allow_nan=False) + "\n", fsync=True)
+        except OSError as e:
+            raise InputError(f"--out {run_dir}: cannot write {rundir.LAUNCH_FILE} ({e.strerror or e})") from None
+    finally:
+        lock.release()
+    return path
+
+
+def read_launch(run_dir: str | Path) -> LaunchSpec:
+    """RUN/launch.json, checked; an InputError naming the file and what is wrong with it."""
+    import json
+
+    from trainer import rundir
+
+    run_dir = Path(run_dir)
+    path = run_dir / rundir.LAUNCH_FILE
+    if not run_dir.is_dir():
+        raise InputError(f"python -m trainer {run_dir}: no such run directory; `memplan train --nproc N --out "
+                         f"{run_dir} ...` prepares and launches one")
+    if path.is_symlink() or not path.is_file():
+        raise InputError(f"{path}: missing (or not a regular file); `memplan train --nproc N --out {run_dir} ...` "
+                         "writes it and launches the ranks")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_LAUNCH_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"{path}: unreadable ({e.strerror or e})") from None
+    if len(raw) > MAX_LAUNCH_BYTES:
+        raise InputError(f"{path}: larger than {MAX_LAUNCH_BYTES >> 20} MiB; not a launch file memplan wrote")
+
+    def refuse(text):
+        raise ValueError(f"{text} is not a number JSON holds")
+
+    try:
+        obj = json.loads(raw.decode("utf-8"), parse_constant=refuse,
+                         parse_float=lambda t: float(t) if math.isfinite(float(t)) else refuse(t))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:120]}); not a launch file memplan "
+                         "wrote") from None
+    return LaunchSpec.from_json(obj, str(path))
+
+
+def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> ResolvedTrain:
+    """The run a rank trains: ``spec`` (read from RUN/launch.json) with its profile derived again, its data
+    opened, its plan and settings checked by what builds them. Nothing here measures, autotunes or parses a
+    command line: the launcher did that."""
+    from memplan.plan import Plan
+    from trainer import rundir
+    from trainer.data import PreparedData
+    from trainer.loggers import check_loggers
+    from trainer.loop import TrainConfig, starting_from_hf
+
+    run_dir = Path(run_dir)
+    where = str(run_dir / rundir.LAUNCH_FILE)
+    check_loggers(spec.log)
+    profile, _ = profile_for(spec.device, spec.device_memory, spec.threads, ui, measure_now=False)
+    data = Path(spec.data)
+    if not (data / "manifest.json").is_file():
+        raise InputError(f"{where}: the prepared data {data} is gone; launch the run again with --data DIR")
+    prepared = PreparedData(data)
+    try:
+        plan = Plan.from_dict(spec.plan, f"{where}: plan") if spec.plan is not None else None
+    except InputError as e:  # named by the file, also where the plan's own check names the flag it mirrors
+        raise (e if str(e).startswith(where) else InputError(f"{where}: plan: {e}")) from None
+    if spec.resume:
+        overrides = _checked_settings(spec.overrides, where, "overrides", partial=True)
+        return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, resume=True, resume_plan=plan,
+                             overrides=overrides, rates_note=spec.rates_note, sharding=spec.sharding)
+    config = TrainConfig(**_checked_settings(spec.config, where, "config"))
+    starting = None
+    if spec.starting is not None:
+        starting = starting_from_hf(Path(spec.starting["path"]), plan.model, model_type=spec.starting["model_type"],
+                                    recorded_sha256=spec.starting["weights_sha256"])
+    return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, plan=plan, rates_note=spec.rates_note,
+                         starting=starting, sharding=spec.sharding, config=config)
+
+
+def _checked_settings(settings: dict, where: str, key: str, partial: bool = False) -> dict:
+    """``settings`` (TrainConfig fields by name) with each value's type checked against the field's, and the whole
+    checked by TrainConfig's own rules; ``partial``: None means not given. An InputError naming ``where``."""
+    from trainer.loop import TrainConfig
+    from trainer.records import check_value
+
+    hints = typing.get_type_hints(TrainConfig)
+    out = {}
+    for name, value in settings.items():
+        if name not in hints:
+            raise InputError(f"{where}: {key} {name!r} is not a training setting")
+        if value is None and partial:
+            out[name] = None
+            continue
+        if name == "prompts":
+            check_value(value, list, f"{where}: {key} 'prompts'")
+            for prompt in value:
+                check_value(prompt, str, f"{where}: {key} 'prompts'")
+            value = tuple(value)
+        else:
+            check_value(value, hints[name], f"{where}: {key} {name!r}")
+        out[name] = value
+    try:
+        TrainConfig(**{k: v for k, v in out.items() if v is not None})
+    except InputError as e:
+        raise InputError(f"{where}: {key}: {e}") from None
     return out

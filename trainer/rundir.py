@@ -16,6 +16,13 @@ SIGKILL can be resumed at once.
 A trained run is read back through one function, ``trained_checkpoint``: its newest (or a named)
 checkpoint, verified file by file against its meta.json, with the plan and the tokenizer it trained
 with. ``memplan generate``, ``eval``, ``export`` and ``finetune --run`` all start there.
+
+``RUN/metrics.jsonl`` is read back through ``metric_records`` (typed records, ``trainer.records``, which the
+trainer's writer writes too); ``read_metrics`` gives the same lines as JSON objects.
+
+``RUN/launch.json`` (``LAUNCH_FILE``) is what ``memplan train --nproc N`` resolved for its ranks (the plan, the
+settings, the data): written atomically before torchrun starts them, read by each (``python -m trainer RUN``)
+through ``read_launch``; ``trainer.request.LaunchSpec`` says what it holds.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from memplan.fsutil import Lock, hold_lock, write_atomic
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"  # one JSON object per line (docs/run-directory.md)
 LOCK_FILE = ".lock"
+LAUNCH_FILE = "launch.json"  # what `memplan train --nproc` asks of each rank (trainer.request.LaunchSpec)
+NOT_A_RUN = (LOCK_FILE, LAUNCH_FILE)  # a directory holding only these holds no run yet
 RUN_FORMAT = "memplan-run"
 RUN_VERSION = 1
 
@@ -83,6 +92,17 @@ def lock_run(run_dir: str | Path) -> RunLock:
     return RunLock(run_dir, lock, created)
 
 
+def remove_launch(run_dir: Path, created: bool) -> None:
+    """Remove RUN/launch.json of a launch whose ranks were refused before the run began, and RUN itself when the
+    launch created it and nothing else is left in it: a refused launch leaves nothing a later command trusts."""
+    try:
+        (Path(run_dir) / LAUNCH_FILE).unlink(missing_ok=True)
+        if created:
+            Path(run_dir).rmdir()  # only if empty
+    except OSError:
+        pass
+
+
 def write_record(run_dir: Path, record: dict) -> None:
     """Write RUN/run.json (atomically, to disk)."""
     body = {"format": RUN_FORMAT, "version": RUN_VERSION, **record}
@@ -125,7 +145,7 @@ def resume_source(run_dir: str | Path) -> tuple[object, dict]:
         return ref, ckpt.read_meta(ref.path)
     record = read_record(run_dir)
     if record is None:
-        if any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        if any(p.name not in NOT_A_RUN for p in run_dir.iterdir()):
             raise InputError(f"--resume: {run_dir} holds no run to resume (no {RUN_FILE}, no checkpoint)")
         raise InputError(f"--resume: {run_dir} holds no run (it is empty, or its run was stopped before it "
                          "began); start it without --resume")
@@ -194,30 +214,19 @@ def trained_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     return TrainedCheckpoint(path=path, meta=meta, plan=Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE)))
 
 
-def read_metrics(run_dir: str | Path, latest: bool = False) -> list[dict]:
-    """The lines of RUN/metrics.jsonl (a malformed line, such as one cut by a kill, is skipped).
+def metric_records(run_dir: str | Path, latest: bool = False) -> list:
+    """The lines of RUN/metrics.jsonl as ``trainer.records`` records (a line cut by a kill is skipped; a line
+    that is JSON but not one memplan wrote is an InputError naming the file and the line).
 
     With ``latest``, a train or eval line for a step that a later line of the same kind repeats
     (a run resumed from a checkpoint before it) is dropped, so each step appears once.
     """
-    path = Path(run_dir) / METRICS_FILE
-    lines = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for raw in f:
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    lines.append(obj)
-    except FileNotFoundError:
-        return []
-    if not latest:
-        return lines
-    last = {}
-    for i, obj in enumerate(lines):
-        if obj.get("kind") in ("train", "eval"):
-            last[(obj["kind"], obj.get("step"))] = i
-    return [obj for i, obj in enumerate(lines)
-            if obj.get("kind") not in ("train", "eval") or last[(obj["kind"], obj.get("step"))] == i]
+    from trainer.records import read_records
+
+    return read_records(Path(run_dir) / METRICS_FILE, latest=latest)
+
+
+def read_metrics(run_dir: str | Path, latest: bool = False) -> list[dict]:
+    """``metric_records``, each as its JSON object (the keys of docs/run-directory.md; keys this memplan does
+    not know are left out)."""
+    return [r.to_json() for r in metric_records(run_dir, latest=latest)]

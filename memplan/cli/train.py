@@ -25,7 +25,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
                                  KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
-                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt, device_from,
+                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt,
                                  run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -112,7 +112,6 @@ def train_command(
     verify_data: VerifyDataOpt = None,
     global_batch_tokens: GlobalBatchTokensOpt = None, budget: BudgetOpt = None, margin: MarginOpt = "0.1",
     nproc: NprocOpt = None, sharding: TrainShardingOpt = None, threads: ThreadsOpt = None, log: LogOpt = None,
-    click_ctx: typer.Context = None,
 ) -> None:
     """Train a model on a plan and measure it against memplan's predictions; alone, a short run on the embedded corpus."""
     from rich.console import Console
@@ -134,39 +133,43 @@ def train_command(
     rank, launched, _ = distributed.env_world()
     if n > 1 and launched > 1:
         raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
+
+    def request(nproc: int = 1):
+        return _request(plan=plan, data=data, out=out, max_steps=max_steps, tokens=tokens, max_minutes=max_minutes,
+                        save_every=save_every, eval_every=eval_every, seed=seed, resume=resume, params=params,
+                        model=model, arch=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                        ffn=ffn, vocab=vocab, tied=tied, ctx=ctx, batch=batch, grad_accum=grad_accum,
+                        precision=precision, attention=attention, checkpointing=checkpointing, optimizer=optimizer,
+                        compile=compile, device=device, device_memory=device_memory, lr=lr, warmup=warmup,
+                        min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, clip=clip, keep=keep,
+                        eval_batches=eval_batches, sample_tokens=sample_tokens, prompt=prompt,
+                        max_nonfinite=max_nonfinite, verify_data=verify_data,
+                        global_batch_tokens=global_batch_tokens, budget=budget, margin=margin, sharding=sharding,
+                        threads=n_threads, from_=from_, nproc=nproc)
+
     if n > 1:
-        return _launch(click_ctx, n, data, out, resume, console)
+        return _launch(request(n), check_loggers(log), console)
     if sharding is not None and launched == 1:
         raise InputError(f"--sharding {sharding}: needs several processes; add --nproc N")
-    if launched > 1:  # one rank of a torchrun launch: join the group; rank 0 alone prints
+    if launched > 1:  # one rank of a torchrun launch given flags (`python -m trainer --flags`): join the group
         distributed.init()
         console = Console(stderr=True, highlight=False, quiet=rank != 0)
     try:
-        _train_command(console, plan=plan, data=data, out=out, max_steps=max_steps, tokens=tokens,
-                       max_minutes=max_minutes, save_every=save_every, eval_every=eval_every, seed=seed,
-                       resume=resume, params=params, model=model, arch=arch, layers=layers, hidden=hidden,
-                       heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, ctx=ctx, batch=batch,
-                       grad_accum=grad_accum, precision=precision, attention=attention,
-                       checkpointing=checkpointing, optimizer=optimizer, compile=compile, device=device,
-                       device_memory=device_memory, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio,
-                       weight_decay=weight_decay, clip=clip, keep=keep, eval_batches=eval_batches,
-                       sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
-                       verify_data=verify_data, global_batch_tokens=global_batch_tokens, budget=budget,
-                       margin=margin, sharding=sharding, threads=n_threads, log=log, from_=from_)
+        from trainer.request import resolve_train
+
+        _train(console, resolve_train(request(), RichUI(console)), log=log)
     finally:
         distributed.shutdown()
 
 
-
-def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, save_every, eval_every, seed, resume,
-                   params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
-                   precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
-                   min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
-                   verify_data, global_batch_tokens, budget, margin, sharding, threads=None, log=None,
-                   from_=None) -> None:
-    """The flags as a ``trainer.request.TrainRequest``, resolved there into the run, which trains here."""
+def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eval_every, seed, resume,
+             params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
+             precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
+             min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
+             verify_data, global_batch_tokens, budget, margin, sharding, threads=None, from_=None, nproc=1):
+    """The flags as a ``trainer.request.TrainRequest`` (``nproc``: to be resolved for that many processes)."""
     from memplan.units import parse_count
-    from trainer.request import TrainRequest, resolve_train
+    from trainer.request import TrainRequest
 
     def count(value, what, minimum=1):
         return None if value is None else parse_count(value, what, minimum=minimum)
@@ -187,8 +190,8 @@ def _train_command(console, *, plan, data, out, max_steps, tokens, max_minutes, 
                    seed=seed_from(seed)),
         device=device, device_memory=device_memory, threads=threads, sharding=sharding,
         global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"), budget=budget,
-        margin=_number(margin, "--margin"))
-    _train(console, resolve_train(request, RichUI(console)), log=log)
+        margin=_number(margin, "--margin"), nproc=nproc)
+    return request
 
 
 class RichUI:
@@ -246,26 +249,24 @@ def _number(text: str | None, what: str, positive: bool = False) -> float | None
 
 def _train(console, run, log: list[str] | None = None) -> None:
     """Train the resolved run (``trainer.request.ResolvedTrain``): a new one, or one resumed."""
-    from trainer.loop import Trainer, TrainConfig
+    from trainer.request import start_trainer
 
-    if not run.resume:  # a new run
-        from memplan.plan import TRAINING_KEYS
-
-        # the plan's [training] settings where the command line gives none (a plan reproduces its run)
-        from_plan = {k: v for k, v in run.plan.training.items() if k in TRAINING_KEYS and run.hyper.get(k) is None}
-        fields = {k: v for k, v in {**run.overrides, **run.hyper, **from_plan}.items() if v is not None}
-        trainer = Trainer.start(run.run_dir, run.plan, run.prepared, TrainConfig(**fields), run.profile,
-                                starting=run.starting)
-    else:
-        trainer = Trainer.resume(run.run_dir, run.prepared, run.profile, plan=run.resume_plan,
-                                 overrides={**run.overrides, **run.hyper}, sharding=run.sharding)
-    run_trainer(console, trainer, run.run_dir, rates_note=run.rates_note, log=log)
+    run_trainer(console, start_trainer(run), run.run_dir, rates_note=run.rates_note, log=log)
 
 
 def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rates_note: str | None = None,
                 log: list[str] | None = None) -> None:
     """Print the plan, run ``trainer`` under the live progress view (and the ``--log`` loggers), then print the
     summary and a sample; exit 1 when the run stopped on an error, 128 + N when signal N ended it (train, finetune)."""
+    code = trained(console, trainer, run_dir, what=what, rates_note=rates_note, log=log)
+    if code:
+        raise typer.Exit(code)
+
+
+def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_note: str | None = None,
+            log: list[str] | None = None) -> int:
+    """``run_trainer``'s work, its exit code returned (0, 1 when the run stopped on an error, 128 + N when signal
+    N ended it): what a rank of ``memplan train --nproc`` runs (``python -m trainer RUN``)."""
     from rich.markup import escape
 
     from trainer import loggers
@@ -285,16 +286,17 @@ def run_trainer(console, trainer, run_dir: Path, *, what: str = "training", rate
                 loggers.close_all(attached)  # every line the run wrote has reached them
     except DiskFull as e:  # one line: the report could not be written either
         _error_line(console, f"memplan: {what} stopped: {e}")
-        raise typer.Exit(1)
+        return 1
     except TrainingStopped as e:  # on stderr (finetune's console is stdout); text, not markup: torch's hold [brackets]
         _stderr(console).print(f"[red]memplan: {what} stopped[/]: {escape(str(e))}", soft_wrap=True)
         console.print(f"Report: {run_dir / 'report.html'}")
-        raise typer.Exit(1)
+        return 1
     sample = _final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
     if trainer.is_main:
         _print_summary(trainer, summary, sample)
     if trainer.stop_signal is not None:  # the shell's convention for a process ended by a signal
-        raise typer.Exit(128 + trainer.stop_signal)
+        return 128 + trainer.stop_signal
+    return 0
 
 
 def _stderr(console):
@@ -364,19 +366,19 @@ def limits_text(limits: dict, clock: bool = True) -> str:
     return ", ".join(parts) if parts else "none: to the schedule's end (one epoch)"
 
 
-def repeat_warning(line: dict) -> str | None:
+def repeat_warning(line) -> str | None:
     """The one-line warning for a run planned to pass over its training tokens more than REPEAT_WARN_PASSES
-    times (from its start line), else None."""
+    times (from its start line, a ``trainer.records.StartEvent``), else None."""
     from trainer.loop import REPEAT_WARN_PASSES
 
-    passes, steps = line.get("data_passes"), line.get("planned_steps")
+    passes, steps = line.data_passes, line.planned_steps
     if passes is None or steps is None or passes <= REPEAT_WARN_PASSES:
         return None
-    config, schedule = line.get("config", {}), line.get("schedule", {})
+    config, schedule = line.config, line.schedule
     estimated = (config.get("max_steps") is None and config.get("max_tokens") is None
                  and schedule.get("kind") == "wsd" and schedule.get("decay_start") is None)
-    return (f"warning: {'about ' if estimated else ''}{steps:,} steps of {line['tokens_per_step']:,} tokens are "
-            f"{passes:,.0f} passes over the {line['train_tokens']:,} training tokens: the model will see each "
+    return (f"warning: {'about ' if estimated else ''}{steps:,} steps of {line.tokens_per_step:,} tokens are "
+            f"{passes:,.0f} passes over the {line.train_tokens:,} training tokens: the model will see each "
             f"token ~{passes:,.0f} times and learn them by heart; give more data or fewer steps (--max-steps, "
             "--tokens, --max-minutes)")
 
@@ -500,22 +502,23 @@ class _ProgressView:
             return None, None
         return self.trainer.elapsed_seconds, minutes * 60.0
 
-    def update(self, line: dict) -> None:
+    def update(self, line) -> None:
+        """Show one metrics line (a ``trainer.records`` record, as ``Trainer.on_event`` passes it)."""
         from memplan.units import format_bytes, format_count, format_seconds
+        from trainer import records
 
-        kind = line.get("kind")
-        if kind == "train":
-            total = line.get("total_steps")
+        if isinstance(line, records.TrainLine):
+            total = line.total_steps
             fixed = self.trainer.schedule.fixed
             elapsed, limit = self._clock()
-            count = progress_count(line["step"], total, fixed, elapsed, limit)
-            fraction = progress_fraction(line["step"], total, fixed, elapsed, limit)
+            count = progress_count(line.step, total, fixed, elapsed, limit)
+            fraction = progress_fraction(line.step, total, fixed, elapsed, limit)
             pred = self.trainer.predicted["peak_reserved"]
-            mem = line.get("memory_bytes")
-            loss = "n/a" if line.get("loss") is None else f"{line['loss']:.4f}"
-            fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line['tokens_per_second'])} tok/s",
-                      "mfu": f"MFU {line['mfu']:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
-                      "eta": f"ETA {format_seconds(line.get('eta_seconds'))}"}
+            mem = line.memory_bytes
+            loss = "n/a" if line.loss is None else f"{line.loss:.4f}"
+            fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line.tokens_per_second)} tok/s",
+                      "mfu": f"MFU {line.mfu:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
+                      "eta": f"ETA {format_seconds(line.eta_seconds)}"}
             prediction = f"(pred {format_bytes(pred)})"
             if self.live:
                 status, bar = fit_live_line(self.progress.console.width, count, fields, prediction)
@@ -537,29 +540,29 @@ class _ProgressView:
                 if decile != self._last_print:
                     self._last_print = decile
                     self._print(f"{count} {status}")
-        elif kind == "eval":
-            per = ", ".join(f"{k} {v:.3f}" for k, v in line.get("eval_loss_by_source", {}).items() if v is not None)
-            ppl = line.get("eval_ppl")
-            self._print(f"[bold]eval[/] step {line['step']}: held-out loss {line.get('eval_loss'):.4f}"
+        elif isinstance(line, records.EvalLine):
+            per = ", ".join(f"{k} {v:.3f}" for k, v in line.eval_loss_by_source.items() if v is not None)
+            ppl = line.eval_ppl
+            loss = "n/a" if line.eval_loss is None else f"{line.eval_loss:.4f}"
+            self._print(f"[bold]eval[/] step {line.step}: held-out loss {loss}"
                         + (f" (perplexity {ppl:,.1f})" if ppl else "") + (f" — {per}" if per else ""))
-            for s in line.get("samples", [])[:2]:
+            for s in line.samples[:2]:
                 self._print(f"  [dim]{s['prompt']!r} →[/] {s['text'][:160]!r}")
-        elif kind == "event":
-            ev = line.get("event")
-            if ev in ("start", "resume") and (warning := repeat_warning(line)):
+        elif isinstance(line, records.StartEvent):
+            if warning := repeat_warning(line):
                 self._warn(warning)
-            elif ev == "oom":
-                self._print(f"[yellow]out of memory[/] at step {line['step']}: micro-batch "
-                            f"{line['previous']['micro_batch']} → {line['micro_batch']}, accumulation "
-                            f"{line['previous']['grad_accum']} → {line['grad_accum']} (same global batch); "
-                            "redoing the step")
-            elif ev == "nonfinite":
-                self._print(f"[yellow]non-finite loss[/] at step {line['step']} ({line['loss']}): update skipped "
-                            f"({line['in_a_row']} in a row)")
-            elif ev == "checkpoint":
-                self._print(f"[dim]checkpoint {line['path']} ({line['seconds']:.1f} s)[/]")
-            elif ev == "stop" and line.get("reason") == "interrupted":
-                self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
+        elif isinstance(line, records.OomEvent):
+            self._print(f"[yellow]out of memory[/] at step {line.step}: micro-batch "
+                        f"{line.previous['micro_batch']} → {line.micro_batch}, accumulation "
+                        f"{line.previous['grad_accum']} → {line.grad_accum} (same global batch); "
+                        "redoing the step")
+        elif isinstance(line, records.NonfiniteEvent):
+            self._print(f"[yellow]non-finite loss[/] at step {line.step} ({line.loss}): update skipped "
+                        f"({line.in_a_row} in a row)")
+        elif isinstance(line, records.CheckpointEvent):
+            self._print(f"[dim]checkpoint {line.path} ({line.seconds:.1f} s)[/]")
+        elif isinstance(line, records.StopEvent) and line.reason == "interrupted":
+            self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
 
 
 def _final_sample(trainer) -> tuple[str, str] | None:
@@ -578,10 +581,10 @@ def _print_summary(trainer, summary, sample) -> None:
     from rich.console import Console
 
     from memplan.units import format_bytes, format_count, format_seconds
-    from trainer.loop import read_metrics
+    from trainer.records import TrainLine
+    from trainer.rundir import metric_records
 
-    lines = read_metrics(trainer.run_dir, latest=True)
-    train = [l for l in lines if l.get("kind") == "train"]
+    train = [l for l in metric_records(trainer.run_dir, latest=True) if isinstance(l, TrainLine)]
     steady = train[1:] or train
     out = Console(highlight=False)
     reasons = {"max_steps": "reached --max-steps", "max_tokens": "reached --tokens", "max_minutes": "time limit",
@@ -597,16 +600,16 @@ def _print_summary(trainer, summary, sample) -> None:
                   f"{format_seconds(summary.train_seconds)} ({reason})")
     if summary.last_eval:
         e = summary.last_eval
-        per = ", ".join(f"{k} {v:.3f}" for k, v in e.get("eval_loss_by_source", {}).items() if v is not None)
-        print_hanging(out, "  ", f"held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:,.1f}"
+        per = ", ".join(f"{k} {v:.3f}" for k, v in e.eval_loss_by_source.items() if v is not None)
+        print_hanging(out, "  ", f"held-out loss {e.eval_loss:.4f}, perplexity {e.eval_ppl:,.1f}"
                       + (f" ({per})" if per else ""))
     if steady:
         import statistics
 
-        meas = max((l["memory_bytes"] for l in steady if l.get("memory_bytes")), default=None)
+        meas = max((l.memory_bytes for l in steady if l.memory_bytes), default=None)
         pred = trainer.predicted
-        tps = statistics.median(l["tokens_per_second"] for l in steady)
-        mfu = statistics.median(l["mfu"] for l in steady)
+        tps = statistics.median(l.tokens_per_second for l in steady)
+        mfu = statistics.median(l.mfu for l in steady)
         if meas:
             print_hanging(out, "  memory: ", f"measured peak {format_bytes(meas)}, predicted "
                           f"{format_bytes(pred['peak_reserved'])} ({(pred['peak_reserved'] - meas) / meas:+.1%}); "
@@ -628,40 +631,34 @@ def _print_summary(trainer, summary, sample) -> None:
         out.print(printable(f"{sample[0]}{sample[1]}"), markup=False)
 
 
-def _launch(click_ctx, nproc: int, data: str | None, out: str | None, resume: bool, console) -> None:
-    """``memplan train --nproc N ...``: this command without --nproc in N processes started by
-    torchrun's launcher (``python -m trainer`` in each, rank 0 printing). The embedded corpus is
-    prepared and the run directory named here first, so every rank agrees on both."""
+def _launch(request, log: list[str], console) -> None:
+    """``memplan train --nproc N ...``: the run resolved here, once, for N processes
+    (``trainer.request.resolve_train``: the embedded corpus, the calibration, autotune and the rescaling for N
+    processes), written into RUN/launch.json (``write_launch``), then N processes started by torchrun's
+    launcher, each ``python -m trainer RUN``: it reads that file and trains (rank 0 printing). No rank parses
+    these flags."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    argv = _argv_without(click_ctx, ("nproc", "data", "out"))
-    plan = click_ctx.params.get("plan")
-    if plan:  # refused here, before N processes start, rather than by each of them
+    from trainer import rundir
+    from trainer.request import check_launch_target, launch_spec, resolve_train, write_launch
+
+    nproc = request.nproc
+    if request.plan:  # refused here, before anything else, rather than after resolving it
         from memplan.plan import Plan
 
-        world_size = Plan.load(plan).setup.world_size
+        world_size = Plan.load(request.plan).setup.world_size
         if world_size not in (1, nproc):
             raise InputError(f"the plan is for --world-size {world_size}; launch it with `memplan train --nproc "
                              f"{world_size}`")
-    from trainer.request import ensure_embedded_data, local_calibration
-
-    if not data and not resume:
-        data = str(ensure_embedded_data(RichUI(console)))
-    params = click_ctx.params
-    if params.get("device") is None and not resume:  # calibrated here, alone, once: the ranks read the cache
-        flags = [k for k in ("params", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
-                             "tied", "batch", "grad_accum", "precision", "attention", "checkpointing",
-                             "optimizer", "compile") if params.get(k) is not None]
-        local_calibration(device_from(None, params.get("device_memory")), RichUI(console),
-                          measure_now=not params.get("plan") and not flags,
-                          threads=threads_from(params.get("threads")))
-    if not out and not resume:
-        out = str(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
-    argv += [*(["--data", data] if data else []), *(["--out", out] if out else [])]
-    args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "trainer", *argv])
+    check_launch_target(request)
+    resolved = resolve_train(request, RichUI(console))
+    run_dir = resolved.run_dir
+    created = not os.path.lexists(run_dir)
+    write_launch(run_dir, launch_spec(resolved, request, log))
+    args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "trainer", str(run_dir)])
     for name in list(logging.root.manager.loggerDict):  # the launcher's own chatter: the ranks speak for the run
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -669,35 +666,14 @@ def _launch(click_ctx, nproc: int, data: str | None, out: str | None, resume: bo
     try:
         run(args)
     except ChildFailedError as e:
+        if not request.resume and not os.path.lexists(run_dir / rundir.RUN_FILE):  # refused before it began
+            rundir.remove_launch(run_dir, created)
         codes = {f.local_rank: f.exitcode for f in e.failures.values()}
         code = codes.get(0, next(iter(codes.values()), 1))
         if 0 not in codes:  # rank 0 said nothing about it
             console.print(f"memplan: training failed in rank(s) {', '.join(map(str, sorted(codes)))} "
                           f"(exit codes {', '.join(map(str, codes.values()))})", soft_wrap=True)
         raise typer.Exit(code if code > 0 else 1)
-
-
-def _argv_without(click_ctx, names: tuple[str, ...]) -> list[str]:
-    """The options this command was given on its command line (or environment), minus ``names``."""
-    argv = []
-    for p in click_ctx.command.params:
-        if p.name in names or not getattr(p, "opts", None):
-            continue
-        source = click_ctx.get_parameter_source(p.name)
-        if source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
-            continue
-        value = click_ctx.params[p.name]
-        if p.is_flag:
-            if value:
-                argv.append(p.opts[0])
-            elif p.secondary_opts:
-                argv.append(p.secondary_opts[0])
-        elif p.multiple:
-            for v in value:
-                argv += [p.opts[0], str(v)]
-        else:
-            argv += [p.opts[0], str(value)]
-    return argv
 
 
 def printable(text: str) -> str:

@@ -40,12 +40,10 @@ def _unit(max_bytes: float) -> tuple[float, str]:
     return (2**30, "GiB") if max_bytes >= 2**30 else (2**20, "MiB")
 
 
-def _predicted_segments(starts: list[dict], events: list[dict], key: str) -> list[tuple[float, float, float]]:
-    """(from_time, to_time, predicted value) pieces: the prediction changes at a start/resume or an OOM."""
-    marks = sorted([(e.get("time", 0.0), e["predicted"][key]) for e in starts if e.get("predicted", {}).get(key)]
-                   + [(e.get("time", None), e["predicted"][key]) for e in events
-                      if e.get("event") == "oom" and e.get("predicted", {}).get(key) and e.get("time") is not None],
-                   key=lambda m: m[0])
+def _predicted_segments(starts: list, ooms: list, key: str) -> list[tuple[float, float]]:
+    """(from_time, predicted value) marks: the prediction changes at a start/resume or an OOM (records of
+    ``trainer.records``: StartEvent, OomEvent)."""
+    marks = sorted([(e.time, e.predicted[key]) for e in starts + ooms if e.predicted.get(key)], key=lambda m: m[0])
     return marks
 
 
@@ -54,39 +52,38 @@ def build_run_page(run_dir: str | Path) -> Page:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from trainer.rundir import read_metrics  # torch-free
+    from trainer.records import EvalLine, NonfiniteEvent, OomEvent, StartEvent, StopEvent, TrainLine  # torch-free
+    from trainer.rundir import metric_records
 
     run_dir = Path(run_dir)
-    lines = read_metrics(run_dir, latest=True)
-    train = sorted((l for l in lines if l.get("kind") == "train"), key=lambda l: l["step"])
-    evals = sorted((l for l in lines if l.get("kind") == "eval"), key=lambda l: l["step"])
-    events = [l for l in lines if l.get("kind") == "event"]
-    starts = [e for e in events if e.get("event") in ("start", "resume")]
-    first = starts[0] if starts else {}
-    last_start = starts[-1] if starts else {}
-    model = first.get("model", {})
-    setup = last_start.get("setup", {})
-    predicted = last_start.get("predicted", {})
-    ooms = [e for e in events if e.get("event") == "oom"]
+    lines = metric_records(run_dir, latest=True)
+    train = sorted((l for l in lines if isinstance(l, TrainLine)), key=lambda l: l.step)
+    evals = sorted((l for l in lines if isinstance(l, EvalLine)), key=lambda l: l.step)
+    starts = [e for e in lines if isinstance(e, StartEvent)]
+    first = starts[0] if starts else None
+    model = first.model if first else {}
+    setup = starts[-1].setup if starts else {}
+    predicted = starts[-1].predicted if starts else {}
+    ooms = [e for e in lines if isinstance(e, OomEvent)]
     if ooms:
-        predicted = ooms[-1].get("predicted", predicted)
-    stop = next((e for e in reversed(events) if e.get("event") == "stop"), None)
+        predicted = ooms[-1].predicted
+    stop = next((e for e in reversed(lines) if isinstance(e, StopEvent)), None)
 
     figures = []
-    steps = [l["step"] for l in train]
+    steps = [l.step for l in train]
     # ---- loss
     fig = go.Figure()
-    losses = [l.get("loss") for l in train]
+    losses = [l.loss for l in train]
     fig.add_trace(go.Scatter(x=steps, y=losses, mode="lines", name="train loss", line=dict(width=1, color="#9fb3c8")))
     fig.add_trace(go.Scatter(x=steps, y=_ema(losses), mode="lines", name=f"train loss (EMA {SMOOTHING})",
                              line=dict(width=2, color="#1f77b4")))
     if evals:
-        fig.add_trace(go.Scatter(x=[e["step"] for e in evals], y=[e.get("eval_loss") for e in evals],
+        fig.add_trace(go.Scatter(x=[e.step for e in evals], y=[e.eval_loss for e in evals],
                                  mode="lines+markers", name="held-out loss (all sources)",
                                  line=dict(width=2, color="#d62728")))
-        sources = sorted({s for e in evals for s in e.get("eval_loss_by_source", {})})
+        sources = sorted({s for e in evals for s in e.eval_loss_by_source})
         for s in sources:
-            pts = [(e["step"], e["eval_loss_by_source"][s]) for e in evals if s in e.get("eval_loss_by_source", {})]
+            pts = [(e.step, e.eval_loss_by_source[s]) for e in evals if s in e.eval_loss_by_source]
             fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
                                      name=f"held-out: {s}", line=dict(dash="dash")))
     fig.update_xaxes(title="step")
@@ -95,10 +92,9 @@ def build_run_page(run_dir: str | Path) -> Page:
 
     # ---- memory over time: the steps that were measured (a line repeating an earlier step's reading, as
     # memory_step says, is not a measurement of its own; runs before memory_step measured every step)
-    times_min = [l.get("time", 0.0) / 60 for l in train]
-    measured_here = [l.get("memory_step", l.get("step")) == l.get("step") for l in train]
-    measured = [l.get("memory_bytes") if here else None for l, here in zip(train, measured_here)]
-    allocated = [l.get("memory_allocated_bytes") if here else None for l, here in zip(train, measured_here)]
+    times_min = [l.time / 60 for l in train]
+    measured = [l.memory_bytes if l.measured_here else None for l in train]
+    allocated = [l.memory_allocated_bytes if l.measured_here else None for l in train]
     peak_pred = predicted.get("peak_reserved")
     biggest = max([m for m in measured if m] + [peak_pred or 0] + [1])
     scale, unit = _unit(biggest)
@@ -128,9 +124,9 @@ def build_run_page(run_dir: str | Path) -> Page:
 
     # ---- throughput (MFU is tokens/s times a constant: it rides along in the hover, not as a second line)
     fig = go.Figure()
-    tps = [l.get("tokens_per_second") for l in train]
+    tps = [l.tokens_per_second for l in train]
     fig.add_trace(go.Scatter(x=steps, y=tps, mode="lines", name="tokens/s (measured)", line=dict(width=1.5),
-                             customdata=[(l.get("mfu") or 0) * 100 for l in train],
+                             customdata=[(l.mfu or 0) * 100 for l in train],
                              hovertemplate="step %{x}<br>%{y:,.0f} tokens/s<br>MFU %{customdata:.2f}%<extra></extra>"))
     if predicted.get("tokens_per_second") and steps:
         fig.add_trace(go.Scatter(x=[steps[0], steps[-1]], y=[predicted["tokens_per_second"]] * 2, mode="lines",
@@ -147,9 +143,9 @@ def build_run_page(run_dir: str | Path) -> Page:
 
     # ---- lr and gradient norm
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Scatter(x=steps, y=[l.get("lr") for l in train], mode="lines", name="learning rate"),
+    fig.add_trace(go.Scatter(x=steps, y=[l.lr for l in train], mode="lines", name="learning rate"),
                   secondary_y=False)
-    fig.add_trace(go.Scatter(x=steps, y=[l.get("grad_norm") for l in train], mode="lines",
+    fig.add_trace(go.Scatter(x=steps, y=[l.grad_norm for l in train], mode="lines",
                              name="gradient norm (before clipping)", line=dict(width=1)), secondary_y=True)
     fig.update_xaxes(title="step")
     fig.update_yaxes(title="learning rate", secondary_y=False)
@@ -167,39 +163,39 @@ def build_run_page(run_dir: str | Path) -> Page:
                             f"{setup.get('optimizer')}" + (", compiled" if setup.get("compile") else ""))
     if train:
         last = train[-1]
-        total = last.get("total_steps")
-        summary["progress"] = (f"step {last['step']:,}" + (f" of {total:,}" if total else "")
-                               + f", {format_count(last.get('tokens', 0))} tokens, "
-                               f"{format_seconds(last.get('time'))} of training")
-        finite = [l["loss"] for l in train[-20:] if l.get("loss") is not None]
+        total = last.total_steps
+        summary["progress"] = (f"step {last.step:,}" + (f" of {total:,}" if total else "")
+                               + f", {format_count(last.tokens)} tokens, "
+                               f"{format_seconds(last.time)} of training")
+        finite = [l.loss for l in train[-20:] if l.loss is not None]
         if finite:
             summary["train loss"] = f"{statistics.mean(finite):.4f} (mean of the last {len(finite)} steps)"
     if evals:
         e = evals[-1]
-        per = ", ".join(f"{k} {v:.4f}" for k, v in e.get("eval_loss_by_source", {}).items() if v is not None)
-        if e.get("eval_loss") is not None:
-            summary["held-out loss"] = (f"{e['eval_loss']:.4f} (perplexity {e.get('eval_ppl') or math.inf:,.1f}) at "
-                                        f"step {e['step']:,}" + (f"; {per}" if per else ""))
+        per = ", ".join(f"{k} {v:.4f}" for k, v in e.eval_loss_by_source.items() if v is not None)
+        if e.eval_loss is not None:
+            summary["held-out loss"] = (f"{e.eval_loss:.4f} (perplexity {e.eval_ppl or math.inf:,.1f}) at "
+                                        f"step {e.step:,}" + (f"; {per}" if per else ""))
     steady = train[1:] or train
-    meas = [l["memory_bytes"] for l in steady if l.get("memory_bytes")]
+    meas = [l.memory_bytes for l in steady if l.memory_bytes]
     if meas and peak_pred:
         m = max(meas)
         summary["peak memory"] = (f"measured {format_bytes(m)} (largest step), predicted {format_bytes(peak_pred)} "
                                   f"({(peak_pred - m) / m:+.1%})")
-        if first.get("baseline_memory_bytes") and str(first.get("torch_device", "")).startswith("cpu"):
-            summary["peak memory"] += (f"; the process held {format_bytes(first['baseline_memory_bytes'])} before "
+        if first is not None and first.baseline_memory_bytes and first.torch_device.startswith("cpu"):
+            summary["peak memory"] += (f"; the process held {format_bytes(first.baseline_memory_bytes)} before "
                                        "the model existed")
-    alloc = [l["memory_allocated_bytes"] for l in steady if l.get("memory_allocated_bytes")]
+    alloc = [l.memory_allocated_bytes for l in steady if l.memory_allocated_bytes]
     if alloc and predicted.get("peak_allocated"):
         m, p = max(alloc), predicted["peak_allocated"]
         summary["live tensors"] = f"measured {format_bytes(m)}, predicted {format_bytes(p)} ({(p - m) / m:+.1%})"
-    rates = [l["tokens_per_second"] for l in steady if l.get("tokens_per_second")]
+    rates = [l.tokens_per_second for l in steady if l.tokens_per_second]
     if rates:
         med = statistics.median(rates)
         line = f"{med:,.0f} tokens/s (median)"
         if predicted.get("tokens_per_second"):
             line += f", predicted {predicted['tokens_per_second']:,.0f} ({(predicted['tokens_per_second'] - med) / med:+.0%})"
-        mfus = [l["mfu"] for l in steady if l.get("mfu") is not None]
+        mfus = [l.mfu for l in steady if l.mfu is not None]
         if mfus:
             line += f"; MFU {statistics.median(mfus):.1%} of the device's dense peak"
         summary["throughput"] = line
@@ -207,24 +203,24 @@ def build_run_page(run_dir: str | Path) -> Page:
     if len(starts) > 1:
         happened.append(f"resumed {len(starts) - 1}×")
     if ooms:
-        happened.append(f"{len(ooms)} out-of-memory step(s), micro-batch now {ooms[-1].get('micro_batch')}")
-    bad = [e for e in events if e.get("event") == "nonfinite"]
+        happened.append(f"{len(ooms)} out-of-memory step(s), micro-batch now {ooms[-1].micro_batch}")
+    bad = [e for e in lines if isinstance(e, NonfiniteEvent)]
     if bad:
         happened.append(f"{len(bad)} non-finite loss(es), updates skipped")
     if stop:
-        happened.append(f"stopped at step {stop.get('step')}: {stop.get('reason')}")
+        happened.append(f"stopped at step {stop.step}: {stop.reason}")
     if happened:
         summary["events"] = "; ".join(happened)
 
     notes = []
-    if evals and evals[-1].get("samples"):
-        for s in evals[-1]["samples"]:
+    if evals and evals[-1].samples:
+        for s in evals[-1].samples:
             # the text as generated, its newlines kept (the note is shown with white-space: pre-wrap)
-            notes.append(f"Sample at step {evals[-1]['step']}: “{s['prompt']}” → “{s['text']}”")
-    notes.append("Measured memory: " + str(first.get("memory_source", "n/a")) + ". Predicted figures: memplan's "
-                 f"estimate for this model and setup on the {first.get('device', '?')} profile.")
+            notes.append(f"Sample at step {evals[-1].step}: “{s['prompt']}” → “{s['text']}”")
+    notes.append("Measured memory: " + (first.memory_source if first else "n/a") + ". Predicted figures: memplan's "
+                 f"estimate for this model and setup on the {first.device if first else '?'} profile.")
     desc = model.get("describe", "model")
-    device = f"{first.get('device', '?')} ({first.get('torch_device', '?')})"
+    device = f"{first.device} ({first.torch_device})" if first else "? (?)"
     return Page(title="Training run", model=desc, device=device, summary=summary, figures=figures, notes=notes)
 
 
