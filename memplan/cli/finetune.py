@@ -103,9 +103,9 @@ def finetune_command(
     if lora_rank < 0:
         raise InputError(f"--lora-rank: {lora_rank} must be 0 (full finetune) or a positive integer")
     from trainer import checkpoint as ckpt
-    from trainer.finetune import FinetuneTrainer, base_of, base_of_hf, load_sft
+    from trainer.finetune import base_of, base_of_hf, finetune_task, load_sft
     from trainer.lora import parse_targets
-    from trainer.loop import CHECKPOINT_DIR, TrainConfig
+    from trainer.loop import CHECKPOINT_DIR, TrainConfig, Trainer
 
     targets = ",".join(parse_targets(lora_targets))
     if resume:
@@ -132,7 +132,7 @@ def finetune_command(
             raise InputError(f"--data {data}: not the file {out_dir} was finetuned on (sha256 differs); resume with "
                              "the same data")
         overrides = {**control, "seed": seed_n, "lr": lr}  # None: as the finetune has it
-        trainer = FinetuneTrainer.resume(out_dir, sft, profile, overrides=overrides)
+        trainer = Trainer.resume(out_dir, sft, profile, overrides=overrides, task=finetune_task(sft))
     else:
         if run is not None:
             base_plan, tokenizer, tok, base_ckpt = base_of(run)
@@ -186,7 +186,7 @@ def finetune_command(
         config = TrainConfig(**{k: v for k, v in control.items() if v is not None},
                              lr=lr if lr is not None else (2e-4 if lora_rank else 3e-5),
                              weight_decay=0.0 if lora_rank else 0.1, seed=seed_n or 0)
-        trainer = FinetuneTrainer.start(out_dir, plan, sft, config, profile)
+        trainer = Trainer.start(out_dir, plan, sft, config, profile, task=finetune_task(sft))
         s = sft.stats
         what = (f"LoRA rank {lora_rank} (alpha {lora_alpha:g}) on {targets}" if lora_rank else "every weight")
         print_fields(console, [  # (memplan/cli/fit.py: wrapped lines indented under their text)
