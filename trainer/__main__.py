@@ -1,9 +1,12 @@
-"""``python -m trainer``: ``memplan train`` in this process, which is one rank of a torchrun launch.
+"""``python -m trainer``: ``memplan train`` in this process, which is one rank of a torchrun launch
+(``python -m trainer finetune ...``: ``memplan finetune``).
 
     torchrun --nproc-per-node 2 -m trainer --plan plan.toml --data DATA --out RUN --sharding fsdp
     torchrun --nproc-per-node 2 -m trainer --params 22m --ctx 256 --batch 4 --data DATA --out RUN --max-steps 100
+    torchrun --nproc-per-node 2 -m trainer finetune --run RUN --data sft.jsonl --out FT --lora-rank 8
 
-It takes ``memplan train``'s options (``memplan train --nproc N`` launches exactly this). Under
+It takes ``memplan train``'s options (``memplan train --nproc N`` launches exactly this), or after
+``finetune`` ``memplan finetune``'s (``memplan finetune --nproc N``). Under
 torchrun each process trains on its own device (its GPU by local rank, or the CPU over gloo) with
 DDP or FSDP2 (``--sharding``, or the plan's, else DDP); only rank 0 prints and writes the run.
 Alone, it trains in one process as ``memplan train`` does.
@@ -18,7 +21,8 @@ PROG = "python -m trainer"
 
 
 def entry(argv: list[str] | None = None) -> None:
-    """Run ``memplan train ARGV``. Bad input is one line on stderr (from rank 0 only) and exit code 2."""
+    """Run ``memplan train ARGV`` (``memplan finetune ARGV[1:]`` when ARGV[0] is ``finetune``). Bad input is one
+    line on stderr (from rank 0 only) and exit code 2."""
     import typer
     from typer.core import TyperGroup
 
@@ -26,9 +30,10 @@ def entry(argv: list[str] | None = None) -> None:
     from memplan.errors import InputError
 
     argv = sys.argv[1:] if argv is None else argv
+    args = ["finetune", *argv[1:]] if argv[:1] == ["finetune"] else ["train", *argv]
     command = typer.main.get_command(app)
     try:  # the group's own main, not memplan's one-line wrapper: here only rank 0 may print the error
-        rv = TyperGroup.main(command, args=["train", *argv], prog_name=PROG, standalone_mode=False)
+        rv = TyperGroup.main(command, args=args, prog_name=PROG, standalone_mode=False)
     except InputError as e:
         message = str(e)
     except click_exceptions.ClickException as e:
