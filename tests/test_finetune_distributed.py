@@ -123,9 +123,10 @@ def test_two_ranks_finetune_as_one_process_does(base, tmp_path, lora):
         assert all(not torch.equal(mine[n], start[n]) for n in mine if n.endswith("qkv.weight"))
 
 
-def _rank(rank: int, port: int, run: str, sft: str, out: str, dumps: str) -> None:
+def _rank(rank: int, port: int, run: str, sft: str, out: str, dumps: str, sharding: str) -> None:
     """One of 2 ranks: a LoRA finetune through ``Trainer.start`` with ``finetune_task``'s factories; its
-    parameters (adapters and frozen base) after the run, as this rank holds them, into ``dumps``."""
+    parameters (adapters and frozen base) after the run into ``dumps``: as this rank holds them (DDP), or
+    gathered whole by rank 0 (FSDP2 shards them)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     import torch
@@ -140,13 +141,18 @@ def _rank(rank: int, port: int, run: str, sft: str, out: str, dumps: str) -> Non
 
     base_plan, tokenizer, record, checkpoint = base_of(run)
     data = load_sft(sft, tokenizer, record, ctx=64, base_checkpoint=checkpoint, base_run=Path(run))
-    setup = TrainSetup(ctx=64, micro_batch=2, precision="fp32", lora_rank=4, world_size=2, sharding="ddp")
+    setup = TrainSetup(ctx=64, micro_batch=2, precision="fp32", lora_rank=4, world_size=2, sharding=sharding)
     plan = Plan(model=base_plan.model, setup=setup, device="cpu")
     config = TrainConfig(max_steps=STEPS, lr=1e-2, weight_decay=0.0, sample_tokens=0, eval_batches=1)
     try:
         trainer = Trainer.start(out, plan, data, config, load_profile("cpu"), task=finetune_task(data))
         trainer.run()
-        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, f"{dumps}/rank{rank}.pt")
+        if sharding == "ddp":
+            torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, f"{dumps}/rank{rank}.pt")
+        else:
+            whole = distributed.full_weights(trainer.wrapped)  # every rank takes part; rank 0 gets them
+            if rank == 0:
+                torch.save(whole, f"{dumps}/rank0.pt")
     finally:
         distributed.shutdown()
 
@@ -157,9 +163,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_every_rank_holds_the_base_weights_and_the_same_trained_adapters(base, tmp_path):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_every_rank_holds_the_base_weights_and_the_same_trained_adapters(base, tmp_path, sharding):
     """The factories run in every rank: no rank trains a seeded model without the base weights or the
-    adapters (what a subclass whose model-building override the distributed path skipped did)."""
+    adapters (what a subclass whose model-building override the distributed path skipped did). FSDP2 (which
+    autotune may plan for a finetune over several devices) builds through them too."""
     import torch
     import torch.multiprocessing as mp
 
@@ -168,20 +176,21 @@ def test_every_rank_holds_the_base_weights_and_the_same_trained_adapters(base, t
     run, sft = base
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    mp.start_processes(_rank, args=(_free_port(), str(run), str(sft), str(tmp_path / "ft"), str(dumps)), nprocs=2,
-                       start_method="spawn")
-    ranks = [torch.load(dumps / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    assert ranks[0].keys() == ranks[1].keys()
-    for name in ranks[0]:
-        assert torch.equal(ranks[0][name], ranks[1][name]), name  # DDP: the same model in every rank
-    params = ranks[0]
+    mp.start_processes(_rank, args=(_free_port(), str(run), str(sft), str(tmp_path / "ft"), str(dumps), sharding),
+                       nprocs=2, start_method="spawn")
+    params = torch.load(dumps / "rank0.pt", weights_only=True)
+    if sharding == "ddp":
+        other = torch.load(dumps / "rank1.pt", weights_only=True)
+        assert params.keys() == other.keys()
+        for name in params:
+            assert torch.equal(params[name], other[name]), name  # DDP: the same model in every rank
     adapters = [n for n in params if n.endswith(("lora_a", "lora_b"))]
     assert len(adapters) == 2 * 4 * 2  # A and B on qkv, proj, up, down of both blocks
     assert all(params[n].abs().max() > 0 for n in adapters if n.endswith("lora_b"))  # trained from zero
     start = base_weights(run)
     for name, tensor in params.items():
-        if name.endswith(("lora_a", "lora_b")):
-            continue
+        if name.endswith(("lora_a", "lora_b")) or name not in start and name.replace(".base.", ".") not in start:
+            continue  # (a tied model's head is its embedding)
         assert torch.equal(tensor, start[name.replace(".base.", ".")]), name  # frozen, as the base run saved them
     written = weights(tmp_path / "ft")
     for name in adapters:  # rank 0 wrote the run: its checkpoint holds these adapters

@@ -53,8 +53,9 @@ LrOpt = Annotated[Optional[float], typer.Option(
     "--lr", help="Peak learning rate; default 2e-4 with LoRA, 3e-5 for a full finetune.", show_default=False)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the finetune in --out from its newest checkpoint.")]
 FtNprocOpt = Annotated[Optional[str], typer.Option(
-    "--nproc", help="Finetune in N processes (torchrun: one per GPU, else N CPU processes over gloo) with DDP: every "
-                    "rank holds the base weights and the adapters, only the trainable weights' gradients are "
+    "--nproc", help="Finetune in N processes (torchrun: one per GPU, else N CPU processes over gloo), with DDP for "
+                    "--batch, else DDP or FSDP2 as autotune plans it: every rank builds the base weights and the "
+                    "adapters, only the trainable weights' gradients are "
                     "reduced; each rank runs --batch × --grad-accum per step (autotuned: the same global batch as "
                     "one process).", show_default=False)]
 
