@@ -199,6 +199,17 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_only_with_its_own_com
         resume_point(tmp_path, "train")
 
 
+def test_a_resume_replaces_the_limits_together_and_refuses_to_change_what_is_not_run_control():
+    from trainer.checkpoints import apply_overrides
+
+    run = config(max_steps=100, max_tokens=10**6, lr=1e-3)
+    assert apply_overrides(run, {}) is run
+    changed = apply_overrides(run, {"max_minutes": 5.0, "keep": 1, "lr": 1e-3})  # the run's own lr may be given
+    assert (changed.max_steps, changed.max_tokens, changed.max_minutes, changed.keep) == (None, None, 5.0, 1)
+    with pytest.raises(InputError, match="trains with lr = 0.001, this command asks for 0.01; drop --lr"):
+        apply_overrides(run, {"lr": 1e-2})
+
+
 def test_a_full_disk_while_writing_is_one_line_naming_the_file_and_the_intact_checkpoint(tmp_path):
     from trainer.checkpoints import CheckpointManager
 

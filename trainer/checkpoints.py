@@ -1,14 +1,17 @@
 """A run's checkpoints as a policy: when one is due, where it goes, how many stay, how every rank of a
 distributed run takes part in it, how a resume reads one back, and what a full disk leaves behind. The
-on-disk format is ``trainer/checkpoint.py``'s; the checks a resume makes before anything is written are
-here too (``check_*``, ``apply_overrides``).
+on-disk format is ``trainer/checkpoint.py``'s. The checks a run makes before anything is written are here
+too (``check_*``), and what a resume continues from and with (``resume_settings``: the newest checkpoint
+verified, the run's plan and config with the overrides given, rescaled for this launch's processes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -243,6 +246,91 @@ def resume_point(run_dir: Path, kind: str) -> tuple[ckpt.CheckpointRef | None, d
         raise InputError(f"--resume: {run_dir} is a {source.get('kind')} run; resume it with memplan "
                          f"{source.get('kind')}")
     return None, source, f"{run_dir / rundir.RUN_FILE}"
+
+
+def predicted_for(plan: Plan, profile) -> dict:
+    """What memplan predicts for this plan on this device (the figures the run is measured against):
+    ``memplan.prediction.predict``'s, as a dict."""
+    from memplan.prediction import predict
+
+    return predict(plan.model, plan.setup, profile).as_dict()
+
+
+def check_plan_for_data(plan: Plan, data) -> None:
+    """The model must embed the data's vocabulary and, with learned positions, hold the context."""
+    if plan.model.vocab != data.vocab_size:
+        raise InputError(f"the model's vocabulary is {plan.model.vocab} but {data.path}'s tokenizer has "
+                         f"{data.vocab_size} tokens; the vocabulary comes from the prepared data")
+    if plan.model.pos == "learned" and plan.setup.ctx > plan.model.max_positions:
+        raise InputError(f"--ctx {plan.setup.ctx} exceeds the model's {plan.model.max_positions} learned positions")
+    _, launched, _ = distributed.env_world()
+    if plan.setup.world_size != launched:
+        raise InputError(f"the plan is for --world-size {plan.setup.world_size} but {launched} process(es) run it; "
+                         f"launch it with `memplan train --nproc {plan.setup.world_size}` (torchrun)"
+                         if plan.setup.world_size > 1 else
+                         f"the plan is for one process but {launched} were launched; plan with --world-size "
+                         f"{launched}")
+
+
+def check_plan_fits(plan: Plan, profile) -> None:
+    """A plan whose predicted peak exceeds the device's usable memory is refused before it starts (on a CPU
+    the operating system would kill the process or swap, with no out-of-memory error to back off from)."""
+    from memplan.units import format_bytes
+
+    peak = predicted_for(plan, profile)["peak_reserved"]
+    if peak > profile.usable_bytes:
+        raise InputError(f"the plan needs {format_bytes(peak)} (predicted peak) but {profile.name} has "
+                         f"{format_bytes(profile.usable_bytes)} usable; plan for this device (`memplan autotune "
+                         f"... --device {profile.name}`), or lower --batch / --ctx, or use --checkpointing full")
+
+
+@dataclass(frozen=True)
+class ResumeSettings:
+    """What a resume continues: the checkpoint (None: the run stopped before its first, and starts again from
+    step 0 as its run record says), its meta (or the record) and where that was read, the run's plan (for this
+    launch's number of processes), its config with the run-control settings given, and the config as stored."""
+
+    ref: ckpt.CheckpointRef | None
+    meta: dict
+    where: str
+    plan: Plan
+    config: object
+    stored_config: object
+
+
+def resume_settings(run_dir: Path, data, profile, *, kind: str, read_config: Callable[[dict], object],
+                    plan: Plan | None = None, overrides: dict | None = None,
+                    sharding: str | None = None) -> ResumeSettings:
+    """Every check a resume makes before anything is written, and what it continues (``ResumeSettings``): the
+    newest checkpoint verified (``resume_point``), its plan and config readable (``read_config``: the config's
+    ``from_dict``), ``plan`` the same as the run's (``check_same_plan``), ``data`` the run's
+    (``check_same_data``), ``overrides`` only run control (``apply_overrides``); launched in another number of
+    processes than the run was saved with, the same global batch (``distributed.rescaled_for_world``, with
+    ``sharding``, else ``plan``'s), the plan checked against the data and this launch (``check_plan_for_data``),
+    the data's files verified unless the config says not to."""
+    ref, meta, where = resume_point(run_dir, kind)
+    try:
+        saved_plan = Plan.from_dict(meta["plan"], where)
+        config = read_config(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"--resume: {where}: unreadable run settings ({type(e).__name__}: {e})") from None
+    check_metrics_file(run_dir)
+    if plan is not None:
+        check_same_plan(saved_plan, plan, run_dir)
+    check_same_data(run_dir, meta, data)
+    stored = config
+    config = apply_overrides(config, overrides or {})
+    _, launched, _ = distributed.env_world()
+    asked_sharding = sharding or (plan.setup.sharding if plan is not None and plan.setup.sharding != "none"
+                                  else None)
+    setup = distributed.rescaled_for_world(saved_plan.setup, launched, asked_sharding)
+    if setup != saved_plan.setup:  # another world size than the run was saved with: the same global batch
+        saved_plan = dataclasses.replace(saved_plan, setup=setup, predicted=predicted_for(
+            dataclasses.replace(saved_plan, setup=setup), profile))
+    check_plan_for_data(saved_plan, data)
+    if config.verify_data:
+        data.verify()
+    return ResumeSettings(ref=ref, meta=meta, where=where, plan=saved_plan, config=config, stored_config=stored)
 
 
 def state_of(*, optimizer, scaler, schedule, stream, step: int, tokens: int, train_seconds: float,

@@ -75,10 +75,8 @@ from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import rundir
 from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
-                                 check_metrics_file,
-                                 check_run_dir_free, check_same_data, check_same_plan, lock_run, resume_point,
-                                 state_of)
-from trainer.data import PreparedData
+                                 check_metrics_file, check_plan_fits, check_plan_for_data, check_run_dir_free,
+                                 check_same_plan, lock_run, predicted_for, resume_settings, state_of)
 from trainer.device import current_rss as _process_rss, torch_device_for, trim_heap as _trim_heap  # noqa: F401
 from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
@@ -258,14 +256,6 @@ def peak_flops_per_second(profile: Device, setup: TrainSetup) -> float:
     return profile.peak_tflops.get(dtype, profile.peak_tflops["fp32"]) * 1e12
 
 
-def predicted_for(plan: Plan, profile: Device) -> dict:
-    """What memplan predicts for this plan on this device (the figures the run is measured against):
-    ``memplan.prediction.predict``'s, as a dict."""
-    from memplan.prediction import predict
-
-    return predict(plan.model, plan.setup, profile).as_dict()
-
-
 def training_settings(config: TrainConfig) -> dict:
     """A plan's [training] table (``memplan.plan.TRAINING_KEYS``) for ``config``; ``schedule`` says which decay
     its limits give (wsd for a run limited by time alone, else cosine)."""
@@ -276,34 +266,6 @@ def training_settings(config: TrainConfig) -> dict:
     out["schedule"] = "wsd" if time_only else "cosine"
     return out
 
-
-
-def check_plan_for_data(plan: Plan, data: PreparedData) -> None:
-    """The model must embed the data's vocabulary and, with learned positions, hold the context."""
-    if plan.model.vocab != data.vocab_size:
-        raise InputError(f"the model's vocabulary is {plan.model.vocab} but {data.path}'s tokenizer has "
-                         f"{data.vocab_size} tokens; the vocabulary comes from the prepared data")
-    if plan.model.pos == "learned" and plan.setup.ctx > plan.model.max_positions:
-        raise InputError(f"--ctx {plan.setup.ctx} exceeds the model's {plan.model.max_positions} learned positions")
-    _, launched, _ = distributed.env_world()
-    if plan.setup.world_size != launched:
-        raise InputError(f"the plan is for --world-size {plan.setup.world_size} but {launched} process(es) run it; "
-                         f"launch it with `memplan train --nproc {plan.setup.world_size}` (torchrun)"
-                         if plan.setup.world_size > 1 else
-                         f"the plan is for one process but {launched} were launched; plan with --world-size "
-                         f"{launched}")
-
-
-def check_plan_fits(plan: Plan, profile: Device) -> None:
-    """A plan whose predicted peak exceeds the device's usable memory is refused before it starts (on a CPU
-    the operating system would kill the process or swap, with no out-of-memory error to back off from)."""
-    from memplan.units import format_bytes
-
-    peak = predicted_for(plan, profile)["peak_reserved"]
-    if peak > profile.usable_bytes:
-        raise InputError(f"the plan needs {format_bytes(peak)} (predicted peak) but {profile.name} has "
-                         f"{format_bytes(profile.usable_bytes)} usable; plan for this device (`memplan autotune "
-                         f"... --device {profile.name}`), or lower --batch / --ctx, or use --checkpointing full")
 
 
 class Trainer:
@@ -497,35 +459,15 @@ class Trainer:
     @classmethod
     def _resume_locked(cls, run_dir: Path, data, profile: Device, *, plan, overrides, device, sharding,
                        task) -> "Trainer":
-        # the newest checkpoint, else the run record (from step 0)
-        ref, meta, where = resume_point(run_dir, task.kind if task is not None else "train")
-        try:
-            saved_plan = Plan.from_dict(meta["plan"], where)
-            config = TrainConfig.from_dict(meta["config"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"--resume: {where}: unreadable run settings ({type(e).__name__}: {e})") from None
-        check_metrics_file(run_dir)
-        if plan is not None:
-            check_same_plan(saved_plan, plan, run_dir)
-        check_same_data(run_dir, meta, data)
-        stored = config
-        config = apply_overrides(config, overrides or {})
-        _, launched, _ = distributed.env_world()
-        asked_sharding = sharding or (plan.setup.sharding if plan is not None and plan.setup.sharding != "none"
-                                      else None)
-        setup = distributed.rescaled_for_world(saved_plan.setup, launched, asked_sharding)
-        if setup != saved_plan.setup:  # another world size than the run was saved with: the same global batch
-            saved_plan = dataclasses.replace(saved_plan, setup=setup, predicted=predicted_for(
-                dataclasses.replace(saved_plan, setup=setup), profile))
-        check_plan_for_data(saved_plan, data)
-        if config.verify_data:
-            data.verify()
+        r = resume_settings(run_dir, data, profile, kind=task.kind if task is not None else "train",
+                            read_config=TrainConfig.from_dict, plan=plan, overrides=overrides, sharding=sharding)
         # ref None: again from step 0, from the weights it started from (a --from run's, checked unchanged)
-        starting = starting_weights_again(meta, where, saved_plan) if ref is None and meta.get("base_hf") else None
-        trainer = cls(run_dir, saved_plan, data, config, profile, device, ref, starting, task)
-        trainer.base_hf = meta.get("base_hf")
+        starting = starting_weights_again(r.meta, r.where, r.plan) if r.ref is None and r.meta.get("base_hf") \
+            else None
+        trainer = cls(run_dir, r.plan, data, r.config, profile, device, r.ref, starting, task)
+        trainer.base_hf = r.meta.get("base_hf")
         if any((overrides or {}).get(k) is not None for k in LIMITS):
-            trainer.replaced_limits = {k: getattr(stored, k) for k in LIMITS}
+            trainer.replaced_limits = {k: getattr(r.stored_config, k) for k in LIMITS}
             trainer._refit_schedule()
         return trainer
 
