@@ -370,3 +370,20 @@ def test_each_rank_streams_its_share_of_the_rows_one_process_reads(base):
         assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
     assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
     assert ranks[0].global_batch == single.global_batch == 4
+
+
+def test_finetune_nproc_refusals_are_one_line(base, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    from runs_helper import one_line_error
+
+    run, _, sft = base
+    args = ["finetune", "--run", str(run), "--data", str(sft), "--out", str(tmp_path / "ft"), "--batch", "2",
+            "--device", "cpu"]
+    one_line_error(CliRunner().invoke(app, [*args, "--nproc", "0"]), "--nproc: '0' must be at least 1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    one_line_error(CliRunner().invoke(app, [*args, "--nproc", "2"]),
+                   "--nproc 2: this process is already one of 2 started by torchrun; drop --nproc")
+    assert not (tmp_path / "ft").exists()
