@@ -122,6 +122,18 @@ def test_two_ranks_finetune_as_one_process_does(base, tmp_path, lora):
         assert not adapters and mine.keys() == start.keys()
         assert all(not torch.equal(mine[n], start[n]) for n in mine if n.endswith("qkv.weight"))
 
+    if lora:  # the 2 ranks' checkpoint continued in one process, as the single process's continues
+        more = ["--run", str(run), "--data", str(sft), "--resume", "--max-steps", str(STEPS + 2)]
+        for out in (single, two):
+            result = finetune_here(*more, "--out", str(out))
+            assert result.exit_code == 0, result.output
+        (resume,) = [line for line in map(json.loads, (two / "metrics.jsonl").read_text().splitlines())
+                     if line.get("event") == "resume"]
+        assert resume["setup"]["world_size"] == 1 and resume["setup"]["grad_accum"] == 2  # the same global batch
+        curve, reference = losses(two), losses(single)
+        for step in (STEPS + 1, STEPS + 2):
+            assert curve[step] == pytest.approx(reference[step], abs=1e-3), step
+
 
 def _rank(rank: int, port: int, run: str, sft: str, out: str, dumps: str, sharding: str) -> None:
     """One of 2 ranks: a LoRA finetune through ``Trainer.start`` with ``finetune_task``'s factories; its
