@@ -17,6 +17,11 @@ decided by a measurement, such as the quick start's model, is rank 0's).
 
 Under torchrun each process trains on its own device (its GPU by local rank, or the CPU over gloo) with DDP or
 FSDP2 (the plan's sharding, else DDP); only rank 0 prints and writes the run. Alone, it trains in one process.
+
+    torchrun --nproc-per-node 2 -m trainer finetune --run RUN --data sft.jsonl --out FT --lora-rank 8
+
+runs ``memplan finetune``'s options in each rank (``memplan finetune --nproc N`` launches exactly this).
+
 Bad input is one line on stderr, from rank 0 only, and exit code 2.
 """
 
@@ -29,10 +34,11 @@ PROG = "python -m trainer"
 
 
 def entry(argv: list[str] | None = None) -> None:
-    """``python -m trainer RUN`` (the run prepared in RUN) or ``python -m trainer OPTIONS`` (``memplan train
-    OPTIONS``). Bad input is one line on stderr (from rank 0 only) and exit code 2."""
+    """``python -m trainer RUN`` (the run prepared in RUN), ``python -m trainer OPTIONS`` (``memplan train
+    OPTIONS``) or ``python -m trainer finetune OPTIONS`` (``memplan finetune OPTIONS``). Bad input is one line
+    on stderr (from rank 0 only) and exit code 2."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and not argv[0].startswith("-"):
+    if argv and argv[0] != "finetune" and not argv[0].startswith("-"):
         return _prepared(argv)
     import typer
     from typer.core import TyperGroup
@@ -40,9 +46,10 @@ def entry(argv: list[str] | None = None) -> None:
     from memplan.cli import app, click_exceptions
     from memplan.errors import InputError
 
+    args = ["finetune", *argv[1:]] if argv[:1] == ["finetune"] else ["train", *argv]
     command = typer.main.get_command(app)
     try:  # the group's own main, not memplan's one-line wrapper: here only rank 0 may print the error
-        rv = TyperGroup.main(command, args=["train", *argv], prog_name=PROG, standalone_mode=False)
+        rv = TyperGroup.main(command, args=args, prog_name=PROG, standalone_mode=False)
     except InputError as e:
         message = str(e)
     except click_exceptions.ClickException as e:

@@ -331,38 +331,39 @@ def rescaled_for_world(setup: TrainSetup, world_size: int, sharding: str | None 
 
 
 def build_wrapped_model(spec, setup: TrainSetup, ctx: DistContext, seed: int,
-                        initial: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
-    """The reference model with the initial weights of a single-process run with ``seed``, wrapped;
-    ``initial``, if given, then loads the weights the run starts from into rank 0's unwrapped model (the
-    other ranks receive them from rank 0, as they do a seeded initialisation).
+                        build: Callable[[torch.device | str, bool], torch.nn.Module] | None = None) -> torch.nn.Module:
+    """The run's model with the initial weights of a single-process run with ``seed``, wrapped.
 
-    DDP: every rank builds it on its device (DDP then broadcasts rank 0's weights anyway). FSDP:
-    no rank ever holds the whole model on its device. The model is built on the meta device,
-    sharded, and given storage for its shards only; rank 0 builds the initial weights in host
-    memory and broadcasts them, each rank keeping its shards
+    ``build(device, with_weights)`` makes the plain model (default: the reference model of ``spec``, as
+    seeded; a ``trainer.task.TrainingTask``'s factory: a finetune's base weights and LoRA adapters, ``--from``'s
+    weights); ``with_weights`` is True only where the weights the run starts from are to be loaded: rank 0's
+    model (the other ranks receive them from rank 0, as they do a seeded initialisation).
+
+    DDP: every rank builds it on its device (DDP then broadcasts rank 0's parameters, frozen ones included,
+    and reduces the gradients of the trainable ones only). FSDP: no rank ever holds the whole model on its
+    device. The model is built on the meta device, sharded, and given storage for its shards only; rank 0
+    builds the initial weights in host memory and broadcasts them, each rank keeping its shards
     (``set_model_state_dict(..., broadcast_from_rank0=True)``).
     """
-    from trainer.model import build_model
-    from trainer.step import param_dtype
+    if build is None:
+        from trainer.model import build_model
+        from trainer.step import param_dtype
 
-    dtype = param_dtype(setup.precision)
+        def build(device, with_weights: bool) -> torch.nn.Module:
+            return build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
+
     if setup.sharding != "fsdp":
         torch.manual_seed(seed)
-        model = build_model(spec, setup.attention, setup.checkpointing, dtype, device=ctx.device)
-        if initial is not None and ctx.is_main:
-            initial(model)
+        model = build(ctx.device, ctx.is_main)
         return wrap_model(model, setup, ctx.device)  # DDP broadcasts rank 0's parameters to every rank
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    model = wrap_model(build_model(spec, setup.attention, setup.checkpointing, dtype, device="meta"), setup,
-                       ctx.device)
+    model = wrap_model(build("meta", False), setup, ctx.device)
     model.to_empty(device=ctx.device)
     full = {}
     if ctx.is_main:
         torch.manual_seed(seed)
-        host = build_model(spec, setup.attention, setup.checkpointing, dtype, device="cpu")
-        if initial is not None:
-            initial(host)
+        host = build("cpu", True)
         full = host.state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model

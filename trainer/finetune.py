@@ -22,9 +22,10 @@ with no response token left is dropped (both counted in ``SFTData.stats``). Ever
 is held out for the evaluation loss (responses only).
 
 Training reuses ``trainer.loop.Trainer`` whole (schedule, logging, atomic checkpoints, resume,
-the report): ``FinetuneTrainer`` only builds its model from the base run's newest checkpoint
-(with LoRA adapters if the plan has ``lora_rank`` > 0, ``trainer/lora.py``), streams these rows
-instead of a prepared corpus, and evaluates on the held-out examples.
+the report, several processes under torchrun): ``finetune_task`` gives it the factories of a finetune,
+a model built from the base run's newest checkpoint (with LoRA adapters if the plan has ``lora_rank``
+> 0, ``trainer/lora.py``), these rows instead of a prepared corpus (each rank its share of every batch),
+and the held-out examples' loss.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ import torch
 from memplan.errors import InputError
 from memplan.plan import Plan
 from trainer import checkpoint as ckpt
-from trainer.loop import Trainer, _ppl
+from trainer.evaluation import ppl as _ppl
 from trainer.lora import DEFAULT_ALPHA, apply_lora
+from trainer.task import TrainingTask
 from trainer.model import apply_checkpointing, build_model, lm_loss
 from trainer.step import autocast, param_dtype
 
@@ -249,10 +251,18 @@ def load_sft(path: str | Path, tokenizer, tokenizer_record: dict, *, ctx: int, t
 
 
 class SFTStream:
-    """Batches of training rows, shuffled per epoch with a seeded generator; resumable."""
+    """Batches of training rows, shuffled per epoch with a seeded generator; resumable.
 
-    def __init__(self, data: SFTData, batch: int, seed: int):
+    Under torchrun each of ``world_size`` ranks reads ``batch`` rows of every global batch of
+    ``batch * world_size`` consecutive rows of the shuffled order (rank ``rank`` the ``rank``-th share), so the
+    ranks together read what one process with a micro-batch of ``batch * world_size`` rows would. The position
+    (``index``, rows of the epoch's order consumed by all ranks) is the same in every rank, so a checkpoint
+    resumes at any world size."""
+
+    def __init__(self, data: SFTData, batch: int, seed: int, rank: int = 0, world_size: int = 1):
         self.data, self.batch, self.seed = data, batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.global_batch = batch * world_size
         self.epoch, self.index = 0, 0
 
     def epoch_plan(self, epoch: int):
@@ -265,13 +275,14 @@ class SFTStream:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = []
         order = self.epoch_plan(self.epoch)[1]
-        while len(rows) < self.batch:
+        while len(rows) < self.global_batch:
             if self.index >= len(order):
                 self.epoch, self.index = self.epoch + 1, 0
                 order = self.epoch_plan(self.epoch)[1]
             rows.append(order[self.index])
             self.index += 1
-        return batch_of(self.data.train_ids[rows], self.data.train_mask[rows])
+        mine = rows[self.rank * self.batch:(self.rank + 1) * self.batch]
+        return batch_of(self.data.train_ids[mine], self.data.train_mask[mine])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
@@ -309,42 +320,42 @@ def evaluate_sft(model, data: SFTData, setup, device, max_batches: int) -> dict:
             "eval_ppl_by_source": {name: _ppl(loss)}, "eval_tokens_by_source": {name: count}}
 
 
-class FinetuneTrainer(Trainer):
-    """``Trainer`` on SFT rows, its model the base run's (plus LoRA adapters when the plan asks)."""
+def finetune_task(data: SFTData) -> TrainingTask:
+    """``memplan finetune``'s factories for ``trainer.loop.Trainer``: the plan's model with the base run's
+    weights (its newest checkpoint, or an imported Hugging Face checkpoint's ``data.base_weights``), LoRA
+    adapters on it when the plan has ``lora_rank`` > 0 (every other weight frozen), the rows of ``data``
+    (``SFTStream``), the held-out examples' loss (``evaluate_sft``), prompts from the held-out examples, and
+    the ``finetune`` record every checkpoint's meta.json carries.
 
-    run_kind = "finetune"
+    The trainer calls the model factory with ``with_weights`` False where the base weights are not to be read:
+    a resume (its checkpoint holds every weight), the ranks that receive rank 0's, the meta device."""
 
-    def _build_model(self):
-        s = self.setup
-        model = build_model(self.plan.model, s.attention, "none", param_dtype(s.precision), device=self.device)
-        if self._resume_from is None and self.data.base_weights is not None:  # imported (``base_of_hf``)
-            ckpt.load_weights(model, self.data.base_weights, f"--from {self.data.base_run}")
-            self.data.base_weights = None  # in the model now: the copy is not kept
-        elif self._resume_from is None:  # a resumed finetune's checkpoint holds every weight
-            path = self.data.base_checkpoint / ckpt.MODEL_FILE
-            ckpt.load_weights(model, ckpt.read_weights(path), str(path))
-        if s.lora_rank:
-            apply_lora(model, s.lora_rank, self.data.lora_alpha, s.lora)
-        return apply_checkpointing(model, s.checkpointing)
+    def model(spec, setup, device, with_weights: bool) -> torch.nn.Module:
+        built = build_model(spec, setup.attention, "none", param_dtype(setup.precision), device=device)
+        if with_weights and data.base_weights is not None:  # imported (``base_of_hf``)
+            ckpt.load_weights(built, data.base_weights, f"--from {data.base_run}")
+            data.base_weights = None  # in the model now: the copy is not kept
+        elif with_weights:
+            path = data.base_checkpoint / ckpt.MODEL_FILE
+            ckpt.load_weights(built, ckpt.read_weights(path), str(path))
+        if setup.lora_rank:
+            apply_lora(built, setup.lora_rank, data.lora_alpha, setup.lora)
+        return apply_checkpointing(built, setup.checkpointing)
 
-    def _make_stream(self, micro_batch: int):
-        return SFTStream(self.data, micro_batch, self.config.seed)
+    def stream(*, micro_batch: int, ctx: int, seed: int, rank: int, world_size: int) -> SFTStream:
+        return SFTStream(data, micro_batch, seed, rank=rank, world_size=world_size)
 
-    def evaluate(self) -> dict:
-        return evaluate_sft(self.model, self.data, self.setup, self.device, self.config.eval_batches)
+    def meta(setup) -> dict:
+        d = data
+        return {"finetune": {"base_run": str(d.base_run.resolve()), "base_checkpoint": str(d.base_checkpoint.resolve()),
+                             "base_hf": d.base_hf, "data_sha256": d.sha256, "template": d.template,
+                             "packing": d.packing, "stats": d.stats,
+                             "lora": ({"rank": setup.lora_rank, "alpha": d.lora_alpha,
+                                       "targets": setup.lora_targets} if setup.lora_rank else None)}}
 
-    def sample_prompts(self) -> list[str]:
-        return list(self.config.prompts) or self.data.prompts
-
-    def meta(self) -> dict:
-        meta = super().meta()
-        d = self.data
-        meta["finetune"] = {"base_run": str(d.base_run.resolve()), "base_checkpoint": str(d.base_checkpoint.resolve()),
-                            "base_hf": d.base_hf, "data_sha256": d.sha256, "template": d.template,
-                            "packing": d.packing, "stats": d.stats,
-                            "lora": ({"rank": self.setup.lora_rank, "alpha": d.lora_alpha,
-                                      "targets": self.setup.lora_targets} if self.setup.lora_rank else None)}
-        return meta
+    return TrainingTask(kind="finetune", build_model=model, make_stream=stream,
+                        evaluate=lambda m, setup, device, n: evaluate_sft(m, data, setup, device, n),
+                        prompts=lambda: data.prompts, meta=meta)
 
 
 def base_of(run_dir: str | Path) -> tuple[Plan, object, dict, Path]:

@@ -41,18 +41,23 @@ shared. Checkpoints add the model's and optimizer's shards through torch.distrib
 (RUN/checkpoints/step-N/dcp/), so a run resumes at another world size, or in one process, with the
 same global batch. An out-of-memory step stops a distributed run (ranks cannot halve their
 micro-batch independently).
+
+The trainer owns the loop; what is decided around it lives in units of their own, each testable alone:
+``trainer.schedule`` (the learning rate, the evaluation and checkpoint cadence), ``trainer.stopping``
+(limits, signals, non-finite losses, the out-of-memory back-off), ``trainer.evaluation`` (held-out loss and
+samples) and ``trainer.checkpoints`` (when to save, keep-N, distributed saving, resume checks and loading).
+What is trained comes as factories (``trainer.task.TrainingTask``: model, batches, evaluation): a prepared
+corpus here (``trainer.task.pretraining``), instruction data for ``memplan finetune``
+(``trainer.finetune.finetune_task``), the same in one process and in every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import gc
 import math
 import os
 import signal
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,42 +66,41 @@ from typing import Callable
 import torch
 
 from memplan.errors import InputError
-from memplan.fsutil import no_space, open_append
+from memplan.fsutil import open_append
 from memplan.hardware import Device
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import records, rundir
-from trainer.rundir import METRICS_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
-from trainer.data import PreparedData, TrainStream
+from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
+                                 check_metrics_file, check_plan_fits, check_plan_for_data, check_run_dir_free,
+                                 check_same_plan, lock_run, predicted_for, resume_settings, state_of)
 from trainer.device import current_rss as _process_rss, torch_device_for, trim_heap as _trim_heap  # noqa: F401
-from trainer.model import build_model, lm_loss
+from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
+                                finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
+from trainer.model import build_model
 from trainer.monitor import MemoryMonitor
-from trainer.sample import sample_text
-from trainer.step import autocast, make_optimizer, param_dtype, set_matmul_precision, train_step
-from trainer.verify import is_out_of_memory
+from trainer.rundir import METRICS_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
+from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
+                              TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule, cadence, decayed,
+                              default_eval_every, default_warmup, new_schedule, probed_length, refitted,
+                              steps_from_limits)
+from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingStopped, eta_seconds,  # noqa: F401
+                              halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks)
+from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
+                          starting_weights_again)
 
 PLAN_FILE = "plan.toml"
 REPORT_FILE = "report.html"
-CHECKPOINT_DIR = "checkpoints"
-TOKENIZER_FILE = "tokenizer.json"
 
-WARMUP_FRACTION = 0.05  # default warmup: 5% of the steps ...
-WARMUP_MAX_STEPS = 100  # ... but at most this many
-EVALS_PER_RUN = 5  # default eval (and checkpoint) cadence: this many times over the run ...
-EVAL_EVERY_MAX = 1000  # ... but at least every this many steps
 PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
-EVAL_TIME_SHARE = 0.2  # ... and give evaluations at most this share of the time
-DECAY_SHARE = 0.2  # a time-limited run decays its learning rate over the last fifth of its time
-TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
-ETA_WINDOW = 20  # steps whose median step time predicts the rest
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)
 METRICS_FLUSH_SECONDS = 1.0  # train lines reach metrics.jsonl at most this late (events and evals at once)
 MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
 SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
-LIMITS = ("max_steps", "max_tokens", "max_minutes")  # the settings that decide when a run stops
 
 
 # =================================================================================================
@@ -172,96 +176,6 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Schedule:
-    """The learning rate of every step.
-
-    ``cosine`` (a known number of steps): linear warmup to ``peak_lr`` over ``warmup_steps``, then cosine
-    decay to ``min_lr`` at ``total_steps`` (Loshchilov & Hutter 2017, without restarts), ``min_lr`` after.
-
-    ``wsd`` (a time limit, where the number of steps is not known in advance): warmup, then ``peak_lr``
-    until the last DECAY_SHARE of the time, when the loop fixes ``decay_start`` and ``total_steps`` from
-    the step time measured so far (``with_decay``); then the same cosine decay over those steps
-    (warmup-stable-decay: Hu et al. 2024, MiniCPM; Hägele et al. 2024 find it matches a cosine of known
-    length). Until then ``total_steps`` is an estimate (from timed probe steps), used for the ETA only.
-    """
-
-    peak_lr: float
-    min_lr: float
-    warmup_steps: int
-    total_steps: int
-    kind: str = "cosine"  # cosine | wsd
-    decay_start: int | None = None  # wsd: the last step at peak_lr, once fixed
-
-    def lr(self, step: int) -> float:
-        """The learning rate of step ``step`` (1-based)."""
-        if self.warmup_steps and step <= self.warmup_steps:
-            return self.peak_lr * step / self.warmup_steps
-        start = self.warmup_steps
-        if self.kind == "wsd":
-            if self.decay_start is None or step <= self.decay_start:
-                return self.peak_lr
-            start = self.decay_start
-        span = max(1, self.total_steps - start)
-        progress = min(1.0, max(0.0, (step - start) / span))
-        return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-    @property
-    def fixed(self) -> bool:
-        """Whether total_steps is final (always for cosine; for wsd once the decay has started)."""
-        return self.kind == "cosine" or self.decay_start is not None
-
-    def with_decay(self, last_stable_step: int, decay_steps: int) -> "Schedule":
-        """A wsd schedule whose decay runs over the ``decay_steps`` steps after ``last_stable_step``."""
-        return dataclasses.replace(self, decay_start=last_stable_step, total_steps=last_stable_step + max(1, decay_steps))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def default_warmup(total_steps: int) -> int:
-    """5% of the steps, at most 100, at least 1 when there are 20 steps or more."""
-    return min(WARMUP_MAX_STEPS, int(total_steps * WARMUP_FRACTION))
-
-
-def default_eval_every(total_steps: int) -> int:
-    return max(1, min(EVAL_EVERY_MAX, total_steps // EVALS_PER_RUN))
-
-
-def out_of_memory(e: BaseException) -> str | None:
-    """The first line of ``e`` (at most 300 characters) when it says the device ran out of memory
-    (``trainer.verify.is_out_of_memory``: a GPU's ``torch.OutOfMemoryError``; on a CPU the allocator's
-    RuntimeError ``DefaultCPUAllocator: can't allocate memory``, as under ``ulimit -v``, or a MemoryError),
-    else None. The loop backs off from either alike. (``is_out_of_memory`` is imported with this module: an
-    import while memory is exhausted fails with a MemoryError of its own.)"""
-    if not is_out_of_memory(e):
-        return None
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def memory_failure(e: BaseException) -> str | None:
-    """``out_of_memory``'s line, or the first line of a failure to map memory (a shared library that cannot be
-    mapped under ``ulimit -v``, an ENOMEM), else None."""
-    message = out_of_memory(e)
-    if message is not None:
-        return message
-    text = str(e).strip()
-    if (isinstance(e, ImportError) and "failed to map segment" in text) or (
-            isinstance(e, OSError) and e.errno == errno.ENOMEM):
-        return text.splitlines()[0][:300]
-    return None
-
-
-class TrainingStopped(Exception):
-    """The run stopped on its own for a reason the user must act on (diverged, no memory left).
-    The message is one line; checkpoints and metrics written so far stay."""
-
-
-class DiskFull(TrainingStopped):
-    """A write of the run (a checkpoint, metrics.jsonl, plan.toml, run.json, the report) found the disk
-    full. The message is one line naming the file; the unfinished checkpoint is gone, earlier ones stay."""
-
 
 # =================================================================================================
 # Metrics
@@ -306,10 +220,6 @@ class _MetricsWriter:
                 pass
 
 
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
 # =================================================================================================
 # The run
 # =================================================================================================
@@ -346,14 +256,6 @@ def peak_flops_per_second(profile: Device, setup: TrainSetup) -> float:
     return profile.peak_tflops.get(dtype, profile.peak_tflops["fp32"]) * 1e12
 
 
-def predicted_for(plan: Plan, profile: Device) -> dict:
-    """What memplan predicts for this plan on this device (the figures the run is measured against):
-    ``memplan.prediction.predict``'s, as a dict."""
-    from memplan.prediction import predict
-
-    return predict(plan.model, plan.setup, profile).as_dict()
-
-
 def training_settings(config: TrainConfig) -> dict:
     """A plan's [training] table (``memplan.plan.TRAINING_KEYS``) for ``config``; ``schedule`` says which decay
     its limits give (wsd for a run limited by time alone, else cosine)."""
@@ -365,96 +267,27 @@ def training_settings(config: TrainConfig) -> dict:
     return out
 
 
-@dataclass(frozen=True)
-class StartingWeights:
-    """Weights a new run starts from instead of a seeded initialisation (``memplan train --from``: a Hugging
-    Face checkpoint, continued pretraining). ``load()`` reads them as canonical-named tensors, called once
-    while the model is built, after the process's baseline memory is taken (so the copy it holds only
-    briefly is not counted as runtime context); on ranks other than 0 it is not called, since DDP and FSDP
-    take rank 0's weights. ``record`` is what the run keeps of where they came from (``base_hf`` in
-    run.json and each checkpoint's meta.json): path, model_type, dtype and ``weights_sha256``."""
-
-    load: Callable[[], dict]
-    record: dict
-    where: str
-
-
-def starting_from_hf(directory: Path, spec, *, model_type: str, recorded_sha256: str | None = None,
-                     flag: str = "--from") -> StartingWeights:
-    """The weights of the Hugging Face checkpoint in ``directory`` as a run's start: names and shapes checked
-    against ``spec`` now (headers only), the files' sha256 taken now (``recorded_sha256``: it must still be
-    that one, for a run that starts again from step 0), the tensors read when the model is built."""
-    from trainer import hf_import
-
-    hf_import.check_weights(directory, spec)
-    sha = hf_import.weights_sha256(directory)
-    if recorded_sha256 is not None and sha != recorded_sha256:
-        raise InputError(f"{flag}: the weights in {directory} changed since the run started from them (sha256 "
-                         f"{sha[:12]}, recorded {recorded_sha256[:12]}); start a new run from them instead")
-
-    def load() -> dict:
-        return hf_import.read_weights(directory, spec)[0]
-
-    return StartingWeights(load=load, record={"path": str(directory.resolve()), "model_type": model_type,
-                                              "weights_sha256": sha}, where=f"{flag} {directory}")
-
-
-def starting_weights_again(meta: dict, where: str, plan: Plan) -> StartingWeights:
-    """A ``--from`` run resumed before its first checkpoint starts again from the checkpoint it recorded."""
-    base = meta.get("base_hf")
-    if not isinstance(base, dict) or not isinstance(base.get("path"), str) \
-            or not isinstance(base.get("weights_sha256"), str):
-        raise InputError(f"--resume: {where}: base_hf must name the checkpoint's path and weights_sha256")
-    directory = Path(base["path"])
-    if not directory.is_dir():
-        raise InputError(f"--resume: the run stopped before its first checkpoint and started from {directory}, "
-                         "which is gone; start it again with --from")
-    return starting_from_hf(directory, plan.model, model_type=str(base.get("model_type")),
-                            recorded_sha256=base["weights_sha256"], flag="--resume")
-
-
-def check_plan_for_data(plan: Plan, data: PreparedData) -> None:
-    """The model must embed the data's vocabulary and, with learned positions, hold the context."""
-    if plan.model.vocab != data.vocab_size:
-        raise InputError(f"the model's vocabulary is {plan.model.vocab} but {data.path}'s tokenizer has "
-                         f"{data.vocab_size} tokens; the vocabulary comes from the prepared data")
-    if plan.model.pos == "learned" and plan.setup.ctx > plan.model.max_positions:
-        raise InputError(f"--ctx {plan.setup.ctx} exceeds the model's {plan.model.max_positions} learned positions")
-    _, launched, _ = distributed.env_world()
-    if plan.setup.world_size != launched:
-        raise InputError(f"the plan is for --world-size {plan.setup.world_size} but {launched} process(es) run it; "
-                         f"launch it with `memplan train --nproc {plan.setup.world_size}` (torchrun)"
-                         if plan.setup.world_size > 1 else
-                         f"the plan is for one process but {launched} were launched; plan with --world-size "
-                         f"{launched}")
-
-
-def check_plan_fits(plan: Plan, profile: Device) -> None:
-    """A plan whose predicted peak exceeds the device's usable memory is refused before it starts (on a CPU
-    the operating system would kill the process or swap, with no out-of-memory error to back off from)."""
-    from memplan.units import format_bytes
-
-    peak = predicted_for(plan, profile)["peak_reserved"]
-    if peak > profile.usable_bytes:
-        raise InputError(f"the plan needs {format_bytes(peak)} (predicted peak) but {profile.name} has "
-                         f"{format_bytes(profile.usable_bytes)} usable; plan for this device (`memplan autotune "
-                         f"... --device {profile.name}`), or lower --batch / --ctx, or use --checkpointing full")
-
 
 class Trainer:
     """One training run. Build it with ``Trainer.start`` (a new run) or ``Trainer.resume``; both check
     everything before anything is written. Then ``run()``.
+
+    What is trained comes as factories (``task``: a ``trainer.task.TrainingTask``; default
+    ``trainer.task.pretraining``: the plan's model, seeded or from ``starting``'s weights, on a prepared
+    corpus): the model, the batches, the held-out loss and the prompts, the same in one process and in every
+    rank. The trainer owns the loop and composes the units that decide around it: the learning rate
+    (``trainer.schedule``), when to stop and how to back off (``trainer.stopping.Stopping``), evaluations
+    (``trainer.evaluation.Evaluation``) and checkpoints (``trainer.checkpoints.CheckpointManager``).
 
     Attributes a caller (or a test) may use between construction and ``run()``: ``model`` (the
     plain ``nn.Module``; forward hooks registered on it fire during training), ``optimizer``,
     ``plan``, ``schedule`` (None until ``run`` fixes it for a time-limited run), ``step``.
     """
 
-    run_kind = "train"  # RUN/run.json's kind: what resumes the run from step 0
-
-    def __init__(self, run_dir: Path, plan: Plan, data: PreparedData, config: TrainConfig, profile: Device,
+    def __init__(self, run_dir: Path, plan: Plan, data, config: TrainConfig, profile: Device,
                  device: torch.device | None, resume_from: ckpt.CheckpointRef | None,
-                 starting: StartingWeights | None = None):
+                 starting: StartingWeights | None = None, task: TrainingTask | None = None):
+        self.task = task if task is not None else pretraining(data, starting)
         self.run_dir = Path(run_dir)
         self.base_hf = starting.record if starting is not None else None  # where its first weights came from
         self.plan, self.data, self.config, self.profile = plan, data, config, profile
@@ -467,12 +300,6 @@ class Trainer:
         self.train_seconds = 0.0  # cumulative over all invocations (restored on resume)
         self.schedule: Schedule | None = None
         self.eval_every = config.eval_every
-        self.save_every = config.save_every
-        self.nonfinite_run = 0
-        self.last_eval: records.EvalLine | None = None
-        self.last_saved_step = -1
-        self.last_eval_step = -1
-        self.stop_signal: int | None = None  # the signal (SIGINT, SIGTERM) that asked the run to stop
         self._events: list[Callable[[dict], None]] = []
         self._writer: _MetricsWriter | None = None
         self._report_written = -math.inf
@@ -483,39 +310,41 @@ class Trainer:
         self._memory_at = -math.inf
         self._memory_clock = 0.0  # training seconds of this invocation, the clock memory samples run on
         self._memory_reads = 0  # steps measured since the invocation started (or the micro-batch changed)
-        self._eval_seconds: list[float] = []  # the latest evaluations' times
-        self._started = time.perf_counter()
         self._resume_from = resume_from
         self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
         # a resume: the limits the run had when the command line replaced them (None: kept as they were)
         self.replaced_limits: dict | None = None
-        self._schedule_ends_run = True  # whether reaching the schedule's end stops a run with no step/token limit
         self.first_step = 0
         self.tokenizer = data.tokenizer
         self.dist = distributed.init()  # rank and world size under torchrun; one process otherwise
         self.is_main = self.dist.is_main
         if self.dist.world_size > 1:
             self.device = self.dist.device
+        self.stopping = Stopping(config)
+        self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep, dist=self.dist,
+                                             save_every=config.save_every)
+        self.evaluation = Evaluation(config=config, loss=self.task.evaluate, prompts=self.task.prompts,
+                                     tokenizer=self.tokenizer, model=lambda: self.model, setup=lambda: self.setup,
+                                     device=self.device)
 
         set_matmul_precision(self.setup.precision)
         if self.device.type == "cpu":  # what preparing data or planning left in the C heap is not the runtime's
             _trim_heap()
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
-        initial = starting if starting is not None and resume_from is None else None  # a checkpoint has its own
+        fresh = resume_from is None  # a checkpoint has its own weights: the starting ones are not loaded
         if self.dist.world_size > 1:  # DDP or FSDP2; the plain module (FSDP2's is sharded in place) as self.model
             self.wrapped = distributed.build_wrapped_model(
                 plan.model, self.setup, self.dist, config.seed,
-                initial=(lambda model: ckpt.load_weights(model, initial.load(), initial.where)) if initial else None)
+                build=lambda device, with_weights: self.task.build_model(plan.model, self.setup, device,
+                                                                         with_weights and fresh))
             self.model = distributed.unwrapped(self.wrapped)
         else:
             torch.manual_seed(config.seed)
-            self.model = self._build_model()
-            if initial is not None:
-                ckpt.load_weights(self.model, initial.load(), initial.where)
+            self.model = self.task.build_model(plan.model, self.setup, self.device, fresh)
             self.wrapped = self.model
         self.optimizer = self._make_optimizer()
         self.scaler = self._make_scaler()
-        self.stream = self._make_stream(self.setup.micro_batch)
+        self.stream = self._new_stream(self.setup.micro_batch)
         self.step_model = torch.compile(self.wrapped) if self.setup.compile else self.wrapped
         self.monitor = MemoryMonitor(self.device)
         self.predicted = predicted_for(plan, profile)
@@ -525,15 +354,52 @@ class Trainer:
             self._restore(*self._load(resume_from.path))
         self.first_step = self.step
 
+    # ---- the units' state, as the loop and its callers read it ----------------------------------------
+
+    @property
+    def save_every(self) -> int | None:
+        return self.checkpoints.save_every
+
+    @save_every.setter
+    def save_every(self, value: int | None) -> None:
+        self.checkpoints.save_every = value
+
+    @property
+    def last_saved_step(self) -> int:
+        return self.checkpoints.last_saved_step
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal (SIGINT, SIGTERM) that asked the run to stop."""
+        return self.stopping.stop_signal
+
+    @property
+    def nonfinite_run(self) -> int:
+        return self.stopping.nonfinite_run
+
+    @property
+    def last_eval(self) -> records.EvalLine | None:
+        return self.evaluation.last
+
+    @property
+    def last_eval_step(self) -> int:
+        return self.evaluation.last_step
+
+    @property
+    def elapsed_seconds(self) -> float:
+        """Wall-clock seconds since this invocation started training (what --max-minutes counts)."""
+        return self.stopping.elapsed
+
     # ---- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, run_dir: str | Path, plan: Plan, data: PreparedData, config: TrainConfig, profile: Device,
+    def start(cls, run_dir: str | Path, plan: Plan, data, config: TrainConfig, profile: Device,
               device: torch.device | None = None, allow_existing: bool = False,
-              starting: StartingWeights | None = None) -> "Trainer":
+              starting: StartingWeights | None = None, task: TrainingTask | None = None) -> "Trainer":
         """A new run in ``run_dir``, which must not hold a run already (``allow_existing``: it may hold
         one that never reached a checkpoint; its metrics.jsonl is appended to); from ``starting``'s weights
-        if given, else from a seeded initialisation."""
+        if given, else from a seeded initialisation; ``task``: what it trains (default: ``pretraining`` on
+        ``data``, whose model factory loads ``starting``'s weights)."""
         run_dir = Path(run_dir)
 
         def checked() -> "Trainer":
@@ -546,14 +412,14 @@ class Trainer:
             check_plan_fits(plan, profile)
             if config.verify_data:
                 data.verify()
-            return cls(run_dir, plan, data, config, profile, device, None, starting)
+            return cls(run_dir, plan, data, config, profile, device, None, starting, task)
 
         return cls._holding_run_lock(run_dir, checked)  # locked before the checks: no second writer passes them
 
     @classmethod
-    def resume(cls, run_dir: str | Path, data: PreparedData, profile: Device, *, plan: Plan | None = None,
+    def resume(cls, run_dir: str | Path, data, profile: Device, *, plan: Plan | None = None,
                overrides: dict | None = None, device: torch.device | None = None,
-               sharding: str | None = None) -> "Trainer":
+               sharding: str | None = None, task: TrainingTask | None = None) -> "Trainer":
         """Continue the run in ``run_dir`` from its newest checkpoint; one stopped before its first
         checkpoint starts again from step 0 as its RUN/run.json records it (trainer/rundir.py).
 
@@ -563,7 +429,8 @@ class Trainer:
         sample_tokens, prompts, verify_data, max_nonfinite) and must leave the others as the run has
         them. The limits (LIMITS) go together: any of them given replaces the run's three (the others
         lifted; ``replaced_limits`` keeps what the run had, and the schedule is refitted:
-        ``_refit_schedule``); none given keeps the run's.
+        ``trainer.schedule.refitted``); none given keeps the run's. ``task``: what the run trains (default
+        ``pretraining`` on ``data``); a run record of another kind is refused.
 
         Launched in another number of processes than the run was saved with (torchrun), the run goes
         on with the same global batch (``distributed.rescaled_for_world``), with ``sharding`` (else
@@ -573,11 +440,11 @@ class Trainer:
         if not run_dir.is_dir():
             rundir.resume_source(run_dir)  # the InputError saying what is there instead
         return cls._holding_run_lock(run_dir, lambda: cls._resume_locked(
-            run_dir, data, profile, plan=plan, overrides=overrides, device=device, sharding=sharding))
+            run_dir, data, profile, plan=plan, overrides=overrides, device=device, sharding=sharding, task=task))
 
     @staticmethod
     def _holding_run_lock(run_dir: Path, build) -> "Trainer":
-        """``build()`` while holding the run's lock (``_lock_run``: rank 0's, None on other ranks), which the
+        """``build()`` while holding the run's lock (``lock_run``: rank 0's, None on other ranks), which the
         trainer then keeps; released again when ``build`` fails."""
         lock = _lock_run(run_dir)
         try:
@@ -590,91 +457,35 @@ class Trainer:
         return trainer
 
     @classmethod
-    def _resume_locked(cls, run_dir: Path, data: PreparedData, profile: Device, *, plan, overrides, device,
-                       sharding) -> "Trainer":
-        ref, source = rundir.resume_source(run_dir)  # the newest checkpoint, else the run record (from step 0)
-        if ref is not None:
-            meta = ckpt.verify_checkpoint(ref.path)
-            where = f"{ref.path / ckpt.META_FILE}"
-        else:
-            meta, where = source, f"{run_dir / rundir.RUN_FILE}"
-            if meta.get("kind", "train") != cls.run_kind:
-                raise InputError(f"--resume: {run_dir} is a {meta.get('kind')} run; resume it with memplan "
-                                 f"{meta.get('kind')}")
-        try:
-            saved_plan = Plan.from_dict(meta["plan"], where)
-            config = TrainConfig.from_dict(meta["config"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"--resume: {where}: unreadable run settings ({type(e).__name__}: {e})") from None
-        check_metrics_file(run_dir)
-        if plan is not None:
-            check_same_plan(saved_plan, plan, run_dir)
-        tok_sha = data.manifest["tokenizer"]["sha256"]
-        if tok_sha != meta.get("tokenizer_sha256"):
-            raise InputError(f"--resume: {run_dir} was trained with another tokenizer (sha256 "
-                             f"{str(meta.get('tokenizer_sha256'))[:12]}) than {data.path}'s ({tok_sha[:12]}); "
-                             "resume with the run's own prepared data")
-        if data.train_tokens != meta.get("data", {}).get("train_tokens"):
-            raise InputError(f"--resume: {run_dir} was trained on a train split of "
-                             f"{meta.get('data', {}).get('train_tokens')} tokens, {data.path} has "
-                             f"{data.train_tokens}; resume with the run's own prepared data")
-        stored = config
-        config = _apply_overrides(config, overrides or {})
-        _, launched, _ = distributed.env_world()
-        asked_sharding = sharding or (plan.setup.sharding if plan is not None and plan.setup.sharding != "none"
-                                      else None)
-        setup = distributed.rescaled_for_world(saved_plan.setup, launched, asked_sharding)
-        if setup != saved_plan.setup:  # another world size than the run was saved with: the same global batch
-            saved_plan = dataclasses.replace(saved_plan, setup=setup, predicted=predicted_for(
-                dataclasses.replace(saved_plan, setup=setup), profile))
-        check_plan_for_data(saved_plan, data)
-        if config.verify_data:
-            data.verify()
+    def _resume_locked(cls, run_dir: Path, data, profile: Device, *, plan, overrides, device, sharding,
+                       task) -> "Trainer":
+        r = resume_settings(run_dir, data, profile, kind=task.kind if task is not None else "train",
+                            read_config=TrainConfig.from_dict, plan=plan, overrides=overrides, sharding=sharding)
         # ref None: again from step 0, from the weights it started from (a --from run's, checked unchanged)
-        starting = starting_weights_again(meta, where, saved_plan) if ref is None and meta.get("base_hf") else None
-        trainer = cls(run_dir, saved_plan, data, config, profile, device, ref, starting)
-        trainer.base_hf = meta.get("base_hf")
+        starting = starting_weights_again(r.meta, r.where, r.plan) if r.ref is None and r.meta.get("base_hf") \
+            else None
+        trainer = cls(run_dir, r.plan, data, r.config, profile, device, r.ref, starting, task)
+        trainer.base_hf = r.meta.get("base_hf")
         if any((overrides or {}).get(k) is not None for k in LIMITS):
-            trainer.replaced_limits = {k: getattr(stored, k) for k in LIMITS}
+            trainer.replaced_limits = {k: getattr(r.stored_config, k) for k in LIMITS}
             trainer._refit_schedule()
         return trainer
 
     def _refit_schedule(self) -> None:
-        """A resume whose limits were replaced: the restored schedule made to end where the new limits do.
-
-        A step or token limit ends a warmup-stable-decay schedule whose decay was not fixed yet with a
-        decay over the last DECAY_SHARE of the new length (from this step on at the latest; its warmup, sized
-        for the old estimate, cut to end by then); a cosine, or a
-        decay already fixed, stays (past its end the rate is the floor). A time limit alone trains until its
-        time is up: the schedule's end no longer stops the run (an unfixed decay is fixed by this process's
-        clock, as in a new run)."""
-        c, sched = self.config, self.schedule
-        if sched is None:  # again from step 0: the schedule is fixed by open() for the new limits
+        """A resume whose limits were replaced: the restored schedule made to end where the new limits do
+        (``trainer.schedule.refitted``)."""
+        if self.schedule is None:  # again from step 0: the schedule is fixed by open() for the new limits
             return
-        ends = [n for n in (c.max_steps, math.ceil(c.max_tokens / self.setup.tokens_per_step)
-                            if c.max_tokens is not None else None) if n is not None]
-        if ends:
-            if not sched.fixed:
-                end = min(ends)
-                last_stable = max(self.step, end - max(1, math.ceil(DECAY_SHARE * end)))
-                # (a warmup sized for the time limit's estimate ends by the decay at the latest)
-                self.schedule = dataclasses.replace(sched, warmup_steps=min(sched.warmup_steps, last_stable)
-                                                    ).with_decay(last_stable, end - last_stable)
-        else:
-            self._schedule_ends_run = False
+        self.schedule, self.stopping.schedule_ends_run = refitted(self.schedule, self.config, self.step,
+                                                                  self.setup.tokens_per_step)
 
-    def _build_model(self):
-        """The model to train (finetuning builds it from a trained run instead: trainer/finetune.py)."""
-        return build_model(self.plan.model, self.setup.attention, self.setup.checkpointing,
-                           param_dtype(self.setup.precision), device=self.device)
+    def _new_stream(self, micro_batch: int):
+        """The task's training batches at ``micro_batch``, this rank's share."""
+        return self.task.make_stream(micro_batch=micro_batch, ctx=self.setup.ctx, seed=self.config.seed,
+                                     rank=self.dist.rank, world_size=self.dist.world_size)
 
-    def _make_stream(self, micro_batch: int):
-        """The training batches, resumable (finetuning streams its examples instead)."""
-        return TrainStream(self.data, batch=micro_batch, ctx=self.setup.ctx, seed=self.config.seed,
-                           rank=self.dist.rank, world_size=self.dist.world_size)
-
-    def _make_optimizer(self):
-        return make_optimizer(self.model, self.setup.optimizer, lr=self.config.lr,
+    def _make_optimizer(self, model: torch.nn.Module | None = None):
+        return make_optimizer(self.model if model is None else model, self.setup.optimizer, lr=self.config.lr,
                               weight_decay=self.config.weight_decay, betas=(self.config.beta1, self.config.beta2))
 
     def _make_scaler(self):
@@ -683,29 +494,15 @@ class Trainer:
         return torch.amp.GradScaler(self.device.type)
 
     def _load(self, path: Path) -> tuple[dict, dict]:
-        """(meta, state) of a checkpoint, its weights and optimizer state loaded into this run's model:
-        a distributed run's shards (any world size, or one process), or a single-process checkpoint
-        (in one process as saved; over several, from rank 0, each rank keeping its shards)."""
-        # sharded only when meta.json says so (Trainer.resume verified every file it lists, and that it
-        # lists every file): a directory planted in a checkpoint is never what decides how to load it
-        if (ckpt.read_meta(path).get("distributed") or {}).get("sharded") == distributed.SHARDED_DIR:
-            meta, state = ckpt.load_checkpoint(path, None, map_location=self.device, verify=False)
-            distributed.load_sharded(path / distributed.SHARDED_DIR, self.wrapped, self.optimizer)
-            return meta, {**state, "optimizer": None}
-        if self.dist.world_size == 1:
-            return ckpt.load_checkpoint(path, self.model, map_location=self.device, verify=False)
-        meta, state = ckpt.load_checkpoint(path, None, map_location="cpu", verify=False)
-        plain = plain_optimizer = None
-        if self.is_main:
-            plain = build_model(self.plan.model, self.setup.attention, self.setup.checkpointing,
-                                param_dtype(self.setup.precision), device="cpu")
-            ckpt.load_weights(plain, ckpt.read_weights(path / ckpt.MODEL_FILE), str(path / ckpt.MODEL_FILE))
-            plain_optimizer = make_optimizer(plain, self.setup.optimizer, lr=self.config.lr,
-                                             weight_decay=self.config.weight_decay,
-                                             betas=(self.config.beta1, self.config.beta2))
-            plain_optimizer.load_state_dict(state["optimizer"])
-        distributed.load_single_process_state(self.wrapped, self.optimizer, plain, plain_optimizer, self.is_main)
-        return meta, {**state, "optimizer": None}
+        """(meta, state) of a checkpoint, its weights and optimizer state loaded into this run's model
+        (``CheckpointManager.load``; a single-process checkpoint over several ranks is read by rank 0 into
+        the task's model, built on the CPU)."""
+        def plain():
+            model = self.task.build_model(self.plan.model, self.setup, "cpu", False)
+            return model, self._make_optimizer(model)
+
+        return self.checkpoints.load(path, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
+                                     device=self.device, plain=plain)
 
     def _restore(self, meta: dict, state: dict) -> None:
         where = f"{self._resume_from.path / ckpt.STATE_FILE}"
@@ -722,12 +519,12 @@ class Trainer:
             self.train_seconds = float(state.get("train_seconds", 0.0))
             self.eval_every = state["eval_every"] if self.config.eval_every is None else self.config.eval_every
             self.save_every = state["save_every"] if self.config.save_every is None else self.config.save_every
-            self.nonfinite_run = int(state.get("nonfinite_run", 0))
+            self.stopping.nonfinite_run = int(state.get("nonfinite_run", 0))
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{where}: incomplete training state ({type(e).__name__}: {e}); the checkpoint "
                              "is corrupt") from None
-        self.last_saved_step = self.step
-        self.last_eval_step = self.step
+        self.checkpoints.last_saved_step = self.step
+        self.evaluation.last_step = self.step
 
     # ---- the loop ----------------------------------------------------------------------------------
 
@@ -772,7 +569,7 @@ class Trainer:
             if message is None:
                 raise
             stopped = TrainingStopped(f"step {self.step}: out of memory outside a training step ({message}); "
-                                      f"{self._newest_checkpoint_note()}; free memory (or raise `ulimit -v`), "
+                                      f"{self.checkpoints.newest_note()}; free memory (or raise `ulimit -v`), "
                                       "then continue it with --resume")
             raise stopped from None
         finally:
@@ -783,7 +580,7 @@ class Trainer:
     def open(self) -> None:
         """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
         (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
-        self._started = self._report_written = time.perf_counter()  # the first refresh a minute in
+        self.stopping.started = self._report_written = time.perf_counter()  # the first refresh a minute in
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self._resume_from is None:  # what this run is, before anything else of it is written
@@ -797,7 +594,7 @@ class Trainer:
             with self._writing(self.run_dir / METRICS_FILE):
                 self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
         if self.schedule is None:
-            self.schedule = self._fix_schedule(self._started)
+            self.schedule = self._fix_schedule(self.stopping.started)
             # timed probe steps fix a time-limited run's length: every rank takes rank 0's
             self.schedule, self.eval_every, self.save_every = distributed.from_rank0(
                 (self.schedule, self.eval_every, self.save_every))
@@ -821,41 +618,26 @@ class Trainer:
             self._lock.release()
 
     def _on_signal(self, signum, frame) -> None:
-        if self.stop_signal is not None:  # a second Ctrl-C: stop now
+        if not self.stopping.signal(signum):  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
-        self.stop_signal = int(signum)
 
     def _fix_schedule(self, started: float) -> Schedule:
-        """The schedule's length: from --max-steps / --tokens, or for --max-minutes alone from timed steps."""
+        """The schedule's length: from --max-steps / --tokens, or for --max-minutes alone from timed steps,
+        else one epoch of the training batches; the evaluation and checkpoint cadence with it."""
         c = self.config
-        tokens_per_step = self.setup.tokens_per_step
-        candidates = []
-        if c.max_steps is not None:
-            candidates.append(c.max_steps)
-        if c.max_tokens is not None:
-            candidates.append(max(1, math.ceil(c.max_tokens / tokens_per_step)))
-        kind = "cosine"
-        if candidates:
-            total = min(candidates)
-        elif c.max_minutes is not None:  # an estimate until the decay starts (see Schedule)
+        total, kind = steps_from_limits(c, self.setup.tokens_per_step), "cosine"
+        if total is None and c.max_minutes is not None:  # an estimate until the decay starts (see Schedule)
             total = self._probe_steps(c.max_minutes * 60.0 - (time.perf_counter() - started))
             kind = "wsd"
-        else:  # one epoch of the train split
+        elif total is None:  # one epoch of the train split
             total = max(1, len(self.stream.epoch_plan(0)[1]) // (self.stream.global_batch * self.setup.grad_accum))
-        warmup = c.warmup_steps if c.warmup_steps is not None else default_warmup(total)
-        if self.eval_every is None:
-            self.eval_every = default_eval_every(total)
-        if self.save_every is None:
-            self.save_every = self.eval_every or default_eval_every(total)
-        return Schedule(peak_lr=c.lr, min_lr=c.lr * c.min_lr_ratio, warmup_steps=min(warmup, total),
-                        total_steps=total, kind=kind)
+        self.eval_every, self.save_every = cadence(self.eval_every, self.save_every, total)
+        return new_schedule(c, total, kind)
 
     def _probe_steps(self, budget_seconds: float) -> int:
         """How many steps fit in ``budget_seconds``, from PROBE_STEPS real steps timed at learning rate 0 (the
-        weights do not move; optimizer and scaler state are reset after) and one timed evaluation.
-
-        Evaluations get at most EVAL_TIME_SHARE of the budget: with the default cadence, as many of
-        EVALS_PER_RUN as fit in it (sets ``eval_every``; 0 means only the final one)."""
+        weights do not move; optimizer and scaler state are reset after) and one timed evaluation
+        (``trainer.schedule.probed_length``; sets ``eval_every`` with the default cadence)."""
         data_state = self.stream.state_dict()
         batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
         self.stream.load_state_dict(data_state)
@@ -871,30 +653,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.state.clear()
         self.scaler = self._make_scaler()
-        step_seconds = times[-1]
         t0 = time.perf_counter()
         self._evaluate(step=0, emit=False)
         eval_seconds = time.perf_counter() - t0
-        self._eval_seconds.append(eval_seconds)
-        budget = budget_seconds * (1.0 - TIME_LIMIT_ALLOWANCE) - sum(times) - eval_seconds  # the final eval
+        self.evaluation.seconds.append(eval_seconds)
+        total, eval_every = probed_length(budget_seconds, times, eval_seconds, self.config.eval_every)
         if self.config.eval_every is None:
-            evals = max(0, min(EVALS_PER_RUN, int(EVAL_TIME_SHARE * budget / max(eval_seconds, 1e-9))))
-            total = max(1, int((budget - evals * eval_seconds) / step_seconds))
-            self.eval_every = total // evals if evals and total >= evals else 0
-            return total
-        # evaluations every k steps: each step carries 1/k of one
-        return max(1, int(budget / (step_seconds + eval_seconds / self.config.eval_every)))
+            self.eval_every = eval_every
+        return total
 
     def planned_steps(self) -> int | None:
         """The step this run is planned to end at: its step or token limit (the nearer), else the schedule's
         end (one epoch, or for a time limit the estimate from timed steps). A time limit may stop it earlier.
         None for a resume given a new time limit alone after its schedule's end (nothing estimates it)."""
-        c = self.config
-        ends = [n for n in (c.max_steps, math.ceil(c.max_tokens / self.setup.tokens_per_step)
-                            if c.max_tokens is not None else None) if n is not None]
-        if not ends and not self._schedule_ends_run:
-            return None
-        return max(self.step, min(ends) if ends else self.schedule.total_steps)
+        return self.stopping.planned_steps(self.step, self.schedule, self.setup.tokens_per_step)
 
     def data_passes(self) -> float | None:
         """Passes over the training tokens that ``planned_steps`` make (tokens trained / training tokens)."""
@@ -933,28 +705,12 @@ class Trainer:
 
     def _stop_reason(self) -> str | None:
         if self.dist.world_size == 1:
-            return self._local_stop_reason()
+            return self.stopping.reason(self.step, self.tokens, self.schedule)
         # a signal any rank received stops them all; the clock's verdict is rank 0's
-        signum = distributed.max_across_ranks(self.stop_signal or 0, self.device)
-        if signum and self.stop_signal is None:
-            self.stop_signal = signum
-        return distributed.from_rank0(self._local_stop_reason())
-
-    def _local_stop_reason(self) -> str | None:
-        c = self.config
-        if self.stop_signal is not None:
-            return "interrupted"
-        if c.max_steps is not None and self.step >= c.max_steps:
-            return "max_steps"
-        if c.max_tokens is not None and self.tokens >= c.max_tokens:
-            return "max_tokens"
-        if c.max_steps is None and c.max_tokens is None and self.schedule.fixed and self._schedule_ends_run \
-                and self.step >= self.schedule.total_steps:
-            return "max_minutes" if c.max_minutes is not None else "epoch"
-        if c.max_minutes is not None and time.perf_counter() - self._started >= c.max_minutes * 60.0 * (
-                1.0 - TIME_LIMIT_ALLOWANCE):
-            return "max_minutes"
-        return None
+        signum = distributed.max_across_ranks(self.stopping.stop_signal or 0, self.device)
+        if signum and self.stopping.stop_signal is None:
+            self.stopping.stop_signal = signum
+        return distributed.from_rank0(self.stopping.reason(self.step, self.tokens, self.schedule))
 
     def advance(self) -> records.TrainLine:
         """One optimizer step with everything around it (learning rate, logging, evaluation and checkpoint
@@ -972,7 +728,7 @@ class Trainer:
         self.train_seconds += seconds
         self._recent = (self._recent + [seconds])[-ETA_WINDOW:]
         finite = math.isfinite(loss)
-        self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
+        give_up = self.stopping.count_loss(loss)
         line = records.TrainLine(
             step=step, loss=_finite_or_none(loss),
             tokens_per_second=self.setup.tokens_per_step / seconds, lr=lr,
@@ -989,58 +745,31 @@ class Trainer:
         self._emit(line)
         if not finite:
             self._emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.nonfinite_run, lr=lr))
-            if self.nonfinite_run >= self.config.max_nonfinite:
+            if give_up:
                 self._write_report()
-                raise TrainingStopped(
-                    f"step {step}: the loss was not finite ({loss}) for {self.nonfinite_run} steps in a row, "
-                    f"so the run stopped (updates were skipped; the newest checkpoint is from step "
-                    f"{max(self.last_saved_step, 0)}); lower the learning rate (--lr, now {self.config.lr:g}), "
-                    + ("use bf16-mixed instead of fp16-mixed, " if self.setup.precision == "fp16-mixed" else "")
-                    + "or lower --clip, then start again or --resume")
+                raise TrainingStopped(self.stopping.nonfinite_message(step, loss, self.last_saved_step,
+                                                                      self.setup.precision))
         if self.eval_every and step % self.eval_every == 0:
             self._evaluate(step)
-        if self.save_every and step % self.save_every == 0:
+        if self.checkpoints.due(step):
             self.save()
         return line
 
     def _maybe_start_decay(self) -> None:
         """wsd: once DECAY_SHARE of the time is left, fix the decay's length from the measured step time
-        (the median of the latest steps, plus the evaluations' share) and log it."""
-        budget = self.config.max_minutes * 60.0 * (1.0 - TIME_LIMIT_ALLOWANCE)
-        elapsed = time.perf_counter() - self._started
-        if elapsed < budget * (1.0 - DECAY_SHARE) or not self._recent or self.step <= self.schedule.warmup_steps:
+        (``trainer.schedule.decayed``) and log it."""
+        decay = decayed(self.schedule, budget_seconds=self.stopping.time_budget, elapsed=self.stopping.elapsed,
+                        step=self.step, recent=self._recent, eval_seconds=self.evaluation.seconds,
+                        eval_every=self.eval_every)
+        if decay is None:
             return
-        per_step = statistics.median(self._recent)
-        if self.eval_every and self._eval_seconds:
-            per_step += statistics.median(self._eval_seconds) / self.eval_every
-        final_eval = statistics.median(self._eval_seconds) if self._eval_seconds else 0.0
-        steps = int((budget - elapsed - final_eval) / per_step)
-        self.schedule = self.schedule.with_decay(self.step, steps)
-        self._emit(records.DecayEvent(step=self.step, decay_steps=max(1, steps),
-                                      total_steps=self.schedule.total_steps, seconds_left=budget - elapsed,
-                                      step_seconds=per_step))
-
-    @property
-    def elapsed_seconds(self) -> float:
-        """Wall-clock seconds since this invocation started training (what --max-minutes counts)."""
-        return time.perf_counter() - self._started
+        self.schedule, details = decay
+        self._emit(records.DecayEvent(step=self.step, **details))
 
     def _eta(self) -> float:
-        """Seconds left: steps to the nearest step or token limit (else the schedule's end) at the median
-        recent step time, or the time left when a time limit comes first. A time-limited run whose length is
-        not fixed yet (wsd before its decay) runs until its time is up: its ETA is the time left (its
-        ``total_steps`` is only the probe steps' estimate, which the run may pass)."""
-        c = self.config
-        steps_left = self.schedule.total_steps - self.step
-        if c.max_steps is not None:
-            steps_left = c.max_steps - self.step
-        if c.max_tokens is not None:
-            steps_left = min(steps_left, math.ceil((c.max_tokens - self.tokens) / self.setup.tokens_per_step))
-        eta = max(0, steps_left) * statistics.median(self._recent)
-        if c.max_minutes is not None:
-            left = max(0.0, c.max_minutes * 60.0 - self.elapsed_seconds)
-            eta = min(eta, left) if self.schedule.fixed else left
-        return eta
+        """Seconds left (``trainer.stopping.eta_seconds``)."""
+        return eta_seconds(self.config, self.schedule, self.step, self.tokens, self.setup.tokens_per_step,
+                           self._recent, self.elapsed_seconds)
 
     def _run_step(self, step: int):
         """One optimizer step, redone with half the micro-batch when it runs out of memory."""
@@ -1073,10 +802,7 @@ class Trainer:
             # outside the except block, so the traceback no longer pins the step's tensors
             del batches
             if self.dist.world_size > 1:
-                raise TrainingStopped(
-                    f"step {step}: out of memory on rank {self.dist.rank} ({oom}); the ranks of a distributed run "
-                    "cannot shrink their micro-batch one by one: re-plan with `memplan autotune --world-size "
-                    f"{self.dist.world_size}` (FSDP shards the model), or use --checkpointing full")
+                raise TrainingStopped(out_of_memory_in_ranks(step, self.dist.rank, self.dist.world_size, oom))
             self._recover_from_oom(step, data_state, oom)
 
     def _memory_due(self) -> bool:
@@ -1096,21 +822,15 @@ class Trainer:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        old = self.setup
-        if old.micro_batch == 1:
+        old, new = self.setup, halved(self.setup)  # the same global batch in smaller micro-batches
+        if new is None:
             self._write_report()
-            raise TrainingStopped(
-                f"step {step}: out of memory at micro-batch 1 ({message}); nothing smaller to try: use "
-                "--checkpointing full, a shorter --ctx, a smaller model, or let `memplan autotune` plan it")
-        # halve the micro-batch, double the accumulation; an odd micro-batch m goes to its largest
-        # divisor d < m with the accumulation times m/d, so the global batch never changes
-        new_micro = max(d for d in range(1, old.micro_batch) if old.micro_batch % d == 0)
-        new_accum = old.grad_accum * (old.micro_batch // new_micro)
-        self.setup = old.replace(micro_batch=new_micro, grad_accum=new_accum)
+            raise TrainingStopped(out_of_memory_at_one(step, message))
+        self.setup = new
         self.plan = dataclasses.replace(self.plan, setup=self.setup)
         self.predicted = predicted_for(self.plan, self.profile)
         self.flops_per_step = model_flops_per_step(self.plan)
-        stream = self._make_stream(new_micro)
+        stream = self._new_stream(new.micro_batch)
         stream.load_state_dict(data_state)  # the same windows, in the same order, in smaller pieces
         self.stream = stream
         if self.scaler is not None:  # a step cut short may have left the scaler mid-step
@@ -1120,79 +840,46 @@ class Trainer:
         with self._writing(self.run_dir / PLAN_FILE):
             self.plan.save(self.run_dir / PLAN_FILE)
         self._emit(records.OomEvent(step=step, time=self.train_seconds, message=message,
-                                    micro_batch=new_micro, grad_accum=new_accum,
+                                    micro_batch=new.micro_batch, grad_accum=new.grad_accum,
                                     previous={"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
                                     predicted=self.predicted))
 
     # ---- evaluation ------------------------------------------------------------------------------
 
     def sample_prompts(self) -> list[str]:
-        """The configured prompts, else the start of each source's first held-out document."""
-        return list(self.config.prompts) or default_prompts(self.data, self.tokenizer)
+        """The configured prompts, else the task's (for a corpus, the start of each source's first held-out
+        document)."""
+        return self.evaluation.prompts()
 
     def evaluate(self) -> dict:
-        """Held-out loss per source and overall, and perplexity (``evaluate`` with this run's settings)."""
-        return evaluate(self.model, self.data, self.setup, self.device, self.config.eval_batches)
+        """Held-out loss per source and overall, and perplexity (the task's, with this run's settings)."""
+        return self.evaluation.loss()
 
     def samples(self, step: int) -> list[dict]:
         """One sample per prompt, seeded by the run's seed, the step and the prompt's index."""
-        if not self.config.sample_tokens:
-            return []
-        return [{"prompt": prompt,
-                 "text": sample_text(self.model, self.tokenizer, prompt, self.config.sample_tokens, ctx=self.setup.ctx,
-                                     seed=self.config.seed * 1_000_003 + step * 101 + i,
-                                     precision=self.setup.precision)}
-                for i, prompt in enumerate(self.sample_prompts())]
+        return self.evaluation.samples(step)
 
     def _evaluate(self, step: int, emit: bool = True) -> records.EvalLine | None:
-        t0 = time.perf_counter()
-        oom = None
-        try:
-            result = self.evaluate()
-            samples = self.samples(step)
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-            oom = out_of_memory(e)
-            if oom is None:
-                raise
-        if oom is not None:  # outside the except block, so the traceback no longer pins tensors
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if emit:
-                self.last_eval_step = step
-                self._emit(records.EvalOomEvent(step=step, message=oom))
-            return None
-        if not emit:
-            return None
-        self.last_eval_step = step
-        if not result:
-            return None
-        self._eval_seconds = (self._eval_seconds + [time.perf_counter() - t0])[-ETA_WINDOW:]
-        line = records.EvalLine(step=step, **{k: _json_safe(v) for k, v in result.items()},
-                                samples=samples, eval_seconds=self._eval_seconds[-1], tokens=self.tokens)
-        self.last_eval = line
-        self._emit(line)
+        line, event = self.evaluation.run(step, self.tokens, emit)
+        if event is not None:
+            self._emit(event)
+        if line is not None:
+            self._emit(line)
         return line
 
     # ---- checkpoints and the end ---------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "scheduler": self.schedule.to_dict(),
-            "data": self.stream.state_dict(),
-            "rng": ckpt.rng_state(),
-            "step": self.step, "tokens": self.tokens, "train_seconds": self.train_seconds,
-            "eval_every": self.eval_every, "save_every": self.save_every, "nonfinite_run": self.nonfinite_run,
-        }
+        return state_of(optimizer=self.optimizer, scaler=self.scaler, schedule=self.schedule, stream=self.stream,
+                        step=self.step, tokens=self.tokens, train_seconds=self.train_seconds,
+                        eval_every=self.eval_every, save_every=self.save_every, nonfinite_run=self.nonfinite_run)
 
     def record(self) -> dict:
         """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer), as a
         checkpoint's meta.json has it, so that a resume reads either the same way."""
         tok = self.data.manifest["tokenizer"]
         return {
-            "kind": self.run_kind,
+            "kind": self.task.kind,
             "plan": self.plan.to_dict(), "config": self.config.to_dict(), "tokenizer_sha256": tok["sha256"],
             "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256",
                                               "encoding") if k in tok},
@@ -1213,21 +900,15 @@ class Trainer:
                      "sources": list(self.data.source_names)},
             "torch": torch.__version__, "device": self.profile.name, "torch_device": str(self.device),
             "saved_unix_time": time.time(), **({"base_hf": self.base_hf} if self.base_hf else {}),
+            **self.task.meta(self.setup),
         }
 
     def save(self) -> Path:
         """Checkpoint now (atomically), keep the newest ``keep``, refresh the report."""
         t0 = time.perf_counter()
-        extra = {}
-        if self.tokenizer.kind != "tiktoken":
-            extra[TOKENIZER_FILE] = self.tokenizer.to_json_str().encode("utf-8")
-        with self._writing(self.run_dir / CHECKPOINT_DIR / ckpt.checkpoint_name(self.step)):
-            if self.dist.world_size > 1:
-                path = self._save_distributed(extra)
-            else:
-                path = ckpt.save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.step, self.model, self.state(),
-                                            self.meta(), keep=self.config.keep, extra_files=extra)
-        self.last_saved_step = self.step
+        path = self.checkpoints.save(self.step, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
+                                     state=self.state, meta=self.meta, tokenizer=self.tokenizer,
+                                     tied=self.plan.model.tied, sharding=self.setup.sharding)
         if self._writer is not None:
             with self._writing(self._writer.path):
                 self._writer.sync()
@@ -1236,58 +917,9 @@ class Trainer:
             self._write_report()
         return path
 
-    def _save_distributed(self, extra: dict[str, bytes]) -> Path:
-        """Every rank writes its shards of the model and optimizer (torch.distributed.checkpoint) into
-        the checkpoint's temporary directory; rank 0 adds the whole weights (gathered: what generate and
-        export read), the rest of the state, the meta, and renames it into place."""
-        directory = self.run_dir / CHECKPOINT_DIR
-        tmp = distributed.from_rank0(ckpt.temporary_dir(directory, self.step))
-        if self.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-            ckpt.clean_leftovers(directory)
-            (tmp / distributed.SHARDED_DIR).mkdir(parents=True)
-        distributed.barrier()
-        distributed.save_sharded(tmp / distributed.SHARDED_DIR, self.wrapped, self.optimizer)
-        weights = distributed.full_weights(self.wrapped)
-        distributed.barrier()
-        path = directory / ckpt.checkpoint_name(self.step)
-        if self.is_main:
-            weights = {ckpt.canonical_name(k): v.contiguous() for k, v in weights.items()
-                       if not (self.plan.model.tied and k == "head.weight")}  # tied: stored once, as the model's
-            state = {k: v for k, v in self.state().items() if k != "optimizer"}
-            meta = {**self.meta(), "distributed": {"world_size": self.dist.world_size, "sharding": self.setup.sharding,
-                                                   "sharded": distributed.SHARDED_DIR}}
-            path = ckpt.save_checkpoint(directory, self.step, None, state, meta, keep=self.config.keep,
-                                        extra_files=extra, weights=weights, tmp=tmp)
-        distributed.barrier()
-        return path
-
-    @contextlib.contextmanager
     def _writing(self, path: Path, report: bool = False):
-        """Writes of ``path`` within: a full disk (``memplan.fsutil.no_space``, however torch reported it)
-        becomes one ``DiskFull`` line naming the file, the step and the newest checkpoint (which is intact)."""
-        try:
-            yield
-        except DiskFull:
-            raise
-        except BaseException as e:
-            err = no_space(e)
-            if err is None:
-                raise
-            if report:
-                then = f"free space, then `memplan train --report --out {self.run_dir}`"
-            else:
-                then = "free space, then continue it with --resume"
-            what = "no space left on device" if err.errno == errno.ENOSPC else str(err.strerror or err).lower()
-            raise DiskFull(f"{path}: {what} at step {self.step}; {self._newest_checkpoint_note()}; {then}") from None
-
-    def _newest_checkpoint_note(self) -> str:
-        """Which checkpoint a run that stops now leaves to resume from."""
-        try:
-            newest = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
-        except OSError:
-            newest = None
-        return f"the newest checkpoint, {newest.path.name}, is intact" if newest else "no checkpoint was saved"
+        """Writes of ``path`` within: a full disk becomes one ``DiskFull`` line (``CheckpointManager.writing``)."""
+        return self.checkpoints.writing(path, self.step, report)
 
     def _write_report(self) -> Path | None:
         from memplan.reports.run import write_run_report
@@ -1313,13 +945,13 @@ class Trainer:
         if self.step > self.last_saved_step:
             checkpoint = self.save()
         else:
-            ref = ckpt.latest_checkpoint(self.run_dir / CHECKPOINT_DIR)
+            ref = self.checkpoints.newest()
             checkpoint = ref.path if ref else None
         self._flush_metrics()
         last_train = next((r for r in reversed(rundir.metric_records(self.run_dir))
                            if isinstance(r, records.TrainLine)), None) if self.is_main else None
         self._emit(records.StopEvent(step=self.step, reason=reason, tokens=self.tokens, time=self.train_seconds,
-                                     wall_seconds=time.perf_counter() - self._started,
+                                     wall_seconds=self.stopping.elapsed,
                                      signal=signal.Signals(self.stop_signal).name if self.stop_signal else None))
         report = self._write_report()
         return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
@@ -1329,151 +961,8 @@ class Trainer:
                           wall_seconds=self.elapsed_seconds)
 
 
-def _ppl(loss: float) -> float | None:
-    try:
-        return math.exp(loss) if math.isfinite(loss) else None
-    except OverflowError:
-        return None
-
-
-def _json_safe(v):
-    if isinstance(v, float):
-        return _finite_or_none(v)
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    return v
-
-
-# =================================================================================================
-# Evaluation
-# =================================================================================================
-
-PROMPT_TOKENS = 12  # default prompts: at most this many tokens of a held-out document, cut at a word
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data: PreparedData, setup: TrainSetup, device: torch.device,
-             max_batches: int) -> dict:
-    """Mean next-token loss on held-out windows: per source (``max_batches`` batches of ``setup.micro_batch``
-    windows of ``setup.ctx`` tokens, evenly spaced over the source's val split) and overall (the mean over
-    every evaluated token), with perplexities. Empty when no source holds a full window."""
-    was_training = model.training
-    model.eval()
-    by_source, tokens_by_source = {}, {}
-    total_loss, total_tokens = 0.0, 0
-    try:
-        for s in data.sources:
-            loss_sum, n = 0.0, 0
-            for x, y in data.val_batches(s.name, batch=setup.micro_batch, ctx=setup.ctx, max_batches=max_batches):
-                x, y = x.to(device), y.to(device)
-                with autocast(setup.precision, device.type):
-                    logits = model(x)
-                loss_sum += float(lm_loss(logits, y)) * y.numel()
-                n += y.numel()
-                del logits
-            if n:
-                by_source[s.name], tokens_by_source[s.name] = loss_sum / n, n
-                total_loss += loss_sum
-                total_tokens += n
-    finally:
-        model.train(was_training)
-    if not total_tokens:
-        return {}
-    overall = total_loss / total_tokens
-    return {"eval_loss": overall, "eval_ppl": _ppl(overall), "eval_tokens": total_tokens,
-            "eval_loss_by_source": by_source, "eval_ppl_by_source": {k: _ppl(v) for k, v in by_source.items()},
-            "eval_tokens_by_source": tokens_by_source}
-
-
-def default_prompts(data: PreparedData, tokenizer) -> list[str]:
-    """The first words (up to PROMPT_TOKENS tokens, cut after the last whole word) of each source's
-    first held-out document: prompts in the corpus's own style, the same on every run."""
-    prompts = []
-    for s in data.sources:
-        n = min(s.val_tokens, PROMPT_TOKENS + 1)
-        ids = [i for i in data.val.read(s.val_offset, n).tolist() if i != data.eot_id][:PROMPT_TOKENS] if n else []
-        text = tokenizer.decode(ids) if ids else ""
-        cut = max(text.rfind(" "), text.rfind("\n"))
-        if cut > 0:
-            text = text[:cut]
-        text = text.rstrip()
-        if text and text not in prompts:
-            prompts.append(text)
-    return prompts or ["The"]
-
-
-# =================================================================================================
-# Checks before anything is written
-# =================================================================================================
-
-def _lock_run(run_dir: Path) -> "rundir.RunLock | None":
-    """The run's lock, taken by the process that writes it (rank 0 of a distributed run)."""
-    rank, _, _ = distributed.env_world()
-    return rundir.lock_run(run_dir) if rank == 0 else None
-
-
-def check_metrics_file(run_dir: Path) -> None:
-    """RUN/metrics.jsonl is appended to: it must be a plain file (a symlink would send the run's lines elsewhere)."""
-    path = run_dir / METRICS_FILE
-    if path.is_symlink():
-        raise InputError(f"--out {run_dir}: its {METRICS_FILE} is a symbolic link; refusing to write through it")
-    if path.exists() and not path.is_file():
-        raise InputError(f"--out {run_dir}: its {METRICS_FILE} is not a regular file")
-
-
-def check_run_dir_free(run_dir: Path) -> None:
-    """A new run needs an absent or empty directory (or one that is not a run: then it must be empty);
-    the lock file of the process checking and the launch file of ``memplan train --nproc`` do not count."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise InputError(f"--out {run_dir}: is a file; give a directory for the run")
-    if run_dir.is_dir() and any(p.name not in rundir.NOT_A_RUN for p in run_dir.iterdir()):
-        if any(os.path.lexists(run_dir / n) for n in (METRICS_FILE, CHECKPOINT_DIR, rundir.RUN_FILE)):
-            raise InputError(f"--out {run_dir}: already holds a run; add --resume to continue it, or choose "
-                             "another --out")
-        raise InputError(f"--out {run_dir}: exists and is not empty; give a new or empty directory")
-
-
-_SPEC_IGNORED = ("name", "source")  # where a shape came from does not change it
-_RUN_CONTROL = ("max_steps", "max_tokens", "max_minutes", "save_every", "eval_every", "eval_batches", "keep",
-                "sample_tokens", "prompts", "verify_data", "max_nonfinite")
-
-
-def check_same_plan(saved: Plan, asked: Plan, run_dir: Path) -> None:
-    """The plan given on a resume must be the run's: same model shape, same setup (the micro-batch may
-    have been halved after an out-of-memory step, so only the global batch is compared)."""
-    a = {k: v for k, v in saved.model.to_dict().items() if k not in _SPEC_IGNORED}
-    b = {k: v for k, v in asked.model.to_dict().items() if k not in _SPEC_IGNORED}
-    diff = [k for k in a if a[k] != b.get(k)]
-    if diff:
-        k = diff[0]
-        raise InputError(f"--resume: {run_dir} trains a model with {k} = {a[k]!r}, this command asks for "
-                         f"{b.get(k)!r}; drop the model options to resume it, or start a new run with another --out")
-    s, t = saved.setup, asked.setup
-    for k in ("ctx", "precision", "attention", "checkpointing", "optimizer", "compile"):
-        if getattr(s, k) != getattr(t, k):
-            raise InputError(f"--resume: {run_dir} trains with {k} = {getattr(s, k)!r}, this command asks for "
-                             f"{getattr(t, k)!r}; drop the option to resume it, or start a new run with another --out")
-    if s.micro_batch * s.grad_accum * s.world_size != t.micro_batch * t.grad_accum * t.world_size:
-        raise InputError(f"--resume: {run_dir} trains with a global batch of {s.micro_batch} × {s.grad_accum} × "
-                         f"{s.world_size} sequences, this command asks for {t.micro_batch} × {t.grad_accum} × "
-                         f"{t.world_size}; drop --batch/--grad-accum to resume it")
-
-
-def _apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
-    """The run's config with the run-control settings given on a resume. The limits (LIMITS) go together:
-    any given replaces the run's three (those not given are lifted); none given keeps the run's."""
-    changes = {}
-    if any(overrides.get(k) is not None for k in LIMITS):
-        changes.update({k: overrides.get(k) for k in LIMITS})
-    for k, v in overrides.items():
-        if v is None:
-            continue
-        if k in _RUN_CONTROL:
-            changes[k] = tuple(v) if k == "prompts" else v
-        elif getattr(config, k) != v:
-            raise InputError(f"--resume: the run trains with {k.replace('_', '-')} = {getattr(config, k)!r}, this "
-                             f"command asks for {v!r}; drop --{k.replace('_', '-')} to resume it")
-    return config.replace(**changes) if changes else config
+_lock_run = lock_run  # the run's lock (rank 0's): trainer.checkpoints.lock_run
+_apply_overrides = apply_overrides
 
 
 # =================================================================================================
@@ -1507,3 +996,4 @@ def build_trained(trained: rundir.TrainedCheckpoint, device=None):
         merge_lora(model)
     model.eval()
     return model, trained.tokenizer(), meta
+

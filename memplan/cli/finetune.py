@@ -52,6 +52,12 @@ BudgetOpt = Annotated[Optional[str], typer.Option("--budget", help="Memory budge
 LrOpt = Annotated[Optional[float], typer.Option(
     "--lr", help="Peak learning rate; default 2e-4 with LoRA, 3e-5 for a full finetune.", show_default=False)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the finetune in --out from its newest checkpoint.")]
+FtNprocOpt = Annotated[Optional[str], typer.Option(
+    "--nproc", help="Finetune in N processes (torchrun: one per GPU, else N CPU processes over gloo), with DDP for "
+                    "--batch, else DDP or FSDP2 as autotune plans it: every rank builds the base weights and the "
+                    "adapters, only the trainable weights' gradients are "
+                    "reduced; each rank runs --batch × --grad-accum per step (autotuned: the same global batch as "
+                    "one process).", show_default=False)]
 
 
 @app.command("finetune")
@@ -66,7 +72,7 @@ def finetune_command(
     eval_batches: EvalBatchesOpt = None, sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None,
     max_nonfinite: MaxNonfiniteOpt = None, verify_data: VerifyDataOpt = None, seed: SeedOpt = None,
     resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    threads: ThreadsOpt = None, log: LogOpt = None,
+    threads: ThreadsOpt = None, log: LogOpt = None, nproc: FtNprocOpt = None, click_ctx: typer.Context = None,
 ) -> None:
     """Finetune a trained run (--run) or a Hugging Face checkpoint (--from) on instructions (loss on the responses only), with LoRA or every weight; planned,
     checkpointed and resumable like `memplan train`."""
@@ -76,7 +82,18 @@ def finetune_command(
     from memplan.setup import TrainSetup
     from memplan.units import format_bytes, parse_count, parse_size
 
-    console = Console()
+    from trainer import distributed
+
+    n = parse_count(nproc, "--nproc") if nproc is not None else 1
+    rank, launched, _ = distributed.env_world()
+    if n > 1 and launched > 1:
+        raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
+    if n > 1:
+        return _launch(click_ctx, n)
+    console = Console(quiet=rank != 0)  # one rank of several: rank 0 alone prints
+    if launched > 1:  # one rank of a torchrun launch (`python -m trainer finetune`): join the group
+        distributed.init()
+        click_ctx.call_on_close(distributed.shutdown)
     if (run is None) == (from_ is None):
         raise InputError("give --run RUN (a memplan run) or --from DIR (a Hugging Face checkpoint directory), "
                          "exactly one")
@@ -103,9 +120,9 @@ def finetune_command(
     if lora_rank < 0:
         raise InputError(f"--lora-rank: {lora_rank} must be 0 (full finetune) or a positive integer")
     from trainer import checkpoint as ckpt
-    from trainer.finetune import FinetuneTrainer, base_of, base_of_hf, load_sft
+    from trainer.finetune import base_of, base_of_hf, finetune_task, load_sft
     from trainer.lora import parse_targets
-    from trainer.loop import CHECKPOINT_DIR, TrainConfig
+    from trainer.loop import CHECKPOINT_DIR, TrainConfig, Trainer
 
     targets = ",".join(parse_targets(lora_targets))
     if resume:
@@ -132,7 +149,7 @@ def finetune_command(
             raise InputError(f"--data {data}: not the file {out_dir} was finetuned on (sha256 differs); resume with "
                              "the same data")
         overrides = {**control, "seed": seed_n, "lr": lr}  # None: as the finetune has it
-        trainer = FinetuneTrainer.resume(out_dir, sft, profile, overrides=overrides)
+        trainer = Trainer.resume(out_dir, sft, profile, overrides=overrides, task=finetune_task(sft))
     else:
         if run is not None:
             base_plan, tokenizer, tok, base_ckpt = base_of(run)
@@ -162,7 +179,8 @@ def finetune_command(
             setup = TrainSetup(ctx=ctx_n, micro_batch=parse_count(batch, "--batch"),
                                grad_accum=parse_count(grad_accum, "--grad-accum") if grad_accum else 1,
                                precision=prec, attention=attention, checkpointing=checkpointing,
-                               optimizer=optimizer, lora_rank=lora_rank, lora_targets=targets)
+                               optimizer=optimizer, lora_rank=lora_rank, lora_targets=targets, world_size=launched,
+                               sharding="ddp" if launched > 1 else "none")
         else:
             if grad_accum is not None:
                 raise InputError("--grad-accum goes with --batch; without --batch autotune picks both")
@@ -172,7 +190,7 @@ def finetune_command(
             tokens_per_step = parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else rows
             result = autotune(spec, profile, ctx=ctx_n, global_batch_tokens=tokens_per_step,
                               budget_bytes=parse_size(budget, "--budget") if budget else None,
-                              lora_rank=lora_rank, lora_targets=targets, precision=prec)
+                              lora_rank=lora_rank, lora_targets=targets, precision=prec, world_size=launched)
             if result.plan is None:
                 raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx_n}"
                                  + (" with LoRA" if lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
@@ -186,7 +204,7 @@ def finetune_command(
         config = TrainConfig(**{k: v for k, v in control.items() if v is not None},
                              lr=lr if lr is not None else (2e-4 if lora_rank else 3e-5),
                              weight_decay=0.0 if lora_rank else 0.1, seed=seed_n or 0)
-        trainer = FinetuneTrainer.start(out_dir, plan, sft, config, profile)
+        trainer = Trainer.start(out_dir, plan, sft, config, profile, task=finetune_task(sft))
         s = sft.stats
         what = (f"LoRA rank {lora_rank} (alpha {lora_alpha:g}) on {targets}" if lora_rank else "every weight")
         print_fields(console, [  # (memplan/cli/fit.py: wrapped lines indented under their text)
@@ -201,3 +219,33 @@ def finetune_command(
 
     run_trainer(console, trainer, out_dir, what="finetuning", log=log)
 
+
+
+def _launch(click_ctx, nproc: int) -> None:
+    """``memplan finetune --nproc N ...``: this command without --nproc in N processes started by torchrun's
+    launcher (``python -m trainer finetune`` in each, rank 0 printing)."""
+    import logging
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from memplan.cli.train import LAUNCHED_BY_ENV, _argv_without
+
+    parser = get_args_parser()
+    parser.allow_abbrev = False  # finetune's --run is not an abbreviation of the launcher's --run-path
+    args = parser.parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "trainer", "finetune",
+                              *_argv_without(click_ctx, ("nproc",))])
+    for name in list(logging.root.manager.loggerDict):  # the launcher's own chatter: the ranks speak for the run
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHED_BY_ENV] = "memplan"  # the ranks' errors read as this command's
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = {f.local_rank: f.exitcode for f in e.failures.values()}
+        code = codes.get(0, next(iter(codes.values()), 1))
+        if 0 not in codes:  # rank 0 said nothing about it
+            typer.echo(f"memplan: finetuning failed in rank(s) {', '.join(map(str, sorted(codes)))} "
+                       f"(exit codes {', '.join(map(str, codes.values()))})", err=True)
+        raise typer.Exit(code if code > 0 else 1)

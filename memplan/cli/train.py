@@ -300,12 +300,13 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
 
 
 def _stderr(console):
-    """``console`` when it prints to stderr (train's), else a console that does (finetune prints to stdout)."""
+    """``console`` when it prints to stderr (train's), else a console that does (finetune prints to stdout), as
+    quiet as ``console`` (a rank other than 0)."""
     if console.stderr:
         return console
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, quiet=console.quiet)
 
 
 def _error_line(console, text: str) -> None:
