@@ -1,5 +1,6 @@
-"""A finetune in 2 processes over gloo: `memplan finetune --nproc 2` (torchrun, `python -m trainer finetune` in each
-rank), and the trainer's API with the finetune's factories in 2 spawned ranks.
+"""A finetune in 2 processes over gloo: `memplan finetune --nproc 2` (the finetune resolved once into RUN/launch.json,
+then torchrun, `python -m trainer RUN` in each rank), and the trainer's API with the finetune's factories in 2
+spawned ranks.
 
 Every rank holds the base run's weights and the same LoRA adapters (DDP), only the adapters train, rank 0 writes the
 run. Two ranks with a micro-batch of 2 rows read what one process reads with 2 micro-batches of 2 rows, so their
@@ -78,6 +79,47 @@ def base_weights(run: Path) -> dict:
     from trainer import checkpoint as ckpt
 
     return ckpt.read_weights(ckpt.latest_checkpoint(run / "checkpoints").path / ckpt.MODEL_FILE)
+
+
+def test_nproc_resolves_the_finetune_once_and_each_rank_reads_it_from_the_run_directory(base, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """The launcher resolves (its plan made for 2 processes) and writes launch.json with kind finetune; torchrun
+    gets the run directory alone; a rank reads the file, and refuses a tampered one in one line."""
+    import torch.distributed.run
+
+    from trainer.__main__ import entry
+    from trainer.request import read_launch
+
+    run, sft = base
+    calls = []
+    monkeypatch.setattr(torch.distributed.run, "run", calls.append)
+    monkeypatch.setenv("MEMPLAN_LAUNCHED_BY", "")
+    out = tmp_path / "ft"
+    r = finetune_here("--nproc", "2", "--run", str(run), "--data", str(sft), "--out", str(out), "--lora-rank", "4",
+                      "--batch", "2", "--max-steps", "2", *QUIET)
+    assert r.exit_code == 0, r.output
+    (args,) = calls
+    assert args.module and args.training_script == "trainer" and args.training_script_args == [str(out)]
+    launch = read_launch(out)
+    assert launch.plan["setup"]["world_size"] == 2 and launch.plan["setup"]["lora_rank"] == 4
+    assert launch.request.run == str(run) and launch.request.control["max_steps"] == 2 and launch.request.nproc == 2
+    assert sorted(p.name for p in out.iterdir()) == ["launch.json"]  # the ranks write the rest
+    # one process given the run: the plan is for 2, so it is refused as the plan says, before anything is written
+    monkeypatch.delenv("MEMPLAN_LAUNCHED_BY")
+    with pytest.raises(SystemExit) as e:
+        entry([str(out)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m trainer: error: the plan is for --world-size 2 but 1 process(es) run it; launch it with "
+        "`memplan finetune --nproc 2` (torchrun)"]
+    tampered = json.loads((out / "launch.json").read_text())
+    tampered["request"]["lora_rank"] = "four"
+    (out / "launch.json").write_text(json.dumps(tampered))
+    with pytest.raises(SystemExit) as e:
+        entry([str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "'lora_rank'" in err[0] and "four" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["launch.json"]
 
 
 @pytest.mark.parametrize("lora", [4, 0])

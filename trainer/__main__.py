@@ -20,7 +20,9 @@ FSDP2 (the plan's sharding, else DDP); only rank 0 prints and writes the run. Al
 
     torchrun --nproc-per-node 2 -m trainer finetune --run RUN --data sft.jsonl --out FT --lora-rank 8
 
-runs ``memplan finetune``'s options in each rank (``memplan finetune --nproc N`` launches exactly this).
+runs ``memplan finetune``'s options in each rank, for those who launch torchrun themselves; ``memplan finetune
+--nproc N`` resolves the finetune once instead, writes RUN/launch.json with kind ``finetune`` and launches
+``python -m trainer RUN`` as ``memplan train --nproc N`` does.
 
 Bad input is one line on stderr, from rank 0 only, and exit code 2.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 PROG = "python -m trainer"
 
@@ -82,7 +85,7 @@ def run_prepared(run_dir: str) -> int:
 
     from memplan.cli.train import RichUI, trained
     from trainer import distributed
-    from trainer.request import read_launch, resolve_launch, start_trainer
+    from trainer.request import LaunchSpec, read_launch, resolve_launch, start_trainer
 
     spec = read_launch(run_dir)  # checked before the group is joined: every rank refuses it alike
     rank, launched, _ = distributed.env_world()
@@ -90,6 +93,13 @@ def run_prepared(run_dir: str) -> int:
     try:
         if launched > 1:
             distributed.init()
+        if not isinstance(spec, LaunchSpec):  # memplan finetune --nproc's
+            from trainer import rundir
+            from trainer.finetune_request import resolve_finetune_launch, start_finetune
+
+            ft = resolve_finetune_launch(spec, str(Path(run_dir) / rundir.LAUNCH_FILE), max(launched, 1))
+            return trained(console, start_finetune(ft), Path(ft.request.out), what="finetuning",
+                           log=spec.request.log)
         run = resolve_launch(spec, run_dir, RichUI(console))
         return trained(console, start_trainer(run), run.run_dir, rates_note=run.rates_note, log=spec.log)
     finally:

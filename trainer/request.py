@@ -673,7 +673,7 @@ class LaunchSpec:
             raise InputError(f"{where}: launch file version {obj.get('version')!r}; this memplan reads "
                              f"{LAUNCH_VERSION}")
         if obj.get("kind") != "train":
-            raise InputError(f"{where}: kind {obj.get('kind')!r}; accepted: train")
+            raise InputError(f"{where}: kind {obj.get('kind')!r}; accepted: train, finetune")
         hints = typing.get_type_hints(cls)
         values = {}
         for f in dataclasses.fields(cls):
@@ -761,8 +761,10 @@ def write_launch(run_dir: Path, spec: LaunchSpec) -> Path:
     return path
 
 
-def read_launch(run_dir: str | Path) -> LaunchSpec:
-    """RUN/launch.json, checked; an InputError naming the file and what is wrong with it."""
+def read_launch(run_dir: str | Path):
+    """RUN/launch.json, checked: a ``LaunchSpec`` (``memplan train --nproc``) or a
+    ``trainer.finetune_request.FinetuneLaunch`` (``memplan finetune --nproc``); an InputError naming the file
+    and what is wrong with it."""
     import json
 
     from trainer import rundir
@@ -792,6 +794,11 @@ def read_launch(run_dir: str | Path) -> LaunchSpec:
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:120]}); not a launch file memplan "
                          "wrote") from None
+    if isinstance(obj, dict) and obj.get("format") == LAUNCH_FORMAT and obj.get("version") == LAUNCH_VERSION \
+            and obj.get("kind") == "finetune":
+        from trainer.finetune_request import FinetuneLaunch
+
+        return FinetuneLaunch.from_json(obj, str(path))
     return LaunchSpec.from_json(obj, str(path))
 
 
