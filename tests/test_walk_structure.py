@@ -1,0 +1,117 @@
+"""The memory walk's structure, and a golden check that its figures do not move.
+
+Golden check: ``tests/walk_golden.json`` holds, for each config of ``GOLDEN_CONFIGS`` (every model family,
+every precision, every checkpointing mode, both attentions, GQA repeat, LoRA targets, DDP, FSDP ranks
+over nccl and gloo, the four stacks), what ``peak_memory_of_rank`` reports: the bytes by category at the
+peak, where and in which phase it happened, and the live totals at every moment the walk marks. It was
+produced by the code of commit 7c82a7f (``memplan/memory.py`` as one module, before the walk became the
+package ``memplan/memory/``) with
+
+    python tests/test_walk_structure.py --regenerate
+
+and the test compares every number exactly. A refactoring must leave it unchanged. A deliberate
+change of a formula moves some of these figures: regenerate the file with the same command, in the
+commit that changes the formula, and say there which configs moved and why.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # python tests/test_walk_structure.py --regenerate, from the checkout's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memplan.memory import peak_memory_of_rank
+from memplan.model import ModelSpec
+from memplan.setup import TrainSetup
+from memplan.stacks import Stack
+
+GOLDEN = Path(__file__).with_name("walk_golden.json")
+
+_SMALL = dict(layers=3, hidden=64, heads=4, kv_heads=4, ffn=160, vocab=96)
+FAMILIES = {
+    "llama": dict(arch="llama", **{**_SMALL, "kv_heads": 2}, tied=False),
+    "llama-1": dict(arch="llama", **{**_SMALL, "layers": 1}, tied=True),
+    "llama-6": dict(arch="llama", **{**_SMALL, "layers": 6}, tied=True),
+    "qwen2": dict(arch="llama", **{**_SMALL, "kv_heads": 1}, tied=True, qkv_bias=True),
+    "gpt2": dict(arch="gpt2", **{**_SMALL, "ffn": 256}, tied=True, max_positions=64),
+    "gpt_neox": dict(arch="gpt_neox", **{**_SMALL, "ffn": 256}, tied=False, rotary_pct=0.25),
+    "phi": dict(arch="phi", **{**_SMALL, "layers": 2, "ffn": 256}, tied=False, rotary_pct=0.5),
+    "gemma": dict(arch="gemma", **{**_SMALL, "kv_heads": 1}, tied=True, head_size=32),
+    "stablelm": dict(arch="stablelm", **{**_SMALL, "layers": 2}, tied=False, rotary_pct=0.25),
+    "qwen3": dict(arch="qwen3", **{**_SMALL, "kv_heads": 2}, tied=True, head_size=32),
+}
+
+
+def _config(family, stack="memplan", rank=0, collectives="nccl", gqa=False, loss="fp32", dropout=0.0, cpu=False,
+            **setup):
+    return dict(family=family, setup={"ctx": 32, "micro_batch": 2, **setup}, rank=rank, collectives=collectives,
+                gqa=gqa, stack=dict(name=stack, loss_dtype=loss, lora_dropout=dropout, cpu=cpu))
+
+
+LORA = dict(lora_rank=4)
+GOLDEN_CONFIGS = [
+    *(_config("llama", precision=p, checkpointing=c) for p in ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
+      for c in ("none", "selective", "full")),
+    _config("llama", precision="tf32", attention="eager"),
+    _config("llama", attention="eager", checkpointing="selective"),
+    _config("llama", gqa=True, precision="bf16-mixed"),
+    _config("llama-1", precision="fp32", optimizer="sgd"),
+    _config("llama-6", optimizer="adamw8bit", grad_accum=3),
+    _config("qwen2", attention="eager", precision="bf16"),
+    _config("gpt2", precision="fp32", checkpointing="selective"),
+    _config("gpt2", attention="eager", optimizer="adamw-fused"),
+    _config("gpt_neox", checkpointing="full", grad_accum=2),
+    *(_config(f, stack="transformers", precision=p) for f in ("llama", "gpt2", "gpt_neox", "phi", "gemma", "stablelm",
+                                                             "qwen3") for p in ("fp32", "bf16-mixed")),
+    _config("llama", stack="transformers", loss="logits", attention="eager"),
+    _config("llama", **LORA, lora_targets="qkv,proj,up,down"),
+    _config("llama", **LORA, lora_targets="down", precision="bf16-mixed"),
+    _config("llama", **LORA, lora_targets="proj", precision="bf16", checkpointing="selective"),
+    _config("gpt2", **LORA, lora_targets="qkv,up", attention="eager", checkpointing="full"),
+    _config("gpt_neox", **LORA, lora_targets="up,down", optimizer="adamw8bit"),
+    _config("llama", stack="transformers", **LORA, lora_targets="proj", precision="bf16", dropout=0.1),
+    _config("qwen3", stack="transformers", **LORA, lora_targets="qkv,down", cpu=True),
+    _config("llama", stack="litgpt", precision="bf16-mixed", dropout=0.05, **LORA, lora_targets="qkv,up,down"),
+    _config("llama", stack="litgpt", precision="fp32", cpu=True),
+    _config("llama", stack="torchtune", precision="bf16", checkpointing="full"),
+    _config("gemma", stack="torchtune", precision="fp32", **LORA, lora_targets="proj,up,down"),
+    _config("llama", world_size=2, sharding="ddp", precision="bf16-mixed"),
+    _config("gpt2", world_size=4, sharding="ddp", grad_accum=2, **LORA, lora_targets="qkv"),
+    _config("llama", stack="transformers", world_size=2, sharding="ddp"),
+    *(_config("llama", rank=r, collectives=k, world_size=w, sharding="fsdp", precision=p)
+      for w, p in ((2, "bf16-mixed"), (4, "fp32")) for r in range(w) for k in ("nccl", "gloo")),
+    _config("gpt2", rank=1, world_size=4, sharding="fsdp", checkpointing="selective", grad_accum=2),
+    _config("llama-6", rank=3, world_size=4, sharding="fsdp", checkpointing="full", attention="eager", optimizer="sgd"),
+    _config("gpt_neox", world_size=2, sharding="fsdp", precision="bf16", optimizer="adamw-fused"),
+    _config("llama-1", rank=1, collectives="gloo", world_size=2, sharding="fsdp", gqa=True),
+]
+
+
+def _figures(config: dict) -> dict:
+    """What the walk reports for one config: bytes by category at the peak, its phase and moment, the marks."""
+    spec = ModelSpec(**FAMILIES[config["family"]])
+    b = peak_memory_of_rank(spec, TrainSetup(**config["setup"]), config["rank"], gqa_repeat=config["gqa"],
+                            collectives=config["collectives"], stack=Stack(**config["stack"]))
+    return {**{k: getattr(b, k) for k in ("weights", "gradients", "optimizer", "activations", "logits",
+                                          "temporaries", "peak_allocated", "peak_phase", "peak_moment")},
+            "marks": {m.name: m.total for m in b.moments}}
+
+
+def test_the_walk_reports_the_golden_figures():
+    golden = json.loads(GOLDEN.read_text())
+    assert len(golden) == len(GOLDEN_CONFIGS) >= 50
+    assert [g["config"] for g in golden] == GOLDEN_CONFIGS, "the configs changed: regenerate (module docstring)"
+    now = [_figures(g["config"]) for g in golden]
+    moved = [(g["config"], g["figures"], fig) for g, fig in zip(golden, now) if fig != g["figures"]]
+    assert not moved, f"{len(moved)} configs moved, the first: {moved[0]}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate"]:
+        raise SystemExit("usage: python tests/test_walk_structure.py --regenerate")
+    rows = [json.dumps({"config": c, "figures": _figures(c)}) for c in GOLDEN_CONFIGS]
+    GOLDEN.write_text("[\n" + ",\n".join(rows) + "\n]\n")
+    print(f"wrote {len(GOLDEN_CONFIGS)} configs to {GOLDEN}")
