@@ -1,5 +1,10 @@
 """The memory walk's structure, and a golden check that its figures do not move.
 
+Structure: ``memplan/memory/`` walks a step once (``walk.walk_step``): a single process, DDP and every
+FSDP2 rank go through the same sequence of ops, what differs coming in through the sharding hook
+(``sharding.Replicated``, ``sharding.FullyShard``), the LoRA hooks and the stack's; the package imports no
+torch; every function stays under ruff's McCabe limit (C901, 10).
+
 Golden check: ``tests/walk_golden.json`` holds, for each config of ``GOLDEN_CONFIGS`` (every model family,
 every precision, every checkpointing mode, both attentions, GQA repeat, LoRA targets, DDP, FSDP ranks
 over nccl and gloo, the four stacks), what ``peak_memory_of_rank`` reports: the bytes by category at the
@@ -16,9 +21,14 @@ commit that changes the formula, and say there which configs moved and why.
 
 from __future__ import annotations
 
+import ast
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 if __name__ == "__main__":  # python tests/test_walk_structure.py --regenerate, from the checkout's root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,6 +39,8 @@ from memplan.setup import TrainSetup
 from memplan.stacks import Stack
 
 GOLDEN = Path(__file__).with_name("walk_golden.json")
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "memplan" / "memory"
 
 _SMALL = dict(layers=3, hidden=64, heads=4, kv_heads=4, ffn=160, vocab=96)
 FAMILIES = {
@@ -99,6 +111,82 @@ def _figures(config: dict) -> dict:
                                           "temporaries", "peak_allocated", "peak_phase", "peak_moment")},
             "marks": {m.name: m.total for m in b.moments}}
 
+
+# ---- structure -------------------------------------------------------------------------------------
+
+def _callers(name: str) -> list[str]:
+    """``module:function`` of every function in memplan/memory that calls ``name`` (methods as Class.method)."""
+    found = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            scopes = [node] if isinstance(node, ast.ClassDef) else []
+            for scope in scopes:
+                for fn in scope.body:
+                    if isinstance(fn, ast.FunctionDef) and _calls(fn, name):
+                        found.append(f"{path.stem}:{scope.name}.{fn.name}")
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and _calls(fn, name):
+                found.append(f"{path.stem}:{fn.name}")
+    return found
+
+
+def _calls(fn: ast.FunctionDef, name: str) -> bool:
+    return any(isinstance(c, ast.Call) and getattr(c.func, "id", getattr(c.func, "attr", None)) == name
+               for c in ast.walk(fn))
+
+
+def test_the_block_sequence_is_walked_in_one_place():
+    """One walk: a block's backward, the final norm's backward and the block forward's passes are each called
+    from the one step (``walk._Step``), not from a second copy of the sequence for FSDP."""
+    assert _callers("_block_backward") == ["walk:_Step.block_backward"]
+    assert sorted(_callers("_block_forward")) == ["walk:_Step.block_backward", "walk:_Step.blocks_forward"]
+    assert [c for c in _callers("_norm_backward") if c != "walk:_block_backward"] == ["walk:_Step.head_backward"]
+
+
+def test_fsdp_and_a_single_process_walk_their_blocks_through_the_same_step(monkeypatch):
+    """Behaviour: the same ``_Step.block_backward`` walks the blocks of a single-process step (the last and the
+    first) and of an FSDP2 rank (two at each end, its hook's prefetch and reduce-scatter around each)."""
+    from memplan.memory import walk
+
+    seen = []
+    real = walk._Step.block_backward
+
+    def spy(self, index, which):
+        seen.append((type(self.sh).__name__, index, which))
+        return real(self, index, which)
+
+    spec = ModelSpec(**FAMILIES["llama-6"])
+    setup = TrainSetup(ctx=32, micro_batch=2)
+    plain = peak_memory_of_rank(spec, setup, 0)
+    sharded = peak_memory_of_rank(spec, setup.replace(world_size=2, sharding="fsdp"), 1)
+    monkeypatch.setattr(walk._Step, "block_backward", spy)
+    assert peak_memory_of_rank(spec, setup, 0) == plain
+    assert peak_memory_of_rank(spec, setup.replace(world_size=2, sharding="fsdp"), 1) == sharded
+    assert seen == [("Replicated", 5, "last"), ("Replicated", 0, "first"), ("FullyShard", 5, "last"),
+                    ("FullyShard", 4, "second-to-last"), ("FullyShard", 1, "second"), ("FullyShard", 0, "first")]
+
+
+def test_the_memory_package_imports_no_torch():
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in imported if m.split(".")[0] == "torch"], path.name
+    code = "import sys, memplan.memory, memplan.memory.walk; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_function_of_the_memory_package_is_under_mccabe_10():
+    pytest.importorskip("ruff")  # the test extra installs it
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    r = subprocess.run([ruff, "check", "--isolated", "--select", "C901", "--output-format", "concise",
+                        str(PACKAGE)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- golden figures ------------------------------------------------------------------------------
 
 def test_the_walk_reports_the_golden_figures():
     golden = json.loads(GOLDEN.read_text())

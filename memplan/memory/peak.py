@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memplan.memory.sharding import COLLECTIVES
+from memplan.memory.terms import activation_terms, glibc_heap_retention_bytes, runtime_bytes
+from memplan.memory.walk import Moment, walk_step
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 from memplan.stacks import MEMPLAN, Stack
-from memplan.memory.sharding import (COLLECTIVES)
-from memplan.memory.terms import (activation_terms, glibc_heap_retention_bytes, runtime_bytes)
-from memplan.memory.walk import (_walk_fsdp_step, _walk_step, Moment)
-
 
 
 @dataclass(frozen=True)
@@ -60,10 +59,7 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
     (a CPU: the process's resident memory is the peak) adds ``glibc_heap_retention_bytes`` to the runtime."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
-    if setup.sharding == "fsdp":
-        w = _walk_fsdp_step(spec, setup, rank, collectives, gqa_repeat)
-    else:
-        w = _walk_step(spec, setup, gqa_repeat, stack)
+    w = walk_step(spec, setup, gqa_repeat, stack, rank, collectives)  # FSDP: the FullyShard hook, memplan's step
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     if heap_retention:

@@ -188,3 +188,280 @@ def fsdp_compute_setup(setup: TrainSetup) -> TrainSetup:
     step (fp16's sizes are bf16's). Walked as one micro-batch, without accumulation."""
     return setup.replace(precision="bf16" if setup.mixed else setup.precision, grad_accum=1, world_size=1,
                          sharding="none")
+
+
+# ---- the sharding hooks of the walk ------------------------------------------------------------
+#
+# The walk (memplan.memory.walk) is one sequence of a step's ops; a sharding hook adds what the
+# processes' layout makes beside them, at fixed points: the persistent state (whole or sharded),
+# the parameters' all-gathers before each group's forward and backward, the gradients' placement
+# (allocated by the backward, held in DDP's buckets, or reduce-scattered into shards), and the
+# optimizer's scratch. Each method names the tensors it allocates and frees.
+
+class Replicated:
+    """The sharding hook of a step whose every process holds the whole model: one process, or DDP.
+
+    Gradients are made by the backward as ``.grad``; they exist before it under gradient accumulation
+    (the earlier micro-batches') and under DDP with ``gradient_as_bucket_view`` (its buckets,
+    ``ddp_bucket_bytes``), where each new weight gradient is added into its view and freed. Where
+    ``.grad`` is not a view into the buckets (``Stack.ddp_gradient_as_bucket_view``: transformers'
+    Trainer), the buckets are a second buffer (``ddp_separate_bucket_bytes``) and ``.grad`` is made as
+    without DDP. Nothing is gathered: the methods for FSDP2's collectives do nothing."""
+
+    ends = 1  # blocks walked one by one at each end of the stack (the last and the first)
+    lora_outside_blocks = True  # LoRA freezes the head and the embedding, and the first block saves less
+
+    def __init__(self, spec: ModelSpec, setup: TrainSetup, stack) -> None:
+        self.spec, self.setup = spec, setup
+        self.compute_setup = setup  # the setup the activations follow
+        self.separate_buckets = setup.sharding == "ddp" and not stack.ddp_gradient_as_bucket_view
+        self.accum = setup.grad_accum > 1 if self.separate_buckets else gradients_persist(setup)
+        self.block_gradients_persist = self.accum  # the matmuls' backward adds into an existing .grad
+
+    def weight_bytes(self) -> int:
+        """Every parameter, whole (``terms.weight_bytes``)."""
+        from memplan.memory.terms import weight_bytes
+
+        return weight_bytes(self.spec, self.setup)
+
+    def optimizer_state_bytes(self) -> int:
+        """The optimizer state of every parameter (``terms.optimizer_state_bytes``)."""
+        from memplan.memory.terms import optimizer_state_bytes
+
+        return optimizer_state_bytes(self.spec, self.setup)
+
+    def persistent_gradients(self, w, extra_adapters: int) -> None:
+        """Gradients alive before the step's last backward: DDP's separate buckets; the earlier micro-batches'
+        ``.grad`` or DDP's bucket views (a stack's extra adapters' gradients included)."""
+        from memplan.memory.terms import gradient_bytes
+
+        if self.separate_buckets:
+            w.alloc("gradients", ddp_separate_bucket_bytes(self.spec, self.setup, extra_adapters))
+        if not self.accum:
+            return
+        if self.setup.sharding == "ddp" and not self.separate_buckets:
+            w.alloc("gradients", ddp_bucket_bytes(self.spec, self.setup))
+        else:
+            w.alloc("gradients", gradient_bytes(self.spec, self.setup) + extra_adapters)
+
+    def before_embedding(self, w) -> None:
+        """FSDP2's root all-gather; nothing here."""
+
+    def before_blocks_forward(self, w) -> None:
+        """FSDP2's first block all-gather; nothing here."""
+
+    def between_blocks_forward(self, w) -> None:
+        """FSDP2's reshard of the first block; nothing here."""
+
+    def before_last_block_forward(self, w) -> None:
+        """FSDP2's last block all-gather; nothing here."""
+
+    def after_block_forward(self, w) -> None:
+        """FSDP2's reshard after the forward; nothing here."""
+
+    def after_head_forward(self, w) -> None:
+        """FSDP2's last all-gather output released; nothing here."""
+
+    def before_head_backward(self, w) -> None:
+        """FSDP2's prefetch of the last block; nothing here."""
+
+    def after_final_norm_backward(self, w) -> None:
+        """FSDP2's final norm gradient; here it is added with the blocks' vectors (``after_blocks_backward``)."""
+
+    def before_block_backward(self, w, which: str, index: int) -> None:
+        """FSDP2's copy-out and prefetch; nothing here."""
+
+    def after_block_backward(self, w, which: str) -> None:
+        """FSDP2's reduce-scatter; nothing here."""
+
+    def middle_gradients(self, w, middle: int, per_block: int) -> None:
+        """The gradients the blocks between the walked ones leave: ``per_block`` bytes each, as ``.grad``
+        (nothing new where ``.grad`` persists: each was added into)."""
+        if not self.accum:
+            w.alloc("gradients", middle * per_block)
+
+    def after_blocks_backward(self, w, lora: bool, extra_adapters: int) -> None:
+        """Gradients of every block's norm weights and biases and of the final norm, N_vectors·p (not under LoRA:
+        they are frozen), and of a stack's adapters beyond memplan's, unless ``.grad`` persists."""
+        if self.accum:
+            return
+        spec, p = self.spec, self.setup.param_bytes
+        if not lora:
+            from memplan.memory.terms import _layer_matrices
+
+            vectors = spec.layer_params - sum(_layer_matrices(spec).values())
+            w.alloc("gradients", spec.layers * vectors * p + spec.norm_params * p)
+        w.alloc("gradients", extra_adapters)
+
+    def after_embedding_backward(self, w) -> None:
+        """FSDP2's root reduce-scatter; nothing here."""
+
+    def optimizer_temporary_bytes(self) -> int:
+        """The optimizer's scratch over every parameter (``terms.optimizer_temporary_bytes``)."""
+        from memplan.memory.terms import optimizer_temporary_bytes
+
+        return optimizer_temporary_bytes(self.spec, self.setup)
+
+
+class FullyShard(Replicated):
+    """The sharding hook of an FSDP2 step of ``rank`` (``trainer/distributed.py``'s ``fully_shard``).
+
+    The activations follow the compute setup (``fsdp_compute_setup``): one micro-batch in the
+    MixedPrecisionPolicy's dtype, no autocast. Forward: the root's parameters are all-gathered first
+    and stay unsharded until the end of the backward. Before each block: its shard cast for the
+    all-gather (mixed precision), the all-gather's output, then the unsharded parameters copied out of
+    it (the previous group's output is released only then); after the block, the unsharded parameters
+    are freed but the output is kept until the next block's copy-out (the root frees the last one when
+    its forward ends). Backward: the loss's gradient reaching the logits all-gathers the last block
+    (prefetch); before each block's backward its parameters are copied out (the output freed) and the
+    block before it is all-gathered (but before the first block's: the root is unsharded); after it, the
+    unsharded parameters are freed, the previous reduce-scatter input released, the block's gradients
+    packed into this reduce-scatter input (the unsharded gradients freed) and reduce-scattered into the
+    sharded gradients. The root's reduce-scatter ends the backward. Categories: sharded and unsharded
+    parameters are weights; all-gather and reduce-scatter buffers, temporaries; unsharded and sharded
+    gradients, gradients.
+
+    The last block prefetches the one before it and holds no reduce-scatter input yet; the first
+    prefetches nothing; the blocks in between do both and are alike, so the walk takes two blocks at
+    each end (``ends``) and the peak over the rest is at the second block from either end. The walk
+    follows LoRA inside the blocks only (``lora_outside_blocks``): the root's parameters and the first
+    block are walked as without adapters.
+    """
+
+    ends = 2
+    lora_outside_blocks = False
+
+    def __init__(self, spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl") -> None:
+        self.spec, self.setup, self.rank = spec, setup, rank
+        self.compute_setup = fsdp_compute_setup(setup)
+        self.accum = False  # the walked micro-batch makes unsharded gradients; the sharded ones are added into
+        self.block_gradients_persist = gradients_persist(setup)  # (grad_accum > 1: the matmuls' gradients add in)
+        self.first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
+        self.c = fsdp_gather_bytes(setup)
+        groups = ("block", "root")
+        self.gathered = {g: fsdp_unsharded_bytes(spec, setup, g) for g in groups}
+        self.copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in groups}
+        self.rs_input = {g: fsdp_reduce_scatter_input_bytes(spec, setup, g) for g in groups}
+        self.sharded_grad = {g: fsdp_sharded_grad_bytes(spec, setup, g) for g in groups}
+        self.gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, setup, g, collectives) for g in groups}
+        self.held = 0  # the reduce-scatter input FSDP2 keeps in flight
+
+    def weight_bytes(self) -> int:
+        """This rank's sharded parameters, padded (``fsdp_sharded_weight_bytes``)."""
+        return fsdp_sharded_weight_bytes(self.spec, self.setup)
+
+    def optimizer_state_bytes(self) -> int:
+        """The optimizer state of this rank's shards (``fsdp_optimizer_state_bytes``)."""
+        return fsdp_optimizer_state_bytes(self.spec, self.setup, self.rank)
+
+    def persistent_gradients(self, w, extra_adapters: int) -> None:
+        """The sharded gradients of the earlier micro-batches (``fsdp_all_sharded_grad_bytes``)."""
+        if not self.first_micro:
+            w.alloc("gradients", fsdp_all_sharded_grad_bytes(self.spec, self.setup))
+
+    def _all_gather(self, w, group: str) -> None:
+        """A group's all-gather: the copy-in (the shard cast to param_dtype), the output buffer."""
+        w.alloc("temporaries", self.copy_in[group])
+        w.alloc("temporaries", self.gathered[group])
+        w.free("temporaries", self.copy_in[group])
+
+    def _copy_out(self, w, group: str) -> None:
+        """The unsharded parameters copied out of the all-gather's output, which is released."""
+        w.alloc("weights", self.gathered[group])
+        w.free("temporaries", self.gathered[group])
+
+    def before_embedding(self, w) -> None:
+        """The root's all-gather, its parameters copied out; the output is kept until block 0's copy-out."""
+        w.where = "forward: root all-gather"
+        self._all_gather(w, "root")
+        w.alloc("weights", self.gathered["root"])
+
+    def before_blocks_forward(self, w) -> None:
+        """Block 0's all-gather and copy-out; the root's all-gather output released when the copy-out returns."""
+        w.where = "forward: block all-gather"
+        self._all_gather(w, "block")
+        w.alloc("weights", self.gathered["block"])
+        w.free("temporaries", self.gathered["root"])
+
+    def between_blocks_forward(self, w) -> None:
+        """Blocks 0 … L-2: each forward, reshard and the next all-gather alike; block 0's parameters resharded."""
+        w.free("weights", self.gathered["block"])
+
+    def before_last_block_forward(self, w) -> None:
+        """The last block's all-gather (the one before still held) and copy-out."""
+        self._all_gather(w, "block")
+        self._copy_out(w, "block")
+
+    def after_block_forward(self, w) -> None:
+        """The last block's unsharded parameters freed (resharded after forward)."""
+        w.free("weights", self.gathered["block"])
+
+    def after_head_forward(self, w) -> None:
+        """The root's forward ends: the last all-gather output released."""
+        w.free("temporaries", self.gathered["block"])
+
+    def before_head_backward(self, w) -> None:
+        """The loss's gradient reaching the logits all-gathers the last block (prefetch)."""
+        w.where = "backward: last block's all-gather (prefetch)"
+        self._all_gather(w, "block")
+
+    def after_final_norm_backward(self, w) -> None:
+        """The final norm's unsharded gradient, norm_params·c."""
+        w.alloc("gradients", self.spec.norm_params * self.c)
+
+    def before_block_backward(self, w, which: str, index: int) -> None:
+        """The block's parameters copied out, then (but before the first block's: the root is unsharded)
+        the block before it all-gathered."""
+        w.where = f"backward: the {which} block's copy-out"
+        self._copy_out(w, "block")
+        if index > 0:
+            w.where = f"backward: all-gather of the block before the {which}"
+            self._all_gather(w, "block")
+
+    def _reduce_scatter(self, w, group: str, unsharded_grad_bytes: int) -> None:
+        """A group's post-backward: reshard, release the held input, pack, free, reduce-scatter.
+
+        FSDP2's foreach_reduce frees the unsharded gradients once they are packed, all but its
+        last tensor's, which a loop variable keeps until the function returns."""
+        last_rows, last_length = param_shapes(self.spec)[group][-1]
+        last = last_rows * last_length * self.c
+        w.free("weights", self.gathered[group])  # unsharded parameters
+        w.free("temporaries", self.held)  # the previous group's reduce-scatter input
+        w.alloc("temporaries", self.rs_input[group])
+        w.free("gradients", unsharded_grad_bytes - last)
+        w.alloc("gradients" if self.first_micro else "temporaries", self.sharded_grad[group])
+        w.alloc("temporaries", self.gloo_copy[group])  # gloo's flat copy of the input, while it reduces
+        w.free("temporaries", self.gloo_copy[group])
+        if not self.first_micro:  # added into the sharded gradients of the earlier micro-batches, then freed
+            w.free("temporaries", self.sharded_grad[group])
+        w.free("gradients", last)
+        self.held = self.rs_input[group]
+
+    def after_block_backward(self, w, which: str) -> None:
+        """The block's norms' (and biases') unsharded gradients, then its reduce-scatter."""
+        from memplan.memory.terms import _layer_matrices
+
+        spec = self.spec
+        vectors = spec.layer_params - sum(_layer_matrices(spec).values())  # a block's norms and biases
+        w.alloc("gradients", vectors * self.c)
+        w.where = f"backward: the {which} block's reduce-scatter"
+        self._reduce_scatter(w, "block", spec.layer_params * self.c)
+
+    def middle_gradients(self, w, middle: int, per_block: int) -> None:
+        """Each block in between leaves its sharded gradients (pad(block)·g; added into under accumulation)."""
+        if self.first_micro:
+            w.alloc("gradients", middle * self.sharded_grad["block"])
+
+    def after_blocks_backward(self, w, lora: bool, extra_adapters: int) -> None:
+        """Nothing: every block's vectors went with its reduce-scatter, the final norm's before the blocks."""
+
+    def after_embedding_backward(self, w) -> None:
+        """The root's reduce-scatter; its input is released when the backward ends."""
+        spec = self.spec
+        w.where = "backward: the root's reduce-scatter"
+        self._reduce_scatter(w, "root", (spec.params - spec.layers * spec.layer_params) * self.c)
+        w.free("temporaries", self.held)
+
+    def optimizer_temporary_bytes(self) -> int:
+        """The optimizer's scratch over this rank's shards (``fsdp_optimizer_temporary_bytes``)."""
+        return fsdp_optimizer_temporary_bytes(self.spec, self.setup, self.rank)

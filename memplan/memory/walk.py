@@ -1,43 +1,46 @@
-"""The walk of one training step: live bytes by category through its allocations and frees.
+"""One walk of a training step: live bytes by category through its allocations and frees, op by op.
 
-``_walk_step`` walks one steady-state step in order (``_StepWalk``): the forward of the last
-block, the loss, the LM head's and final norm's backward, the last block's backward (after its
-recomputation under checkpointing), the first block's backward, the embedding's, and the
-optimizer step, allocating and freeing the terms of ``memplan.memory.terms`` as PyTorch does.
-The largest live total on the way is peak_allocated; where it happened is peak_phase. Blocks
-between the last and the first are not walked one by one: each holds the same tensors, so live
-memory changes linearly from one to the next and the peak over them is at one of the two ends.
+``walk_step`` walks one steady-state step (its last micro-batch) in order (``_StepWalk``): the forward of
+the last block, the loss, the LM head's and final norm's backward, the last block's backward (after its
+recomputation under checkpointing), the first block's backward, the embedding's, and the optimizer step,
+allocating and freeing the terms of ``memplan.memory.terms`` as PyTorch does. The largest live total on
+the way is peak_allocated; where it happened is peak_phase. Blocks between the walked ones are not
+walked one by one: each holds the same tensors, so live memory changes linearly from one to the next
+and the peak over them is at one of the two ends.
+
+The sequence is walked once, for every layout and every code: three kinds of hooks add what differs.
+
+- the sharding hook (``memplan.memory.sharding``: ``Replicated`` for one process and DDP, ``FullyShard``
+  for an FSDP2 rank): the persistent state, the all-gathers and reduce-scatters, where gradients live;
+- the LoRA hooks (``memplan.memory.lora``): the adapters' forward and backward, the frozen matmuls;
+- the stack's hooks (``memplan.stacks.Stack``): the tensors transformers', litgpt's or torchtune's
+  code saves beyond memplan's own.
+
+What a block's forward keeps is its checkpointing policy (``BlockPass``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan.memory import lora
+from memplan.memory.sharding import FullyShard, Replicated, gradients_persist
+from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
+                                  _layer_matrices, act_bytes, attention_output_copy_bytes, attention_scores_bytes,
+                                  causal_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
+                                  head_weight_grad_bytes, input_bytes, layer_lowp_weight_bytes, logits_bytes,
+                                  mlp_inner_bytes, mlp_up_bytes, norm_output_bytes, norm_stat_bytes,
+                                  qkv_output_bytes, residual_bytes_per_element, rope_buffer_bytes, rope_cast_bytes,
+                                  rotated_k_bytes, rotated_q_bytes, saved_per_layer_bytes, sdpa_logsumexp_bytes,
+                                  sdpa_output_bytes, sdpa_repeated_kv_bytes, stack_adapter_state_bytes, tokens)
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, TrainSetup
 from memplan.stacks import MEMPLAN, Stack
-from memplan.memory import terms
-from memplan.memory.sharding import (ddp_bucket_bytes, ddp_separate_bucket_bytes, fsdp_all_sharded_grad_bytes,
-                                     fsdp_compute_setup, fsdp_copy_in_bytes, fsdp_gather_bytes,
-                                     fsdp_optimizer_state_bytes, fsdp_optimizer_temporary_bytes,
-                                     fsdp_reduce_scatter_input_bytes, fsdp_sharded_grad_bytes,
-                                     fsdp_sharded_weight_bytes, fsdp_unsharded_bytes, gloo_reduce_scatter_copy_bytes,
-                                     gradients_persist, param_shapes)
-from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
-                                  _layer_matrices, _matrix_shapes, act_bytes, attention_output_copy_bytes,
-                                  attention_scores_bytes, causal_mask_bytes, eager_kv_bytes, eager_q_bytes,
-                                  first_block_unsaved_bytes, fp32_logits_bytes,
-                                  gradient_bytes, head_weight_grad_bytes, input_bytes, layer_lowp_weight_bytes,
-                                  logits_bytes, lora_matrix_params, mlp_inner_bytes, mlp_up_bytes, norm_output_bytes,
-                                  norm_stat_bytes, optimizer_state_bytes, optimizer_temporary_bytes, qkv_output_bytes,
-                                  residual_bytes_per_element, rope_buffer_bytes, rope_cast_bytes, rotated_k_bytes,
-                                  rotated_q_bytes, saved_per_layer_bytes, sdpa_logsumexp_bytes, sdpa_output_bytes,
-                                  sdpa_repeated_kv_bytes, stack_adapter_state_bytes, tokens, weight_bytes)
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
 
 
-# ---- the walk ------------------------------------------------------------------------------
+# ---- the walk's bookkeeping -----------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Moment:
@@ -57,7 +60,7 @@ class _StepWalk:
 
     def __init__(self, spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN):
         self.spec, self.setup, self.stack = spec, setup, stack
-        self.gradients_persist = gradients_persist(setup)  # .grad exists before the backward (see _walk_step)
+        self.gradients_persist = gradients_persist(setup)  # .grad exists before the backward (the sharding hook's)
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak: Moment | None = None
         self.phase = "forward"
@@ -97,198 +100,185 @@ def _norm_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> int:
     return norm_output_bytes(spec, setup)
 
 
-def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mode: str, gqa_repeat: bool = False) -> None:
-    """One block's forward, each tensor allocated where it is made and freed where its last user is done.
+# ---- a block's forward, by checkpointing policy ------------------------------------------------
 
-    ``mode``: none keeps what autograd saves; full keeps nothing (the block input is kept by the
-    caller); selective keeps the outputs of matmuls and of attention (what the selective
-    policy in trainer/model.py saves); recompute rebuilds, in a checkpointed block's backward,
-    what ``none`` keeps (under selective the kept outputs are reused, not recomputed) and stops
-    once the down matmul's input exists, as non-reentrant checkpointing does.
+@dataclass(frozen=True)
+class BlockPass:
+    """What one pass of a block's forward keeps: the checkpointing policy of ``trainer/model.py``.
 
-    The block input is live before. Afterwards the block's output (n·H·r) is live too, except
-    after recompute.
-    """
-    n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
-    r = residual_bytes_per_element(setup)
-    keep_all = mode in ("none", "recompute")
-    keep_outputs = mode == "selective"  # forward under selective checkpointing
-    reuse = mode == "recompute" and setup.checkpointing == "selective"
-    m = _layer_matrices(spec)
+    ``forward_pass`` gives the step's forward (none: what autograd saves; selective: the outputs of the
+    matmuls and of attention; full: nothing, the caller keeps the block's input), ``recompute_pass``
+    the recomputation a checkpointed block's backward starts with (non-reentrant checkpointing rebuilds
+    what autograd saves and stops once the down matmul's input exists; under selective the kept outputs
+    are reused, not recomputed)."""
 
-    def make(nbytes: int, reused: bool = False) -> int:
+    keeps_saved: bool  # what autograd saves stays (no checkpointing; a recomputation)
+    keeps_outputs: bool  # the matmuls' and attention's outputs stay (selective checkpointing's forward)
+    reuses_outputs: bool  # those outputs exist already and are not made again (selective's recomputation)
+    saves_adapters: bool  # the adapters' x·Aᵀ and weight casts stay (all but full checkpointing's forward)
+    recomputes: bool  # inside the backward: stops once the down matmul's input exists
+
+    @staticmethod
+    def forward_pass(checkpointing: str) -> BlockPass:
+        """The step's forward under ``checkpointing`` (none | selective | full)."""
+        return BlockPass(keeps_saved=checkpointing == "none", keeps_outputs=checkpointing == "selective",
+                         reuses_outputs=False, saves_adapters=checkpointing != "full", recomputes=False)
+
+    @staticmethod
+    def recompute_pass(checkpointing: str) -> BlockPass:
+        """The recomputation in a block's backward under ``checkpointing`` (selective | full)."""
+        return BlockPass(keeps_saved=True, keeps_outputs=False, reuses_outputs=checkpointing == "selective",
+                         saves_adapters=True, recomputes=True)
+
+
+class _BlockForward:
+    """One block's forward, each tensor allocated where it is made and freed where its last user is done,
+    kept or not as the pass (``BlockPass``) says. The block input is live before. Afterwards the block's
+    output (n·H·r) is live too, except after a recomputation."""
+
+    def __init__(self, w: _StepWalk, spec: ModelSpec, setup: TrainSetup, p: BlockPass, gqa_repeat: bool):
+        self.w, self.spec, self.setup, self.p, self.gqa_repeat = w, spec, setup, p, gqa_repeat
+        self.n, self.a, self.r = tokens(setup), act_bytes(setup), residual_bytes_per_element(setup)
+
+    def make(self, nbytes: int, reused: bool = False) -> int:
+        """A tensor made (unless the pass reuses it) and its bytes."""
         if not reused:
-            w.alloc("activations", nbytes)
+            self.w.alloc("activations", nbytes)
         return nbytes
 
-    def drop(nbytes: int, keep: bool) -> None:
+    def drop(self, nbytes: int, keep: bool) -> None:
+        """A tensor's last user is done: freed unless it is kept."""
         if not keep:
-            w.free("activations", nbytes)
+            self.w.free("activations", nbytes)
 
-    def weight_copy(matrix: str) -> None:
-        if setup.mixed:
-            w.alloc("weights", m[matrix] * LOWP_WEIGHT_BYTES)
+    def weight_copy(self, matrix: str) -> None:
+        """Under autocast, the matmul weight's bf16 copy (cached, saved)."""
+        if self.setup.mixed:
+            self.w.alloc("weights", _layer_matrices(self.spec)[matrix] * LOWP_WEIGHT_BYTES)
 
-    def saves(matrix: str) -> bool:
-        """Whether the matmul's input is saved: not for a frozen matrix without an adapter (LoRA)."""
-        return not setup.lora_rank or matrix in setup.lora
+    def adapter(self, matrix: str) -> None:
+        """LoRA on ``matrix`` (the LoRA hook); nothing without an adapter."""
+        lora.adapter_forward(self.w, self.spec, self.setup, matrix, self.p.saves_adapters, self.p.keeps_outputs)
 
-    def adapter(matrix: str) -> None:
-        """LoRA on this matrix: x·Aᵀ and the adapter's output, added in place to the base output."""
-        if matrix not in setup.lora:
-            return
-        if setup.mixed and mode != "full":
-            w.alloc("weights", lora_matrix_params(spec, setup, matrix) * LOWP_WEIGHT_BYTES)
-        low = n * setup.lora_rank * a
-        out = n * _matrix_shapes(spec)[matrix][1] * a
-        w.alloc("activations", low)
-        transient = out + w.stack.lora_forward_transient_bytes(spec, setup, matrix)  # 0 for memplan
-        w.alloc("temporaries", transient)
-        w.free("temporaries", transient)
-        if keep_outputs and not reuse:  # selective keeps both mm outputs
-            w.alloc("activations", out)
-        if mode == "full":
-            w.free("activations", low)
+    def norm(self) -> int:
+        """A norm, its statistics kept if autograd's saved tensors are; its output's bytes."""
+        out = _norm_forward(self.w, self.spec, self.setup)
+        self.drop(norm_stat_bytes(self.spec, self.setup), self.p.keeps_saved)
+        return out
 
-    w.where = "block forward: attention"
-    norm_out = _norm_forward(w, spec, setup)
-    drop(norm_stat_bytes(spec, setup), keep_all)
-    weight_copy("qkv")
-    qkv = make(qkv_output_bytes(spec, setup), reuse)
-    adapter("qkv")
-    drop(norm_out, keep_all and saves("qkv"))
-    q_rot = make(rotated_q_bytes(spec, setup))
-    k_rot = make(rotated_k_bytes(spec, setup))
-    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
-    if setup.attention == "sdpa" and repeated:  # K and V repeated to every head, then SDPA
-        make(repeated)
-        drop(k_rot, False)
-        out = make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), reuse)
-        drop(q_rot + repeated, keep_all)
-        drop(qkv, keep_outputs or (keep_all and spec.pos != "rope"))
-        proj_in = out
+    def run(self) -> None:
+        spec, setup, p, w = self.spec, self.setup, self.p, self.w
+        w.where = "block forward: attention"
+        norm_out = self.norm()
+        self.weight_copy("qkv")
+        qkv = self.make(qkv_output_bytes(spec, setup), p.reuses_outputs)
+        self.adapter("qkv")
+        self.drop(norm_out, p.keeps_saved and lora.saves_input(setup, "qkv"))
+        q_rot = self.make(rotated_q_bytes(spec, setup))
+        k_rot = self.make(rotated_k_bytes(spec, setup))
+        if setup.attention == "eager":
+            proj_in = self.eager_attention(qkv, q_rot + k_rot)
+        elif sdpa_repeated_kv_bytes(spec, setup, self.gqa_repeat):
+            proj_in = self.sdpa_repeated(qkv, q_rot, k_rot)
+        else:
+            proj_in = self.sdpa(qkv, q_rot + k_rot)
         w.where = "block forward: output projection"
-        weight_copy("proj")
-    elif setup.attention == "sdpa":
-        out = make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), reuse)
-        drop(q_rot + k_rot, keep_all)
-        drop(qkv, keep_all or keep_outputs)
-        proj_in = out
-        w.where = "block forward: output projection"
-        weight_copy("proj")
-    else:
+        self.weight_copy("proj")
+        o = self.make(self.n * spec.hidden * self.a, p.reuses_outputs)  # out-projection output
+        self.adapter("proj")
+        if setup.attention == "sdpa":
+            self.drop(proj_in, p.keeps_saved or p.keeps_outputs)
+        else:
+            self.drop(proj_in, p.keeps_saved and lora.saves_input(setup, "proj"))
+        x_mid = self.make(self.n * spec.hidden * self.r)  # x + attention (parallel: a partial sum nothing saves)
+        self.drop(o, p.keeps_outputs)
+        self.mlp(x_mid)
+
+    def sdpa(self, qkv: int, rotated: int) -> int:
+        """SDPA on q, k, v as they are; its output (the projection's input)."""
+        spec, setup, p = self.spec, self.setup, self.p
+        out = self.make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), p.reuses_outputs)
+        self.drop(rotated, p.keeps_saved)
+        self.drop(qkv, p.keeps_saved or p.keeps_outputs)
+        return out
+
+    def sdpa_repeated(self, qkv: int, q_rot: int, k_rot: int) -> int:
+        """K and V repeated to every head, then SDPA; its output (the projection's input)."""
+        spec, setup, p = self.spec, self.setup, self.p
+        repeated = self.make(sdpa_repeated_kv_bytes(spec, setup, self.gqa_repeat))
+        self.drop(k_rot, False)
+        out = self.make(sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup), p.reuses_outputs)
+        self.drop(q_rot + repeated, p.keeps_saved)
+        self.drop(qkv, p.keeps_outputs or (p.keeps_saved and spec.pos != "rope"))
+        return out
+
+    def eager_attention(self, qkv: int, rotated: int) -> int:
+        """Eager attention: contiguous copies, q·kᵀ, softmax, probs·v transposed back; the projection's input."""
+        spec, setup, p = self.spec, self.setup, self.p
         scores = attention_scores_bytes(spec, setup)
-        q = make(eager_q_bytes(spec, setup))  # contiguous copies for the matmuls
-        k = make(eager_kv_bytes(spec, setup))
-        drop(q_rot + k_rot, False)
-        make(scores)  # q·kᵀ, scaled and masked in place; recomputed even when the probabilities are reused
-        probs = make(scores, reuse)
-        drop(scores, False)
-        v = make(eager_kv_bytes(spec, setup))
-        drop(qkv, keep_outputs)
-        make(n * spec.q_dim * a)  # probs·v, (B, heads, T, hd)
-        proj_in = make(attention_output_copy_bytes(spec, setup))  # transposed back to (B, T, q_dim)
-        drop(n * spec.q_dim * a, False)
-        drop(q + k + v, keep_all)
-        drop(probs, keep_all or keep_outputs)
-        w.where = "block forward: output projection"
-        weight_copy("proj")
-    o = make(n * hidden * a, reuse)  # out-projection output
-    adapter("proj")
-    if setup.attention == "sdpa":
-        drop(proj_in, keep_all or keep_outputs)
-    else:
-        drop(proj_in, keep_all and saves("proj"))
-    x_mid = make(n * hidden * r)  # x + attention (parallel residual: a partial sum nothing saves)
-    drop(o, keep_outputs)
-    w.where = "block forward: MLP"
-    norm_out = _norm_forward(w, spec, setup)
-    drop(norm_stat_bytes(spec, setup), keep_all)
-    weight_copy("up")
-    up = make(mlp_up_bytes(spec, setup), reuse)
-    adapter("up")
-    drop(norm_out, keep_all and saves("up"))
-    inner = make(mlp_inner_bytes(spec, setup))  # silu(gate), or gelu(up)
-    if spec.mlp == "swiglu":
-        inner += make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
-    weight_copy("down")
-    if keep_all:  # the stack's own saved tensors beyond memplan's (memplan.stacks): 0 for memplan
-        w.alloc("activations", w.stack.block_saved_bytes(spec, setup))
-    if mode == "recompute":  # stops here: everything the backward needs exists
-        if spec.parallel_residual:
-            w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
-        if not saves("down"):  # a frozen down matmul without an adapter keeps none of its input
+        q = self.make(eager_q_bytes(spec, setup))  # contiguous copies for the matmuls
+        k = self.make(eager_kv_bytes(spec, setup))
+        self.drop(rotated, False)
+        self.make(scores)  # q·kᵀ, scaled and masked in place; recomputed even when the probabilities are reused
+        probs = self.make(scores, p.reuses_outputs)
+        self.drop(scores, False)
+        v = self.make(eager_kv_bytes(spec, setup))
+        self.drop(qkv, p.keeps_outputs)
+        pv = self.make(self.n * spec.q_dim * self.a)  # probs·v, (B, heads, T, hd)
+        proj_in = self.make(attention_output_copy_bytes(spec, setup))  # transposed back to (B, T, q_dim)
+        self.drop(pv, False)
+        self.drop(q + k + v, p.keeps_saved)
+        self.drop(probs, p.keeps_saved or p.keeps_outputs)
+        return proj_in
+
+    def mlp(self, x_mid: int) -> None:
+        """The MLP's norm, up, activation (and product), down, and the block's output."""
+        spec, setup, p, w = self.spec, self.setup, self.p, self.w
+        w.where = "block forward: MLP"
+        norm_out = self.norm()
+        self.weight_copy("up")
+        up = self.make(mlp_up_bytes(spec, setup), p.reuses_outputs)
+        self.adapter("up")
+        self.drop(norm_out, p.keeps_saved and lora.saves_input(setup, "up"))
+        inner = self.make(mlp_inner_bytes(spec, setup))  # silu(gate), or gelu(up)
+        if spec.mlp == "swiglu":
+            inner += self.make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
+        self.weight_copy("down")
+        if p.keeps_saved:  # the stack's own saved tensors beyond memplan's (memplan.stacks): 0 for memplan
+            w.alloc("activations", w.stack.block_saved_bytes(spec, setup))
+        if p.recomputes:
+            self.stop(x_mid)
+        else:
+            self.down(x_mid, up, inner)
+
+    def stop(self, x_mid: int) -> None:
+        """A recomputation stops here: everything the backward needs exists."""
+        if self.spec.parallel_residual:
+            self.w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
+        if not lora.saves_input(self.setup, "down"):  # a frozen down matmul without an adapter keeps none of its input
+            self.w.free("activations", mlp_inner_bytes(self.spec, self.setup))
+
+    def down(self, x_mid: int, up: int, inner: int) -> None:
+        """The down projection and the block's output; what the pass does not keep is released."""
+        spec, setup, p, w = self.spec, self.setup, self.p, self.w
+        d = self.make(self.n * spec.hidden * self.a)  # down-projection output
+        self.adapter("down")
+        if p.keeps_saved and not lora.saves_input(setup, "down"):
             w.free("activations", mlp_inner_bytes(spec, setup))
-        return
-    d = make(n * hidden * a)  # down-projection output
-    adapter("down")
-    if keep_all and not saves("down"):
-        w.free("activations", mlp_inner_bytes(spec, setup))
-        inner -= mlp_inner_bytes(spec, setup)
-    make(n * hidden * r)  # the block's output
-    drop(d, keep_outputs)
-    drop(x_mid, keep_all and not spec.parallel_residual)
-    drop(inner, keep_all)
-    drop(up, keep_all or keep_outputs)
+            inner -= mlp_inner_bytes(spec, setup)
+        self.make(self.n * spec.hidden * self.r)  # the block's output
+        self.drop(d, p.keeps_outputs)
+        self.drop(x_mid, p.keeps_saved and not spec.parallel_residual)
+        self.drop(inner, p.keeps_saved)
+        self.drop(up, p.keeps_saved or p.keeps_outputs)
 
 
-def _lora_linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: str, weight_elems: int,
-                          grad_in_bytes: int, saved_input_bytes: int, input_grad_bytes: int, input_cast: bool,
-                          needs_input_grad: bool) -> None:
-    """A frozen matmul with (or without) an adapter, backward. The adapter first (autograd runs
-    the later-recorded branch first): B's input gradient (n·r) and weight gradient (out·r), then
-    A's (n·in, summed with the base's) and A's weight gradient (r·in); the base matmul gives only
-    its input's gradient (its weight is frozen). No input gradient at all where nothing before
-    needs one (the first block's qkv: the embedding and norm below are frozen)."""
-    a, p, n, rank = act_bytes(setup), setup.param_bytes, tokens(setup), setup.lora_rank
+def _block_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, p: BlockPass, gqa_repeat: bool = False) -> None:
+    """One block's forward under the pass ``p`` (``BlockPass``), op by op (``_BlockForward``)."""
+    _BlockForward(w, spec, setup, p, gqa_repeat).run()
 
-    def weight_grad(elems: int) -> None:
-        w.alloc("temporaries", elems * a)
-        if setup.mixed:
-            w.free("weights", elems * LOWP_WEIGHT_BYTES)
-            w.alloc("temporaries", elems * FP32_BYTES)
-            w.free("temporaries", elems * a)
-        w.free("temporaries", elems * p)
-        if setup.grad_accum == 1:
-            w.alloc("gradients", elems * p)
 
-    adapted = matrix in setup.lora
-    if not adapted:  # its input was never saved (lora_unsaved_bytes)
-        saved_input_bytes = 0
-    if adapted:
-        fan_in, fan_out = _matrix_shapes(spec)[matrix]
-        low = n * rank * a
-        w.alloc("temporaries", low)  # gradient of x·Aᵀ
-        weight_grad(fan_out * rank)
-        w.free("activations", low)
-        release = w.stack.lora_input_release(spec, setup, matrix)  # None for memplan
-        if release is None:
-            if needs_input_grad:
-                w.alloc("temporaries", input_grad_bytes)
-        else:  # peft: A's input gradient in the adapter's dtype, then A's saved input goes, then the cast back
-            extra_saved, grad_e = release
-            if needs_input_grad:
-                w.alloc("temporaries", grad_e)
-            w.free("activations", saved_input_bytes + extra_saved)
-            saved_input_bytes = 0
-            if needs_input_grad and grad_e != input_grad_bytes:
-                w.alloc("temporaries", input_grad_bytes)
-                w.free("temporaries", grad_e)
-        weight_grad(rank * fan_in)
-        w.free("temporaries", low)
-    if needs_input_grad:
-        w.alloc("temporaries", input_grad_bytes)  # the base's input gradient
-        if adapted:  # ... summed with the adapter's
-            w.alloc("temporaries", input_grad_bytes)
-            w.free("temporaries", 2 * input_grad_bytes)
-    w.free("activations", saved_input_bytes)
-    w.free("temporaries", grad_in_bytes)
-    if setup.mixed:
-        w.free("weights", weight_elems * LOWP_WEIGHT_BYTES)
-        if input_cast and needs_input_grad:
-            w.alloc("temporaries", input_grad_bytes // a * FP32_BYTES)
-            w.free("temporaries", input_grad_bytes)
-
+# ---- a block's backward --------------------------------------------------------------------------
 
 def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_elems: int, grad_in_bytes: int,
                      saved_input_bytes: int, input_grad_bytes: int, input_cast: bool, matrix: str = "",
@@ -298,10 +288,10 @@ def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_el
     and cast to fp32 (and, if the input was cast from fp32, the input gradient too). With
     gradient accumulation (or under DDP, whose buckets hold the gradients) the new weight
     gradient is added into ``.grad`` and freed; otherwise it becomes ``.grad``. Under LoRA:
-    ``_lora_linear_backward``."""
+    the LoRA hook, ``lora.linear_backward``."""
     if setup.lora_rank:
-        _lora_linear_backward(w, spec, setup, matrix, weight_elems, grad_in_bytes, saved_input_bytes,
-                              input_grad_bytes, input_cast, needs_input_grad)
+        lora.linear_backward(w, spec, setup, matrix, weight_elems, grad_in_bytes, saved_input_bytes,
+                             input_grad_bytes, input_cast, needs_input_grad)
         return
     a = act_bytes(setup)
     w.alloc("temporaries", input_grad_bytes)
@@ -455,393 +445,284 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     return n * hidden * r
 
 
-def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stack: Stack = MEMPLAN) -> _StepWalk:
-    """Walk one steady-state step (its last micro-batch) and return the walk with its peak.
+# ---- the step ------------------------------------------------------------------------------------
 
-    ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for
-    grouped-query attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its
-    hooks (``memplan.stacks``) add the tensors that code saves beyond memplan's own."""
-    spec, setup = stack.walked_spec(spec), stack.walked_setup(setup)  # as the stack's code builds and steps
-    w = _StepWalk(spec, setup, stack)
-    n, hidden, a = tokens(setup), spec.hidden, act_bytes(setup)
-    r = residual_bytes_per_element(setup)
-    accum = gradients_persist(setup)
-    separate_buckets = setup.sharding == "ddp" and not stack.ddp_gradient_as_bucket_view
-    if separate_buckets:  # .grad is its own tensor, made by the backward as without DDP
-        accum = w.gradients_persist = setup.grad_accum > 1
-    ckpt = setup.checkpointing != "none"
-    mode = setup.checkpointing
-    vh_grad = head_weight_grad_bytes(spec, setup) if not setup.lora_rank else 0  # LoRA: the head is frozen
-    lora = bool(setup.lora_rank)
+_NAMES = {-1: "last", -2: "second-to-last", 0: "first", 1: "second"}
 
-    # persistent state
-    w.alloc("weights", weight_bytes(spec, setup) + rope_buffer_bytes(spec, setup), "start of step")
-    w.alloc("weights", stack.buffer_bytes_delta(spec, setup))  # a stack's own rotary tables
-    w.alloc("optimizer", optimizer_state_bytes(spec, setup))
-    extra_adapters = stack.lora_bytes_delta(spec, setup)  # e.g. peft's separate q, k, v adapters, in fp32
-    w.alloc("weights", extra_adapters)
-    w.alloc("optimizer", stack_adapter_state_bytes(setup, extra_adapters, stack.lora_tensors_delta(spec, setup)))
-    if separate_buckets:
-        w.alloc("gradients", ddp_separate_bucket_bytes(spec, setup, extra_adapters))
-    if accum:  # earlier micro-batches' gradients, or DDP's buckets
-        w.alloc("gradients", ddp_bucket_bytes(spec, setup) if setup.sharding == "ddp" and not separate_buckets
-                else gradient_bytes(spec, setup) + extra_adapters)
-    w.alloc("activations", input_bytes(spec, setup))
 
-    w.mark("start of forward")
+def _walked_blocks(layers: int, ends: int) -> tuple[list[tuple[int, str]], list[tuple[int, str]], int]:
+    """The blocks the backward walks one by one, ``ends`` at each end of the stack (from the last down): those
+    before the blocks in between, those after, and how many are in between. A block is named by its place
+    (last, second-to-last, first, second), the last and the first first."""
+    top = [i for i in range(layers - 1, max(layers - 1 - ends, -1), -1)]
+    bottom = [i for i in range(min(ends, layers) - 1, -1, -1) if i not in top]
 
-    # ---- forward
-    w.where = "forward: embedding"
-    w.alloc("activations", rope_cast_bytes(spec, setup) + causal_mask_bytes(spec, setup))
-    w.alloc("activations", n * hidden * r)  # token embeddings
-    if spec.pos == "learned":
-        w.alloc("activations", setup.ctx * hidden * r)
-        w.alloc("activations", n * hidden * r)  # + positions
-        w.free("activations", n * hidden * r + setup.ctx * hidden * r)
-    lowp = layer_lowp_weight_bytes(spec, setup)
-    # what each earlier block left alive: its saved tensors (its input included) and, under
-    # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
-    stored = saved_per_layer_bytes(spec, setup, gqa_repeat) - (lowp if not ckpt else 0)
-    if not ckpt:
-        stored += stack.block_saved_bytes(spec, setup)
-    # LoRA without checkpointing: the first block saves nothing before its first adapter (its input
-    # and the weights before are frozen), memplan's tensors, the stack's, and autocast's weight copies
-    first_unsaved = first_block_unsaved_bytes(spec, setup, gqa_repeat) + stack.first_block_unsaved_bytes(spec, setup)
-    first_copies = terms.first_block_frozen_weight_copy_bytes(spec, setup)  # looked up in terms (tests patch it)
-    if spec.layers > 1:
-        w.alloc("activations", (spec.layers - 1) * stored - first_unsaved)
-        w.alloc("weights", (spec.layers - 1) * lowp - first_copies)
-    _block_forward(w, spec, setup, mode, gqa_repeat)
-    if spec.layers == 1:  # the one block walked is the first: what it made and does not save goes now
-        w.free("activations", first_unsaved)
-        w.free("weights", first_copies)
-    w.where = "forward: final norm and LM head"
-    head_in = _norm_forward(w, spec, setup)
-    w.alloc("activations", stack.final_norm_saved_bytes(spec, setup))
-    if setup.mixed:
-        w.alloc("weights", spec.vocab * hidden * LOWP_WEIGHT_BYTES)
-    w.alloc("logits", logits_bytes(spec, setup))
-    if lora:  # the head's weight is frozen: its input is not saved
-        w.free("activations", head_in)
-    if ckpt and setup.mixed:  # leaving autocast frees the cached copies nothing saved
-        w.free("weights", spec.layers * layer_lowp_weight_bytes(spec, setup))
-    w.where = "forward: loss"
-    loss = fp32_logits_bytes(spec, setup) if stack.fp32_loss else logits_bytes(spec, setup)
-    upcast = stack.fp32_loss and a != FP32_BYTES
-    if upcast:
-        w.alloc("logits", fp32_logits_bytes(spec, setup))  # logits.float()
-    w.alloc("logits", stack.chunked_upcast_bytes(spec, setup))  # a loss upcasting chunk by chunk (≤ 0)
-    w.alloc("logits", loss)  # log-softmax, saved
-    w.free("logits", stack.chunked_upcast_bytes(spec, setup))
-    if upcast:
-        w.free("logits", fp32_logits_bytes(spec, setup))
-    w.free("logits", logits_bytes(spec, setup))  # `del logits`: log_softmax saved its output only
-    w.alloc("logits", stack.held_logits_bytes(spec, setup))  # logits a stack's loop keeps to the step's end
-    w.mark("end of forward")
+    def name(i: int) -> str:
+        return next(_NAMES[k] for k in (-1, 0, -2, 1) if (k if k >= 0 else layers + k) == i)
 
-    # ---- backward: loss, LM head, final norm
-    w.phase = "backward"
-    w.where = "backward: loss"
-    w.alloc("logits", stack.chunked_loss_backward_bytes(spec, setup))  # a chunked loss's freed log-probs (≤ 0)
-    w.alloc("logits", loss)  # gradient of the log-probabilities
-    w.alloc("logits", loss)  # gradient of the logits (fp32 when upcast)
-    w.free("logits", 2 * loss)
-    w.free("logits", stack.chunked_loss_backward_bytes(spec, setup))
-    if upcast:
-        w.alloc("logits", logits_bytes(spec, setup))
-        w.free("logits", fp32_logits_bytes(spec, setup))
-    w.where = "backward: LM head"
-    head_grad = spec.vocab * hidden if not lora else 0
-    w.alloc("temporaries", n * hidden * a)  # input gradient
-    w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
-    w.alloc("temporaries", stack.chunked_head_grad_bytes(spec, setup))  # a head run in chunks: its sums
-    w.free("temporaries", stack.chunked_head_grad_bytes(spec, setup))
-    if not lora:
-        w.free("activations", head_in)
-    w.free("logits", logits_bytes(spec, setup) if a != FP32_BYTES else fp32_logits_bytes(spec, setup))
-    if setup.mixed:
-        w.free("weights", spec.vocab * hidden * LOWP_WEIGHT_BYTES)
-        w.alloc("temporaries", n * hidden * FP32_BYTES)  # the norm output's cast, backward
-        w.free("temporaries", n * hidden * a)
-        w.alloc("temporaries", head_grad * FP32_BYTES)
-        w.free("temporaries", head_grad * a)
-    w.free("temporaries", vh_grad)
-    if not accum or spec.tied:  # tied: waits in autograd's buffer for the embedding's gradient
-        w.alloc("gradients", vh_grad)
-    w.where = "backward: final norm"
-    grad = _norm_backward(w, spec, setup, n * hidden * (FP32_BYTES if setup.mixed else a))
-    w.free("activations", stack.final_norm_saved_bytes(spec, setup))
-    w.free("activations", n * hidden * r)  # the last block's output
+    return [(i, name(i)) for i in top], [(i, name(i)) for i in bottom], layers - len(top) - len(bottom)
 
-    # ---- backward: the last block (recomputed first under checkpointing)
-    def block_backward(grad: int, which: str) -> int:
-        if ckpt:
-            w.where = f"backward: recomputing the {which} block"
-            _block_forward(w, spec, setup, "recompute", gqa_repeat)
-        w.mark(f"start of the {which} block's backward")
-        first = (which == "first" or spec.layers == 1) and bool(first_unsaved)
-        grad = _block_backward(w, spec, setup, grad, gqa_repeat, first=first)
-        if setup.checkpointing == "selective":  # kept outputs the recomputation never reached
-            w.free("activations", n * hidden * a)  # the down-projection's
-        return grad
 
-    grad = block_backward(grad, "last")
-    # ---- the blocks in between: each releases what it kept and adds its gradients
-    middle = spec.layers - 2
-    if middle > 0:
-        w.free("activations", middle * stored)
-        if not ckpt:  # (checkpointed blocks make and free their copies in their own backward)
-            w.free("weights", middle * lowp)
-        if not accum:
-            trained = sum(lora_matrix_params(spec, setup, mm) for mm in setup.lora) if lora \
-                else sum(_layer_matrices(spec).values())
-            w.alloc("gradients", middle * trained * setup.param_bytes)
-    # ---- the first block, with almost every gradient present
-    if spec.layers > 1:
-        grad = block_backward(grad, "first")
-    # norm weights (and biases) of every block, which _block_backward did not add
-    if not accum and not lora:  # (LoRA: norms and biases are frozen)
-        vectors = spec.layer_params - sum(_layer_matrices(spec).values())
-        w.alloc("gradients", spec.layers * vectors * setup.param_bytes + spec.norm_params * setup.param_bytes)
+class _Step:
+    """One steady-state step (its last micro-batch), walked phase by phase (``walk_step``).
 
-    if not accum:  # the stack's adapters beyond memplan's
-        w.alloc("gradients", extra_adapters)
-    # ---- backward: embeddings (frozen under LoRA: nothing to do)
-    w.where = "backward: embedding"
-    if lora:
-        w.free("temporaries", grad)
-    else:
+    ``spec`` and ``setup`` are the model and step the stack's code builds and takes; ``cs``, the setup the
+    activations follow (the sharding hook's ``compute_setup``: the step's own, or FSDP2's 16-bit one)."""
+
+    def __init__(self, spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool, stack: Stack, sharding: Replicated):
+        self.spec, self.setup, self.gqa, self.stack, self.sh = spec, setup, gqa_repeat, stack, sharding
+        cs = self.cs = sharding.compute_setup
+        self.w = _StepWalk(spec, setup, stack)
+        self.w.gradients_persist = sharding.block_gradients_persist
+        self.n, self.a, self.r = tokens(cs), act_bytes(cs), residual_bytes_per_element(cs)
+        self.accum = sharding.accum  # .grad exists before this backward
+        self.lora = bool(cs.lora_rank) and sharding.lora_outside_blocks  # the head and embedding frozen
+        self.ckpt = cs.checkpointing != "none"
+        self.vh_grad = head_weight_grad_bytes(spec, cs) if not self.lora else 0
+        self.extra_adapters = stack.lora_bytes_delta(spec, cs)  # e.g. peft's separate q, k, v adapters, in fp32
+        self.lowp = layer_lowp_weight_bytes(spec, cs)
+        # what each earlier block left alive: its saved tensors (its input included) and, under
+        # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
+        self.stored = saved_per_layer_bytes(spec, cs, gqa_repeat) - (self.lowp if not self.ckpt else 0)
+        if not self.ckpt:
+            self.stored += stack.block_saved_bytes(spec, cs)
+        # LoRA without checkpointing: the first block saves nothing before its first adapter (its input
+        # and the weights before are frozen), memplan's tensors, the stack's, and autocast's weight copies
+        self.first_unsaved = self.first_copies = 0
+        if sharding.lora_outside_blocks:
+            self.first_unsaved = lora.first_block_unsaved_bytes(spec, cs, gqa_repeat, stack)
+            self.first_copies = lora.first_block_weight_copy_bytes(spec, cs)
+
+    def persistent_state(self) -> None:
+        """Weights, buffers, optimizer state, gradients that outlive the step, and the step's inputs."""
+        w, spec, cs, stack = self.w, self.spec, self.cs, self.stack
+        w.alloc("weights", self.sh.weight_bytes() + rope_buffer_bytes(spec, cs), "start of step")
+        w.alloc("weights", stack.buffer_bytes_delta(spec, cs))  # a stack's own rotary tables
+        w.alloc("optimizer", self.sh.optimizer_state_bytes())
+        w.alloc("weights", self.extra_adapters)
+        w.alloc("optimizer", stack_adapter_state_bytes(cs, self.extra_adapters, stack.lora_tensors_delta(spec, cs)))
+        self.sh.persistent_gradients(w, self.extra_adapters)
+        w.alloc("activations", input_bytes(spec, self.setup))
+        w.mark("start of forward")
+
+    def embedding_forward(self) -> None:
+        """Token embeddings (plus learned positions), RoPE's cast tables, eager attention's mask."""
+        w, spec, cs, n, r = self.w, self.spec, self.cs, self.n, self.r
+        self.sh.before_embedding(w)
+        w.where = "forward: embedding"
+        w.alloc("activations", rope_cast_bytes(spec, cs) + causal_mask_bytes(spec, cs))
+        w.alloc("activations", n * spec.hidden * r)  # token embeddings
         if spec.pos == "learned":
-            pos_grad = spec.max_positions * hidden * setup.param_bytes
-            w.alloc("temporaries", setup.ctx * hidden * r)  # summed over the batch
-            w.alloc("gradients" if not accum else "temporaries", pos_grad)
-            w.free("temporaries", setup.ctx * hidden * r)
-            if accum:
-                w.free("temporaries", pos_grad)
-        w.alloc("temporaries", vh_grad)  # embedding_dense_backward
-        w.free("temporaries", grad)
-        if spec.tied:
-            w.alloc("temporaries", vh_grad)  # head + embedding, summed out of place
-            w.free("temporaries", vh_grad)
-            w.free("gradients", vh_grad)  # the head's part, from autograd's buffer
-            if accum:
-                w.free("temporaries", vh_grad)  # added into .grad
-            else:
-                w.alloc("gradients", vh_grad)
-                w.free("temporaries", vh_grad)
-        else:
-            w.free("temporaries", vh_grad)
-            if not accum:
-                w.alloc("gradients", vh_grad)
-    w.free("activations", rope_cast_bytes(spec, setup) + causal_mask_bytes(spec, setup))
-    w.mark("end of backward")
+            w.alloc("activations", cs.ctx * spec.hidden * r)
+            w.alloc("activations", n * spec.hidden * r)  # + positions
+            w.free("activations", n * spec.hidden * r + cs.ctx * spec.hidden * r)
 
-    # ---- optimizer step
-    w.phase = "optimizer"
-    w.where = "optimizer step"
-    scratch = optimizer_temporary_bytes(spec, setup)
-    if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
-        scratch += extra_adapters
-    scratch += stack.optimizer_scratch_bytes(spec, setup)  # a stack's own optimizer loop in place of foreach's
-    w.alloc("temporaries", scratch)
-    w.free("temporaries", scratch)
-    return w
+    def blocks_forward(self) -> None:
+        """The blocks before the last, as what they leave alive, then the last block op by op."""
+        w, spec, L = self.w, self.spec, self.spec.layers
+        self.sh.before_blocks_forward(w)
+        if L > 1:
+            self.sh.between_blocks_forward(w)
+            w.alloc("activations", (L - 1) * self.stored - self.first_unsaved)
+            w.alloc("weights", (L - 1) * self.lowp - self.first_copies)
+            self.sh.before_last_block_forward(w)
+        _block_forward(w, spec, self.cs, BlockPass.forward_pass(self.cs.checkpointing), self.gqa)
+        self.sh.after_block_forward(w)
+        if L == 1:  # the one block walked is the first: what it made and does not save goes now
+            w.free("activations", self.first_unsaved)
+            w.free("weights", self.first_copies)
+
+    def head_forward(self) -> None:
+        """The final norm and the LM head; leaving autocast frees the cached copies nothing saved."""
+        w, spec, cs, stack = self.w, self.spec, self.cs, self.stack
+        w.where = "forward: final norm and LM head"
+        self.head_in = _norm_forward(w, spec, cs)
+        w.alloc("activations", stack.final_norm_saved_bytes(spec, cs))
+        if cs.mixed:
+            w.alloc("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+        w.alloc("logits", logits_bytes(spec, cs))
+        if self.lora:  # the head's weight is frozen: its input is not saved
+            w.free("activations", self.head_in)
+        if self.ckpt and cs.mixed:
+            w.free("weights", spec.layers * layer_lowp_weight_bytes(spec, cs))
+        self.sh.after_head_forward(w)
+
+    def loss_forward(self) -> None:
+        """Cross-entropy: the logits' fp32 copy (``logits.float()``), the saved log-probabilities."""
+        w, spec, cs, stack = self.w, self.spec, self.cs, self.stack
+        w.where = "forward: loss"
+        self.loss = fp32_logits_bytes(spec, cs) if stack.fp32_loss else logits_bytes(spec, cs)
+        self.upcast = stack.fp32_loss and self.a != FP32_BYTES
+        if self.upcast:
+            w.alloc("logits", fp32_logits_bytes(spec, cs))  # logits.float()
+        w.alloc("logits", stack.chunked_upcast_bytes(spec, cs))  # a loss upcasting chunk by chunk (≤ 0)
+        w.alloc("logits", self.loss)  # log-softmax, saved
+        w.free("logits", stack.chunked_upcast_bytes(spec, cs))
+        if self.upcast:
+            w.free("logits", fp32_logits_bytes(spec, cs))
+        w.free("logits", logits_bytes(spec, cs))  # `del logits`: log_softmax saved its output only
+        w.alloc("logits", stack.held_logits_bytes(spec, cs))  # logits a stack's loop keeps to the step's end
+        w.mark("end of forward")
+
+    def loss_backward(self) -> None:
+        """The gradients of the log-probabilities and of the logits (cast back when upcast)."""
+        w, spec, cs, stack, loss = self.w, self.spec, self.cs, self.stack, self.loss
+        w.phase = "backward"
+        w.where = "backward: loss"
+        w.alloc("logits", stack.chunked_loss_backward_bytes(spec, cs))  # a chunked loss's freed log-probs (≤ 0)
+        w.alloc("logits", loss)  # gradient of the log-probabilities
+        w.alloc("logits", loss)  # gradient of the logits (fp32 when upcast)
+        w.free("logits", 2 * loss)
+        w.free("logits", stack.chunked_loss_backward_bytes(spec, cs))
+        if self.upcast:
+            w.alloc("logits", logits_bytes(spec, cs))
+            w.free("logits", fp32_logits_bytes(spec, cs))
+
+    def head_backward(self) -> None:
+        """The LM head's input and weight gradients (none for a frozen head), then the final norm's backward."""
+        w, spec, cs, stack, n, a = self.w, self.spec, self.cs, self.stack, self.n, self.a
+        self.sh.before_head_backward(w)
+        w.where = "backward: LM head"
+        head_grad = spec.vocab * spec.hidden if not self.lora else 0
+        w.alloc("temporaries", n * spec.hidden * a)  # input gradient
+        w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
+        w.alloc("temporaries", stack.chunked_head_grad_bytes(spec, cs))  # a head run in chunks: its sums
+        w.free("temporaries", stack.chunked_head_grad_bytes(spec, cs))
+        if not self.lora:
+            w.free("activations", self.head_in)
+        w.free("logits", logits_bytes(spec, cs) if a != FP32_BYTES else fp32_logits_bytes(spec, cs))
+        if cs.mixed:
+            w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+            w.alloc("temporaries", n * spec.hidden * FP32_BYTES)  # the norm output's cast, backward
+            w.free("temporaries", n * spec.hidden * a)
+            w.alloc("temporaries", head_grad * FP32_BYTES)
+            w.free("temporaries", head_grad * a)
+        w.free("temporaries", self.vh_grad)
+        if not self.accum or spec.tied:  # tied: waits in autograd's buffer for the embedding's gradient
+            w.alloc("gradients", self.vh_grad)
+        w.where = "backward: final norm"
+        self.grad = _norm_backward(w, spec, cs, n * spec.hidden * (FP32_BYTES if cs.mixed else a))
+        self.sh.after_final_norm_backward(w)
+        w.free("activations", stack.final_norm_saved_bytes(spec, cs))
+        w.free("activations", n * spec.hidden * self.r)  # the last block's output
+
+    def block_backward(self, index: int, which: str) -> None:
+        """One block's backward (after its recomputation under checkpointing), in the sharding hook's frame."""
+        w, spec, cs = self.w, self.spec, self.cs
+        self.sh.before_block_backward(w, which, index)
+        if self.ckpt:
+            w.where = f"backward: recomputing the {which} block"
+            _block_forward(w, spec, cs, BlockPass.recompute_pass(cs.checkpointing), self.gqa)
+        w.mark(f"start of the {which} block's backward")
+        first = (which == "first" or spec.layers == 1) and bool(self.first_unsaved)
+        self.grad = _block_backward(w, spec, cs, self.grad, self.gqa, first=first)
+        if cs.checkpointing == "selective":  # kept outputs the recomputation never reached
+            w.free("activations", self.n * spec.hidden * self.a)  # the down-projection's
+        self.sh.after_block_backward(w, which)
+
+    def blocks_backward(self) -> None:
+        """The walked blocks from the last down; those in between release what they kept and leave gradients."""
+        w, spec, cs = self.w, self.spec, self.cs
+        top, bottom, middle = _walked_blocks(spec.layers, self.sh.ends)
+        for index, which in top:
+            self.block_backward(index, which)
+        if middle > 0:
+            w.free("activations", middle * self.stored)
+            if not self.ckpt:  # (checkpointed blocks make and free their copies in their own backward)
+                w.free("weights", middle * self.lowp)
+            self.sh.middle_gradients(w, middle, lora.trained_block_elems(spec, cs) * cs.param_bytes)
+        for index, which in bottom:
+            self.block_backward(index, which)
+        self.sh.after_blocks_backward(w, self.lora, self.extra_adapters)
+
+    def embedding_backward(self) -> None:
+        """The embedding's (and learned positions') gradients; nothing to do when frozen (LoRA)."""
+        w, spec, cs = self.w, self.spec, self.cs
+        w.where = "backward: embedding"
+        if self.lora:
+            w.free("temporaries", self.grad)
+        else:
+            if spec.pos == "learned":
+                self.position_backward()
+            w.alloc("temporaries", self.vh_grad)  # embedding_dense_backward
+            w.free("temporaries", self.grad)
+            self.embedding_gradient()
+        w.free("activations", rope_cast_bytes(spec, cs) + causal_mask_bytes(spec, cs))
+        self.sh.after_embedding_backward(w)
+        w.mark("end of backward")
+
+    def position_backward(self) -> None:
+        """The learned position table's gradient: summed over the batch, then ``.grad`` (or added into it)."""
+        w, spec, cs, accum = self.w, self.spec, self.cs, self.accum
+        pos_grad = spec.max_positions * spec.hidden * cs.param_bytes
+        w.alloc("temporaries", cs.ctx * spec.hidden * self.r)  # summed over the batch
+        w.alloc("gradients" if not accum else "temporaries", pos_grad)
+        w.free("temporaries", cs.ctx * spec.hidden * self.r)
+        if accum:
+            w.free("temporaries", pos_grad)
+
+    def embedding_gradient(self) -> None:
+        """The embedding's gradient (``embedding_dense_backward``'s, live): tied, the head's part is summed in
+        out of place; it becomes ``.grad`` or is added into it."""
+        w, vh, accum = self.w, self.vh_grad, self.accum
+        if self.spec.tied:
+            w.alloc("temporaries", vh)  # head + embedding, summed out of place
+            w.free("temporaries", vh)
+            w.free("gradients", vh)  # the head's part, from autograd's buffer
+            if not accum:
+                w.alloc("gradients", vh)
+            w.free("temporaries", vh)  # (added into .grad under accumulation)
+        else:
+            w.free("temporaries", vh)
+            if not accum:
+                w.alloc("gradients", vh)
+
+    def optimizer_step(self) -> None:
+        """The optimizer's scratch."""
+        w = self.w
+        w.phase = "optimizer"
+        w.where = "optimizer step"
+        scratch = self.sh.optimizer_temporary_bytes()
+        if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
+            scratch += self.extra_adapters
+        scratch += self.stack.optimizer_scratch_bytes(self.spec, self.cs)  # a stack's own optimizer loop
+        w.alloc("temporaries", scratch)
+        w.free("temporaries", scratch)
+
+
+def sharding_hook(spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN, rank: int = 0,
+                  collectives: str = "nccl") -> Replicated:
+    """The sharding hook of ``setup``'s step: ``FullyShard`` of ``rank`` under FSDP, else ``Replicated``."""
+    if setup.sharding == "fsdp":
+        return FullyShard(spec, setup, rank, collectives)
+    return Replicated(spec, setup, stack)
+
+
+def walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stack: Stack = MEMPLAN, rank: int = 0,
+              collectives: str = "nccl", sharding: Replicated | None = None) -> _StepWalk:
+    """Walk one steady-state step (its last micro-batch) of ``rank`` and return the walk with its peak.
+
+    ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for grouped-query
+    attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its hooks (``memplan.stacks``)
+    add the tensors that code saves beyond memplan's own (FSDP2 is walked for memplan's own step only:
+    ``Stack.shardings``). ``sharding``: the sharding hook (``sharding_hook``'s by default)."""
+    if setup.sharding == "fsdp":
+        stack = MEMPLAN
+    spec, setup = stack.walked_spec(spec), stack.walked_setup(setup)  # as the stack's code builds and steps
+    step = _Step(spec, setup, gqa_repeat, stack, sharding or sharding_hook(spec, setup, stack, rank, collectives))
+    for phase in (step.persistent_state, step.embedding_forward, step.blocks_forward, step.head_forward,
+                  step.loss_forward, step.loss_backward, step.head_backward, step.blocks_backward,
+                  step.embedding_backward, step.optimizer_step):
+        phase()
+    return step.w
+
+
+def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stack: Stack = MEMPLAN) -> _StepWalk:
+    """The walk of a single-process or DDP step (``walk_step``)."""
+    return walk_step(spec, setup, gqa_repeat, stack)
 
 
 def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl",
                     gqa_repeat: bool = False) -> _StepWalk:
-    """Walk one steady-state FSDP2 step (its last micro-batch) of ``rank``, as _walk_step walks a
-    single-process step: the same forward and backward, op by op, in the compute setup
-    (``fsdp_compute_setup``), with FSDP2's own tensors where FSDP2 makes and frees them.
-
-    Forward: the root's parameters are all-gathered first and stay unsharded until the end of the
-    backward. Before each block: its shard cast for the all-gather (mixed precision), the
-    all-gather's output, then the unsharded parameters copied out of it (the previous group's
-    output is released only then); after the block, the unsharded parameters are freed but the output is kept
-    until the next block's copy-out (the root frees the last one when its forward ends).
-    Backward: the loss's gradient reaching the logits all-gathers the last block (prefetch);
-    before each block's backward its parameters are copied out (the output freed) and the block
-    before it is all-gathered (but before the first block's: the root is unsharded); after it,
-    the unsharded parameters are freed, the previous
-    reduce-scatter input released, the block's gradients packed into this reduce-scatter input
-    (the unsharded gradients freed) and reduce-scattered into the sharded gradients. The root's
-    reduce-scatter ends the backward. Categories: sharded and unsharded parameters are weights;
-    all-gather and reduce-scatter buffers, temporaries; unsharded and sharded gradients, gradients.
-    """
-    act = fsdp_compute_setup(setup)
-    w = _StepWalk(spec, setup)
-    n, hidden, a = tokens(act), spec.hidden, act_bytes(act)
-    ckpt, mode = act.checkpointing != "none", act.checkpointing
-    first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
-    c = fsdp_gather_bytes(setup)
-    gathered = {g: fsdp_unsharded_bytes(spec, setup, g) for g in ("block", "root")}
-    copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in ("block", "root")}
-    rs_input = {g: fsdp_reduce_scatter_input_bytes(spec, setup, g) for g in ("block", "root")}
-    sharded_grad = {g: fsdp_sharded_grad_bytes(spec, setup, g) for g in ("block", "root")}
-    gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, setup, g, collectives) for g in ("block", "root")}
-    root_params = spec.params - spec.layers * spec.layer_params  # embedding, positions, final norm, untied head
-    vectors = spec.layer_params - sum(_layer_matrices(spec).values())  # a block's norms and biases
-    vh_grad = head_weight_grad_bytes(spec, act)
-
-    def all_gather(group: str) -> None:
-        w.alloc("temporaries", copy_in[group])
-        w.alloc("temporaries", gathered[group])
-        w.free("temporaries", copy_in[group])
-
-    def reduce_scatter(group: str, unsharded_grad_bytes: int, held: int) -> int:
-        """A group's post-backward: reshard, release the held input, pack, free, reduce-scatter.
-
-        FSDP2's foreach_reduce frees the unsharded gradients once they are packed, all but its
-        last tensor's, which a loop variable keeps until the function returns."""
-        last_rows, last_length = param_shapes(spec)[group][-1]
-        last = last_rows * last_length * c
-        w.free("weights", gathered[group])  # unsharded parameters
-        w.free("temporaries", held)  # the previous group's reduce-scatter input
-        w.alloc("temporaries", rs_input[group])
-        w.free("gradients", unsharded_grad_bytes - last)
-        w.alloc("gradients" if first_micro else "temporaries", sharded_grad[group])
-        w.alloc("temporaries", gloo_copy[group])  # gloo's flat copy of the input, while it reduces
-        w.free("temporaries", gloo_copy[group])
-        if not first_micro:  # added into the sharded gradients of the earlier micro-batches, then freed
-            w.free("temporaries", sharded_grad[group])
-        w.free("gradients", last)
-        return rs_input[group]
-
-    # persistent state
-    w.alloc("weights", fsdp_sharded_weight_bytes(spec, setup) + rope_buffer_bytes(spec, act), "start of step")
-    w.alloc("optimizer", fsdp_optimizer_state_bytes(spec, setup, rank))
-    if not first_micro:
-        w.alloc("gradients", fsdp_all_sharded_grad_bytes(spec, setup))
-    w.alloc("activations", input_bytes(spec, setup))
-    w.mark("start of forward")
-
-    # ---- forward
-    w.where = "forward: root all-gather"
-    all_gather("root")
-    w.alloc("weights", gathered["root"])  # copied out; the output is kept until block 0's copy-out
-    w.where = "forward: embedding"
-    w.alloc("activations", rope_cast_bytes(spec, act) + causal_mask_bytes(spec, act))
-    w.alloc("activations", n * hidden * a)  # token embeddings (the residual stream is 16-bit)
-    if spec.pos == "learned":
-        w.alloc("activations", act.ctx * hidden * a)
-        w.alloc("activations", n * hidden * a)
-        w.free("activations", n * hidden * a + act.ctx * hidden * a)
-    stored = saved_per_layer_bytes(spec, act, gqa_repeat)
-    w.where = "forward: block all-gather"
-    all_gather("block")  # block 0
-    w.alloc("weights", gathered["block"])
-    w.free("temporaries", gathered["root"])  # released when the copy-out returns
-    if spec.layers > 1:  # blocks 0 … L-2: each forward, reshard and the next all-gather alike
-        w.free("weights", gathered["block"])
-        w.alloc("activations", (spec.layers - 1) * stored)
-        all_gather("block")  # the last block's, the one before still held
-        w.alloc("weights", gathered["block"])
-        w.free("temporaries", gathered["block"])
-    _block_forward(w, spec, act, mode, gqa_repeat)
-    w.free("weights", gathered["block"])  # resharded after forward
-    w.where = "forward: final norm and LM head"
-    head_in = _norm_forward(w, spec, act)
-    w.alloc("logits", logits_bytes(spec, act))
-    w.free("temporaries", gathered["block"])  # the root's forward ends: the last all-gather output released
-    w.where = "forward: loss"
-    if a != FP32_BYTES:
-        w.alloc("logits", fp32_logits_bytes(spec, act))  # logits.float()
-    w.alloc("logits", fp32_logits_bytes(spec, act))  # log-softmax, saved
-    if a != FP32_BYTES:
-        w.free("logits", fp32_logits_bytes(spec, act))
-    w.free("logits", logits_bytes(spec, act))
-    w.mark("end of forward")
-
-    # ---- backward: loss, LM head, final norm
-    w.phase = "backward"
-    w.where = "backward: loss"
-    w.alloc("logits", fp32_logits_bytes(spec, act))
-    w.alloc("logits", fp32_logits_bytes(spec, act))
-    w.free("logits", 2 * fp32_logits_bytes(spec, act))
-    if a != FP32_BYTES:
-        w.alloc("logits", logits_bytes(spec, act))
-        w.free("logits", fp32_logits_bytes(spec, act))
-    w.where = "backward: last block's all-gather (prefetch)"
-    all_gather("block")
-    w.where = "backward: LM head"
-    w.alloc("temporaries", n * hidden * a)  # input gradient
-    w.alloc("temporaries", spec.vocab * hidden * a)  # weight gradient
-    w.free("activations", head_in)
-    w.free("logits", logits_bytes(spec, act) if a != FP32_BYTES else fp32_logits_bytes(spec, act))
-    w.free("temporaries", vh_grad)
-    w.alloc("gradients", vh_grad)  # unsharded (tied: in autograd's buffer until the embedding's arrives)
-    w.where = "backward: final norm"
-    grad = _norm_backward(w, spec, act, n * hidden * a)
-    w.alloc("gradients", spec.norm_params * c)
-    w.free("activations", n * hidden * a)  # the last block's output
-
-    held = 0  # the reduce-scatter input FSDP2 keeps in flight
-
-    def block_backward(grad: int, which: str, prefetch: bool) -> int:
-        nonlocal held
-        w.where = f"backward: the {which} block's copy-out"
-        w.alloc("weights", gathered["block"])
-        w.free("temporaries", gathered["block"])
-        if prefetch:
-            w.where = f"backward: all-gather of the block before the {which}"
-            all_gather("block")
-        if ckpt:
-            w.where = f"backward: recomputing the {which} block"
-            _block_forward(w, spec, act, "recompute", gqa_repeat)
-        w.mark(f"start of the {which} block's backward")
-        grad = _block_backward(w, spec, act, grad, gqa_repeat)
-        if act.checkpointing == "selective":
-            w.free("activations", n * hidden * a)
-        w.alloc("gradients", vectors * c)  # its norms' (and biases') gradients
-        w.where = f"backward: the {which} block's reduce-scatter"
-        held = reduce_scatter("block", spec.layer_params * c, held)
-        return grad
-
-    # The last block prefetches the one before it and holds no reduce-scatter input yet; the
-    # first prefetches nothing (the root is still unsharded); the blocks in between do both and
-    # are alike, so the peak over them is at the second block from either end.
-    L = spec.layers
-    grad = block_backward(grad, "last", prefetch=L > 1)
-    if L >= 3:
-        grad = block_backward(grad, "second-to-last", prefetch=True)
-    middle = L - 4
-    if middle > 0:  # each frees what it kept and leaves its sharded gradients
-        w.free("activations", middle * stored)
-        if first_micro:
-            w.alloc("gradients", middle * sharded_grad["block"])
-    if L >= 4:
-        grad = block_backward(grad, "second", prefetch=True)
-    if L > 1:
-        grad = block_backward(grad, "first", prefetch=False)
-
-    # ---- backward: embeddings, then the root's reduce-scatter
-    w.where = "backward: embedding"
-    if spec.pos == "learned":
-        pos_grad = spec.max_positions * hidden * c
-        w.alloc("temporaries", act.ctx * hidden * a)
-        w.alloc("gradients", pos_grad)
-        w.free("temporaries", act.ctx * hidden * a)
-    w.alloc("temporaries", vh_grad)  # embedding_dense_backward
-    w.free("temporaries", grad)
-    if spec.tied:
-        w.alloc("temporaries", vh_grad)  # head + embedding, summed out of place
-        w.free("temporaries", vh_grad)
-        w.free("gradients", vh_grad)
-        w.alloc("gradients", vh_grad)
-        w.free("temporaries", vh_grad)
-    else:
-        w.free("temporaries", vh_grad)
-        w.alloc("gradients", vh_grad)
-    w.free("activations", rope_cast_bytes(spec, act) + causal_mask_bytes(spec, act))
-    w.where = "backward: the root's reduce-scatter"
-    held = reduce_scatter("root", root_params * c, held)
-    w.free("temporaries", held)  # released when the backward ends
-    w.mark("end of backward")
-
-    # ---- optimizer step
-    w.phase = "optimizer"
-    w.where = "optimizer step"
-    w.alloc("temporaries", fsdp_optimizer_temporary_bytes(spec, setup, rank))
-    w.free("temporaries", fsdp_optimizer_temporary_bytes(spec, setup, rank))
-    return w
-
+    """The walk of an FSDP2 step of ``rank`` (``walk_step`` with the ``FullyShard`` hook)."""
+    return walk_step(spec, setup, gqa_repeat, MEMPLAN, rank, collectives)
