@@ -1,10 +1,10 @@
 """Whose training code the memory walk follows (``memplan estimate --stack``): torch-free.
 
-``memplan/memory.py`` walks one training step op by op, exactly as memplan's own model and step
+``memplan/memory/`` walks one training step op by op, exactly as memplan's own model and step
 (``trainer/model.py``, ``trainer/step.py``) run it. Other code saves other tensors for the same
 model. A ``Stack`` is the walk's hooks: each a small pure function below whose docstring names the
 tensor it adds (or removes) and the line of the library that makes it. The walk calls them at
-fixed points (``memory._walk_step``, ``memory._block_forward``, ``memory._block_backward``);
+fixed points of the one walk (``memplan.memory.walk``: ``_Step``, ``_BlockForward``, ``_block_backward``);
 ``memplan``'s hooks add nothing, so ``--stack memplan`` is the walk as it always was.
 
 Stacks:
@@ -210,7 +210,7 @@ def hf_shared_norm_saved_bytes(spec, setup) -> int:
     LoRA, 2 without): −stats − (count − 1)·n·H·a; 0 for two norms."""
     if not spec.shared_norm:
         return 0
-    from memplan.memory import norm_output_bytes, norm_stat_bytes
+    from memplan.memory.terms import norm_output_bytes, norm_stat_bytes
 
     if setup.lora_rank:
         kept = ("qkv" in setup.lora) + ("up" in setup.lora)
@@ -303,7 +303,7 @@ def hf_lora_bytes_delta(spec, setup) -> int:
     (``memory.lora_params`` · p)."""
     if not setup.lora_rank:
         return 0
-    from memplan.memory import lora_params
+    from memplan.memory.terms import lora_params
 
     return hf_lora_params(spec, setup) * PEFT_ADAPTER_BYTES - lora_params(spec, setup) * setup.param_bytes
 
@@ -437,7 +437,7 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     up matmul comes before its silu."""
     if matrix not in setup.lora:
         return 0
-    from memplan.memory import _matrix_shapes
+    from memplan.memory.terms import _matrix_shapes
 
     n, a = _n(setup), _a(setup)
     e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
@@ -538,7 +538,7 @@ def lit_rope_cache_bytes(spec, setup) -> int:
     seq_len=self.max_seq_length, n_elem=self.config.rope_n_elem, ...)``, then ``torch.cat([cos, cos],
     dim=-1)`` alike): two buffers of ctx × rotary_dim, where memplan's cover ctx × rotary_dim/2; fp32,
     bf16 once Fabric's bf16-true converts the module."""
-    from memplan.memory import rope_buffer_bytes
+    from memplan.memory.terms import rope_buffer_bytes
 
     if spec.pos != "rope":
         return 0
@@ -566,7 +566,7 @@ def lit_optimizer_scratch_bytes(spec, setup, cpu: bool) -> int:
     parameters' dtype."""
     if not cpu or setup.optimizer != "adamw":
         return 0
-    from memplan.memory import optimizer_temporary_bytes
+    from memplan.memory.terms import optimizer_temporary_bytes
 
     foreach = optimizer_temporary_bytes(spec, setup)
     foreach += lit_lora_bytes_delta(spec, setup) if foreach else 0
@@ -796,7 +796,7 @@ def tt_rope_cache_bytes(spec, setup) -> int:
     (torchtune/models/llama3/_component_builders.py; ``lora_llama3_2``, the tied shapes', shares one);
     ``max_seq_len`` is the model's, max(ctx, the shape's max positions), where memplan's tables cover
     the context."""
-    from memplan.memory import rope_buffer_bytes
+    from memplan.memory.terms import rope_buffer_bytes
 
     seq = max(setup.ctx, spec.max_positions)
     copies = spec.layers if setup.lora_rank and not spec.tied else 1
@@ -945,7 +945,7 @@ class Stack:
             return tt_lora_tensors_delta(spec, setup)
         if self.name != "transformers" or not setup.lora_rank:
             return 0
-        from memplan.memory import lora_tensors
+        from memplan.memory.terms import lora_tensors
 
         return hf_lora_tensors(spec, setup) - lora_tensors(spec, setup)
 
