@@ -1,11 +1,13 @@
-"""Data parallelism's memory: DDP's gradient buckets, and FSDP2's shards, all-gathers and reduce-scatters."""
+"""Data parallelism's memory: DDP's gradient buckets, FSDP2's shards, all-gathers and reduce-scatters, and the
+walk's sharding hooks that place them in a step (``Replicated``: one process or DDP; ``FullyShard``: an FSDP2 rank)."""
 
 from __future__ import annotations
 
+from memplan.memory.terms import (ADAM_STEP_BYTES, ADAMW_STATES_PER_PARAM, SGD_STATES_PER_PARAM, _layer_matrices,
+                                  _qkv_width, _up_width, gradient_bytes, optimizer_state_bytes,
+                                  optimizer_temporary_bytes, trainable_params, weight_bytes)
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
-from memplan.memory.terms import (ADAM_STEP_BYTES, ADAMW_STATES_PER_PARAM, SGD_STATES_PER_PARAM, _qkv_width, _up_width,
-                                  trainable_params)
 
 COLLECTIVES = ("nccl", "gloo")  # process-group backends: NCCL (RCCL on ROCm), gloo (CPU)
 COLLECTIVES_OF_FAMILY = {"cuda": "nccl", "rocm": "nccl", "cpu": "gloo", "mps": "gloo"}
@@ -220,21 +222,15 @@ class Replicated:
 
     def weight_bytes(self) -> int:
         """Every parameter, whole (``terms.weight_bytes``)."""
-        from memplan.memory.terms import weight_bytes
-
         return weight_bytes(self.spec, self.setup)
 
     def optimizer_state_bytes(self) -> int:
         """The optimizer state of every parameter (``terms.optimizer_state_bytes``)."""
-        from memplan.memory.terms import optimizer_state_bytes
-
         return optimizer_state_bytes(self.spec, self.setup)
 
     def persistent_gradients(self, w, extra_adapters: int) -> None:
         """Gradients alive before the step's last backward: DDP's separate buckets; the earlier micro-batches'
         ``.grad`` or DDP's bucket views (a stack's extra adapters' gradients included)."""
-        from memplan.memory.terms import gradient_bytes
-
         if self.separate_buckets:
             w.alloc("gradients", ddp_separate_bucket_bytes(self.spec, self.setup, extra_adapters))
         if not self.accum:
@@ -287,8 +283,6 @@ class Replicated:
             return
         spec, p = self.spec, self.setup.param_bytes
         if not lora:
-            from memplan.memory.terms import _layer_matrices
-
             vectors = spec.layer_params - sum(_layer_matrices(spec).values())
             w.alloc("gradients", spec.layers * vectors * p + spec.norm_params * p)
         w.alloc("gradients", extra_adapters)
@@ -298,8 +292,6 @@ class Replicated:
 
     def optimizer_temporary_bytes(self) -> int:
         """The optimizer's scratch over every parameter (``terms.optimizer_temporary_bytes``)."""
-        from memplan.memory.terms import optimizer_temporary_bytes
-
         return optimizer_temporary_bytes(self.spec, self.setup)
 
 
@@ -439,8 +431,6 @@ class FullyShard(Replicated):
 
     def after_block_backward(self, w, which: str) -> None:
         """The block's norms' (and biases') unsharded gradients, then its reduce-scatter."""
-        from memplan.memory.terms import _layer_matrices
-
         spec = self.spec
         vectors = spec.layer_params - sum(_layer_matrices(spec).values())  # a block's norms and biases
         w.alloc("gradients", vectors * self.c)
