@@ -121,11 +121,16 @@ def hf_norm_saved_bytes(spec, setup) -> int:
     ``F.layer_norm``, memplan's own: 0."""
     if spec.norm != "rmsnorm":
         return 0
-    n, h, r = _n(setup), spec.hidden, _r(setup)
-    out = n * h * (FP32 - r)
-    if not setup.lora_rank:
-        out += n * h * (FP32 if spec.arch == "gemma" else r)
-    return out
+    return _n(setup) * spec.hidden * (FP32 - _r(setup)) + hf_norm_weight_input_bytes(spec, setup)
+
+
+def hf_norm_weight_input_bytes(spec, setup) -> int:
+    """Of ``hf_norm_saved_bytes``, the normalised input the weight's multiply saves for the weight's gradient:
+    llama's ``self.weight * hidden_states.to(input_dtype)``, n·H·r; gemma's ``output * (1.0 + self.weight.float())``,
+    n·H·4. 0 when the weight is frozen (LoRA) or the norm is LayerNorm."""
+    if spec.norm != "rmsnorm" or setup.lora_rank:
+        return 0
+    return _n(setup) * spec.hidden * (FP32 if spec.arch == "gemma" else _r(setup))
 
 
 def hf_attention_saved_bytes(spec, setup) -> int:
@@ -249,6 +254,32 @@ def hf_gelu_new_backward_bytes(spec, setup) -> int:
     if spec.act != "gelu_new":
         return 0
     return _n(setup) * spec.ffn * _a(setup)
+
+
+HF_RMSNORM_BACKWARD_FP32_BUFFERS = 5  # the n·H fp32 gradients LlamaRMSNorm's backward holds at once (below)
+
+
+def hf_rmsnorm_backward_bytes(spec, setup, held: int, saved_held: bool = True) -> int:
+    """What transformers' ``LlamaRMSNorm`` (``GemmaRMSNorm``, ``Qwen3RMSNorm``) backward holds at once beyond the
+    ``held`` bytes memplan's fused norm backward holds at its peak (its two fp32 buffers, the fp32 copy of a
+    16-bit gradient, the incoming gradient) and, where the walk still holds the norm's own saved tensors
+    (``saved_held``), beyond the normalised input the weight's multiply saved (``hf_norm_weight_input_bytes``).
+
+    LlamaRMSNorm.forward (modeling_llama.py) is Python ops on ``hidden_states.to(torch.float32)``:
+    ``variance = hidden_states.pow(2).mean(-1, keepdim=True)``, ``hidden_states * torch.rsqrt(variance +
+    eps)``, then the weight's multiply (gemma: ``x.float()``, ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+    + eps)``, ``output * (1.0 + self.weight.float())``). Autograd runs their backward one by one: the multiply
+    by ``rsqrt`` gives the fp32 input's first gradient (n·H·4), which waits in autograd's input buffer to be
+    summed with the second; ``mean``'s backward expands and divides (n·H·4); ``pow``'s backward is
+    ``grad * (2 * x.pow(1))`` (``pow_backward``), three n·H·4 tensors alive together at its last multiply.
+    Five fp32 n·H buffers at once; the incoming gradient and the weight's saved input are gone by then (the
+    weight's multiply, whose backward ran first, consumed the one and released the other): 5·n·H·4 − held −
+    the saved input, where that is more. LayerNorm (gpt2, gpt_neox, phi, stablelm) is ``F.layer_norm``,
+    memplan's own: 0."""
+    if spec.norm != "rmsnorm":
+        return 0
+    released = hf_norm_weight_input_bytes(spec, setup) if saved_held else 0
+    return max(0, HF_RMSNORM_BACKWARD_FP32_BUFFERS * _n(setup) * spec.hidden * FP32 - held - released)
 
 
 def hf_qk_norm_saved_bytes(spec, setup) -> int:
@@ -874,6 +905,11 @@ class Stack:
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
         return hf_gelu_new_backward_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def norm_backward_bytes(self, spec, setup, held: int, saved_held: bool = True) -> int:
+        """Temporaries a norm's backward holds at once beyond the ``held`` bytes of memplan's fused norm's peak
+        (and the norm's saved tensors, where the walk still holds them: ``saved_held``)."""
+        return hf_rmsnorm_backward_bytes(spec, setup, held, saved_held) if self.name == "transformers" else 0
 
     def final_norm_saved_bytes(self, spec, setup) -> int:
         """Bytes the final norm saves beyond memplan's."""

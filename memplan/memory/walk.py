@@ -310,7 +310,19 @@ def _linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, weight_el
         w.alloc("gradients", weight_elems * setup.param_bytes)
 
 
-def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_bytes: int) -> int:
+def _stack_norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, held: int, stack_saved: bool) -> None:
+    """What a stack's own RMSNorm backward holds at once beyond the ``held`` bytes of memplan's fused norm
+    (its buffers and the incoming gradient), made and freed at that moment: ``Stack.norm_backward_bytes``
+    (transformers' Python RMSNorm; 0 for memplan). ``stack_saved``: the walk still holds what the stack's
+    norm saved (``Stack.block_saved_bytes``, ``Stack.final_norm_saved_bytes``)."""
+    extra = w.stack.norm_backward_bytes(spec, setup, held, stack_saved)
+    if extra:
+        w.alloc("temporaries", extra)
+        w.free("temporaries", extra)
+
+
+def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_bytes: int,
+                   stack_saved: bool = True) -> int:
     """A norm's backward: RMSNorm's two fp32 buffers (plus an fp32 copy of a bf16 gradient),
     LayerNorm's none; the input's gradient n·H·r. Releases the saved input and statistics."""
     n, hidden = tokens(setup), spec.hidden
@@ -321,7 +333,10 @@ def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_byt
         w.alloc("temporaries", work)
         if grad_in_bytes != n * hidden * FP32_BYTES:  # grad.float(), freed once the scaled gradient exists
             w.alloc("temporaries", n * hidden * FP32_BYTES)
+            _stack_norm_backward(w, spec, setup, work + n * hidden * FP32_BYTES + grad_in_bytes, stack_saved)
             w.free("temporaries", n * hidden * FP32_BYTES)
+        else:
+            _stack_norm_backward(w, spec, setup, work + grad_in_bytes, stack_saved)
         if r == FP32_BYTES:  # the scaled gradient, updated in place, is the output
             w.free("temporaries", work - out)
         else:  # cast to the input's dtype
@@ -438,7 +453,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", pending + grad_bytes)
         return 0
     w.where = "block backward: norm"
-    part = _norm_backward(w, spec, setup, g_norm)
+    part = _norm_backward(w, spec, setup, g_norm, stack_saved=False)  # (the stack's own saved tensors are gone)
     w.free("activations", n * hidden * r)  # the block input, saved by the first norm
     w.alloc("temporaries", n * hidden * r)  # its gradient: the residual's and the norms' summed
     w.free("temporaries", part + pending + grad_bytes)
