@@ -37,7 +37,7 @@ from memplan.memory.sharding import (COLLECTIVES, COLLECTIVES_OF_FAMILY, ddp_buc
                                      fsdp_all_sharded_grad_bytes, fsdp_local_params, fsdp_optimizer_state_bytes,
                                      fsdp_optimizer_temporary_bytes, gloo_reduce_scatter_copy_bytes,
                                      fsdp_compute_setup)
-from memplan.memory.walk import (CATEGORIES, Moment, _walk_step)
+from memplan.memory.walk import (CATEGORIES, Moment, _walk_step, walk_step)
 from memplan.memory.peak import (MemoryBreakdown, peak_memory, peak_memory_of_rank)
 
 __all__ = ['INDEX_BYTES', 'MASK_BYTES', 'ADAMW_STATES_PER_PARAM', 'SGD_STATES_PER_PARAM', 'ADAM_STEP_BYTES',
@@ -60,5 +60,5 @@ __all__ = ['INDEX_BYTES', 'MASK_BYTES', 'ADAMW_STATES_PER_PARAM', 'SGD_STATES_PE
            'fsdp_sharded_weight_bytes', 'fsdp_unsharded_bytes', 'fsdp_copy_in_bytes',
            'fsdp_reduce_scatter_input_bytes', 'fsdp_sharded_grad_bytes', 'fsdp_all_sharded_grad_bytes',
            'fsdp_local_params', 'fsdp_optimizer_state_bytes', 'fsdp_optimizer_temporary_bytes',
-           'gloo_reduce_scatter_copy_bytes', 'fsdp_compute_setup', 'CATEGORIES', 'Moment', '_walk_step',
+           'gloo_reduce_scatter_copy_bytes', 'fsdp_compute_setup', 'CATEGORIES', 'Moment', '_walk_step', 'walk_step',
            'MemoryBreakdown', 'peak_memory', 'peak_memory_of_rank']

@@ -449,7 +449,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     frozen_below = bool(setup.lora_rank) and first  # LoRA: nothing below the first block's qkv trains
     _linear_backward(w, spec, setup, m["qkv"], qkv_output_bytes(spec, setup), norm_output_bytes(spec, setup),
                      n * hidden * a, input_cast=setup.mixed, matrix="qkv", needs_input_grad=not frozen_below)
-    if frozen_below:  # the block input and norm statistics were never saved (see _walk_step)
+    if frozen_below:  # the block input and norm statistics were never saved (_Step.first_unsaved)
         w.free("temporaries", pending + grad_bytes)
         return 0
     w.where = "block backward: norm"
@@ -735,9 +735,3 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stac
 def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stack: Stack = MEMPLAN) -> _StepWalk:
     """The walk of a single-process or DDP step (``walk_step``)."""
     return walk_step(spec, setup, gqa_repeat, stack)
-
-
-def _walk_fsdp_step(spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl",
-                    gqa_repeat: bool = False) -> _StepWalk:
-    """The walk of an FSDP2 step of ``rank`` (``walk_step`` with the ``FullyShard`` hook)."""
-    return walk_step(spec, setup, gqa_repeat, MEMPLAN, rank, collectives)
