@@ -22,7 +22,7 @@ What a step communicates (``step_collectives``), per rank:
 - FSDP2: in each micro-batch, an all-gather of the root's parameters (kept unsharded until the
   backward ends), of every block's in the forward and again in the backward, and a
   reduce-scatter of every block's and the root's gradients; sizes W·pad(G)·c and W·pad(G)·g
-  (``memplan.memory``'s FSDP terms).
+  (``memplan.memory.sharding``'s FSDP terms).
 
 Overlap (``communication``). On CUDA and ROCm the collectives run on their own streams while the
 computation goes on: DDP all-reduces each bucket as soon as the backward has filled it, so only
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from memplan.errors import InputError
 from memplan.hardware import Device
-from memplan.memory import ddp_bucket_bytes, fsdp_gather_bytes, fsdp_group_numel, fsdp_reduce_bytes
+from memplan.memory.sharding import ddp_bucket_bytes, fsdp_gather_bytes, fsdp_group_numel, fsdp_reduce_bytes
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 

@@ -1,10 +1,10 @@
 """Whose training code the memory walk follows (``memplan estimate --stack``): torch-free.
 
-``memplan/memory.py`` walks one training step op by op, exactly as memplan's own model and step
+``memplan/memory/`` walks one training step op by op, exactly as memplan's own model and step
 (``trainer/model.py``, ``trainer/step.py``) run it. Other code saves other tensors for the same
 model. A ``Stack`` is the walk's hooks: each a small pure function below whose docstring names the
 tensor it adds (or removes) and the line of the library that makes it. The walk calls them at
-fixed points (``memory._walk_step``, ``memory._block_forward``, ``memory._block_backward``);
+fixed points of the one walk (``memplan.memory.walk``: ``_Step``, ``_BlockForward``, ``_block_backward``);
 ``memplan``'s hooks add nothing, so ``--stack memplan`` is the walk as it always was.
 
 Stacks:
@@ -121,11 +121,16 @@ def hf_norm_saved_bytes(spec, setup) -> int:
     ``F.layer_norm``, memplan's own: 0."""
     if spec.norm != "rmsnorm":
         return 0
-    n, h, r = _n(setup), spec.hidden, _r(setup)
-    out = n * h * (FP32 - r)
-    if not setup.lora_rank:
-        out += n * h * (FP32 if spec.arch == "gemma" else r)
-    return out
+    return _n(setup) * spec.hidden * (FP32 - _r(setup)) + hf_norm_weight_input_bytes(spec, setup)
+
+
+def hf_norm_weight_input_bytes(spec, setup) -> int:
+    """Of ``hf_norm_saved_bytes``, the normalised input the weight's multiply saves for the weight's gradient:
+    llama's ``self.weight * hidden_states.to(input_dtype)``, n·H·r; gemma's ``output * (1.0 + self.weight.float())``,
+    n·H·4. 0 when the weight is frozen (LoRA) or the norm is LayerNorm."""
+    if spec.norm != "rmsnorm" or setup.lora_rank:
+        return 0
+    return _n(setup) * spec.hidden * (FP32 if spec.arch == "gemma" else _r(setup))
 
 
 def hf_attention_saved_bytes(spec, setup) -> int:
@@ -210,7 +215,7 @@ def hf_shared_norm_saved_bytes(spec, setup) -> int:
     LoRA, 2 without): −stats − (count − 1)·n·H·a; 0 for two norms."""
     if not spec.shared_norm:
         return 0
-    from memplan.memory import norm_output_bytes, norm_stat_bytes
+    from memplan.memory.terms import norm_output_bytes, norm_stat_bytes
 
     if setup.lora_rank:
         kept = ("qkv" in setup.lora) + ("up" in setup.lora)
@@ -249,6 +254,32 @@ def hf_gelu_new_backward_bytes(spec, setup) -> int:
     if spec.act != "gelu_new":
         return 0
     return _n(setup) * spec.ffn * _a(setup)
+
+
+HF_RMSNORM_BACKWARD_FP32_BUFFERS = 5  # the n·H fp32 gradients LlamaRMSNorm's backward holds at once (below)
+
+
+def hf_rmsnorm_backward_bytes(spec, setup, held: int, saved_held: bool = True) -> int:
+    """What transformers' ``LlamaRMSNorm`` (``GemmaRMSNorm``, ``Qwen3RMSNorm``) backward holds at once beyond the
+    ``held`` bytes memplan's fused norm backward holds at its peak (its two fp32 buffers, the fp32 copy of a
+    16-bit gradient, the incoming gradient) and, where the walk still holds the norm's own saved tensors
+    (``saved_held``), beyond the normalised input the weight's multiply saved (``hf_norm_weight_input_bytes``).
+
+    LlamaRMSNorm.forward (modeling_llama.py) is Python ops on ``hidden_states.to(torch.float32)``:
+    ``variance = hidden_states.pow(2).mean(-1, keepdim=True)``, ``hidden_states * torch.rsqrt(variance +
+    eps)``, then the weight's multiply (gemma: ``x.float()``, ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+    + eps)``, ``output * (1.0 + self.weight.float())``). Autograd runs their backward one by one: the multiply
+    by ``rsqrt`` gives the fp32 input's first gradient (n·H·4), which waits in autograd's input buffer to be
+    summed with the second; ``mean``'s backward expands and divides (n·H·4); ``pow``'s backward is
+    ``grad * (2 * x.pow(1))`` (``pow_backward``), three n·H·4 tensors alive together at its last multiply.
+    Five fp32 n·H buffers at once; the incoming gradient and the weight's saved input are gone by then (the
+    weight's multiply, whose backward ran first, consumed the one and released the other): 5·n·H·4 − held −
+    the saved input, where that is more. LayerNorm (gpt2, gpt_neox, phi, stablelm) is ``F.layer_norm``,
+    memplan's own: 0."""
+    if spec.norm != "rmsnorm":
+        return 0
+    released = hf_norm_weight_input_bytes(spec, setup) if saved_held else 0
+    return max(0, HF_RMSNORM_BACKWARD_FP32_BUFFERS * _n(setup) * spec.hidden * FP32 - held - released)
 
 
 def hf_qk_norm_saved_bytes(spec, setup) -> int:
@@ -303,7 +334,7 @@ def hf_lora_bytes_delta(spec, setup) -> int:
     (``memory.lora_params`` · p)."""
     if not setup.lora_rank:
         return 0
-    from memplan.memory import lora_params
+    from memplan.memory.terms import lora_params
 
     return hf_lora_params(spec, setup) * PEFT_ADAPTER_BYTES - lora_params(spec, setup) * setup.param_bytes
 
@@ -437,7 +468,7 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     up matmul comes before its silu."""
     if matrix not in setup.lora:
         return 0
-    from memplan.memory import _matrix_shapes
+    from memplan.memory.terms import _matrix_shapes
 
     n, a = _n(setup), _a(setup)
     e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
@@ -538,7 +569,7 @@ def lit_rope_cache_bytes(spec, setup) -> int:
     seq_len=self.max_seq_length, n_elem=self.config.rope_n_elem, ...)``, then ``torch.cat([cos, cos],
     dim=-1)`` alike): two buffers of ctx × rotary_dim, where memplan's cover ctx × rotary_dim/2; fp32,
     bf16 once Fabric's bf16-true converts the module."""
-    from memplan.memory import rope_buffer_bytes
+    from memplan.memory.terms import rope_buffer_bytes
 
     if spec.pos != "rope":
         return 0
@@ -566,7 +597,7 @@ def lit_optimizer_scratch_bytes(spec, setup, cpu: bool) -> int:
     parameters' dtype."""
     if not cpu or setup.optimizer != "adamw":
         return 0
-    from memplan.memory import optimizer_temporary_bytes
+    from memplan.memory.terms import optimizer_temporary_bytes
 
     foreach = optimizer_temporary_bytes(spec, setup)
     foreach += lit_lora_bytes_delta(spec, setup) if foreach else 0
@@ -796,7 +827,7 @@ def tt_rope_cache_bytes(spec, setup) -> int:
     (torchtune/models/llama3/_component_builders.py; ``lora_llama3_2``, the tied shapes', shares one);
     ``max_seq_len`` is the model's, max(ctx, the shape's max positions), where memplan's tables cover
     the context."""
-    from memplan.memory import rope_buffer_bytes
+    from memplan.memory.terms import rope_buffer_bytes
 
     seq = max(setup.ctx, spec.max_positions)
     copies = spec.layers if setup.lora_rank and not spec.tied else 1
@@ -875,6 +906,11 @@ class Stack:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
         return hf_gelu_new_backward_bytes(spec, setup) if self.name == "transformers" else 0
 
+    def norm_backward_bytes(self, spec, setup, held: int, saved_held: bool = True) -> int:
+        """Temporaries a norm's backward holds at once beyond the ``held`` bytes of memplan's fused norm's peak
+        (and the norm's saved tensors, where the walk still holds them: ``saved_held``)."""
+        return hf_rmsnorm_backward_bytes(spec, setup, held, saved_held) if self.name == "transformers" else 0
+
     def final_norm_saved_bytes(self, spec, setup) -> int:
         """Bytes the final norm saves beyond memplan's."""
         if self.name == "litgpt":
@@ -945,7 +981,7 @@ class Stack:
             return tt_lora_tensors_delta(spec, setup)
         if self.name != "transformers" or not setup.lora_rank:
             return 0
-        from memplan.memory import lora_tensors
+        from memplan.memory.terms import lora_tensors
 
         return hf_lora_tensors(spec, setup) - lora_tensors(spec, setup)
 

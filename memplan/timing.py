@@ -52,9 +52,9 @@ import math
 from dataclasses import dataclass, field
 
 from memplan.hardware import Device
-from memplan.memory import (COLLECTIVES_OF_FAMILY, _matrix_shapes, fsdp_gather_bytes, fsdp_group_numel,
-                            fsdp_local_params, fsdp_reduce_bytes, lora_tensors, param_shapes, sdpa_gqa_repeats,
-                            trainable_params)
+from memplan.memory.sharding import (COLLECTIVES_OF_FAMILY, fsdp_gather_bytes, fsdp_group_numel, fsdp_local_params,
+                                     fsdp_reduce_bytes, param_shapes)
+from memplan.memory.terms import _matrix_shapes, lora_tensors, sdpa_gqa_repeats, trainable_params
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
 
@@ -512,7 +512,7 @@ def compute_setup(setup: TrainSetup) -> TrainSetup:
 
 
 def fsdp_kernels(spec: ModelSpec, setup: TrainSetup, collectives: str = "nccl") -> list[Kernel]:
-    """FSDP2's own copies, per micro-batch, of the tensors memory.py's FSDP walk allocates (pad(G):
+    """FSDP2's own copies, per micro-batch, of the tensors the memory walk's FSDP hook allocates (pad(G):
     a group's padded shard in elements; c, g: bytes of a gathered parameter and of a reduced gradient):
 
     - per all-gather of a group (the blocks twice, in forward and again in backward; the root once,

@@ -53,10 +53,10 @@ def _lora(precision, targets, **kw) -> TrainSetup:
 @pytest.mark.parametrize("module,term,stack,spec,setup,dropout,miss", [
     # memplan's own trainer and transformers alike: with only down adapted, the first block's MLP
     # input needs no gradient: gate|up's output and silu(gate) are saved by nothing
-    (memory, "first_block_frozen_mlp_bytes", "memplan", LLAMA, _lora("fp32", "down"), 0.0, WORST_BAR),
-    (memory, "first_block_frozen_mlp_bytes", "transformers", LLAMA, _lora("bf16", "down"), 0.0, WORST_BAR),
+    (memory.terms, "first_block_frozen_mlp_bytes", "memplan", LLAMA, _lora("fp32", "down"), 0.0, WORST_BAR),
+    (memory.terms, "first_block_frozen_mlp_bytes", "transformers", LLAMA, _lora("bf16", "down"), 0.0, WORST_BAR),
     # autocast keeps no bf16 copy of a frozen weight whose matmul saves nothing (the first block's)
-    (memory, "first_block_frozen_weight_copy_bytes", "memplan", {**LLAMA, "hidden": 256, "ffn": 1024, "vocab": 64},
+    (memory.terms, "first_block_frozen_weight_copy_bytes", "memplan", {**LLAMA, "hidden": 256, "ffn": 1024, "vocab": 64},
      _lora("bf16-mixed", "down", ctx=16, micro_batch=1), 0.0, WORST_BAR),
     # peft's first block: no fp32 norm copy, no dropout masks on a frozen input
     (stacks, "hf_first_block_unsaved_bytes", "transformers", LLAMA, _lora("bf16", "qkv,proj,up,down"), 0.05, 0.05),

@@ -13,7 +13,7 @@ K/V are never materialised). Activation checkpointing is applied per block by
 ``apply_checkpointing``: ``full`` keeps only each block's input, ``selective`` keeps the outputs
 of matmuls and attention and recomputes norms, rotary and pointwise ops.
 
-Every tensor this module saves for backward is accounted for by a term in ``memplan/memory.py``;
+Every tensor this module saves for backward is accounted for by a term in ``memplan/memory/terms.py``;
 change one and you must change the other (``memplan validate`` will tell you).
 """
 
@@ -37,7 +37,7 @@ class _RMSNormFunction(torch.autograd.Function):
     a composite of pointwise ops) and not on others (fused CUDA kernel), so the memory it takes
     would depend on the device. This function takes the same on every device: its input
     (shared with the residual stream) plus rstd (B·T fp32), and in backward two fp32
-    (B, T, H) buffers beyond its output (``memplan.memory._norm_backward``).
+    (B, T, H) buffers beyond its output (``memplan.memory.walk._norm_backward``).
     """
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Other people's training code, traced exactly: the model and the step as each library writes them.
 
-memplan's walk (``memplan/memory.py``) is exact for memplan's own model. Most people train with
+memplan's walk (``memplan/memory/``) is exact for memplan's own model. Most people train with
 someone else's code, whose models save other tensors (an fp32 copy of every norm's input, K and V
 expanded to every query head, a dropout mask before each adapter). ``trace_stack`` builds that
 library's real model for a config and runs two training steps of it, in the library's own idiom,

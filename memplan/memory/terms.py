@@ -1,0 +1,512 @@
+"""The closed-form memory terms of a training step: one small pure function per tensor.
+
+Every term names the tensors of ``trainer/model.py`` and ``trainer/step.py`` it counts and returns
+bytes. Notation in the docstrings: B micro-batch, T context, n = B·T tokens, H hidden, F ffn,
+V vocab, L layers, kv = kv_heads·head_dim, h heads, a = bytes of an activation in the compute
+dtype (2 under bf16/fp16, else 4), r = bytes of the residual stream (4 unless pure bf16),
+p = bytes of a stored weight (2 under pure bf16, else 4).
+
+The walk (``memplan.memory.walk``) allocates and frees these terms in the order a step makes them;
+the sharding terms (DDP's buckets, FSDP2's shards) are in ``memplan.memory.sharding``.
+"""
+
+from __future__ import annotations
+
+from memplan.model import ModelSpec
+from memplan.setup import FP32_BYTES, HALF_BYTES, LORA_TARGETS as LORA_MATRICES, TrainSetup
+
+INDEX_BYTES = 8  # token ids are int64
+MASK_BYTES = 1  # torch.bool
+ADAMW_STATES_PER_PARAM = 2  # exp_avg, exp_avg_sq
+SGD_STATES_PER_PARAM = 1  # momentum_buffer
+ADAM_STEP_BYTES = 4  # AdamW keeps a 0-dim fp32 `step` tensor per parameter tensor
+BNB_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantise states in blocks of 256 values ...
+LOWP_WEIGHT_BYTES = HALF_BYTES  # autocast's cached bf16/fp16 copy of a matmul weight
+NORM_BACKWARD_FP32_BUFFERS = 2  # RMSNorm backward: the normalised input and the scaled gradient, fp32
+NORM_FORWARD_FP32_BUFFERS = 2  # RMSNorm forward: x², then x·rstd before the weight, fp32
+
+
+# ---- dtype sizes and shapes ----------------------------------------------------------------
+
+def act_bytes(setup: TrainSetup) -> int:
+    """a: bytes per activation element; matmul outputs are in the compute dtype."""
+    return setup.compute_bytes
+
+
+def residual_bytes_per_element(setup: TrainSetup) -> int:
+    """r: the residual stream stays fp32 under autocast (fp32 embedding + bf16 branch → fp32)."""
+    return HALF_BYTES if setup.precision == "bf16" else FP32_BYTES
+
+
+def tokens(setup: TrainSetup) -> int:
+    """n = B·T, tokens in one micro-batch."""
+    return setup.micro_batch * setup.ctx
+
+
+def _up_width(spec: ModelSpec) -> int:
+    """Output width of the first MLP matmul: 2F for SwiGLU's fused gate|up, F for GELU."""
+    return (2 if spec.mlp == "swiglu" else 1) * spec.ffn
+
+
+def _qkv_width(spec: ModelSpec) -> int:
+    """q, k and v together: q_dim + 2·kv (q_dim = heads·head_dim: H unless a config sets head_dim)."""
+    return spec.q_dim + 2 * spec.kv_dim
+
+
+def _layer_matrices(spec: ModelSpec) -> dict[str, int]:
+    """Elements of each weight matrix in a block."""
+    h = spec.hidden
+    return {"qkv": h * _qkv_width(spec), "proj": spec.q_dim * h, "up": h * _up_width(spec), "down": spec.ffn * h}
+
+
+# ---- LoRA ------------------------------------------------------------------------------------
+
+def _matrix_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each block matrix."""
+    h = spec.hidden
+    return {"qkv": (h, _qkv_width(spec)), "proj": (spec.q_dim, h), "up": (h, _up_width(spec)), "down": (spec.ffn, h)}
+
+
+def lora_matrix_params(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
+    """One adapter on one block matrix (in → out): A (r × in) and B (out × r), r·(in + out);
+    0 if the matrix carries none (``trainer/lora.py``)."""
+    if matrix not in setup.lora:
+        return 0
+    fan_in, fan_out = _matrix_shapes(spec)[matrix]
+    return setup.lora_rank * (fan_in + fan_out)
+
+
+def lora_params(spec: ModelSpec, setup: TrainSetup) -> int:
+    """All adapters: layers × Σ over the targeted matrices of r·(in + out). 0 without LoRA."""
+    return spec.layers * sum(lora_matrix_params(spec, setup, m) for m in setup.lora)
+
+
+def lora_tensors(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Adapter parameter tensors (A and B per targeted matrix per block)."""
+    return 2 * spec.layers * len(setup.lora)
+
+
+def trainable_params(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Parameters that get gradients and optimizer state: all N, or under LoRA only the adapters."""
+    return lora_params(spec, setup) if setup.lora_rank else spec.params
+
+
+def lora_saved_bytes(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
+    """What one adapter saves for backward: x·Aᵀ (n·r·a, B's matmul input), plus under autocast
+    the bf16 copies of A and B (r·(in + out)·2, cached and saved); under selective checkpointing
+    also the adapter's output (x·Aᵀ)·Bᵀ (n·out·a: an mm output, which the policy keeps)."""
+    if matrix not in setup.lora:
+        return 0
+    saved = tokens(setup) * setup.lora_rank * act_bytes(setup)
+    if setup.mixed:
+        saved += lora_matrix_params(spec, setup, matrix) * LOWP_WEIGHT_BYTES
+    if setup.checkpointing == "selective":
+        saved += tokens(setup) * _matrix_shapes(spec)[matrix][1] * act_bytes(setup)
+    return saved
+
+
+# ---- weights, gradients, optimizer ---------------------------------------------------------
+
+def weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """All parameters in their storage dtype: N·p (fp32 master weights under mixed precision),
+    plus LoRA's adapters (their parameters · p)."""
+    return (spec.params + lora_params(spec, setup)) * setup.param_bytes
+
+
+def rope_buffer_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """RoPE's cos and sin buffers, T × rotary_dim/2 each, fp32. 0 for learned positions."""
+    return 2 * setup.ctx * (spec.rotary_dim // 2) * FP32_BYTES if spec.pos == "rope" else 0
+
+
+def rope_cast_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The cos/sin tables cast to the compute dtype once per forward (saved by every rotary op);
+    0 when the compute dtype is fp32."""
+    if spec.pos != "rope" or act_bytes(setup) == FP32_BYTES:
+        return 0
+    return 2 * setup.ctx * (spec.rotary_dim // 2) * act_bytes(setup)
+
+
+def lowp_weight_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Autocast's low-precision copies of all matmul weights, matmul_params × 2 under
+    bf16-mixed / fp16-mixed, else 0. Each matmul saves its copy for backward."""
+    return spec.matmul_params * LOWP_WEIGHT_BYTES if setup.mixed else 0
+
+
+def gradient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One gradient per trainable parameter, in the parameter's dtype: N·p (LoRA: the adapters' only)."""
+    return trainable_params(spec, setup) * setup.param_bytes
+
+
+def layer_gradient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The gradients of one block's parameters: layer_params·p."""
+    return spec.layer_params * setup.param_bytes
+
+
+def decay_params(spec: ModelSpec) -> int:
+    """Parameters in the weight-decay group: every matrix and the embeddings (norms and biases are not):
+    N less each block's vectors (layer_params less its matrices), the final norm and phi's head bias."""
+    vectors = spec.layer_params - sum(_layer_matrices(spec).values())
+    return spec.params - spec.layers * vectors - spec.norm_params - (spec.vocab if spec.head_bias else 0)
+
+
+def optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Optimizer state.
+
+    - adamw, adamw-fused: exp_avg and exp_avg_sq in the parameter dtype (2·N·p), plus a
+      0-dim fp32 ``step`` per parameter tensor.
+    - sgd: momentum_buffer (N·p).
+    - adamw8bit: two uint8 states per matrix element plus one fp32 absmax per 256-value block
+      (bitsandbytes); norms and biases, under 4096 elements, keep fp32 states.
+
+    Under LoRA only the adapters have state (frozen weights have none); 8-bit states for
+    adapter matrices of 4096 elements and more, fp32 below.
+    """
+    n = trainable_params(spec, setup)
+    n_tensors = lora_tensors(spec, setup) if setup.lora_rank else spec.n_tensors
+    if setup.optimizer in ("adamw", "adamw-fused"):
+        return ADAMW_STATES_PER_PARAM * n * setup.param_bytes + n_tensors * ADAM_STEP_BYTES
+    if setup.optimizer == "sgd":
+        return SGD_STATES_PER_PARAM * n * setup.param_bytes
+    if setup.lora_rank:
+        total = n_tensors * ADAM_STEP_BYTES
+        for m in setup.lora:
+            fan_in, fan_out = _matrix_shapes(spec)[m]
+            for elems in (setup.lora_rank * fan_in, setup.lora_rank * fan_out):
+                per = (elems + -(-elems // BNB_BLOCK) * FP32_BYTES) if elems >= 4096 else elems * FP32_BYTES
+                total += spec.layers * ADAMW_STATES_PER_PARAM * per
+        return total
+    big = decay_params(spec)
+    quantised = ADAMW_STATES_PER_PARAM * (big + -(-big // BNB_BLOCK) * FP32_BYTES)
+    return quantised + ADAMW_STATES_PER_PARAM * (n - big) * FP32_BYTES + spec.n_tensors * ADAM_STEP_BYTES
+
+
+def optimizer_temporary_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Scratch memory of the optimizer step.
+
+    foreach AdamW computes ``sqrt(exp_avg_sq)`` for a whole parameter group at once
+    (``torch._foreach_sqrt``): one parameter-sized temporary of the largest group, the
+    weight-decay group. foreach SGD adds ``weight_decay·param`` to the gradients out of place
+    (``torch._foreach_add``), the same size. The fused AdamW kernel and bitsandbytes' 8-bit
+    kernel update in place: 0. Under LoRA the group is the adapters (all matrices).
+    """
+    if setup.optimizer in ("adamw", "sgd"):
+        return (lora_params(spec, setup) if setup.lora_rank else decay_params(spec)) * setup.param_bytes
+    return 0
+
+
+def input_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Token ids and targets of all micro-batches of a step (int64): grad_accum · 2 · n · 8."""
+    return setup.grad_accum * 2 * tokens(setup) * INDEX_BYTES
+
+
+# ---- activations one block saves for backward ----------------------------------------------
+
+def residual_stream_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The block's input (saved by the first norm) and, unless the residual is parallel, the
+    stream after attention (saved by the second norm): n·H·r each."""
+    copies = 1 if spec.parallel_residual else 2
+    return copies * tokens(setup) * spec.hidden * residual_bytes_per_element(setup)
+
+
+def norm_stat_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One norm's per-token statistics: RMSNorm's rstd (n·4, fp32); LayerNorm's mean and rstd
+    (2·n·r: the input's dtype on the CPU; CUDA keeps them fp32 under pure bf16)."""
+    per_token = FP32_BYTES if spec.norm == "rmsnorm" else 2 * residual_bytes_per_element(setup)
+    return per_token * tokens(setup)
+
+
+def norm_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """A norm's output as the next matmul saves it, n·H·a (under autocast, the bf16 copy made
+    for the matmul; the fp32 norm output itself is freed)."""
+    return tokens(setup) * spec.hidden * act_bytes(setup)
+
+
+def qkv_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The fused qkv matmul's output, n·(H + 2·kv)·a."""
+    return tokens(setup) * _qkv_width(spec) * act_bytes(setup)
+
+
+def rotated_q_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Rotary's output for q, n·q_dim·a (0 for learned positions)."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup) if spec.pos == "rope" else 0
+
+
+def rotated_k_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Rotary's output for k, n·kv·a (0 for learned positions)."""
+    return tokens(setup) * spec.kv_dim * act_bytes(setup) if spec.pos == "rope" else 0
+
+
+def sdpa_output_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """SDPA's output, n·q_dim·a, in (B, T, heads, hd) layout, so the output projection saves a view of it."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup)
+
+
+def sdpa_logsumexp_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """SDPA's log-sum-exp per head and query, fp32: n·heads·4."""
+    return tokens(setup) * spec.heads * FP32_BYTES
+
+
+def attention_scores_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Eager attention's T×T scores or probabilities for all heads: B·heads·T²·a."""
+    return setup.micro_batch * spec.heads * setup.ctx * setup.ctx * act_bytes(setup)
+
+
+def causal_mask_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Eager attention's boolean causal mask, T², made once per forward and shared by all blocks."""
+    return setup.ctx * setup.ctx * MASK_BYTES if setup.attention == "eager" else 0
+
+
+def eager_q_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The contiguous (B, heads, T, hd) copy of q that eager attention's first matmul makes and saves: n·q_dim·a."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup)
+
+
+def eager_kv_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Eager attention's copy of k or of v, saved by its matmul: repeated to all heads under
+    grouped-query attention (``repeat_interleave``, n·H·a), else a contiguous copy (n·kv·a)."""
+    width = spec.q_dim if spec.kv_heads != spec.heads else spec.kv_dim
+    return tokens(setup) * width * act_bytes(setup)
+
+
+def sdpa_repeated_kv_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool) -> int:
+    """K and V repeated to all heads for SDPA under grouped-query attention where no flash kernel
+    takes them unrepeated (``Device.flash_attention``): 2·n·H·a, saved by SDPA instead of k
+    and the qkv output."""
+    if not gqa_repeat or setup.attention != "sdpa" or spec.kv_heads == spec.heads:
+        return 0
+    return 2 * tokens(setup) * spec.q_dim * act_bytes(setup)
+
+
+def attention_output_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Eager attention's output transposed back to (B, T, H), a contiguous copy saved by the
+    output projection: n·q_dim·a."""
+    return tokens(setup) * spec.q_dim * act_bytes(setup)
+
+
+def mlp_up_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The first MLP matmul's output: SwiGLU's fused gate|up n·2F·a (its halves are saved by
+    silu and the product), GELU's n·F·a (saved by gelu)."""
+    return tokens(setup) * _up_width(spec) * act_bytes(setup)
+
+
+def mlp_inner_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One n·F·a MLP intermediate: silu(gate), the SwiGLU product, or gelu's output."""
+    return tokens(setup) * spec.ffn * act_bytes(setup)
+
+
+def layer_lowp_weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One block's autocast weight copies: its matmul weights × 2 (mixed precision only)."""
+    return sum(_layer_matrices(spec).values()) * LOWP_WEIGHT_BYTES if setup.mixed else 0
+
+
+def layer_activation_terms(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> dict[str, int]:
+    """Everything one block saves for backward without checkpointing, by tensor."""
+    terms = {
+        "residual": residual_stream_bytes(spec, setup),
+        "norm_stats": 2 * norm_stat_bytes(spec, setup),
+        "norm_outputs": 2 * norm_output_bytes(spec, setup),
+    }
+    repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
+    if setup.attention == "sdpa" and repeated:
+        terms["qkv"] = qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0
+        terms["rotary"] = rotated_q_bytes(spec, setup)
+        terms["repeated_kv"] = repeated
+        terms["attention"] = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+    elif setup.attention == "sdpa":
+        terms["qkv"] = qkv_output_bytes(spec, setup)
+        terms["rotary"] = rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup)
+        terms["attention"] = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+    else:
+        terms["attention_qkv_copies"] = eager_q_bytes(spec, setup) + 2 * eager_kv_bytes(spec, setup)
+        terms["attention"] = attention_scores_bytes(spec, setup)
+        terms["attention_output"] = attention_output_copy_bytes(spec, setup)
+    inner = 2 if spec.mlp == "swiglu" else 1
+    terms["mlp"] = mlp_up_bytes(spec, setup) + inner * mlp_inner_bytes(spec, setup)
+    terms["lowp_weights"] = layer_lowp_weight_bytes(spec, setup)
+    return terms
+
+
+def block_input_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """A block's input, n·H·r: what full checkpointing keeps of a block."""
+    return tokens(setup) * spec.hidden * residual_bytes_per_element(setup)
+
+
+def selective_kept_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """What selective checkpointing keeps of a block besides its input: the outputs of its
+    matmuls (qkv n·(H+2kv), out-projection n·H, MLP up, MLP down n·H) and of attention
+    (SDPA's output and log-sum-exp, or eager attention's softmax probabilities)."""
+    n, a = tokens(setup), act_bytes(setup)
+    kept = qkv_output_bytes(spec, setup) + 2 * n * spec.hidden * a + mlp_up_bytes(spec, setup)
+    if setup.attention == "sdpa":
+        return kept + sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
+    return kept + attention_scores_bytes(spec, setup)
+
+
+def saved_per_layer_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> int:
+    """What one block holds between its forward and its backward, by checkpointing mode."""
+    if setup.checkpointing == "full":
+        return block_input_bytes(spec, setup)
+    adapters = sum(lora_saved_bytes(spec, setup, m) for m in setup.lora)
+    if setup.checkpointing == "selective":
+        return block_input_bytes(spec, setup) + selective_kept_bytes(spec, setup) + adapters
+    return sum(layer_activation_terms(spec, setup, gqa_repeat).values()) + adapters - lora_unsaved_bytes(spec, setup)
+
+
+def first_block_unsaved_bytes(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False) -> int:
+    """Under LoRA without checkpointing, what the first block saves less than the others: nothing
+    before it trains, so nothing is saved until the first adapter. Always its input and first
+    norm's statistics (n·H·r + the norm's); without a qkv adapter also everything attention
+    saves (except the output a proj adapter keeps); with neither a qkv nor a proj adapter also
+    the second norm's input and statistics."""
+    if not setup.lora_rank or setup.checkpointing != "none":
+        return 0
+    n, r = tokens(setup), residual_bytes_per_element(setup)
+    out = n * spec.hidden * r + norm_stat_bytes(spec, setup)
+    if "qkv" not in setup.lora:
+        terms = layer_activation_terms(spec, setup, gqa_repeat)
+        out += sum(terms.get(k, 0) for k in ("qkv", "rotary", "repeated_kv", "attention", "attention_qkv_copies"))
+        if "proj" in setup.lora and setup.attention == "sdpa":  # the proj adapter keeps SDPA's output
+            out -= sdpa_output_bytes(spec, setup)
+        if "proj" not in setup.lora and not spec.parallel_residual:
+            out += n * spec.hidden * r + norm_stat_bytes(spec, setup)
+    return out + first_block_frozen_mlp_bytes(spec, setup)
+
+
+def first_block_frozen_mlp_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Under LoRA without checkpointing, what the first block's MLP saves less when only its down
+    matrix trains (no qkv, proj or up adapter): the MLP's input needs no gradient, so the up
+    matmul's output (SwiGLU's gate and up, n·2F·a; GELU's input, n·F·a) is saved by neither the
+    activation nor the product (SwiGLU's ``F.silu(gate) * up``, trainer/model.py; transformers'
+    ``act_fn(gate_proj(x)) * up_proj(x)``, modeling_llama.py LlamaMLP.forward), nor is silu(gate);
+    only down's input (SwiGLU's product, GELU's output), which the down adapter's A saves, stays:
+    mlp_up + (inner − 1)·n·F·a. 0 where the MLP's input needs a gradient: up trains, or qkv or
+    proj does in a sequential block (a parallel block's MLP, gpt_neox's, reads the frozen input)."""
+    if not setup.lora_rank or setup.checkpointing != "none" or "up" in setup.lora:
+        return 0
+    if not spec.parallel_residual and {"qkv", "proj"} & set(setup.lora):
+        return 0
+    inner = 2 if spec.mlp == "swiglu" else 1
+    return mlp_up_bytes(spec, setup) + (inner - 1) * mlp_inner_bytes(spec, setup)
+
+
+def first_block_frozen_weight_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Under LoRA without checkpointing and autocast, the bf16 weight copies the first block does
+    not keep: autocast caches the cast of a leaf weight that requires grad only (``cached_cast``:
+    ``arg.is_leaf() && arg.requires_grad()``), so a frozen matrix's copy lives on only where its
+    matmul saves it, for its input's gradient; in the first block a matmul's input needs none
+    until an adapter has run before it. qkv's copy is never kept there; proj's unless qkv trains;
+    up's unless qkv or proj trains; down's unless one of qkv, proj, up trains: Σ weights·2 over
+    those matrices. 0 without autocast."""
+    if not setup.lora_rank or setup.checkpointing != "none" or not setup.mixed:
+        return 0
+    out, m = 0, _layer_matrices(spec)
+    for i, matrix in enumerate(LORA_MATRICES):
+        if not any(before in setup.lora for before in LORA_MATRICES[:i]):
+            out += m[matrix] * LOWP_WEIGHT_BYTES
+    return out
+
+
+def lora_unsaved_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Under LoRA, the matmul inputs a block no longer saves: a frozen matrix without an adapter
+    needs no input for backward (its weight gets no gradient). qkv's and up's: a norm output
+    (n·H·a each); down's: the SwiGLU product or GELU output (n·F·a); proj's, under eager
+    attention, the transposed attention output (n·H·a; SDPA saves its output itself)."""
+    if not setup.lora_rank:
+        return 0
+    out = 0
+    for matrix in LORA_MATRICES:
+        if matrix in setup.lora:
+            continue
+        if matrix in ("qkv", "up"):
+            out += norm_output_bytes(spec, setup)
+        elif matrix == "down":
+            out += mlp_inner_bytes(spec, setup)
+        elif setup.attention == "eager":
+            out += attention_output_copy_bytes(spec, setup)
+    return out
+
+
+# ---- the loss ------------------------------------------------------------------------------
+
+def logits_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The LM head's output, n·V·a."""
+    return tokens(setup) * spec.vocab * act_bytes(setup)
+
+
+def fp32_logits_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """One fp32 (n, V) tensor of the loss: the logits' fp32 copy, the log-probabilities, or
+    either's gradient: n·V·4. The loss is always computed in fp32."""
+    return tokens(setup) * spec.vocab * FP32_BYTES
+
+
+def head_weight_grad_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The LM head's (or tied embedding's) weight gradient, V·H·p."""
+    return spec.vocab * spec.hidden * setup.param_bytes
+
+
+def stack_adapter_state_bytes(setup: TrainSetup, extra_bytes: int, extra_tensors: int) -> int:
+    """Optimizer state of the adapter bytes a stack keeps beyond memplan's (``Stack.lora_bytes_delta``):
+    AdamW's two moments (and a 0-dim fp32 ``step`` per extra tensor) or SGD's momentum, each the size of
+    the parameters; adamw8bit's 8-bit states are left as memplan's."""
+    if setup.optimizer in ("adamw", "adamw-fused"):
+        return ADAMW_STATES_PER_PARAM * extra_bytes + extra_tensors * ADAM_STEP_BYTES
+    if setup.optimizer == "sgd":
+        return SGD_STATES_PER_PARAM * extra_bytes
+    return 0
+
+
+
+# ---- reports and the runtime ----------------------------------------------------------------
+
+def activation_terms(spec: ModelSpec, setup: TrainSetup) -> dict[str, int]:
+    """Activation terms of a step without checkpointing, for reports: per-layer terms × layers."""
+    terms = {f"layer.{k}": v * spec.layers for k, v in layer_activation_terms(spec, setup).items()}
+    terms["loss.fp32_logits"] = fp32_logits_bytes(spec, setup)
+    terms["inputs"] = input_bytes(spec, setup)
+    return terms
+
+
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (mallopt(3))
+
+
+def largest_transient_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The largest single tensor a step allocates and frees again: an fp32 (n, V) tensor of the loss,
+    the logits, the LM head's weight gradient (set to None after every step), the MLP's up projection,
+    or eager attention's scores."""
+    sizes = [fp32_logits_bytes(spec, setup), logits_bytes(spec, setup), head_weight_grad_bytes(spec, setup),
+             mlp_up_bytes(spec, setup)]
+    if setup.attention == "eager":
+        sizes.append(attention_scores_bytes(spec, setup))
+    return max(sizes)
+
+
+def glibc_heap_retention_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """CPU (glibc malloc): what the C heap keeps resident beyond the live tensors, 3·T with
+    T = min(largest transient tensor, 32 MiB).
+
+    glibc serves an allocation above M_MMAP_THRESHOLD with mmap and unmaps it on free, but each free
+    of such a chunk raises the threshold to the chunk's size (at most DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB
+    on 64-bit) and the trim threshold to twice that (mallopt(3), "dynamic mmap threshold"). From the
+    second step on, the step's transient tensors up to T come from the heap: its top keeps up to 2·T
+    free without trimming, and a freed chunk of up to T stays stranded below a live one. Measured on
+    CPU steps (benchmarks/local_memory.py): with MALLOC_MMAP_THRESHOLD_=131072 (the dynamic threshold
+    off) the resident growth matched the live-tensor peak within 5%; with glibc's default it exceeded
+    it by 74-134 MiB where T = 32 MiB (about 3·T), and by about 20 MiB where T = 4-16 MiB."""
+    return 3 * min(largest_transient_bytes(spec, setup), GLIBC_MMAP_THRESHOLD_MAX)
+
+
+def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_overhead: float) -> int:
+    """What the device's monitor shows beyond live tensors: the caching allocator's reserve
+    (allocator_overhead × peak_allocated) and the runtime context (CUDA/HIP context, libraries)."""
+    return int(peak_allocated * allocator_overhead) + int(runtime_context_bytes)
+
+
+def sdpa_gqa_repeats(spec: ModelSpec, setup: TrainSetup, flash_attention: bool, family: str) -> bool:
+    """Whether the reference model repeats K/V for SDPA: grouped-query attention where no flash
+    kernel takes them as they are (the CPU's always does; CUDA/ROCm flash needs fp16/bf16)."""
+    if setup.attention != "sdpa" or spec.kv_heads == spec.heads:
+        return False
+    if family == "cpu":
+        return False
+    return not (flash_attention and setup.compute_dtype in ("bf16", "fp16"))
+
