@@ -106,11 +106,22 @@ def run_prepared(run_dir: str) -> int:
         distributed.shutdown()
 
 
+FAIL_GRACE_SECONDS = 2.0  # how long the other ranks wait before leaving, so that rank 0 says why first
+
+
 def _fail(message: str) -> None:
-    """``message`` as one line on stderr from rank 0 (the others say nothing), then exit code 2."""
+    """``message`` as one line on stderr from rank 0 (the others say nothing), then exit code 2.
+
+    Every rank refuses the same input alike, but torchrun's agent ends the whole group at the first rank
+    that exits: had another rank left first, rank 0 could be killed before its line was written (seen on a
+    loaded machine). The other ranks leave ``FAIL_GRACE_SECONDS`` later, or when the agent ends them."""
     if os.environ.get("RANK", "0") == "0":
         prog = "memplan" if os.environ.get("MEMPLAN_LAUNCHED_BY") == "memplan" else PROG
         print(f"{prog}: error: " + " ".join(message.split()), file=sys.stderr)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import time
+
+        time.sleep(FAIL_GRACE_SECONDS)
     _exit(2)
 
 

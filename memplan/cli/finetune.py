@@ -123,36 +123,18 @@ def _launch(request, console) -> None:
     """``memplan finetune --nproc N ...``: the finetune resolved here, once, for N processes (its plan made for
     them), written into RUN/launch.json with kind ``finetune``, then N processes started by torchrun's launcher,
     each ``python -m trainer RUN``: it reads that file and trains (rank 0 printing). No rank parses these flags."""
-    import logging
     import os
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from memplan.cli.train import LAUNCHED_BY_ENV
-    from trainer import rundir
+    from memplan.cli.train import start_ranks
     from trainer.finetune_request import FinetuneLaunch, resolve_finetune
-    from trainer.request import write_launch
+    from trainer.request import check_launch_target, write_launch
 
+    check_launch_target(request)  # before the base and the data are read
     run_dir = Path(request.out)
     resolved = resolve_finetune(request, world_size=request.nproc,
                                 say=lambda text: console.print(f"[dim]{text}[/dim]"))
     created = not os.path.lexists(run_dir)
     write_launch(run_dir, FinetuneLaunch(request=request,
                                          plan=None if request.resume else resolved.plan.to_dict()))
-    args = parse_args(["--standalone", "--nproc-per-node", str(request.nproc), "-m", "trainer", str(run_dir)])
-    for name in list(logging.root.manager.loggerDict):  # the launcher's own chatter: the ranks speak for the run
-        if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ[LAUNCHED_BY_ENV] = "memplan"  # the ranks' errors read as this command's
-    try:
-        run(args)
-    except ChildFailedError as e:
-        if not request.resume and not os.path.lexists(run_dir / rundir.RUN_FILE):  # refused before it began
-            rundir.remove_launch(run_dir, created)
-        codes = {f.local_rank: f.exitcode for f in e.failures.values()}
-        code = codes.get(0, next(iter(codes.values()), 1))
-        if 0 not in codes:  # rank 0 said nothing about it
-            typer.echo(f"memplan: finetuning failed in rank(s) {', '.join(map(str, sorted(codes)))} "
-                       f"(exit codes {', '.join(map(str, codes.values()))})", err=True)
-        raise typer.Exit(code if code > 0 else 1)
+    start_ranks(run_dir, request.nproc, resume=request.resume, created=created, what="finetuning",
+                say=lambda text: typer.echo(text, err=True))

@@ -638,12 +638,8 @@ def _launch(request, log: list[str], console) -> None:
     processes), written into RUN/launch.json (``write_launch``), then N processes started by torchrun's
     launcher, each ``python -m trainer RUN``: it reads that file and trains (rank 0 printing). No rank parses
     these flags."""
-    import logging
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
-    from trainer import rundir
     from trainer.request import check_launch_target, launch_spec, resolve_train, write_launch
 
     nproc = request.nproc
@@ -659,6 +655,22 @@ def _launch(request, log: list[str], console) -> None:
     run_dir = resolved.run_dir
     created = not os.path.lexists(run_dir)
     write_launch(run_dir, launch_spec(resolved, request, log))
+    start_ranks(run_dir, nproc, resume=request.resume, created=created, what="training",
+                say=lambda text: console.print(text, soft_wrap=True))
+
+
+def start_ranks(run_dir: Path, nproc: int, *, resume: bool, created: bool, what: str, say) -> None:
+    """torchrun's launcher starting ``nproc`` ranks of ``python -m trainer RUN``, each reading RUN/launch.json
+    (written just before). When they fail: a new run refused before it began takes its launch file (and the
+    directory, if this launch ``created`` it) away, ``say`` names the failed ranks if rank 0 said nothing,
+    and the command exits with rank 0's code."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from trainer import rundir
+
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "trainer", str(run_dir)])
     for name in list(logging.root.manager.loggerDict):  # the launcher's own chatter: the ranks speak for the run
         if name.startswith("torch.distributed"):
@@ -667,13 +679,13 @@ def _launch(request, log: list[str], console) -> None:
     try:
         run(args)
     except ChildFailedError as e:
-        if not request.resume and not os.path.lexists(run_dir / rundir.RUN_FILE):  # refused before it began
+        if not resume and not os.path.lexists(run_dir / rundir.RUN_FILE):  # refused before it began
             rundir.remove_launch(run_dir, created)
         codes = {f.local_rank: f.exitcode for f in e.failures.values()}
         code = codes.get(0, next(iter(codes.values()), 1))
         if 0 not in codes:  # rank 0 said nothing about it
-            console.print(f"memplan: training failed in rank(s) {', '.join(map(str, sorted(codes)))} "
-                          f"(exit codes {', '.join(map(str, codes.values()))})", soft_wrap=True)
+            say(f"memplan: {what} failed in rank(s) {', '.join(map(str, sorted(codes)))} "
+                f"(exit codes {', '.join(map(str, codes.values()))})")
         raise typer.Exit(code if code > 0 else 1)
 
 
