@@ -248,12 +248,12 @@ def resume_point(run_dir: Path, kind: str) -> tuple[ckpt.CheckpointRef | None, d
     return None, source, f"{run_dir / rundir.RUN_FILE}"
 
 
-def predicted_for(plan: Plan, profile) -> dict:
-    """What memplan predicts for this plan on this device (the figures the run is measured against):
-    ``memplan.prediction.predict``'s, as a dict."""
+def predicted_for(plan: Plan, profile):
+    """What memplan predicts for this plan on this device, the figures the run is measured against: a
+    ``memplan.prediction.Prediction`` (written into the metrics records as its dict)."""
     from memplan.prediction import predict
 
-    return predict(plan.model, plan.setup, profile).as_dict()
+    return predict(plan.model, plan.setup, profile)
 
 
 def check_plan_for_data(plan: Plan, data) -> None:
@@ -277,7 +277,7 @@ def check_plan_fits(plan: Plan, profile) -> None:
     the operating system would kill the process or swap, with no out-of-memory error to back off from)."""
     from memplan.units import format_bytes
 
-    peak = predicted_for(plan, profile)["peak_reserved"]
+    peak = predicted_for(plan, profile).peak_reserved
     if peak > profile.usable_bytes:
         raise InputError(f"the plan needs {format_bytes(peak)} (predicted peak) but {profile.name} has "
                          f"{format_bytes(profile.usable_bytes)} usable; plan for this device (`memplan autotune "
@@ -326,7 +326,7 @@ def resume_settings(run_dir: Path, data, profile, *, kind: str, read_config: Cal
     setup = distributed.rescaled_for_world(saved_plan.setup, launched, asked_sharding)
     if setup != saved_plan.setup:  # another world size than the run was saved with: the same global batch
         saved_plan = dataclasses.replace(saved_plan, setup=setup, predicted=predicted_for(
-            dataclasses.replace(saved_plan, setup=setup), profile))
+            dataclasses.replace(saved_plan, setup=setup), profile).plan_table())
     check_plan_for_data(saved_plan, data)
     if config.verify_data:
         data.verify()

@@ -681,7 +681,7 @@ class Trainer:
             model={**spec.to_json(), "describe": spec.describe()},
             setup={**s.to_json(), "compile": s.compile}, device=self.profile.name,
             torch_device=str(self.device), torch=torch.__version__,
-            predicted=self.predicted, schedule=self.schedule.to_dict(),
+            predicted=self.predicted.as_dict(), schedule=self.schedule.to_dict(),
             eval_every=self.eval_every, save_every=self.save_every,
             tokens_per_step=s.tokens_per_step, planned_steps=self.planned_steps(),
             data_passes=self.data_passes(), train_tokens=self.data.train_tokens,
@@ -842,7 +842,7 @@ class Trainer:
         self._emit(records.OomEvent(step=step, time=self.train_seconds, message=message,
                                     micro_batch=new.micro_batch, grad_accum=new.grad_accum,
                                     previous={"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
-                                    predicted=self.predicted))
+                                    predicted=self.predicted.as_dict()))
 
     # ---- evaluation ------------------------------------------------------------------------------
 

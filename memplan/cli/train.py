@@ -330,9 +330,9 @@ def _print_plan(trainer, console) -> None:
     print_hanging(console, "  data: ", f"{trainer.data.path} ({format_count(trainer.data.train_tokens)} train tokens, "
                   f"sources {', '.join(trainer.data.source_names)}); device {trainer.device} "
                   f"({trainer.profile.name} profile)")
-    print_hanging(console, "  predicted: ", f"peak {format_bytes(pred['peak_reserved'])} "
-                  f"({format_bytes(pred['peak_allocated'])} live tensors), {pred['tokens_per_second']:,.0f} tokens/s, "
-                  f"MFU {pred['mfu']:.1%}")
+    print_hanging(console, "  predicted: ", f"peak {format_bytes(pred.peak_reserved)} "
+                  f"({format_bytes(pred.peak_allocated)} live tensors), {pred.tokens_per_second:,.0f} tokens/s, "
+                  f"MFU {pred.mfu:.1%}")
     if trainer.base_hf:  # memplan train --from: where the weights came from
         b = trainer.base_hf
         print_hanging(console, "  weights: ", ("started from " if trainer.step else "from ")
@@ -514,7 +514,7 @@ class _ProgressView:
             elapsed, limit = self._clock()
             count = progress_count(line.step, total, fixed, elapsed, limit)
             fraction = progress_fraction(line.step, total, fixed, elapsed, limit)
-            pred = self.trainer.predicted["peak_reserved"]
+            pred = self.trainer.predicted.peak_reserved
             mem = line.memory_bytes
             loss = "n/a" if line.loss is None else f"{line.loss:.4f}"
             fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line.tokens_per_second)} tok/s",
@@ -613,7 +613,7 @@ def _print_summary(trainer, summary, sample) -> None:
         mfu = statistics.median(l.mfu for l in steady)
         if meas:
             print_hanging(out, "  memory: ", f"measured peak {format_bytes(meas)}, predicted "
-                          f"{format_bytes(pred['peak_reserved'])} ({(pred['peak_reserved'] - meas) / meas:+.1%}); "
+                          f"{format_bytes(pred.peak_reserved)} ({(pred.peak_reserved - meas) / meas:+.1%}); "
                           f"measured by {trainer.monitor.source}")
             if trainer.device.type == "cpu" and trainer.baseline_bytes:
                 context = trainer.profile.runtime_context_bytes
@@ -622,7 +622,7 @@ def _print_summary(trainer, summary, sample) -> None:
                 print_hanging(out, "    ", f"(this process held {format_bytes(trainer.baseline_bytes)} before the "
                               f"model existed; {whose} {format_bytes(context)})")
         print_hanging(out, "  throughput: ", f"{tps:,.0f} tokens/s (median), predicted "
-                      f"{pred['tokens_per_second']:,.0f}; MFU {mfu:.1%}")
+                      f"{pred.tokens_per_second:,.0f}; MFU {mfu:.1%}")
     if summary.checkpoint:
         print_hanging(out, "  checkpoint: ", str(summary.checkpoint))
     if summary.report:
