@@ -128,6 +128,15 @@ def test_no_import_cycle_runs_through_the_device_layer():
     assert graph["trainer.device"] == set()  # a leaf
 
 
+@pytest.mark.parametrize("package", ["trainer", "memplan"])
+def test_no_module_of_either_package_reaches_itself_through_its_imports(package):
+    """No import cycle anywhere: no module of ``package`` reaches itself again through the package's imports, lazy
+    ones and a package's own ``__init__`` included (the CLI's commands register on ``memplan.cli.app``, the walk's
+    ledger is ``memplan.memory.ledger``, the exporters share ``trainer.export.common``)."""
+    graph = _import_graph(package)
+    assert sorted(m for m in graph if _reaches(graph, m, m)) == []
+
+
 def test_trainer_device_is_imported_without_starting_torch():
     """The CLI's parent of `autotune --verify` imports trainer.verify (and so trainer.device) without torch."""
     code = "import sys, trainer.device, trainer.verify; print('torch' in sys.modules)"

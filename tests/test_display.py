@@ -30,7 +30,7 @@ def _render_view(updates, *, max_minutes, width: int = 80) -> list[str]:
     """The live view's line after each update (a fake trainer: the view reads its config, clock, schedule
     and prediction), rendered at ``width`` columns."""
     trainer = SimpleNamespace(config=SimpleNamespace(max_minutes=max_minutes), elapsed_seconds=0.0,
-                              schedule=SimpleNamespace(fixed=True), predicted={"peak_reserved": int(1.1 * GiB)})
+                              schedule=SimpleNamespace(fixed=True), predicted=SimpleNamespace(peak_reserved=int(1.1 * GiB)))
     console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
     view = _ProgressView(console, trainer)
     shown = []

@@ -88,7 +88,7 @@ def test_nproc_resolves_the_finetune_once_and_each_rank_reads_it_from_the_run_di
     import torch.distributed.run
 
     from trainer.__main__ import entry
-    from trainer.request import read_launch
+    from trainer.finetune_request import read_launch_file
 
     run, sft = base
     calls = []
@@ -100,7 +100,7 @@ def test_nproc_resolves_the_finetune_once_and_each_rank_reads_it_from_the_run_di
     assert r.exit_code == 0, r.output
     (args,) = calls
     assert args.module and args.training_script == "trainer" and args.training_script_args == [str(out)]
-    launch = read_launch(out)
+    launch = read_launch_file(out)
     assert launch.plan["setup"]["world_size"] == 2 and launch.plan["setup"]["lora_rank"] == 4
     assert launch.request.run == str(run) and launch.request.control["max_steps"] == 2 and launch.request.nproc == 2
     assert sorted(p.name for p in out.iterdir()) == ["launch.json"]  # the ranks write the rest

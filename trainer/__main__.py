@@ -85,9 +85,10 @@ def run_prepared(run_dir: str) -> int:
 
     from memplan.cli.train import RichUI, trained
     from trainer import distributed
-    from trainer.request import LaunchSpec, read_launch, resolve_launch, start_trainer
+    from trainer.finetune_request import read_launch_file
+    from trainer.request import LaunchSpec, resolve_launch, start_trainer
 
-    spec = read_launch(run_dir)  # checked before the group is joined: every rank refuses it alike
+    spec = read_launch_file(run_dir)  # checked before the group is joined: every rank refuses it alike
     rank, launched, _ = distributed.env_world()
     console = Console(stderr=True, highlight=False, quiet=rank != 0)
     try:

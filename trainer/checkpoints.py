@@ -23,11 +23,8 @@ from memplan.plan import Plan
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import rundir
-from trainer.rundir import METRICS_FILE
+from trainer.rundir import CHECKPOINT_DIR, METRICS_FILE, TOKENIZER_FILE  # noqa: F401  (loop imports them here)
 from trainer.stopping import LIMITS, DiskFull
-
-CHECKPOINT_DIR = "checkpoints"
-TOKENIZER_FILE = "tokenizer.json"
 
 
 class CheckpointManager:

@@ -968,6 +968,25 @@ def _default_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _hub_checkpoint(text: str) -> Path | None:
+    """``--tokenizer ORG/NAME``: the Hub checkpoint's cached (or fetched) snapshot directory; None for what is not
+    a Hub id."""
+    from trainer import hf_import
+
+    if not (hf_import.is_hub_id(text) and "/" in text):
+        return None
+    return hf_import.resolve_checkpoint(text, "--tokenizer")
+
+
+def _checkpoint_tokenizer(directory: Path) -> Tokenizer:
+    """A Hugging Face checkpoint's tokenizer as ``--from`` reads it: the end-of-text token its config names and the
+    vocabulary of its (possibly padded) embedding."""
+    from trainer import hf_import
+
+    _, model, cfg, _, _ = hf_import.read_spec(directory, "--tokenizer")
+    return hf_import.read_tokenizer(directory, cfg, model, "--tokenizer")[0]
+
+
 def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = PrepareConfig(), *,
             force: bool = False, progress: Progress | None = None,
             notes: Callable[[str], None] | None = None) -> PrepareResult:
@@ -980,11 +999,11 @@ def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = 
     progress = progress or (lambda stage, done, total: None)
     notes = notes or (lambda line: None)
     out = check_out_dir(out, force)
-    spec = parse_tokenizer_spec(config.tokenizer)
+    spec = parse_tokenizer_spec(config.tokenizer, hub=_hub_checkpoint)
     if spec.kind == "tiktoken":
         check_tiktoken_available(spec.encoding)
     elif spec.kind == "file":
-        build_tokenizer(spec)  # fail on a bad tokenizer.json before reading the corpus
+        build_tokenizer(spec, from_checkpoint=_checkpoint_tokenizer)  # a bad tokenizer.json fails before the corpus is read
     out.parent.mkdir(parents=True, exist_ok=True)
     with _InterruptsRaise(), prepare_lock(out):
         for line in remove_stale_temp_dirs(out):
@@ -1053,7 +1072,8 @@ def _prepare_locked(sources, out: Path, config: PrepareConfig, spec, progress: P
         t0 = time.perf_counter()
         progress("tokenizer", 0, None)
         tokenizer = build_tokenizer(spec, _staged_texts(staging, stats, split="train"),
-                                    length=sum(s.train_documents for s in stats))
+                                    length=sum(s.train_documents for s in stats),
+                                    from_checkpoint=_checkpoint_tokenizer)
         tokenizer.save(tmp)
         progress("tokenizer", 1, 1)
         seconds["tokenizer"] = time.perf_counter() - t0

@@ -291,3 +291,15 @@ def resolve_finetune_launch(launch: FinetuneLaunch, where: str, world_size: int)
         raise InputError(f"the plan is for --world-size {plan.setup.world_size} but {world_size} process(es) run "
                          f"it; launch it with `memplan finetune --nproc {plan.setup.world_size}` (torchrun)")
     return resolve_finetune(launch.request, world_size=world_size, plan=plan)
+
+
+def read_launch_file(run_dir: str | Path):
+    """RUN/launch.json as its kind reads it: a ``FinetuneLaunch`` (kind ``finetune``) or a
+    ``trainer.request.LaunchSpec`` (``memplan train --nproc``'s); an InputError naming the file otherwise."""
+    from trainer.request import LAUNCH_FORMAT, LAUNCH_VERSION, LaunchSpec, read_launch_object
+
+    obj, path = read_launch_object(run_dir)
+    if isinstance(obj, dict) and obj.get("format") == LAUNCH_FORMAT and obj.get("version") == LAUNCH_VERSION \
+            and obj.get("kind") == "finetune":
+        return FinetuneLaunch.from_json(obj, str(path))
+    return LaunchSpec.from_json(obj, str(path))

@@ -761,10 +761,16 @@ def write_launch(run_dir: Path, spec: LaunchSpec) -> Path:
     return path
 
 
-def read_launch(run_dir: str | Path):
-    """RUN/launch.json, checked: a ``LaunchSpec`` (``memplan train --nproc``) or a
-    ``trainer.finetune_request.FinetuneLaunch`` (``memplan finetune --nproc``); an InputError naming the file
-    and what is wrong with it."""
+def read_launch(run_dir: str | Path) -> LaunchSpec:
+    """RUN/launch.json of ``memplan train --nproc``, checked; an InputError naming the file and what is wrong
+    with it."""
+    obj, path = read_launch_object(run_dir)
+    return LaunchSpec.from_json(obj, str(path))
+
+
+def read_launch_object(run_dir: str | Path) -> tuple[object, Path]:
+    """RUN/launch.json parsed (at most MAX_LAUNCH_BYTES, no NaN), and its path; what it holds is checked by the
+    reader of its kind (``LaunchSpec``, ``trainer.finetune_request.FinetuneLaunch``)."""
     import json
 
     from trainer import rundir
@@ -794,12 +800,7 @@ def read_launch(run_dir: str | Path):
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:120]}); not a launch file memplan "
                          "wrote") from None
-    if isinstance(obj, dict) and obj.get("format") == LAUNCH_FORMAT and obj.get("version") == LAUNCH_VERSION \
-            and obj.get("kind") == "finetune":
-        from trainer.finetune_request import FinetuneLaunch
-
-        return FinetuneLaunch.from_json(obj, str(path))
-    return LaunchSpec.from_json(obj, str(path))
+    return obj, path
 
 
 def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> ResolvedTrain:

@@ -38,6 +38,8 @@ from memplan.fsutil import Lock, hold_lock, write_atomic
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"  # one JSON object per line (docs/run-directory.md)
 LOCK_FILE = ".lock"
+CHECKPOINT_DIR = "checkpoints"  # RUN/checkpoints/step-NNNNNNNN/ (trainer.checkpoint)
+TOKENIZER_FILE = "tokenizer.json"  # the tokenizer a checkpoint trained with, in the checkpoint
 LAUNCH_FILE = "launch.json"  # what `memplan train --nproc` asks of each rank (trainer.request.LaunchSpec)
 NOT_A_RUN = (LOCK_FILE, LAUNCH_FILE)  # a directory holding only these holds no run yet
 RUN_FORMAT = "memplan-run"
@@ -132,7 +134,6 @@ def resume_source(run_dir: str | Path) -> tuple[object, dict]:
     """(newest checkpoint or None, the meta or record it resumes from) of the run in ``run_dir``; an
     InputError saying why when there is no run to resume there."""
     from trainer import checkpoint as ckpt
-    from trainer.loop import CHECKPOINT_DIR
 
     run_dir = Path(run_dir)
     if not run_dir.exists():
@@ -177,7 +178,6 @@ class TrainedCheckpoint:
         """The tokenizer the run trained with: the checkpoint's tokenizer.json (or the tiktoken encoding it names),
         with the end-of-text token and vocabulary its record names (an imported checkpoint's need not be what the
         file alone suggests)."""
-        from trainer.loop import TOKENIZER_FILE
         from trainer.tokenizer import Tokenizer
 
         tok = self.tokenizer_record
@@ -195,7 +195,6 @@ def trained_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     against its meta.json, and its plan; an InputError naming what is missing (the directory, any checkpoint)."""
     from memplan.plan import Plan
     from trainer import checkpoint as ckpt
-    from trainer.loop import CHECKPOINT_DIR
 
     run_dir = Path(run_dir)
     if checkpoint is None:

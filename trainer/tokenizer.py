@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from memplan.errors import InputError
 
@@ -68,8 +68,10 @@ class TokenizerSpec:
         return str(self.encoding)
 
 
-def parse_tokenizer_spec(text: str) -> TokenizerSpec:
-    """``bpe:8192`` / ``gpt2`` / a path to a tokenizer.json, or an ``InputError`` naming the choices."""
+def parse_tokenizer_spec(text: str, hub: Callable[[str], Path | None] | None = None) -> TokenizerSpec:
+    """``bpe:8192`` / ``gpt2`` / a path to a tokenizer.json (or a checkpoint directory holding one), or, where
+    ``hub`` resolves ``text`` to a checkpoint directory (a Hub id: ``trainer.data`` passes
+    ``trainer.hf_import``'s resolver), that checkpoint's; else an ``InputError`` naming the choices."""
     text = str(text).strip()
     m = _BPE_RE.match(text)
     if m:
@@ -92,10 +94,8 @@ def parse_tokenizer_spec(text: str) -> TokenizerSpec:
         if path.name == TOKENIZER_FILE and (path.parent / "config.json").is_file():  # a checkpoint's own
             return TokenizerSpec(kind="file", path=path, checkpoint=path.parent)
         return TokenizerSpec(kind="file", path=path)
-    from trainer import hf_import
-
-    if not path.exists() and hf_import.is_hub_id(text) and "/" in text:  # a Hub id: its cached (or fetched) snapshot
-        directory = hf_import.resolve_checkpoint(text, "--tokenizer")
+    directory = hub(text) if hub is not None and not path.exists() else None
+    if directory is not None:  # a Hub id: its cached (or fetched) snapshot
         return TokenizerSpec(kind="file", path=directory / TOKENIZER_FILE, checkpoint=directory)
     raise InputError(f"--tokenizer: {text!r} is not a file; use {_ACCEPTED}")
 
@@ -327,17 +327,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = Non
 
 
 def build_tokenizer(spec: TokenizerSpec, train_texts: Iterable[str] | None = None,
-                    length: int | None = None) -> Tokenizer:
-    """The tokenizer ``spec`` asks for; "bpe" trains on ``train_texts``."""
+                    length: int | None = None,
+                    from_checkpoint: Callable[[Path], Tokenizer] | None = None) -> Tokenizer:
+    """The tokenizer ``spec`` asks for; "bpe" trains on ``train_texts``; a checkpoint's is read by
+    ``from_checkpoint`` (``trainer.data`` passes ``trainer.hf_import``'s reader, as ``--from`` reads it)."""
     if spec.kind == "bpe":
         if train_texts is None:
             raise ValueError("training a BPE needs texts")
         return train_bpe(train_texts, spec.vocab_size, length=length)
     if spec.kind == "file" and spec.checkpoint is not None:
-        from trainer import hf_import
-
-        _, model, cfg, _, _ = hf_import.read_spec(spec.checkpoint, "--tokenizer")
-        return hf_import.read_tokenizer(spec.checkpoint, cfg, model, "--tokenizer")[0]
+        if from_checkpoint is None:
+            raise ValueError("a checkpoint's tokenizer is read by from_checkpoint")
+        return from_checkpoint(spec.checkpoint)
     if spec.kind == "file":
         return Tokenizer.from_file(spec.path)
     return Tokenizer.from_tiktoken(spec.encoding)

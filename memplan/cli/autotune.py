@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.fit import fits, print_fields
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
                                  KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt,

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.fit import print_fitted
 from memplan.cli.options import JsonOpt, print_json
 from memplan.errors import InputError

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.options import JsonOpt, ThreadsOpt, threads_from, use_threads
 
 RunOpt = Annotated[str, typer.Option("--run", help="The run directory (what `memplan train --out` wrote).",

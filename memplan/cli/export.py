@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.options import JsonOpt
 
 RunOpt = Annotated[str, typer.Option("--run", help="The run directory (what `memplan train --out` wrote).",

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.fit import print_fields
 from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, EvalBatchesOpt,
                                  EvalEveryOpt, KeepOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, OptimizerOpt,

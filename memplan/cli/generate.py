@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.options import SEED_MAX, ThreadsOpt, threads_from, use_threads
 from memplan.units import parse_float, parse_int
 

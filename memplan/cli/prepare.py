@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 
 InputsOpt = Annotated[Optional[list[str]], typer.Option(
     "--input", "-i", help="A .txt, .jsonl or .parquet file, a directory of them (recursive), or hf:NAME; "

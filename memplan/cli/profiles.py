@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.fit import fits
 from memplan.cli.options import JsonOpt, print_json
 from memplan.hardware import Device, all_profiles

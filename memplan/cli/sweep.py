@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.estimate import PlanStackOpt
 from memplan.cli.options import local_device_from, with_rates  # noqa: I001
 from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt,

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.cli.fit import print_hanging
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,

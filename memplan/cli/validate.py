@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.cli import app
+from memplan.cli.app import app
 from memplan.reports.validate import decode_step_words, inference_page, validation_page
 from memplan.cli.options import DeviceMemoryOpt, DeviceOpt, JsonOpt, ThreadsOpt, print_json, threads_from, use_threads
 

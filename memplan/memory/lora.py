@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memplan.memory import terms
+import memplan.memory.terms as terms
 from memplan.memory.terms import LOWP_WEIGHT_BYTES, _matrix_shapes, act_bytes, lora_matrix_params, tokens
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, TrainSetup
 from memplan.stacks import Stack
 
 if TYPE_CHECKING:
-    from memplan.memory.walk import _StepWalk
+    from memplan.memory.ledger import _StepWalk
 
 
 def saves_input(setup: TrainSetup, matrix: str) -> bool:

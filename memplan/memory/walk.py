@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.memory import lora
-from memplan.memory.sharding import FullyShard, Replicated, gradients_persist
+import memplan.memory.lora as lora
+from memplan.memory.ledger import CATEGORIES, Moment, _StepWalk  # noqa: F401  (walk.Moment: callers import it here)
+from memplan.memory.sharding import FullyShard, Replicated
 from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
                                   _layer_matrices, act_bytes, attention_output_copy_bytes, attention_scores_bytes,
                                   causal_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
@@ -36,49 +37,6 @@ from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS,
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, TrainSetup
 from memplan.stacks import MEMPLAN, Stack
-
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
-
-
-# ---- the walk's bookkeeping -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Moment:
-    """Live bytes by category at one moment of a step."""
-
-    name: str
-    phase: str  # forward | backward | optimizer
-    bytes: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes.values())
-
-
-class _StepWalk:
-    """Live bytes by category through a step's allocations and frees, remembering the peak."""
-
-    def __init__(self, spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN):
-        self.spec, self.setup, self.stack = spec, setup, stack
-        self.gradients_persist = gradients_persist(setup)  # .grad exists before the backward (the sharding hook's)
-        self.live = dict.fromkeys(CATEGORIES, 0)
-        self.peak: Moment | None = None
-        self.phase = "forward"
-        self.where = "start of step"
-        self.marks: list[Moment] = []  # the live totals at named points, for reports
-
-    def alloc(self, category: str, nbytes: int, where: str | None = None) -> None:
-        self.live[category] += int(nbytes)
-        total = sum(self.live.values())
-        if self.peak is None or total > self.peak.total:
-            self.peak = Moment(where or self.where, self.phase, dict(self.live))
-
-    def free(self, category: str, nbytes: int) -> None:
-        self.live[category] -= int(nbytes)
-
-    def mark(self, name: str) -> None:
-        self.marks.append(Moment(name, self.phase, dict(self.live)))
-
 
 def _norm_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> int:
     """A norm's forward: its fp32 working buffers, its statistics and its output.

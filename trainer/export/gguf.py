@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from memplan.errors import InputError
-from trainer.export import MARKER, LoadedRun, commit_files, family_of, temp_sibling
+from trainer.export.common import MARKER, LoadedRun, commit_files, family_of, temp_sibling
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2", "gpt_neox": "gptneox"}
 PRE_TOKENIZER = "gpt-2"

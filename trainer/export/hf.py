@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.export import MARKER, LoadedRun, commit_dir, family_of, temp_sibling
+from trainer.export.common import MARKER, LoadedRun, commit_dir, family_of, temp_sibling
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CLASS_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from memplan.errors import InputError
-from trainer.export import MARKER, LoadedRun, commit_files, temp_sibling
+from trainer.export.common import MARKER, LoadedRun, commit_files, temp_sibling
 
 PROTOBUF_LIMIT_BYTES = 2 * 2**30  # an ONNX protobuf cannot exceed 2 GiB; larger weights go to external data
 OPSET = 18
