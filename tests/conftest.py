@@ -21,17 +21,22 @@ def memplan_cli():
     return run_memplan
 
 
+def _in_session_dir(tmp_path_factory, variable: str, name: str):
+    """``variable`` set to a fresh directory of this test session while it runs, as it was afterwards."""
+    saved = os.environ.get(variable)
+    os.environ[variable] = str(tmp_path_factory.mktemp(name))
+    yield
+    if saved is None:
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = saved
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     """memplan's cache (the embedded corpus, the local calibration) lives in a directory of this test
     session, never in the user's ~/.cache."""
-    saved = os.environ.get("MEMPLAN_CACHE")
-    os.environ["MEMPLAN_CACHE"] = str(tmp_path_factory.mktemp("memplan-cache"))
-    yield
-    if saved is None:
-        os.environ.pop("MEMPLAN_CACHE", None)
-    else:
-        os.environ["MEMPLAN_CACHE"] = saved
+    yield from _in_session_dir(tmp_path_factory, "MEMPLAN_CACHE", "memplan-cache")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -40,13 +45,7 @@ def _private_inductor_cache(tmp_path_factory):
     default, /tmp/torchinductor_USER, is shared with every other process of the machine, and a
     kernel another process left half-written there fails every later compile that loads it
     ("file too short")."""
-    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
-    yield
-    if saved is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+    yield from _in_session_dir(tmp_path_factory, "TORCHINDUCTOR_CACHE_DIR", "inductor-cache")
 
 
 @pytest.fixture(scope="module")

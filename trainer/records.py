@@ -240,8 +240,12 @@ class StartEvent(_Event):
             raise InputError(f"{where}: 'event' is {self.event!r}; accepted: start, resume")
         if "params" in self.model:
             check_value(self.model["params"], int, f"{where}: 'model'['params']")
-        _check_mapping({k: v for k, v in self.predicted.items() if k != "peak_phase"}, float | None,
-                       f"{where}: 'predicted'")
+        _check_predicted(self.predicted, where)
+
+
+def _check_predicted(predicted: dict, where: str) -> None:
+    """A record's ``predicted`` (``memplan.prediction.Prediction``'s dict): numbers or null, but the phase."""
+    _check_mapping({k: v for k, v in predicted.items() if k != "peak_phase"}, float | None, f"{where}: 'predicted'")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,8 +274,7 @@ class OomEvent(_Event):
             if key not in self.previous:
                 raise InputError(f"{where}: 'previous' has no {key!r}; not a line memplan wrote")
             check_value(self.previous[key], int, f"{where}: 'previous'[{key!r}]")
-        _check_mapping({k: v for k, v in self.predicted.items() if k != "peak_phase"}, float | None,
-                       f"{where}: 'predicted'")
+        _check_predicted(self.predicted, where)
 
 
 @dataclass(frozen=True, kw_only=True)
