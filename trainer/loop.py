@@ -76,7 +76,7 @@ from trainer import records, rundir
 from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
                                  check_metrics_file, check_plan_fits, check_plan_for_data, check_run_dir_free,
                                  check_same_plan, lock_run, predicted_for, resume_settings, state_of)
-from trainer.device import current_rss as _process_rss, torch_device_for, trim_heap as _trim_heap  # noqa: F401
+from trainer.device import current_rss as _process_rss, keep_heap_resident, torch_device_for, trim_heap as _trim_heap  # noqa: F401
 from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
@@ -330,6 +330,7 @@ class Trainer:
         set_matmul_precision(self.setup.precision)
         if self.device.type == "cpu":  # what preparing data or planning left in the C heap is not the runtime's
             _trim_heap()
+            keep_heap_resident()  # and the steps' freed heap is not given back and faulted in again
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
         fresh = resume_from is None  # a checkpoint has its own weights: the starting ones are not loaded
         if self.dist.world_size > 1:  # DDP or FSDP2; the plain module (FSDP2's is sharded in place) as self.model

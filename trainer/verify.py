@@ -143,6 +143,7 @@ def run_trial(request: dict) -> dict:
         # the trial server has run every configuration once already (fork mode): one step reloads nothing
         _warm_up(spec, setup, device.type, steps=1 if request.get("server_warmed") else 2)
         devices.trim_heap()
+        devices.keep_heap_resident()  # as the trainer's steps run (trainer.device.keep_heap_resident)
         out["hwm_reset"] = devices.reset_peak_rss()
         baseline = devices.current_rss()
         out["baseline_rss"] = baseline
