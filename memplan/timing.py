@@ -832,7 +832,9 @@ def kernel_seconds(k: Kernel, rates: Rates) -> tuple[float, float, float]:
     ft = rates.first_touch()
     if ft is not None:
         bps, threshold = ft
-        first = sum(b for b in k.fresh if b > threshold) / bps
+        # glibc mmaps a request whose chunk (the request and its header) reaches the threshold: a tensor of
+        # exactly the threshold (micro-batch 8 × ctx 256 × vocab 4096 fp32 logits: 32 MiB) is fresh pages too
+        first = sum(b for b in k.fresh if b >= threshold) / bps
     if k.kind == "matmul":
         compute = k.flops / rates.matmul_flops_per_second(k.dtype, k.shape, k.direction)
         memory = memory_bytes / (rates.device.bandwidth_bytes_per_second * STREAM_FRACTION)

@@ -300,7 +300,7 @@ class _Net:
         if not self.cal.first_touch_bytes_per_second:
             return 0.0
         thr = self.cal.first_touch_threshold_bytes or GLIBC_MMAP_THRESHOLD_MAX
-        return sum(b for b in fresh_bytes if b > thr) / self.cal.first_touch_bytes_per_second
+        return sum(b for b in fresh_bytes if b >= thr) / self.cal.first_touch_bytes_per_second  # as memplan.timing
 
     def __call__(self, measured: float, fresh_bytes=()) -> float:
         return max(measured - self.first_touch(fresh_bytes), 0.25 * measured)  # never below a quarter
