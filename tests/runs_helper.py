@@ -37,6 +37,14 @@ def tiny_corpus(root: Path, tokenizer: str = "bpe:320", n: int = 300, name: str 
     return out
 
 
+def pydoc_corpus(root: Path) -> Path:
+    """A small corpus prepared from the embedded pydoc source: 40 documents, a 300-token BPE."""
+    sources = [s for s in data.embedded_sources() if s.name == "pydoc"]
+    out = root / "prepared"
+    data.prepare(sources, out, data.PrepareConfig(tokenizer="bpe:300", workers=1, max_docs=40, val_fraction=0.1))
+    return out
+
+
 def tiny_spec(arch: str, vocab: int, **overrides) -> ModelSpec:
     shape = dict(arch=arch, layers=2, hidden=64, heads=4, kv_heads=2 if arch == "llama" else 4, ffn=128,
                  vocab=vocab, tied=True, max_positions=256)

@@ -21,13 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from trainer import data
+    from runs_helper import pydoc_corpus
 
-    root = tmp_path_factory.mktemp("corpus")
-    sources = [s for s in data.embedded_sources() if s.name == "pydoc"]
-    out = root / "prepared"
-    data.prepare(sources, out, data.PrepareConfig(tokenizer="bpe:300", workers=1, max_docs=40, val_fraction=0.1))
-    return out
+    return pydoc_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 # ---- lines as the trainer wrote them before the records (its dicts, json.dumps(..., allow_nan=False)) ----------

@@ -18,7 +18,6 @@ from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from memplan.timing import compile_fusion, compile_seconds, step_time
-from trainer import data
 from trainer import loop
 from trainer.data import PreparedData
 from trainer.loop import TrainConfig, Trainer, read_metrics
@@ -29,11 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    sources = [s for s in data.embedded_sources() if s.name == "pydoc"]
-    out = root / "prepared"
-    data.prepare(sources, out, data.PrepareConfig(tokenizer="bpe:300", workers=1, max_docs=40, val_fraction=0.1))
-    return out
+    from runs_helper import pydoc_corpus
+
+    return pydoc_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _trainer(run_dir: Path, corpus: Path) -> Trainer:

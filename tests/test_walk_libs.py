@@ -108,18 +108,11 @@ TT_IDS = ["rms-norm-fp32-copies", "unfused-qkv-expanded-kv", "chunked-loss-backw
           "lora-dropout-per-module", "lora-separate-q-k-v-w1-w3", "first-lora-block-keeps-no-masks"]
 
 
-@pytest.mark.parametrize("hook,spec,setup,dropout,removed,miss", LIT_CASES, ids=LIT_IDS)
-def test_each_litgpt_hook_brings_the_walk_to_the_trace(monkeypatch, hook, spec, setup, dropout, removed, miss):
-    with_hook, without = _errors_with_and_without(monkeypatch, "litgpt", hook, ModelSpec(**spec), setup, dropout,
-                                                  removed)
-    assert abs(with_hook) <= MEDIAN_BAR, with_hook
-    assert abs(without) > miss, without
-
-
-@pytest.mark.parametrize("hook,spec,setup,dropout,removed,miss", TT_CASES, ids=TT_IDS)
-def test_each_torchtune_hook_brings_the_walk_to_the_trace(monkeypatch, hook, spec, setup, dropout, removed, miss):
-    with_hook, without = _errors_with_and_without(monkeypatch, "torchtune", hook, ModelSpec(**spec), setup, dropout,
-                                                  removed)
+@pytest.mark.parametrize("lib,hook,spec,setup,dropout,removed,miss",
+                         [("litgpt", *c) for c in LIT_CASES] + [("torchtune", *c) for c in TT_CASES],
+                         ids=[f"litgpt-{i}" for i in LIT_IDS] + [f"torchtune-{i}" for i in TT_IDS])
+def test_each_hook_brings_the_walk_to_the_trace(monkeypatch, lib, hook, spec, setup, dropout, removed, miss):
+    with_hook, without = _errors_with_and_without(monkeypatch, lib, hook, ModelSpec(**spec), setup, dropout, removed)
     assert abs(with_hook) <= MEDIAN_BAR, with_hook
     assert abs(without) > miss, without
 

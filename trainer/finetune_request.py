@@ -99,18 +99,6 @@ class ResolvedFinetune:
     predicted_peak: int = 0
 
 
-def _profile(req: FinetuneRequest):
-    from memplan.cli.options import device_from
-    from memplan.local import means_this_machine
-    from trainer.request import local_calibration, set_threads
-
-    profile = device_from(req.device, req.device_memory)
-    if means_this_machine(req.device):  # the local device: its cached measured rates (memplan train's), if any
-        profile, _ = local_calibration(profile, None, measure_now=False, threads=req.threads)
-    set_threads(req.threads, profile)
-    return profile
-
-
 def resolve_finetune(req: FinetuneRequest, *, world_size: int = 1, plan=None,
                      say: Callable[[str], None] = lambda text: None) -> ResolvedFinetune:
     """The finetune ``req`` asks for, for ``world_size`` processes: with ``plan`` (a rank's, from its launch
@@ -120,7 +108,9 @@ def resolve_finetune(req: FinetuneRequest, *, world_size: int = 1, plan=None,
                          "exactly one")
     if req.lora_rank < 0:
         raise InputError(f"--lora-rank: {req.lora_rank} must be 0 (full finetune) or a positive integer")
-    profile = _profile(req)
+    from trainer.request import profile_for
+
+    profile, _ = profile_for(req.device, req.device_memory, req.threads, None, measure_now=False)
     if req.resume:
         return _resolve_resume(req, profile)
     sft, spec, precision = _base_and_data(req, profile, say)

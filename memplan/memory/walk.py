@@ -124,14 +124,20 @@ class _BlockForward:
         self.drop(norm_stat_bytes(self.spec, self.setup), self.p.keeps_saved)
         return out
 
+    def normed_linear(self, matrix: str, out_bytes: int) -> int:
+        """A norm and the matmul that reads it (``qkv`` or ``up``, with its adapter); the norm's output is kept
+        only where that matmul saves its input. Returns the matmul output's bytes."""
+        norm_out = self.norm()
+        self.weight_copy(matrix)
+        out = self.make(out_bytes, self.p.reuses_outputs)
+        self.adapter(matrix)
+        self.drop(norm_out, self.p.keeps_saved and lora.saves_input(self.setup, matrix))
+        return out
+
     def run(self) -> None:
         spec, setup, p, w = self.spec, self.setup, self.p, self.w
         w.where = "block forward: attention"
-        norm_out = self.norm()
-        self.weight_copy("qkv")
-        qkv = self.make(qkv_output_bytes(spec, setup), p.reuses_outputs)
-        self.adapter("qkv")
-        self.drop(norm_out, p.keeps_saved and lora.saves_input(setup, "qkv"))
+        qkv = self.normed_linear("qkv", qkv_output_bytes(spec, setup))
         q_rot = self.make(rotated_q_bytes(spec, setup))
         k_rot = self.make(rotated_k_bytes(spec, setup))
         if setup.attention == "eager":
@@ -193,11 +199,7 @@ class _BlockForward:
         """The MLP's norm, up, activation (and product), down, and the block's output."""
         spec, setup, p, w = self.spec, self.setup, self.p, self.w
         w.where = "block forward: MLP"
-        norm_out = self.norm()
-        self.weight_copy("up")
-        up = self.make(mlp_up_bytes(spec, setup), p.reuses_outputs)
-        self.adapter("up")
-        self.drop(norm_out, p.keeps_saved and lora.saves_input(setup, "up"))
+        up = self.normed_linear("up", mlp_up_bytes(spec, setup))
         inner = self.make(mlp_inner_bytes(spec, setup))  # silu(gate), or gelu(up)
         if spec.mlp == "swiglu":
             inner += self.make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
