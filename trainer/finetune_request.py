@@ -14,7 +14,6 @@ line or autotunes.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -64,18 +63,14 @@ class FinetuneRequest:
     @classmethod
     def from_json(cls, obj, where: str) -> "FinetuneRequest":
         """The request of a launch file, every field of its JSON type; an InputError naming ``where`` otherwise."""
-        from trainer.records import check_value
+        from trainer.records import check_value, field_values
 
         if not isinstance(obj, dict):
             raise InputError(f"{where}: 'request' is not an object")
-        hints = typing.get_type_hints(cls)
-        values = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in obj:
-                raise InputError(f"{where}: 'request' has no {f.name!r}; write it again with `memplan finetune "
-                                 "--nproc N`")
-            values[f.name] = check_value(obj[f.name], hints[f.name], f"{where}: 'request'[{f.name!r}]")
-        req = cls(**values)
+        req = cls(**field_values(
+            cls, obj, lambda name: f"{where}: 'request'[{name!r}]",
+            lambda name: f"{where}: 'request' has no {name!r}; write it again with `memplan finetune --nproc N`",
+            defaults=False))
         if (req.run is None) == (req.from_ is None):
             raise InputError(f"{where}: the request names neither or both of 'run' and 'from_'")
         if req.lora_rank < 0 or req.nproc < 1 or (req.threads is not None and req.threads < 1):

@@ -64,14 +64,8 @@ class _Record:
     def from_json(cls, obj: dict, where: str = "metrics line"):
         """The record of ``obj`` (a parsed line), every key known to it checked; an InputError naming
         ``where`` and the key otherwise."""
-        hints = _hints(cls)
-        values = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in obj:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise InputError(f"{where}: a {cls.describe()} line without {f.name!r}; not a line memplan wrote")
-                continue
-            values[f.name] = check_value(obj[f.name], hints[f.name], f"{where}: {f.name!r}")
+        values = field_values(cls, obj, lambda name: f"{where}: {name!r}",
+                              lambda name: f"{where}: a {cls.describe()} line without {name!r}; not a line memplan wrote")
         record = cls(**values)
         record._check(where)
         return record
@@ -85,6 +79,23 @@ class _Record:
 
 
 _HINTS: dict[type, dict] = {}
+
+
+def field_values(cls, obj: dict, where: typing.Callable[[str], str], missing: typing.Callable[[str], str], *,
+                 defaults: bool = True) -> dict:
+    """The values of dataclass ``cls``'s fields found in ``obj``, each checked against its annotated JSON type
+    (``check_value``, naming ``where(field)``); a field absent from ``obj`` is left to its default where it has
+    one and ``defaults`` allows, else it is the InputError ``missing(field)``. (Metrics records, and the launch
+    files of ``trainer.request`` and ``trainer.finetune_request``.)"""
+    hints = _hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in obj:
+            if defaults and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
+                continue
+            raise InputError(missing(f.name))
+        values[f.name] = check_value(obj[f.name], hints[f.name], where(f.name))
+    return values
 
 
 def _hints(cls) -> dict:

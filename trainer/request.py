@@ -665,7 +665,7 @@ class LaunchSpec:
     def from_json(cls, obj, where: str) -> "LaunchSpec":
         """The spec of a parsed launch.json, every field checked (its type here; the plan, the settings and the
         loggers by what builds them, in ``resolve_launch``); an InputError naming ``where`` otherwise."""
-        from trainer.records import check_value
+        from trainer.records import check_value, field_values
 
         if not isinstance(obj, dict) or obj.get("format") != LAUNCH_FORMAT:
             raise InputError(f"{where}: not a memplan launch file (format {LAUNCH_FORMAT!r})")
@@ -674,15 +674,8 @@ class LaunchSpec:
                              f"{LAUNCH_VERSION}")
         if obj.get("kind") != "train":
             raise InputError(f"{where}: kind {obj.get('kind')!r}; accepted: train, finetune")
-        hints = typing.get_type_hints(cls)
-        values = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in obj:
-                if f.default is not dataclasses.MISSING:
-                    continue
-                raise InputError(f"{where}: no {f.name!r}; write it again with `memplan train --nproc N`")
-            values[f.name] = check_value(obj[f.name], hints[f.name], f"{where}: {f.name!r}")
-        spec = cls(**values)
+        spec = cls(**field_values(cls, obj, lambda name: f"{where}: {name!r}",
+                                  lambda name: f"{where}: no {name!r}; write it again with `memplan train --nproc N`"))
         if spec.sharding not in (None, "ddp", "fsdp"):
             raise InputError(f"{where}: 'sharding' is {spec.sharding!r}; accepted: ddp, fsdp or null")
         if spec.nproc < 1 or (spec.threads is not None and spec.threads < 1):
