@@ -1,5 +1,5 @@
 """What glibc's heap holds beyond the live tensors in CPU training steps, under the heap policy memplan's
-trainer uses and under a low mmap threshold: the measurements behind the open part of issue 13's memory bar.
+trainer uses and under a low mmap threshold: why local_memory.py's predicted peaks miss with the heap kept.
 
 For each of `local_memory.py`'s `train` shapes, in a fresh process per policy: the process baseline
 (trainer.calibrate.process_baseline_bytes, as the calibration measures it), then STEPS bare steps
