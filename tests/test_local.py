@@ -27,12 +27,16 @@ ESTIMATE = ["estimate", "--params", "22m", "--ctx", "256", "--batch", "2", "--pr
 
 
 def retention() -> int:
-    """glibc's heap retention of ESTIMATE's step (22m, ctx 256, micro-batch 2, fp32)."""
-    from memplan.memory import glibc_heap_retention_bytes
+    """What glibc's heap holds beyond ESTIMATE's live peak (22m, ctx 256, micro-batch 2, fp32): the retention
+    allowance, and the heap's high-water beside the mmapped loss tensors' (its fp32 logits are 62.5 MiB)."""
+    from memplan.memory import glibc_heap_retention_bytes, mapped_logits_high_water_bytes, walk_step
     from memplan.model import resolve
     from memplan.setup import TrainSetup
 
-    return glibc_heap_retention_bytes(resolve(params="22m"), TrainSetup(ctx=256, micro_batch=2, precision="fp32"))
+    spec, setup = resolve(params="22m"), TrainSetup(ctx=256, micro_batch=2, precision="fp32")
+    w = walk_step(spec, setup)
+    return glibc_heap_retention_bytes(spec, setup) + mapped_logits_high_water_bytes(spec, setup, w.rest_high,
+                                                                                   w.logits_high, w.peak.total)
 
 
 def run_cli(*args: str):

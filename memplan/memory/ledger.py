@@ -40,10 +40,15 @@ class _StepWalk:
         self.phase = "forward"
         self.where = "start of step"
         self.marks: list[Moment] = []  # the live totals at named points, for reports
+        # the highest live logits, and the highest live total besides them, each at its own moment
+        # (``mapped_logits_high_water_bytes``: on a CPU the two high-waters are resident together)
+        self.logits_high = self.rest_high = 0
 
     def alloc(self, category: str, nbytes: int, where: str | None = None) -> None:
         self.live[category] += int(nbytes)
         total = sum(self.live.values())
+        self.logits_high = max(self.logits_high, self.live["logits"])
+        self.rest_high = max(self.rest_high, total - self.live["logits"])
         if self.peak is None or total > self.peak.total:
             self.peak = Moment(where or self.where, self.phase, dict(self.live))
 

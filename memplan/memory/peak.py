@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.memory.sharding import COLLECTIVES
-from memplan.memory.terms import activation_terms, glibc_heap_retention_bytes, runtime_bytes
+from memplan.memory.terms import (activation_terms, glibc_heap_retention_bytes, mapped_logits_high_water_bytes,
+                                  runtime_bytes)
 from memplan.memory.walk import Moment, walk_step
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
@@ -56,7 +57,8 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
     """``peak_memory`` of one rank (the ranks of a DDP or single-process step are alike).
     ``collectives``: the process group's backend, nccl (NVIDIA, and RCCL on ROCm) or gloo (CPU),
     which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``). ``heap_retention``
-    (a CPU: the process's resident memory is the peak) adds ``glibc_heap_retention_bytes`` to the runtime."""
+    (a CPU: the process's resident memory is the peak) adds ``glibc_heap_retention_bytes`` and
+    ``mapped_logits_high_water_bytes`` to the runtime."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
     w = walk_step(spec, setup, gqa_repeat, stack, rank, collectives)  # FSDP: the FullyShard hook, memplan's step
@@ -64,6 +66,8 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     if heap_retention:
         runtime += glibc_heap_retention_bytes(spec, setup)
+        if stack.chunked_upcast_bytes(spec, setup) == 0 and stack.chunked_loss_backward_bytes(spec, setup) == 0:
+            runtime += mapped_logits_high_water_bytes(spec, setup, w.rest_high, w.logits_high, peak.total)
     return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,
                            peak_reserved=peak.total + runtime, peak_phase=peak.phase, peak_moment=peak.name,
                            moments=tuple(w.marks), terms=activation_terms(spec, setup))

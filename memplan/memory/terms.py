@@ -495,6 +495,28 @@ def glibc_heap_retention_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return 3 * min(largest_transient_bytes(spec, setup), GLIBC_MMAP_THRESHOLD_MAX)
 
 
+def mapped_logits_high_water_bytes(spec: ModelSpec, setup: TrainSetup, rest_high: int, logits_high: int,
+                                   peak_total: int) -> int:
+    """CPU (glibc malloc): what the step's resident peak holds beyond its live peak when the loss's (n, V)
+    tensors are mmapped, ``rest_high + logits_high − peak_total``; 0 when they come from the heap.
+
+    A tensor of at least M_MMAP_THRESHOLD (32 MiB: its dynamic cap, where memplan's trainer fixes it,
+    ``trainer.device.keep_heap_resident``) is mmapped and unmapped on free, so its pages come and go with
+    it. Everything smaller comes from the heap, whose pages stay resident at their high-water mark (the
+    trim threshold out of reach in the trainer; glibc's default trims only the top). The process then
+    holds the heap's high-water and the mmapped tensors' own high-water at once, though the walk's live
+    peak has them at different moments: ``rest_high`` is the highest live total besides the logits
+    (with full checkpointing, a block recomputed in the backward, after the loss's tensors are gone),
+    ``logits_high`` the highest live logits (the logits, their fp32 copy, the log-probabilities and
+    their gradients at the loss's backward). Counted when every tensor of the logits category is
+    mmapped, i.e. the compute-dtype logits, its smallest, reach the threshold, and the loss is not
+    taken chunk by chunk; measured in benchmarks/heap_fragmentation.py (4x256 ctx512 b4 full-ckpt:
+    123.7 + 96.0 MiB against a live peak of 159.2 MiB, 60.5 MiB)."""
+    if logits_bytes(spec, setup) < GLIBC_MMAP_THRESHOLD_MAX:
+        return 0
+    return max(0, rest_high + logits_high - peak_total)
+
+
 def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_overhead: float) -> int:
     """What the device's monitor shows beyond live tensors: the caching allocator's reserve
     (allocator_overhead × peak_allocated) and the runtime context (CUDA/HIP context, libraries)."""
