@@ -205,7 +205,8 @@ class _BlockForward:
             inner += self.make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
         self.weight_copy("down")
         if p.keeps_saved:  # the stack's own saved tensors beyond memplan's (memplan.stacks): 0 for memplan
-            w.alloc("activations", w.stack.block_saved_bytes(spec, setup))
+            adapters = sum(w.stack.adapter_saved_bytes(spec, setup, m) for m in setup.lora)  # made by the adapters
+            w.alloc("activations", w.stack.block_saved_bytes(spec, setup) - adapters)
         if p.recomputes:
             self.stop(x_mid)
         else:
@@ -217,6 +218,8 @@ class _BlockForward:
             self.w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
         if not lora.saves_input(self.setup, "down"):  # a frozen down matmul without an adapter keeps none of its input
             self.w.free("activations", mlp_inner_bytes(self.spec, self.setup))
+        if self.w.stack.recompute_reaches_down_adapter(self.setup):  # a stack's recomputation runs on into down's adapter
+            lora.adapter_recompute_stop(self.w, self.spec, self.setup, "down")
 
     def down(self, x_mid: int, up: int, inner: int) -> None:
         """The down projection and the block's output; what the pass does not keep is released."""
@@ -587,7 +590,10 @@ class _Step:
         self.sh.before_block_backward(w, which, index)
         if self.ckpt:
             w.where = f"backward: recomputing the {which} block"
+            before = self.stack.recompute_gradient_bytes(spec, cs)  # a stack's gradients made before it: 0 for memplan
+            w.alloc("temporaries", before)
             _block_forward(w, spec, cs, BlockPass.recompute_pass(cs.checkpointing), self.gqa)
+            w.free("temporaries", before)
         w.mark(f"start of the {which} block's backward")
         first = (which == "first" or spec.layers == 1) and bool(self.first_unsaved)
         self.grad = _block_backward(w, spec, cs, self.grad, self.gqa, first=first)
