@@ -372,6 +372,20 @@ def hf_lora_matrix_saved_bytes(spec, setup, matrix: str, dropout: float, cpu: bo
     return out + len(hf_lora_modules(spec, matrix)) * n * rank * kept - n * rank * a
 
 
+def hf_lora_adapter_made_bytes(spec, setup, matrix: str, dropout: float, cpu: bool = False) -> int:
+    """Of ``hf_lora_matrix_saved_bytes``, what changes where the adapters on ``matrix`` run: the tensors peft
+    saves (its cast, mask and dropout output, each module's x·Aᵀ), and for qkv and proj the input memplan's
+    adapter would save, which nothing saves here and which dies with attention (the decoder layer reassigns
+    ``hidden_states = self.self_attn(...)``; ``attn_output = self.o_proj(attn_output)``, modeling_llama.py).
+    up's and down's inputs, the MLP's input and the product, stay alive until the MLP's forward returns
+    (``down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``, LlamaMLP.forward):
+    the walk releases them with the block's other tensors, after the MLP."""
+    made = hf_lora_matrix_saved_bytes(spec, setup, matrix, dropout, cpu)
+    if matrix in ("up", "down"):
+        made += memplan_lora_input_bytes(spec, setup, matrix, dropout)
+    return made
+
+
 def hf_recompute_gradient_bytes(spec, setup) -> int:
     """The gradients autograd makes in a checkpointed block's backward before its recomputation starts
     (transformers' layers under ``gradient_checkpointing_enable()``, down_proj adapted by peft).
@@ -955,8 +969,18 @@ class Stack:
 
     def adapter_saved_bytes(self, spec, setup, matrix: str) -> int:
         """Of ``block_saved_bytes``, what the adapters on ``matrix`` save, made where they run (peft's)."""
-        return hf_lora_matrix_saved_bytes(spec, setup, matrix, self.lora_dropout, self.cpu) \
+        return hf_lora_adapter_made_bytes(spec, setup, matrix, self.lora_dropout, self.cpu) \
             if self.name == "transformers" else 0
+
+    def norm_saved_bytes(self, spec, setup) -> int:
+        """Of ``block_saved_bytes``, what each of the stack's block norms saves beyond memplan's, made where the
+        norm runs (transformers' RMSNorm: its fp32 copy of the input)."""
+        return hf_norm_saved_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def attention_saved_bytes(self, spec, setup) -> int:
+        """Of ``block_saved_bytes``, what the stack's attention saves beyond memplan's, made where attention
+        runs (transformers' fp32 softmax under eager attention; the fused qkv output its rotary does not keep)."""
+        return hf_attention_saved_bytes(spec, setup) if self.name == "transformers" else 0
 
     def recompute_gradient_bytes(self, spec, setup) -> int:
         """Gradients alive through a checkpointed block's recomputation, made before it (peft's)."""

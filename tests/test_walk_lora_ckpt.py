@@ -20,7 +20,7 @@ from memplan.memory.walk import walk_step
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 from memplan.stacks import stack_of
-from test_walk_stacks import GPT2, LLAMA, MEDIAN_BAR, NEOX, WORST_BAR, _errors, _trace, _walk
+from test_walk_stacks import GPT2, LLAMA, MEDIAN_BAR, NEOX, WORST_BAR, _errors, _matrix, _trace, _walk
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,6 +63,31 @@ def test_peft_saves_where_its_adapters_run(monkeypatch):
     assert abs(without) > 0.045 and abs(without) > 3 * abs(with_hook), (with_hook, without)
 
 
+def test_transformers_eager_softmax_is_saved_where_attention_runs(monkeypatch):
+    """gpt_neox under pure bf16, eager attention: the recomputation peaks in the MLP's adapters, when the
+    attention's fp32 softmax (B·heads·T²·4, ``hf_attention_saved_bytes``) is saved already. Counted in one lump
+    after the MLP (``Stack.attention_saved_bytes`` returning 0), it is missing there."""
+    setup = TrainSetup(precision="bf16", attention="eager", **FULL)
+    with_hook, without = _with_and_without(
+        monkeypatch, lambda: monkeypatch.setattr(stacks.Stack, "attention_saved_bytes", lambda *a, **k: 0),
+        ModelSpec(**NEOX), setup, 0.0)
+    assert abs(with_hook) <= MEDIAN_BAR, with_hook
+    assert abs(without) > 0.045 and abs(without) > 3 * abs(with_hook), (with_hook, without)
+
+
+def test_transformers_rmsnorm_copies_are_saved_where_the_norms_run(monkeypatch):
+    """llama under pure bf16: each LlamaRMSNorm's fp32 copy of its input (``hf_norm_saved_bytes``) is saved by
+    the time the recomputation peaks in up_proj's adapter. Counted in one lump after the MLP
+    (``Stack.norm_saved_bytes`` returning 0) the walk misses by 1.4 points more. (What it still misses here,
+    about 3%, is not modelled: the bf16 inputs the checkpoint and ``residual`` keep beside those copies.)"""
+    setup = TrainSetup(precision="bf16", **FULL)
+    with_hook, without = _with_and_without(
+        monkeypatch, lambda: monkeypatch.setattr(stacks.Stack, "norm_saved_bytes", lambda *a, **k: 0),
+        ModelSpec(**LLAMA), setup, 0.0)
+    assert abs(with_hook) <= WORST_BAR / 2, with_hook
+    assert abs(without) > abs(with_hook) + 0.01, (with_hook, without)
+
+
 def test_the_walk_peaks_in_the_last_blocks_recomputation_as_the_trace_does():
     """llama, autocast, dropout 0.05: the traced peak is at lora_A's output in the last block's recomputed
     down_proj; the walk's peak is there too, and within 1% of the trace (before issue 15: −12.8%, at the
@@ -100,3 +125,16 @@ def test_lora_under_checkpointing_meets_the_bars_a_fast_subset():
     errors = _errors(cases)
     assert statistics.median(abs(e) for e in errors.values()) <= MEDIAN_BAR, errors
     assert max(abs(e) for e in errors.values()) <= WORST_BAR, errors
+
+
+def test_the_ledger_balances_over_a_checkpointed_lora_step():
+    """What the walk allocates for transformers' LoRA under full checkpointing it frees by the end of the
+    backward, category by category: down's adapter casts and x·Aᵀ, recomputed before the stop, are the ones
+    its backward releases (``lora.adapter_recompute_stop``), and qkv's peft inputs are released once, by
+    their own lora_A (``_block_backward``'s ``released``), not twice."""
+    for name, spec, setup, dropout in _matrix(checkpointing=("full",), loras=("r4", "r4-dropout")):
+        w = walk_step(spec, setup, stack=stack_of("transformers", lora_dropout=dropout, cpu=True))
+        marks = {m.name: m.bytes for m in w.marks}
+        start, end = marks["start of forward"], marks["end of backward"]
+        assert (end["activations"], end["weights"], end["temporaries"]) == \
+            (start["activations"], start["weights"], 0), name
