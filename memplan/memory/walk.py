@@ -218,7 +218,9 @@ class _BlockForward:
             self.down(x_mid, up, inner)
 
     def stop(self, x_mid: int) -> None:
-        """A recomputation stops here: everything the backward needs exists."""
+        """A recomputation stops here: everything the backward needs exists. Where a stack's adapter on down
+        saves past this point (peft's lora_B saves lora_A's output: ``Stack.recompute_reaches_down_adapter``),
+        the recomputation runs on into that adapter and stops there (``lora.adapter_recompute_stop``)."""
         if self.spec.parallel_residual:
             self.w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
         if not lora.saves_input(self.setup, "down"):  # a frozen down matmul without an adapter keeps none of its input
