@@ -356,14 +356,93 @@ def hf_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
     and down (a bytes)."""
     if not setup.lora_rank:
         return 0
+    return sum(hf_lora_matrix_saved_bytes(spec, setup, m, dropout, cpu) for m in setup.lora)
+
+
+def hf_lora_matrix_saved_bytes(spec, setup, matrix: str, dropout: float, cpu: bool = False) -> int:
+    """Of ``hf_lora_saved_bytes``, what the adapters on ``matrix`` save beyond memplan's: their input's cast,
+    mask and dropout output (``hf_lora_input_saved_bytes``) for memplan's saved input, each module's x·Aᵀ
+    (n·r·kept) for memplan's one n·r·a. Made where the adapter runs (``Stack.adapter_saved_bytes``); 0 for a
+    matrix without an adapter."""
+    if not setup.lora_rank or matrix not in setup.lora:
+        return 0
     n, a, rank = _n(setup), _a(setup), setup.lora_rank
     kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES  # what lora_A saves per module, per element
-    out = 0
-    for m in setup.lora:
-        modules = hf_lora_modules(spec, m)
-        out += hf_lora_input_saved_bytes(spec, setup, m, dropout, cpu) - memplan_lora_input_bytes(spec, setup, m, dropout)
-        out += len(modules) * n * rank * kept - n * rank * a
-    return out
+    out = hf_lora_input_saved_bytes(spec, setup, matrix, dropout, cpu) - memplan_lora_input_bytes(spec, setup, matrix, dropout)
+    return out + len(hf_lora_modules(spec, matrix)) * n * rank * kept - n * rank * a
+
+
+def hf_lora_adapter_made_bytes(spec, setup, matrix: str, dropout: float, cpu: bool = False) -> int:
+    """Of ``hf_lora_matrix_saved_bytes``, what changes where the adapters on ``matrix`` run: the tensors peft
+    saves (its cast, mask and dropout output, each module's x·Aᵀ), and for qkv and proj the input memplan's
+    adapter would save, which nothing saves here and which dies with attention (the decoder layer reassigns
+    ``hidden_states = self.self_attn(...)``; ``attn_output = self.o_proj(attn_output)``, modeling_llama.py).
+    up's and down's inputs, the MLP's input and the product, stay alive until the MLP's forward returns
+    (``down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``, LlamaMLP.forward):
+    the walk releases them with the block's other tensors, after the MLP."""
+    made = hf_lora_matrix_saved_bytes(spec, setup, matrix, dropout, cpu)
+    if matrix in ("up", "down"):
+        made += memplan_lora_input_bytes(spec, setup, matrix, dropout)
+    return made
+
+
+def hf_recompute_gradient_bytes(spec, setup) -> int:
+    """The gradients autograd makes in a checkpointed block's backward before its recomputation starts
+    (transformers' layers under ``gradient_checkpointing_enable()``, down_proj adapted by peft).
+
+    torch.utils.checkpoint (non-reentrant) recomputes when the first node of the block unpacks a saved
+    tensor. The nodes run before it save nothing: the residual add, ``result.to(torch_result_dtype)`` and
+    ``result + lora_B(...) * scaling`` (peft ``lora.Linear.forward``). Their backward leaves the gradient of
+    the base matmul's output in its dtype, n·H·a, a tensor of its own where a is 16-bit (under autocast the
+    residual add casts the fp32 gradient; under pure bf16 ``.to``'s backward upcasts it to the fp32 of
+    peft's ``result`` and the add casts it back for the bf16 base output; in fp32 it is the incoming
+    gradient itself), and ``* scaling``'s backward the gradient of lora_B's output, n·H·e (e = 2 under
+    autocast, else 4: peft's fp32 adapter). Both live through the recomputation, which lora_B's backward,
+    the next node, starts. 0 without a down adapter or checkpointing."""
+    if not setup.lora_rank or "down" not in setup.lora or setup.checkpointing != "full":
+        return 0
+    n, h, a = _n(setup), spec.hidden, _a(setup)
+    e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    return (n * h * a if a != FP32 else 0) + n * h * e
+
+
+def hf_recompute_locals_bytes(spec, setup, dropout: float) -> int:
+    """The MLP's input and down's input, alive as Python locals when a recomputation stops inside down_proj's
+    adapter (``hf_recompute_down_adapter_bytes``), where the walk holds neither.
+
+    ``down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))`` (modeling_llama.py,
+    LlamaMLP.forward; gpt2's and gpt_neox's MLPs alike): ``x``, the MLP norm's output (n·H·r: fp32 under
+    autocast), is alive until the MLP's forward returns, and down's input (the product, or the activation's
+    output, n·F·a) is peft's ``x`` in ``lora.Linear.forward``. Neither is saved when peft's lora_A saves a
+    tensor of its own (a cast, a dropout output), so the walk counts their places as peft's
+    (``memplan_lora_input_bytes``); in fp32 without dropout lora_A saves them themselves, and the walk holds
+    them: 0."""
+    if not setup.lora_rank or "down" not in setup.lora or setup.checkpointing != "full":
+        return 0
+    if setup.precision == "fp32" and dropout == 0:
+        return 0
+    n = _n(setup)
+    mlp_in = n * spec.hidden * _r(setup) if "up" in setup.lora else 0
+    return mlp_in + n * spec.ffn * _a(setup)
+
+
+def hf_recompute_down_adapter_bytes(spec, setup, dropout: float) -> int:
+    """What down_proj's peft adapter holds, unsaved, when the recomputation of a checkpointed block stops.
+
+    torch.utils.checkpoint's non-reentrant recomputation (``_checkpoint_hook``, ``early_stop``) stops once
+    the last tensor the block's backward needs has been saved again: lora_B's input, lora_A's output, in
+    down_proj's ``result = result + lora_B(lora_A(dropout(x))) * scaling`` (peft ``lora.Linear.forward``). By
+    then ``result = self.base_layer(x)`` exists (n·H·a), and, beside what lora_A saves
+    (``hf_lora_input_saved_bytes``), ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``, n·F·4, where x
+    is not fp32 and the cast is not lora_A's input (under autocast, whose mm casts it again; with dropout),
+    and the dropout's output, n·F·4, under autocast (lora_A saves its bf16 cast instead). 0 without a down
+    adapter or checkpointing."""
+    if not setup.lora_rank or "down" not in setup.lora or setup.checkpointing != "full":
+        return 0
+    n, f, a = _n(setup), spec.ffn, _a(setup)
+    cast = n * f * PEFT_ADAPTER_BYTES if a != PEFT_ADAPTER_BYTES and (setup.mixed or dropout > 0) else 0
+    dropped = n * f * PEFT_ADAPTER_BYTES if setup.mixed and dropout > 0 else 0
+    return n * spec.hidden * a + cast + dropped
 
 
 def hf_lora_input_saved_bytes(spec, setup, matrix: str, dropout: float, cpu: bool = False) -> int:
@@ -887,6 +966,38 @@ class Stack:
         if self.name == "transformers":
             return hf_first_block_unsaved_bytes(spec, setup, self.lora_dropout, self.cpu)
         return -self.first_block_saved_bytes(spec, setup)  # litgpt's, torchtune's (0 for memplan)
+
+    def adapter_saved_bytes(self, spec, setup, matrix: str) -> int:
+        """Of ``block_saved_bytes``, what the adapters on ``matrix`` save, made where they run (peft's)."""
+        return hf_lora_adapter_made_bytes(spec, setup, matrix, self.lora_dropout, self.cpu) \
+            if self.name == "transformers" else 0
+
+    def norm_saved_bytes(self, spec, setup) -> int:
+        """Of ``block_saved_bytes``, what each of the stack's block norms saves beyond memplan's, made where the
+        norm runs (transformers' RMSNorm: its fp32 copy of the input)."""
+        return hf_norm_saved_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def attention_saved_bytes(self, spec, setup) -> int:
+        """Of ``block_saved_bytes``, what the stack's attention saves beyond memplan's, made where attention
+        runs (transformers' fp32 softmax under eager attention; the fused qkv output its rotary does not keep)."""
+        return hf_attention_saved_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def recompute_gradient_bytes(self, spec, setup) -> int:
+        """Gradients alive through a checkpointed block's recomputation, made before it (peft's)."""
+        return hf_recompute_gradient_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def recompute_reaches_down_adapter(self, setup) -> bool:
+        """Whether a checkpointed block's recomputation runs on into down's adapter, up to lora_A's output
+        (``hf_recompute_down_adapter_bytes``); memplan's walk stops before down."""
+        return self.name == "transformers" and bool(setup.lora_rank) and "down" in setup.lora \
+            and setup.checkpointing == "full"
+
+    def recompute_stop_bytes(self, spec, setup) -> int:
+        """What is alive, unsaved, where a checkpointed block's recomputation stops, beyond what the walk holds."""
+        if self.name != "transformers":
+            return 0
+        return hf_recompute_down_adapter_bytes(spec, setup, self.lora_dropout) + \
+            hf_recompute_locals_bytes(spec, setup, self.lora_dropout)
 
     def lora_forward_transient_bytes(self, spec, setup, matrix: str) -> int:
         """The adapter forward's transient beyond memplan's n·out·a, for ``matrix`` (may be negative)."""

@@ -44,6 +44,8 @@ def adapter_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: st
     low = n * setup.lora_rank * a
     out = n * _matrix_shapes(spec)[matrix][1] * a
     w.alloc("activations", low)
+    if saves_adapter:  # a stack's own saved tensors of this adapter (peft's casts, masks, x·Aᵀ): 0 for memplan
+        w.alloc("activations", w.stack.adapter_saved_bytes(spec, setup, matrix))
     transient = out + w.stack.lora_forward_transient_bytes(spec, setup, matrix)  # 0 for memplan
     w.alloc("temporaries", transient)
     w.free("temporaries", transient)
@@ -151,3 +153,20 @@ def trained_block_elems(spec: ModelSpec, setup: TrainSetup) -> int:
     if setup.lora_rank:
         return sum(lora_matrix_params(spec, setup, m) for m in setup.lora)
     return sum(terms._layer_matrices(spec).values())
+
+
+def adapter_recompute_stop(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: str) -> None:
+    """A checkpointed block's recomputation that runs on into ``matrix``'s adapter and stops there
+    (``Stack.recompute_reaches_down_adapter``: transformers' down_proj under peft). torch.utils.checkpoint's
+    non-reentrant recomputation stops once the last tensor the backward needs is saved again, lora_B's input:
+    the adapter's forward (``adapter_forward``) up to lora_A's output, its casts and x·Aᵀ (n·r·a) and the
+    stack's own saved tensors kept (they are saved, and the backward releases them); what is alive there and
+    not saved (``Stack.recompute_stop_bytes``: the base matmul's output, peft's input cast and dropout output,
+    the MLP's locals) made and freed with the interrupted forward."""
+    if setup.mixed:
+        w.alloc("weights", lora_matrix_params(spec, setup, matrix) * LOWP_WEIGHT_BYTES)
+    w.alloc("activations", tokens(setup) * setup.lora_rank * act_bytes(setup))
+    w.alloc("activations", w.stack.adapter_saved_bytes(spec, setup, matrix))
+    unsaved = w.stack.recompute_stop_bytes(spec, setup)
+    w.alloc("temporaries", unsaved)
+    w.free("temporaries", unsaved)

@@ -121,6 +121,8 @@ class _BlockForward:
     def norm(self) -> int:
         """A norm, its statistics kept if autograd's saved tensors are; its output's bytes."""
         out = _norm_forward(self.w, self.spec, self.setup)
+        if self.p.keeps_saved:  # the stack's norm saves its own (memplan.stacks): 0 for memplan
+            self.w.alloc("activations", self.w.stack.norm_saved_bytes(self.spec, self.setup))
         self.drop(norm_stat_bytes(self.spec, self.setup), self.p.keeps_saved)
         return out
 
@@ -146,6 +148,8 @@ class _BlockForward:
             proj_in = self.sdpa_repeated(qkv, q_rot, k_rot)
         else:
             proj_in = self.sdpa(qkv, q_rot + k_rot)
+        if p.keeps_saved:  # the stack's attention saves its own (memplan.stacks): 0 for memplan
+            w.alloc("activations", w.stack.attention_saved_bytes(spec, setup))
         w.where = "block forward: output projection"
         self.weight_copy("proj")
         o = self.make(self.n * spec.hidden * self.a, p.reuses_outputs)  # out-projection output
@@ -205,18 +209,24 @@ class _BlockForward:
             inner += self.make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
         self.weight_copy("down")
         if p.keeps_saved:  # the stack's own saved tensors beyond memplan's (memplan.stacks): 0 for memplan
-            w.alloc("activations", w.stack.block_saved_bytes(spec, setup))
+            made = sum(w.stack.adapter_saved_bytes(spec, setup, m) for m in setup.lora)  # made by the adapters
+            made += w.stack.attention_saved_bytes(spec, setup) + 2 * w.stack.norm_saved_bytes(spec, setup)  # attention, norms
+            w.alloc("activations", w.stack.block_saved_bytes(spec, setup) - made)
         if p.recomputes:
             self.stop(x_mid)
         else:
             self.down(x_mid, up, inner)
 
     def stop(self, x_mid: int) -> None:
-        """A recomputation stops here: everything the backward needs exists."""
+        """A recomputation stops here: everything the backward needs exists. Where a stack's adapter on down
+        saves past this point (peft's lora_B saves lora_A's output: ``Stack.recompute_reaches_down_adapter``),
+        the recomputation runs on into that adapter and stops there (``lora.adapter_recompute_stop``)."""
         if self.spec.parallel_residual:
             self.w.free("activations", x_mid)  # the partial sum dies with the interrupted forward
         if not lora.saves_input(self.setup, "down"):  # a frozen down matmul without an adapter keeps none of its input
             self.w.free("activations", mlp_inner_bytes(self.spec, self.setup))
+        if self.w.stack.recompute_reaches_down_adapter(self.setup):  # a stack's recomputation runs on into down's adapter
+            lora.adapter_recompute_stop(self.w, self.spec, self.setup, "down")
 
     def down(self, x_mid: int, up: int, inner: int) -> None:
         """The down projection and the block's output; what the pass does not keep is released."""
@@ -404,7 +414,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", dq)
     w.alloc("temporaries", qkv_output_bytes(spec, setup))  # the three gradients concatenated
     w.free("temporaries", dq + 2 * dkv)
-    released = sum(r[0] for r in (w.stack.lora_input_release(spec, setup, mm) for mm in ("proj", "up", "down")) if r)
+    released = sum(r[0] for r in (w.stack.lora_input_release(spec, setup, mm) for mm in ("qkv", "proj", "up", "down")) if r)
     w.free("activations", w.stack.block_saved_bytes(spec, setup) - released)  # the stack's own, released by now
     frozen_below = bool(setup.lora_rank) and first  # LoRA: nothing below the first block's qkv trains
     _linear_backward(w, spec, setup, m["qkv"], qkv_output_bytes(spec, setup), norm_output_bytes(spec, setup),
@@ -587,7 +597,10 @@ class _Step:
         self.sh.before_block_backward(w, which, index)
         if self.ckpt:
             w.where = f"backward: recomputing the {which} block"
+            before = self.stack.recompute_gradient_bytes(spec, cs)  # a stack's gradients made before it: 0 for memplan
+            w.alloc("temporaries", before)
             _block_forward(w, spec, cs, BlockPass.recompute_pass(cs.checkpointing), self.gqa)
+            w.free("temporaries", before)
         w.mark(f"start of the {which} block's backward")
         first = (which == "first" or spec.layers == 1) and bool(self.first_unsaved)
         self.grad = _block_backward(w, spec, cs, self.grad, self.gqa, first=first)
