@@ -902,6 +902,10 @@ class Stack:
                  - memplan_lora_input_bytes(spec, setup, matrix, self.lora_dropout))
         return saved, hf_lora_input_grad_bytes(spec, setup, matrix)
 
+    def lora_head_backward_bytes(self, spec, setup) -> int:
+        """The head adapter's backward beyond memplan's scaled logits gradient (n·V·a), at its peak."""
+        return 0
+
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
         return hf_gelu_new_backward_bytes(spec, setup) if self.name == "transformers" else 0

@@ -516,7 +516,8 @@ class _Step:
         if cs.mixed:
             w.alloc("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
         w.alloc("logits", logits_bytes(spec, cs))
-        if self.lora:  # the head's weight is frozen: its input is not saved
+        self.head_adapter = self.lora and lora.head_adapter_forward(w, spec, cs)  # its A saves head_in
+        if self.lora and not self.head_adapter:  # the head's weight is frozen: its input is not saved
             w.free("activations", self.head_in)
         if self.ckpt and cs.mixed:
             w.free("weights", spec.layers * layer_lowp_weight_bytes(spec, cs))
@@ -559,7 +560,12 @@ class _Step:
         self.sh.before_head_backward(w)
         w.where = "backward: LM head"
         head_grad = spec.vocab * spec.hidden if not self.lora else 0
+        adapter_grad = lora.head_adapter_backward(w, spec, cs, self.head_in, n * spec.hidden * a) \
+            if self.head_adapter else 0
         w.alloc("temporaries", n * spec.hidden * a)  # input gradient
+        if adapter_grad:  # ... summed with the head adapter's
+            w.alloc("temporaries", n * spec.hidden * a)
+            w.free("temporaries", 2 * n * spec.hidden * a)
         w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
         w.alloc("temporaries", stack.chunked_head_grad_bytes(spec, cs))  # a head run in chunks: its sums
         w.free("temporaries", stack.chunked_head_grad_bytes(spec, cs))
