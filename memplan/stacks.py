@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.errors import InputError
+from memplan.setup import LORA_TARGET_NAMES, QKV_PARTS
 
 STACKS = ("memplan", "transformers", "litgpt", "torchtune")
 LOSS_DTYPES = ("fp32", "logits")
@@ -69,6 +70,7 @@ def check_stack_setup(stack: str, spec, setup) -> str:
     """``stack`` if its code runs ``setup``'s step for ``spec``, else the one-line InputError naming what
     it takes: litgpt's scripts and torchtune's recipes on one device (the settings of ``LIB_SETUPS``;
     their LoRA adapts the MLP whole, up and down together)."""
+    check_lora_targets(stack, spec, setup)
     allowed = LIB_SETUPS.get(stack)
     if allowed is None:
         return stack
@@ -84,6 +86,30 @@ def check_stack_setup(stack: str, spec, setup) -> str:
         raise InputError(f"--stack {stack}: --lora-targets {setup.lora_targets}: {stack} adapts the MLP whole "
                          "(accepted: qkv, proj, and up with down)")
     return stack
+
+
+def check_lora_targets(stack: str, spec, setup) -> None:
+    """The one-line InputError where ``stack``'s code cannot put adapters where ``--lora-targets`` says:
+    q, k or v alone on a model whose attention is one fused matrix in transformers (gpt2's c_attn,
+    gpt_neox's query_key_value: peft adapts a module whole); the head of a tied model in memplan's
+    trainer (the adapter could not be folded into the matrix the embedding shares); q, k or v alone
+    under memplan's selective checkpointing (it keeps the fused qkv output, which their adapters write
+    into)."""
+    if not setup.lora_rank:
+        return
+    alone = [t for t in setup.lora_adapters if t in QKV_PARTS]
+    whole = [t for t in LORA_TARGET_NAMES if t not in QKV_PARTS]
+    if alone and stack == "transformers" and spec.arch in FUSED_QKV_ARCHS:
+        raise InputError(f"--lora-targets {setup.lora_targets}: {spec.arch}'s attention is one fused matrix, which "
+                         f"peft adapts whole (accepted for {spec.arch}: {', '.join(whole)})")
+    if alone and stack == "memplan" and setup.checkpointing == "selective":
+        raise InputError(f"--lora-targets {setup.lora_targets} with --checkpointing selective: selective "
+                         "checkpointing keeps the fused qkv output, which an adapter on q, k or v alone writes into "
+                         f"(accepted with selective: {', '.join(whole)})")
+    if setup.lora_head and stack == "memplan" and spec.tied:
+        raise InputError("--lora-targets head: this model ties its LM head to the token embedding, and memplan's "
+                         "trainer could not fold the adapter into the one shared matrix (accepted for a tied model: "
+                         f"{', '.join(t for t in LORA_TARGET_NAMES if t != 'head')})")
 
 
 def check_loss_dtype(loss_dtype: str) -> str:
@@ -301,30 +327,37 @@ def hf_qk_norm_saved_bytes(spec, setup) -> int:
     return out
 
 
-def hf_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+def hf_lora_modules(spec, matrix: str, setup=None) -> list[tuple[int, int]]:
     """(in, out) of each peft-adapted module standing for memplan's fused ``matrix``: llama's
-    q_proj, k_proj, v_proj (``qkv``) and gate_proj, up_proj (``up``) are separate ``nn.Linear``,
-    each with its own adapter (peft ``LoraLayer.update_layer``); gpt2's c_attn and gpt_neox's
-    query_key_value are fused, as memplan's."""
+    q_proj, k_proj, v_proj (``qkv``; with ``setup`` those of q, k, v adapted alone only) and gate_proj,
+    up_proj (``up``) are separate ``nn.Linear``, each with its own adapter (peft
+    ``LoraLayer.update_layer``); gpt2's c_attn and gpt_neox's query_key_value are fused, as memplan's;
+    ``head``: ``lm_head`` (H → V)."""
     h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
     qkv = [(h, q), (h, kv), (h, kv)] if spec.arch not in FUSED_QKV_ARCHS else [(h, q + 2 * kv)]
+    if setup is not None and spec.arch not in FUSED_QKV_ARCHS and "qkv" not in setup.lora_adapters:
+        qkv = [m for m, part in zip(qkv, QKV_PARTS) if part in setup.lora_adapters]
     up = [(h, f), (h, f)] if spec.mlp == "swiglu" else [(h, f)]  # gate_proj and up_proj; fc1 (phi)
-    return {"qkv": qkv, "proj": [(q, h)], "up": up, "down": [(f, h)]}[matrix]
+    return {"qkv": qkv, "proj": [(q, h)], "up": up, "down": [(f, h)], "head": [(h, spec.vocab)]}[matrix]
 
 
 PEFT_ADAPTER_BYTES = FP32  # peft keeps adapters fp32: get_peft_model(autocast_adapter_dtype=True) upcasts bf16 ones
 
 
 def hf_lora_params(spec, setup) -> int:
-    """Adapter parameters peft makes: r·(in + out) per adapted module (``hf_lora_modules``), over the layers."""
+    """Adapter parameters peft makes: r·(in + out) per adapted module (``hf_lora_modules``), over the layers,
+    and lm_head's r·(H + V)."""
     if not setup.lora_rank:
         return 0
-    return spec.layers * sum(setup.lora_rank * (i + o) for m in setup.lora for i, o in hf_lora_modules(spec, m))
+    head = setup.lora_rank * (spec.hidden + spec.vocab) if setup.lora_head else 0  # lm_head's
+    return spec.layers * sum(setup.lora_rank * (i + o) for m in setup.lora for i, o in hf_lora_modules(spec, m, setup)) + head
 
 
 def hf_lora_tensors(spec, setup) -> int:
-    """Adapter parameter tensors peft makes: A and B per adapted module, over the layers."""
-    return 2 * spec.layers * sum(len(hf_lora_modules(spec, m)) for m in setup.lora) if setup.lora_rank else 0
+    """Adapter parameter tensors peft makes: A and B per adapted module, over the layers, and lm_head's two."""
+    if not setup.lora_rank:
+        return 0
+    return 2 * spec.layers * sum(len(hf_lora_modules(spec, m, setup)) for m in setup.lora) + 2 * setup.lora_head
 
 
 def hf_lora_bytes_delta(spec, setup) -> int:
@@ -356,13 +389,15 @@ def hf_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
     and down (a bytes)."""
     if not setup.lora_rank:
         return 0
+    from memplan.memory.terms import lora_adapter_shapes
+
     n, a, rank = _n(setup), _a(setup), setup.lora_rank
     kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES  # what lora_A saves per module, per element
     out = 0
     for m in setup.lora:
-        modules = hf_lora_modules(spec, m)
+        modules = hf_lora_modules(spec, m, setup)
         out += hf_lora_input_saved_bytes(spec, setup, m, dropout, cpu) - memplan_lora_input_bytes(spec, setup, m, dropout)
-        out += len(modules) * n * rank * kept - n * rank * a
+        out += len(modules) * n * rank * kept - len(lora_adapter_shapes(spec, setup, m)) * n * rank * a
     return out
 
 
@@ -371,13 +406,13 @@ def hf_lora_input_saved_bytes(spec, setup, matrix: str, dropout: float, cpu: boo
     dropout output, per module; one shared fp32 input without dropout): the tensors ``lora_A`` (and
     ``nn.Dropout``) release in their own backward, before the frozen base matmul's input gradient
     is made. 0 for a matrix without an adapter."""
-    if not setup.lora_rank or matrix not in setup.lora:
+    if not setup.lora_rank or matrix not in (*setup.lora, *("head",) * setup.lora_head):
         return 0
     n, a = _n(setup), _a(setup)
     kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES
-    modules = hf_lora_modules(spec, matrix)
+    modules = hf_lora_modules(spec, matrix, setup)
     k, width = len(modules), modules[0][0]
-    x = _r(setup) if matrix in ("qkv", "up") else a
+    x = _r(setup) if matrix in ("qkv", "up", "head") else a  # a norm's output, in the residual's dtype
     if dropout > 0:
         return k * n * width * ((PEFT_ADAPTER_BYTES if cpu else MASK) + kept)
     if not setup.mixed and x == PEFT_ADAPTER_BYTES:
@@ -391,13 +426,32 @@ def memplan_lora_input_bytes(spec, setup, matrix: str, dropout: float) -> int:
     attention's transposed output), but 0 for proj under SDPA where peft saves a new tensor (its
     cast, or its dropout's output): memplan's proj reads SDPA's output, which SDPA saves itself
     (``memory.layer_activation_terms``' attention), and that stays saved beside peft's copy. (In
-    fp32 without dropout peft's lora_A takes SDPA's output as it is: nothing new.)"""
+    fp32 without dropout peft's lora_A takes SDPA's output as it is: nothing new.) Plus, for q, k, v
+    adapted alone under autocast, memplan's later adapters' own casts of the input
+    (``terms.lora_input_casts_bytes``)."""
     if not setup.lora_rank or matrix not in setup.lora:
         return 0
+    from memplan.memory.terms import lora_input_casts_bytes
+
     fresh = dropout > 0 or setup.precision != "fp32"
     if matrix == "proj" and setup.attention == "sdpa" and fresh:
         return 0
-    return _n(setup) * hf_lora_modules(spec, matrix)[0][0] * _a(setup)
+    return _n(setup) * hf_lora_modules(spec, matrix, setup)[0][0] * _a(setup) + lora_input_casts_bytes(spec, setup, matrix)
+
+
+def hf_lora_head_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
+    """What peft's adapter on ``lm_head`` (``--lora-targets head``) saves beyond memplan's head adapter: its
+    input as ``lora_A`` keeps it (``hf_lora_input_saved_bytes``: the fp32 final norm output itself; its
+    autocast copy; under pure bf16 its fp32 cast by ``_cast_input_dtype``, n·H·4; with ``lora_dropout``
+    > 0 the dropout's output and mask), for memplan's n·H·a (the walk's ``head_in``), and x·Aᵀ in the
+    adapter's dtype (n·r·4 for fp32 adapters on a cast input, 2 under autocast) for memplan's n·r·a.
+    0 without a head adapter."""
+    if not setup.lora_head:
+        return 0
+    n, a = _n(setup), _a(setup)
+    kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    return (hf_lora_input_saved_bytes(spec, setup, "head", dropout, cpu) - n * spec.hidden * a
+            + n * setup.lora_rank * (kept - a))
 
 
 def hf_lora_input_grad_bytes(spec, setup, matrix: str) -> int:
@@ -408,7 +462,7 @@ def hf_lora_input_grad_bytes(spec, setup, matrix: str) -> int:
     if not setup.lora_rank or matrix not in setup.lora:
         return 0
     e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
-    return _n(setup) * hf_lora_modules(spec, matrix)[0][0] * e
+    return _n(setup) * hf_lora_modules(spec, matrix, setup)[0][0] * e
 
 
 
@@ -439,7 +493,7 @@ def hf_first_block_unsaved_bytes(spec, setup, dropout: float = 0.0, cpu: bool = 
     out = hf_norm_saved_bytes(spec, setup)
     for m in setup.lora:
         if frozen_input[m]:
-            out += sum(n * i * mask for i, _ in hf_lora_modules(spec, m))
+            out += sum(n * i * mask for i, _ in hf_lora_modules(spec, m, setup))
     if "qkv" not in setup.lora:
         out += hf_attention_saved_bytes(spec, setup) + hf_qk_norm_saved_bytes(spec, setup)
         if "proj" in setup.lora and setup.attention == "sdpa" and not memplan_lora_input_bytes(spec, setup, "proj", dropout):
@@ -468,14 +522,14 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     up matmul comes before its silu."""
     if matrix not in setup.lora:
         return 0
-    from memplan.memory.terms import _matrix_shapes
+    from memplan.memory.terms import lora_adapter_shapes
 
     n, a = _n(setup), _a(setup)
     e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
-    modules = hf_lora_modules(spec, matrix)
+    modules = hf_lora_modules(spec, matrix, setup)
     widest = max(o for _, o in modules)
     silu_first = n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0
-    return 2 * n * widest * e + silu_first - n * _matrix_shapes(spec)[matrix][1] * a
+    return 2 * n * widest * e + silu_first - n * max(o for _, o in lora_adapter_shapes(spec, setup, matrix)) * a
 
 
 # ---- the hooks of the litgpt stack (litgpt 0.5: litgpt/model.py, litgpt/lora.py, litgpt/utils.py) ----------
@@ -901,6 +955,10 @@ class Stack:
         saved = (hf_lora_input_saved_bytes(spec, setup, matrix, self.lora_dropout, self.cpu)
                  - memplan_lora_input_bytes(spec, setup, matrix, self.lora_dropout))
         return saved, hf_lora_input_grad_bytes(spec, setup, matrix)
+
+    def lora_head_saved_bytes(self, spec, setup) -> int:
+        """What the stack's head adapter saves beyond memplan's (its input, x·Aᵀ) (may be negative)."""
+        return hf_lora_head_saved_bytes(spec, setup, self.lora_dropout, self.cpu) if self.name == "transformers" else 0
 
     def lora_head_backward_bytes(self, spec, setup) -> int:
         """The head adapter's backward beyond memplan's scaled logits gradient (n·V·a), at its peak."""

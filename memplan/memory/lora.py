@@ -101,9 +101,9 @@ def _adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: 
         _adapter_weight_grad(w, setup, fan_out * rank)
         w.free("activations", low)
         release = w.stack.lora_input_release(spec, setup, matrix) if i == 0 else None  # None for memplan
-        if release is not None:
+        if release is not None:  # (memplan's casts of the input for each later A among what it releases)
             _peft_input_release(w, release, saved_input_bytes, input_grad_bytes, needs_input_grad)
-            saved_input_bytes = 0
+            saved_input_bytes, cast = 0, 0
         elif needs_input_grad:
             w.alloc("temporaries", input_grad_bytes)
             if i:  # summed into the earlier adapter's
@@ -169,14 +169,15 @@ def head_adapter_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> bo
     ``model.head``): under autocast A's and B's casts (r·(H + V)·2, saved), x·Aᵀ (n·r·a, saved), the
     adapter's output n·V·a (plus a stack's own transient, ``Stack.lora_forward_transient_bytes``), added in
     place to the logits and freed. A saves its input, the final norm's output (its autocast copy; the
-    frozen head's matmul saves none): the walk's ``head_in`` stays. Returns whether the head has one."""
+    frozen head's matmul saves none): the walk's ``head_in`` stays; a stack's adapter may save more
+    (``Stack.lora_head_saved_bytes``). Returns whether the head has one."""
     shapes = lora_adapter_shapes(spec, setup, "head")
     if not shapes:
         return False
     if setup.mixed:
         w.alloc("weights", lora_matrix_params(spec, setup, "head") * LOWP_WEIGHT_BYTES)
     n, a = tokens(setup), act_bytes(setup)
-    w.alloc("activations", n * setup.lora_rank * a)
+    w.alloc("activations", n * setup.lora_rank * a + w.stack.lora_head_saved_bytes(spec, setup))  # 0 for memplan
     transient = n * spec.vocab * a + w.stack.lora_forward_transient_bytes(spec, setup, "head")
     w.alloc("temporaries", transient)
     w.free("temporaries", transient)
@@ -203,5 +204,5 @@ def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head
     w.alloc("temporaries", input_grad_bytes)
     _adapter_weight_grad(w, setup, rank * spec.hidden)
     w.free("temporaries", low)
-    w.free("activations", head_in)
+    w.free("activations", head_in + w.stack.lora_head_saved_bytes(spec, setup))
     return input_grad_bytes
