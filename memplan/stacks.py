@@ -1048,6 +1048,14 @@ class Stack:
         return hf_lora_tensors(spec, setup) - lora_tensors(spec, setup)
 
     @property
+    def checkpointed_input_needs_grad(self) -> bool:
+        """Whether checkpointing makes the blocks' input require a gradient even where nothing below them
+        trains: transformers' ``gradient_checkpointing_enable()`` calls ``enable_input_require_grads()`` on
+        a model whose input embeddings are frozen (``modeling_utils.py``), so the checkpointed blocks run
+        their backward under a head-only LoRA too."""
+        return self.name == "transformers"
+
+    @property
     def ddp_gradient_as_bucket_view(self) -> bool:
         """Whether DDP's ``.grad`` are views into its buckets: memplan's trainer sets
         ``gradient_as_bucket_view=True`` (``trainer/distributed.py``); transformers' Trainer keeps

@@ -201,7 +201,7 @@ def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head
     _adapter_weight_grad(w, setup, spec.vocab * rank)
     w.free("temporaries", scaled)
     w.free("activations", low)
-    w.alloc("temporaries", input_grad_bytes)
+    w.alloc("temporaries", input_grad_bytes)  # 0 where nothing below the head trains
     _adapter_weight_grad(w, setup, rank * spec.hidden)
     w.free("temporaries", low)
     w.free("activations", head_in + w.stack.lora_head_saved_bytes(spec, setup))

@@ -691,11 +691,65 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stac
         stack = MEMPLAN
     spec, setup = stack.walked_spec(spec), stack.walked_setup(setup)  # as the stack's code builds and steps
     step = _Step(spec, setup, gqa_repeat, stack, sharding or sharding_hook(spec, setup, stack, rank, collectives))
+    if step.lora and not step.cs.lora and not (step.ckpt and stack.checkpointed_input_needs_grad):
+        # only the head adapted: nothing before it trains (_FrozenBlocksStep)
+        step = _FrozenBlocksStep(spec, setup, gqa_repeat, stack, step.sh)
     for phase in (step.persistent_state, step.embedding_forward, step.blocks_forward, step.head_forward,
                   step.loss_forward, step.loss_backward, step.head_backward, step.blocks_backward,
                   step.embedding_backward, step.optimizer_step):
         phase()
     return step.w
+
+
+class _FrozenBlocksStep(_Step):
+    """A step whose only adapter is the LM head's (``--lora-targets head``): the embedding, every block and
+    the final norm are frozen and their inputs need no gradient, so autograd saves nothing of them and
+    the backward stops at the head adapter (``lora.head_adapter_backward`` without an input gradient).
+    Each block frees its input once its output exists; autocast caches no cast of a frozen weight, so a
+    matmul's weight copy lives for its matmul only (walked with the block, freed after it)."""
+
+    def blocks_forward(self) -> None:
+        """The blocks, the last op by op as full checkpointing's forward walks one (nothing kept), its input
+        and weight copies released after it (the earlier blocks leave nothing)."""
+        w, cs = self.w, self.cs
+        _block_forward(w, self.spec, cs, BlockPass.forward_pass("full"), self.gqa)
+        w.free("activations", self.n * self.spec.hidden * self.r)  # the block's input
+        if cs.mixed:
+            w.free("weights", self.lowp)
+
+    def head_forward(self) -> None:
+        """The final norm (its statistics and input released: nothing saves them) and the adapted head."""
+        w, spec, cs = self.w, self.spec, self.cs
+        w.where = "forward: final norm and LM head"
+        self.head_in = _norm_forward(w, spec, cs)
+        w.free("activations", norm_stat_bytes(spec, cs) + self.n * spec.hidden * self.r)
+        if cs.mixed:  # the frozen head's matmul saves nothing: its weight's copy goes with it
+            w.alloc("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+        w.alloc("logits", logits_bytes(spec, cs))
+        if cs.mixed:
+            w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+        self.head_adapter = lora.head_adapter_forward(w, spec, cs)
+        self.sh.after_head_forward(w)
+
+    def head_backward(self) -> None:
+        """The head adapter's backward alone: no input gradient anywhere (nothing below trains)."""
+        w, spec, cs = self.w, self.spec, self.cs
+        self.sh.before_head_backward(w)
+        w.where = "backward: LM head"
+        lora.head_adapter_backward(w, spec, cs, self.head_in, 0)
+        w.free("logits", logits_bytes(spec, cs) if self.a != FP32_BYTES else fp32_logits_bytes(spec, cs))
+
+    def blocks_backward(self) -> None:
+        """No block has a backward; a stack's extra adapter gradients (the head's) are made here."""
+        self.sh.after_blocks_backward(self.w, self.lora, self.extra_adapters)
+
+    def embedding_backward(self) -> None:
+        """Nothing to do but release the rotary casts and the mask the blocks read."""
+        w, spec, cs = self.w, self.spec, self.cs
+        w.where = "backward: embedding"
+        w.free("activations", rope_cast_bytes(spec, cs) + causal_mask_bytes(spec, cs))
+        self.sh.after_embedding_backward(w)
+        w.mark("end of backward")
 
 
 def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stack: Stack = MEMPLAN) -> _StepWalk:
