@@ -164,27 +164,28 @@ def trained_block_elems(spec: ModelSpec, setup: TrainSetup) -> int:
     return sum(terms._layer_matrices(spec).values())
 
 
-def head_adapter_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> bool:
+def head_adapter_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, frozen_input: bool = False) -> bool:
     """The LM head's adapter, forward (``--lora-targets head``; ``trainer/lora.py`` LoRALinear on
     ``model.head``): under autocast A's and B's casts (r·(H + V)·2, saved), x·Aᵀ (n·r·a, saved), the
     adapter's output n·V·a (plus a stack's own transient, ``Stack.lora_forward_transient_bytes``), added in
     place to the logits and freed. A saves its input, the final norm's output (its autocast copy; the
     frozen head's matmul saves none): the walk's ``head_in`` stays; a stack's adapter may save more
-    (``Stack.lora_head_saved_bytes``). Returns whether the head has one."""
+    (``Stack.lora_head_saved_bytes``; ``frozen_input``: no block trains). Returns whether the head has one."""
     shapes = lora_adapter_shapes(spec, setup, "head")
     if not shapes:
         return False
     if setup.mixed:
         w.alloc("weights", lora_matrix_params(spec, setup, "head") * LOWP_WEIGHT_BYTES)
     n, a = tokens(setup), act_bytes(setup)
-    w.alloc("activations", n * setup.lora_rank * a + w.stack.lora_head_saved_bytes(spec, setup))  # 0 for memplan
+    w.alloc("activations", n * setup.lora_rank * a + w.stack.lora_head_saved_bytes(spec, setup, frozen_input))
     transient = n * spec.vocab * a + w.stack.lora_forward_transient_bytes(spec, setup, "head")
     w.alloc("temporaries", transient)
     w.free("temporaries", transient)
     return True
 
 
-def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head_in: int, input_grad_bytes: int) -> int:
+def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head_in: int, input_grad_bytes: int,
+                          frozen_input: bool = False) -> int:
     """The LM head's adapter, backward, before the frozen head's input gradient (autograd runs the
     later-recorded branch first): the logits' gradient times the scale (``y.add_(delta, alpha=scale)``'s
     backward: n·V·a), the gradient of x·Aᵀ (n·r·a) and B's weight gradient (V·r), the scaled gradient and
@@ -204,5 +205,5 @@ def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head
     w.alloc("temporaries", input_grad_bytes)  # 0 where nothing below the head trains
     _adapter_weight_grad(w, setup, rank * spec.hidden)
     w.free("temporaries", low)
-    w.free("activations", head_in + w.stack.lora_head_saved_bytes(spec, setup))
+    w.free("activations", head_in + w.stack.lora_head_saved_bytes(spec, setup, frozen_input))
     return input_grad_bytes

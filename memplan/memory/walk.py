@@ -728,7 +728,7 @@ class _FrozenBlocksStep(_Step):
         w.alloc("logits", logits_bytes(spec, cs))
         if cs.mixed:
             w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
-        self.head_adapter = lora.head_adapter_forward(w, spec, cs)
+        self.head_adapter = lora.head_adapter_forward(w, spec, cs, frozen_input=True)
         self.sh.after_head_forward(w)
 
     def head_backward(self) -> None:
@@ -736,7 +736,7 @@ class _FrozenBlocksStep(_Step):
         w, spec, cs = self.w, self.spec, self.cs
         self.sh.before_head_backward(w)
         w.where = "backward: LM head"
-        lora.head_adapter_backward(w, spec, cs, self.head_in, 0)
+        lora.head_adapter_backward(w, spec, cs, self.head_in, 0, frozen_input=True)
         w.free("logits", logits_bytes(spec, cs) if self.a != FP32_BYTES else fp32_logits_bytes(spec, cs))
 
     def blocks_backward(self) -> None:
