@@ -69,7 +69,8 @@ LIB_SETUPS = {  # what litgpt's and torchtune's single-device scripts take (trai
 def check_stack_setup(stack: str, spec, setup) -> str:
     """``stack`` if its code runs ``setup``'s step for ``spec``, else the one-line InputError naming what
     it takes: litgpt's scripts and torchtune's recipes on one device (the settings of ``LIB_SETUPS``;
-    their LoRA adapts the MLP whole, up and down together)."""
+    their LoRA adapts the MLP whole, up and down together; torchtune's ``lora_llama3`` needs an attention
+    module among ``lora_attn_modules``), and ``check_lora_targets``'s."""
     check_lora_targets(stack, spec, setup)
     allowed = LIB_SETUPS.get(stack)
     if allowed is None:
@@ -84,7 +85,10 @@ def check_stack_setup(stack: str, spec, setup) -> str:
                              f"(accepted: {', '.join(allowed[field])})")
     if setup.lora_rank and ("up" in setup.lora) != ("down" in setup.lora):
         raise InputError(f"--stack {stack}: --lora-targets {setup.lora_targets}: {stack} adapts the MLP whole "
-                         "(accepted: qkv, proj, and up with down)")
+                         "(accepted: qkv, q, k, v, proj, and up with down, head)")
+    if setup.lora_rank and stack == "torchtune" and not {"qkv", "proj"} & set(setup.lora):
+        raise InputError(f"--lora-targets {setup.lora_targets}: torchtune's lora_llama3 needs an attention module "
+                         "among lora_attn_modules (accepted: at least one of qkv, q, k, v, proj)")
     return stack
 
 

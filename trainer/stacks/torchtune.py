@@ -89,6 +89,9 @@ def lora_modules(targets: str) -> tuple[list[str], bool, bool]:
                          "both up and down or neither (accepted: qkv, q, k, v, proj, up+down, head)")
     qkv = "qkv" in chosen
     attn = [f"{p}_proj" for p in ("q", "k", "v") if qkv or p in chosen] + (["output_proj"] if "proj" in chosen else [])
+    if not attn:  # lora_llama3 raises its own ValueError: the one line instead
+        raise InputError(f"--lora-targets {targets}: torchtune's lora_llama3 needs an attention module among "
+                         "lora_attn_modules (accepted: at least one of qkv, q, k, v, proj)")
     return attn, "up" in chosen, "head" in chosen
 
 
