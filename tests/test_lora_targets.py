@@ -104,3 +104,175 @@ def test_estimate_json_names_the_targets_as_given():
     assert done.exit_code == 0, done.output
     setup = json.loads(done.stdout)["setup"]
     assert setup["lora_targets"] == "q,v" and setup["lora_rank"] == 8
+
+
+# ---- memplan's trainer: adapters on slices of the fused qkv, and on the head ----------------------
+
+def _adapted(targets, **shape):
+    from trainer.lora import apply_lora
+    from trainer.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(**{**LLAMA, **shape}), "sdpa", "none", torch.float32)
+    apply_lora(model, 4, 16.0, targets)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_b" in name:
+                p.normal_()  # a trained B: the adapters change the function
+    return model
+
+
+def test_q_v_and_head_adapters_alone_get_gradients_and_only_their_columns_change():
+    from trainer.lora import merge_lora
+
+    model = _adapted(("q", "v", "head"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"blocks.{i}.attn.qkv.lora_{m}_{s}" for i in range(2) for m in "ab" for s in "qv"} | {
+        "head.lora_a", "head.lora_b"}
+    attn = model.blocks[0].attn.qkv
+    assert attn.lora_b_q.shape == (64, 4) and attn.lora_b_v.shape == (32, 4)  # heads·hd; kv_heads·hd
+    ids = torch.randint(0, 320, (2, 16))
+    model(ids).float().pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n in trainable)
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
+    base = attn.base.weight.detach().clone()
+    with torch.no_grad():
+        before = model(ids)
+    merge_lora(model)
+    merged = model.blocks[0].attn.qkv.weight
+    assert torch.equal(merged[64:96], base[64:96])  # k's rows: no adapter wrote there
+    assert not torch.equal(merged[:64], base[:64]) and not torch.equal(merged[96:], base[96:])
+    with torch.no_grad():
+        assert torch.allclose(model(ids), before, atol=1e-4)
+
+
+def test_a_slice_adapter_gets_the_gradient_of_its_columns_only():
+    """_AddToSlice's backward against autograd's own out-of-place slice add (torch.cat of the columns)."""
+    from trainer import lora as trainer_lora
+
+    def out_of_place(y, delta, start, scale):
+        width = delta.shape[-1]
+        return torch.cat([y[..., :start], y[..., start:start + width] + delta * scale, y[..., start + width:]], -1)
+
+    ids = torch.randint(0, 320, (2, 16))
+    grads = []
+    for add in (trainer_lora._AddToSlice.apply, out_of_place):
+        model = _adapted(("k",))
+        original, trainer_lora._AddToSlice.apply = trainer_lora._AddToSlice.apply, add
+        try:
+            model(ids).float().pow(2).mean().backward()
+        finally:
+            trainer_lora._AddToSlice.apply = original
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(*grads))
+
+
+def test_memplan_trainer_refuses_a_tied_head_in_one_line():
+    with pytest.raises(InputError, match="accepted for a tied model"):
+        _adapted(("head",), tied=True)
+
+
+def test_finetune_with_q_v_head_trains_those_adapters_only(tmp_path):
+    from test_finetune import write_jsonl  # noqa: E402
+
+    from trainer.loop import load_trained
+
+    run = tiny_run(tmp_path / "run", tiny_corpus(tmp_path), steps=4, tied=False)
+    out = tmp_path / "ft"
+    done = runner.invoke(app, ["finetune", "--device", "cpu", "--run", str(run), "--data",
+                               str(write_jsonl(tmp_path / "sft.jsonl")), "--out", str(out), "--lora-rank", "4",
+                               "--lora-targets", "v,q,head", "--batch", "4", "--max-steps", "2", "--save-every", "2",
+                               "--eval-every", "2"])
+    assert done.exit_code == 0, done.output
+    meta = json.loads(next((out / "checkpoints").glob("step-*/meta.json")).read_text())
+    assert meta["finetune"]["lora"]["targets"] == "q,v,head"
+    base, tuned = load_trained(run)[0].state_dict(), load_trained(out)[0].state_dict()  # adapters folded in
+    q, kv = 64, 32
+    qkv0, qkv1 = base["blocks.0.attn.qkv.weight"], tuned["blocks.0.attn.qkv.weight"]
+    assert torch.equal(qkv0[q:q + kv], qkv1[q:q + kv])  # k: no adapter
+    assert not torch.equal(qkv0[:q], qkv1[:q]) and not torch.equal(qkv0[q + kv:], qkv1[q + kv:])
+    assert not torch.equal(base["head.weight"], tuned["head.weight"])
+    for frozen in ("embed.weight", "blocks.0.attn.proj.weight", "blocks.1.mlp.up.weight", "norm.weight"):
+        assert torch.equal(base[frozen], tuned[frozen]), frozen
+
+
+# ---- the walk against each library's trace ------------------------------------------------------
+
+def _assert_bars(errors: dict) -> None:
+    values = [abs(e) for e in errors.values()]
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    assert statistics.median(values) <= MEDIAN_BAR, errors
+    assert abs(errors[worst]) <= WORST_BAR, (worst, errors[worst])
+
+
+def _grid(stack, targets, precisions, checkpointings=("none",), shapes=(LLAMA,), dropouts=(None,)):
+    _needs(stack)
+    return {f"{s['arch']} {t} {p} {c} {d}": _error(stack, s, _lora(t, p, checkpointing=c), d)
+            for s in shapes for t in targets for p in precisions for c in checkpointings for d in dropouts}
+
+
+def test_memplan_q_v_and_head_meet_the_bars():
+    errors = _grid("memplan", ("q,v", "k", "head", "q,v,head"), ("fp32", "bf16-mixed", "bf16"))
+    _assert_bars(errors)
+    assert max(abs(e) for e in errors.values()) < 0.005, errors  # exact but for the walk's usual bytes
+
+
+@pytest.mark.slow
+def test_memplan_q_k_v_alone_and_head_meet_the_bars_over_families_and_checkpointing():
+    errors = _grid("memplan", ("q,v", "q", "v", "q,k", "q,v,proj,up,down", "q,v,head", "head", "qkv,head"),
+                   ("fp32", "bf16-mixed", "bf16"), ("none", "full"), (LLAMA, GPT2))
+    _assert_bars(errors)
+
+
+def test_transformers_q_v_and_head_meet_the_bars():
+    errors = _grid("transformers", ("q,v", "head", "q,v,head"), ("fp32", "bf16-mixed", "bf16"))
+    _assert_bars(errors)
+    assert max(abs(e) for e in errors.values()) < 0.01, errors
+
+
+@pytest.mark.slow
+def test_transformers_q_k_v_alone_and_head_meet_the_bars_with_dropout_and_checkpointing():
+    errors = _grid("transformers", ("q,v", "q", "k,v", "q,v,proj,up,down", "q,v,head", "head", "down,head"),
+                   ("fp32", "bf16-mixed", "bf16"), ("none", "full"), dropouts=(0.0, 0.05))
+    _assert_bars(errors)
+
+
+def test_litgpt_q_v_and_head_meet_the_bars():
+    errors = _grid("litgpt", ("q,v", "q", "head", "q,v,head"), ("fp32", "bf16-mixed", "bf16"),
+                   shapes=(LLAMA, {**LLAMA, "kv_heads": 4}))
+    _assert_bars(errors)
+    assert max(abs(e) for e in errors.values()) < 0.01, errors
+
+
+def test_torchtune_q_v_and_head_meet_the_bars():
+    errors = _grid("torchtune", ("q,v", "q", "q,v,head", "k,proj,up,down,head"), ("fp32", "bf16"),
+                   ("none", "full"), shapes=(LLAMA, {**LLAMA, "kv_heads": 4}))
+    _assert_bars(errors)
+    # without checkpointing exact but for the walk's usual bytes; under full checkpointing the walk misses
+    # torchtune's LoRA step as it does with qkv (-2.9% bf16, +6.7% fp32 with every block matrix): not these targets'
+    assert max(abs(e) for k, e in errors.items() if " none " in k) < 0.01, errors
+
+
+# ---- the adapters' parameters: the library's trainable parameters --------------------------------
+
+def _trainable(stack, shape, setup) -> int:
+    from trainer.stacks import StackModel, _built
+
+    net = _built(stack, StackModel(spec=ModelSpec(**shape)), setup, None)[0]
+    return sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+def _walked_adapter_params(stack, shape, setup) -> int:
+    """The adapters' parameters as the walk holds them: memplan's, plus the stack's own beyond them."""
+    spec = ModelSpec(**shape)
+    extra = stack_of(stack).lora_bytes_delta(spec, setup)
+    per = 4 if stack == "transformers" else setup.param_bytes  # peft keeps its adapters fp32
+    return (terms.lora_params(spec, setup) * setup.param_bytes + extra) // per
+
+
+@pytest.mark.parametrize("stack", ["memplan", "transformers", "litgpt", "torchtune"])
+@pytest.mark.parametrize("targets", ["q,v", "k", "q,v,head", "v,proj,up,down,head"])
+def test_the_walked_adapters_are_the_librarys_trainable_parameters(stack, targets):
+    _needs(stack) if stack != "memplan" else None
+    setup = _lora(targets, "fp32")
+    assert _walked_adapter_params(stack, LLAMA, setup) == _trainable(stack, LLAMA, setup)
