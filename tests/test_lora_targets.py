@@ -276,3 +276,46 @@ def test_the_walked_adapters_are_the_librarys_trainable_parameters(stack, target
     _needs(stack) if stack != "memplan" else None
     setup = _lora(targets, "fp32")
     assert _walked_adapter_params(stack, LLAMA, setup) == _trainable(stack, LLAMA, setup)
+
+
+# ---- each mechanism: with its hook the walk meets the trace, without it misses ----------------------
+
+def _head_transient_absent(spec, setup, matrix):
+    return 0 if matrix == "head" else _HF_TRANSIENT(spec, setup, matrix)
+
+
+_HF_TRANSIENT = stacks.hf_lora_forward_transient_bytes
+WIDE = {**LLAMA, "layers": 4, "hidden": 256, "ffn": 64, "vocab": 64, "kv_heads": 4}
+
+
+@pytest.mark.parametrize("stack,module,term,absent,shape,setup,dropout,miss", [
+    # memplan: each of q's and v's A casts the fp32 norm output anew under autocast and saves its copy
+    ("memplan", terms, "lora_input_casts_bytes", lambda *a: 0, WIDE, _lora("q,v"), None, 0.04),
+    # only the head trains: nothing below it saves anything, and no backward runs below it
+    ("memplan", walk_lora, "head_adapter_forward", None, LLAMA, _lora("head", "fp32"), None, WORST_BAR),
+    # transformers' checkpointing makes the blocks' input need a gradient even where only the head trains
+    ("transformers", stacks.Stack, "checkpointed_input_needs_grad", property(lambda self: False), LLAMA,
+     _lora("head", "fp32", checkpointing="full"), None, WORST_BAR),
+    # peft's lm_head adapter: lora_A keeps an fp32 cast of the bf16 final norm output
+    ("transformers", stacks, "hf_lora_head_saved_bytes", lambda *a, **k: 0,
+     {**WIDE, "layers": 2, "vocab": 512}, _lora("down,head", "bf16"), None, 0.02),
+    # litgpt's LoRAQKVLinear for q and v: zero_pad's index_copy_ keeps the adapter's output
+    ("litgpt", stacks, "lit_qkv_zero_pad_saved_bytes", lambda *a: 0, LLAMA, _lora("q,v", "fp32"), None, 0.04),
+    # litgpt's lm_head adapter: its dropout (finetune/lora.py's 0.05) keeps a mask of the final norm output
+    ("litgpt", stacks, "lib_lora_head_saved_bytes", lambda *a, **k: 0, {**WIDE, "layers": 2, "vocab": 512},
+     _lora("q,v,head", "fp32"), None, 0.02),
+], ids=["memplan-slice-adapters-cast-their-input", "memplan-head-only-frozen-blocks",
+        "peft-checkpointing-input-grads", "peft-head-input-cast", "litgpt-zero-pad-source", "litgpt-head-dropout-mask"])
+def test_each_mechanism_brings_the_walk_to_the_trace_and_its_absence_misses_it(monkeypatch, stack, module, term,
+                                                                               absent, shape, setup, dropout, miss):
+    _needs(stack) if stack != "memplan" else None
+    with_it = _error(stack, shape, setup, dropout)
+    assert abs(with_it) <= 0.005, with_it
+    if term == "head_adapter_forward":  # the head-only step walked as any LoRA step (the frozen blocks' walk out)
+        import memplan.memory.walk as walk
+
+        monkeypatch.setattr(walk, "_FrozenBlocksStep", walk._Step)
+    else:
+        monkeypatch.setattr(module, term, absent)
+    without = _error(stack, shape, setup, dropout)
+    assert abs(without) > miss, (with_it, without)
