@@ -461,6 +461,17 @@ def hf_lora_head_saved_bytes(spec, setup, dropout: float, cpu: bool = False, fro
             + n * setup.lora_rank * (kept - a) - mask)
 
 
+def hf_lora_head_input_held_bytes(spec, setup, dropout: float) -> int:
+    """The final norm's output, n·H·4, held by ``LlamaForCausalLM.forward`` (``hidden_states =
+    outputs.last_hidden_state``, then ``logits = self.lm_head(hidden_states[...])`` and the loss, in the same
+    frame) until the forward returns, where peft's lm_head adapter saves another tensor in its place: in
+    fp32 with ``lora_dropout`` > 0 the dropout's output (without dropout lora_A saves that very tensor;
+    under autocast and pure bf16 the walk's final norm already leaves its output alive). 0 otherwise."""
+    if not setup.lora_head or dropout <= 0 or setup.precision not in ("fp32", "tf32"):
+        return 0
+    return _n(setup) * spec.hidden * FP32
+
+
 def hf_lora_input_grad_bytes(spec, setup, matrix: str) -> int:
     """The input gradient one of peft's ``lora_A`` makes in its backward, before it is cast back:
     n·in·e in the adapter's dtype (e = 4: fp32 adapters on an input cast by ``_cast_input_dtype``;
@@ -527,9 +538,10 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     ``act_fn(gate_proj(x))``, n·F·a: ``self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``
     (modeling_llama.py, LlamaMLP.forward) applies the activation before up_proj runs; memplan's fused
     up matmul comes before its silu."""
-    if matrix not in setup.lora:
-        return 0
     from memplan.memory.terms import lora_adapter_shapes
+
+    if not lora_adapter_shapes(spec, setup, matrix):  # (the head's: lm_head's adapter, H → V)
+        return 0
 
     n, a = _n(setup), _a(setup)
     e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
@@ -1024,6 +1036,11 @@ class Stack:
         if self.name != "transformers":
             return 0
         return hf_lora_head_saved_bytes(spec, setup, self.lora_dropout, self.cpu, frozen_input)
+
+    def lora_head_input_held_bytes(self, spec, setup) -> int:
+        """The head's input the stack's model holds to the end of its forward beside the head adapter's saved
+        input (``hf_lora_head_input_held_bytes``)."""
+        return hf_lora_head_input_held_bytes(spec, setup, self.lora_dropout) if self.name == "transformers" else 0
 
     def lora_head_backward_bytes(self, spec, setup) -> int:
         """The head adapter's backward beyond memplan's scaled logits gradient (n·V·a), at its peak."""

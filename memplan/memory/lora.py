@@ -184,6 +184,15 @@ def head_adapter_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, froze
     return True
 
 
+def head_input_held(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> int:
+    """The head's input as the stack's model keeps it beside what the head adapter saves, to the end of the
+    forward (``Stack.lora_head_input_held_bytes``: transformers' final norm output, held by the CausalLM's
+    forward through the loss); 0 for memplan's. Returns the bytes, which the loss's forward frees."""
+    held = w.stack.lora_head_input_held_bytes(spec, setup) if setup.lora_head else 0
+    w.alloc("activations", held)
+    return held
+
+
 def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head_in: int, input_grad_bytes: int,
                           frozen_input: bool = False) -> int:
     """The LM head's adapter, backward, before the frozen head's input gradient (autograd runs the

@@ -453,6 +453,7 @@ class _Step:
         self.accum = sharding.accum  # .grad exists before this backward
         self.lora = bool(cs.lora_rank) and sharding.lora_outside_blocks  # the head and embedding frozen
         self.ckpt = cs.checkpointing != "none"
+        self.forward_policy = cs.checkpointing  # what the blocks' forward keeps (BlockPass.forward_pass)
         self.vh_grad = head_weight_grad_bytes(spec, cs) if not self.lora else 0
         self.extra_adapters = stack.lora_bytes_delta(spec, cs)  # e.g. peft's separate q, k, v adapters, in fp32
         self.lowp = layer_lowp_weight_bytes(spec, cs)
@@ -501,7 +502,7 @@ class _Step:
             w.alloc("activations", (L - 1) * self.stored - self.first_unsaved)
             w.alloc("weights", (L - 1) * self.lowp - self.first_copies)
             self.sh.before_last_block_forward(w)
-        _block_forward(w, spec, self.cs, BlockPass.forward_pass(self.cs.checkpointing), self.gqa)
+        _block_forward(w, spec, self.cs, BlockPass.forward_pass(self.forward_policy), self.gqa)
         self.sh.after_block_forward(w)
         if L == 1:  # the one block walked is the first: what it made and does not save goes now
             w.free("activations", self.first_unsaved)
@@ -516,6 +517,7 @@ class _Step:
         if cs.mixed:
             w.alloc("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
         w.alloc("logits", logits_bytes(spec, cs))
+        self.head_input_held = lora.head_input_held(w, spec, cs)
         self.head_adapter = self.lora and lora.head_adapter_forward(w, spec, cs)  # its A saves head_in
         if self.lora and not self.head_adapter:  # the head's weight is frozen: its input is not saved
             w.free("activations", self.head_in)
@@ -538,6 +540,7 @@ class _Step:
             w.free("logits", fp32_logits_bytes(spec, cs))
         w.free("logits", logits_bytes(spec, cs))  # `del logits`: log_softmax saved its output only
         w.alloc("logits", stack.held_logits_bytes(spec, cs))  # logits a stack's loop keeps to the step's end
+        w.free("activations", getattr(self, "head_input_held", 0))  # the model's forward has returned
         w.mark("end of forward")
 
     def loss_backward(self) -> None:
@@ -708,14 +711,18 @@ class _FrozenBlocksStep(_Step):
     Each block frees its input once its output exists; autocast caches no cast of a frozen weight, so a
     matmul's weight copy lives for its matmul only (walked with the block, freed after it)."""
 
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.forward_policy = "full"  # the last block walked as full checkpointing's forward walks one: nothing kept
+        self.stored, self.first_unsaved = 0, 0  # the earlier blocks leave nothing ...
+        self.first_copies = (self.spec.layers - 1) * self.lowp  # ... nor autocast's copies of their weights
+
     def blocks_forward(self) -> None:
-        """The blocks, the last op by op as full checkpointing's forward walks one (nothing kept), its input
-        and weight copies released after it (the earlier blocks leave nothing)."""
-        w, cs = self.w, self.cs
-        _block_forward(w, self.spec, cs, BlockPass.forward_pass("full"), self.gqa)
-        w.free("activations", self.n * self.spec.hidden * self.r)  # the block's input
-        if cs.mixed:
-            w.free("weights", self.lowp)
+        """The blocks, the last one's input and weight copies released after it."""
+        super().blocks_forward()
+        self.w.free("activations", self.n * self.spec.hidden * self.r)  # the block's input
+        if self.cs.mixed:
+            self.w.free("weights", self.lowp)
 
     def head_forward(self) -> None:
         """The final norm (its statistics and input released: nothing saves them) and the adapted head."""
@@ -728,6 +735,7 @@ class _FrozenBlocksStep(_Step):
         w.alloc("logits", logits_bytes(spec, cs))
         if cs.mixed:
             w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+        self.head_input_held = lora.head_input_held(w, spec, cs)
         self.head_adapter = lora.head_adapter_forward(w, spec, cs, frozen_input=True)
         self.sh.after_head_forward(w)
 
