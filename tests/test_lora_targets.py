@@ -87,6 +87,10 @@ def test_targets_are_named_in_one_order_with_qkv_for_all_three():
      ["q,v", "gpt2", "fused", "accepted for gpt2: qkv, proj, up, down, head"]),
     (["--lora-targets", "q,v", "--checkpointing", "selective"], ["q,v", "selective", "accepted with selective"]),
     (["--lora-targets", "head", "--tied"], ["head", "ties", "accepted for a tied model"]),
+    (["--lora-targets", "head", "--tied", "--stack", "torchtune", "--precision", "bf16"],
+     ["head", "torchtune", "accepted for a tied model"]),
+    (["--lora-targets", "up,down,head", "--stack", "torchtune", "--precision", "bf16"],
+     ["up,down,head", "lora_attn_modules", "at least one of qkv, q, k, v, proj"]),
 ])
 def test_bad_target_combinations_are_one_line(args, needles):
     shape = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "320", "--ctx", "128"]
@@ -96,6 +100,14 @@ def test_bad_target_combinations_are_one_line(args, needles):
         shape.append("--untied")
     done = runner.invoke(app, ["estimate", *shape, "--lora-rank", "4", "--device", "rtx-4090", *args])
     one_line_error(done, *needles)
+
+
+def test_trace_of_q_alone_on_a_fused_attention_is_one_line():
+    _needs("transformers")
+    done = runner.invoke(app, ["trace", "--stack", "transformers", "--arch", "gpt_neox", "--layers", "2", "--hidden",
+                               "64", "--heads", "4", "--ffn", "128", "--vocab", "320", "--ctx", "64", "--device", "cpu",
+                               "--lora-rank", "4", "--lora-targets", "q"])
+    one_line_error(done, "--lora-targets q", "gpt_neox", "fused", "accepted for gpt_neox")
 
 
 def test_estimate_json_names_the_targets_as_given():
