@@ -1042,10 +1042,6 @@ class Stack:
         input (``hf_lora_head_input_held_bytes``)."""
         return hf_lora_head_input_held_bytes(spec, setup, self.lora_dropout) if self.name == "transformers" else 0
 
-    def lora_head_backward_bytes(self, spec, setup) -> int:
-        """The head adapter's backward beyond memplan's scaled logits gradient (n·V·a), at its peak."""
-        return 0
-
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
         return hf_gelu_new_backward_bytes(spec, setup) if self.name == "transformers" else 0

@@ -205,7 +205,7 @@ def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head
         return 0
     n, a, rank = tokens(setup), act_bytes(setup), setup.lora_rank
     low = n * rank * a
-    scaled = n * spec.vocab * a + w.stack.lora_head_backward_bytes(spec, setup)
+    scaled = n * spec.vocab * a
     w.alloc("temporaries", scaled)
     w.alloc("temporaries", low)
     _adapter_weight_grad(w, setup, spec.vocab * rank)
