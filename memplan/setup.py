@@ -14,10 +14,26 @@ CHECKPOINTINGS = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-fused", "sgd", "adamw8bit")
 SHARDINGS = ("none", "ddp", "fsdp")
 LORA_TARGETS = ("qkv", "proj", "up", "down")  # the reference model's block matrices an adapter can sit on
+QKV_PARTS = ("q", "k", "v")  # an adapter on one slice of the fused qkv matrix (qkv: all three, one adapter)
+# what --lora-targets accepts, in the order a setup names them: q, k, v alone (qkv is their shorthand), the
+# block's other matrices, and the LM head
+LORA_TARGET_NAMES = ("qkv", *QKV_PARTS, "proj", "up", "down", "head")
 
 # Bytes per element of each dtype.
 FP32_BYTES = 4
 HALF_BYTES = 2  # bf16 and fp16
+
+
+def canonical_lora_targets(text) -> str:
+    """``--lora-targets`` in the setup's order (``LORA_TARGET_NAMES``), q, k and v together written qkv; else
+    the one-line InputError naming the accepted values."""
+    targets = {t.strip() for t in str(text).split(",") if t.strip()}
+    if not targets or not targets <= set(LORA_TARGET_NAMES):
+        raise InputError(f"--lora-targets: {text!r} must be a comma-separated subset of "
+                         f"{', '.join(LORA_TARGET_NAMES)}")
+    if set(QKV_PARTS) <= targets or "qkv" in targets:
+        targets = (targets - set(QKV_PARTS)) | {"qkv"}
+    return ",".join(t for t in LORA_TARGET_NAMES if t in targets)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +51,7 @@ class TrainSetup:
     sharding: str = "none"  # none | ddp | fsdp
     compile: bool = False  # torch.compile the model
     lora_rank: int = 0  # > 0: LoRA finetuning, base weights frozen, rank-r adapters on lora_targets train
-    lora_targets: str = "qkv,proj,up,down"  # comma-separated subset of LORA_TARGETS
+    lora_targets: str = "qkv,proj,up,down"  # comma-separated subset of LORA_TARGET_NAMES
 
     def __post_init__(self) -> None:
         for field, choices in (("precision", PRECISIONS), ("attention", ATTENTIONS),
@@ -50,11 +66,7 @@ class TrainSetup:
                 raise InputError(f"--{flag}: {value!r} must be a positive integer")
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
             raise InputError(f"--lora-rank: {self.lora_rank!r} must be 0 (no LoRA) or a positive integer")
-        targets = tuple(t.strip() for t in str(self.lora_targets).split(",") if t.strip())
-        if not targets or any(t not in LORA_TARGETS for t in targets):
-            raise InputError(f"--lora-targets: {self.lora_targets!r} must be a comma-separated subset of "
-                             f"{', '.join(LORA_TARGETS)}")
-        object.__setattr__(self, "lora_targets", ",".join(t for t in LORA_TARGETS if t in targets))
+        object.__setattr__(self, "lora_targets", canonical_lora_targets(self.lora_targets))
         if self.world_size > 1 and self.sharding == "none":
             raise InputError(f"--world-size {self.world_size} needs --sharding ddp or fsdp")
         if self.world_size == 1 and self.sharding != "none":
@@ -104,8 +116,25 @@ class TrainSetup:
 
     @property
     def lora(self) -> tuple[str, ...]:
-        """The matrices that carry adapters; () without LoRA."""
-        return tuple(self.lora_targets.split(",")) if self.lora_rank else ()
+        """The block matrices (``LORA_TARGETS``) that carry adapters; () without LoRA. qkv where any of
+        q, k, v does (``lora_adapters`` says which); the head is ``lora_head``."""
+        if not self.lora_rank:
+            return ()
+        names = set(self.lora_targets.split(","))
+        return tuple(m for m in LORA_TARGETS if m in names or (m == "qkv" and names & set(QKV_PARTS)))
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The block's adapters, one per name: qkv (one adapter on the fused matrix), or q, k, v alone
+        (each an adapter on its slice of it), proj, up, down; () without LoRA."""
+        if not self.lora_rank:
+            return ()
+        return tuple(t for t in self.lora_targets.split(",") if t != "head")
+
+    @property
+    def lora_head(self) -> bool:
+        """Whether the LM head carries an adapter."""
+        return bool(self.lora_rank) and "head" in self.lora_targets.split(",")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.errors import InputError
+from memplan.setup import LORA_TARGET_NAMES, QKV_PARTS
 
 STACKS = ("memplan", "transformers", "litgpt", "torchtune")
 LOSS_DTYPES = ("fp32", "logits")
@@ -68,7 +69,9 @@ LIB_SETUPS = {  # what litgpt's and torchtune's single-device scripts take (trai
 def check_stack_setup(stack: str, spec, setup) -> str:
     """``stack`` if its code runs ``setup``'s step for ``spec``, else the one-line InputError naming what
     it takes: litgpt's scripts and torchtune's recipes on one device (the settings of ``LIB_SETUPS``;
-    their LoRA adapts the MLP whole, up and down together)."""
+    their LoRA adapts the MLP whole, up and down together; torchtune's ``lora_llama3`` needs an attention
+    module among ``lora_attn_modules``), and ``check_lora_targets``'s."""
+    check_lora_targets(stack, spec, setup)
     allowed = LIB_SETUPS.get(stack)
     if allowed is None:
         return stack
@@ -82,8 +85,36 @@ def check_stack_setup(stack: str, spec, setup) -> str:
                              f"(accepted: {', '.join(allowed[field])})")
     if setup.lora_rank and ("up" in setup.lora) != ("down" in setup.lora):
         raise InputError(f"--stack {stack}: --lora-targets {setup.lora_targets}: {stack} adapts the MLP whole "
-                         "(accepted: qkv, proj, and up with down)")
+                         "(accepted: qkv, q, k, v, proj, and up with down, head)")
+    if setup.lora_rank and stack == "torchtune" and not {"qkv", "proj"} & set(setup.lora):
+        raise InputError(f"--lora-targets {setup.lora_targets}: torchtune's lora_llama3 needs an attention module "
+                         "among lora_attn_modules (accepted: at least one of qkv, q, k, v, proj)")
     return stack
+
+
+def check_lora_targets(stack: str, spec, setup) -> None:
+    """The one-line InputError where ``stack``'s code cannot put adapters where ``--lora-targets`` says:
+    q, k or v alone on a model whose attention is one fused matrix in transformers (gpt2's c_attn,
+    gpt_neox's query_key_value: peft adapts a module whole); the head of a tied model in memplan's
+    trainer (the adapter could not be folded into the matrix the embedding shares) and in torchtune's
+    (``lora_llama3_2`` raises on ``apply_lora_to_output``); q, k or v alone
+    under memplan's selective checkpointing (it keeps the fused qkv output, which their adapters write
+    into)."""
+    if not setup.lora_rank:
+        return
+    alone = [t for t in setup.lora_adapters if t in QKV_PARTS]
+    whole = [t for t in LORA_TARGET_NAMES if t not in QKV_PARTS]
+    if alone and stack == "transformers" and spec.arch in FUSED_QKV_ARCHS:
+        raise InputError(f"--lora-targets {setup.lora_targets}: {spec.arch}'s attention is one fused matrix, which "
+                         f"peft adapts whole (accepted for {spec.arch}: {', '.join(whole)})")
+    if alone and stack == "memplan" and setup.checkpointing == "selective":
+        raise InputError(f"--lora-targets {setup.lora_targets} with --checkpointing selective: selective "
+                         "checkpointing keeps the fused qkv output, which an adapter on q, k or v alone writes into "
+                         f"(accepted with selective: {', '.join(whole)})")
+    if setup.lora_head and stack in ("memplan", "torchtune") and spec.tied:
+        raise InputError(f"--lora-targets head: this model ties its LM head to the token embedding, and {stack}'s "
+                         "code does not adapt the one shared matrix (accepted for a tied model: "
+                         f"{', '.join(t for t in LORA_TARGET_NAMES if t != 'head')})")
 
 
 def check_loss_dtype(loss_dtype: str) -> str:
@@ -301,30 +332,37 @@ def hf_qk_norm_saved_bytes(spec, setup) -> int:
     return out
 
 
-def hf_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+def hf_lora_modules(spec, matrix: str, setup=None) -> list[tuple[int, int]]:
     """(in, out) of each peft-adapted module standing for memplan's fused ``matrix``: llama's
-    q_proj, k_proj, v_proj (``qkv``) and gate_proj, up_proj (``up``) are separate ``nn.Linear``,
-    each with its own adapter (peft ``LoraLayer.update_layer``); gpt2's c_attn and gpt_neox's
-    query_key_value are fused, as memplan's."""
+    q_proj, k_proj, v_proj (``qkv``; with ``setup`` those of q, k, v adapted alone only) and gate_proj,
+    up_proj (``up``) are separate ``nn.Linear``, each with its own adapter (peft
+    ``LoraLayer.update_layer``); gpt2's c_attn and gpt_neox's query_key_value are fused, as memplan's;
+    ``head``: ``lm_head`` (H → V)."""
     h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
     qkv = [(h, q), (h, kv), (h, kv)] if spec.arch not in FUSED_QKV_ARCHS else [(h, q + 2 * kv)]
+    if setup is not None and spec.arch not in FUSED_QKV_ARCHS and "qkv" not in setup.lora_adapters:
+        qkv = [m for m, part in zip(qkv, QKV_PARTS) if part in setup.lora_adapters]
     up = [(h, f), (h, f)] if spec.mlp == "swiglu" else [(h, f)]  # gate_proj and up_proj; fc1 (phi)
-    return {"qkv": qkv, "proj": [(q, h)], "up": up, "down": [(f, h)]}[matrix]
+    return {"qkv": qkv, "proj": [(q, h)], "up": up, "down": [(f, h)], "head": [(h, spec.vocab)]}[matrix]
 
 
 PEFT_ADAPTER_BYTES = FP32  # peft keeps adapters fp32: get_peft_model(autocast_adapter_dtype=True) upcasts bf16 ones
 
 
 def hf_lora_params(spec, setup) -> int:
-    """Adapter parameters peft makes: r·(in + out) per adapted module (``hf_lora_modules``), over the layers."""
+    """Adapter parameters peft makes: r·(in + out) per adapted module (``hf_lora_modules``), over the layers,
+    and lm_head's r·(H + V)."""
     if not setup.lora_rank:
         return 0
-    return spec.layers * sum(setup.lora_rank * (i + o) for m in setup.lora for i, o in hf_lora_modules(spec, m))
+    head = setup.lora_rank * (spec.hidden + spec.vocab) if setup.lora_head else 0  # lm_head's
+    return spec.layers * sum(setup.lora_rank * (i + o) for m in setup.lora for i, o in hf_lora_modules(spec, m, setup)) + head
 
 
 def hf_lora_tensors(spec, setup) -> int:
-    """Adapter parameter tensors peft makes: A and B per adapted module, over the layers."""
-    return 2 * spec.layers * sum(len(hf_lora_modules(spec, m)) for m in setup.lora) if setup.lora_rank else 0
+    """Adapter parameter tensors peft makes: A and B per adapted module, over the layers, and lm_head's two."""
+    if not setup.lora_rank:
+        return 0
+    return 2 * spec.layers * sum(len(hf_lora_modules(spec, m, setup)) for m in setup.lora) + 2 * setup.lora_head
 
 
 def hf_lora_bytes_delta(spec, setup) -> int:
@@ -364,12 +402,15 @@ def hf_lora_matrix_saved_bytes(spec, setup, matrix: str, dropout: float, cpu: bo
     mask and dropout output (``hf_lora_input_saved_bytes``) for memplan's saved input, each module's x·Aᵀ
     (n·r·kept) for memplan's one n·r·a. Made where the adapter runs (``Stack.adapter_saved_bytes``); 0 for a
     matrix without an adapter."""
+    from memplan.memory.terms import lora_adapter_shapes
+
     if not setup.lora_rank or matrix not in setup.lora:
         return 0
     n, a, rank = _n(setup), _a(setup), setup.lora_rank
     kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES  # what lora_A saves per module, per element
     out = hf_lora_input_saved_bytes(spec, setup, matrix, dropout, cpu) - memplan_lora_input_bytes(spec, setup, matrix, dropout)
-    return out + len(hf_lora_modules(spec, matrix)) * n * rank * kept - n * rank * a
+    modules, adapters = hf_lora_modules(spec, matrix, setup), lora_adapter_shapes(spec, setup, matrix)
+    return out + len(modules) * n * rank * kept - len(adapters) * n * rank * a
 
 
 def hf_lora_adapter_made_bytes(spec, setup, matrix: str, dropout: float, cpu: bool = False) -> int:
@@ -450,13 +491,13 @@ def hf_lora_input_saved_bytes(spec, setup, matrix: str, dropout: float, cpu: boo
     dropout output, per module; one shared fp32 input without dropout): the tensors ``lora_A`` (and
     ``nn.Dropout``) release in their own backward, before the frozen base matmul's input gradient
     is made. 0 for a matrix without an adapter."""
-    if not setup.lora_rank or matrix not in setup.lora:
+    if not setup.lora_rank or matrix not in (*setup.lora, *("head",) * setup.lora_head):
         return 0
     n, a = _n(setup), _a(setup)
     kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES
-    modules = hf_lora_modules(spec, matrix)
+    modules = hf_lora_modules(spec, matrix, setup)
     k, width = len(modules), modules[0][0]
-    x = _r(setup) if matrix in ("qkv", "up") else a
+    x = _r(setup) if matrix in ("qkv", "up", "head") else a  # a norm's output, in the residual's dtype
     if dropout > 0:
         return k * n * width * ((PEFT_ADAPTER_BYTES if cpu else MASK) + kept)
     if not setup.mixed and x == PEFT_ADAPTER_BYTES:
@@ -470,13 +511,45 @@ def memplan_lora_input_bytes(spec, setup, matrix: str, dropout: float) -> int:
     attention's transposed output), but 0 for proj under SDPA where peft saves a new tensor (its
     cast, or its dropout's output): memplan's proj reads SDPA's output, which SDPA saves itself
     (``memory.layer_activation_terms``' attention), and that stays saved beside peft's copy. (In
-    fp32 without dropout peft's lora_A takes SDPA's output as it is: nothing new.)"""
+    fp32 without dropout peft's lora_A takes SDPA's output as it is: nothing new.) Plus, for q, k, v
+    adapted alone under autocast, memplan's later adapters' own casts of the input
+    (``terms.lora_input_casts_bytes``)."""
     if not setup.lora_rank or matrix not in setup.lora:
         return 0
+    from memplan.memory.terms import lora_input_casts_bytes
+
     fresh = dropout > 0 or setup.precision != "fp32"
     if matrix == "proj" and setup.attention == "sdpa" and fresh:
         return 0
-    return _n(setup) * hf_lora_modules(spec, matrix)[0][0] * _a(setup)
+    return _n(setup) * hf_lora_modules(spec, matrix, setup)[0][0] * _a(setup) + lora_input_casts_bytes(spec, setup, matrix)
+
+
+def hf_lora_head_saved_bytes(spec, setup, dropout: float, cpu: bool = False, frozen_input: bool = False) -> int:
+    """What peft's adapter on ``lm_head`` (``--lora-targets head``) saves beyond memplan's head adapter: its
+    input as ``lora_A`` keeps it (``hf_lora_input_saved_bytes``: the fp32 final norm output itself; its
+    autocast copy; under pure bf16 its fp32 cast by ``_cast_input_dtype``, n·H·4; with ``lora_dropout``
+    > 0 the dropout's output and mask), for memplan's n·H·a (the walk's ``head_in``), and x·Aᵀ in the
+    adapter's dtype (n·r·4 for fp32 adapters on a cast input, 2 under autocast) for memplan's n·r·a.
+    Where the head's input needs no gradient (``frozen_input``: no block trains) the dropout keeps no mask
+    (``lib_lora_head_saved_bytes``). 0 without a head adapter."""
+    if not setup.lora_head:
+        return 0
+    n, a = _n(setup), _a(setup)
+    kept = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    mask = n * spec.hidden * (PEFT_ADAPTER_BYTES if cpu else MASK) if dropout > 0 and frozen_input else 0
+    return (hf_lora_input_saved_bytes(spec, setup, "head", dropout, cpu) - n * spec.hidden * a
+            + n * setup.lora_rank * (kept - a) - mask)
+
+
+def hf_lora_head_input_held_bytes(spec, setup, dropout: float) -> int:
+    """The final norm's output, n·H·4, held by ``LlamaForCausalLM.forward`` (``hidden_states =
+    outputs.last_hidden_state``, then ``logits = self.lm_head(hidden_states[...])`` and the loss, in the same
+    frame) until the forward returns, where peft's lm_head adapter saves another tensor in its place: in
+    fp32 with ``lora_dropout`` > 0 the dropout's output (without dropout lora_A saves that very tensor;
+    under autocast and pure bf16 the walk's final norm already leaves its output alive). 0 otherwise."""
+    if not setup.lora_head or dropout <= 0 or setup.precision not in ("fp32", "tf32"):
+        return 0
+    return _n(setup) * spec.hidden * FP32
 
 
 def hf_lora_input_grad_bytes(spec, setup, matrix: str) -> int:
@@ -487,7 +560,7 @@ def hf_lora_input_grad_bytes(spec, setup, matrix: str) -> int:
     if not setup.lora_rank or matrix not in setup.lora:
         return 0
     e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
-    return _n(setup) * hf_lora_modules(spec, matrix)[0][0] * e
+    return _n(setup) * hf_lora_modules(spec, matrix, setup)[0][0] * e
 
 
 
@@ -518,7 +591,7 @@ def hf_first_block_unsaved_bytes(spec, setup, dropout: float = 0.0, cpu: bool = 
     out = hf_norm_saved_bytes(spec, setup)
     for m in setup.lora:
         if frozen_input[m]:
-            out += sum(n * i * mask for i, _ in hf_lora_modules(spec, m))
+            out += sum(n * i * mask for i, _ in hf_lora_modules(spec, m, setup))
     if "qkv" not in setup.lora:
         out += hf_attention_saved_bytes(spec, setup) + hf_qk_norm_saved_bytes(spec, setup)
         if "proj" in setup.lora and setup.attention == "sdpa" and not memplan_lora_input_bytes(spec, setup, "proj", dropout):
@@ -545,16 +618,17 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     ``act_fn(gate_proj(x))``, n·F·a: ``self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``
     (modeling_llama.py, LlamaMLP.forward) applies the activation before up_proj runs; memplan's fused
     up matmul comes before its silu."""
-    if matrix not in setup.lora:
+    from memplan.memory.terms import lora_adapter_shapes
+
+    if not lora_adapter_shapes(spec, setup, matrix):  # (the head's: lm_head's adapter, H → V)
         return 0
-    from memplan.memory.terms import _matrix_shapes
 
     n, a = _n(setup), _a(setup)
     e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
-    modules = hf_lora_modules(spec, matrix)
+    modules = hf_lora_modules(spec, matrix, setup)
     widest = max(o for _, o in modules)
     silu_first = n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0
-    return 2 * n * widest * e + silu_first - n * _matrix_shapes(spec)[matrix][1] * a
+    return 2 * n * widest * e + silu_first - n * max(o for _, o in lora_adapter_shapes(spec, setup, matrix)) * a
 
 
 # ---- the hooks of the litgpt stack (litgpt 0.5: litgpt/model.py, litgpt/lora.py, litgpt/utils.py) ----------
@@ -681,9 +755,10 @@ def lit_optimizer_scratch_bytes(spec, setup, cpu: bool) -> int:
     foreach = optimizer_temporary_bytes(spec, setup)
     foreach += lit_lora_bytes_delta(spec, setup) if foreach else 0
     if setup.lora_rank:
-        largest = max(setup.lora_rank * max(i, o) for m in setup.lora for i, o in
-                      [(spec.hidden, spec.q_dim + 2 * spec.kv_dim), (spec.q_dim, spec.hidden),
-                       (spec.hidden, spec.ffn), (spec.ffn, spec.hidden)])
+        largest = max([setup.lora_rank * max(i, o) for m in setup.lora for i, o in
+                       [(spec.hidden, spec.q_dim + 2 * spec.kv_dim), (spec.q_dim, spec.hidden),
+                        (spec.hidden, spec.ffn), (spec.ffn, spec.hidden)]]
+                      + [setup.lora_rank * spec.vocab] * setup.lora_head)  # lora_head's B, V × r
     else:
         largest = max(spec.vocab * spec.hidden, spec.hidden * (spec.q_dim + 2 * spec.kv_dim), spec.hidden * spec.ffn)
     return 3 * largest * setup.param_bytes - foreach
@@ -696,27 +771,39 @@ def lit_walked_spec(spec):
     return spec.replace(tied=False) if spec.tied else spec
 
 
-def lit_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+def _qkv_enabled(setup) -> int:
+    """How many of q, k, v carry an adapter: 3 for qkv, else those adapted alone (0 without LoRA)."""
+    if setup is None or "qkv" in setup.lora_adapters:
+        return 3
+    return sum(p in setup.lora_adapters for p in QKV_PARTS)
+
+
+def lit_lora_modules(spec, matrix: str, setup=None) -> list[tuple[int, int]]:
     """(in, rank multiple) of each litgpt LoRA module standing for memplan's fused ``matrix``
     (litgpt/lora.py): ``LoRAQKVLinear`` is one module for q, k and v, whose ``lora_A`` has r rows per
-    enabled projection (``r * sum(enable_lora)``: 3r, as memplan's qkv adapts all three); the
-    ``LLaMAMLP``'s ``fc_1`` and ``fc_2`` are separate ``LoRALinear`` (``GptNeoxMLP``: one ``fc``)."""
+    enabled projection (``r * sum(enable_lora)``: 3r for qkv, 2r for q and v alone); the ``LLaMAMLP``'s
+    ``fc_1`` and ``fc_2`` are separate ``LoRALinear`` (``GptNeoxMLP``: one ``fc``); ``lm_head`` one."""
     h, q, f = spec.hidden, spec.q_dim, spec.ffn
     up = [(h, 1), (h, 1)] if spec.mlp == "swiglu" else [(h, 1)]
-    return {"qkv": [(h, 3)], "proj": [(q, 1)], "up": up, "down": [(f, 1)]}[matrix]
+    return {"qkv": [(h, _qkv_enabled(setup))], "proj": [(q, 1)], "up": up, "down": [(f, 1)], "head": [(h, 1)]}[matrix]
 
 
 def lit_lora_bytes_delta(spec, setup) -> int:
     """Bytes of litgpt's adapters beyond memplan's (their gradients alike), in the model's dtype.
 
     ``self.lora_A = nn.Parameter(torch.empty((r * sum(enable_lora), in_features)))`` (LoRAQKVLinear:
-    3·r·H where memplan's fused qkv adapter has r·H: 2·r·H more), and ``fc_1``, ``fc_2`` each with
-    its own A (r·H) and B (F·r) where memplan's fused gate-and-up adapter has one A (r·H): r·H more."""
+    3·r·H where memplan's fused qkv adapter has r·H: 2·r·H more; for q, k, v adapted alone one r·H per
+    enabled projection, as memplan's one A per slice: nothing more; its ``lora_B`` is as tall as the
+    enabled slices, as memplan's Bs together), and ``fc_1``, ``fc_2`` each with its own A (r·H) and B
+    (F·r) where memplan's fused gate-and-up adapter has one A (r·H): r·H more. torchtune's q_proj,
+    k_proj, v_proj, w1, w3 likewise (``tt_lora_bytes_delta``)."""
     if not setup.lora_rank:
         return 0
+    from memplan.memory.terms import lora_adapter_shapes
+
     extra = 0
     if "qkv" in setup.lora:
-        extra += 2 * setup.lora_rank * spec.hidden
+        extra += (_qkv_enabled(setup) - len(lora_adapter_shapes(spec, setup, "qkv"))) * setup.lora_rank * spec.hidden
     if "up" in setup.lora and spec.mlp == "swiglu":
         extra += setup.lora_rank * spec.hidden
     return spec.layers * extra * setup.param_bytes
@@ -724,10 +811,15 @@ def lit_lora_bytes_delta(spec, setup) -> int:
 
 def lit_lora_tensors_delta(spec, setup) -> int:
     """Adapter tensors beyond memplan's: ``fc_1`` and ``fc_2`` with an A and a B each, for memplan's one
-    fused gate-and-up adapter (two tensors more per layer)."""
-    if not setup.lora_rank or "up" not in setup.lora or spec.mlp != "swiglu":
+    fused gate-and-up adapter (two tensors more per layer); one ``LoRAQKVLinear`` (an A and a B) for
+    memplan's k adapters on q, k, v adapted alone (2·(k − 1) fewer)."""
+    if not setup.lora_rank:
         return 0
-    return 2 * spec.layers
+    from memplan.memory.terms import lora_adapter_shapes
+
+    extra = 2 if "up" in setup.lora and spec.mlp == "swiglu" else 0
+    extra -= 2 * (len(lora_adapter_shapes(spec, setup, "qkv")) - 1) if "qkv" in setup.lora else 0
+    return spec.layers * extra
 
 
 def lit_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
@@ -758,19 +850,21 @@ def _lib_lora_saved_bytes(spec, setup, dropout: float, cpu: bool, modules_of) ->
     cast of the norm output per module reading it."""
     if not setup.lora_rank:
         return 0
+    from memplan.memory.terms import lora_adapter_shapes, lora_input_casts_bytes
+
     n, a, rank, r = _n(setup), _a(setup), setup.lora_rank, _r(setup)
     out = 0
     for m in setup.lora:
-        modules = modules_of(spec, m)
+        modules = modules_of(spec, m, setup)
         k, width = len(modules), modules[0][0]
-        out += n * rank * a * (sum(mult for _, mult in modules) - 1)
+        out += n * rank * a * (sum(mult for _, mult in modules) - len(lora_adapter_shapes(spec, setup, m)))
         x = r if m in ("qkv", "up") else a  # the input's dtype: the norm's output, or an activation
-        mine = n * width * a if m != "proj" else 0
+        mine = (n * width * a if m != "proj" else 0) + lora_input_casts_bytes(spec, setup, m)
         if dropout > 0:
             mask = x if cpu else MASK
             out += k * n * width * (mask + a) - mine
         elif setup.mixed and m in ("qkv", "up"):
-            out += (k - 1) * n * width * HALF
+            out += (k - 1) * n * width * HALF - lora_input_casts_bytes(spec, setup, m)
     return out
 
 
@@ -796,17 +890,46 @@ def _lib_first_block_saved_bytes(spec, setup, dropout: float, cpu: bool, modules
     for m in setup.lora:
         if needs_grad[m]:
             continue
-        modules = modules_of(spec, m)
+        modules = modules_of(spec, m, setup)
         x = r if m in ("qkv", "up") else _a(setup)
         out -= len(modules) * n * modules[0][0] * (x if cpu else MASK)
     return out
 
 
+def lit_qkv_zero_pad_saved_bytes(spec, setup) -> int:
+    """What litgpt's ``LoRAQKVLinear`` saves for q, k, v adapted alone (not all three): ``lora =
+    self.zero_pad(after_B) * self.scaling``, whose ``result.index_copy_(dim=-1, index=self.lora_ind,
+    source=x)`` (litgpt/lora.py, LoRAQKVLinear.zero_pad) keeps ``source``, the adapter's output after_B,
+    n·w·a for the enabled slices' width w (autograd's formula for index_copy's source,
+    ``grad.index_select(dim, index).expand_as(source)``, reads it), and the index (``lora_ind.clone()``,
+    w int64). 0 for qkv (``zero_pad`` returns its input) and without LoRA on the attention."""
+    from memplan.memory.terms import lora_adapter_shapes
+
+    if "qkv" not in setup.lora or _qkv_enabled(setup) == 3:
+        return 0
+    width = sum(o for _, o in lora_adapter_shapes(spec, setup, "qkv"))
+    return _n(setup) * width * _a(setup) + width * 8
+
+
+def lib_lora_head_saved_bytes(spec, setup, dropout: float, cpu: bool, frozen_input: bool = False) -> int:
+    """What litgpt's and torchtune's head adapter saves beyond memplan's: with ``lora_dropout`` > 0 the
+    dropout's mask on the final norm's output, n·H·x on the CPU (ATen's ``_dropout_impl``, the input's
+    dtype: the residual's), n·H·1 on CUDA (``native_dropout``'s bool mask) (litgpt/lora.py,
+    LoRALinear.forward: ``self.lora_dropout(x) @ self.lora_A.transpose(0, 1)``; torchtune
+    modules/peft/lora.py: ``self.lora_a(self.dropout(x))``); the dropout's output stands in for memplan's
+    saved input (``head_in``). 0 without dropout or a head adapter, and where the head's input needs no
+    gradient (``frozen_input``: no block trains; ``input * noise`` keeps ``noise`` only for the input's)."""
+    if not setup.lora_head or dropout <= 0 or frozen_input:
+        return 0
+    return _n(setup) * spec.hidden * (_r(setup) if cpu else MASK)
+
+
 def lit_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
     """Bytes one of litgpt's ``Block`` saves beyond memplan's block: its norms, its attention's
-    layout, autocast's second cast for the MLP, its LoRA."""
+    layout, autocast's second cast for the MLP, its LoRA (q, k, v alone: ``lit_qkv_zero_pad_saved_bytes``)."""
     return (spec.norms_per_layer * lit_norm_saved_bytes(spec, setup) + lit_attention_saved_bytes(spec, setup, dropout)
-            + lit_autocast_mlp_cast_bytes(spec, setup) + lit_lora_saved_bytes(spec, setup, dropout, cpu))
+            + lit_autocast_mlp_cast_bytes(spec, setup) + lit_lora_saved_bytes(spec, setup, dropout, cpu)
+            + lit_qkv_zero_pad_saved_bytes(spec, setup))
 
 
 # ---- the hooks of the torchtune stack (torchtune 0.6: torchtune/modules/*, modules/peft/lora.py) -------
@@ -837,12 +960,14 @@ def tt_attention_saved_bytes(spec, setup) -> int:
     return n * a * kept - n * a * ((q + 2 * kv) + q + kv)
 
 
-def tt_lora_modules(spec, matrix: str) -> list[tuple[int, int]]:
+def tt_lora_modules(spec, matrix: str, setup=None) -> list[tuple[int, int]]:
     """(in, rank multiple) of torchtune's ``LoRALinear`` modules for memplan's fused ``matrix``
-    (``lora_llama3``: ``lora_attn_modules`` q_proj, k_proj, v_proj, output_proj, each its own module;
-    ``apply_lora_to_mlp``: w1, w3 (gate, up) and w2 (down))."""
+    (``lora_llama3``: ``lora_attn_modules`` q_proj, k_proj, v_proj (those adapted alone), output_proj,
+    each its own module; ``apply_lora_to_mlp``: w1, w3 (gate, up) and w2 (down); ``apply_lora_to_output``:
+    the output projection)."""
     h, q, f = spec.hidden, spec.q_dim, spec.ffn
-    return {"qkv": [(h, 1)] * 3, "proj": [(q, 1)], "up": [(h, 1)] * 2, "down": [(f, 1)]}[matrix]
+    return {"qkv": [(h, 1)] * _qkv_enabled(setup), "proj": [(q, 1)], "up": [(h, 1)] * 2, "down": [(f, 1)],
+            "head": [(h, 1)]}[matrix]
 
 
 def tt_lora_bytes_delta(spec, setup) -> int:
@@ -855,11 +980,13 @@ def tt_lora_bytes_delta(spec, setup) -> int:
 
 def tt_lora_tensors_delta(spec, setup) -> int:
     """Adapter tensors beyond memplan's: A and B for each of q_proj, k_proj, v_proj (4 more than memplan's
-    fused qkv adapter) and of w1, w3 (2 more), per layer."""
+    fused qkv adapter; as many as memplan's adapters on q, k, v alone) and of w1, w3 (2 more), per layer."""
     if not setup.lora_rank:
         return 0
-    extra = (4 if "qkv" in setup.lora else 0) + (2 if "up" in setup.lora else 0)
-    return spec.layers * extra
+    from memplan.memory.terms import lora_adapter_shapes
+
+    qkv = 2 * (_qkv_enabled(setup) - len(lora_adapter_shapes(spec, setup, "qkv"))) if "qkv" in setup.lora else 0
+    return spec.layers * (qkv + (2 if "up" in setup.lora else 0))
 
 
 def tt_lora_saved_bytes(spec, setup, dropout: float, cpu: bool = False) -> int:
@@ -1013,6 +1140,20 @@ class Stack:
                  - memplan_lora_input_bytes(spec, setup, matrix, self.lora_dropout))
         return saved, hf_lora_input_grad_bytes(spec, setup, matrix)
 
+    def lora_head_saved_bytes(self, spec, setup, frozen_input: bool = False) -> int:
+        """What the stack's head adapter saves beyond memplan's (its input, x·Aᵀ) (may be negative);
+        ``frozen_input``: the head's input needs no gradient (no block trains)."""
+        if self.name in ("litgpt", "torchtune"):
+            return lib_lora_head_saved_bytes(spec, setup, self.lora_dropout, self.cpu, frozen_input)
+        if self.name != "transformers":
+            return 0
+        return hf_lora_head_saved_bytes(spec, setup, self.lora_dropout, self.cpu, frozen_input)
+
+    def lora_head_input_held_bytes(self, spec, setup) -> int:
+        """The head's input the stack's model holds to the end of its forward beside the head adapter's saved
+        input (``hf_lora_head_input_held_bytes``)."""
+        return hf_lora_head_input_held_bytes(spec, setup, self.lora_dropout) if self.name == "transformers" else 0
+
     def mlp_backward_scratch_bytes(self, spec, setup) -> int:
         """Temporaries a non-gated MLP's activation backward holds beyond memplan's one input gradient."""
         return hf_gelu_new_backward_bytes(spec, setup) if self.name == "transformers" else 0
@@ -1095,6 +1236,14 @@ class Stack:
         from memplan.memory.terms import lora_tensors
 
         return hf_lora_tensors(spec, setup) - lora_tensors(spec, setup)
+
+    @property
+    def checkpointed_input_needs_grad(self) -> bool:
+        """Whether checkpointing makes the blocks' input require a gradient even where nothing below them
+        trains: transformers' ``gradient_checkpointing_enable()`` calls ``enable_input_require_grads()`` on
+        a model whose input embeddings are frozen (``modeling_utils.py``), so the checkpointed blocks run
+        their backward under a head-only LoRA too."""
+        return self.name == "transformers"
 
     @property
     def ddp_gradient_as_bucket_view(self) -> bool:

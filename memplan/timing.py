@@ -475,8 +475,8 @@ def _largest_optimizer_tensor(spec: ModelSpec, setup: TrainSetup) -> int:
     """Elements of the largest tensor the optimizer steps: the embedding (V·H; its ceil(V/W) rows under
     FSDP), or under LoRA the largest adapter matrix (r × the widest side of a targeted matrix)."""
     if setup.lora_rank:
-        shapes = _matrix_shapes(spec)
-        return setup.lora_rank * max(max(shapes[m]) for m in setup.lora)
+        shapes = _matrix_shapes(spec)  # q, k, v alone: their slices; head: H → V
+        return setup.lora_rank * max(max(shapes[m]) for m in (*setup.lora_adapters, *("head",) * setup.lora_head))
     rows = spec.vocab if setup.sharding != "fsdp" else -(-spec.vocab // setup.world_size)
     return rows * spec.hidden
 

@@ -42,7 +42,7 @@ from memplan.errors import InputError
 from memplan.plan import Plan
 from trainer import checkpoint as ckpt
 from trainer.evaluation import ppl as _ppl
-from trainer.lora import DEFAULT_ALPHA, apply_lora
+from trainer.lora import DEFAULT_ALPHA, apply_lora, lora_targets
 from trainer.task import TrainingTask
 from trainer.model import apply_checkpointing, build_model, lm_loss
 from trainer.step import autocast, param_dtype
@@ -339,7 +339,7 @@ def finetune_task(data: SFTData) -> TrainingTask:
             path = data.base_checkpoint / ckpt.MODEL_FILE
             ckpt.load_weights(built, ckpt.read_weights(path), str(path))
         if setup.lora_rank:
-            apply_lora(built, setup.lora_rank, data.lora_alpha, setup.lora)
+            apply_lora(built, setup.lora_rank, data.lora_alpha, lora_targets(setup))
         return apply_checkpointing(built, setup.checkpointing)
 
     def stream(*, micro_batch: int, ctx: int, seed: int, rank: int, world_size: int) -> SFTStream:

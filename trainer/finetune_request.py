@@ -203,6 +203,9 @@ def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: 
                              + (" with LoRA" if req.lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
                              "--checkpointing full")
         setup = result.plan.setup
+    from memplan.stacks import check_lora_targets
+
+    check_lora_targets("memplan", spec, setup)  # what memplan's trainer adapts (a tied head, q/k/v under selective)
     predicted = predict(spec, setup, profile)
     return Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes,
                 predicted=predicted.plan_table())

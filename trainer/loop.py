@@ -988,10 +988,10 @@ def build_trained(trained: rundir.TrainedCheckpoint, device=None):
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_model(plan.model, plan.setup.attention, "none", param_dtype(plan.setup.precision), device=device)
     if plan.setup.lora_rank:  # a LoRA finetune: its adapters, folded into the weights once loaded
-        from trainer.lora import apply_lora, merge_lora
+        from trainer.lora import apply_lora, lora_targets, merge_lora
 
         lora = meta.get("finetune", {}).get("lora", {})
-        apply_lora(model, plan.setup.lora_rank, float(lora.get("alpha", 16.0)), plan.setup.lora)
+        apply_lora(model, plan.setup.lora_rank, float(lora.get("alpha", 16.0)), lora_targets(plan.setup))
     ckpt.load_weights(model, ckpt.read_weights(path / ckpt.MODEL_FILE), str(path / ckpt.MODEL_FILE))
     if plan.setup.lora_rank:
         merge_lora(model)

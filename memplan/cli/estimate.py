@@ -36,8 +36,8 @@ LoraRankOpt = Annotated[str, typer.Option(
     "--lora-rank", help="Training: LoRA finetuning with rank-R adapters (frozen weights: no gradients or optimizer "
                         "state; adapters get both); 0 trains every weight.")]
 LoraTargetsOpt = Annotated[str, typer.Option(
-    "--lora-targets", help="Training with --lora-rank: the block matrices with adapters (comma-separated subset "
-                           "of qkv, proj, up, down).")]
+    "--lora-targets", help="Training with --lora-rank: the matrices with adapters (comma-separated subset "
+                           "of qkv, q, k, v, proj, up, down, head; qkv is q,k,v).")]
 StackOpt = Annotated[str, typer.Option(
     "--stack", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step, peft for --lora-rank; "

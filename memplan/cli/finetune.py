@@ -28,8 +28,8 @@ OutOpt = Annotated[str, typer.Option("--out", help="The finetune's run directory
 LoraRankOpt = Annotated[int, typer.Option("--lora-rank", help="LoRA rank; 0 finetunes every weight.")]
 LoraAlphaOpt = Annotated[float, typer.Option("--lora-alpha", help="LoRA scale numerator: updates are B·A·alpha/rank.")]
 LoraTargetsOpt = Annotated[str, typer.Option(
-    "--lora-targets", help="The block matrices that get adapters: all, or a comma-separated subset of qkv, proj, "
-                           "up, down.")]
+    "--lora-targets", help="The matrices that get adapters: all (qkv, proj, up, down), or a comma-separated "
+                           "subset of qkv, q, k, v, proj, up, down, head (qkv is q,k,v).")]
 TemplateOpt = Annotated[str, typer.Option(
     "--template", help="chat: '### User:\\n{prompt}\\n\\n### Assistant:\\n{response}' (prompt the finetuned model "
                        "the same way); plain: prompt and response as they are.")]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import memplan.memory.terms as terms
-from memplan.memory.terms import LOWP_WEIGHT_BYTES, _matrix_shapes, act_bytes, lora_matrix_params, tokens
+from memplan.memory.terms import LOWP_WEIGHT_BYTES, act_bytes, lora_adapter_shapes, lora_matrix_params, tokens
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, TrainSetup
 from memplan.stacks import Stack
@@ -35,24 +35,27 @@ def adapter_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: st
     input); the adapter's output n·out·a (plus a stack's own transient, ``Stack.lora_forward_transient_bytes``),
     added in place to the base output and freed, unless selective checkpointing keeps it (an mm output:
     ``keeps_output``). Full checkpointing's forward (``saves_adapter`` False) keeps neither x·Aᵀ nor the casts.
+    q, k, v adapted alone (``terms.lora_adapter_shapes``): one x·Aᵀ each, the outputs one at a time (n·out·a,
+    out the widest slice), each added to its slice of the fused output (``trainer/lora.py`` _AddToSlice).
     Nothing where ``matrix`` has no adapter."""
-    if matrix not in setup.lora:
+    shapes = lora_adapter_shapes(spec, setup, matrix)
+    if not shapes:
         return
     if setup.mixed and saves_adapter:
         w.alloc("weights", lora_matrix_params(spec, setup, matrix) * LOWP_WEIGHT_BYTES)
     n, a = tokens(setup), act_bytes(setup)
-    low = n * setup.lora_rank * a
-    out = n * _matrix_shapes(spec)[matrix][1] * a
-    w.alloc("activations", low)
+    low = len(shapes) * n * setup.lora_rank * a
+    out = n * max(fan_out for _, fan_out in shapes) * a
+    w.alloc("activations", low + terms.lora_input_casts_bytes(spec, setup, matrix))
     if saves_adapter:  # a stack's own saved tensors of this adapter (peft's casts, masks, x·Aᵀ): 0 for memplan
         w.alloc("activations", w.stack.adapter_saved_bytes(spec, setup, matrix))
     transient = out + w.stack.lora_forward_transient_bytes(spec, setup, matrix)  # 0 for memplan
     w.alloc("temporaries", transient)
     w.free("temporaries", transient)
     if keeps_output:
-        w.alloc("activations", out)
+        w.alloc("activations", sum(n * fan_out * a for _, fan_out in shapes))
     if not saves_adapter:
-        w.free("activations", low)
+        w.free("activations", low + terms.lora_input_casts_bytes(spec, setup, matrix))
 
 
 def _adapter_weight_grad(w: _StepWalk, setup: TrainSetup, elems: int) -> None:
@@ -87,22 +90,30 @@ def _adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: 
                       input_grad_bytes: int, needs_input_grad: bool) -> int:
     """The adapter's backward, before the base's (autograd runs the later-recorded branch first): the gradient of
     x·Aᵀ (n·r·a) and B's weight gradient (out·r), x·Aᵀ released, A's input gradient (n·in, summed with the
-    base's later), A's weight gradient (r·in). Returns the base's saved input still held: 0 where the stack's
-    adapter released it in its own backward (peft's)."""
-    fan_in, fan_out = _matrix_shapes(spec)[matrix]
+    base's later), A's weight gradient (r·in). q, k, v adapted alone (``terms.lora_adapter_shapes``): each
+    adapter so, the last first, each later one's input gradient summed into the earlier's (in place, autograd's
+    input buffer). Returns the base's saved input still held: 0 where the stack's adapter released it in its own
+    backward (peft's)."""
     rank = setup.lora_rank
     low = tokens(setup) * rank * act_bytes(setup)
-    w.alloc("temporaries", low)
-    _adapter_weight_grad(w, setup, fan_out * rank)
-    w.free("activations", low)
-    release = w.stack.lora_input_release(spec, setup, matrix)  # None for memplan
-    if release is not None:
-        _peft_input_release(w, release, saved_input_bytes, input_grad_bytes, needs_input_grad)
-        saved_input_bytes = 0
-    elif needs_input_grad:
-        w.alloc("temporaries", input_grad_bytes)
-    _adapter_weight_grad(w, setup, rank * fan_in)
-    w.free("temporaries", low)
+    shapes = lora_adapter_shapes(spec, setup, matrix)
+    cast = terms.lora_input_casts_bytes(spec, setup, matrix) // max(len(shapes) - 1, 1)  # each later A's own
+    for i, (fan_in, fan_out) in enumerate(reversed(shapes)):
+        w.alloc("temporaries", low)
+        _adapter_weight_grad(w, setup, fan_out * rank)
+        w.free("activations", low)
+        release = w.stack.lora_input_release(spec, setup, matrix) if i == 0 else None  # None for memplan
+        if release is not None:  # (memplan's casts of the input for each later A among what it releases)
+            _peft_input_release(w, release, saved_input_bytes, input_grad_bytes, needs_input_grad)
+            saved_input_bytes, cast = 0, 0
+        elif needs_input_grad:
+            w.alloc("temporaries", input_grad_bytes)
+            if i:  # summed into the earlier adapter's
+                w.free("temporaries", input_grad_bytes)
+        _adapter_weight_grad(w, setup, rank * fan_in)
+        w.free("temporaries", low)
+        if i < len(shapes) - 1:
+            w.free("activations", cast)  # its saved cast of the input (the first A's is the matrix's saved input)
     return saved_input_bytes
 
 
@@ -170,3 +181,57 @@ def adapter_recompute_stop(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, mat
     unsaved = w.stack.recompute_stop_bytes(spec, setup)
     w.alloc("temporaries", unsaved)
     w.free("temporaries", unsaved)
+
+
+def head_adapter_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, frozen_input: bool = False) -> bool:
+    """The LM head's adapter, forward (``--lora-targets head``; ``trainer/lora.py`` LoRALinear on
+    ``model.head``): under autocast A's and B's casts (r·(H + V)·2, saved), x·Aᵀ (n·r·a, saved), the
+    adapter's output n·V·a (plus a stack's own transient, ``Stack.lora_forward_transient_bytes``), added in
+    place to the logits and freed. A saves its input, the final norm's output (its autocast copy; the
+    frozen head's matmul saves none): the walk's ``head_in`` stays; a stack's adapter may save more
+    (``Stack.lora_head_saved_bytes``; ``frozen_input``: no block trains). Returns whether the head has one."""
+    shapes = lora_adapter_shapes(spec, setup, "head")
+    if not shapes:
+        return False
+    if setup.mixed:
+        w.alloc("weights", lora_matrix_params(spec, setup, "head") * LOWP_WEIGHT_BYTES)
+    n, a = tokens(setup), act_bytes(setup)
+    w.alloc("activations", n * setup.lora_rank * a + w.stack.lora_head_saved_bytes(spec, setup, frozen_input))
+    transient = n * spec.vocab * a + w.stack.lora_forward_transient_bytes(spec, setup, "head")
+    w.alloc("temporaries", transient)
+    w.free("temporaries", transient)
+    return True
+
+
+def head_input_held(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> int:
+    """The head's input as the stack's model keeps it beside what the head adapter saves, to the end of the
+    forward (``Stack.lora_head_input_held_bytes``: transformers' final norm output, held by the CausalLM's
+    forward through the loss); 0 for memplan's. Returns the bytes, which the loss's forward frees."""
+    held = w.stack.lora_head_input_held_bytes(spec, setup) if setup.lora_head else 0
+    w.alloc("activations", held)
+    return held
+
+
+def head_adapter_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, head_in: int, input_grad_bytes: int,
+                          frozen_input: bool = False) -> int:
+    """The LM head's adapter, backward, before the frozen head's input gradient (autograd runs the
+    later-recorded branch first): the logits' gradient times the scale (``y.add_(delta, alpha=scale)``'s
+    backward: n·V·a), the gradient of x·Aᵀ (n·r·a) and B's weight gradient (V·r), the scaled gradient and
+    x·Aᵀ released, A's input gradient (n·H·a, summed with the head's later) and weight gradient (r·H),
+    then A's saved input (``head_in``) released. Returns the bytes of the input gradient it made (0 without
+    a head adapter): the caller sums it with the head's."""
+    if not setup.lora_head:
+        return 0
+    n, a, rank = tokens(setup), act_bytes(setup), setup.lora_rank
+    low = n * rank * a
+    scaled = n * spec.vocab * a
+    w.alloc("temporaries", scaled)
+    w.alloc("temporaries", low)
+    _adapter_weight_grad(w, setup, spec.vocab * rank)
+    w.free("temporaries", scaled)
+    w.free("activations", low)
+    w.alloc("temporaries", input_grad_bytes)  # 0 where nothing below the head trains
+    _adapter_weight_grad(w, setup, rank * spec.hidden)
+    w.free("temporaries", low)
+    w.free("activations", head_in + w.stack.lora_head_saved_bytes(spec, setup, frozen_input))
+    return input_grad_bytes

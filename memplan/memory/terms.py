@@ -62,28 +62,45 @@ def _layer_matrices(spec: ModelSpec) -> dict[str, int]:
 # ---- LoRA ------------------------------------------------------------------------------------
 
 def _matrix_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
-    """(in, out) of each block matrix."""
+    """(in, out) of each block matrix, of the q, k and v slices of the fused qkv (heads·head_dim, then
+    kv_heads·head_dim twice: ``trainer/model.py``), and of the LM head (H → V)."""
     h = spec.hidden
-    return {"qkv": (h, _qkv_width(spec)), "proj": (spec.q_dim, h), "up": (h, _up_width(spec)), "down": (spec.ffn, h)}
+    return {"qkv": (h, _qkv_width(spec)), "proj": (spec.q_dim, h), "up": (h, _up_width(spec)), "down": (spec.ffn, h),
+            "q": (h, spec.q_dim), "k": (h, spec.kv_dim), "v": (h, spec.kv_dim), "head": (h, spec.vocab)}
+
+
+def lora_adapter_shapes(spec: ModelSpec, setup: TrainSetup, matrix: str) -> list[tuple[int, int]]:
+    """(in, out) of each adapter on ``matrix`` (a block matrix, or ``head``), in the order the forward runs
+    them (``trainer/lora.py``): one over the whole output, or on the fused qkv one per slice of q, k, v
+    adapted alone (each its own A, r × H, and a B as tall as its slice). [] without one."""
+    if matrix == "head":
+        return [_matrix_shapes(spec)["head"]] if setup.lora_head else []
+    if matrix not in setup.lora:
+        return []
+    names = [t for t in setup.lora_adapters if t == matrix or (matrix == "qkv" and t in ("q", "k", "v"))]
+    return [_matrix_shapes(spec)[t] for t in names]
 
 
 def lora_matrix_params(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
-    """One adapter on one block matrix (in → out): A (r × in) and B (out × r), r·(in + out);
-    0 if the matrix carries none (``trainer/lora.py``)."""
-    if matrix not in setup.lora:
-        return 0
-    fan_in, fan_out = _matrix_shapes(spec)[matrix]
-    return setup.lora_rank * (fan_in + fan_out)
+    """The adapters on one block matrix (or the head), in → out each: A (r × in) and B (out × r), r·(in + out)
+    per adapter (``lora_adapter_shapes``); 0 if the matrix carries none (``trainer/lora.py``)."""
+    return sum(setup.lora_rank * (fan_in + fan_out) for fan_in, fan_out in lora_adapter_shapes(spec, setup, matrix))
 
 
 def lora_params(spec: ModelSpec, setup: TrainSetup) -> int:
-    """All adapters: layers × Σ over the targeted matrices of r·(in + out). 0 without LoRA."""
-    return spec.layers * sum(lora_matrix_params(spec, setup, m) for m in setup.lora)
+    """All adapters: layers × Σ over the targeted block matrices of their adapters' r·(in + out), plus the
+    head's r·(H + V). 0 without LoRA."""
+    return spec.layers * sum(lora_matrix_params(spec, setup, m) for m in setup.lora) + lora_head_params(spec, setup)
+
+
+def lora_head_params(spec: ModelSpec, setup: TrainSetup) -> int:
+    """The LM head's adapter (``--lora-targets head``): A (r × H) and B (V × r), r·(H + V); 0 without it."""
+    return lora_matrix_params(spec, setup, "head")
 
 
 def lora_tensors(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Adapter parameter tensors (A and B per targeted matrix per block)."""
-    return 2 * spec.layers * len(setup.lora)
+    """Adapter parameter tensors (A and B per adapter per block, and the head's two)."""
+    return 2 * spec.layers * len(setup.lora_adapters) + (2 if setup.lora_head else 0)
 
 
 def trainable_params(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -91,17 +108,27 @@ def trainable_params(spec: ModelSpec, setup: TrainSetup) -> int:
     return lora_params(spec, setup) if setup.lora_rank else spec.params
 
 
+def lora_input_casts_bytes(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
+    """Under autocast, the casts of the fp32 input that adapters on one matrix save beyond the first: q, k, v
+    adapted alone each run ``F.linear(x, lora_a_<name>)`` (``trainer/lora.py``) on the fp32 norm output, and
+    autocast casts an activation anew at every matmul (it caches only leaf weights' casts), each A saving its
+    own bf16 copy: (k − 1)·n·H·2 for k adapters. 0 for one adapter or without autocast."""
+    shapes = lora_adapter_shapes(spec, setup, matrix)
+    if not setup.mixed or len(shapes) < 2 or residual_bytes_per_element(setup) == LOWP_WEIGHT_BYTES:
+        return 0
+    return (len(shapes) - 1) * tokens(setup) * shapes[0][0] * LOWP_WEIGHT_BYTES
+
+
 def lora_saved_bytes(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:
     """What one adapter saves for backward: x·Aᵀ (n·r·a, B's matmul input), plus under autocast
     the bf16 copies of A and B (r·(in + out)·2, cached and saved); under selective checkpointing
     also the adapter's output (x·Aᵀ)·Bᵀ (n·out·a: an mm output, which the policy keeps)."""
-    if matrix not in setup.lora:
-        return 0
-    saved = tokens(setup) * setup.lora_rank * act_bytes(setup)
+    shapes = lora_adapter_shapes(spec, setup, matrix)  # q, k, v alone: each adapter its own x·Aᵀ and output
+    saved = len(shapes) * tokens(setup) * setup.lora_rank * act_bytes(setup) + lora_input_casts_bytes(spec, setup, matrix)
     if setup.mixed:
         saved += lora_matrix_params(spec, setup, matrix) * LOWP_WEIGHT_BYTES
     if setup.checkpointing == "selective":
-        saved += tokens(setup) * _matrix_shapes(spec)[matrix][1] * act_bytes(setup)
+        saved += sum(tokens(setup) * fan_out * act_bytes(setup) for _, fan_out in shapes)
     return saved
 
 
@@ -169,11 +196,11 @@ def optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
         return SGD_STATES_PER_PARAM * n * setup.param_bytes
     if setup.lora_rank:
         total = n_tensors * ADAM_STEP_BYTES
-        for m in setup.lora:
-            fan_in, fan_out = _matrix_shapes(spec)[m]
+        shapes = [(spec.layers, s) for m in setup.lora for s in lora_adapter_shapes(spec, setup, m)]
+        for count, (fan_in, fan_out) in shapes + [(1, s) for s in lora_adapter_shapes(spec, setup, "head")]:
             for elems in (setup.lora_rank * fan_in, setup.lora_rank * fan_out):
                 per = (elems + -(-elems // BNB_BLOCK) * FP32_BYTES) if elems >= 4096 else elems * FP32_BYTES
-                total += spec.layers * ADAMW_STATES_PER_PARAM * per
+                total += count * ADAMW_STATES_PER_PARAM * per
         return total
     big = decay_params(spec)
     quantised = ADAMW_STATES_PER_PARAM * (big + -(-big // BNB_BLOCK) * FP32_BYTES)

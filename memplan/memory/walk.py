@@ -463,6 +463,7 @@ class _Step:
         self.accum = sharding.accum  # .grad exists before this backward
         self.lora = bool(cs.lora_rank) and sharding.lora_outside_blocks  # the head and embedding frozen
         self.ckpt = cs.checkpointing != "none"
+        self.forward_policy = cs.checkpointing  # what the blocks' forward keeps (BlockPass.forward_pass)
         self.vh_grad = head_weight_grad_bytes(spec, cs) if not self.lora else 0
         self.extra_adapters = stack.lora_bytes_delta(spec, cs)  # e.g. peft's separate q, k, v adapters, in fp32
         self.lowp = layer_lowp_weight_bytes(spec, cs)
@@ -511,7 +512,7 @@ class _Step:
             w.alloc("activations", (L - 1) * self.stored - self.first_unsaved)
             w.alloc("weights", (L - 1) * self.lowp - self.first_copies)
             self.sh.before_last_block_forward(w)
-        _block_forward(w, spec, self.cs, BlockPass.forward_pass(self.cs.checkpointing), self.gqa)
+        _block_forward(w, spec, self.cs, BlockPass.forward_pass(self.forward_policy), self.gqa)
         self.sh.after_block_forward(w)
         if L == 1:  # the one block walked is the first: what it made and does not save goes now
             w.free("activations", self.first_unsaved)
@@ -526,7 +527,9 @@ class _Step:
         if cs.mixed:
             w.alloc("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
         w.alloc("logits", logits_bytes(spec, cs))
-        if self.lora:  # the head's weight is frozen: its input is not saved
+        self.head_input_held = lora.head_input_held(w, spec, cs)
+        self.head_adapter = self.lora and lora.head_adapter_forward(w, spec, cs)  # its A saves head_in
+        if self.lora and not self.head_adapter:  # the head's weight is frozen: its input is not saved
             w.free("activations", self.head_in)
         if self.ckpt and cs.mixed:
             w.free("weights", spec.layers * layer_lowp_weight_bytes(spec, cs))
@@ -547,6 +550,7 @@ class _Step:
             w.free("logits", fp32_logits_bytes(spec, cs))
         w.free("logits", logits_bytes(spec, cs))  # `del logits`: log_softmax saved its output only
         w.alloc("logits", stack.held_logits_bytes(spec, cs))  # logits a stack's loop keeps to the step's end
+        w.free("activations", getattr(self, "head_input_held", 0))  # the model's forward has returned
         w.mark("end of forward")
 
     def loss_backward(self) -> None:
@@ -569,7 +573,12 @@ class _Step:
         self.sh.before_head_backward(w)
         w.where = "backward: LM head"
         head_grad = spec.vocab * spec.hidden if not self.lora else 0
+        adapter_grad = lora.head_adapter_backward(w, spec, cs, self.head_in, n * spec.hidden * a) \
+            if self.head_adapter else 0
         w.alloc("temporaries", n * spec.hidden * a)  # input gradient
+        if adapter_grad:  # ... summed with the head adapter's
+            w.alloc("temporaries", n * spec.hidden * a)
+            w.free("temporaries", 2 * n * spec.hidden * a)
         w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
         w.alloc("temporaries", stack.chunked_head_grad_bytes(spec, cs))  # a head run in chunks: its sums
         w.free("temporaries", stack.chunked_head_grad_bytes(spec, cs))
@@ -698,11 +707,70 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stac
         stack = MEMPLAN
     spec, setup = stack.walked_spec(spec), stack.walked_setup(setup)  # as the stack's code builds and steps
     step = _Step(spec, setup, gqa_repeat, stack, sharding or sharding_hook(spec, setup, stack, rank, collectives))
+    if step.lora and not step.cs.lora and not (step.ckpt and stack.checkpointed_input_needs_grad):
+        # only the head adapted: nothing before it trains (_FrozenBlocksStep)
+        step = _FrozenBlocksStep(spec, setup, gqa_repeat, stack, step.sh)
     for phase in (step.persistent_state, step.embedding_forward, step.blocks_forward, step.head_forward,
                   step.loss_forward, step.loss_backward, step.head_backward, step.blocks_backward,
                   step.embedding_backward, step.optimizer_step):
         phase()
     return step.w
+
+
+class _FrozenBlocksStep(_Step):
+    """A step whose only adapter is the LM head's (``--lora-targets head``): the embedding, every block and
+    the final norm are frozen and their inputs need no gradient, so autograd saves nothing of them and
+    the backward stops at the head adapter (``lora.head_adapter_backward`` without an input gradient).
+    Each block frees its input once its output exists; autocast caches no cast of a frozen weight, so a
+    matmul's weight copy lives for its matmul only (walked with the block, freed after it)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.forward_policy = "full"  # the last block walked as full checkpointing's forward walks one: nothing kept
+        self.stored, self.first_unsaved = 0, 0  # the earlier blocks leave nothing ...
+        self.first_copies = (self.spec.layers - 1) * self.lowp  # ... nor autocast's copies of their weights
+
+    def blocks_forward(self) -> None:
+        """The blocks, the last one's input and weight copies released after it."""
+        super().blocks_forward()
+        self.w.free("activations", self.n * self.spec.hidden * self.r)  # the block's input
+        if self.cs.mixed:
+            self.w.free("weights", self.lowp)
+
+    def head_forward(self) -> None:
+        """The final norm (its statistics and input released: nothing saves them) and the adapted head."""
+        w, spec, cs = self.w, self.spec, self.cs
+        w.where = "forward: final norm and LM head"
+        self.head_in = _norm_forward(w, spec, cs)
+        w.free("activations", norm_stat_bytes(spec, cs) + self.n * spec.hidden * self.r)
+        if cs.mixed:  # the frozen head's matmul saves nothing: its weight's copy goes with it
+            w.alloc("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+        w.alloc("logits", logits_bytes(spec, cs))
+        if cs.mixed:
+            w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+        self.head_input_held = lora.head_input_held(w, spec, cs)
+        self.head_adapter = lora.head_adapter_forward(w, spec, cs, frozen_input=True)
+        self.sh.after_head_forward(w)
+
+    def head_backward(self) -> None:
+        """The head adapter's backward alone: no input gradient anywhere (nothing below trains)."""
+        w, spec, cs = self.w, self.spec, self.cs
+        self.sh.before_head_backward(w)
+        w.where = "backward: LM head"
+        lora.head_adapter_backward(w, spec, cs, self.head_in, 0, frozen_input=True)
+        w.free("logits", logits_bytes(spec, cs) if self.a != FP32_BYTES else fp32_logits_bytes(spec, cs))
+
+    def blocks_backward(self) -> None:
+        """No block has a backward; a stack's extra adapter gradients (the head's) are made here."""
+        self.sh.after_blocks_backward(self.w, self.lora, self.extra_adapters)
+
+    def embedding_backward(self) -> None:
+        """Nothing to do but release the rotary casts and the mask the blocks read."""
+        w, spec, cs = self.w, self.spec, self.cs
+        w.where = "backward: embedding"
+        w.free("activations", rope_cast_bytes(spec, cs) + causal_mask_bytes(spec, cs))
+        self.sh.after_embedding_backward(w)
+        w.mark("end of backward")
 
 
 def _walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stack: Stack = MEMPLAN) -> _StepWalk:

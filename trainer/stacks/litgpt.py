@@ -78,15 +78,15 @@ def config_kwargs(spec, setup: TrainSetup) -> dict:
 
 
 def lora_flags(targets: str) -> dict:
-    """litgpt.lora's ``lora_query/key/value/projection/mlp`` for memplan's ``--lora-targets``;
-    litgpt adapts the whole MLP or none of it (``lora_mlp``)."""
+    """litgpt.lora's ``lora_query/key/value/projection/mlp/head`` for memplan's ``--lora-targets`` (q, k, v
+    alone: ``LoRAQKVLinear``'s ``enable_lora``); litgpt adapts the whole MLP or none of it (``lora_mlp``)."""
     chosen = set(targets.split(","))
     if ("up" in chosen) != ("down" in chosen):
         raise InputError(f"--lora-targets {targets}: litgpt's lora_mlp adapts every MLP matrix; give both up and "
-                         "down or neither (accepted: qkv, proj, up+down)")
+                         "down or neither (accepted: qkv, q, k, v, proj, up+down, head)")
     qkv = "qkv" in chosen
-    return dict(lora_query=qkv, lora_key=qkv, lora_value=qkv, lora_projection="proj" in chosen,
-                lora_mlp="up" in chosen, lora_head=False)
+    return dict(lora_query=qkv or "q" in chosen, lora_key=qkv or "k" in chosen, lora_value=qkv or "v" in chosen,
+                lora_projection="proj" in chosen, lora_mlp="up" in chosen, lora_head="head" in chosen)
 
 
 def precision_plugin(setup: TrainSetup, device_type: str):

@@ -80,14 +80,19 @@ def check(model: StackModel, setup: TrainSetup) -> None:
                          "torch.optim.AdamW (accepted: adamw, adamw-fused)")
 
 
-def lora_modules(targets: str) -> tuple[list[str], bool]:
-    """``lora_attn_modules`` and ``apply_lora_to_mlp`` for memplan's ``--lora-targets``."""
+def lora_modules(targets: str) -> tuple[list[str], bool, bool]:
+    """``lora_attn_modules``, ``apply_lora_to_mlp`` and ``apply_lora_to_output`` for memplan's ``--lora-targets``
+    (q, k, v alone: q_proj, k_proj, v_proj each its own module)."""
     chosen = set(targets.split(","))
     if ("up" in chosen) != ("down" in chosen):
         raise InputError(f"--lora-targets {targets}: torchtune's apply_lora_to_mlp adapts every MLP matrix; give "
-                         "both up and down or neither (accepted: qkv, proj, up+down)")
-    attn = (["q_proj", "k_proj", "v_proj"] if "qkv" in chosen else []) + (["output_proj"] if "proj" in chosen else [])
-    return attn, "up" in chosen
+                         "both up and down or neither (accepted: qkv, q, k, v, proj, up+down, head)")
+    qkv = "qkv" in chosen
+    attn = [f"{p}_proj" for p in ("q", "k", "v") if qkv or p in chosen] + (["output_proj"] if "proj" in chosen else [])
+    if not attn:  # lora_llama3 raises its own ValueError: the one line instead
+        raise InputError(f"--lora-targets {targets}: torchtune's lora_llama3 needs an attention module among "
+                         "lora_attn_modules (accepted: at least one of qkv, q, k, v, proj)")
+    return attn, "up" in chosen, "head" in chosen
 
 
 def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None = None) -> torch.nn.Module:
@@ -109,8 +114,12 @@ def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None
     dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
     with converting_fake_parameters(), training.set_default_dtype(dtype):
         if setup.lora_rank:
-            attn, mlp = lora_modules(setup.lora_targets)
-            lora = dict(lora_attn_modules=attn, apply_lora_to_mlp=mlp, lora_rank=setup.lora_rank,
+            attn, mlp, head = lora_modules(setup.lora_targets)
+            if head and spec.tied:  # lora_llama3_2 raises its own ValueError: the one line instead
+                raise InputError(f"--stack torchtune: --lora-targets {setup.lora_targets}: torchtune does not adapt "
+                                 "a head tied to the embeddings (apply_lora_to_output); accepted for a tied model: "
+                                 "qkv, q, k, v, proj, up+down")
+            lora = dict(lora_attn_modules=attn, apply_lora_to_mlp=mlp, apply_lora_to_output=head, lora_rank=setup.lora_rank,
                         lora_alpha=2.0 * setup.lora_rank,
                         lora_dropout=LORA_DEFAULT_DROPOUT if lora_dropout is None else lora_dropout)
             net = lora_llama3_2(**shape, **lora, tie_word_embeddings=True) if spec.tied else lora_llama3(**shape,
