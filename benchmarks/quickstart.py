@@ -156,7 +156,7 @@ def run(args, cache: str) -> int:
     import torch
     from rich.console import Console
 
-    from memplan.cli.train import RichUI
+    from memplan.cli.train import RichUI, _final_sample
     from trainer import request as qs
     from memplan.cli.options import device_from
     from trainer import data
@@ -193,7 +193,7 @@ def run(args, cache: str) -> int:
         plan = qs.autotuned_plan(None, qs.QUICKSTART_CTX, prepared, profile, RichUI(console), minutes=args.minutes,
                                   global_batch_tokens=None, budget=None, margin=0.1)
         results.append(train_one("new", prepared, plan, qs.QUICKSTART_LR, args.minutes, profile,
-                                 Path(cache) / "run-new", qs._final_sample))
+                                 Path(cache) / "run-new", _final_sample))
 
     figures = {"threads": torch.get_num_threads(), "minutes": args.minutes, "runs": results}
     print(json.dumps(figures, indent=2) if args.json else render(figures))
