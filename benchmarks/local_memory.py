@@ -7,8 +7,10 @@ quick start for a few seconds, then each TRAIN config for a few steps on the emb
 each VERIFY config through `autotune --verify`. For a run, measured = the largest steady-step peak
 resident memory the trainer logged (VmHWM per step, less the token shards' mapped pages) and
 predicted = the plan's peak_reserved (runtime context from the calibration + live tensors + the
-allocator's overhead); for a verify trial, both as `autotune --verify --json` reports them. The bar:
-predicted within ±10% of measured for every config.
+allocator's overhead); for a verify trial, both as `autotune --verify --json` reports them. The bars:
+predicted within ±10% of measured for every config, judged apart for the plans memplan makes (the quick
+start and the verify trials: the bar of the quick start's promise) and for `train` given a model and
+setup.
 
     python benchmarks/local_memory.py [--cache DIR] [--keep DIR]
 """
@@ -118,14 +120,16 @@ def main() -> int:
                                       "predicted_tps": final["predicted_tokens_per_second"],
                                       "measured_tps": final["measured_tokens_per_second"]}))
     print(f"\n{'':7}{'config':28}{'predicted':>12}{'measured':>12}{'error':>9}   tokens/s pred/meas")
-    worst = 0.0
+    worst = {"planned": 0.0, "given": 0.0}  # the quick start's and verify's plans; train's given setups
     for kind, name, f in rows:
         err = (f["predicted_peak"] - f["measured_peak"]) / f["measured_peak"]
-        worst = max(worst, abs(err))
+        group = "given" if kind == "train" and name != "quick start" else "planned"
+        worst[group] = max(worst[group], abs(err))
         print(f"{kind:7}{name:28}{f['predicted_peak'] / 2**20:>9.1f} MiB{f['measured_peak'] / 2**20:>8.1f} MiB"
               f"{err:>+9.1%}   {f['predicted_tps'] / f['measured_tps']:.2f}")
     print(f"\nload average {os.getloadavg()[0]:.1f}")
-    return judge([Bar("predicted against measured peak: worst |error|", worst, BAR)])
+    return judge([Bar("the quick start and autotune --verify: worst |error|", worst["planned"], BAR),
+                  Bar("train with a given model and setup: worst |error|", worst["given"], BAR)])
 
 
 if __name__ == "__main__":
