@@ -376,7 +376,7 @@ class FullyShard(Replicated):
         self.block_gradients_persist = gradients_persist(setup)  # (grad_accum > 1: the matmuls' gradients add in)
         self.first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
         self.c = fsdp_gather_bytes(setup)
-        self.lora_outside_blocks = bool(setup.lora_rank)  # frozen embedding, head and first block's input
+        self.lora_outside_blocks = lora_freezes_root(setup)
         groups = ("block", "root")
         self.gathered = {g: fsdp_unsharded_bytes(spec, setup, g) for g in groups}
         self.copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in groups}
@@ -527,3 +527,11 @@ def lora_reduces(spec: ModelSpec, setup: TrainSetup, group: str) -> bool:
     """Whether a group's post-backward reduce-scatters: FSDP2 returns after resharding when none of its
     parameters has a gradient (``fsdp_params_with_grad`` empty), as LoRA's root without a head adapter."""
     return bool(fsdp_trained_shapes(spec, setup, group))
+
+
+def lora_freezes_root(setup: TrainSetup) -> bool:
+    """Whether the walk takes the root's parameters as frozen (``_Step.lora``: no embedding, head or final norm
+    gradient, the first block's input and what precedes its first adapter unsaved), as for one process: under
+    LoRA, whose ``apply_lora`` freezes every parameter before it makes the adapters (trainer/lora.py), and the
+    FSDP2 wrapping that follows changes no ``requires_grad``."""
+    return bool(setup.lora_rank)
