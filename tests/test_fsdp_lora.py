@@ -164,3 +164,15 @@ def test_selective_checkpointing_under_fsdp_with_lora_is_refused(tmp_path):
 
     with pytest.raises(InputError, match="none, full"):  # what memplan finetune checks its plan with
         check_lora_targets("memplan", LLAMA, _setup("fp32", "selective", ALL))
+
+
+def test_autotune_over_several_devices_never_plans_selective_checkpointing_under_fsdp_with_lora():
+    """A finetune over several devices (``memplan finetune --nproc N`` plans through autotune) searches fsdp with
+    checkpointing none and full only; ddp keeps selective."""
+    from memplan.autotune import autotune
+    from memplan.hardware import load_profile
+
+    result = autotune(LLAMA, load_profile("rtx-4090"), ctx=256, global_batch=8, world_size=2, lora_rank=4)
+    searched = {(c.setup.sharding, c.setup.checkpointing) for c in result.configs}
+    assert ("fsdp", "full") in searched and ("ddp", "selective") in searched
+    assert ("fsdp", "selective") not in searched
