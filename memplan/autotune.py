@@ -469,6 +469,8 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     rejected_points: list[TrainSetup] = []  # the next micro-batch up, which does not fit
     for sharding, precision, checkpointing, attention, optimizer, compiled in itertools.product(
             shardings, precisions, checkpointings, attentions, OPTIMIZERS, compiles):
+        if lora_rank and sharding == "fsdp" and checkpointing == "selective":
+            continue  # not planned: stacks.check_lora_targets
         base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
                           attention=attention, checkpointing=checkpointing, optimizer=optimizer,
                           world_size=world_size, sharding=sharding, compile=compiled,

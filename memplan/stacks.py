@@ -99,7 +99,8 @@ def check_lora_targets(stack: str, spec, setup) -> None:
     trainer (the adapter could not be folded into the matrix the embedding shares) and in torchtune's
     (``lora_llama3_2`` raises on ``apply_lora_to_output``); q, k or v alone
     under memplan's selective checkpointing (it keeps the fused qkv output, which their adapters write
-    into)."""
+    into); selective checkpointing under FSDP2 in memplan's trainer (not walked: ``FullyShard``'s LoRA hooks
+    are checked against the trace with none and full)."""
     if not setup.lora_rank:
         return
     alone = [t for t in setup.lora_adapters if t in QKV_PARTS]
@@ -111,6 +112,9 @@ def check_lora_targets(stack: str, spec, setup) -> None:
         raise InputError(f"--lora-targets {setup.lora_targets} with --checkpointing selective: selective "
                          "checkpointing keeps the fused qkv output, which an adapter on q, k or v alone writes into "
                          f"(accepted with selective: {', '.join(whole)})")
+    if stack == "memplan" and setup.sharding == "fsdp" and setup.checkpointing == "selective":
+        raise InputError("--checkpointing selective with --sharding fsdp and --lora-rank: not planned (the FSDP2 "
+                         "walk of a LoRA step is checked without it); accepted with fsdp and LoRA: none, full")
     if setup.lora_head and stack in ("memplan", "torchtune") and spec.tied:
         raise InputError(f"--lora-targets head: this model ties its LM head to the token embedding, and {stack}'s "
                          "code does not adapt the one shared matrix (accepted for a tied model: "

@@ -161,8 +161,9 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
     the tracker, as ``trainer.measure`` does for a single process.
     """
 
+    from trainer.lora import frozen_params_tracked, lora_for
     from trainer.measure import PeakTracker, StepMemory, _categories, _random_batches, _TermProbe
-    from trainer.model import build_model
+    from trainer.model import apply_checkpointing, build_model
     from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
     torch.manual_seed(seed)
@@ -178,7 +179,11 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
 
         context = FakeTensorMode(allow_non_fake_inputs=False)
     with context, torch.device(device):
-        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
+        # as a finetune's model factory builds it (trainer/finetune.py): the base model, its LoRA adapters in the
+        # parameters' dtype with every other weight frozen (``lora_for``; none without ``lora_rank``), then the
+        # checkpointing wrappers; then wrapped (FSDP2: each block, then the root)
+        model = build_model(spec, setup.attention, "none", param_dtype(setup.precision), device=device)
+        model = apply_checkpointing(lora_for(model, setup), setup.checkpointing)
         model = wrap_model(model, setup, device, mesh=mesh)
         optimizer = make_optimizer(model, setup.optimizer)
         gen = None if fake else torch.Generator(device).manual_seed(seed + 1 + dist.get_rank())
@@ -199,7 +204,7 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
             if probe is not None and i == last:
                 probe.before_forward(i)
 
-        with tracker:
+        with frozen_params_tracked(), tracker:  # (MemTracker's gradient hooks skip LoRA's frozen base)
             batches = _random_batches(spec, setup, device, gen)
             train_step(model, optimizer, batches, setup, device.type, check_finite=False, before_forward=before,
                        after_forward=lambda i: probe.after_forward(i) if probe is not None and i == last else None)

@@ -133,9 +133,10 @@ def linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: st
         saved_input_bytes = 0
     if needs_input_grad:
         w.alloc("temporaries", input_grad_bytes)  # the base's input gradient
-        if adapted:  # ... summed with the adapter's
-            w.alloc("temporaries", input_grad_bytes)
-            w.free("temporaries", 2 * input_grad_bytes)
+        if adapted:  # ... summed with the adapter's (``input_gradient_sum_bytes``)
+            summed = terms.input_gradient_sum_bytes(w.stack.name, input_grad_bytes)
+            w.alloc("temporaries", summed)
+            w.free("temporaries", input_grad_bytes + summed)
     w.free("activations", saved_input_bytes)
     w.free("temporaries", grad_in_bytes)
     if setup.mixed:

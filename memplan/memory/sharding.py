@@ -4,7 +4,8 @@ walk's sharding hooks that place them in a step (``Replicated``: one process or 
 from __future__ import annotations
 
 from memplan.memory.terms import (ADAM_STEP_BYTES, ADAMW_STATES_PER_PARAM, SGD_STATES_PER_PARAM, _layer_matrices,
-                                  _qkv_width, _up_width, gradient_bytes, optimizer_state_bytes,
+                                  _qkv_width, _up_width, gradient_bytes, lora_adapter_shapes, lora_tensors,
+                                  optimizer_state_bytes,
                                   optimizer_temporary_bytes, trainable_params, weight_bytes)
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, HALF_BYTES, TrainSetup
@@ -78,6 +79,42 @@ def param_shapes(spec: ModelSpec) -> dict[str, list[tuple[int, int]]]:
     return {"block": block, "root": root}
 
 
+# ---- FSDP2 + LoRA: frozen base shards beside the adapters' -------------------------------------------
+#
+# trainer/finetune.py builds the base model, puts the adapters on it (trainer/lora.py ``apply_lora``: every
+# base weight ``requires_grad_(False)``, each adapter's A (r × in) and B (out × r) a parameter of its
+# LoRALinear, in the base weight's dtype) and only then ``fully_shard``s each block and the root: a group's
+# parameters are its frozen base tensors and its adapters, all sharded on dim 0 and all all-gathered, but
+# FSDP2's post-backward reduce-scatters only the parameters that got a gradient (``FSDPParamGroup
+# .post_backward``: ``fsdp_params_with_grad``), the adapters; the root has none but the head's adapter.
+
+def lora_adapter_param_shapes(spec: ModelSpec, setup: TrainSetup) -> dict[str, list[tuple[int, int]]]:
+    """(rows, row length) of the adapters' parameters of one block and of the root, in the order FSDP2 holds
+    them (``LoRALinear`` registers ``lora_a``, ``lora_b`` before its child ``base``; matrices in the block's
+    order): A is (r, in), B is (out, r); the root holds the head's adapter (``--lora-targets head``) only."""
+    r = setup.lora_rank
+
+    def adapters(matrix: str) -> list[tuple[int, int]]:
+        return [t for fan_in, fan_out in lora_adapter_shapes(spec, setup, matrix) for t in ((r, fan_in), (fan_out, r))]
+
+    return {"block": [t for mm in ("qkv", "proj", "up", "down") for t in adapters(mm)], "root": adapters("head")}
+
+
+def fsdp_trained_shapes(spec: ModelSpec, setup: TrainSetup, group: str) -> list[tuple[int, int]]:
+    """The tensors of a group that get gradients (reduce-scattered, optimizer state): all of them, or under
+    LoRA only the adapters (``lora_adapter_param_shapes``)."""
+    if setup.lora_rank:
+        return lora_adapter_param_shapes(spec, setup)[group]
+    return param_shapes(spec)[group]
+
+
+def fsdp_held_shapes(spec: ModelSpec, setup: TrainSetup, group: str) -> list[tuple[int, int]]:
+    """Every tensor a group shards and all-gathers: the base model's, plus under LoRA the adapters (the
+    frozen base weights are sharded and all-gathered all the same)."""
+    extra = lora_adapter_param_shapes(spec, setup)[group] if setup.lora_rank else []
+    return param_shapes(spec)[group] + extra
+
+
 def shard_rows(rows: int, world_size: int, rank: int) -> int:
     """Rows of a dim-0 shard on ``rank``: torch.chunk's split, ceil(rows/W) each, the last ones short."""
     per = -(-rows // world_size)
@@ -107,8 +144,14 @@ def fsdp_reduce_bytes(setup: TrainSetup) -> int:
 
 
 def fsdp_group_numel(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
-    """pad(G) of a block or of the root."""
-    return padded_shard_numel(param_shapes(spec)[group], setup.world_size)
+    """pad(G) of a block or of the root (under LoRA its frozen base tensors and its adapters: ``fsdp_held_shapes``)."""
+    return padded_shard_numel(fsdp_held_shapes(spec, setup, group), setup.world_size)
+
+
+def fsdp_trained_numel(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
+    """pad(T): the padded shard of a group's tensors that get gradients (``fsdp_trained_shapes``: under LoRA the
+    adapters' only), what FSDP2's ``foreach_reduce`` packs and reduce-scatters; 0 for a group with none."""
+    return padded_shard_numel(fsdp_trained_shapes(spec, setup, group), setup.world_size)
 
 
 def fsdp_sharded_weight_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -131,16 +174,16 @@ def fsdp_copy_in_bytes(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
 
 
 def fsdp_reduce_scatter_input_bytes(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
-    """A group's gradients packed for the reduce-scatter in the reduce dtype, W·pad(G)·g. FSDP2
-    keeps it until the next group's reduce-scatter is issued (one in flight), the root's until
-    the end of the backward."""
-    return setup.world_size * fsdp_group_numel(spec, setup, group) * fsdp_reduce_bytes(setup)
+    """A group's gradients packed for the reduce-scatter in the reduce dtype, W·pad(T)·g (T: the tensors with a
+    gradient, ``fsdp_trained_numel``; all of G without LoRA). FSDP2 keeps it until the next group's
+    reduce-scatter is issued (one in flight), the root's until the end of the backward."""
+    return setup.world_size * fsdp_trained_numel(spec, setup, group) * fsdp_reduce_bytes(setup)
 
 
 def fsdp_sharded_grad_bytes(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
-    """A group's reduce-scatter output, pad(G)·g: the sharded ``.grad`` of its parameters are
+    """A group's reduce-scatter output, pad(T)·g: the sharded ``.grad`` of its trained parameters are
     views into it (under accumulation the next micro-batches' outputs are added in and freed)."""
-    return fsdp_group_numel(spec, setup, group) * fsdp_reduce_bytes(setup)
+    return fsdp_trained_numel(spec, setup, group) * fsdp_reduce_bytes(setup)
 
 
 def fsdp_all_sharded_grad_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
@@ -150,19 +193,21 @@ def fsdp_all_sharded_grad_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
 
 
 def fsdp_local_params(spec: ModelSpec, setup: TrainSetup, rank: int, decay_only: bool = False) -> int:
-    """Parameters whose shard ``rank`` holds (all, or only the weight-decay group: tensors of 2 dims)."""
-    shapes = param_shapes(spec)
-    pick = (lambda s: [t for t in s if t[1] > 1]) if decay_only else (lambda s: s)
+    """Trained parameters whose shard ``rank`` holds (all, or only the weight-decay group: tensors of 2 dims;
+    under LoRA the adapters only, ``fsdp_trained_shapes``: the optimizer is given nothing else)."""
+    shapes = {g: fsdp_trained_shapes(spec, setup, g) for g in ("block", "root")}
+    pick = (lambda s: [t for t in s if t[1] > 1 or setup.lora_rank]) if decay_only else (lambda s: s)
     return (spec.layers * local_shard_numel(pick(shapes["block"]), setup.world_size, rank)
             + local_shard_numel(pick(shapes["root"]), setup.world_size, rank))
 
 
 def fsdp_optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup, rank: int = 0) -> int:
     """The optimizer state of ``rank``'s shards: as ``optimizer_state_bytes`` with local(rank)
-    parameters (AdamW's 0-dim ``step`` per tensor stays whole)."""
+    parameters (AdamW's 0-dim ``step`` per tensor stays whole; under LoRA one per adapter tensor, ``lora_tensors``)."""
     n = fsdp_local_params(spec, setup, rank)
     if setup.optimizer in ("adamw", "adamw-fused"):
-        return ADAMW_STATES_PER_PARAM * n * setup.param_bytes + spec.n_tensors * ADAM_STEP_BYTES
+        tensors = lora_tensors(spec, setup) if setup.lora_rank else spec.n_tensors
+        return ADAMW_STATES_PER_PARAM * n * setup.param_bytes + tensors * ADAM_STEP_BYTES
     if setup.optimizer == "sgd":
         return SGD_STATES_PER_PARAM * n * setup.param_bytes
     raise ValueError("adamw8bit does not run under FSDP2")  # TrainSetup refuses the combination
@@ -317,7 +362,8 @@ class FullyShard(Replicated):
     prefetches nothing; the blocks in between do both and are alike, so the walk takes two blocks at
     each end (``ends``) and the peak over the rest is at the second block from either end. The walk
     follows LoRA inside the blocks only (``lora_outside_blocks``): the root's parameters and the first
-    block are walked as without adapters.
+    block are walked as without adapters; under LoRA (``lora_outside_blocks`` then True, as for one process)
+    the embedding, norms and base matrices are frozen: the ``*_lora`` methods say what that changes.
     """
 
     ends = 2
@@ -330,6 +376,7 @@ class FullyShard(Replicated):
         self.block_gradients_persist = gradients_persist(setup)  # (grad_accum > 1: the matmuls' gradients add in)
         self.first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
         self.c = fsdp_gather_bytes(setup)
+        self.lora_outside_blocks = lora_freezes_root(setup)
         groups = ("block", "root")
         self.gathered = {g: fsdp_unsharded_bytes(spec, setup, g) for g in groups}
         self.copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in groups}
@@ -398,8 +445,8 @@ class FullyShard(Replicated):
         self._all_gather(w, "block")
 
     def after_final_norm_backward(self, w) -> None:
-        """The final norm's unsharded gradient, norm_params·c."""
-        w.alloc("gradients", self.spec.norm_params * self.c)
+        """The final norm's unsharded gradient, norm_params·c (none under LoRA: ``frozen_vector_grad_bytes``)."""
+        w.alloc("gradients", frozen_vector_grad_bytes(self.setup, self.spec.norm_params * self.c))
 
     def before_block_backward(self, w, which: str, index: int) -> None:
         """The block's parameters copied out, then (but before the first block's: the root is unsharded)
@@ -414,10 +461,13 @@ class FullyShard(Replicated):
         """A group's post-backward: reshard, release the held input, pack, free, reduce-scatter.
 
         FSDP2's foreach_reduce frees the unsharded gradients once they are packed, all but its
-        last tensor's, which a loop variable keeps until the function returns."""
-        last_rows, last_length = param_shapes(self.spec)[group][-1]
-        last = last_rows * last_length * self.c
+        last tensor's, which a loop variable keeps until the function returns. A group none of whose
+        parameters got a gradient (LoRA's frozen root) is resharded only (``lora_reduces``)."""
         w.free("weights", self.gathered[group])  # unsharded parameters
+        if not lora_reduces(self.spec, self.setup, group):
+            return
+        last_rows, last_length = fsdp_trained_shapes(self.spec, self.setup, group)[-1]
+        last = last_rows * last_length * self.c
         w.free("temporaries", self.held)  # the previous group's reduce-scatter input
         w.alloc("temporaries", self.rs_input[group])
         w.free("gradients", unsharded_grad_bytes - last)
@@ -433,9 +483,9 @@ class FullyShard(Replicated):
         """The block's norms' (and biases') unsharded gradients, then its reduce-scatter."""
         spec = self.spec
         vectors = spec.layer_params - sum(_layer_matrices(spec).values())  # a block's norms and biases
-        w.alloc("gradients", vectors * self.c)
+        w.alloc("gradients", frozen_vector_grad_bytes(self.setup, vectors * self.c))
         w.where = f"backward: the {which} block's reduce-scatter"
-        self._reduce_scatter(w, "block", spec.layer_params * self.c)
+        self._reduce_scatter(w, "block", unsharded_grad_numel(spec, self.setup, "block") * self.c)
 
     def middle_gradients(self, w, middle: int, per_block: int) -> None:
         """Each block in between leaves its sharded gradients (pad(block)·g; added into under accumulation)."""
@@ -449,9 +499,39 @@ class FullyShard(Replicated):
         """The root's reduce-scatter; its input is released when the backward ends."""
         spec = self.spec
         w.where = "backward: the root's reduce-scatter"
-        self._reduce_scatter(w, "root", (spec.params - spec.layers * spec.layer_params) * self.c)
+        self._reduce_scatter(w, "root", unsharded_grad_numel(spec, self.setup, "root") * self.c)
         w.free("temporaries", self.held)
 
     def optimizer_temporary_bytes(self) -> int:
         """The optimizer's scratch over this rank's shards (``fsdp_optimizer_temporary_bytes``)."""
         return fsdp_optimizer_temporary_bytes(self.spec, self.setup, self.rank)
+
+
+def frozen_vector_grad_bytes(setup: TrainSetup, vector_grad_bytes: int) -> int:
+    """The unsharded gradients of a group's norms and biases (the final norm's; a block's), as FSDP2's backward
+    makes them: ``vector_grad_bytes``, or none under LoRA, whose ``apply_lora`` froze them (trainer/lora.py:
+    ``p.requires_grad_(False)`` for every parameter before the adapters are made)."""
+    return 0 if setup.lora_rank else vector_grad_bytes
+
+
+def unsharded_grad_numel(spec: ModelSpec, setup: TrainSetup, group: str) -> int:
+    """Elements of a group's unsharded gradients at its post-backward (``FSDPParamGroup.post_backward``'s
+    ``unsharded_grads``): every parameter of a block (spec.layer_params) or of the root, or under LoRA the
+    adapters' only (a block's targeted matrices', the head's on the root)."""
+    if setup.lora_rank:
+        return sum(rows * length for rows, length in fsdp_trained_shapes(spec, setup, group))
+    return spec.layer_params if group == "block" else spec.params - spec.layers * spec.layer_params
+
+
+def lora_reduces(spec: ModelSpec, setup: TrainSetup, group: str) -> bool:
+    """Whether a group's post-backward reduce-scatters: FSDP2 returns after resharding when none of its
+    parameters has a gradient (``fsdp_params_with_grad`` empty), as LoRA's root without a head adapter."""
+    return bool(fsdp_trained_shapes(spec, setup, group))
+
+
+def lora_freezes_root(setup: TrainSetup) -> bool:
+    """Whether the walk takes the root's parameters as frozen (``_Step.lora``: no embedding, head or final norm
+    gradient, the first block's input and what precedes its first adapter unsaved), as for one process: under
+    LoRA, whose ``apply_lora`` freezes every parameter before it makes the adapters (trainer/lora.py), and the
+    FSDP2 wrapping that follows changes no ``requires_grad``."""
+    return bool(setup.lora_rank)
