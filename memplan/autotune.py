@@ -55,7 +55,7 @@ from memplan.hardware import Device
 from memplan.memory import MemoryBreakdown
 from memplan.model import ModelSpec
 from memplan.plan import Plan
-from memplan.setup import CHECKPOINTINGS, QKV_PARTS, TrainSetup, canonical_lora_targets
+from memplan.setup import CHECKPOINTINGS, TrainSetup
 from memplan.stacks import MEMPLAN, Stack
 from memplan.timing import TimeBreakdown, compile_fusion, compile_seconds, step_time
 from memplan.units import format_bytes, format_count
@@ -457,7 +457,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     ev = _Evaluator(spec, device, speedup, tokens, stack)
     shardings = tuple(s for s in SHARDINGS if s in stack.shardings) if world_size > 1 else ("none",)
     checkpointings = tuple(c for c in CHECKPOINTINGS if c in stack.checkpointings)
-    if lora_rank and set(canonical_lora_targets(lora_targets).split(",")) & set(QKV_PARTS):
+    if lora_rank:
         checkpointings = tuple(c for c in checkpointings if c != "selective")  # stacks.check_lora_targets
     attentions = tuple(a for a in ATTENTIONS if a in stack.attentions)  # litgpt, torchtune: sdpa only
     precisions = _stack_precisions(precisions, stack)
@@ -469,8 +469,6 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     rejected_points: list[TrainSetup] = []  # the next micro-batch up, which does not fit
     for sharding, precision, checkpointing, attention, optimizer, compiled in itertools.product(
             shardings, precisions, checkpointings, attentions, OPTIMIZERS, compiles):
-        if lora_rank and sharding == "fsdp" and checkpointing == "selective":
-            continue  # not planned: stacks.check_lora_targets
         base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
                           attention=attention, checkpointing=checkpointing, optimizer=optimizer,
                           world_size=world_size, sharding=sharding, compile=compiled,

@@ -85,7 +85,7 @@ def test_targets_are_named_in_one_order_with_qkv_for_all_three():
     (["--lora-targets", "q,o"], ["--lora-targets", "'q,o'", "qkv, q, k, v, proj, up, down, head"]),
     (["--lora-targets", "q,v", "--stack", "transformers", "--arch", "gpt2"],
      ["q,v", "gpt2", "fused", "accepted for gpt2: qkv, proj, up, down, head"]),
-    (["--lora-targets", "q,v", "--checkpointing", "selective"], ["q,v", "selective", "accepted with selective"]),
+    (["--lora-targets", "q,v", "--checkpointing", "selective"], ["selective", "--lora-rank", "accepted with LoRA: none, full"]),
     (["--lora-targets", "head", "--tied"], ["head", "ties", "accepted for a tied model"]),
     (["--lora-targets", "head", "--tied", "--stack", "torchtune", "--precision", "bf16"],
      ["head", "torchtune", "accepted for a tied model"]),

@@ -123,8 +123,10 @@ def trace_command(
         return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied),
                             device, device_memory, tokens, json, lora_dropout)
     from memplan.estimate import estimate
+    from memplan.stacks import check_stack_setup
 
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    check_stack_setup("memplan", spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
     if setup.sharding == "ddp":
         raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "
                          "single-process step plus its gradient buckets (`memplan estimate`), measured for real by "
