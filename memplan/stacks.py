@@ -709,6 +709,38 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     return 2 * n * widest * e + silu_first - n * max(o for _, o in lora_adapter_shapes(spec, setup, matrix)) * a
 
 
+def hf_lora_input_cast_transient_bytes(spec, setup, matrix: str, dropout: float) -> int:
+    """What peft's adapter on ``matrix`` holds of its input, unsaved, during its forward, beyond
+    ``hf_lora_forward_transient_bytes``.
+
+    peft ``lora.Linear.forward`` (tuners/lora/layer.py): ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``
+    is an fp32 copy of a 16-bit input, n·in·4, a local alive until the forward returns; it is lora_A's saved
+    input only under pure bf16 without dropout (``hf_lora_saved_bytes``), so it is unsaved under autocast
+    (the mm saves its own bf16 cast) and with dropout (the dropout's output is saved). Under autocast with
+    dropout, ``lora_A(dropout(x))``'s dropout output is fp32 too (n·in·4), alive during lora_A while its
+    bf16 cast is made, and freed before lora_B runs: it counts where it is more than lora_B's transient.
+    0 in fp32, without an adapter on ``matrix``, and for the head (its own hooks)."""
+    from memplan.memory.terms import lora_adapter_shapes
+
+    if not setup.lora_rank or matrix not in setup.lora or matrix == "head" \
+            or not lora_adapter_shapes(spec, setup, matrix):
+        return 0
+    n, a = _n(setup), _a(setup)
+    if a == FP32 or not (setup.mixed or dropout > 0):
+        return 0
+    modules = hf_lora_modules(spec, matrix, setup)
+    fan_in = max(i for i, _ in modules)
+    cast = n * fan_in * FP32
+    dropped = n * fan_in * FP32 if setup.mixed and dropout > 0 else 0
+    e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    lora_b = 2 * n * max(o for _, o in modules) * e + (n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0)
+    # for qkv and proj, the walk has let memplan's adapter input go where peft's saved tensors are made
+    # (``hf_lora_adapter_made_bytes``); it is the caller's local until the projection returns: the norm's
+    # output (decoder layer's ``hidden_states``), eager attention's transposed output (``attn_output``)
+    caller = memplan_lora_input_bytes(spec, setup, matrix, dropout) if matrix in ("qkv", "proj") else 0
+    return cast + max(0, dropped - lora_b) + caller
+
+
 # ---- the hooks of the litgpt stack (litgpt 0.5: litgpt/model.py, litgpt/lora.py, litgpt/utils.py) ----------
 
 def lit_norm_saved_bytes(spec, setup) -> int:
@@ -1226,7 +1258,10 @@ class Stack:
 
     def lora_forward_transient_bytes(self, spec, setup, matrix: str) -> int:
         """The adapter forward's transient beyond memplan's n·out·a, for ``matrix`` (may be negative)."""
-        return hf_lora_forward_transient_bytes(spec, setup, matrix) if self.name == "transformers" else 0
+        if self.name != "transformers":
+            return 0
+        return hf_lora_forward_transient_bytes(spec, setup, matrix) + \
+            hf_lora_input_cast_transient_bytes(spec, setup, matrix, self.lora_dropout)
 
     def lora_input_release(self, spec, setup, matrix: str) -> tuple[int, int] | None:
         """Where a stack's adapter releases its saved input in its own backward (peft's ``lora_A``):
