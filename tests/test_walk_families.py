@@ -166,12 +166,21 @@ def test_qwen3_meets_the_bars_over_the_matrix():
     _assert_bars(_errors(_matrix()))
 
 
-if __name__ == "__main__":  # the table of walk vs trace: python tests/test_walk_families.py
+if __name__ == "__main__":  # walk vs trace tables: python tests/test_walk_families.py [qwen3] [phi gemma stablelm llama]
+    import sys
+
     import torch
 
+    from test_families import FAMILIES as SMALL  # tests/test_families.py's tiny shapes, at ctx 64 × batch 2
+    from test_walk_stacks import LLAMA
+
     torch.set_num_threads(1)
-    table = _errors(_matrix())
-    for name, error in table.items():
-        print(f"{name:45s} {error:+.2%}")
-    print(f"median |error| {statistics.median(abs(e) for e in table.values()):.2%}, "
-          f"worst {max(abs(e) for e in table.values()):.2%}")
+    shapes = {"qwen3": (QWEN3, STEP), "llama": (LLAMA, dict(ctx=64, micro_batch=2)),
+              **{f: (SMALL[f], dict(ctx=64, micro_batch=2)) for f in ("phi", "gemma", "stablelm")}}
+    for family in sys.argv[1:] or ["qwen3"]:
+        spec, step = shapes[family]
+        table = _errors(_matrix(spec, step))
+        for name, error in table.items():
+            print(f"{name:45s} {error:+.2%}")
+        print(f"{family}: median |error| {statistics.median(abs(e) for e in table.values()):.2%}, "
+              f"worst {max(abs(e) for e in table.values()):.2%}")
