@@ -191,6 +191,25 @@ def hf_attention_saved_bytes(spec, setup) -> int:
     return 0
 
 
+def hf_softmax_backward_bytes(spec, setup) -> int:
+    """What the backward of transformers' fp32 softmax holds at once beyond the walk's softmax backward
+    (the probabilities' gradient and the scores' gradient at a, the saved probabilities at a, and the fp32
+    softmax output ``hf_attention_saved_bytes`` counts).
+
+    ``attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)``
+    (modeling_llama.py, eager_attention_forward; qwen3, gemma, phi, stablelm and gpt_neox alike): the
+    ``.to``'s backward casts the probabilities' gradient to fp32 (B·heads·T²·4), and
+    ``_softmax_backward_data`` makes the fp32 gradient of the scores (B·heads·T²·4) while it and the saved
+    fp32 output (B·heads·T²·4) are alive; the low-precision probabilities ``torch.matmul(attn_weights,
+    value_states)`` saved are gone by then (that matmul's backward released them). HF holds 12 where the
+    walk holds 4 + 3·a per score: (8 − 3·a)·B·heads·T² where a is 16-bit. 0 under fp32, under SDPA, and
+    where the softmax is not fp32 (``hf_attention_saved_bytes``: gpt2 under pure bf16)."""
+    a = _a(setup)
+    if setup.attention != "eager" or a == FP32 or (spec.arch == "gpt2" and not setup.mixed):
+        return 0
+    return max(0, (2 * FP32 - 3 * a) * setup.micro_batch * spec.heads * setup.ctx * setup.ctx)
+
+
 CAT_ROTARY_ARCHS = ("gpt_neox", "phi", "stablelm")  # partial rotary: torch.cat((query_rot, query_pass), dim=-1)
 
 
@@ -332,6 +351,65 @@ def hf_qk_norm_saved_bytes(spec, setup) -> int:
     if not setup.lora_rank:
         out += n * width * a
     return out
+
+
+def hf_qk_rotary_held_bytes(spec, setup) -> int:
+    """qwen3's rotary outputs in fp32 under autocast, held by Qwen3Attention.forward's locals through attention
+    and o_proj (memplan's rotary output is bf16, the cast SDPA or eager attention's matmul saves).
+
+    ``return self.weight * hidden_states.to(input_dtype)`` (modeling_qwen3.py, Qwen3RMSNorm.forward): the
+    fp32 weight times the bf16 normalised input is fp32 (elementwise ops are not autocast ops), so
+    ``q_embed = (q * cos) + (rotate_half(q) * sin)`` (apply_rotary_pos_emb) is fp32 too, and
+    ``query_states, key_states = apply_rotary_pos_emb(...)`` keeps both, n·(q_dim + kv)·4, until the
+    attention's forward returns; SDPA (``sdpa_attention_forward``) and eager's ``torch.matmul`` save their
+    own bf16 casts (the walk's rotated q and k). 0 without qk norms or autocast (the rotary output is
+    then in the compute dtype: the walk's own)."""
+    if not spec.qk_norm or not setup.mixed:
+        return 0
+    return _n(setup) * (spec.q_dim + spec.kv_dim) * FP32
+
+
+def hf_qk_rotary_transient_bytes(spec, setup) -> int:
+    """What qwen3's qk norms and rotary hold at once beyond the walk's tensors, while k is rotated.
+
+    ``query_states = self.q_norm(...)``, ``key_states = self.k_norm(...)`` (modeling_qwen3.py,
+    Qwen3Attention.forward), then ``k_embed = (k * cos) + (rotate_half(k) * sin)`` (apply_rotary_pos_emb):
+    at its second multiply the norms' outputs q and k (n·(q_dim + kv)·o, o = 4 under fp32 and autocast, 2
+    under pure bf16: the dtype of ``self.weight * hidden_states.to(input_dtype)``), q_embed (n·q_dim·o),
+    ``k * cos``, ``rotate_half(k)`` and their product (3·n·kv·o) are alive; q_proj's and k_proj's own
+    outputs are not (``hidden_states.to(torch.float32)`` copies them; fp32: the copy is the output, which
+    ``hf_qk_norm_saved_bytes`` counts). The walk holds at that point its fused qkv output's q and k
+    (n·(q_dim + kv)·a), its rotated q and k (n·(q_dim + kv)·a) and, under autocast, the fp32 rotary
+    outputs (``hf_qk_rotary_held_bytes``): o·n·(2·q_dim + 4·kv) − 2·a·n·(q_dim + kv) − held. 0 without
+    qk norms."""
+    if not spec.qk_norm:
+        return 0
+    n, a, o = _n(setup), _a(setup), _r(setup)
+    q, kv = spec.q_dim, spec.kv_dim
+    return max(0, o * n * (2 * q + 4 * kv) - 2 * a * n * (q + kv) - hf_qk_rotary_held_bytes(spec, setup))
+
+
+def hf_qk_norm_backward_bytes(spec, setup) -> int:
+    """What qwen3's qk norms' backward holds at once beyond the walk's attention gradients (dq, dk, dv at a).
+
+    Qwen3RMSNorm is LlamaRMSNorm's Python ops (``hf_rmsnorm_backward_bytes``): five fp32 buffers of the
+    normalised width at once. k_norm's backward runs first (its nodes are the later ones): beside its five
+    n·kv·4 buffers, dq (q_norm's output gradient, n·q_dim·o, o the norm output's dtype) and dv (n·kv·a) wait;
+    the walk holds dq, dk, dv at a, and k_norm's bf16 normalised input (n·kv·a, saved by the weight's
+    multiply where it trains), which its backward has released by then. q_norm's follows, with dk (k_proj's
+    output gradient, n·kv·a) and dv waiting, beside its five n·q_dim·4 buffers; by then k_norm's saved fp32
+    copy and normalised input are gone too, and q_norm's normalised input. The larger of the two. 0 without
+    qk norms."""
+    if not spec.qk_norm:
+        return 0
+    n, a, o = _n(setup), _a(setup), _r(setup)
+    q, kv = spec.q_dim, spec.kv_dim
+    normed = 0 if setup.lora_rank else a  # the weight's multiply saves its input where the weight trains
+    walk = n * (q + 2 * kv) * a
+    k_first = n * q * o + n * kv * a + HF_RMSNORM_BACKWARD_FP32_BUFFERS * n * kv * FP32 - walk - n * kv * normed
+    q_next = (2 * n * kv * a + HF_RMSNORM_BACKWARD_FP32_BUFFERS * n * q * FP32 - walk
+              - n * q * normed - n * kv * (FP32 + normed))
+    return max(0, k_first, q_next)
 
 
 def hf_lora_modules(spec, matrix: str, setup=None) -> list[tuple[int, int]]:
@@ -631,6 +709,38 @@ def hf_lora_forward_transient_bytes(spec, setup, matrix: str) -> int:
     widest = max(o for _, o in modules)
     silu_first = n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0
     return 2 * n * widest * e + silu_first - n * max(o for _, o in lora_adapter_shapes(spec, setup, matrix)) * a
+
+
+def hf_lora_input_cast_transient_bytes(spec, setup, matrix: str, dropout: float) -> int:
+    """What peft's adapter on ``matrix`` holds of its input, unsaved, during its forward, beyond
+    ``hf_lora_forward_transient_bytes``.
+
+    peft ``lora.Linear.forward`` (tuners/lora/layer.py): ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``
+    is an fp32 copy of a 16-bit input, n·in·4, a local alive until the forward returns; it is lora_A's saved
+    input only under pure bf16 without dropout (``hf_lora_saved_bytes``), so it is unsaved under autocast
+    (the mm saves its own bf16 cast) and with dropout (the dropout's output is saved). Under autocast with
+    dropout, ``lora_A(dropout(x))``'s dropout output is fp32 too (n·in·4), alive during lora_A while its
+    bf16 cast is made, and freed before lora_B runs: it counts where it is more than lora_B's transient.
+    0 in fp32, without an adapter on ``matrix``, and for the head (its own hooks)."""
+    from memplan.memory.terms import lora_adapter_shapes
+
+    if not setup.lora_rank or matrix not in setup.lora or matrix == "head" \
+            or not lora_adapter_shapes(spec, setup, matrix):
+        return 0
+    n, a = _n(setup), _a(setup)
+    if a == FP32 or not (setup.mixed or dropout > 0):
+        return 0
+    modules = hf_lora_modules(spec, matrix, setup)
+    fan_in = max(i for i, _ in modules)
+    cast = n * fan_in * FP32
+    dropped = n * fan_in * FP32 if setup.mixed and dropout > 0 else 0
+    e = HALF if setup.mixed else PEFT_ADAPTER_BYTES
+    lora_b = 2 * n * max(o for _, o in modules) * e + (n * spec.ffn * a if matrix == "up" and len(modules) > 1 else 0)
+    # for qkv and proj, the walk has let memplan's adapter input go where peft's saved tensors are made
+    # (``hf_lora_adapter_made_bytes``); it is the caller's local until the projection returns: the norm's
+    # output (decoder layer's ``hidden_states``), eager attention's transposed output (``attn_output``)
+    caller = memplan_lora_input_bytes(spec, setup, matrix, dropout) if matrix in ("qkv", "proj") else 0
+    return cast + max(0, dropped - lora_b) + caller
 
 
 # ---- the hooks of the litgpt stack (litgpt 0.5: litgpt/model.py, litgpt/lora.py, litgpt/utils.py) ----------
@@ -1111,6 +1221,26 @@ class Stack:
         runs (transformers' fp32 softmax under eager attention; the fused qkv output its rotary does not keep)."""
         return hf_attention_saved_bytes(spec, setup) if self.name == "transformers" else 0
 
+    def qk_norm_saved_bytes(self, spec, setup) -> int:
+        """Of ``block_saved_bytes``, what the stack's per-head q/k norms save, made where attention runs (qwen3's)."""
+        return hf_qk_norm_saved_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def rotary_held_bytes(self, spec, setup) -> int:
+        """Rotary outputs the stack's attention holds beyond the walk's from the rotary to the out-projection."""
+        return hf_qk_rotary_held_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def rotary_transient_bytes(self, spec, setup) -> int:
+        """What the stack's qk norms and rotary hold at once beyond the walk's tensors (made and freed there)."""
+        return hf_qk_rotary_transient_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def softmax_backward_bytes(self, spec, setup) -> int:
+        """Temporaries the stack's eager softmax backward holds at once beyond the walk's (transformers' fp32 one)."""
+        return hf_softmax_backward_bytes(spec, setup) if self.name == "transformers" else 0
+
+    def qk_norm_backward_bytes(self, spec, setup) -> int:
+        """Temporaries the stack's qk norms' backward holds at once beyond the walk's attention gradients."""
+        return hf_qk_norm_backward_bytes(spec, setup) if self.name == "transformers" else 0
+
     def recompute_gradient_bytes(self, spec, setup) -> int:
         """Gradients alive through a checkpointed block's recomputation, made before it (peft's)."""
         return hf_recompute_gradient_bytes(spec, setup) if self.name == "transformers" else 0
@@ -1130,7 +1260,10 @@ class Stack:
 
     def lora_forward_transient_bytes(self, spec, setup, matrix: str) -> int:
         """The adapter forward's transient beyond memplan's n·out·a, for ``matrix`` (may be negative)."""
-        return hf_lora_forward_transient_bytes(spec, setup, matrix) if self.name == "transformers" else 0
+        if self.name != "transformers":
+            return 0
+        return hf_lora_forward_transient_bytes(spec, setup, matrix) + \
+            hf_lora_input_cast_transient_bytes(spec, setup, matrix, self.lora_dropout)
 
     def lora_input_release(self, spec, setup, matrix: str) -> tuple[int, int] | None:
         """Where a stack's adapter releases its saved input in its own backward (peft's ``lora_A``):

@@ -140,8 +140,14 @@ class _BlockForward:
         spec, setup, p, w = self.spec, self.setup, self.p, self.w
         w.where = "block forward: attention"
         qkv = self.normed_linear("qkv", qkv_output_bytes(spec, setup))
+        if p.keeps_saved:  # the stack's per-head q/k norms save their own (memplan.stacks): 0 for memplan
+            w.alloc("activations", w.stack.qk_norm_saved_bytes(spec, setup))
         q_rot = self.make(rotated_q_bytes(spec, setup))
         k_rot = self.make(rotated_k_bytes(spec, setup))
+        held = w.stack.rotary_held_bytes(spec, setup)  # a stack's own rotary outputs, to the out-projection
+        w.alloc("activations", held)
+        w.alloc("temporaries", w.stack.rotary_transient_bytes(spec, setup))  # its qk norms' and rotary's at once
+        w.free("temporaries", w.stack.rotary_transient_bytes(spec, setup))
         if setup.attention == "eager":
             proj_in = self.eager_attention(qkv, q_rot + k_rot)
         elif sdpa_repeated_kv_bytes(spec, setup, self.gqa_repeat):
@@ -154,6 +160,7 @@ class _BlockForward:
         self.weight_copy("proj")
         o = self.make(self.n * spec.hidden * self.a, p.reuses_outputs)  # out-projection output
         self.adapter("proj")
+        w.free("activations", held)  # the attention's forward returns
         if setup.attention == "sdpa":
             self.drop(proj_in, p.keeps_saved or p.keeps_outputs)
         else:
@@ -211,6 +218,7 @@ class _BlockForward:
         if p.keeps_saved:  # the stack's own saved tensors beyond memplan's (memplan.stacks): 0 for memplan
             made = sum(w.stack.adapter_saved_bytes(spec, setup, m) for m in setup.lora)  # made by the adapters
             made += w.stack.attention_saved_bytes(spec, setup) + 2 * w.stack.norm_saved_bytes(spec, setup)  # attention, norms
+            made += w.stack.qk_norm_saved_bytes(spec, setup)  # the per-head q/k norms
             w.alloc("activations", w.stack.block_saved_bytes(spec, setup) - made)
         if p.recomputes:
             self.stop(x_mid)
@@ -395,6 +403,9 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("activations", kv_copy)  # v
         w.free("temporaries", dq)
         w.alloc("temporaries", scores)  # softmax backward
+        softmax = w.stack.softmax_backward_bytes(spec, setup)  # a stack's fp32 softmax backward
+        w.alloc("temporaries", softmax)
+        w.free("temporaries", softmax)
         w.free("temporaries", scores)
         w.free("activations", scores)  # probabilities
         w.alloc("temporaries", scores)  # masked_fill backward
@@ -412,6 +423,9 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("temporaries", dkv)
         w.alloc("temporaries", dq)  # q rotated back
         w.free("temporaries", dq)
+        qk_norms = w.stack.qk_norm_backward_bytes(spec, setup)  # a stack's per-head q/k norms' backward
+        w.alloc("temporaries", qk_norms)
+        w.free("temporaries", qk_norms)
     w.alloc("temporaries", qkv_output_bytes(spec, setup))  # the three gradients concatenated
     w.free("temporaries", dq + 2 * dkv)
     released = sum(r[0] for r in (w.stack.lora_input_release(spec, setup, mm) for mm in ("qkv", "proj", "up", "down")) if r)
