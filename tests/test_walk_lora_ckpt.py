@@ -51,26 +51,22 @@ def test_each_recompute_hook_brings_the_walk_to_the_trace(monkeypatch, hook, spe
     assert abs(without) > miss and abs(without) > 3 * abs(with_hook), (with_hook, without)
 
 
-def test_peft_saves_where_its_adapters_run(monkeypatch):
-    """Under pure bf16 the recomputation peaks inside up_proj's adapter (lora_B's fp32 output and its scaled
-    copy): the casts q, k, v, o and gate_proj's adapters saved before it are alive then. Counted in one lump
-    at the end of the MLP (``Stack.adapter_saved_bytes`` returning 0), they are missing at that moment."""
-    setup = TrainSetup(precision="bf16", **FULL)
+@pytest.mark.parametrize("method,attention", [
+    # Under pure bf16 the recomputation peaks inside up_proj's adapter (lora_B's fp32 output and its scaled
+    # copy): the casts q, k, v, o and gate_proj's adapters saved before it are alive then.
+    ("adapter_saved_bytes", "sdpa"),
+    # Eager attention: the recomputation peaks in the MLP's adapters, when the attention's fp32 softmax
+    # (B·heads·T²·4, ``hf_attention_saved_bytes``) is saved already.
+    ("attention_saved_bytes", "eager"),
+], ids=["peft-saves-where-its-adapters-run", "eager-softmax-saved-where-attention-runs"])
+def test_transformers_saves_where_its_modules_run(monkeypatch, method, attention):
+    """gpt_neox under pure bf16: what peft's adapters and transformers' attention save, made where they run.
+    Counted in one lump at the end of the MLP (the ``Stack`` method returning 0), it is missing at the
+    recomputation's peak."""
+    setup = TrainSetup(precision="bf16", attention=attention, **FULL)
     with_hook, without = _with_and_without(
-        monkeypatch, lambda: monkeypatch.setattr(stacks.Stack, "adapter_saved_bytes", lambda *a, **k: 0),
-        ModelSpec(**NEOX), setup, 0.0)
-    assert abs(with_hook) <= MEDIAN_BAR, with_hook
-    assert abs(without) > 0.045 and abs(without) > 3 * abs(with_hook), (with_hook, without)
-
-
-def test_transformers_eager_softmax_is_saved_where_attention_runs(monkeypatch):
-    """gpt_neox under pure bf16, eager attention: the recomputation peaks in the MLP's adapters, when the
-    attention's fp32 softmax (B·heads·T²·4, ``hf_attention_saved_bytes``) is saved already. Counted in one lump
-    after the MLP (``Stack.attention_saved_bytes`` returning 0), it is missing there."""
-    setup = TrainSetup(precision="bf16", attention="eager", **FULL)
-    with_hook, without = _with_and_without(
-        monkeypatch, lambda: monkeypatch.setattr(stacks.Stack, "attention_saved_bytes", lambda *a, **k: 0),
-        ModelSpec(**NEOX), setup, 0.0)
+        monkeypatch, lambda: monkeypatch.setattr(stacks.Stack, method, lambda *a, **k: 0), ModelSpec(**NEOX), setup,
+        0.0)
     assert abs(with_hook) <= MEDIAN_BAR, with_hook
     assert abs(without) > 0.045 and abs(without) > 3 * abs(with_hook), (with_hook, without)
 
