@@ -3,8 +3,9 @@ machine's calibration: the quick start, `memplan train` with a model and setup g
 `memplan autotune --verify`.
 
 In a fresh cache (so the quick start calibrates this machine first, in a process of its own): the
-quick start for a few seconds, then each TRAIN config for a few steps on the embedded corpus, then
-each VERIFY config through `autotune --verify`. For a run, measured = the largest steady-step peak
+whole quick start as a user types it (`memplan train`: three minutes, with its evaluations, samples,
+checkpoints and report refreshes, whose memory a few seconds of it would not show), then each TRAIN
+config for a few steps on the embedded corpus, then each VERIFY config through `autotune --verify`. For a run, measured = the largest steady-step peak
 resident memory the trainer logged (VmHWM per step, less the token shards' mapped pages) and
 predicted = the plan's peak_reserved (runtime context from the calibration + live tensors + the
 allocator's overhead); for a verify trial, both as `autotune --verify --json` reports them. The bars:
@@ -12,7 +13,7 @@ predicted within ±10% of measured for every config, judged apart for the plans 
 start and the verify trials: the bar of the quick start's promise) and for `train` given a model and
 setup.
 
-    python benchmarks/local_memory.py [--cache DIR] [--keep DIR]
+    python benchmarks/local_memory.py [--cache DIR] [--keep DIR] [--quick-minutes M]
 """
 
 from __future__ import annotations
@@ -89,14 +90,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="memplan cache directory (default: a fresh temporary one)")
     ap.add_argument("--keep", help="write the runs here (default: a temporary directory)")
+    ap.add_argument("--quick-minutes", type=float,
+                    help="stop the quick start after this many minutes (default: its own three)")
     args = ap.parse_args()
     cache = Path(args.cache or tempfile.mkdtemp(prefix="memplan-cache-"))
     runs = Path(args.keep or tempfile.mkdtemp(prefix="memplan-runs-"))
     env = env_for(cache)
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; cache {cache}", flush=True)
     rows = []
-    quick = memplan("train", "--max-minutes", "0.1", "--out", str(runs / "quickstart"), "--sample-tokens", "0",
-                    env=env)
+    limit = ["--max-minutes", f"{args.quick_minutes:g}"] if args.quick_minutes else []
+    quick = memplan("train", "--out", str(runs / "quickstart"), *limit, env=env)
     if quick.returncode != 0:
         sys.exit(f"the quick start failed: {quick.stderr.strip()[-800:]}")
     rates = next((ln.strip() for ln in quick.stderr.splitlines() if "rates:" in ln), "")

@@ -251,11 +251,10 @@ def test_resume_prints_the_limits_in_force_and_what_the_resume_itself_did(tmp_pa
 @pytest.mark.parametrize("where", ["checkpoint", "metrics", "report"])
 def test_a_full_disk_during_train_is_one_line_and_keeps_the_earlier_checkpoint(small_disk, corpus, monkeypatch,
                                                                                where):
-    from memplan.reports import run as run_report
-    from trainer import loop
+    from trainer import loop, reporting
 
     run = small_disk / "run"
-    real_save, real_report = loop.Trainer.save, run_report.write_run_report
+    real_save, real_report = loop.Trainer.save, reporting.ReportRenderer.write
 
     def save(self):
         path = real_save(self)
@@ -267,13 +266,13 @@ def test_a_full_disk_during_train_is_one_line_and_keeps_the_earlier_checkpoint(s
                 self.save_every = 10**6
         return path
 
-    def report(run_dir):
+    def report(self):  # the page is rendered in a process of its own, which finds the disk full
         if where == "report":
             fill_disk(small_disk)
-        return real_report(run_dir)
+        return real_report(self)
 
     monkeypatch.setattr(loop.Trainer, "save", save)
-    monkeypatch.setattr(run_report, "write_run_report", report)
+    monkeypatch.setattr(reporting.ReportRenderer, "write", report)
     steps = {"checkpoint": "4", "metrics": "200", "report": "2"}[where]
     result = cli("train", "--data", str(corpus), "--out", str(run), *TINY, "--max-steps", steps, "--save-every", "2",
                  "--eval-every", "1000")

@@ -81,6 +81,7 @@ from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, eval
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
 from trainer.monitor import MemoryMonitor
+from trainer.reporting import REPORT_FILE, ReportRenderer
 from trainer.rundir import METRICS_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
                               TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule, cadence, decayed,
@@ -93,10 +94,9 @@ from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_f
                           starting_weights_again)
 
 PLAN_FILE = "plan.toml"
-REPORT_FILE = "report.html"
 
 PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
-REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)
+REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (trainer.reporting)
 METRICS_FLUSH_SECONDS = 1.0  # train lines reach metrics.jsonl at most this late (events and evals at once)
 MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
@@ -303,6 +303,8 @@ class Trainer:
         self._events: list[Callable[[dict], None]] = []
         self._writer: _MetricsWriter | None = None
         self._report_written = -math.inf
+        self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self._emit(
+            records.ReportFailedEvent(step=self.step, error=line)))
         self._recent: list[float] = []  # the latest step times, for the ETA
         # the latest memory reading, the step it measured and when (``_memory_due``: sampled, not every step)
         self._memory = None
@@ -609,6 +611,7 @@ class Trainer:
 
     def close(self) -> None:
         self.monitor.close()
+        self.report.close()
         if self._writer is not None:
             try:
                 self._flush_metrics()
@@ -915,29 +918,26 @@ class Trainer:
                 self._writer.sync()
         self._emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
         if time.perf_counter() - self._report_written >= REPORT_REFRESH_SECONDS:
-            self._write_report()
+            self._write_report(wait=False)
         return path
 
     def _writing(self, path: Path, report: bool = False):
         """Writes of ``path`` within: a full disk becomes one ``DiskFull`` line (``CheckpointManager.writing``)."""
         return self.checkpoints.writing(path, self.step, report)
 
-    def _write_report(self) -> Path | None:
-        from memplan.reports.run import write_run_report
-
+    def _write_report(self, wait: bool = True) -> Path | None:
+        """RUN/report.html, rendered in a process of its own (``trainer.reporting``: the training process
+        never holds plotly's or the page's memory). ``wait``: render now and return its path (None when the
+        render failed: a ``report_failed`` line); else start a render and go on. A full disk is ``DiskFull``."""
         if not self.is_main:
             return None
-
         self._report_written = time.perf_counter()
         self._flush_metrics()  # the report reads metrics.jsonl
-        try:
-            with self._writing(self.run_dir / REPORT_FILE, report=True):
-                return write_run_report(self.run_dir)
-        except DiskFull:  # the run's checkpoints are saved; nothing more can be written
-            raise
-        except Exception as e:  # a report must never cost the run
-            self._emit(records.ReportFailedEvent(step=self.step, error=f"{type(e).__name__}: {e}"[:300]))
-            return None
+        with self._writing(self.run_dir / REPORT_FILE, report=True):
+            if not wait:
+                self.report.refresh()
+                return None
+            return self.report.write()
 
     def _finish(self, reason: str) -> RunSummary:
         if self.step > self.last_eval_step:

@@ -1,7 +1,9 @@
 """The run report, RUN/report.html: what a run measured beside what memplan predicted for it.
 
 Built from RUN/metrics.jsonl alone (so it can be rebuilt at any time, also while the run goes on:
-``memplan train --out RUN --report``), rendered by ``memplan.reports.page``:
+``memplan train --out RUN --report``), rendered by ``memplan.reports.page``. The trainer renders it in a
+process of its own, ``python -m memplan.reports.run RUN`` (``trainer.reporting``), so that the training
+process never holds what plotly and the page allocate:
 
 - loss: training loss per step (raw and smoothed) and held-out loss, overall and per source;
 - memory over training time: the measured peak of every step, with the predicted peak as a line
@@ -232,3 +234,33 @@ def write_run_report(run_dir: str | Path, flag: str | None = None) -> Path:
     run_dir = Path(run_dir)
     page = build_run_page(run_dir)
     return save_page(page, run_dir / "report.html", flag) if flag else write_page(page, run_dir / "report.html")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m memplan.reports.run RUN [--background]``: write RUN/report.html. Exit 0 when written,
+    3 when the disk was full (``trainer.reporting.NO_SPACE_EXIT``), 1 on any other failure, with its one
+    line on stderr. ``--background``: at a lower priority than the training beside it (nice 10)."""
+    import argparse
+    import errno
+    import os
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m memplan.reports.run", description="write RUN/report.html")
+    ap.add_argument("run_dir")
+    ap.add_argument("--background", action="store_true")
+    args = ap.parse_args(argv)
+    if args.background and hasattr(os, "nice"):
+        os.nice(10)
+    try:
+        write_run_report(args.run_dir)
+    except OSError as e:
+        print(f"{type(e).__name__}: {e}"[:300], file=sys.stderr)
+        return 3 if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG) else 1
+    except Exception as e:  # a report must never cost the run: the trainer logs this line
+        print(f"{type(e).__name__}: {e}"[:300], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
