@@ -5,7 +5,8 @@ machine's calibration: the quick start, `memplan train` with a model and setup g
 In a fresh cache (so the quick start calibrates this machine first, in a process of its own): the
 whole quick start as a user types it (`memplan train`: three minutes, with its evaluations, samples,
 checkpoints and report refreshes, whose memory a few seconds of it would not show), then each TRAIN
-config for a few steps on the embedded corpus, then each VERIFY config through `autotune --verify`. For a run, measured = the largest steady-step peak
+config for TRAIN_MINUTES on the embedded corpus, then each VERIFY config through `autotune --verify`.
+For a run, measured = the largest steady-step peak
 resident memory the trainer logged (VmHWM per step, less the token shards' mapped pages) and
 predicted = the plan's peak_reserved (runtime context from the calibration + live tensors + the
 allocator's overhead); for a verify trial, both as `autotune --verify --json` reports them. The bars:
@@ -45,6 +46,10 @@ TRAIN = [
     ("8x512 ctx256 b4 selective", ["--layers", "8", "--hidden", "512", "--heads", "8", "--ffn", "1536", "--ctx",
                                    "256", "--batch", "4", "--checkpointing", "selective"]),
 ]
+# Each `train` config runs this long: its heap settles over tens of steps (2x128 ctx256 b4: 410 MiB measured at
+# step 2, 463 MiB from step 14 on, 465 MiB at step 400), and the trainer samples memory once a second after the
+# first two steps, so a run of a few steps measured only the unsettled step 2 (the +12.0% this row once showed).
+TRAIN_MINUTES = 0.5
 # name, `memplan autotune` arguments (model, context, budget)
 VERIFY = [
     ("2x128 600MiB", ["--layers", "2", "--hidden", "128", "--heads", "2", "--ffn", "384", "--ctx", "256",
@@ -108,8 +113,8 @@ def main() -> int:
     rows.append(("train", "quick start", run_figures(runs / "quickstart")))
     for name, flags in TRAIN:
         out = runs / name.replace(" ", "_")
-        r = memplan("train", "--data", str(data), "--out", str(out), *flags, "--max-steps", "6",
-                    "--sample-tokens", "0", "--eval-every", "1000", env=env)
+        r = memplan("train", "--data", str(data), "--out", str(out), *flags, "--max-minutes", f"{TRAIN_MINUTES:g}",
+                    "--sample-tokens", "0", env=env)
         if r.returncode != 0:
             sys.exit(f"{name}: {r.stderr.strip()[-800:]}")
         rows.append(("train", name, run_figures(out)))
