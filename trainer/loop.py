@@ -81,7 +81,7 @@ from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, eval
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
 from trainer.monitor import MemoryMonitor
-from trainer.rundir import METRICS_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
+from trainer.rundir import METRICS_FILE, PLAN_FILE, REPORT_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
                               TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule, cadence, decayed,
                               default_eval_every, default_warmup, new_schedule, probed_length, refitted,
@@ -91,9 +91,6 @@ from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingSt
                               halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks)
 from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
                           starting_weights_again)
-
-PLAN_FILE = "plan.toml"
-REPORT_FILE = "report.html"
 
 PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (rendering takes ~1 s)

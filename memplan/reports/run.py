@@ -228,7 +228,8 @@ def write_run_report(run_dir: str | Path, flag: str | None = None) -> Path:
     """Write RUN/report.html (atomically) and return its path. With ``flag`` (the option that asked for
     it), a failed write is one line naming it (``memplan.reports.page.save_page``)."""
     from memplan.reports.page import save_page
+    from trainer.rundir import REPORT_FILE  # torch-free
 
     run_dir = Path(run_dir)
     page = build_run_page(run_dir)
-    return save_page(page, run_dir / "report.html", flag) if flag else write_page(page, run_dir / "report.html")
+    return save_page(page, run_dir / REPORT_FILE, flag) if flag else write_page(page, run_dir / REPORT_FILE)
