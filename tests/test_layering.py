@@ -61,3 +61,41 @@ def test_a_report_alone_starts_no_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
     assert (run / "report.html").is_file()
+
+
+# ---- the library below the command line ----------------------------------------------------------------------
+
+# Modules of trainer/ that import memplan.cli on purpose: the torchrun rank's entry point, which renders the run as
+# `memplan train` does, and the calibration's runtime context, measured with what `memplan train` has loaded.
+CLI_IMPORTERS = {"trainer.__main__": "the rank's entry point renders through memplan.cli.train",
+                 "trainer.calibrate": "runtime_context loads memplan.cli to measure what `memplan train` holds"}
+
+
+def _import_graph(*packages: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports anywhere in its code (function-level imports included)."""
+    modules = {}
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            modules[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def test_the_trainer_library_never_imports_the_command_line():
+    """Flags are parsed into values by the CLI or by the planner's own parsers (``memplan.model.resolve``,
+    ``memplan.setup.setup_from_flags``, ``memplan.hardware.device_from_flags``); the library that resolves and
+    runs a request imports no CLI module (trainer.request took three parsers and a file writer from it)."""
+    graph = _import_graph("trainer", "memplan")
+    importers = {m: sorted(d for d in deps if d == "memplan.cli" or d.startswith("memplan.cli."))
+                 for m, deps in graph.items() if m.startswith("trainer") and m not in CLI_IMPORTERS}
+    assert {m: d for m, d in importers.items() if d} == {}
+
