@@ -99,3 +99,19 @@ def test_the_trainer_library_never_imports_the_command_line():
                  for m, deps in graph.items() if m.startswith("trainer") and m not in CLI_IMPORTERS}
     assert {m: d for m, d in importers.items() if d} == {}
 
+
+
+def test_the_metrics_file_is_written_and_read_by_the_run_directory(tmp_path):
+    """RUN/metrics.jsonl has one owner, trainer.rundir: its ``MetricsWriter`` appends the typed records that
+    ``metric_records`` reads back, and after a kill cut a line short the next record starts a line of its own
+    (the cut one is skipped by the reader)."""
+    from trainer import records, rundir
+
+    (tmp_path / rundir.METRICS_FILE).write_text('{"kind": "train", "step": 1, "lo')  # a kill, mid-line
+    line = records.CheckpointEvent(step=2, path="RUN/checkpoints/step-00000002", seconds=0.5)
+    writer = rundir.MetricsWriter(tmp_path)
+    writer.write(line)
+    writer.sync()
+    writer.close()
+    assert rundir.metric_records(tmp_path) == [line]
+    assert (tmp_path / rundir.METRICS_FILE).read_text().endswith("\n" + records.dumps(line) + "\n")
