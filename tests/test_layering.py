@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_device import _import_graph  # the package's import graph, lazy imports included
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The names of a run directory's files (trainer/rundir.py: RUN_FILE, METRICS_FILE, CHECKPOINT_DIR, ...).
@@ -69,25 +71,6 @@ def test_a_report_alone_starts_no_torch(tmp_path):
 # `memplan train` does, and the calibration's runtime context, measured with what `memplan train` has loaded.
 CLI_IMPORTERS = {"trainer.__main__": "the rank's entry point renders through memplan.cli.train",
                  "trainer.calibrate": "runtime_context loads memplan.cli to measure what `memplan train` holds"}
-
-
-def _import_graph(*packages: str) -> dict[str, set[str]]:
-    """Module -> the modules of ``packages`` it imports anywhere in its code (function-level imports included)."""
-    modules = {}
-    for package in packages:
-        for path in (ROOT / package).rglob("*.py"):
-            modules[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
-    graph = {}
-    for name, path in modules.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                deps.add(node.module)
-                deps.update(f"{node.module}.{a.name}" for a in node.names)
-        graph[name] = {d for d in deps if d in modules and d != name}
-    return graph
 
 
 def test_the_trainer_library_never_imports_the_command_line():
