@@ -473,3 +473,10 @@ def resolve_device(name_or_path: str | None, memory: int | None = None) -> Devic
     device = load_profile(name_or_path) if name_or_path else detect_local()
     return device.with_memory(memory) if memory else device
 
+
+def device_from_flags(device: str | None = None, device_memory: str | None = None) -> Device:
+    """``resolve_device`` of the DEVICE flags as typed (``--device-memory`` a size such as ``16GiB``)."""
+    from memplan.units import parse_size
+
+    return resolve_device(device, parse_size(device_memory, "--device-memory") if device_memory else None)
+

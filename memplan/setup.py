@@ -141,3 +141,20 @@ class TrainSetup:
 
     def replace(self, **changes) -> "TrainSetup":
         return dataclasses.replace(self, **changes)
+
+
+def setup_from_flags(ctx: str = "1024", batch: str = "1", grad_accum: str = "1", precision: str = "bf16-mixed",
+                     attention: str = "sdpa", checkpointing: str = "none", optimizer: str = "adamw",
+                     world_size: str = "1", sharding: str = "none", compile: bool = False) -> TrainSetup:
+    """The SETUP flags as typed (``--ctx 8k``, ``--batch 4``: counts parsed by ``memplan.units.parse_count``) as
+    a ``TrainSetup``, which validates the rest; one sharding of several processes kept, else none."""
+    from memplan.units import parse_count
+
+    ws = parse_count(world_size, "--world-size")
+    return TrainSetup(
+        ctx=parse_count(ctx, "--ctx", binary=True),
+        micro_batch=parse_count(batch, "--batch"),
+        grad_accum=parse_count(grad_accum, "--grad-accum"),
+        precision=precision, attention=attention, checkpointing=checkpointing, optimizer=optimizer,
+        world_size=ws, sharding=sharding if ws > 1 or sharding != "none" else "none", compile=compile,
+    )

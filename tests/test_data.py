@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -814,23 +813,18 @@ def test_prepare_and_its_cli_never_import_torch(tmp_path):
 
 # ---- the embedded default corpus ----------------------------------------------------------------------
 
-# The quick start (`memplan train` with no arguments) prepares the embedded corpus before it trains for about
-# three minutes, so preparing must take well under a minute on a laptop-class machine.
-EMBEDDED_SECONDS_LIMIT = 60
-
-
+# How fast the quick start's corpus is prepared (under a minute) is benchmarks/prepare_embedded.py's bar: a
+# wall-clock figure of a shared machine, not a test's.
 @pytest.fixture(scope="session")
 def embedded(tmp_path_factory):
     out = tmp_path_factory.mktemp("embedded") / "corpus"
-    t0 = time.perf_counter()
     res = run("--out", str(out))
-    seconds = time.perf_counter() - t0
     assert res.exit_code == 0, res.output
-    return out, seconds, res
+    return out, res
 
 
 def test_embedded_default_corpus_has_both_sources_and_a_4096_bpe(embedded):
-    out, _, res = embedded
+    out, res = embedded
     d = PreparedData(out)
     d.verify()
     assert d.source_names == ("pydoc", "stdlib-docstrings")
@@ -839,10 +833,6 @@ def test_embedded_default_corpus_has_both_sources_and_a_4096_bpe(embedded):
     assert by["pydoc"].documents >= 50 and by["stdlib-docstrings"].documents >= 1000
     assert d.train_tokens > 200_000 and all(s.val_tokens > 0 for s in d.sources)
     assert "stdlib-docstrings" in res.stdout
-
-
-def test_embedded_default_corpus_is_fast(embedded):
-    assert embedded[1] < EMBEDDED_SECONDS_LIMIT
 
 
 def test_embedded_corpus_decodes_to_real_python_documentation(embedded):

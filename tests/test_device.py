@@ -87,12 +87,12 @@ DEVICE_LAYER = {"trainer.device", "trainer.wrapping", "trainer.step", "trainer.d
                 "trainer.calibrate", "trainer.verify", "trainer.validate", "trainer.monitor"}
 
 
-def _import_graph(package: str) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports anywhere in its code (function-level imports included)."""
+def _import_graph(*packages: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports anywhere in its code (function-level imports included)."""
     modules = {}
-    for path in (ROOT / package).rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        modules[name] = path
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            modules[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
     graph = {}
     for name, path in modules.items():
         deps = set()

@@ -15,7 +15,7 @@ from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runs_helper import tiny_corpus, tiny_run  # noqa: E402
+from runs_helper import one_line_error, tiny_corpus, tiny_run  # noqa: E402
 
 from trainer.finetune import IGNORE, _rows, batch_of, read_jsonl, render, tokenize  # noqa: E402
 from trainer.lora import LoRALinear, apply_lora, merge_lora  # noqa: E402
@@ -224,18 +224,17 @@ def test_full_finetune_with_padded_rows_trains_every_weight(base_run, tmp_path):
     assert meta["plan"]["setup"]["lora_rank"] == 0
 
 
-def test_finetune_errors_are_one_line(base_run, tmp_path, memplan_cli):
+def test_finetune_errors_are_one_line(base_run, tmp_path):
+    """In-process (what is under test is the message, not a process of its own; a real process's one-line
+    errors are tests/test_sweep.py's and test_hostile*'s)."""
     run, data = base_run
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{oops\n')
-    result = memplan_cli("finetune", "--run", str(run), "--data", str(bad), "--out", str(tmp_path / "x"),
-                         "--batch", "2", "--device", "cpu")
-    assert result.returncode == 2 and "line 2 is not JSON" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-    result = memplan_cli("finetune", "--run", str(tmp_path / "nope"), "--data", str(data), "--out",
-                         str(tmp_path / "y"), "--device", "cpu")
-    assert result.returncode == 2 and "nope: no such directory" in result.stderr
-    result = memplan_cli("finetune", "--run", str(run), "--data", str(data), "--out", str(tmp_path / "z"),
-                         "--lora-rank", "4", "--lora-targets", "attn", "--device", "cpu")
-    assert result.returncode == 2 and "--lora-targets: unknown attn" in result.stderr
+    one_line_error(finetune("--run", str(run), "--data", str(bad), "--out", str(tmp_path / "x"), "--batch", "2"),
+                   "line 2 is not JSON")
+    one_line_error(finetune("--run", str(tmp_path / "nope"), "--data", str(data), "--out", str(tmp_path / "y")),
+                   "nope: no such directory")
+    one_line_error(finetune("--run", str(run), "--data", str(data), "--out", str(tmp_path / "z"), "--lora-rank", "4",
+                            "--lora-targets", "attn"), "--lora-targets: unknown attn")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing left by the refusals
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()

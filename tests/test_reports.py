@@ -67,3 +67,40 @@ def test_the_run_reports_memory_plot_shows_only_the_steps_that_were_measured(tmp
     memory = next(f for f in page.figures if "Memory over time" in (f.layout.title.text or ""))
     drawn = [y for y in memory.data[0].y]
     assert [y is not None for y in drawn] == [True, True, False, False, True]
+
+
+def test_each_figure_of_the_run_page_is_a_function_of_the_records():
+    """The run page as memplan/reports' other pages: one function per figure (loss, memory, throughput, lr) and
+    one for the summary, each drawn from typed records alone (no run directory): here the memory figure's
+    predicted line steps down where an out-of-memory step re-planned the run, and the summary says so."""
+    pytest.importorskip("plotly")
+    from memplan.reports.run import loss_figure, lr_figure, memory_figure, run_summary, throughput_figure
+    from trainer.records import EvalLine, OomEvent, StartEvent, TrainLine
+
+    before, after = {"peak_reserved": 2 << 30, "tokens_per_second": 900.0}, {"peak_reserved": 1 << 30,
+                                                                                "tokens_per_second": 800.0}
+    start = StartEvent(event="start", step=0, tokens=0, time=0.0, unix_time=0.0, model={"describe": "m"}, setup={},
+                       device="cpu", torch_device="cpu", torch="2", predicted=before, schedule={}, eval_every=2,
+                       save_every=2, tokens_per_step=100, train_tokens=1000, memory_source="rss",
+                       mfu_peak_flops_per_second=1e12, data="d", config={})
+    oom = OomEvent(step=2, time=120.0, message="out of memory", micro_batch=1, grad_accum=2,
+                   previous={"micro_batch": 2, "grad_accum": 1}, predicted=after)
+    train = [TrainLine(step=s, loss=4.0 - s / 10, tokens_per_second=850.0, lr=1e-3 * s, grad_norm=1.0,
+                       tokens=100 * s, step_seconds=60.0, time=60.0 * s, mfu=0.1, memory_bytes=(3 - (s > 2)) << 29,
+                       memory_step=s, micro_batch=1, grad_accum=2, skipped=False, eta_seconds=0.0, total_steps=4)
+             for s in (1, 2, 3, 4)]
+    evals = [EvalLine(step=4, eval_loss=3.5, eval_ppl=33.1, eval_tokens=64, eval_loss_by_source={"a": 3.4, "b": 3.6},
+                      eval_ppl_by_source={}, eval_tokens_by_source={}, samples=[], eval_seconds=1.0, tokens=400)]
+
+    loss = loss_figure(train, evals)
+    assert [t.name for t in loss.data][2:] == ["held-out loss (all sources)", "held-out: a", "held-out: b"]
+    memory = memory_figure(train, [start], [oom], after)
+    predicted = next(t for t in memory.data if t.name == "predicted peak (peak_reserved)")
+    assert [y for y in predicted.y if y is not None] == [2.0, 2.0, 1.0, 1.0]  # GiB: 2 until the OOM, then 1
+    assert [x for x in predicted.x if x is not None] == [0.0, 2.0, 2.0, 4.0]  # minutes
+    rate = next(t for t in throughput_figure(train, after).data if t.name == "tokens/s (predicted)")
+    assert list(rate.y) == [800.0, 800.0]
+    assert [t.name for t in lr_figure(train).data] == ["learning rate", "gradient norm (before clipping)"]
+    summary = run_summary("RUN", [start, *train, oom, *evals], train, evals, [start], [oom], after)
+    assert summary["events"] == "1 out-of-memory step(s), micro-batch now 1"
+    assert summary["peak memory"].startswith("measured 1.50 GiB (largest step), predicted 1.00 GiB")

@@ -18,7 +18,7 @@ from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from memplan.timing import compile_fusion, compile_seconds, step_time
-from trainer import loop
+from trainer import loop, rundir
 from trainer.data import PreparedData
 from trainer.loop import TrainConfig, Trainer, read_metrics
 
@@ -91,10 +91,10 @@ def test_memory_is_measured_again_once_the_sample_interval_of_training_time_has_
 
 
 def test_train_lines_are_flushed_in_batches_and_all_reach_the_file(tmp_path, corpus, monkeypatch):
-    monkeypatch.setattr(loop, "METRICS_FLUSH_SECONDS", 1e9)
+    monkeypatch.setattr(rundir, "METRICS_FLUSH_SECONDS", 1e9)
     flushes = []
-    real = loop._MetricsWriter.flush
-    monkeypatch.setattr(loop._MetricsWriter, "flush", lambda self: (flushes.append(1), real(self))[1])
+    real = rundir.MetricsWriter.flush
+    monkeypatch.setattr(rundir.MetricsWriter, "flush", lambda self: (flushes.append(1), real(self))[1])
     trainer = _trainer(tmp_path / "run", corpus)
     trainer.open()
     after_start = len(flushes)  # the start event is flushed at once

@@ -117,7 +117,8 @@ def prepare_command(run_dir: Path, meta: dict, data: PreparedData, checkpoint: P
     if tok.get("kind") == "tiktoken":
         tokenizer = str(tok.get("spec") or tok.get("encoding") or "gpt2")
     else:
-        tokenizer = shlex.quote(str((checkpoint or Path(run_dir) / "checkpoints" / "step-N") / "tokenizer.json"))
+        tokenizer = shlex.quote(str((checkpoint or Path(run_dir) / rundir.CHECKPOINT_DIR / "step-N")
+                                    / rundir.TOKENIZER_FILE))
     out = shlex.quote(str(data.path.parent / f"{data.path.name}-{Path(run_dir).resolve().name}"))
     return f"memplan prepare{inputs} --out {out} --tokenizer {tokenizer}"
 

@@ -123,7 +123,7 @@ def _resolve_resume(req: FinetuneRequest, profile) -> ResolvedFinetune:
     from memplan.plan import Plan
     from trainer import checkpoint as ckpt
     from trainer.finetune import base_of, base_of_hf, load_sft
-    from trainer.loop import CHECKPOINT_DIR
+    from trainer.rundir import CHECKPOINT_DIR
 
     out_dir = Path(req.out)
     ref = ckpt.latest_checkpoint(out_dir / CHECKPOINT_DIR)

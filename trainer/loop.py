@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -66,7 +65,6 @@ from typing import Callable
 import torch
 
 from memplan.errors import InputError
-from memplan.fsutil import open_append
 from memplan.hardware import Device
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
@@ -81,8 +79,8 @@ from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, eval
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
 from trainer.monitor import MemoryMonitor
-from trainer.reporting import REPORT_FILE, ReportRenderer
-from trainer.rundir import METRICS_FILE, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
+from trainer.reporting import ReportRenderer
+from trainer.rundir import METRICS_FILE, PLAN_FILE, REPORT_FILE, MetricsWriter, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
                               TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule, cadence, decayed,
                               default_eval_every, default_warmup, new_schedule, probed_length, refitted,
@@ -93,11 +91,8 @@ from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingSt
 from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
                           starting_weights_again)
 
-PLAN_FILE = "plan.toml"
-
 PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (trainer.reporting)
-METRICS_FLUSH_SECONDS = 1.0  # train lines reach metrics.jsonl at most this late (events and evals at once)
 MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
 SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
@@ -175,49 +170,6 @@ class TrainConfig:
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 
-
-
-# =================================================================================================
-# Metrics
-# =================================================================================================
-
-class _MetricsWriter:
-    def __init__(self, path: Path):
-        self.path = path
-        self._f = open_append(path, "metrics")  # never through a symlink planted in the run
-        fd = self._f.fileno()
-        size = os.fstat(fd).st_size
-        needs_newline = size > 0 and os.lseek(fd, size - 1, os.SEEK_SET) >= 0 and os.read(fd, 1) != b"\n"
-        if needs_newline:  # a kill cut the last line: start on a fresh one
-            self._f.write("\n")
-
-        self.flushed = time.perf_counter()
-
-    def write(self, record: records.Record, flush: bool = True) -> None:
-        """Append one record's line (``trainer.records.dumps``); flushed now with ``flush``, else left in the
-        buffer for a later flush (the loop flushes train lines at most every METRICS_FLUSH_SECONDS, and before
-        anything reads the file)."""
-        self._f.write(records.dumps(record) + "\n")
-        if flush:
-            self.flush()
-
-    def flush(self) -> None:
-        self._f.flush()
-        self.flushed = time.perf_counter()
-
-    def flush_due(self) -> bool:
-        return time.perf_counter() - self.flushed >= METRICS_FLUSH_SECONDS
-
-    def sync(self) -> None:
-        self.flush()
-        os.fsync(self._f.fileno())
-
-    def close(self) -> None:
-        if not self._f.closed:
-            try:
-                self._f.close()
-            except OSError:  # the loop flushed every line before (Trainer._flush_metrics): a failure raised there
-                pass
 
 
 # =================================================================================================
@@ -301,7 +253,7 @@ class Trainer:
         self.schedule: Schedule | None = None
         self.eval_every = config.eval_every
         self._events: list[Callable[[dict], None]] = []
-        self._writer: _MetricsWriter | None = None
+        self._writer: MetricsWriter | None = None
         self._report_written = -math.inf
         self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self._emit(
             records.ReportFailedEvent(step=self.step, error=line)))
@@ -540,7 +492,7 @@ class Trainer:
             return
         if self._writer is not None:
             with self._writing(self._writer.path):
-                # train lines are flushed in batches (at most METRICS_FLUSH_SECONDS late); any other at once
+                # train lines are flushed in batches (at most rundir.METRICS_FLUSH_SECONDS late); any other at once
                 self._writer.write(line, flush=not isinstance(line, records.TrainLine) or self._writer.flush_due())
         for cb in self._events:
             cb(line)
@@ -595,7 +547,7 @@ class Trainer:
                 with self._writing(self.run_dir / PLAN_FILE):
                     self.plan.save(self.run_dir / PLAN_FILE)
             with self._writing(self.run_dir / METRICS_FILE):
-                self._writer = _MetricsWriter(self.run_dir / METRICS_FILE)
+                self._writer = MetricsWriter(self.run_dir)
         if self.schedule is None:
             self.schedule = self._fix_schedule(self.stopping.started)
             # timed probe steps fix a time-limited run's length: every rank takes rank 0's

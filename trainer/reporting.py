@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 import memplan
+from trainer.rundir import REPORT_FILE
 
-REPORT_FILE = "report.html"
 NO_SPACE_EXIT = 3  # memplan.reports.run's exit status when the disk was full
 
 

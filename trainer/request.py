@@ -72,7 +72,7 @@ class TrainUI:
 @dataclass(frozen=True, kw_only=True)
 class TrainRequest:
     """What ``memplan train`` was asked, flag by flag. ``model`` and ``setup`` hold MODEL and SETUP flags as
-    typed (text, or None when not given: ``memplan.cli.options.model_from`` / ``setup_from`` parse them);
+    typed (text, or None when not given: ``memplan.model.resolve`` / ``memplan.setup.setup_from_flags`` parse them);
     ``control`` and ``hyper`` are parsed already (``run_control_from``; lr, warmup_steps, min_lr_ratio,
     weight_decay, clip, seed)."""
 
@@ -143,10 +143,10 @@ def profile_for(device: str | None, device_memory: str | None, threads: int | No
     ``--device`` (else this machine's), with this machine's calibration where it means the local device
     (``local_calibration``; ``measure_now``: the quick start measures it when none is cached); torch's threads
     set for it (``set_threads``)."""
-    from memplan.cli.options import device_from
+    from memplan.hardware import device_from_flags
     from memplan.local import means_this_machine
 
-    profile = device_from(device, device_memory)
+    profile = device_from_flags(device, device_memory)
     rates_note = None
     if means_this_machine(device):  # the local device: plan with what it measured, where memplan has it
         profile, rates_note = local_calibration(profile, ui, measure_now=measure_now, threads=threads)
@@ -156,7 +156,7 @@ def profile_for(device: str | None, device_memory: str | None, threads: int | No
 
 def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
     """The run ``req`` asks for, every option checked before anything is written: an InputError otherwise."""
-    from memplan.cli.options import model_from
+    from memplan.model import resolve as model_from
     from memplan.units import parse_count
     from trainer import distributed
     from trainer.data import PreparedData
@@ -305,8 +305,8 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
                      spec=None):
     """The plan of --plan FILE, or of MODEL and SETUP flags as given (no autotune); vocab from the data (``spec``:
     this model, an imported checkpoint's, instead of MODEL flags)."""
-    from memplan.cli.options import setup_from
     from memplan.plan import Plan
+    from memplan.setup import setup_from_flags as setup_from
     from memplan.prediction import predict
 
     if plan_path:
@@ -318,7 +318,7 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
             p = dataclasses.replace(p, model=p.model.replace(vocab=prepared.vocab_size), predicted={}, verified={})
     else:
         if spec is None:
-            from memplan.cli.options import model_from
+            from memplan.model import resolve as model_from
 
             check_vocab(model_flags["vocab"], prepared)
             spec = model_from(**{**model_flags, "vocab": None}).replace(vocab=prepared.vocab_size)
@@ -394,7 +394,7 @@ def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads
         version = local.torch_version()
         path = local.calibration_path(family, title, best.threads, version)
         path.parent.mkdir(parents=True, exist_ok=True)
-        from memplan.cli.calibrate import write_atomically
+        from memplan.fsutil import write_atomic as write_atomically  # the old file survives any failure
 
         if threads is None:  # the thread count it found fastest (steps interleaved) is this machine's default
             seconds = best.calibrated.get("thread_seconds", {})

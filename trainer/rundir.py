@@ -17,8 +17,8 @@ A trained run is read back through one function, ``trained_checkpoint``: its new
 checkpoint, verified file by file against its meta.json, with the plan and the tokenizer it trained
 with. ``memplan generate``, ``eval``, ``export`` and ``finetune --run`` all start there.
 
-``RUN/metrics.jsonl`` is read back through ``metric_records`` (typed records, ``trainer.records``, which the
-trainer's writer writes too); ``read_metrics`` gives the same lines as JSON objects.
+``RUN/metrics.jsonl`` is written through ``MetricsWriter`` and read back through ``metric_records`` (typed records,
+``trainer.records``); ``read_metrics`` gives the same lines as JSON objects.
 
 ``RUN/launch.json`` (``LAUNCH_FILE``) is what ``memplan train --nproc N`` resolved for its ranks (the plan, the
 settings, the data): written atomically before torchrun starts them, read by each (``python -m trainer RUN``)
@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from memplan.errors import InputError
-from memplan.fsutil import Lock, hold_lock, write_atomic
+from memplan.fsutil import Lock, hold_lock, open_append, write_atomic
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"  # one JSON object per line (docs/run-directory.md)
@@ -41,7 +42,10 @@ LOCK_FILE = ".lock"
 CHECKPOINT_DIR = "checkpoints"  # RUN/checkpoints/step-NNNNNNNN/ (trainer.checkpoint)
 TOKENIZER_FILE = "tokenizer.json"  # the tokenizer a checkpoint trained with, in the checkpoint
 LAUNCH_FILE = "launch.json"  # what `memplan train --nproc` asks of each rank (trainer.request.LaunchSpec)
+PLAN_FILE = "plan.toml"  # the plan trained on (rewritten when an out-of-memory step halves the micro-batch)
+REPORT_FILE = "report.html"  # the run report (memplan.reports.run)
 NOT_A_RUN = (LOCK_FILE, LAUNCH_FILE)  # a directory holding only these holds no run yet
+METRICS_FLUSH_SECONDS = 1.0  # train lines reach metrics.jsonl at most this late (events and evals at once)
 RUN_FORMAT = "memplan-run"
 RUN_VERSION = 1
 
@@ -211,6 +215,51 @@ def trained_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
             raise InputError(f"--checkpoint {path}: no such directory")
     meta = ckpt.verify_checkpoint(path)
     return TrainedCheckpoint(path=path, meta=meta, plan=Plan.from_dict(meta["plan"], str(path / ckpt.META_FILE)))
+
+
+class MetricsWriter:
+    """RUN/metrics.jsonl's one writer (``metric_records`` its reader): each record's line appended
+    (``trainer.records.dumps``), never through a symlink planted in the run; a line a kill cut short is ended
+    first, so the next starts on a line of its own."""
+
+    def __init__(self, run_dir: str | Path):
+        path = self.path = Path(run_dir) / METRICS_FILE
+        self._f = open_append(path, "metrics")  # never through a symlink planted in the run
+        fd = self._f.fileno()
+        size = os.fstat(fd).st_size
+        needs_newline = size > 0 and os.lseek(fd, size - 1, os.SEEK_SET) >= 0 and os.read(fd, 1) != b"\n"
+        if needs_newline:  # a kill cut the last line: start on a fresh one
+            self._f.write("\n")
+
+        self.flushed = time.perf_counter()
+
+    def write(self, record, flush: bool = True) -> None:
+        """Append one record's line (``trainer.records.dumps``); flushed now with ``flush``, else left in the
+        buffer for a later flush (the loop flushes train lines at most every METRICS_FLUSH_SECONDS, and before
+        anything reads the file)."""
+        from trainer.records import dumps
+
+        self._f.write(dumps(record) + "\n")
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        self._f.flush()
+        self.flushed = time.perf_counter()
+
+    def flush_due(self) -> bool:
+        return time.perf_counter() - self.flushed >= METRICS_FLUSH_SECONDS
+
+    def sync(self) -> None:
+        self.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        if not self._f.closed:
+            try:
+                self._f.close()
+            except OSError:  # the trainer flushed every line before (Trainer._flush_metrics): a failure raised there
+                pass
 
 
 def metric_records(run_dir: str | Path, latest: bool = False) -> list:

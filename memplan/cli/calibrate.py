@@ -53,13 +53,6 @@ def check_out(out: Path, force: bool) -> None:
         raise InputError(f"--out: {str(out)!r} is not writable")
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename it over (the old file survives any failure)."""
-    from memplan.fsutil import write_atomic
-
-    write_atomic(path, text)
-
-
 def _print_summary(console, device, cal, out: Path) -> None:
     from rich.table import Table
 
@@ -148,7 +141,9 @@ def calibrate_command(
     from memplan.hardware import device_from_toml
 
     device = device_from_toml(tomllib.loads(text), str(target))
-    write_atomically(target, text)
+    from memplan.fsutil import write_atomic
+
+    write_atomic(target, text)  # a temporary file beside it, renamed over: the old file survives any failure
     if json:
         print_json({"out": str(target), "profile": data})
     else:

@@ -177,22 +177,17 @@ def model_from(params=None, model=None, arch=None, layers=None, hidden=None, hea
 
 def setup_from(ctx="1024", batch="1", grad_accum="1", precision="bf16-mixed", attention="sdpa",
                checkpointing="none", optimizer="adamw", world_size="1", sharding="none", compile=False):
-    from memplan.setup import TrainSetup
+    from memplan.setup import setup_from_flags
 
-    ws = parse_count(world_size, "--world-size")
-    return TrainSetup(
-        ctx=parse_count(ctx, "--ctx", binary=True),
-        micro_batch=parse_count(batch, "--batch"),
-        grad_accum=parse_count(grad_accum, "--grad-accum"),
-        precision=precision, attention=attention, checkpointing=checkpointing, optimizer=optimizer,
-        world_size=ws, sharding=sharding if ws > 1 or sharding != "none" else "none", compile=compile,
-    )
+    return setup_from_flags(ctx=ctx, batch=batch, grad_accum=grad_accum, precision=precision, attention=attention,
+                            checkpointing=checkpointing, optimizer=optimizer, world_size=world_size,
+                            sharding=sharding, compile=compile)
 
 
 def device_from(device=None, device_memory=None):
-    from memplan.hardware import resolve_device
+    from memplan.hardware import device_from_flags
 
-    return resolve_device(device, parse_size(device_memory, "--device-memory") if device_memory else None)
+    return device_from_flags(device, device_memory)
 
 
 def threads_from(text: str | None) -> int | None:

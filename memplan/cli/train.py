@@ -269,7 +269,7 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
     N ended it): what a rank of ``memplan train --nproc`` runs (``python -m trainer RUN``)."""
     from rich.markup import escape
 
-    from trainer import loggers
+    from trainer import loggers, rundir
     from trainer.loop import DiskFull, TrainingStopped
 
     attached = loggers.attach(trainer, loggers.check_loggers(log))
@@ -289,7 +289,7 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
         return 1
     except TrainingStopped as e:  # on stderr (finetune's console is stdout); text, not markup: torch's hold [brackets]
         _stderr(console).print(f"[red]memplan: {what} stopped[/]: {escape(str(e))}", soft_wrap=True)
-        console.print(f"Report: {run_dir / 'report.html'}")
+        console.print(f"Report: {run_dir / rundir.REPORT_FILE}")
         return 1
     sample = _final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
     if trainer.is_main:
@@ -698,8 +698,8 @@ def printable(text: str) -> str:
 
 
 def _report_only(out: str | None, console) -> None:
-    from trainer.loop import METRICS_FILE, REPORT_FILE
     from memplan.reports.run import write_run_report
+    from trainer.rundir import METRICS_FILE, REPORT_FILE  # torch-free: a report alone starts no torch
 
     if not out:
         raise InputError("--report: name the run with --out RUN")
@@ -708,7 +708,7 @@ def _report_only(out: str | None, console) -> None:
     from memplan.fsutil import no_space
     from memplan.reports.page import check_report_path
 
-    check_report_path(Path(out) / "report.html", "--report", "report.html")
+    check_report_path(Path(out) / REPORT_FILE, "--report", REPORT_FILE)
     try:
         path = write_run_report(out, flag="--report")
     except OSError as e:

@@ -49,31 +49,12 @@ def _predicted_segments(starts: list, ooms: list, key: str) -> list[tuple[float,
     return marks
 
 
-def build_run_page(run_dir: str | Path) -> Page:
-    """The report's page for the run in ``run_dir`` (its metrics.jsonl)."""
+def loss_figure(train: list, evals: list):
+    """Training loss per step, raw and smoothed (``_ema``), and the held-out loss, overall and per source
+    (``trainer.records`` TrainLine and EvalLine records, by step)."""
     import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
-    from trainer.records import EvalLine, NonfiniteEvent, OomEvent, StartEvent, StopEvent, TrainLine  # torch-free
-    from trainer.rundir import metric_records
-
-    run_dir = Path(run_dir)
-    lines = metric_records(run_dir, latest=True)
-    train = sorted((l for l in lines if isinstance(l, TrainLine)), key=lambda l: l.step)
-    evals = sorted((l for l in lines if isinstance(l, EvalLine)), key=lambda l: l.step)
-    starts = [e for e in lines if isinstance(e, StartEvent)]
-    first = starts[0] if starts else None
-    model = first.model if first else {}
-    setup = starts[-1].setup if starts else {}
-    predicted = starts[-1].predicted if starts else {}
-    ooms = [e for e in lines if isinstance(e, OomEvent)]
-    if ooms:
-        predicted = ooms[-1].predicted
-    stop = next((e for e in reversed(lines) if isinstance(e, StopEvent)), None)
-
-    figures = []
     steps = [l.step for l in train]
-    # ---- loss
     fig = go.Figure()
     losses = [l.loss for l in train]
     fig.add_trace(go.Scatter(x=steps, y=losses, mode="lines", name="train loss", line=dict(width=1, color="#9fb3c8")))
@@ -90,15 +71,19 @@ def build_run_page(run_dir: str | Path) -> Page:
                                      name=f"held-out: {s}", line=dict(dash="dash")))
     fig.update_xaxes(title="step")
     fig.update_yaxes(title="cross-entropy (nats/token)")
-    figures.append(style_figure(fig, "Loss"))
+    return style_figure(fig, "Loss")
 
-    # ---- memory over time: the steps that were measured (a line repeating an earlier step's reading, as
-    # memory_step says, is not a measurement of its own; runs before memory_step measured every step)
+
+def memory_figure(train: list, starts: list, ooms: list, predicted: dict):
+    """Memory over training time: the steps that were measured (a line repeating an earlier step's reading, as
+    memory_step says, is not a measurement of its own; runs before memory_step measured every step), with the
+    predicted peak (and live tensors) as a line that changes at each start, resume and out-of-memory step."""
+    import plotly.graph_objects as go
+
     times_min = [l.time / 60 for l in train]
     measured = [l.memory_bytes if l.measured_here else None for l in train]
     allocated = [l.memory_allocated_bytes if l.measured_here else None for l in train]
-    peak_pred = predicted.get("peak_reserved")
-    biggest = max([m for m in measured if m] + [peak_pred or 0] + [1])
+    biggest = max([m for m in measured if m] + [predicted.get("peak_reserved") or 0] + [1])
     scale, unit = _unit(biggest)
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=times_min, y=[m / scale if m else None for m in measured], mode="lines+markers",
@@ -122,9 +107,15 @@ def build_run_page(run_dir: str | Path) -> Page:
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label, line=dict(dash=dash, width=2)))
     fig.update_xaxes(title="training time (minutes)")
     fig.update_yaxes(title=unit, rangemode="tozero")
-    figures.append(style_figure(fig, "Memory over time: measured on a sample of steps, predicted as a line"))
+    return style_figure(fig, "Memory over time: measured on a sample of steps, predicted as a line")
 
-    # ---- throughput (MFU is tokens/s times a constant: it rides along in the hover, not as a second line)
+
+def throughput_figure(train: list, predicted: dict):
+    """Tokens/s per step with the predicted rate as a line (MFU is tokens/s times a constant: it rides along in the
+    hover, not as a second line); a log scale where the prediction is an order of magnitude away."""
+    import plotly.graph_objects as go
+
+    steps = [l.step for l in train]
     fig = go.Figure()
     tps = [l.tokens_per_second for l in train]
     fig.add_trace(go.Scatter(x=steps, y=tps, mode="lines", name="tokens/s (measured)", line=dict(width=1.5),
@@ -141,9 +132,15 @@ def build_run_page(run_dir: str | Path) -> Page:
         fig.update_yaxes(title="tokens/s (log scale)", type="log")
     else:
         fig.update_yaxes(title="tokens/s", rangemode="tozero")
-    figures.append(style_figure(fig, "Throughput"))
+    return style_figure(fig, "Throughput")
 
-    # ---- lr and gradient norm
+
+def lr_figure(train: list):
+    """The learning rate and the gradient norm (before clipping) per step, on two axes."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    steps = [l.step for l in train]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Scatter(x=steps, y=[l.lr for l in train], mode="lines", name="learning rate"),
                   secondary_y=False)
@@ -152,9 +149,19 @@ def build_run_page(run_dir: str | Path) -> Page:
     fig.update_xaxes(title="step")
     fig.update_yaxes(title="learning rate", secondary_y=False)
     fig.update_yaxes(title="gradient norm", secondary_y=True)
-    figures.append(style_figure(fig, "Learning rate and gradient norm", height=360))
+    return style_figure(fig, "Learning rate and gradient norm", height=360)
 
-    # ---- summary
+
+def run_summary(run_dir: Path, lines: list, train: list, evals: list, starts: list, ooms: list,
+                predicted: dict) -> dict[str, str]:
+    """The report's summary rows: the run, model and setup, progress, losses, memory and throughput against
+    the prediction (steady steps: all but the first), and what happened (resumes, out-of-memory steps,
+    non-finite losses, the stop)."""
+    from trainer.records import NonfiniteEvent, StopEvent  # torch-free
+
+    first = starts[0] if starts else None
+    model = first.model if first else {}
+    setup = starts[-1].setup if starts else {}
     summary: dict[str, str] = {"run": str(run_dir)}
     if model:
         summary["model"] = f"{model.get('describe', '')} ({model.get('params', 0):,} parameters)"
@@ -179,6 +186,7 @@ def build_run_page(run_dir: str | Path) -> Page:
             summary["held-out loss"] = (f"{e.eval_loss:.4f} (perplexity {e.eval_ppl or math.inf:,.1f}) at "
                                         f"step {e.step:,}" + (f"; {per}" if per else ""))
     steady = train[1:] or train
+    peak_pred = predicted.get("peak_reserved")
     meas = [l.memory_bytes for l in steady if l.memory_bytes]
     if meas and peak_pred:
         m = max(meas)
@@ -209,31 +217,58 @@ def build_run_page(run_dir: str | Path) -> Page:
     bad = [e for e in lines if isinstance(e, NonfiniteEvent)]
     if bad:
         happened.append(f"{len(bad)} non-finite loss(es), updates skipped")
+    stop = next((e for e in reversed(lines) if isinstance(e, StopEvent)), None)
     if stop:
         happened.append(f"stopped at step {stop.step}: {stop.reason}")
     if happened:
         summary["events"] = "; ".join(happened)
+    return summary
 
+
+def run_notes(evals: list, first) -> list[str]:
+    """The latest evaluation's samples, as generated (newlines kept: the note is shown with white-space:
+    pre-wrap), and where the measured and the predicted figures come from (``first``: the run's StartEvent)."""
     notes = []
     if evals and evals[-1].samples:
         for s in evals[-1].samples:
-            # the text as generated, its newlines kept (the note is shown with white-space: pre-wrap)
             notes.append(f"Sample at step {evals[-1].step}: “{s['prompt']}” → “{s['text']}”")
     notes.append("Measured memory: " + (first.memory_source if first else "n/a") + ". Predicted figures: memplan's "
                  f"estimate for this model and setup on the {first.device if first else '?'} profile.")
-    desc = model.get("describe", "model")
+    return notes
+
+
+def build_run_page(run_dir: str | Path) -> Page:
+    """The report's page for the run in ``run_dir`` (its metrics.jsonl): one function per figure, the summary
+    and the notes, from the run's typed records (``trainer.rundir.metric_records``)."""
+    from trainer.records import EvalLine, OomEvent, StartEvent, TrainLine  # torch-free
+    from trainer.rundir import metric_records
+
+    run_dir = Path(run_dir)
+    lines = metric_records(run_dir, latest=True)
+    train = sorted((l for l in lines if isinstance(l, TrainLine)), key=lambda l: l.step)
+    evals = sorted((l for l in lines if isinstance(l, EvalLine)), key=lambda l: l.step)
+    starts = [e for e in lines if isinstance(e, StartEvent)]
+    ooms = [e for e in lines if isinstance(e, OomEvent)]
+    # the prediction the run is measured against now: its latest out-of-memory step's, else its latest start's
+    predicted = ooms[-1].predicted if ooms else (starts[-1].predicted if starts else {})
+    first = starts[0] if starts else None
+    figures = [loss_figure(train, evals), memory_figure(train, starts, ooms, predicted),
+               throughput_figure(train, predicted), lr_figure(train)]
     device = f"{first.device} ({first.torch_device})" if first else "? (?)"
-    return Page(title="Training run", model=desc, device=device, summary=summary, figures=figures, notes=notes)
+    return Page(title="Training run", model=(first.model if first else {}).get("describe", "model"), device=device,
+                summary=run_summary(run_dir, lines, train, evals, starts, ooms, predicted),
+                figures=figures, notes=run_notes(evals, first))
 
 
 def write_run_report(run_dir: str | Path, flag: str | None = None) -> Path:
     """Write RUN/report.html (atomically) and return its path. With ``flag`` (the option that asked for
     it), a failed write is one line naming it (``memplan.reports.page.save_page``)."""
     from memplan.reports.page import save_page
+    from trainer.rundir import REPORT_FILE  # torch-free
 
     run_dir = Path(run_dir)
     page = build_run_page(run_dir)
-    return save_page(page, run_dir / "report.html", flag) if flag else write_page(page, run_dir / "report.html")
+    return save_page(page, run_dir / REPORT_FILE, flag) if flag else write_page(page, run_dir / REPORT_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

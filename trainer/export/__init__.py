@@ -88,7 +88,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> Loade
     """The newest (or the given) checkpoint of a run, verified (``rundir.trained_checkpoint``)."""
     from trainer import checkpoint as ckpt
     from trainer import rundir
-    from trainer.loop import TOKENIZER_FILE
+    from trainer.rundir import TOKENIZER_FILE
 
     run_dir = Path(run_dir)
     trained = rundir.trained_checkpoint(run_dir, checkpoint)
