@@ -391,3 +391,66 @@ def test_finetune_nproc_refusals_are_one_line(base, tmp_path, monkeypatch):
     one_line_error(CliRunner().invoke(app, [*args, "--nproc", "2"]),
                    "--nproc 2: this process is already one of 2 started by torchrun; drop --nproc")
     assert not (tmp_path / "ft").exists()
+
+
+# ---- the out-of-memory back-off ------------------------------------------------------------------------
+
+class _Scaler:
+    def __init__(self, state=None):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+
+def test_an_out_of_memory_step_is_redone_at_half_the_micro_batch_on_the_same_windows(base):
+    from memplan.hardware import load_profile
+    from memplan.plan import Plan
+    from runs_helper import tiny_spec
+    from trainer.backoff import back_off
+    from trainer.checkpoints import predicted_for
+    from trainer.data import PreparedData
+    from trainer.task import pretraining
+
+    _, corpus, _ = base
+    data = PreparedData(corpus)
+    task, profile = pretraining(data), load_profile("cpu")
+    plan = Plan(model=tiny_spec("llama", data.vocab_size), setup=TrainSetup(ctx=64, micro_batch=4, grad_accum=3),
+                device="cpu")
+
+    def stream(micro_batch):
+        return task.make_stream(micro_batch=micro_batch, ctx=64, seed=0, rank=0, world_size=1)
+
+    old = stream(4)
+    next(old)
+    data_state = old.state_dict()  # the failed step started here
+    x, y = next(old)
+    made = []
+    b = back_off(7, "out of memory", plan=plan, data_state=data_state, new_stream=lambda m: made.append(m) or stream(m),
+                 scaler=_Scaler({"scale": 1024.0}), new_scaler=_Scaler, time=12.5,
+                 predict=lambda p: predicted_for(p, profile), flops=lambda p: p.setup.micro_batch * 1.0)
+    assert made == [2] and (b.plan.setup.micro_batch, b.plan.setup.grad_accum) == (2, 6)
+    assert b.plan.model == plan.model and b.flops_per_step == 2.0
+    halves = [next(b.stream) for _ in range(2)]  # the same windows, in the same order, in two pieces
+    assert torch.equal(torch.cat([h[0] for h in halves]), x) and torch.equal(torch.cat([h[1] for h in halves]), y)
+    assert b.scaler.state == {"scale": 1024.0}
+    assert b.predicted.as_dict() == predicted_for(b.plan, profile).as_dict() != predicted_for(plan, profile).as_dict()
+    e = b.event
+    assert isinstance(e, records.OomEvent) and (e.step, e.time, e.message) == (7, 12.5, "out of memory")
+    assert (e.micro_batch, e.grad_accum, e.previous) == (2, 6, {"micro_batch": 4, "grad_accum": 3})
+    assert e.predicted == b.predicted.as_dict()
+    no_scaler = back_off(7, "m", plan=plan, data_state=data_state, new_stream=stream, scaler=None,
+                         new_scaler=_Scaler, time=0.0, predict=lambda p: predicted_for(p, profile), flops=lambda p: 0.0)
+    assert no_scaler.scaler is None
+    one = dataclasses_replace_setup(plan, micro_batch=1)
+    assert back_off(7, "m", plan=one, data_state=data_state, new_stream=stream, scaler=None, new_scaler=_Scaler,
+                    time=0.0, predict=lambda p: predicted_for(p, profile), flops=lambda p: 0.0) is None
+
+
+def dataclasses_replace_setup(plan, **changes):
+    import dataclasses
+
+    return dataclasses.replace(plan, setup=plan.setup.replace(**changes))

@@ -54,7 +54,6 @@ corpus here (``trainer.task.pretraining``), instruction data for ``memplan finet
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import signal
 import time
@@ -71,6 +70,7 @@ from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import records, rundir
+from trainer.backoff import back_off, release_memory
 from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
                                  check_metrics_file, check_plan_fits, check_plan_for_data, check_run_dir_free,
                                  check_same_plan, lock_run, predicted_for, resume_settings, state_of)
@@ -773,32 +773,21 @@ class Trainer:
             self._memory_clock - self._memory_at >= MEMORY_SAMPLE_SECONDS
 
     def _recover_from_oom(self, step: int, data_state: dict, message: str) -> None:
+        """Half the micro-batch, the stream rebuilt at ``data_state`` (``trainer.backoff.back_off``), plan.toml
+        rewritten; at micro-batch 1, stop with advice."""
         self._memory_reads = 0  # the next steps, at the new micro-batch, are measured
-        self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        old, new = self.setup, halved(self.setup)  # the same global batch in smaller micro-batches
-        if new is None:
+        release_memory(self.optimizer, self.device)
+        b = back_off(step, message, plan=self.plan, data_state=data_state, new_stream=self._new_stream,
+                     scaler=self.scaler, new_scaler=self._make_scaler, time=self.train_seconds,
+                     predict=lambda plan: predicted_for(plan, self.profile), flops=model_flops_per_step)
+        if b is None:
             self._write_report()
             raise TrainingStopped(out_of_memory_at_one(step, message))
-        self.setup = new
-        self.plan = dataclasses.replace(self.plan, setup=self.setup)
-        self.predicted = predicted_for(self.plan, self.profile)
-        self.flops_per_step = model_flops_per_step(self.plan)
-        stream = self._new_stream(new.micro_batch)
-        stream.load_state_dict(data_state)  # the same windows, in the same order, in smaller pieces
-        self.stream = stream
-        if self.scaler is not None:  # a step cut short may have left the scaler mid-step
-            scaler_state = self.scaler.state_dict()
-            self.scaler = self._make_scaler()
-            self.scaler.load_state_dict(scaler_state)
+        self.plan, self.setup, self.predicted, self.flops_per_step = b.plan, b.plan.setup, b.predicted, b.flops_per_step
+        self.stream, self.scaler = b.stream, b.scaler
         with self._writing(self.run_dir / PLAN_FILE):
             self.plan.save(self.run_dir / PLAN_FILE)
-        self._emit(records.OomEvent(step=step, time=self.train_seconds, message=message,
-                                    micro_batch=new.micro_batch, grad_accum=new.grad_accum,
-                                    previous={"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
-                                    predicted=self.predicted.as_dict()))
+        self._emit(b.event)
 
     # ---- evaluation ------------------------------------------------------------------------------
 
