@@ -454,3 +454,45 @@ def dataclasses_replace_setup(plan, **changes):
     import dataclasses
 
     return dataclasses.replace(plan, setup=plan.setup.replace(**changes))
+
+
+# ---- a time-limited run's length, from timed steps -----------------------------------------------------
+
+def test_the_probe_times_each_step_and_the_evaluation_apart_from_the_reset_and_sizes_the_run():
+    from trainer.schedule import first_schedule, probe, probed_length
+
+    now, calls = [0.0], []
+
+    def clock():
+        return now[0]
+
+    def work(name, seconds):
+        def f():
+            calls.append(name)
+            now[0] += seconds
+        return f
+
+    durations = iter([3.0, 1.0])
+    total, every, eval_seconds = probe(lambda: work("step", next(durations))(), work("eval", 5.0),
+                                       budget_seconds=600.0, eval_every=None, after_steps=work("reset", 100.0),
+                                       clock=clock)
+    assert calls == ["step", "step", "reset", "eval"] and eval_seconds == 5.0  # the reset is not timed
+    assert (total, every) == probed_length(600.0, [3.0, 1.0], 5.0, None)
+    # 600 * 0.97 - 4 - 5 = 573 s: evaluations get 20% (22 of 5 s: the 5 of EVALS_PER_RUN), steps the rest at 1 s
+    assert (total, every) == (548, 109)
+    assert probe(work("step", 1.0), work("eval", 1.0), budget_seconds=600.0, eval_every=7, clock=clock)[1] == 7
+
+    tokens_per_step, probed = 100, []
+    sized = first_schedule(config(max_minutes=10.0), tokens_per_step, eval_every=None, save_every=None,
+                           probe=lambda: probed.append(1) or (548, 0), epoch_steps=lambda: 1 / 0)
+    # the probe's cadence taken (0: only the final evaluation); checkpoints at the default cadence
+    assert probed == [1] and sized[0].kind == "wsd" and sized[0].total_steps == 548 and sized[1:] == (0, 109)
+    given = first_schedule(config(max_minutes=10.0, eval_every=50), tokens_per_step, eval_every=50, save_every=None,
+                           probe=lambda: (548, 50), epoch_steps=lambda: 1 / 0)
+    assert given[1:] == (50, 50)
+    limited = first_schedule(config(max_steps=40, max_minutes=10.0), tokens_per_step, eval_every=None,
+                             save_every=3, probe=lambda: 1 / 0, epoch_steps=lambda: 1 / 0)
+    assert (limited[0].kind, limited[0].total_steps, limited[1:]) == ("cosine", 40, (8, 3))
+    epoch = first_schedule(config(), tokens_per_step, eval_every=None, save_every=None, probe=lambda: 1 / 0,
+                           epoch_steps=lambda: 12)
+    assert (epoch[0].kind, epoch[0].total_steps, epoch[1:]) == ("cosine", 12, (2, 2))

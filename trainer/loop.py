@@ -82,16 +82,15 @@ from trainer.monitor import MemoryMonitor
 from trainer.reporting import ReportRenderer
 from trainer.rundir import METRICS_FILE, PLAN_FILE, REPORT_FILE, MetricsWriter, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
-                              TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule, cadence, decayed,
-                              default_eval_every, default_warmup, new_schedule, probed_length, refitted,
-                              steps_from_limits)
+                              PROBE_STEPS, TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule,
+                              cadence, decayed, default_eval_every, default_warmup, first_schedule, new_schedule,
+                              probe, probed_length, refitted, steps_from_limits)
 from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingStopped, eta_seconds,  # noqa: F401
                               halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks)
 from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
                           starting_weights_again)
 
-PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (trainer.reporting)
 MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
@@ -548,8 +547,11 @@ class Trainer:
                     self.plan.save(self.run_dir / PLAN_FILE)
             with self._writing(self.run_dir / METRICS_FILE):
                 self._writer = MetricsWriter(self.run_dir)
-        if self.schedule is None:
-            self.schedule = self._fix_schedule(self.stopping.started)
+        if self.schedule is None:  # (trainer.schedule.first_schedule)
+            self.schedule, self.eval_every, self.save_every = first_schedule(
+                self.config, self.setup.tokens_per_step, eval_every=self.eval_every, save_every=self.save_every,
+                probe=self._probe, epoch_steps=lambda: max(1, len(self.stream.epoch_plan(0)[1]) // (
+                    self.stream.global_batch * self.setup.grad_accum)))
             # timed probe steps fix a time-limited run's length: every rank takes rank 0's
             self.schedule, self.eval_every, self.save_every = distributed.from_rank0(
                 (self.schedule, self.eval_every, self.save_every))
@@ -577,46 +579,28 @@ class Trainer:
         if not self.stopping.signal(signum):  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
 
-    def _fix_schedule(self, started: float) -> Schedule:
-        """The schedule's length: from --max-steps / --tokens, or for --max-minutes alone from timed steps,
-        else one epoch of the training batches; the evaluation and checkpoint cadence with it."""
-        c = self.config
-        total, kind = steps_from_limits(c, self.setup.tokens_per_step), "cosine"
-        if total is None and c.max_minutes is not None:  # an estimate until the decay starts (see Schedule)
-            total = self._probe_steps(c.max_minutes * 60.0 - (time.perf_counter() - started))
-            kind = "wsd"
-        elif total is None:  # one epoch of the train split
-            total = max(1, len(self.stream.epoch_plan(0)[1]) // (self.stream.global_batch * self.setup.grad_accum))
-        self.eval_every, self.save_every = cadence(self.eval_every, self.save_every, total)
-        return new_schedule(c, total, kind)
-
-    def _probe_steps(self, budget_seconds: float) -> int:
-        """How many steps fit in ``budget_seconds``, from PROBE_STEPS real steps timed at learning rate 0 (the
-        weights do not move; optimizer and scaler state are reset after) and one timed evaluation
-        (``trainer.schedule.probed_length``; sets ``eval_every`` with the default cadence)."""
+    def _probe(self) -> tuple[int, int | None]:
+        """(steps, eval_every) of a time-limited run in the time it has left, from PROBE_STEPS real steps on
+        the next batches at learning rate 0 (the weights do not move; optimizer and scaler state are reset
+        after) and one timed evaluation (``trainer.schedule.probe``)."""
         data_state = self.stream.state_dict()
         batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
         self.stream.load_state_dict(data_state)
         for g in self.optimizer.param_groups:
             g["lr"] = 0.0
-        times = []
-        for _ in range(PROBE_STEPS):
-            t0 = time.perf_counter()
-            result = self._train_step(batches)
-            float(result.loss)
-            times.append(time.perf_counter() - t0)
-        del batches
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer.state.clear()
-        self.scaler = self._make_scaler()
-        t0 = time.perf_counter()
-        self._evaluate(step=0, emit=False)
-        eval_seconds = time.perf_counter() - t0
+
+        def reset() -> None:
+            batches.clear()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.state.clear()
+            self.scaler = self._make_scaler()
+
+        total, eval_every, eval_seconds = probe(
+            lambda: float(self._train_step(batches).loss), lambda: self._evaluate(step=0, emit=False),
+            budget_seconds=self.config.max_minutes * 60.0 - self.stopping.elapsed,
+            eval_every=self.config.eval_every, after_steps=reset)
         self.evaluation.seconds.append(eval_seconds)
-        total, eval_every = probed_length(budget_seconds, times, eval_seconds, self.config.eval_every)
-        if self.config.eval_every is None:
-            self.eval_every = eval_every
-        return total
+        return total, eval_every
 
     def planned_steps(self) -> int | None:
         """The step this run is planned to end at: its step or token limit (the nearer), else the schedule's
