@@ -496,3 +496,31 @@ def test_the_probe_times_each_step_and_the_evaluation_apart_from_the_reset_and_s
     epoch = first_schedule(config(), tokens_per_step, eval_every=None, save_every=None, probe=lambda: 1 / 0,
                            epoch_steps=lambda: 12)
     assert (epoch[0].kind, epoch[0].total_steps, epoch[1:]) == ("cosine", 12, (2, 2))
+
+
+# ---- memory sampling -----------------------------------------------------------------------------------
+
+def test_memory_is_measured_on_the_first_two_steps_then_once_per_interval_and_again_after_a_restart():
+    from trainer.monitor import MemoryReading, MemorySampler
+
+    class Monitor:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    def run(sampler, steps, monitor):
+        measured, carried = [], []
+        for step in steps:
+            sampler.before_step(monitor)
+            reading = sampler.after_step(step, 0.25, lambda: measured.append(step) or MemoryReading(peak_bytes=step))
+            carried.append((reading.peak_bytes, sampler.step))
+        return measured, carried
+
+    one, monitor = MemorySampler(every_step=False, interval=1.0), Monitor()
+    measured, carried = run(one, range(1, 8), monitor)
+    assert measured == [1, 2, 7] and monitor.resets == 3  # 7: a second of training after step 2's end
+    assert carried == [(1, 1), (2, 2), (2, 2), (2, 2), (2, 2), (2, 2), (7, 7)]  # a reading names its step
+    one.restart()  # a new micro-batch: its first two steps
+    assert run(one, range(8, 11), monitor)[0] == [8, 9]
+    assert run(MemorySampler(every_step=True, interval=1e9), range(1, 5), Monitor())[0] == [1, 2, 3, 4]

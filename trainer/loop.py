@@ -78,7 +78,7 @@ from trainer.device import current_rss as _process_rss, keep_heap_resident, torc
 from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
-from trainer.monitor import MemoryMonitor
+from trainer.monitor import MEMORY_SAMPLE_SECONDS, MemoryMonitor, MemorySampler
 from trainer.reporting import ReportRenderer
 from trainer.rundir import METRICS_FILE, PLAN_FILE, REPORT_FILE, MetricsWriter, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
@@ -92,7 +92,6 @@ from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_f
                           starting_weights_again)
 
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (trainer.reporting)
-MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
 SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
 
@@ -257,12 +256,6 @@ class Trainer:
         self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self._emit(
             records.ReportFailedEvent(step=self.step, error=line)))
         self._recent: list[float] = []  # the latest step times, for the ETA
-        # the latest memory reading, the step it measured and when (``_memory_due``: sampled, not every step)
-        self._memory = None
-        self._memory_step: int | None = None
-        self._memory_at = -math.inf
-        self._memory_clock = 0.0  # training seconds of this invocation, the clock memory samples run on
-        self._memory_reads = 0  # steps measured since the invocation started (or the micro-batch changed)
         self._resume_from = resume_from
         self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
         # a resume: the limits the run had when the command line replaced them (None: kept as they were)
@@ -301,6 +294,8 @@ class Trainer:
         self.stream = self._new_stream(self.setup.micro_batch)
         self.step_model = torch.compile(self.wrapped) if self.setup.compile else self.wrapped
         self.monitor = MemoryMonitor(self.device)
+        # (the interval read here, when the trainer is built: a test may set trainer.loop's)
+        self.sampler = MemorySampler(every_step=self.dist.world_size > 1, interval=MEMORY_SAMPLE_SECONDS)
         self.predicted = predicted_for(plan, profile)
         self.flops_per_step = model_flops_per_step(plan)
         self.peak_flops = peak_flops_per_second(profile, self.setup)
@@ -674,7 +669,7 @@ class Trainer:
             tokens_per_second=self.setup.tokens_per_step / seconds, lr=lr,
             grad_norm=_finite_or_none(grad_norm), tokens=self.tokens, step_seconds=seconds,
             time=self.train_seconds, mfu=self.flops_per_step / seconds / self.peak_flops,
-            memory_bytes=memory.peak_bytes, memory_step=self._memory_step,
+            memory_bytes=memory.peak_bytes, memory_step=self.sampler.step,
             micro_batch=self.setup.micro_batch,
             grad_accum=self.setup.grad_accum, skipped=skipped,
             eta_seconds=self._eta(),
@@ -712,13 +707,12 @@ class Trainer:
                            self._recent, self.elapsed_seconds)
 
     def _run_step(self, step: int):
-        """One optimizer step, redone with half the micro-batch when it runs out of memory."""
+        """One optimizer step, redone with half the micro-batch when it runs out of memory; its memory
+        measured when the sampler says so (``trainer.monitor.MemorySampler``)."""
         while True:
             data_state = self.stream.state_dict()
             batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
-            measure = self._memory_due()
-            if measure:
-                self.monitor.reset()
+            self.sampler.before_step(self.monitor)
             oom = None
             t0 = time.perf_counter()
             try:
@@ -726,15 +720,8 @@ class Trainer:
                 loss = float(distributed.mean_across_ranks(result.loss))  # waits for the device
                 seconds = time.perf_counter() - t0
                 grad_norm = float(result.grad_norm)
-                self._memory_clock += seconds
-                if measure:
-                    memory = self.monitor.read()
-                    if self.dist.world_size > 1 and memory.peak_bytes is not None:  # the fullest device
-                        memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(
-                            memory.peak_bytes, self.device))
-                    self._memory, self._memory_step, self._memory_at = memory, step, self._memory_clock
-                    self._memory_reads += 1
-                return loss, grad_norm, bool(result.skipped), seconds, self._memory
+                memory = self.sampler.after_step(step, seconds, self._read_memory)
+                return loss, grad_norm, bool(result.skipped), seconds, memory
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 oom = out_of_memory(e)
                 if oom is None:
@@ -745,21 +732,18 @@ class Trainer:
                 raise TrainingStopped(out_of_memory_in_ranks(step, self.dist.rank, self.dist.world_size, oom))
             self._recover_from_oom(step, data_state, oom)
 
-    def _memory_due(self) -> bool:
-        """Whether this step's memory is measured (the monitor reset before it, read after it). Reading it
-        costs /proc reads (CPU) or driver queries (GPU) that a step need not pay: one process measures the
-        first two steps of an invocation (and of a new micro-batch: the first allocates the optimizer state,
-        the second is the steady state the report takes), then a step once MEMORY_SAMPLE_SECONDS of training
-        have passed since the last measured one; the lines between carry that reading, with
-        ``memory_step`` naming the step it measured. Several processes measure every step (each rank's
-        decision must be the same, and the largest over the ranks is a collective)."""
-        return self.dist.world_size > 1 or self._memory_reads < 2 or \
-            self._memory_clock - self._memory_at >= MEMORY_SAMPLE_SECONDS
+    def _read_memory(self):
+        """The step's measured memory; under torchrun the fullest device's peak."""
+        memory = self.monitor.read()
+        if self.dist.world_size > 1 and memory.peak_bytes is not None:
+            memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(memory.peak_bytes,
+                                                                                         self.device))
+        return memory
 
     def _recover_from_oom(self, step: int, data_state: dict, message: str) -> None:
         """Half the micro-batch, the stream rebuilt at ``data_state`` (``trainer.backoff.back_off``), plan.toml
         rewritten; at micro-batch 1, stop with advice."""
-        self._memory_reads = 0  # the next steps, at the new micro-batch, are measured
+        self.sampler.restart()  # the next steps, at the new micro-batch, are measured
         release_memory(self.optimizer, self.device)
         b = back_off(step, message, plan=self.plan, data_state=data_state, new_stream=self._new_stream,
                      scaler=self.scaler, new_scaler=self._make_scaler, time=self.train_seconds,
