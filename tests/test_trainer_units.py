@@ -524,3 +524,65 @@ def test_memory_is_measured_on_the_first_two_steps_then_once_per_interval_and_ag
     one.restart()  # a new micro-batch: its first two steps
     assert run(one, range(8, 11), monitor)[0] == [8, 9]
     assert run(MemorySampler(every_step=True, interval=1e9), range(1, 5), Monitor())[0] == [1, 2, 3, 4]
+
+
+# ---- a resume, restored --------------------------------------------------------------------------------
+
+class _Stream:
+    def __init__(self, position=0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_a_restore_puts_back_the_weights_optimizer_position_rng_and_counters_and_names_a_bad_state(tmp_path):
+    from trainer.checkpoints import CheckpointManager, state_of
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    schedule = Schedule(peak_lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=9, kind="wsd", decay_start=5)
+
+    def state(eval_every=3, save_every=4, **changes):
+        s = state_of(optimizer=optimizer, scaler=None, schedule=schedule, stream=_Stream(17), step=6, tokens=600,
+                     train_seconds=12.5, eval_every=eval_every, save_every=save_every, nonfinite_run=2)
+        return {**s, **changes}
+
+    saving = CheckpointManager(tmp_path, keep=2, dist=_one_process())
+    path = _checkpoint(saving, 6, model, optimizer, state())
+    after = torch.rand(4)  # what the RNG gives after the save
+
+    def restore(save_every=None, eval_every=None, path=path):
+        fresh = torch.nn.Linear(3, 2)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        manager, stream = CheckpointManager(tmp_path, keep=2, dist=_one_process(), save_every=save_every), _Stream()
+        torch.manual_seed(99)
+        r = manager.restore(path, model=fresh, wrapped=fresh, optimizer=fresh_optimizer, scaler=None, stream=stream,
+                            device="cpu", plain=lambda: pytest.fail("one process reads its checkpoint itself"),
+                            eval_every=eval_every)
+        return r, manager, stream, fresh, fresh_optimizer
+
+    r, manager, stream, fresh, fresh_optimizer = restore()
+    assert torch.equal(torch.rand(4), after)  # the RNG as saved
+    assert (r.step, r.tokens, r.train_seconds, r.schedule, r.eval_every, r.nonfinite_run) == (6, 600, 12.5, schedule,
+                                                                                               3, 2)
+    assert stream.position == 17 and manager.save_every == 4 and manager.last_saved_step == 6
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    r, manager, *_ = restore(save_every=10, eval_every=5)  # the cadence given on the resume wins
+    assert (r.eval_every, manager.save_every) == (5, 10)
+    broken = _checkpoint(saving, 8, model, optimizer, {k: v for k, v in state().items() if k != "scheduler"})
+    with pytest.raises(InputError, match=r"step-00000008/state.pt: incomplete training state \(KeyError"):
+        restore(path=broken)
+
+
+def _checkpoint(manager, step, model, optimizer, state):
+    return manager.save(step, model=model, wrapped=model, optimizer=optimizer, state=lambda: state,
+                        meta=lambda: {"note": f"step {step}"}, tokenizer=SimpleNamespace(kind="tiktoken"),
+                        tied=False, sharding="none")

@@ -300,7 +300,7 @@ class Trainer:
         self.flops_per_step = model_flops_per_step(plan)
         self.peak_flops = peak_flops_per_second(profile, self.setup)
         if resume_from is not None:  # Trainer.resume verified the files already
-            self._restore(*self._load(resume_from.path))
+            self._restore(resume_from.path)
         self.first_step = self.step
 
     # ---- the units' state, as the loop and its callers read it ----------------------------------------
@@ -442,37 +442,19 @@ class Trainer:
             return None
         return torch.amp.GradScaler(self.device.type)
 
-    def _load(self, path: Path) -> tuple[dict, dict]:
-        """(meta, state) of a checkpoint, its weights and optimizer state loaded into this run's model
-        (``CheckpointManager.load``; a single-process checkpoint over several ranks is read by rank 0 into
-        the task's model, built on the CPU)."""
+    def _restore(self, path: Path) -> None:
+        """Go on from the checkpoint in ``path`` (``CheckpointManager.restore``; a single-process checkpoint
+        over several ranks is read by rank 0 into the task's model, built on the CPU)."""
         def plain():
             model = self.task.build_model(self.plan.model, self.setup, "cpu", False)
             return model, self._make_optimizer(model)
 
-        return self.checkpoints.load(path, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
-                                     device=self.device, plain=plain)
-
-    def _restore(self, meta: dict, state: dict) -> None:
-        where = f"{self._resume_from.path / ckpt.STATE_FILE}"
-        try:
-            if state.get("optimizer") is not None:  # (a sharded checkpoint's is loaded already)
-                self.optimizer.load_state_dict(state["optimizer"])
-            if self.scaler is not None and state.get("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
-            self.schedule = Schedule(**state["scheduler"])
-            self.stream.load_state_dict(state["data"])
-            ckpt.set_rng_state(state["rng"])
-            self.step = int(state["step"])
-            self.tokens = int(state["tokens"])
-            self.train_seconds = float(state.get("train_seconds", 0.0))
-            self.eval_every = state["eval_every"] if self.config.eval_every is None else self.config.eval_every
-            self.save_every = state["save_every"] if self.config.save_every is None else self.config.save_every
-            self.stopping.nonfinite_run = int(state.get("nonfinite_run", 0))
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"{where}: incomplete training state ({type(e).__name__}: {e}); the checkpoint "
-                             "is corrupt") from None
-        self.checkpoints.last_saved_step = self.step
+        r = self.checkpoints.restore(path, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
+                                     scaler=self.scaler, stream=self.stream, device=self.device, plain=plain,
+                                     eval_every=self.config.eval_every)
+        self.schedule, self.step, self.tokens, self.train_seconds = r.schedule, r.step, r.tokens, r.train_seconds
+        self.eval_every = r.eval_every
+        self.stopping.nonfinite_run = r.nonfinite_run
         self.evaluation.last_step = self.step
 
     # ---- the loop ----------------------------------------------------------------------------------
