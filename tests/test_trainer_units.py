@@ -586,3 +586,49 @@ def _checkpoint(manager, step, model, optimizer, state):
     return manager.save(step, model=model, wrapped=model, optimizer=optimizer, state=lambda: state,
                         meta=lambda: {"note": f"step {step}"}, tokenizer=SimpleNamespace(kind="tiktoken"),
                         tied=False, sharding="none")
+
+
+# ---- the run directory, opened -------------------------------------------------------------------------
+
+def test_a_run_directory_opens_record_first_and_rewrites_its_plan_only_when_the_setup_differs(tmp_path):
+    import contextlib
+
+    from memplan.plan import Plan
+    from runs_helper import tiny_spec
+    from trainer import rundir
+
+    data = SimpleNamespace(manifest={"tokenizer": {"sha256": "ab" * 32, "kind": "bpe", "vocab_size": 320,
+                                                   "eot_id": 0, "merges": [1, 2]}},
+                           path=tmp_path / "data", train_tokens=1234, source_names=("a", "b"))
+    identity = rundir.run_identity(data)
+    assert identity == {"tokenizer_sha256": "ab" * 32,
+                        "tokenizer": {"kind": "bpe", "vocab_size": 320, "eot_id": 0, "sha256": "ab" * 32},
+                        "data": {"path": str((tmp_path / "data").resolve()), "train_tokens": 1234,
+                                 "sources": ["a", "b"]}}
+
+    written = []
+
+    @contextlib.contextmanager
+    def writing(path):
+        written.append(path.name)
+        yield
+
+    run = tmp_path / "run"
+    plan = Plan(model=tiny_spec("llama", 320), setup=TrainSetup(ctx=64, micro_batch=4), device="cpu")
+    run.mkdir()
+    plan.save(run / "plan.toml")  # a run started again (never checkpointed): its plan written anew all the same
+    (run / "plan.toml").write_text((run / "plan.toml").read_text() + "# old\n")
+    writer = rundir.open_run(run, plan=plan, record=lambda: {"kind": "train", "plan": {}, "config": {},
+                                                             **identity}, writing=writing)
+    writer.close()
+    assert written == ["run.json", "checkpoints", "plan.toml", "metrics.jsonl"]
+    assert rundir.read_record(run)["data"]["train_tokens"] == 1234 and (run / "checkpoints").is_dir()
+    assert Plan.load(run / "plan.toml").setup == plan.setup and "# old" not in (run / "plan.toml").read_text()
+    marked = (run / "plan.toml").read_text() + "# kept\n"
+    (run / "plan.toml").write_text(marked)
+    written.clear()
+    rundir.open_run(run, plan=plan, writing=writing).close()  # a resume with the same setup
+    assert written == ["checkpoints", "metrics.jsonl"] and (run / "plan.toml").read_text() == marked
+    halved = plan.__class__(model=plan.model, setup=plan.setup.replace(micro_batch=2, grad_accum=2), device="cpu")
+    rundir.open_run(run, plan=halved, writing=writing).close()  # another setup: rewritten
+    assert Plan.load(run / "plan.toml").setup.micro_batch == 2

@@ -512,18 +512,9 @@ class Trainer:
         """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
         (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
         self.stopping.started = self._report_written = time.perf_counter()  # the first refresh a minute in
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self._resume_from is None:  # what this run is, before anything else of it is written
-                with self._writing(self.run_dir / rundir.RUN_FILE):
-                    rundir.write_record(self.run_dir, self.record())
-            with self._writing(self.run_dir / CHECKPOINT_DIR):
-                (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
-            if self._resume_from is None or self._plan_on_disk_differs():  # (resumed at another world size)
-                with self._writing(self.run_dir / PLAN_FILE):
-                    self.plan.save(self.run_dir / PLAN_FILE)
-            with self._writing(self.run_dir / METRICS_FILE):
-                self._writer = MetricsWriter(self.run_dir)
+        if self.is_main:  # (rundir.open_run)
+            self._writer = rundir.open_run(self.run_dir, plan=self.plan, writing=self._writing,
+                                           record=self.record if self._resume_from is None else None)
         if self.schedule is None:  # (trainer.schedule.first_schedule)
             self.schedule, self.eval_every, self.save_every = first_schedule(
                 self.config, self.setup.tokens_per_step, eval_every=self.eval_every, save_every=self.save_every,
@@ -533,12 +524,6 @@ class Trainer:
             self.schedule, self.eval_every, self.save_every = distributed.from_rank0(
                 (self.schedule, self.eval_every, self.save_every))
         self._emit(self._start_line())
-
-    def _plan_on_disk_differs(self) -> bool:
-        try:
-            return Plan.load(self.run_dir / PLAN_FILE).setup != self.setup
-        except (InputError, OSError):
-            return True
 
     def close(self) -> None:
         self.monitor.close()
@@ -735,8 +720,7 @@ class Trainer:
             raise TrainingStopped(out_of_memory_at_one(step, message))
         self.plan, self.setup, self.predicted, self.flops_per_step = b.plan, b.plan.setup, b.predicted, b.flops_per_step
         self.stream, self.scaler = b.stream, b.scaler
-        with self._writing(self.run_dir / PLAN_FILE):
-            self.plan.save(self.run_dir / PLAN_FILE)
+        rundir.write_plan(self.run_dir, self.plan, self._writing)
         self._emit(b.event)
 
     # ---- evaluation ------------------------------------------------------------------------------
@@ -770,29 +754,18 @@ class Trainer:
                         eval_every=self.eval_every, save_every=self.save_every, nonfinite_run=self.nonfinite_run)
 
     def record(self) -> dict:
-        """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer), as a
-        checkpoint's meta.json has it, so that a resume reads either the same way."""
-        tok = self.data.manifest["tokenizer"]
+        """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer: ``rundir.run_identity``),
+        as a checkpoint's meta.json has it, so that a resume reads either the same way."""
         return {
-            "kind": self.task.kind,
-            "plan": self.plan.to_dict(), "config": self.config.to_dict(), "tokenizer_sha256": tok["sha256"],
-            "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256",
-                                              "encoding") if k in tok},
-            "data": {"path": str(Path(self.data.path).resolve()), "train_tokens": self.data.train_tokens,
-                     "sources": list(self.data.source_names)},
-            "device": self.profile.name, "torch": torch.__version__, "created_unix_time": time.time(),
-            **({"base_hf": self.base_hf} if self.base_hf else {}),
+            "kind": self.task.kind, "plan": self.plan.to_dict(), "config": self.config.to_dict(),
+            **rundir.run_identity(self.data), "device": self.profile.name, "torch": torch.__version__,
+            "created_unix_time": time.time(), **({"base_hf": self.base_hf} if self.base_hf else {}),
         }
 
     def meta(self) -> dict:
-        tok = self.data.manifest["tokenizer"]
         return {
             "tokens": self.tokens, "plan": self.plan.to_dict(), "config": self.config.to_dict(),
-            "schedule": self.schedule.to_dict(), "tokenizer_sha256": tok["sha256"],
-            "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256",
-                                              "encoding") if k in tok},
-            "data": {"path": str(self.data.path.resolve()), "train_tokens": self.data.train_tokens,
-                     "sources": list(self.data.source_names)},
+            "schedule": self.schedule.to_dict(), **rundir.run_identity(self.data),
             "torch": torch.__version__, "device": self.profile.name, "torch_device": str(self.device),
             "saved_unix_time": time.time(), **({"base_hf": self.base_hf} if self.base_hf else {}),
             **self.task.meta(self.setup),
