@@ -632,3 +632,39 @@ def test_a_run_directory_opens_record_first_and_rewrites_its_plan_only_when_the_
     halved = plan.__class__(model=plan.model, setup=plan.setup.replace(micro_batch=2, grad_accum=2), device="cpu")
     rundir.open_run(run, plan=halved, writing=writing).close()  # another setup: rewritten
     assert Plan.load(run / "plan.toml").setup.micro_batch == 2
+
+
+# ---- the run report's refresh --------------------------------------------------------------------------
+
+def test_a_report_refresh_is_due_an_interval_after_the_last_render_asked_for_even_a_skipped_one(tmp_path):
+    from trainer.reporting import ReportRenderer
+
+    class Child:
+        returncode = 0
+
+        def __init__(self):
+            self.done = False
+
+        def poll(self):
+            return 0 if self.done else None
+
+        def communicate(self):
+            self.done = True
+            return "", ""
+
+    now, children = [100.0], []
+    renderer = ReportRenderer(tmp_path, on_failure=pytest.fail, refresh_seconds=60.0, clock=lambda: now[0])
+    renderer._start = lambda: children.append(Child()) or children[-1]
+    assert renderer.refresh_due()  # never rendered
+    renderer.last_render = now[0]  # the run opens
+    now[0] += 59.5
+    assert not renderer.refresh_due()
+    now[0] += 0.5
+    assert renderer.refresh_due()
+    renderer.refresh()
+    assert len(children) == 1 and renderer.last_render == 160.0 and not renderer.refresh_due()
+    now[0] += 60.0
+    renderer.refresh()  # the first still renders: none started, and the next refresh an interval from now
+    assert len(children) == 1 and renderer.last_render == 220.0 and not renderer.refresh_due()
+    now[0] += 30.0
+    assert renderer.write() == tmp_path / "report.html" and len(children) == 2 and renderer.last_render == 250.0

@@ -79,7 +79,7 @@ from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, eval
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
 from trainer.monitor import MEMORY_SAMPLE_SECONDS, MemoryMonitor, MemorySampler
-from trainer.reporting import ReportRenderer
+from trainer.reporting import REPORT_REFRESH_SECONDS, ReportRenderer
 from trainer.rundir import METRICS_FILE, PLAN_FILE, REPORT_FILE, MetricsWriter, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
                               PROBE_STEPS, TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule,
@@ -91,7 +91,6 @@ from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingSt
 from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
                           starting_weights_again)
 
-REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (trainer.reporting)
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
 SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
 
@@ -252,9 +251,9 @@ class Trainer:
         self.eval_every = config.eval_every
         self._events: list[Callable[[dict], None]] = []
         self._writer: MetricsWriter | None = None
-        self._report_written = -math.inf
+        # (the refresh interval read here, when the trainer is built: a test may set trainer.loop's)
         self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self._emit(
-            records.ReportFailedEvent(step=self.step, error=line)))
+            records.ReportFailedEvent(step=self.step, error=line)), refresh_seconds=REPORT_REFRESH_SECONDS)
         self._recent: list[float] = []  # the latest step times, for the ETA
         self._resume_from = resume_from
         self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
@@ -511,7 +510,7 @@ class Trainer:
     def open(self) -> None:
         """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
         (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
-        self.stopping.started = self._report_written = time.perf_counter()  # the first refresh a minute in
+        self.stopping.started = self.report.last_render = time.perf_counter()  # the first refresh a minute in
         if self.is_main:  # (rundir.open_run)
             self._writer = rundir.open_run(self.run_dir, plan=self.plan, writing=self._writing,
                                            record=self.record if self._resume_from is None else None)
@@ -781,7 +780,7 @@ class Trainer:
             with self._writing(self._writer.path):
                 self._writer.sync()
         self._emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
-        if time.perf_counter() - self._report_written >= REPORT_REFRESH_SECONDS:
+        if self.report.refresh_due():
             self._write_report(wait=False)
         return path
 
@@ -795,13 +794,9 @@ class Trainer:
         render failed: a ``report_failed`` line); else start a render and go on. A full disk is ``DiskFull``."""
         if not self.is_main:
             return None
-        self._report_written = time.perf_counter()
         self._flush_metrics()  # the report reads metrics.jsonl
         with self._writing(self.run_dir / REPORT_FILE, report=True):
-            if not wait:
-                self.report.refresh()
-                return None
-            return self.report.write()
+            return self.report.write() if wait else self.report.refresh()
 
     def _finish(self, reason: str) -> RunSummary:
         if self.step > self.last_eval_step:
