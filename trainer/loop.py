@@ -313,25 +313,9 @@ class Trainer:
         self.checkpoints.save_every = value
 
     @property
-    def last_saved_step(self) -> int:
-        return self.checkpoints.last_saved_step
-
-    @property
     def stop_signal(self) -> int | None:
         """The signal (SIGINT, SIGTERM) that asked the run to stop."""
         return self.stopping.stop_signal
-
-    @property
-    def nonfinite_run(self) -> int:
-        return self.stopping.nonfinite_run
-
-    @property
-    def last_eval(self) -> records.EvalLine | None:
-        return self.evaluation.last
-
-    @property
-    def last_eval_step(self) -> int:
-        return self.evaluation.last_step
 
     @property
     def elapsed_seconds(self) -> float:
@@ -645,10 +629,10 @@ class Trainer:
         )
         self._emit(line)
         if not finite:
-            self._emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.nonfinite_run, lr=lr))
+            self._emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.stopping.nonfinite_run, lr=lr))
             if give_up:
                 self._write_report()
-                raise TrainingStopped(self.stopping.nonfinite_message(step, loss, self.last_saved_step,
+                raise TrainingStopped(self.stopping.nonfinite_message(step, loss, self.checkpoints.last_saved_step,
                                                                       self.setup.precision))
         if self.eval_every and step % self.eval_every == 0:
             self._evaluate(step)
@@ -729,14 +713,6 @@ class Trainer:
         document)."""
         return self.evaluation.prompts()
 
-    def evaluate(self) -> dict:
-        """Held-out loss per source and overall, and perplexity (the task's, with this run's settings)."""
-        return self.evaluation.loss()
-
-    def samples(self, step: int) -> list[dict]:
-        """One sample per prompt, seeded by the run's seed, the step and the prompt's index."""
-        return self.evaluation.samples(step)
-
     def _evaluate(self, step: int, emit: bool = True) -> records.EvalLine | None:
         line, event = self.evaluation.run(step, self.tokens, emit)
         if event is not None:
@@ -750,7 +726,7 @@ class Trainer:
     def state(self) -> dict:
         return state_of(optimizer=self.optimizer, scaler=self.scaler, schedule=self.schedule, stream=self.stream,
                         step=self.step, tokens=self.tokens, train_seconds=self.train_seconds,
-                        eval_every=self.eval_every, save_every=self.save_every, nonfinite_run=self.nonfinite_run)
+                        eval_every=self.eval_every, save_every=self.save_every, nonfinite_run=self.stopping.nonfinite_run)
 
     def record(self) -> dict:
         """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer: ``rundir.run_identity``),
@@ -799,10 +775,10 @@ class Trainer:
             return self.report.write() if wait else self.report.refresh()
 
     def _finish(self, reason: str) -> RunSummary:
-        if self.step > self.last_eval_step:
+        if self.step > self.evaluation.last_step:
             self._evaluate(self.step)
         checkpoint = None
-        if self.step > self.last_saved_step:
+        if self.step > self.checkpoints.last_saved_step:
             checkpoint = self.save()
         else:
             ref = self.checkpoints.newest()
@@ -813,11 +789,11 @@ class Trainer:
         self._emit(records.StopEvent(step=self.step, reason=reason, tokens=self.tokens, time=self.train_seconds,
                                      wall_seconds=self.stopping.elapsed,
                                      signal=signal.Signals(self.stop_signal).name if self.stop_signal else None))
-        report = self._write_report()
+        report, last_eval = self._write_report(), self.evaluation.last
         return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
                           train_seconds=self.train_seconds, last_loss=last_train.loss if last_train else None,
-                          last_eval=self.last_eval, checkpoint=checkpoint, report=report,
-                          samples=self.last_eval.samples if self.last_eval else [], first_step=self.first_step,
+                          last_eval=last_eval, checkpoint=checkpoint, report=report,
+                          samples=last_eval.samples if last_eval else [], first_step=self.first_step,
                           wall_seconds=self.elapsed_seconds)
 
 
