@@ -668,3 +668,44 @@ def test_a_report_refresh_is_due_an_interval_after_the_last_render_asked_for_eve
     assert len(children) == 1 and renderer.last_render == 220.0 and not renderer.refresh_due()
     now[0] += 30.0
     assert renderer.write() == tmp_path / "report.html" and len(children) == 2 and renderer.last_render == 250.0
+
+
+# ---- the model, built for this process -----------------------------------------------------------------
+
+def test_a_task_builds_its_model_seeded_in_one_process_and_through_the_wrapper_over_several(monkeypatch):
+    from trainer import distributed
+    from trainer.task import TrainingTask
+
+    asked = []
+
+    def build_model(spec, setup, device, with_weights):
+        asked.append((device, with_weights))
+        return torch.nn.Linear(4, 4)
+
+    task = TrainingTask(build_model=build_model, make_stream=None, evaluate=None, prompts=None)
+    setup = TrainSetup(ctx=8, micro_batch=1)
+    wrapped, model = task.built(None, setup, dist=_one_process(), seed=3, device="cpu", with_weights=True)
+    again, _ = task.built(None, setup, dist=_one_process(), seed=3, device="cpu", with_weights=False)
+    assert wrapped is model and torch.equal(model.weight, again.weight)  # seeded
+    assert asked == [("cpu", True), ("cpu", False)]
+
+    calls = []
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    def build_wrapped_model(spec, setup, dist, seed, build):
+        calls.append(seed)
+        return Wrapped(build("cuda:1", dist.rank == 0))
+
+    monkeypatch.setattr(distributed, "build_wrapped_model", build_wrapped_model)
+    monkeypatch.setattr(distributed, "unwrapped", lambda w: w.module)
+    asked.clear()
+    for rank, with_weights in ((0, True), (1, True), (0, False)):
+        dist = SimpleNamespace(rank=rank, world_size=2)
+        wrapped, model = task.built(None, setup, dist=dist, seed=5, device="cpu", with_weights=with_weights)
+        assert isinstance(wrapped, Wrapped) and model is wrapped.module
+    # rank 0 loads the starting weights, the others receive them; a resume loads none
+    assert calls == [5, 5, 5] and asked == [("cuda:1", True), ("cuda:1", False), ("cuda:1", False)]

@@ -277,17 +277,9 @@ class Trainer:
             _trim_heap()
             keep_heap_resident()  # and the steps' freed heap is not given back and faulted in again
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
-        fresh = resume_from is None  # a checkpoint has its own weights: the starting ones are not loaded
-        if self.dist.world_size > 1:  # DDP or FSDP2; the plain module (FSDP2's is sharded in place) as self.model
-            self.wrapped = distributed.build_wrapped_model(
-                plan.model, self.setup, self.dist, config.seed,
-                build=lambda device, with_weights: self.task.build_model(plan.model, self.setup, device,
-                                                                         with_weights and fresh))
-            self.model = distributed.unwrapped(self.wrapped)
-        else:
-            torch.manual_seed(config.seed)
-            self.model = self.task.build_model(plan.model, self.setup, self.device, fresh)
-            self.wrapped = self.model
+        # a checkpoint has its own weights: the starting ones are not loaded (trainer.task.TrainingTask.built)
+        self.wrapped, self.model = self.task.built(plan.model, self.setup, dist=self.dist, seed=config.seed,
+                                                   device=self.device, with_weights=resume_from is None)
         self.optimizer = self._make_optimizer()
         self.scaler = self._make_scaler()
         self.stream = self._new_stream(self.setup.micro_batch)
