@@ -709,3 +709,45 @@ def test_a_task_builds_its_model_seeded_in_one_process_and_through_the_wrapper_o
         assert isinstance(wrapped, Wrapped) and model is wrapped.module
     # rank 0 loads the starting weights, the others receive them; a resume loads none
     assert calls == [5, 5, 5] and asked == [("cuda:1", True), ("cuda:1", False), ("cuda:1", False)]
+
+
+# ---- signals, and stopping together --------------------------------------------------------------------
+
+def test_a_signal_is_the_reason_to_stop_a_second_stops_now_and_the_handlers_come_back():
+    import os
+    import signal
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stop = Stopping(config(max_steps=10))
+    with pytest.raises(KeyboardInterrupt):
+        with stop.catching_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # (delivered between bytecodes)
+            assert stop.stop_signal == signal.SIGTERM and stop.reason(1, 0, None) == "interrupted"
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    elsewhere = []
+
+    def in_a_thread():
+        with Stopping(config()).catching_signals():
+            elsewhere.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert elsewhere == [before[0]]  # nothing installed outside the main thread
+
+
+def test_the_ranks_stop_on_any_ranks_signal_and_on_rank_0s_clock():
+    schedule = new_schedule(config(), 100)
+    stop = Stopping(config(max_steps=10))
+    shared = []
+    reason = stop.reason_in_ranks(3, 0, schedule, largest=lambda v: max(v, 15),  # rank 1 got a SIGTERM
+                                  from_rank0=lambda r: shared.append(r) or r)
+    assert reason == "interrupted" and stop.stop_signal == 15 and shared == ["interrupted"]
+    calm = Stopping(config(max_steps=10))
+    assert calm.reason_in_ranks(3, 0, schedule, largest=lambda v: v, from_rank0=lambda r: "max_minutes") \
+        == "max_minutes" and calm.stop_signal is None  # rank 0's clock said so
+    assert calm.reason_in_ranks(10, 0, schedule, largest=lambda v: v, from_rank0=lambda r: r) == "max_steps"

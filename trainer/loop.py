@@ -87,7 +87,8 @@ from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVAL
                               probe, probed_length, refitted, steps_from_limits)
 from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingStopped, eta_seconds,  # noqa: F401
-                              halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks)
+                              halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks,
+                              out_of_memory_outside_step)
 from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
                           starting_weights_again)
 
@@ -459,28 +460,19 @@ class Trainer:
 
         Raises ``TrainingStopped`` (after logging and writing the report) when the run cannot go on.
         """
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for s in previous:
-                signal.signal(s, self._on_signal)
-        except ValueError:  # not the main thread: no signal handling
-            previous = {}
-        try:
-            self.open()
-            while (reason := self._stop_reason()) is None:
-                self.advance()
-            return self._finish(reason)
+            with self.stopping.catching_signals():
+                self.open()
+                while (reason := self._stop_reason()) is None:
+                    self.advance()
+                return self._finish(reason)
         except (MemoryError, RuntimeError, ImportError, OSError) as e:  # a step's own are backed off from
             message = memory_failure(e)
             if message is None:
                 raise
-            stopped = TrainingStopped(f"step {self.step}: out of memory outside a training step ({message}); "
-                                      f"{self.checkpoints.newest_note()}; free memory (or raise `ulimit -v`), "
-                                      "then continue it with --resume")
-            raise stopped from None
+            raise TrainingStopped(out_of_memory_outside_step(self.step, message,
+                                                             self.checkpoints.newest_note())) from None
         finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
             self.close()
 
     def open(self) -> None:
@@ -511,10 +503,6 @@ class Trainer:
             self._writer.close()
         if self._lock is not None:
             self._lock.release()
-
-    def _on_signal(self, signum, frame) -> None:
-        if not self.stopping.signal(signum):  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
 
     def _probe(self) -> tuple[int, int | None]:
         """(steps, eval_every) of a time-limited run in the time it has left, from PROBE_STEPS real steps on
@@ -583,11 +571,8 @@ class Trainer:
     def _stop_reason(self) -> str | None:
         if self.dist.world_size == 1:
             return self.stopping.reason(self.step, self.tokens, self.schedule)
-        # a signal any rank received stops them all; the clock's verdict is rank 0's
-        signum = distributed.max_across_ranks(self.stopping.stop_signal or 0, self.device)
-        if signum and self.stopping.stop_signal is None:
-            self.stopping.stop_signal = signum
-        return distributed.from_rank0(self.stopping.reason(self.step, self.tokens, self.schedule))
+        return self.stopping.reason_in_ranks(self.step, self.tokens, self.schedule, from_rank0=distributed.from_rank0,
+                                             largest=lambda v: distributed.max_across_ranks(v, self.device))
 
     def advance(self) -> records.TrainLine:
         """One optimizer step with everything around it (learning rate, logging, evaluation and checkpoint
