@@ -574,7 +574,8 @@ def test_a_restore_puts_back_the_weights_optimizer_position_rng_and_counters_and
                                                                                                3, 2)
     assert stream.position == 17 and manager.save_every == 4 and manager.last_saved_step == 6
     assert torch.equal(fresh.weight, model.weight)
-    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    restored_avg, saved_avg = (o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer))
+    assert torch.equal(restored_avg, saved_avg)
     r, manager, *_ = restore(save_every=10, eval_every=5)  # the cadence given on the resume wins
     assert (r.eval_every, manager.save_every) == (5, 10)
     broken = _checkpoint(saving, 8, model, optimizer, {k: v for k, v in state().items() if k != "scheduler"})
@@ -751,3 +752,40 @@ def test_the_ranks_stop_on_any_ranks_signal_and_on_rank_0s_clock():
     assert calm.reason_in_ranks(3, 0, schedule, largest=lambda v: v, from_rank0=lambda r: "max_minutes") \
         == "max_minutes" and calm.stop_signal is None  # rank 0's clock said so
     assert calm.reason_in_ranks(10, 0, schedule, largest=lambda v: v, from_rank0=lambda r: r) == "max_steps"
+
+
+# ---- a new run's checks, under the run's lock ----------------------------------------------------------
+
+def test_a_new_run_is_checked_under_its_lock_which_a_failed_check_releases(base, tmp_path):
+    from memplan.hardware import load_profile
+    from memplan.plan import Plan
+    from runs_helper import tiny_spec
+    from trainer import rundir
+    from trainer.checkpoints import check_new_run, holding_lock
+    from trainer.data import PreparedData
+
+    run_dir, corpus, _ = base
+    data, profile = PreparedData(corpus), load_profile("cpu")
+    plan = Plan(model=tiny_spec("llama", data.vocab_size), setup=TrainSetup(ctx=64, micro_batch=2), device="cpu")
+    new = tmp_path / "new"
+    seen = []
+
+    def checked():
+        assert (new / rundir.LOCK_FILE).exists()  # locked before the checks: no second writer passes them
+        check_new_run(new, plan, data, profile, allow_existing=False, verify_data=True)
+        seen.append("checked")
+        return "built"
+
+    built, lock = holding_lock(new, checked)
+    assert built == "built" and seen == ["checked"]
+    lock.release()
+    with pytest.raises(InputError, match="already holds a run"):
+        check_new_run(run_dir, plan, data, profile, allow_existing=False, verify_data=False)
+    with pytest.raises(InputError, match="holds checkpoints; resume it with --resume"):
+        check_new_run(run_dir, plan, data, profile, allow_existing=True, verify_data=False)
+    other = Plan(model=tiny_spec("llama", data.vocab_size + 1), setup=plan.setup, device="cpu")
+    with pytest.raises(InputError, match="the model's vocabulary is"):
+        holding_lock(tmp_path / "refused", lambda: check_new_run(tmp_path / "refused", other, data, profile,
+                                                                 allow_existing=False, verify_data=False))
+    assert not (tmp_path / "refused").exists()  # the lock released, and the directory it made removed
+    holding_lock(tmp_path / "refused", lambda: None)[1].release()  # free again

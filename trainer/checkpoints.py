@@ -195,6 +195,34 @@ def lock_run(run_dir: Path) -> "rundir.RunLock | None":
     return rundir.lock_run(run_dir) if rank == 0 else None
 
 
+def holding_lock(run_dir: Path, build: Callable[[], object]) -> tuple[object, "rundir.RunLock | None"]:
+    """(``build()``, the run's lock) with ``build`` run while holding the lock (``lock_run``: rank 0's, None on
+    other ranks), which the caller then keeps; released again when ``build`` fails."""
+    lock = lock_run(run_dir)
+    try:
+        return build(), lock
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def check_new_run(run_dir: Path, plan: Plan, data, profile, *, allow_existing: bool, verify_data: bool) -> None:
+    """Every check a new run makes before anything is written: ``run_dir`` free (``check_run_dir_free``;
+    ``allow_existing``: it may hold a run that never reached a checkpoint), its metrics file a plain one, the
+    plan right for the data and this launch (``check_plan_for_data``) and fitting the device
+    (``check_plan_fits``); the data's files verified (``verify_data``)."""
+    if not allow_existing:
+        check_run_dir_free(run_dir)
+    elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
+        raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
+    check_metrics_file(run_dir)
+    check_plan_for_data(plan, data)
+    check_plan_fits(plan, profile)
+    if verify_data:
+        data.verify()
+
+
 def check_metrics_file(run_dir: Path) -> None:
     """RUN/metrics.jsonl is appended to: it must be a plain file (a symlink would send the run's lines elsewhere)."""
     path = run_dir / METRICS_FILE

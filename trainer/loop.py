@@ -72,8 +72,9 @@ from trainer import distributed
 from trainer import records, rundir
 from trainer.backoff import back_off, release_memory
 from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
-                                 check_metrics_file, check_plan_fits, check_plan_for_data, check_run_dir_free,
-                                 check_same_plan, lock_run, predicted_for, resume_settings, state_of)
+                                 check_metrics_file, check_new_run, check_plan_fits, check_plan_for_data,
+                                 check_run_dir_free, check_same_plan, holding_lock, lock_run, predicted_for,
+                                 resume_settings, state_of)
 from trainer.device import current_rss as _process_rss, keep_heap_resident, torch_device_for, trim_heap as _trim_heap  # noqa: F401
 from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
@@ -328,15 +329,7 @@ class Trainer:
         run_dir = Path(run_dir)
 
         def checked() -> "Trainer":
-            if not allow_existing:
-                check_run_dir_free(run_dir)
-            elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
-                raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
-            check_metrics_file(run_dir)
-            check_plan_for_data(plan, data)
-            check_plan_fits(plan, profile)
-            if config.verify_data:
-                data.verify()
+            check_new_run(run_dir, plan, data, profile, allow_existing=allow_existing, verify_data=config.verify_data)
             return cls(run_dir, plan, data, config, profile, device, None, starting, task)
 
         return cls._holding_run_lock(run_dir, checked)  # locked before the checks: no second writer passes them
@@ -369,15 +362,8 @@ class Trainer:
 
     @staticmethod
     def _holding_run_lock(run_dir: Path, build) -> "Trainer":
-        """``build()`` while holding the run's lock (``lock_run``: rank 0's, None on other ranks), which the
-        trainer then keeps; released again when ``build`` fails."""
-        lock = _lock_run(run_dir)
-        try:
-            trainer = build()
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
+        """``build()`` while holding the run's lock (``trainer.checkpoints.holding_lock``), which it then keeps."""
+        trainer, lock = holding_lock(run_dir, build)
         trainer._lock = lock
         return trainer
 
@@ -703,7 +689,8 @@ class Trainer:
     def state(self) -> dict:
         return state_of(optimizer=self.optimizer, scaler=self.scaler, schedule=self.schedule, stream=self.stream,
                         step=self.step, tokens=self.tokens, train_seconds=self.train_seconds,
-                        eval_every=self.eval_every, save_every=self.save_every, nonfinite_run=self.stopping.nonfinite_run)
+                        eval_every=self.eval_every, save_every=self.save_every,
+                        nonfinite_run=self.stopping.nonfinite_run)
 
     def record(self) -> dict:
         """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer: ``rundir.run_identity``),
