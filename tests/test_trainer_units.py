@@ -789,3 +789,14 @@ def test_a_new_run_is_checked_under_its_lock_which_a_failed_check_releases(base,
                                                                  allow_existing=False, verify_data=False))
     assert not (tmp_path / "refused").exists()  # the lock released, and the directory it made removed
     holding_lock(tmp_path / "refused", lambda: None)[1].release()  # free again
+
+
+# ---- a step's batches ----------------------------------------------------------------------------------
+
+def test_a_steps_batches_are_the_streams_next_micro_batches_in_order():
+    from trainer.step import next_batches
+
+    rows = iter([(torch.full((2, 3), i), torch.full((2, 3), -i)) for i in range(5)])
+    batches = next_batches(rows, 3, torch.device("cpu"))
+    assert [(int(x[0, 0]), int(y[0, 0])) for x, y in batches] == [(0, 0), (1, -1), (2, -2)]
+    assert int(next(rows)[0][0, 0]) == 3  # no more taken than the step's

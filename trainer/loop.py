@@ -86,7 +86,7 @@ from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVAL
                               PROBE_STEPS, TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule,
                               cadence, decayed, default_eval_every, default_warmup, first_schedule, new_schedule,
                               probe, probed_length, refitted, steps_from_limits)
-from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+from trainer.step import make_optimizer, next_batches, param_dtype, set_matmul_precision, train_step
 from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingStopped, eta_seconds,  # noqa: F401
                               halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks,
                               out_of_memory_outside_step)
@@ -495,7 +495,7 @@ class Trainer:
         the next batches at learning rate 0 (the weights do not move; optimizer and scaler state are reset
         after) and one timed evaluation (``trainer.schedule.probe``)."""
         data_state = self.stream.state_dict()
-        batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
+        batches = next_batches(self.stream, self.setup.grad_accum, self.device)
         self.stream.load_state_dict(data_state)
         for g in self.optimizer.param_groups:
             g["lr"] = 0.0
@@ -543,12 +543,6 @@ class Trainer:
             config=self.config.to_dict(),
             checkpoint=str(self._resume_from.path) if self._resume_from is not None else None,
         )
-
-    def _to_device(self, xy):
-        x, y = xy
-        if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
 
     def _train_step(self, batches):
         return train_step(self.step_model, self.optimizer, batches, self.setup, self.device.type, scaler=self.scaler,
@@ -624,7 +618,7 @@ class Trainer:
         measured when the sampler says so (``trainer.monitor.MemorySampler``)."""
         while True:
             data_state = self.stream.state_dict()
-            batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
+            batches = next_batches(self.stream, self.setup.grad_accum, self.device)
             self.sampler.before_step(self.monitor)
             oom = None
             t0 = time.perf_counter()
