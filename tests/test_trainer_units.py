@@ -800,3 +800,58 @@ def test_a_steps_batches_are_the_streams_next_micro_batches_in_order():
     batches = next_batches(rows, 3, torch.device("cpu"))
     assert [(int(x[0, 0]), int(y[0, 0])) for x, y in batches] == [(0, 0), (1, -1), (2, -2)]
     assert int(next(rows)[0][0, 0]) == 3  # no more taken than the step's
+
+
+# ---- the run's lines -----------------------------------------------------------------------------------
+
+def test_the_run_log_hands_every_line_on_and_flushes_train_lines_in_batches_and_events_at_once(tmp_path,
+                                                                                                monkeypatch):
+    import contextlib
+
+    from trainer import rundir
+
+    def train(step):
+        return records.TrainLine(step=step, loss=4.0, tokens_per_second=1.0, lr=1e-3, grad_norm=1.0, tokens=step,
+                                 step_seconds=1.0, time=float(step), mfu=0.1, micro_batch=1, grad_accum=1,
+                                 skipped=False, eta_seconds=1.0, total_steps=9)
+
+    on_disk = lambda: [r.step for r in rundir.metric_records(tmp_path)]  # noqa: E731
+    written, seen = [], []
+
+    @contextlib.contextmanager
+    def writing(path):
+        written.append(path.name)
+        yield
+
+    monkeypatch.setattr(rundir, "METRICS_FLUSH_SECONDS", 1e9)
+    log = rundir.RunLog(writing)
+    log.on_event(seen.append)
+    log.emit(train(1))  # before the file is open: handed on only
+    log.writer = rundir.MetricsWriter(tmp_path)
+    log.writer.flushed = -math.inf  # the first line finds a flush due
+    log.emit(train(2))
+    log.emit(train(3))
+    assert [r.step for r in seen] == [1, 2, 3] and on_disk() == [2]  # 3 waits in the buffer
+    log.emit(records.CheckpointEvent(step=3, path="p", seconds=0.5))
+    assert on_disk() == [2, 3, 3] and written == ["metrics.jsonl"] * 3  # an event is written at once, with it 3
+    log.emit(train(4))
+    synced, fsync = [], rundir.os.fsync
+    monkeypatch.setattr(rundir.os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    log.flush()
+    assert on_disk() == [2, 3, 3, 4] and not synced
+    log.flush(sync=True)  # a checkpoint's lines: onto the disk
+    assert synced == [log.writer._f.fileno()]
+
+    @contextlib.contextmanager
+    def full(path):
+        yield
+        raise DiskFull(f"{path}: no space left on device")
+
+    log._writing = full
+    with pytest.raises(DiskFull):  # a full disk stops the run ...
+        log.emit(train(5))
+    log.close()  # ... and closing after it loses the lines that cannot be written, raising nothing
+    assert log.writer._f.closed
+    quiet = rundir.RunLog(writing, active=False)  # a rank other than 0
+    quiet.on_event(pytest.fail)
+    quiet.emit(train(1))

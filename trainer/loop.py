@@ -251,10 +251,8 @@ class Trainer:
         self.train_seconds = 0.0  # cumulative over all invocations (restored on resume)
         self.schedule: Schedule | None = None
         self.eval_every = config.eval_every
-        self._events: list[Callable[[dict], None]] = []
-        self._writer: MetricsWriter | None = None
         # (the refresh interval read here, when the trainer is built: a test may set trainer.loop's)
-        self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self._emit(
+        self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self.log.emit(
             records.ReportFailedEvent(step=self.step, error=line)), refresh_seconds=REPORT_REFRESH_SECONDS)
         self._recent: list[float] = []  # the latest step times, for the ETA
         self._resume_from = resume_from
@@ -270,6 +268,7 @@ class Trainer:
         self.stopping = Stopping(config)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep, dist=self.dist,
                                              save_every=config.save_every)
+        self.log = rundir.RunLog(self._writing, active=self.is_main)  # rank 0 alone writes and reports
         self.evaluation = Evaluation(config=config, loss=self.task.evaluate, prompts=self.task.prompts,
                                      tokenizer=self.tokenizer, model=lambda: self.model, setup=lambda: self.setup,
                                      device=self.device)
@@ -423,23 +422,7 @@ class Trainer:
 
     def on_event(self, callback: Callable[[records.Record], None]) -> None:
         """Call ``callback(record)`` for every metrics line (``trainer.records``), as it is written."""
-        self._events.append(callback)
-
-    def _emit(self, line: records.Record) -> None:
-        if not self.is_main:  # rank 0 alone writes and reports
-            return
-        if self._writer is not None:
-            with self._writing(self._writer.path):
-                # train lines are flushed in batches (at most rundir.METRICS_FLUSH_SECONDS late); any other at once
-                self._writer.write(line, flush=not isinstance(line, records.TrainLine) or self._writer.flush_due())
-        for cb in self._events:
-            cb(line)
-
-    def _flush_metrics(self) -> None:
-        """Every line written so far onto the file (before anything reads it: the report, the summary)."""
-        if self._writer is not None:
-            with self._writing(self._writer.path):
-                self._writer.flush()
+        self.log.on_event(callback)
 
     def run(self) -> RunSummary:
         """Train until a stop criterion is met (or a signal arrives); returns what happened.
@@ -466,7 +449,7 @@ class Trainer:
         (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
         self.stopping.started = self.report.last_render = time.perf_counter()  # the first refresh a minute in
         if self.is_main:  # (rundir.open_run)
-            self._writer = rundir.open_run(self.run_dir, plan=self.plan, writing=self._writing,
+            self.log.writer = rundir.open_run(self.run_dir, plan=self.plan, writing=self._writing,
                                            record=self.record if self._resume_from is None else None)
         if self.schedule is None:  # (trainer.schedule.first_schedule)
             self.schedule, self.eval_every, self.save_every = first_schedule(
@@ -476,17 +459,12 @@ class Trainer:
             # timed probe steps fix a time-limited run's length: every rank takes rank 0's
             self.schedule, self.eval_every, self.save_every = distributed.from_rank0(
                 (self.schedule, self.eval_every, self.save_every))
-        self._emit(self._start_line())
+        self.log.emit(self._start_line())
 
     def close(self) -> None:
         self.monitor.close()
         self.report.close()
-        if self._writer is not None:
-            try:
-                self._flush_metrics()
-            except (DiskFull, OSError):  # closing after a failure: lines that could not be written are lost (the
-                pass  # run's checkpoints are not); a run that ends normally flushed them in _finish already
-            self._writer.close()
+        self.log.close()
         if self._lock is not None:
             self._lock.release()
 
@@ -584,9 +562,10 @@ class Trainer:
             memory_allocated_bytes=memory.allocated_bytes,
             nonfinite=None if finite else str(loss),
         )
-        self._emit(line)
+        self.log.emit(line)
         if not finite:
-            self._emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.stopping.nonfinite_run, lr=lr))
+            self.log.emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.stopping.nonfinite_run,
+                                                 lr=lr))
             if give_up:
                 self._write_report()
                 raise TrainingStopped(self.stopping.nonfinite_message(step, loss, self.checkpoints.last_saved_step,
@@ -606,7 +585,7 @@ class Trainer:
         if decay is None:
             return
         self.schedule, details = decay
-        self._emit(records.DecayEvent(step=self.step, **details))
+        self.log.emit(records.DecayEvent(step=self.step, **details))
 
     def _eta(self) -> float:
         """Seconds left (``trainer.stopping.eta_seconds``)."""
@@ -661,7 +640,7 @@ class Trainer:
         self.plan, self.setup, self.predicted, self.flops_per_step = b.plan, b.plan.setup, b.predicted, b.flops_per_step
         self.stream, self.scaler = b.stream, b.scaler
         rundir.write_plan(self.run_dir, self.plan, self._writing)
-        self._emit(b.event)
+        self.log.emit(b.event)
 
     # ---- evaluation ------------------------------------------------------------------------------
 
@@ -673,9 +652,9 @@ class Trainer:
     def _evaluate(self, step: int, emit: bool = True) -> records.EvalLine | None:
         line, event = self.evaluation.run(step, self.tokens, emit)
         if event is not None:
-            self._emit(event)
+            self.log.emit(event)
         if line is not None:
-            self._emit(line)
+            self.log.emit(line)
         return line
 
     # ---- checkpoints and the end ---------------------------------------------------------------------
@@ -710,10 +689,8 @@ class Trainer:
         path = self.checkpoints.save(self.step, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
                                      state=self.state, meta=self.meta, tokenizer=self.tokenizer,
                                      tied=self.plan.model.tied, sharding=self.setup.sharding)
-        if self._writer is not None:
-            with self._writing(self._writer.path):
-                self._writer.sync()
-        self._emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
+        self.log.flush(sync=True)
+        self.log.emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
         if self.report.refresh_due():
             self._write_report(wait=False)
         return path
@@ -728,7 +705,7 @@ class Trainer:
         render failed: a ``report_failed`` line); else start a render and go on. A full disk is ``DiskFull``."""
         if not self.is_main:
             return None
-        self._flush_metrics()  # the report reads metrics.jsonl
+        self.log.flush()  # the report reads metrics.jsonl
         with self._writing(self.run_dir / REPORT_FILE, report=True):
             return self.report.write() if wait else self.report.refresh()
 
@@ -741,10 +718,10 @@ class Trainer:
         else:
             ref = self.checkpoints.newest()
             checkpoint = ref.path if ref else None
-        self._flush_metrics()
+        self.log.flush()
         last_train = next((r for r in reversed(rundir.metric_records(self.run_dir))
                            if isinstance(r, records.TrainLine)), None) if self.is_main else None
-        self._emit(records.StopEvent(step=self.step, reason=reason, tokens=self.tokens, time=self.train_seconds,
+        self.log.emit(records.StopEvent(step=self.step, reason=reason, tokens=self.tokens, time=self.train_seconds,
                                      wall_seconds=self.stopping.elapsed,
                                      signal=signal.Signals(self.stop_signal).name if self.stop_signal else None))
         report, last_eval = self._write_report(), self.evaluation.last

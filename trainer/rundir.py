@@ -303,8 +303,54 @@ class MetricsWriter:
         if not self._f.closed:
             try:
                 self._f.close()
-            except OSError:  # the trainer flushed every line before (Trainer._flush_metrics): a failure raised there
+            except OSError:  # the trainer flushed every line before (RunLog.flush): a failure raised there
                 pass
+
+
+class RunLog:
+    """A run's lines as they happen (``trainer.records``): appended to metrics.jsonl once ``writer`` is set (a
+    ``MetricsWriter``, ``open_run``'s) - a train line in batches, at most METRICS_FLUSH_SECONDS late, any other at
+    once - and handed to every ``on_event`` callback. Each write of the file is made in ``writing(path)`` (the
+    trainer's: a full disk is one ``DiskFull`` line). Not ``active`` (the ranks other than 0): nothing at all."""
+
+    def __init__(self, writing, active: bool = True):
+        self._writing, self.active = writing, active
+        self.writer: MetricsWriter | None = None
+        self._callbacks: list = []
+
+    def on_event(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def emit(self, line) -> None:
+        if not self.active:
+            return
+        if self.writer is not None:
+            from trainer.records import TrainLine
+
+            with self._writing(self.writer.path):
+                self.writer.write(line, flush=not isinstance(line, TrainLine) or self.writer.flush_due())
+        for callback in self._callbacks:
+            callback(line)
+
+    def flush(self, sync: bool = False) -> None:
+        """Every line written so far onto the file (before anything reads it: the report, the summary); ``sync``:
+        onto the disk (a checkpoint's lines)."""
+        if self.writer is not None:
+            with self._writing(self.writer.path):
+                self.writer.sync() if sync else self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close. Closing after a failure, lines that cannot be written are lost (the run's checkpoints
+        are not); a run that ends normally flushed them already."""
+        from trainer.stopping import DiskFull
+
+        if self.writer is None:
+            return
+        try:
+            self.flush()
+        except (DiskFull, OSError):
+            pass
+        self.writer.close()
 
 
 def metric_records(run_dir: str | Path, latest: bool = False) -> list:
