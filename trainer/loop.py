@@ -43,9 +43,13 @@ same global batch. An out-of-memory step stops a distributed run (ranks cannot h
 micro-batch independently).
 
 The trainer owns the loop; what is decided around it lives in units of their own, each testable alone:
-``trainer.schedule`` (the learning rate, the evaluation and checkpoint cadence), ``trainer.stopping``
-(limits, signals, non-finite losses, the out-of-memory back-off), ``trainer.evaluation`` (held-out loss and
-samples) and ``trainer.checkpoints`` (when to save, keep-N, distributed saving, resume checks and loading).
+``trainer.schedule`` (the learning rate, the evaluation and checkpoint cadence, a time-limited run's probe),
+``trainer.stopping`` (limits, signals and the ranks' agreement on them, non-finite losses),
+``trainer.backoff`` (a step out of memory: the micro-batch halved, the stream rebuilt where it was),
+``trainer.evaluation`` (held-out loss and samples), ``trainer.checkpoints`` (when to save, keep-N, distributed
+saving, a new run's and a resume's checks, restoring), ``trainer.rundir`` (opening the run directory, the run
+record, the metrics lines: ``RunLog``), ``trainer.monitor`` (which steps' memory is measured:
+``MemorySampler``) and ``trainer.reporting`` (the report, rendered in a process of its own).
 What is trained comes as factories (``trainer.task.TrainingTask``: model, batches, evaluation): a prepared
 corpus here (``trainer.task.pretraining``), instruction data for ``memplan finetune``
 (``trainer.finetune.finetune_task``), the same in one process and in every rank.
@@ -227,8 +231,10 @@ class Trainer:
     ``trainer.task.pretraining``: the plan's model, seeded or from ``starting``'s weights, on a prepared
     corpus): the model, the batches, the held-out loss and the prompts, the same in one process and in every
     rank. The trainer owns the loop and composes the units that decide around it: the learning rate
-    (``trainer.schedule``), when to stop and how to back off (``trainer.stopping.Stopping``), evaluations
-    (``trainer.evaluation.Evaluation``) and checkpoints (``trainer.checkpoints.CheckpointManager``).
+    (``trainer.schedule``), when to stop (``trainer.stopping.Stopping``), how to back off
+    (``trainer.backoff``), evaluations (``trainer.evaluation.Evaluation``), checkpoints
+    (``trainer.checkpoints.CheckpointManager``), the run's lines (``trainer.rundir.RunLog``), memory samples
+    (``trainer.monitor.MemorySampler``) and the report (``trainer.reporting.ReportRenderer``).
 
     Attributes a caller (or a test) may use between construction and ``run()``: ``model`` (the
     plain ``nn.Module``; forward hooks registered on it fire during training), ``optimizer``,
