@@ -101,7 +101,7 @@ def test_train_lines_are_flushed_in_batches_and_all_reach_the_file(tmp_path, cor
     for _ in range(10):
         trainer.advance()
     assert len(flushes) == after_start  # no flush per train line
-    trainer._flush_metrics()
+    trainer.log.flush()
     assert [l["step"] for l in read_metrics(tmp_path / "run") if l["kind"] == "train"] == list(range(1, 11))
     trainer.close()
 

@@ -391,3 +391,467 @@ def test_finetune_nproc_refusals_are_one_line(base, tmp_path, monkeypatch):
     one_line_error(CliRunner().invoke(app, [*args, "--nproc", "2"]),
                    "--nproc 2: this process is already one of 2 started by torchrun; drop --nproc")
     assert not (tmp_path / "ft").exists()
+
+
+# ---- the out-of-memory back-off ------------------------------------------------------------------------
+
+class _Scaler:
+    def __init__(self, state=None):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+
+def test_an_out_of_memory_step_is_redone_at_half_the_micro_batch_on_the_same_windows(base):
+    from memplan.hardware import load_profile
+    from memplan.plan import Plan
+    from runs_helper import tiny_spec
+    from trainer.backoff import back_off
+    from trainer.checkpoints import predicted_for
+    from trainer.data import PreparedData
+    from trainer.task import pretraining
+
+    _, corpus, _ = base
+    data = PreparedData(corpus)
+    task, profile = pretraining(data), load_profile("cpu")
+    plan = Plan(model=tiny_spec("llama", data.vocab_size), setup=TrainSetup(ctx=64, micro_batch=4, grad_accum=3),
+                device="cpu")
+
+    def stream(micro_batch):
+        return task.make_stream(micro_batch=micro_batch, ctx=64, seed=0, rank=0, world_size=1)
+
+    old = stream(4)
+    next(old)
+    data_state = old.state_dict()  # the failed step started here
+    x, y = next(old)
+    made = []
+    b = back_off(7, "out of memory", plan=plan, data_state=data_state, new_stream=lambda m: made.append(m) or stream(m),
+                 scaler=_Scaler({"scale": 1024.0}), new_scaler=_Scaler, time=12.5,
+                 predict=lambda p: predicted_for(p, profile), flops=lambda p: p.setup.micro_batch * 1.0)
+    assert made == [2] and (b.plan.setup.micro_batch, b.plan.setup.grad_accum) == (2, 6)
+    assert b.plan.model == plan.model and b.flops_per_step == 2.0
+    halves = [next(b.stream) for _ in range(2)]  # the same windows, in the same order, in two pieces
+    assert torch.equal(torch.cat([h[0] for h in halves]), x) and torch.equal(torch.cat([h[1] for h in halves]), y)
+    assert b.scaler.state == {"scale": 1024.0}
+    assert b.predicted.as_dict() == predicted_for(b.plan, profile).as_dict() != predicted_for(plan, profile).as_dict()
+    e = b.event
+    assert isinstance(e, records.OomEvent) and (e.step, e.time, e.message) == (7, 12.5, "out of memory")
+    assert (e.micro_batch, e.grad_accum, e.previous) == (2, 6, {"micro_batch": 4, "grad_accum": 3})
+    assert e.predicted == b.predicted.as_dict()
+    no_scaler = back_off(7, "m", plan=plan, data_state=data_state, new_stream=stream, scaler=None,
+                         new_scaler=_Scaler, time=0.0, predict=lambda p: predicted_for(p, profile), flops=lambda p: 0.0)
+    assert no_scaler.scaler is None
+    one = dataclasses_replace_setup(plan, micro_batch=1)
+    assert back_off(7, "m", plan=one, data_state=data_state, new_stream=stream, scaler=None, new_scaler=_Scaler,
+                    time=0.0, predict=lambda p: predicted_for(p, profile), flops=lambda p: 0.0) is None
+
+
+def dataclasses_replace_setup(plan, **changes):
+    import dataclasses
+
+    return dataclasses.replace(plan, setup=plan.setup.replace(**changes))
+
+
+# ---- a time-limited run's length, from timed steps -----------------------------------------------------
+
+def test_the_probe_times_each_step_and_the_evaluation_apart_from_the_reset_and_sizes_the_run():
+    from trainer.schedule import first_schedule, probe, probed_length
+
+    now, calls = [0.0], []
+
+    def clock():
+        return now[0]
+
+    def work(name, seconds):
+        def f():
+            calls.append(name)
+            now[0] += seconds
+        return f
+
+    durations = iter([3.0, 1.0])
+    total, every, eval_seconds = probe(lambda: work("step", next(durations))(), work("eval", 5.0),
+                                       budget_seconds=600.0, eval_every=None, after_steps=work("reset", 100.0),
+                                       clock=clock)
+    assert calls == ["step", "step", "reset", "eval"] and eval_seconds == 5.0  # the reset is not timed
+    assert (total, every) == probed_length(600.0, [3.0, 1.0], 5.0, None)
+    # 600 * 0.97 - 4 - 5 = 573 s: evaluations get 20% (22 of 5 s: the 5 of EVALS_PER_RUN), steps the rest at 1 s
+    assert (total, every) == (548, 109)
+    assert probe(work("step", 1.0), work("eval", 1.0), budget_seconds=600.0, eval_every=7, clock=clock)[1] == 7
+
+    tokens_per_step, probed = 100, []
+    sized = first_schedule(config(max_minutes=10.0), tokens_per_step, eval_every=None, save_every=None,
+                           probe=lambda: probed.append(1) or (548, 0), epoch_steps=lambda: 1 / 0)
+    # the probe's cadence taken (0: only the final evaluation); checkpoints at the default cadence
+    assert probed == [1] and sized[0].kind == "wsd" and sized[0].total_steps == 548 and sized[1:] == (0, 109)
+    given = first_schedule(config(max_minutes=10.0, eval_every=50), tokens_per_step, eval_every=50, save_every=None,
+                           probe=lambda: (548, 50), epoch_steps=lambda: 1 / 0)
+    assert given[1:] == (50, 50)
+    limited = first_schedule(config(max_steps=40, max_minutes=10.0), tokens_per_step, eval_every=None,
+                             save_every=3, probe=lambda: 1 / 0, epoch_steps=lambda: 1 / 0)
+    assert (limited[0].kind, limited[0].total_steps, limited[1:]) == ("cosine", 40, (8, 3))
+    epoch = first_schedule(config(), tokens_per_step, eval_every=None, save_every=None, probe=lambda: 1 / 0,
+                           epoch_steps=lambda: 12)
+    assert (epoch[0].kind, epoch[0].total_steps, epoch[1:]) == ("cosine", 12, (2, 2))
+
+
+# ---- memory sampling -----------------------------------------------------------------------------------
+
+def test_memory_is_measured_on_the_first_two_steps_then_once_per_interval_and_again_after_a_restart():
+    from trainer.monitor import MemoryReading, MemorySampler
+
+    class Monitor:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    def run(sampler, steps, monitor):
+        measured, carried = [], []
+        for step in steps:
+            sampler.before_step(monitor)
+            reading = sampler.after_step(step, 0.25, lambda: measured.append(step) or MemoryReading(peak_bytes=step))
+            carried.append((reading.peak_bytes, sampler.step))
+        return measured, carried
+
+    one, monitor = MemorySampler(every_step=False, interval=1.0), Monitor()
+    measured, carried = run(one, range(1, 8), monitor)
+    assert measured == [1, 2, 7] and monitor.resets == 3  # 7: a second of training after step 2's end
+    assert carried == [(1, 1), (2, 2), (2, 2), (2, 2), (2, 2), (2, 2), (7, 7)]  # a reading names its step
+    one.restart()  # a new micro-batch: its first two steps
+    assert run(one, range(8, 11), monitor)[0] == [8, 9]
+    assert run(MemorySampler(every_step=True, interval=1e9), range(1, 5), Monitor())[0] == [1, 2, 3, 4]
+
+
+# ---- a resume, restored --------------------------------------------------------------------------------
+
+class _Stream:
+    def __init__(self, position=0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_a_restore_puts_back_the_weights_optimizer_position_rng_and_counters_and_names_a_bad_state(tmp_path):
+    from trainer.checkpoints import CheckpointManager, state_of
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    schedule = Schedule(peak_lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=9, kind="wsd", decay_start=5)
+
+    def state(eval_every=3, save_every=4, **changes):
+        s = state_of(optimizer=optimizer, scaler=None, schedule=schedule, stream=_Stream(17), step=6, tokens=600,
+                     train_seconds=12.5, eval_every=eval_every, save_every=save_every, nonfinite_run=2)
+        return {**s, **changes}
+
+    saving = CheckpointManager(tmp_path, keep=2, dist=_one_process())
+    path = _checkpoint(saving, 6, model, optimizer, state())
+    after = torch.rand(4)  # what the RNG gives after the save
+
+    def restore(save_every=None, eval_every=None, path=path):
+        fresh = torch.nn.Linear(3, 2)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        manager, stream = CheckpointManager(tmp_path, keep=2, dist=_one_process(), save_every=save_every), _Stream()
+        torch.manual_seed(99)
+        r = manager.restore(path, model=fresh, wrapped=fresh, optimizer=fresh_optimizer, scaler=None, stream=stream,
+                            device="cpu", plain=lambda: pytest.fail("one process reads its checkpoint itself"),
+                            eval_every=eval_every)
+        return r, manager, stream, fresh, fresh_optimizer
+
+    r, manager, stream, fresh, fresh_optimizer = restore()
+    assert torch.equal(torch.rand(4), after)  # the RNG as saved
+    assert (r.step, r.tokens, r.train_seconds, r.schedule, r.eval_every, r.nonfinite_run) == (6, 600, 12.5, schedule,
+                                                                                               3, 2)
+    assert stream.position == 17 and manager.save_every == 4 and manager.last_saved_step == 6
+    assert torch.equal(fresh.weight, model.weight)
+    restored_avg, saved_avg = (o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer))
+    assert torch.equal(restored_avg, saved_avg)
+    r, manager, *_ = restore(save_every=10, eval_every=5)  # the cadence given on the resume wins
+    assert (r.eval_every, manager.save_every) == (5, 10)
+    broken = _checkpoint(saving, 8, model, optimizer, {k: v for k, v in state().items() if k != "scheduler"})
+    with pytest.raises(InputError, match=r"step-00000008/state.pt: incomplete training state \(KeyError"):
+        restore(path=broken)
+
+
+def _checkpoint(manager, step, model, optimizer, state):
+    return manager.save(step, model=model, wrapped=model, optimizer=optimizer, state=lambda: state,
+                        meta=lambda: {"note": f"step {step}"}, tokenizer=SimpleNamespace(kind="tiktoken"),
+                        tied=False, sharding="none")
+
+
+# ---- the run directory, opened -------------------------------------------------------------------------
+
+def test_a_run_directory_opens_record_first_and_rewrites_its_plan_only_when_the_setup_differs(tmp_path):
+    import contextlib
+
+    from memplan.plan import Plan
+    from runs_helper import tiny_spec
+    from trainer import rundir
+
+    data = SimpleNamespace(manifest={"tokenizer": {"sha256": "ab" * 32, "kind": "bpe", "vocab_size": 320,
+                                                   "eot_id": 0, "merges": [1, 2]}},
+                           path=tmp_path / "data", train_tokens=1234, source_names=("a", "b"))
+    identity = rundir.run_identity(data)
+    assert identity == {"tokenizer_sha256": "ab" * 32,
+                        "tokenizer": {"kind": "bpe", "vocab_size": 320, "eot_id": 0, "sha256": "ab" * 32},
+                        "data": {"path": str((tmp_path / "data").resolve()), "train_tokens": 1234,
+                                 "sources": ["a", "b"]}}
+
+    written = []
+
+    @contextlib.contextmanager
+    def writing(path):
+        written.append(path.name)
+        yield
+
+    run = tmp_path / "run"
+    plan = Plan(model=tiny_spec("llama", 320), setup=TrainSetup(ctx=64, micro_batch=4), device="cpu")
+    run.mkdir()
+    plan.save(run / "plan.toml")  # a run started again (never checkpointed): its plan written anew all the same
+    (run / "plan.toml").write_text((run / "plan.toml").read_text() + "# old\n")
+    writer = rundir.open_run(run, plan=plan, record=lambda: {"kind": "train", "plan": {}, "config": {},
+                                                             **identity}, writing=writing)
+    writer.close()
+    assert written == ["run.json", "checkpoints", "plan.toml", "metrics.jsonl"]
+    assert rundir.read_record(run)["data"]["train_tokens"] == 1234 and (run / "checkpoints").is_dir()
+    assert Plan.load(run / "plan.toml").setup == plan.setup and "# old" not in (run / "plan.toml").read_text()
+    marked = (run / "plan.toml").read_text() + "# kept\n"
+    (run / "plan.toml").write_text(marked)
+    written.clear()
+    rundir.open_run(run, plan=plan, writing=writing).close()  # a resume with the same setup
+    assert written == ["checkpoints", "metrics.jsonl"] and (run / "plan.toml").read_text() == marked
+    halved = plan.__class__(model=plan.model, setup=plan.setup.replace(micro_batch=2, grad_accum=2), device="cpu")
+    rundir.open_run(run, plan=halved, writing=writing).close()  # another setup: rewritten
+    assert Plan.load(run / "plan.toml").setup.micro_batch == 2
+
+
+# ---- the run report's refresh --------------------------------------------------------------------------
+
+def test_a_report_refresh_is_due_an_interval_after_the_last_render_asked_for_even_a_skipped_one(tmp_path):
+    from trainer.reporting import ReportRenderer
+
+    class Child:
+        returncode = 0
+
+        def __init__(self):
+            self.done = False
+
+        def poll(self):
+            return 0 if self.done else None
+
+        def communicate(self):
+            self.done = True
+            return "", ""
+
+    now, children = [100.0], []
+    renderer = ReportRenderer(tmp_path, on_failure=pytest.fail, refresh_seconds=60.0, clock=lambda: now[0])
+    renderer._start = lambda: children.append(Child()) or children[-1]
+    assert renderer.refresh_due()  # never rendered
+    renderer.last_render = now[0]  # the run opens
+    now[0] += 59.5
+    assert not renderer.refresh_due()
+    now[0] += 0.5
+    assert renderer.refresh_due()
+    renderer.refresh()
+    assert len(children) == 1 and renderer.last_render == 160.0 and not renderer.refresh_due()
+    now[0] += 60.0
+    renderer.refresh()  # the first still renders: none started, and the next refresh an interval from now
+    assert len(children) == 1 and renderer.last_render == 220.0 and not renderer.refresh_due()
+    now[0] += 30.0
+    assert renderer.write() == tmp_path / "report.html" and len(children) == 2 and renderer.last_render == 250.0
+
+
+# ---- the model, built for this process -----------------------------------------------------------------
+
+def test_a_task_builds_its_model_seeded_in_one_process_and_through_the_wrapper_over_several(monkeypatch):
+    from trainer import distributed
+    from trainer.task import TrainingTask
+
+    asked = []
+
+    def build_model(spec, setup, device, with_weights):
+        asked.append((device, with_weights))
+        return torch.nn.Linear(4, 4)
+
+    task = TrainingTask(build_model=build_model, make_stream=None, evaluate=None, prompts=None)
+    setup = TrainSetup(ctx=8, micro_batch=1)
+    wrapped, model = task.built(None, setup, dist=_one_process(), seed=3, device="cpu", with_weights=True)
+    again, _ = task.built(None, setup, dist=_one_process(), seed=3, device="cpu", with_weights=False)
+    assert wrapped is model and torch.equal(model.weight, again.weight)  # seeded
+    assert asked == [("cpu", True), ("cpu", False)]
+
+    calls = []
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    def build_wrapped_model(spec, setup, dist, seed, build):
+        calls.append(seed)
+        return Wrapped(build("cuda:1", dist.rank == 0))
+
+    monkeypatch.setattr(distributed, "build_wrapped_model", build_wrapped_model)
+    monkeypatch.setattr(distributed, "unwrapped", lambda w: w.module)
+    asked.clear()
+    for rank, with_weights in ((0, True), (1, True), (0, False)):
+        dist = SimpleNamespace(rank=rank, world_size=2)
+        wrapped, model = task.built(None, setup, dist=dist, seed=5, device="cpu", with_weights=with_weights)
+        assert isinstance(wrapped, Wrapped) and model is wrapped.module
+    # rank 0 loads the starting weights, the others receive them; a resume loads none
+    assert calls == [5, 5, 5] and asked == [("cuda:1", True), ("cuda:1", False), ("cuda:1", False)]
+
+
+# ---- signals, and stopping together --------------------------------------------------------------------
+
+def test_a_signal_is_the_reason_to_stop_a_second_stops_now_and_the_handlers_come_back():
+    import os
+    import signal
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stop = Stopping(config(max_steps=10))
+    with pytest.raises(KeyboardInterrupt):
+        with stop.catching_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # (delivered between bytecodes)
+            assert stop.stop_signal == signal.SIGTERM and stop.reason(1, 0, None) == "interrupted"
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    elsewhere = []
+
+    def in_a_thread():
+        with Stopping(config()).catching_signals():
+            elsewhere.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert elsewhere == [before[0]]  # nothing installed outside the main thread
+
+
+def test_the_ranks_stop_on_any_ranks_signal_and_on_rank_0s_clock():
+    schedule = new_schedule(config(), 100)
+    stop = Stopping(config(max_steps=10))
+    shared = []
+    reason = stop.reason_in_ranks(3, 0, schedule, largest=lambda v: max(v, 15),  # rank 1 got a SIGTERM
+                                  from_rank0=lambda r: shared.append(r) or r)
+    assert reason == "interrupted" and stop.stop_signal == 15 and shared == ["interrupted"]
+    calm = Stopping(config(max_steps=10))
+    assert calm.reason_in_ranks(3, 0, schedule, largest=lambda v: v, from_rank0=lambda r: "max_minutes") \
+        == "max_minutes" and calm.stop_signal is None  # rank 0's clock said so
+    assert calm.reason_in_ranks(10, 0, schedule, largest=lambda v: v, from_rank0=lambda r: r) == "max_steps"
+
+
+# ---- a new run's checks, under the run's lock ----------------------------------------------------------
+
+def test_a_new_run_is_checked_under_its_lock_which_a_failed_check_releases(base, tmp_path):
+    from memplan.hardware import load_profile
+    from memplan.plan import Plan
+    from runs_helper import tiny_spec
+    from trainer import rundir
+    from trainer.checkpoints import check_new_run, holding_lock
+    from trainer.data import PreparedData
+
+    run_dir, corpus, _ = base
+    data, profile = PreparedData(corpus), load_profile("cpu")
+    plan = Plan(model=tiny_spec("llama", data.vocab_size), setup=TrainSetup(ctx=64, micro_batch=2), device="cpu")
+    new = tmp_path / "new"
+    seen = []
+
+    def checked():
+        assert (new / rundir.LOCK_FILE).exists()  # locked before the checks: no second writer passes them
+        check_new_run(new, plan, data, profile, allow_existing=False, verify_data=True)
+        seen.append("checked")
+        return "built"
+
+    built, lock = holding_lock(new, checked)
+    assert built == "built" and seen == ["checked"]
+    lock.release()
+    with pytest.raises(InputError, match="already holds a run"):
+        check_new_run(run_dir, plan, data, profile, allow_existing=False, verify_data=False)
+    with pytest.raises(InputError, match="holds checkpoints; resume it with --resume"):
+        check_new_run(run_dir, plan, data, profile, allow_existing=True, verify_data=False)
+    other = Plan(model=tiny_spec("llama", data.vocab_size + 1), setup=plan.setup, device="cpu")
+    with pytest.raises(InputError, match="the model's vocabulary is"):
+        holding_lock(tmp_path / "refused", lambda: check_new_run(tmp_path / "refused", other, data, profile,
+                                                                 allow_existing=False, verify_data=False))
+    assert not (tmp_path / "refused").exists()  # the lock released, and the directory it made removed
+    holding_lock(tmp_path / "refused", lambda: None)[1].release()  # free again
+
+
+# ---- a step's batches ----------------------------------------------------------------------------------
+
+def test_a_steps_batches_are_the_streams_next_micro_batches_in_order():
+    from trainer.step import next_batches
+
+    rows = iter([(torch.full((2, 3), i), torch.full((2, 3), -i)) for i in range(5)])
+    batches = next_batches(rows, 3, torch.device("cpu"))
+    assert [(int(x[0, 0]), int(y[0, 0])) for x, y in batches] == [(0, 0), (1, -1), (2, -2)]
+    assert int(next(rows)[0][0, 0]) == 3  # no more taken than the step's
+
+
+# ---- the run's lines -----------------------------------------------------------------------------------
+
+def test_the_run_log_hands_every_line_on_and_flushes_train_lines_in_batches_and_events_at_once(tmp_path,
+                                                                                                monkeypatch):
+    import contextlib
+
+    from trainer import rundir
+
+    def train(step):
+        return records.TrainLine(step=step, loss=4.0, tokens_per_second=1.0, lr=1e-3, grad_norm=1.0, tokens=step,
+                                 step_seconds=1.0, time=float(step), mfu=0.1, micro_batch=1, grad_accum=1,
+                                 skipped=False, eta_seconds=1.0, total_steps=9)
+
+    on_disk = lambda: [r.step for r in rundir.metric_records(tmp_path)]  # noqa: E731
+    written, seen = [], []
+
+    @contextlib.contextmanager
+    def writing(path):
+        written.append(path.name)
+        yield
+
+    monkeypatch.setattr(rundir, "METRICS_FLUSH_SECONDS", 1e9)
+    log = rundir.RunLog(writing)
+    log.on_event(seen.append)
+    log.emit(train(1))  # before the file is open: handed on only
+    log.writer = rundir.MetricsWriter(tmp_path)
+    log.writer.flushed = -math.inf  # the first line finds a flush due
+    log.emit(train(2))
+    log.emit(train(3))
+    assert [r.step for r in seen] == [1, 2, 3] and on_disk() == [2]  # 3 waits in the buffer
+    log.emit(records.CheckpointEvent(step=3, path="p", seconds=0.5))
+    assert on_disk() == [2, 3, 3] and written == ["metrics.jsonl"] * 3  # an event is written at once, with it 3
+    log.emit(train(4))
+    synced, fsync = [], rundir.os.fsync
+    monkeypatch.setattr(rundir.os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    log.flush()
+    assert on_disk() == [2, 3, 3, 4] and not synced
+    log.flush(sync=True)  # a checkpoint's lines: onto the disk
+    assert synced == [log.writer._f.fileno()]
+
+    @contextlib.contextmanager
+    def full(path):
+        yield
+        raise DiskFull(f"{path}: no space left on device")
+
+    log._writing = full
+    with pytest.raises(DiskFull):  # a full disk stops the run ...
+        log.emit(train(5))
+    log.close()  # ... and closing after it loses the lines that cannot be written, raising nothing
+    assert log.writer._f.closed
+    quiet = rundir.RunLog(writing, active=False)  # a rank other than 0
+    quiet.on_event(pytest.fail)
+    quiet.emit(train(1))

@@ -24,7 +24,20 @@ from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import rundir
 from trainer.rundir import CHECKPOINT_DIR, METRICS_FILE, TOKENIZER_FILE  # noqa: F401  (loop imports them here)
+from trainer.schedule import Schedule
 from trainer.stopping import LIMITS, DiskFull
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a resumed run goes on from (``CheckpointManager.restore``): a checkpoint's state.pt, read."""
+
+    step: int
+    tokens: int
+    train_seconds: float  # over all invocations so far
+    schedule: Schedule
+    eval_every: int | None  # the evaluation cadence: the one given, else the run's as saved
+    nonfinite_run: int
 
 
 class CheckpointManager:
@@ -144,6 +157,33 @@ class CheckpointManager:
         distributed.load_single_process_state(wrapped, optimizer, plain_model, plain_optimizer, self.dist.is_main)
         return meta, {**state, "optimizer": None}
 
+    def restore(self, path: Path, *, model: torch.nn.Module, wrapped: torch.nn.Module, optimizer, scaler, stream,
+                device, plain: Callable[[], tuple[torch.nn.Module, object]], eval_every: int | None) -> Restored:
+        """A resume from the (verified) checkpoint in ``path``: weights and optimizer state loaded (``load``), the
+        grad ``scaler``'s state (if the run has one), the data ``stream``'s position and the RNG states restored;
+        the evaluation and checkpoint cadence the run saved unless one was given (``eval_every``, ``save_every``),
+        the checkpoint counted as saved. An ``InputError`` naming state.pt when the state is incomplete."""
+        _, state = self.load(path, model=model, wrapped=wrapped, optimizer=optimizer, device=device, plain=plain)
+        try:
+            if state.get("optimizer") is not None:  # (a sharded checkpoint's is loaded already)
+                optimizer.load_state_dict(state["optimizer"])
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            schedule = Schedule(**state["scheduler"])
+            stream.load_state_dict(state["data"])
+            ckpt.set_rng_state(state["rng"])
+            restored = Restored(step=int(state["step"]), tokens=int(state["tokens"]),
+                                train_seconds=float(state.get("train_seconds", 0.0)), schedule=schedule,
+                                eval_every=state["eval_every"] if eval_every is None else eval_every,
+                                nonfinite_run=int(state.get("nonfinite_run", 0)))
+            if self.save_every is None:
+                self.save_every = state["save_every"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{path / ckpt.STATE_FILE}: incomplete training state ({type(e).__name__}: {e}); the "
+                             "checkpoint is corrupt") from None
+        self.last_saved_step = restored.step
+        return restored
+
 
 # =================================================================================================
 # Checks before anything is written
@@ -153,6 +193,34 @@ def lock_run(run_dir: Path) -> "rundir.RunLock | None":
     """The run's lock, taken by the process that writes it (rank 0 of a distributed run)."""
     rank, _, _ = distributed.env_world()
     return rundir.lock_run(run_dir) if rank == 0 else None
+
+
+def holding_lock(run_dir: Path, build: Callable[[], object]) -> tuple[object, "rundir.RunLock | None"]:
+    """(``build()``, the run's lock) with ``build`` run while holding the lock (``lock_run``: rank 0's, None on
+    other ranks), which the caller then keeps; released again when ``build`` fails."""
+    lock = lock_run(run_dir)
+    try:
+        return build(), lock
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def check_new_run(run_dir: Path, plan: Plan, data, profile, *, allow_existing: bool, verify_data: bool) -> None:
+    """Every check a new run makes before anything is written: ``run_dir`` free (``check_run_dir_free``;
+    ``allow_existing``: it may hold a run that never reached a checkpoint), its metrics file a plain one, the
+    plan right for the data and this launch (``check_plan_for_data``) and fitting the device
+    (``check_plan_fits``); the data's files verified (``verify_data``)."""
+    if not allow_existing:
+        check_run_dir_free(run_dir)
+    elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
+        raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
+    check_metrics_file(run_dir)
+    check_plan_for_data(plan, data)
+    check_plan_fits(plan, profile)
+    if verify_data:
+        data.verify()
 
 
 def check_metrics_file(run_dir: Path) -> None:

@@ -43,9 +43,13 @@ same global batch. An out-of-memory step stops a distributed run (ranks cannot h
 micro-batch independently).
 
 The trainer owns the loop; what is decided around it lives in units of their own, each testable alone:
-``trainer.schedule`` (the learning rate, the evaluation and checkpoint cadence), ``trainer.stopping``
-(limits, signals, non-finite losses, the out-of-memory back-off), ``trainer.evaluation`` (held-out loss and
-samples) and ``trainer.checkpoints`` (when to save, keep-N, distributed saving, resume checks and loading).
+``trainer.schedule`` (the learning rate, the evaluation and checkpoint cadence, a time-limited run's probe),
+``trainer.stopping`` (limits, signals and the ranks' agreement on them, non-finite losses),
+``trainer.backoff`` (a step out of memory: the micro-batch halved, the stream rebuilt where it was),
+``trainer.evaluation`` (held-out loss and samples), ``trainer.checkpoints`` (when to save, keep-N, distributed
+saving, a new run's and a resume's checks, restoring), ``trainer.rundir`` (opening the run directory, the run
+record, the metrics lines: ``RunLog``), ``trainer.monitor`` (which steps' memory is measured:
+``MemorySampler``) and ``trainer.reporting`` (the report, rendered in a process of its own).
 What is trained comes as factories (``trainer.task.TrainingTask``: model, batches, evaluation): a prepared
 corpus here (``trainer.task.pretraining``), instruction data for ``memplan finetune``
 (``trainer.finetune.finetune_task``), the same in one process and in every rank.
@@ -54,7 +58,6 @@ corpus here (``trainer.task.pretraining``), instruction data for ``memplan finet
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import signal
 import time
@@ -71,29 +74,29 @@ from memplan.setup import TrainSetup
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer import records, rundir
+from trainer.backoff import back_off, release_memory
 from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
-                                 check_metrics_file, check_plan_fits, check_plan_for_data, check_run_dir_free,
-                                 check_same_plan, lock_run, predicted_for, resume_settings, state_of)
+                                 check_metrics_file, check_new_run, check_plan_fits, check_plan_for_data,
+                                 check_run_dir_free, check_same_plan, holding_lock, lock_run, predicted_for,
+                                 resume_settings, state_of)
 from trainer.device import current_rss as _process_rss, keep_heap_resident, torch_device_for, trim_heap as _trim_heap  # noqa: F401
 from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
-from trainer.monitor import MemoryMonitor
-from trainer.reporting import ReportRenderer
+from trainer.monitor import MEMORY_SAMPLE_SECONDS, MemoryMonitor, MemorySampler
+from trainer.reporting import REPORT_REFRESH_SECONDS, ReportRenderer
 from trainer.rundir import METRICS_FILE, PLAN_FILE, REPORT_FILE, MetricsWriter, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
 from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
-                              TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule, cadence, decayed,
-                              default_eval_every, default_warmup, new_schedule, probed_length, refitted,
-                              steps_from_limits)
-from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
+                              PROBE_STEPS, TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule,
+                              cadence, decayed, default_eval_every, default_warmup, first_schedule, new_schedule,
+                              probe, probed_length, refitted, steps_from_limits)
+from trainer.step import make_optimizer, next_batches, param_dtype, set_matmul_precision, train_step
 from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingStopped, eta_seconds,  # noqa: F401
-                              halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks)
+                              halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks,
+                              out_of_memory_outside_step)
 from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
                           starting_weights_again)
 
-PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
-REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often (trainer.reporting)
-MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
 SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
 
@@ -228,8 +231,10 @@ class Trainer:
     ``trainer.task.pretraining``: the plan's model, seeded or from ``starting``'s weights, on a prepared
     corpus): the model, the batches, the held-out loss and the prompts, the same in one process and in every
     rank. The trainer owns the loop and composes the units that decide around it: the learning rate
-    (``trainer.schedule``), when to stop and how to back off (``trainer.stopping.Stopping``), evaluations
-    (``trainer.evaluation.Evaluation``) and checkpoints (``trainer.checkpoints.CheckpointManager``).
+    (``trainer.schedule``), when to stop (``trainer.stopping.Stopping``), how to back off
+    (``trainer.backoff``), evaluations (``trainer.evaluation.Evaluation``), checkpoints
+    (``trainer.checkpoints.CheckpointManager``), the run's lines (``trainer.rundir.RunLog``), memory samples
+    (``trainer.monitor.MemorySampler``) and the report (``trainer.reporting.ReportRenderer``).
 
     Attributes a caller (or a test) may use between construction and ``run()``: ``model`` (the
     plain ``nn.Module``; forward hooks registered on it fire during training), ``optimizer``,
@@ -252,18 +257,10 @@ class Trainer:
         self.train_seconds = 0.0  # cumulative over all invocations (restored on resume)
         self.schedule: Schedule | None = None
         self.eval_every = config.eval_every
-        self._events: list[Callable[[dict], None]] = []
-        self._writer: MetricsWriter | None = None
-        self._report_written = -math.inf
-        self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self._emit(
-            records.ReportFailedEvent(step=self.step, error=line)))
+        # (the refresh interval read here, when the trainer is built: a test may set trainer.loop's)
+        self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self.log.emit(
+            records.ReportFailedEvent(step=self.step, error=line)), refresh_seconds=REPORT_REFRESH_SECONDS)
         self._recent: list[float] = []  # the latest step times, for the ETA
-        # the latest memory reading, the step it measured and when (``_memory_due``: sampled, not every step)
-        self._memory = None
-        self._memory_step: int | None = None
-        self._memory_at = -math.inf
-        self._memory_clock = 0.0  # training seconds of this invocation, the clock memory samples run on
-        self._memory_reads = 0  # steps measured since the invocation started (or the micro-batch changed)
         self._resume_from = resume_from
         self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
         # a resume: the limits the run had when the command line replaced them (None: kept as they were)
@@ -277,6 +274,7 @@ class Trainer:
         self.stopping = Stopping(config)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep, dist=self.dist,
                                              save_every=config.save_every)
+        self.log = rundir.RunLog(self._writing, active=self.is_main)  # rank 0 alone writes and reports
         self.evaluation = Evaluation(config=config, loss=self.task.evaluate, prompts=self.task.prompts,
                                      tokenizer=self.tokenizer, model=lambda: self.model, setup=lambda: self.setup,
                                      device=self.device)
@@ -286,27 +284,21 @@ class Trainer:
             _trim_heap()
             keep_heap_resident()  # and the steps' freed heap is not given back and faulted in again
         self.baseline_bytes = _process_rss()  # the process before the model exists (its runtime context, on a CPU)
-        fresh = resume_from is None  # a checkpoint has its own weights: the starting ones are not loaded
-        if self.dist.world_size > 1:  # DDP or FSDP2; the plain module (FSDP2's is sharded in place) as self.model
-            self.wrapped = distributed.build_wrapped_model(
-                plan.model, self.setup, self.dist, config.seed,
-                build=lambda device, with_weights: self.task.build_model(plan.model, self.setup, device,
-                                                                         with_weights and fresh))
-            self.model = distributed.unwrapped(self.wrapped)
-        else:
-            torch.manual_seed(config.seed)
-            self.model = self.task.build_model(plan.model, self.setup, self.device, fresh)
-            self.wrapped = self.model
+        # a checkpoint has its own weights: the starting ones are not loaded (trainer.task.TrainingTask.built)
+        self.wrapped, self.model = self.task.built(plan.model, self.setup, dist=self.dist, seed=config.seed,
+                                                   device=self.device, with_weights=resume_from is None)
         self.optimizer = self._make_optimizer()
         self.scaler = self._make_scaler()
         self.stream = self._new_stream(self.setup.micro_batch)
         self.step_model = torch.compile(self.wrapped) if self.setup.compile else self.wrapped
         self.monitor = MemoryMonitor(self.device)
+        # (the interval read here, when the trainer is built: a test may set trainer.loop's)
+        self.sampler = MemorySampler(every_step=self.dist.world_size > 1, interval=MEMORY_SAMPLE_SECONDS)
         self.predicted = predicted_for(plan, profile)
         self.flops_per_step = model_flops_per_step(plan)
         self.peak_flops = peak_flops_per_second(profile, self.setup)
         if resume_from is not None:  # Trainer.resume verified the files already
-            self._restore(*self._load(resume_from.path))
+            self._restore(resume_from.path)
         self.first_step = self.step
 
     # ---- the units' state, as the loop and its callers read it ----------------------------------------
@@ -320,25 +312,9 @@ class Trainer:
         self.checkpoints.save_every = value
 
     @property
-    def last_saved_step(self) -> int:
-        return self.checkpoints.last_saved_step
-
-    @property
     def stop_signal(self) -> int | None:
         """The signal (SIGINT, SIGTERM) that asked the run to stop."""
         return self.stopping.stop_signal
-
-    @property
-    def nonfinite_run(self) -> int:
-        return self.stopping.nonfinite_run
-
-    @property
-    def last_eval(self) -> records.EvalLine | None:
-        return self.evaluation.last
-
-    @property
-    def last_eval_step(self) -> int:
-        return self.evaluation.last_step
 
     @property
     def elapsed_seconds(self) -> float:
@@ -358,15 +334,7 @@ class Trainer:
         run_dir = Path(run_dir)
 
         def checked() -> "Trainer":
-            if not allow_existing:
-                check_run_dir_free(run_dir)
-            elif ckpt.latest_checkpoint(run_dir / CHECKPOINT_DIR) is not None:
-                raise InputError(f"--out {run_dir}: holds checkpoints; resume it with --resume")
-            check_metrics_file(run_dir)
-            check_plan_for_data(plan, data)
-            check_plan_fits(plan, profile)
-            if config.verify_data:
-                data.verify()
+            check_new_run(run_dir, plan, data, profile, allow_existing=allow_existing, verify_data=config.verify_data)
             return cls(run_dir, plan, data, config, profile, device, None, starting, task)
 
         return cls._holding_run_lock(run_dir, checked)  # locked before the checks: no second writer passes them
@@ -399,15 +367,8 @@ class Trainer:
 
     @staticmethod
     def _holding_run_lock(run_dir: Path, build) -> "Trainer":
-        """``build()`` while holding the run's lock (``lock_run``: rank 0's, None on other ranks), which the
-        trainer then keeps; released again when ``build`` fails."""
-        lock = _lock_run(run_dir)
-        try:
-            trainer = build()
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
+        """``build()`` while holding the run's lock (``trainer.checkpoints.holding_lock``), which it then keeps."""
+        trainer, lock = holding_lock(run_dir, build)
         trainer._lock = lock
         return trainer
 
@@ -448,175 +409,93 @@ class Trainer:
             return None
         return torch.amp.GradScaler(self.device.type)
 
-    def _load(self, path: Path) -> tuple[dict, dict]:
-        """(meta, state) of a checkpoint, its weights and optimizer state loaded into this run's model
-        (``CheckpointManager.load``; a single-process checkpoint over several ranks is read by rank 0 into
-        the task's model, built on the CPU)."""
+    def _restore(self, path: Path) -> None:
+        """Go on from the checkpoint in ``path`` (``CheckpointManager.restore``; a single-process checkpoint
+        over several ranks is read by rank 0 into the task's model, built on the CPU)."""
         def plain():
             model = self.task.build_model(self.plan.model, self.setup, "cpu", False)
             return model, self._make_optimizer(model)
 
-        return self.checkpoints.load(path, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
-                                     device=self.device, plain=plain)
-
-    def _restore(self, meta: dict, state: dict) -> None:
-        where = f"{self._resume_from.path / ckpt.STATE_FILE}"
-        try:
-            if state.get("optimizer") is not None:  # (a sharded checkpoint's is loaded already)
-                self.optimizer.load_state_dict(state["optimizer"])
-            if self.scaler is not None and state.get("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
-            self.schedule = Schedule(**state["scheduler"])
-            self.stream.load_state_dict(state["data"])
-            ckpt.set_rng_state(state["rng"])
-            self.step = int(state["step"])
-            self.tokens = int(state["tokens"])
-            self.train_seconds = float(state.get("train_seconds", 0.0))
-            self.eval_every = state["eval_every"] if self.config.eval_every is None else self.config.eval_every
-            self.save_every = state["save_every"] if self.config.save_every is None else self.config.save_every
-            self.stopping.nonfinite_run = int(state.get("nonfinite_run", 0))
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"{where}: incomplete training state ({type(e).__name__}: {e}); the checkpoint "
-                             "is corrupt") from None
-        self.checkpoints.last_saved_step = self.step
+        r = self.checkpoints.restore(path, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
+                                     scaler=self.scaler, stream=self.stream, device=self.device, plain=plain,
+                                     eval_every=self.config.eval_every)
+        self.schedule, self.step, self.tokens, self.train_seconds = r.schedule, r.step, r.tokens, r.train_seconds
+        self.eval_every = r.eval_every
+        self.stopping.nonfinite_run = r.nonfinite_run
         self.evaluation.last_step = self.step
 
     # ---- the loop ----------------------------------------------------------------------------------
 
     def on_event(self, callback: Callable[[records.Record], None]) -> None:
         """Call ``callback(record)`` for every metrics line (``trainer.records``), as it is written."""
-        self._events.append(callback)
-
-    def _emit(self, line: records.Record) -> None:
-        if not self.is_main:  # rank 0 alone writes and reports
-            return
-        if self._writer is not None:
-            with self._writing(self._writer.path):
-                # train lines are flushed in batches (at most rundir.METRICS_FLUSH_SECONDS late); any other at once
-                self._writer.write(line, flush=not isinstance(line, records.TrainLine) or self._writer.flush_due())
-        for cb in self._events:
-            cb(line)
-
-    def _flush_metrics(self) -> None:
-        """Every line written so far onto the file (before anything reads it: the report, the summary)."""
-        if self._writer is not None:
-            with self._writing(self._writer.path):
-                self._writer.flush()
+        self.log.on_event(callback)
 
     def run(self) -> RunSummary:
         """Train until a stop criterion is met (or a signal arrives); returns what happened.
 
         Raises ``TrainingStopped`` (after logging and writing the report) when the run cannot go on.
         """
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for s in previous:
-                signal.signal(s, self._on_signal)
-        except ValueError:  # not the main thread: no signal handling
-            previous = {}
-        try:
-            self.open()
-            while (reason := self._stop_reason()) is None:
-                self.advance()
-            return self._finish(reason)
+            with self.stopping.catching_signals():
+                self.open()
+                while (reason := self._stop_reason()) is None:
+                    self.advance()
+                return self._finish(reason)
         except (MemoryError, RuntimeError, ImportError, OSError) as e:  # a step's own are backed off from
             message = memory_failure(e)
             if message is None:
                 raise
-            stopped = TrainingStopped(f"step {self.step}: out of memory outside a training step ({message}); "
-                                      f"{self.checkpoints.newest_note()}; free memory (or raise `ulimit -v`), "
-                                      "then continue it with --resume")
-            raise stopped from None
+            raise TrainingStopped(out_of_memory_outside_step(self.step, message,
+                                                             self.checkpoints.newest_note())) from None
         finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
             self.close()
 
     def open(self) -> None:
         """Start writing the run: directories, plan.toml, metrics.jsonl, the schedule, the start line.
         (``run`` calls it; call it yourself only to drive the loop with ``advance``.)"""
-        self.stopping.started = self._report_written = time.perf_counter()  # the first refresh a minute in
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self._resume_from is None:  # what this run is, before anything else of it is written
-                with self._writing(self.run_dir / rundir.RUN_FILE):
-                    rundir.write_record(self.run_dir, self.record())
-            with self._writing(self.run_dir / CHECKPOINT_DIR):
-                (self.run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
-            if self._resume_from is None or self._plan_on_disk_differs():  # (resumed at another world size)
-                with self._writing(self.run_dir / PLAN_FILE):
-                    self.plan.save(self.run_dir / PLAN_FILE)
-            with self._writing(self.run_dir / METRICS_FILE):
-                self._writer = MetricsWriter(self.run_dir)
-        if self.schedule is None:
-            self.schedule = self._fix_schedule(self.stopping.started)
+        self.stopping.started = self.report.last_render = time.perf_counter()  # the first refresh a minute in
+        if self.is_main:  # (rundir.open_run)
+            self.log.writer = rundir.open_run(self.run_dir, plan=self.plan, writing=self._writing,
+                                           record=self.record if self._resume_from is None else None)
+        if self.schedule is None:  # (trainer.schedule.first_schedule)
+            self.schedule, self.eval_every, self.save_every = first_schedule(
+                self.config, self.setup.tokens_per_step, eval_every=self.eval_every, save_every=self.save_every,
+                probe=self._probe, epoch_steps=lambda: max(1, len(self.stream.epoch_plan(0)[1]) // (
+                    self.stream.global_batch * self.setup.grad_accum)))
             # timed probe steps fix a time-limited run's length: every rank takes rank 0's
             self.schedule, self.eval_every, self.save_every = distributed.from_rank0(
                 (self.schedule, self.eval_every, self.save_every))
-        self._emit(self._start_line())
-
-    def _plan_on_disk_differs(self) -> bool:
-        try:
-            return Plan.load(self.run_dir / PLAN_FILE).setup != self.setup
-        except (InputError, OSError):
-            return True
+        self.log.emit(self._start_line())
 
     def close(self) -> None:
         self.monitor.close()
         self.report.close()
-        if self._writer is not None:
-            try:
-                self._flush_metrics()
-            except (DiskFull, OSError):  # closing after a failure: lines that could not be written are lost (the
-                pass  # run's checkpoints are not); a run that ends normally flushed them in _finish already
-            self._writer.close()
+        self.log.close()
         if self._lock is not None:
             self._lock.release()
 
-    def _on_signal(self, signum, frame) -> None:
-        if not self.stopping.signal(signum):  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-
-    def _fix_schedule(self, started: float) -> Schedule:
-        """The schedule's length: from --max-steps / --tokens, or for --max-minutes alone from timed steps,
-        else one epoch of the training batches; the evaluation and checkpoint cadence with it."""
-        c = self.config
-        total, kind = steps_from_limits(c, self.setup.tokens_per_step), "cosine"
-        if total is None and c.max_minutes is not None:  # an estimate until the decay starts (see Schedule)
-            total = self._probe_steps(c.max_minutes * 60.0 - (time.perf_counter() - started))
-            kind = "wsd"
-        elif total is None:  # one epoch of the train split
-            total = max(1, len(self.stream.epoch_plan(0)[1]) // (self.stream.global_batch * self.setup.grad_accum))
-        self.eval_every, self.save_every = cadence(self.eval_every, self.save_every, total)
-        return new_schedule(c, total, kind)
-
-    def _probe_steps(self, budget_seconds: float) -> int:
-        """How many steps fit in ``budget_seconds``, from PROBE_STEPS real steps timed at learning rate 0 (the
-        weights do not move; optimizer and scaler state are reset after) and one timed evaluation
-        (``trainer.schedule.probed_length``; sets ``eval_every`` with the default cadence)."""
+    def _probe(self) -> tuple[int, int | None]:
+        """(steps, eval_every) of a time-limited run in the time it has left, from PROBE_STEPS real steps on
+        the next batches at learning rate 0 (the weights do not move; optimizer and scaler state are reset
+        after) and one timed evaluation (``trainer.schedule.probe``)."""
         data_state = self.stream.state_dict()
-        batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
+        batches = next_batches(self.stream, self.setup.grad_accum, self.device)
         self.stream.load_state_dict(data_state)
         for g in self.optimizer.param_groups:
             g["lr"] = 0.0
-        times = []
-        for _ in range(PROBE_STEPS):
-            t0 = time.perf_counter()
-            result = self._train_step(batches)
-            float(result.loss)
-            times.append(time.perf_counter() - t0)
-        del batches
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer.state.clear()
-        self.scaler = self._make_scaler()
-        t0 = time.perf_counter()
-        self._evaluate(step=0, emit=False)
-        eval_seconds = time.perf_counter() - t0
+
+        def reset() -> None:
+            batches.clear()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.state.clear()
+            self.scaler = self._make_scaler()
+
+        total, eval_every, eval_seconds = probe(
+            lambda: float(self._train_step(batches).loss), lambda: self._evaluate(step=0, emit=False),
+            budget_seconds=self.config.max_minutes * 60.0 - self.stopping.elapsed,
+            eval_every=self.config.eval_every, after_steps=reset)
         self.evaluation.seconds.append(eval_seconds)
-        total, eval_every = probed_length(budget_seconds, times, eval_seconds, self.config.eval_every)
-        if self.config.eval_every is None:
-            self.eval_every = eval_every
-        return total
+        return total, eval_every
 
     def planned_steps(self) -> int | None:
         """The step this run is planned to end at: its step or token limit (the nearer), else the schedule's
@@ -649,12 +528,6 @@ class Trainer:
             checkpoint=str(self._resume_from.path) if self._resume_from is not None else None,
         )
 
-    def _to_device(self, xy):
-        x, y = xy
-        if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
-
     def _train_step(self, batches):
         return train_step(self.step_model, self.optimizer, batches, self.setup, self.device.type, scaler=self.scaler,
                           clip=self.config.clip or None)
@@ -662,11 +535,8 @@ class Trainer:
     def _stop_reason(self) -> str | None:
         if self.dist.world_size == 1:
             return self.stopping.reason(self.step, self.tokens, self.schedule)
-        # a signal any rank received stops them all; the clock's verdict is rank 0's
-        signum = distributed.max_across_ranks(self.stopping.stop_signal or 0, self.device)
-        if signum and self.stopping.stop_signal is None:
-            self.stopping.stop_signal = signum
-        return distributed.from_rank0(self.stopping.reason(self.step, self.tokens, self.schedule))
+        return self.stopping.reason_in_ranks(self.step, self.tokens, self.schedule, from_rank0=distributed.from_rank0,
+                                             largest=lambda v: distributed.max_across_ranks(v, self.device))
 
     def advance(self) -> records.TrainLine:
         """One optimizer step with everything around it (learning rate, logging, evaluation and checkpoint
@@ -690,7 +560,7 @@ class Trainer:
             tokens_per_second=self.setup.tokens_per_step / seconds, lr=lr,
             grad_norm=_finite_or_none(grad_norm), tokens=self.tokens, step_seconds=seconds,
             time=self.train_seconds, mfu=self.flops_per_step / seconds / self.peak_flops,
-            memory_bytes=memory.peak_bytes, memory_step=self._memory_step,
+            memory_bytes=memory.peak_bytes, memory_step=self.sampler.step,
             micro_batch=self.setup.micro_batch,
             grad_accum=self.setup.grad_accum, skipped=skipped,
             eta_seconds=self._eta(),
@@ -698,12 +568,13 @@ class Trainer:
             memory_allocated_bytes=memory.allocated_bytes,
             nonfinite=None if finite else str(loss),
         )
-        self._emit(line)
+        self.log.emit(line)
         if not finite:
-            self._emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.nonfinite_run, lr=lr))
+            self.log.emit(records.NonfiniteEvent(step=step, loss=str(loss), in_a_row=self.stopping.nonfinite_run,
+                                                 lr=lr))
             if give_up:
                 self._write_report()
-                raise TrainingStopped(self.stopping.nonfinite_message(step, loss, self.last_saved_step,
+                raise TrainingStopped(self.stopping.nonfinite_message(step, loss, self.checkpoints.last_saved_step,
                                                                       self.setup.precision))
         if self.eval_every and step % self.eval_every == 0:
             self._evaluate(step)
@@ -720,7 +591,7 @@ class Trainer:
         if decay is None:
             return
         self.schedule, details = decay
-        self._emit(records.DecayEvent(step=self.step, **details))
+        self.log.emit(records.DecayEvent(step=self.step, **details))
 
     def _eta(self) -> float:
         """Seconds left (``trainer.stopping.eta_seconds``)."""
@@ -728,13 +599,12 @@ class Trainer:
                            self._recent, self.elapsed_seconds)
 
     def _run_step(self, step: int):
-        """One optimizer step, redone with half the micro-batch when it runs out of memory."""
+        """One optimizer step, redone with half the micro-batch when it runs out of memory; its memory
+        measured when the sampler says so (``trainer.monitor.MemorySampler``)."""
         while True:
             data_state = self.stream.state_dict()
-            batches = [self._to_device(next(self.stream)) for _ in range(self.setup.grad_accum)]
-            measure = self._memory_due()
-            if measure:
-                self.monitor.reset()
+            batches = next_batches(self.stream, self.setup.grad_accum, self.device)
+            self.sampler.before_step(self.monitor)
             oom = None
             t0 = time.perf_counter()
             try:
@@ -742,15 +612,8 @@ class Trainer:
                 loss = float(distributed.mean_across_ranks(result.loss))  # waits for the device
                 seconds = time.perf_counter() - t0
                 grad_norm = float(result.grad_norm)
-                self._memory_clock += seconds
-                if measure:
-                    memory = self.monitor.read()
-                    if self.dist.world_size > 1 and memory.peak_bytes is not None:  # the fullest device
-                        memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(
-                            memory.peak_bytes, self.device))
-                    self._memory, self._memory_step, self._memory_at = memory, step, self._memory_clock
-                    self._memory_reads += 1
-                return loss, grad_norm, bool(result.skipped), seconds, self._memory
+                memory = self.sampler.after_step(step, seconds, self._read_memory)
+                return loss, grad_norm, bool(result.skipped), seconds, memory
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 oom = out_of_memory(e)
                 if oom is None:
@@ -761,44 +624,29 @@ class Trainer:
                 raise TrainingStopped(out_of_memory_in_ranks(step, self.dist.rank, self.dist.world_size, oom))
             self._recover_from_oom(step, data_state, oom)
 
-    def _memory_due(self) -> bool:
-        """Whether this step's memory is measured (the monitor reset before it, read after it). Reading it
-        costs /proc reads (CPU) or driver queries (GPU) that a step need not pay: one process measures the
-        first two steps of an invocation (and of a new micro-batch: the first allocates the optimizer state,
-        the second is the steady state the report takes), then a step once MEMORY_SAMPLE_SECONDS of training
-        have passed since the last measured one; the lines between carry that reading, with
-        ``memory_step`` naming the step it measured. Several processes measure every step (each rank's
-        decision must be the same, and the largest over the ranks is a collective)."""
-        return self.dist.world_size > 1 or self._memory_reads < 2 or \
-            self._memory_clock - self._memory_at >= MEMORY_SAMPLE_SECONDS
+    def _read_memory(self):
+        """The step's measured memory; under torchrun the fullest device's peak."""
+        memory = self.monitor.read()
+        if self.dist.world_size > 1 and memory.peak_bytes is not None:
+            memory = dataclasses.replace(memory, peak_bytes=distributed.max_across_ranks(memory.peak_bytes,
+                                                                                         self.device))
+        return memory
 
     def _recover_from_oom(self, step: int, data_state: dict, message: str) -> None:
-        self._memory_reads = 0  # the next steps, at the new micro-batch, are measured
-        self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        old, new = self.setup, halved(self.setup)  # the same global batch in smaller micro-batches
-        if new is None:
+        """Half the micro-batch, the stream rebuilt at ``data_state`` (``trainer.backoff.back_off``), plan.toml
+        rewritten; at micro-batch 1, stop with advice."""
+        self.sampler.restart()  # the next steps, at the new micro-batch, are measured
+        release_memory(self.optimizer, self.device)
+        b = back_off(step, message, plan=self.plan, data_state=data_state, new_stream=self._new_stream,
+                     scaler=self.scaler, new_scaler=self._make_scaler, time=self.train_seconds,
+                     predict=lambda plan: predicted_for(plan, self.profile), flops=model_flops_per_step)
+        if b is None:
             self._write_report()
             raise TrainingStopped(out_of_memory_at_one(step, message))
-        self.setup = new
-        self.plan = dataclasses.replace(self.plan, setup=self.setup)
-        self.predicted = predicted_for(self.plan, self.profile)
-        self.flops_per_step = model_flops_per_step(self.plan)
-        stream = self._new_stream(new.micro_batch)
-        stream.load_state_dict(data_state)  # the same windows, in the same order, in smaller pieces
-        self.stream = stream
-        if self.scaler is not None:  # a step cut short may have left the scaler mid-step
-            scaler_state = self.scaler.state_dict()
-            self.scaler = self._make_scaler()
-            self.scaler.load_state_dict(scaler_state)
-        with self._writing(self.run_dir / PLAN_FILE):
-            self.plan.save(self.run_dir / PLAN_FILE)
-        self._emit(records.OomEvent(step=step, time=self.train_seconds, message=message,
-                                    micro_batch=new.micro_batch, grad_accum=new.grad_accum,
-                                    previous={"micro_batch": old.micro_batch, "grad_accum": old.grad_accum},
-                                    predicted=self.predicted.as_dict()))
+        self.plan, self.setup, self.predicted, self.flops_per_step = b.plan, b.plan.setup, b.predicted, b.flops_per_step
+        self.stream, self.scaler = b.stream, b.scaler
+        rundir.write_plan(self.run_dir, self.plan, self._writing)
+        self.log.emit(b.event)
 
     # ---- evaluation ------------------------------------------------------------------------------
 
@@ -807,20 +655,12 @@ class Trainer:
         document)."""
         return self.evaluation.prompts()
 
-    def evaluate(self) -> dict:
-        """Held-out loss per source and overall, and perplexity (the task's, with this run's settings)."""
-        return self.evaluation.loss()
-
-    def samples(self, step: int) -> list[dict]:
-        """One sample per prompt, seeded by the run's seed, the step and the prompt's index."""
-        return self.evaluation.samples(step)
-
     def _evaluate(self, step: int, emit: bool = True) -> records.EvalLine | None:
         line, event = self.evaluation.run(step, self.tokens, emit)
         if event is not None:
-            self._emit(event)
+            self.log.emit(event)
         if line is not None:
-            self._emit(line)
+            self.log.emit(line)
         return line
 
     # ---- checkpoints and the end ---------------------------------------------------------------------
@@ -828,32 +668,22 @@ class Trainer:
     def state(self) -> dict:
         return state_of(optimizer=self.optimizer, scaler=self.scaler, schedule=self.schedule, stream=self.stream,
                         step=self.step, tokens=self.tokens, train_seconds=self.train_seconds,
-                        eval_every=self.eval_every, save_every=self.save_every, nonfinite_run=self.nonfinite_run)
+                        eval_every=self.eval_every, save_every=self.save_every,
+                        nonfinite_run=self.stopping.nonfinite_run)
 
     def record(self) -> dict:
-        """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer), as a
-        checkpoint's meta.json has it, so that a resume reads either the same way."""
-        tok = self.data.manifest["tokenizer"]
+        """RUN/run.json: what this run is (plan, config with its limits, data, tokenizer: ``rundir.run_identity``),
+        as a checkpoint's meta.json has it, so that a resume reads either the same way."""
         return {
-            "kind": self.task.kind,
-            "plan": self.plan.to_dict(), "config": self.config.to_dict(), "tokenizer_sha256": tok["sha256"],
-            "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256",
-                                              "encoding") if k in tok},
-            "data": {"path": str(Path(self.data.path).resolve()), "train_tokens": self.data.train_tokens,
-                     "sources": list(self.data.source_names)},
-            "device": self.profile.name, "torch": torch.__version__, "created_unix_time": time.time(),
-            **({"base_hf": self.base_hf} if self.base_hf else {}),
+            "kind": self.task.kind, "plan": self.plan.to_dict(), "config": self.config.to_dict(),
+            **rundir.run_identity(self.data), "device": self.profile.name, "torch": torch.__version__,
+            "created_unix_time": time.time(), **({"base_hf": self.base_hf} if self.base_hf else {}),
         }
 
     def meta(self) -> dict:
-        tok = self.data.manifest["tokenizer"]
         return {
             "tokens": self.tokens, "plan": self.plan.to_dict(), "config": self.config.to_dict(),
-            "schedule": self.schedule.to_dict(), "tokenizer_sha256": tok["sha256"],
-            "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256",
-                                              "encoding") if k in tok},
-            "data": {"path": str(self.data.path.resolve()), "train_tokens": self.data.train_tokens,
-                     "sources": list(self.data.source_names)},
+            "schedule": self.schedule.to_dict(), **rundir.run_identity(self.data),
             "torch": torch.__version__, "device": self.profile.name, "torch_device": str(self.device),
             "saved_unix_time": time.time(), **({"base_hf": self.base_hf} if self.base_hf else {}),
             **self.task.meta(self.setup),
@@ -865,11 +695,9 @@ class Trainer:
         path = self.checkpoints.save(self.step, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
                                      state=self.state, meta=self.meta, tokenizer=self.tokenizer,
                                      tied=self.plan.model.tied, sharding=self.setup.sharding)
-        if self._writer is not None:
-            with self._writing(self._writer.path):
-                self._writer.sync()
-        self._emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
-        if time.perf_counter() - self._report_written >= REPORT_REFRESH_SECONDS:
+        self.log.flush(sync=True)
+        self.log.emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
+        if self.report.refresh_due():
             self._write_report(wait=False)
         return path
 
@@ -883,34 +711,30 @@ class Trainer:
         render failed: a ``report_failed`` line); else start a render and go on. A full disk is ``DiskFull``."""
         if not self.is_main:
             return None
-        self._report_written = time.perf_counter()
-        self._flush_metrics()  # the report reads metrics.jsonl
+        self.log.flush()  # the report reads metrics.jsonl
         with self._writing(self.run_dir / REPORT_FILE, report=True):
-            if not wait:
-                self.report.refresh()
-                return None
-            return self.report.write()
+            return self.report.write() if wait else self.report.refresh()
 
     def _finish(self, reason: str) -> RunSummary:
-        if self.step > self.last_eval_step:
+        if self.step > self.evaluation.last_step:
             self._evaluate(self.step)
         checkpoint = None
-        if self.step > self.last_saved_step:
+        if self.step > self.checkpoints.last_saved_step:
             checkpoint = self.save()
         else:
             ref = self.checkpoints.newest()
             checkpoint = ref.path if ref else None
-        self._flush_metrics()
+        self.log.flush()
         last_train = next((r for r in reversed(rundir.metric_records(self.run_dir))
                            if isinstance(r, records.TrainLine)), None) if self.is_main else None
-        self._emit(records.StopEvent(step=self.step, reason=reason, tokens=self.tokens, time=self.train_seconds,
+        self.log.emit(records.StopEvent(step=self.step, reason=reason, tokens=self.tokens, time=self.train_seconds,
                                      wall_seconds=self.stopping.elapsed,
                                      signal=signal.Signals(self.stop_signal).name if self.stop_signal else None))
-        report = self._write_report()
+        report, last_eval = self._write_report(), self.evaluation.last
         return RunSummary(run_dir=self.run_dir, step=self.step, tokens=self.tokens, stop_reason=reason,
                           train_seconds=self.train_seconds, last_loss=last_train.loss if last_train else None,
-                          last_eval=self.last_eval, checkpoint=checkpoint, report=report,
-                          samples=self.last_eval.samples if self.last_eval else [], first_step=self.first_step,
+                          last_eval=last_eval, checkpoint=checkpoint, report=report,
+                          samples=last_eval.samples if last_eval else [], first_step=self.first_step,
                           wall_seconds=self.elapsed_seconds)
 
 

@@ -20,11 +20,15 @@ read, and how it compares with memplan's prediction:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from trainer import device as devices
+
+MEMORY_SAMPLE_SECONDS = 1.0  # one process: a step's memory is measured at most once per this much training time
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,44 @@ class MemoryMonitor:
 
     def close(self) -> None:
         """Nothing to release: the driver libraries stay initialised for the process (trainer/device.py)."""
+
+
+class MemorySampler:
+    """Which steps' memory is measured (the monitor reset before the step, read after it). Reading it costs
+    /proc reads (CPU) or driver queries (GPU) that a step need not pay: one process measures the first two
+    steps of an invocation (and of a new micro-batch, ``restart``: the first allocates the optimizer state, the
+    second is the steady state the report takes), then a step once ``interval`` seconds of training have passed
+    since the last measured one; the steps between carry that reading, with ``step`` naming the step it
+    measured. ``every_step`` (several processes) measures every step: each rank's decision must be the same,
+    and the largest over the ranks is a collective."""
+
+    def __init__(self, every_step: bool, interval: float = MEMORY_SAMPLE_SECONDS):
+        self.every_step, self.interval = every_step, interval
+        self.reading: MemoryReading | None = None  # the latest reading ...
+        self.step: int | None = None  # ... the step it measured ...
+        self._at = -math.inf  # ... and when, on the clock below
+        self._clock = 0.0  # seconds of the steps trained in this invocation, the clock the samples run on
+        self._reads = 0  # steps measured since the invocation started (or the micro-batch changed)
+        self._measuring = False
+
+    def due(self) -> bool:
+        """Whether the next step is measured."""
+        return self.every_step or self._reads < 2 or self._clock - self._at >= self.interval
+
+    def restart(self) -> None:
+        """The micro-batch changed: the next two steps are measured."""
+        self._reads = 0
+
+    def before_step(self, monitor: MemoryMonitor) -> None:
+        """A step starts: ``monitor``'s peak reset when the step is measured."""
+        self._measuring = self.due()
+        if self._measuring:
+            monitor.reset()
+
+    def after_step(self, step: int, seconds: float, read: Callable[[], MemoryReading]) -> MemoryReading | None:
+        """Step ``step`` took ``seconds``: its memory ``read()`` when it was measured; the latest reading."""
+        self._clock += seconds
+        if self._measuring:
+            self.reading, self.step, self._at = read(), step, self._clock
+            self._reads += 1
+        return self.reading

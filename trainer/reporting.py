@@ -9,8 +9,9 @@ allocations higher (heap 234 -> 250 MiB): the quick start's measured peak grew f
 a 90-second run against a flat 401 MiB prediction (``benchmarks/local_memory.py --whole``). The training
 process now never imports plotly; ``python -m memplan.reports.run RUN`` renders the page beside it.
 
-- ``refresh()``: start a render and return at once (a checkpoint's periodic refresh); one at a time, a
-  refresh while one runs is skipped. Its outcome is read by the next ``refresh`` or ``write``.
+- ``refresh()``: start a render and return at once (a checkpoint's periodic refresh, when ``refresh_due``: at
+  most once per REPORT_REFRESH_SECONDS); one at a time, a refresh while one runs is skipped. Its outcome is
+  read by the next ``refresh`` or ``write``.
 - ``write()``: render now and wait (the end of a run, a run given up), returning the page's path.
 
 A render that fails costs the run nothing: it is a ``ReportFailedEvent`` line. A full disk stops the run
@@ -20,9 +21,11 @@ as any other write of the run does (``DiskFull`` through ``writing``).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +33,7 @@ import memplan
 from trainer.rundir import REPORT_FILE
 
 NO_SPACE_EXIT = 3  # memplan.reports.run's exit status when the disk was full
+REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often
 
 
 class ReportFailed(Exception):
@@ -49,13 +53,21 @@ def _environment() -> dict:
 
 
 class ReportRenderer:
-    """Renders ``run_dir``/report.html in a child process (``python -m memplan.reports.run``)."""
+    """Renders ``run_dir``/report.html in a child process (``python -m memplan.reports.run``); a refresh is due
+    ``refresh_seconds`` (on ``clock``) after the last render asked for (``last_render``: the trainer sets it when
+    the run opens, so the first refresh comes that long into it)."""
 
-    def __init__(self, run_dir: Path, on_failure: Callable[[str], None]):
+    def __init__(self, run_dir: Path, on_failure: Callable[[str], None],
+                 refresh_seconds: float = REPORT_REFRESH_SECONDS, clock: Callable[[], float] = time.perf_counter):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / REPORT_FILE
         self._on_failure = on_failure  # a failed render's one line (the trainer logs a ReportFailedEvent)
         self._child: subprocess.Popen | None = None
+        self.refresh_seconds, self._clock = refresh_seconds, clock
+        self.last_render = -math.inf  # when a render was last asked for (a refresh skipped counts)
+
+    def refresh_due(self) -> bool:
+        return self._clock() - self.last_render >= self.refresh_seconds
 
     @property
     def running(self) -> bool:
@@ -64,6 +76,7 @@ class ReportRenderer:
     def refresh(self) -> None:
         """Start a render unless one is running; a finished one's outcome is taken first (``OSError`` with
         ENOSPC when it found the disk full)."""
+        self.last_render = self._clock()
         if self.running:
             return
         self._reap()
@@ -72,6 +85,7 @@ class ReportRenderer:
     def write(self) -> Path | None:
         """Render now, after any render still running, and wait. The page's path, or None when the render
         failed (reported through ``on_failure``); ``OSError`` (ENOSPC) when the disk is full."""
+        self.last_render = self._clock()
         self._reap(wait=True)
         self._child = self._start()
         return self.path if self._reap(wait=True) else None

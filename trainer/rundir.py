@@ -115,6 +115,51 @@ def write_record(run_dir: Path, record: dict) -> None:
     write_atomic(Path(run_dir) / RUN_FILE, json.dumps(body, indent=1) + "\n", fsync=True)
 
 
+def run_identity(data) -> dict:
+    """What a run trains on, as its record and every checkpoint's meta.json say it (and a resume checks it,
+    ``trainer.checkpoints.check_same_data``): the tokenizer (``tokenizer_sha256``, and ``tokenizer``: what
+    rebuilds it) and the prepared data (``data``: its resolved path, train-split size and sources)."""
+    tok = data.manifest["tokenizer"]
+    return {
+        "tokenizer_sha256": tok["sha256"],
+        "tokenizer": {k: tok[k] for k in ("kind", "spec", "vocab_size", "eot_id", "eot_token", "sha256", "encoding")
+                      if k in tok},
+        "data": {"path": str(Path(data.path).resolve()), "train_tokens": data.train_tokens,
+                 "sources": list(data.source_names)},
+    }
+
+
+def write_plan(run_dir: Path, plan, writing) -> None:
+    """RUN/plan.toml: ``plan`` (``writing(path)``: the context a write of the run is made in, a full disk one
+    line)."""
+    with writing(Path(run_dir) / PLAN_FILE):
+        plan.save(Path(run_dir) / PLAN_FILE)
+
+
+def open_run(run_dir: Path, *, plan, record=None, writing) -> "MetricsWriter":
+    """The run directory made ready for a run's lines: the directory; a new run's record first (``record()``,
+    RUN/run.json; None on a resume), then checkpoints/; plan.toml written for a new run, or where the one on disk
+    has another setup (resumed at another world size); metrics.jsonl opened to append to. Each write in
+    ``writing(path)`` (see ``write_plan``)."""
+    from memplan.plan import Plan
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if record is not None:  # what this run is, before anything else of it is written
+        with writing(run_dir / RUN_FILE):
+            write_record(run_dir, record())
+    with writing(run_dir / CHECKPOINT_DIR):
+        (run_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
+    try:
+        same = record is None and Plan.load(run_dir / PLAN_FILE).setup == plan.setup
+    except (InputError, OSError):
+        same = False
+    if not same:
+        write_plan(run_dir, plan, writing)
+    with writing(run_dir / METRICS_FILE):
+        return MetricsWriter(run_dir)
+
+
 def read_record(run_dir: str | Path) -> dict | None:
     """RUN/run.json, checked for form, or None when there is none; InputError naming it when unreadable."""
     path = Path(run_dir) / RUN_FILE
@@ -258,8 +303,54 @@ class MetricsWriter:
         if not self._f.closed:
             try:
                 self._f.close()
-            except OSError:  # the trainer flushed every line before (Trainer._flush_metrics): a failure raised there
+            except OSError:  # the trainer flushed every line before (RunLog.flush): a failure raised there
                 pass
+
+
+class RunLog:
+    """A run's lines as they happen (``trainer.records``): appended to metrics.jsonl once ``writer`` is set (a
+    ``MetricsWriter``, ``open_run``'s) - a train line in batches, at most METRICS_FLUSH_SECONDS late, any other at
+    once - and handed to every ``on_event`` callback. Each write of the file is made in ``writing(path)`` (the
+    trainer's: a full disk is one ``DiskFull`` line). Not ``active`` (the ranks other than 0): nothing at all."""
+
+    def __init__(self, writing, active: bool = True):
+        self._writing, self.active = writing, active
+        self.writer: MetricsWriter | None = None
+        self._callbacks: list = []
+
+    def on_event(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def emit(self, line) -> None:
+        if not self.active:
+            return
+        if self.writer is not None:
+            from trainer.records import TrainLine
+
+            with self._writing(self.writer.path):
+                self.writer.write(line, flush=not isinstance(line, TrainLine) or self.writer.flush_due())
+        for callback in self._callbacks:
+            callback(line)
+
+    def flush(self, sync: bool = False) -> None:
+        """Every line written so far onto the file (before anything reads it: the report, the summary); ``sync``:
+        onto the disk (a checkpoint's lines)."""
+        if self.writer is not None:
+            with self._writing(self.writer.path):
+                self.writer.sync() if sync else self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close. Closing after a failure, lines that cannot be written are lost (the run's checkpoints
+        are not); a run that ends normally flushed them already."""
+        from trainer.stopping import DiskFull
+
+        if self.writer is None:
+            return
+        try:
+            self.flush()
+        except (DiskFull, OSError):
+            pass
+        self.writer.close()
 
 
 def metric_records(run_dir: str | Path, latest: bool = False) -> list:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 WARMUP_FRACTION = 0.05  # default warmup: 5% of the steps ...
 WARMUP_MAX_STEPS = 100  # ... but at most this many
@@ -22,6 +24,7 @@ EVAL_EVERY_MAX = 1000  # ... but at least every this many steps
 EVAL_TIME_SHARE = 0.2  # a time-limited run gives evaluations at most this share of the time
 DECAY_SHARE = 0.2  # a time-limited run decays its learning rate over the last fifth of its time
 TIME_LIMIT_ALLOWANCE = 0.03  # share of a time budget left for the final eval, checkpoint and report
+PROBE_STEPS = 2  # time-limited runs time this many zero-lr steps to estimate their length (warmup, evals)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +134,45 @@ def probed_length(budget_seconds: float, step_times: list[float], eval_seconds: 
         total = max(1, int((budget - evals * eval_seconds) / step_seconds))
         return total, (total // evals if evals and total >= evals else 0)
     return max(1, int(budget / (step_seconds + eval_seconds / eval_every))), eval_every
+
+
+def probe(step: Callable[[], object], evaluate: Callable[[], object], *, budget_seconds: float,
+          eval_every: int | None, after_steps: Callable[[], None] = lambda: None, steps: int = PROBE_STEPS,
+          clock: Callable[[], float] = time.perf_counter) -> tuple[int, int | None, float]:
+    """(steps, eval_every, eval_seconds) of a time-limited run within ``budget_seconds``: ``steps`` calls of
+    ``step`` (a real training step at learning rate 0, returning once the device is done) timed one by one,
+    ``after_steps()`` untimed (the caller undoes what they changed: optimizer and scaler state), then one
+    ``evaluate()`` timed; the length and cadence from those times (``probed_length``)."""
+    times = []
+    for _ in range(steps):
+        t0 = clock()
+        step()
+        times.append(clock() - t0)
+    after_steps()
+    t0 = clock()
+    evaluate()
+    eval_seconds = clock() - t0
+    total, every = probed_length(budget_seconds, times, eval_seconds, eval_every)
+    return total, every, eval_seconds
+
+
+def first_schedule(config, tokens_per_step: int, *, eval_every: int | None, save_every: int | None,
+                   probe: Callable[[], tuple[int, int | None]], epoch_steps: Callable[[], int]
+                   ) -> tuple[Schedule, int, int]:
+    """(schedule, eval_every, save_every) of a run starting from step 0: its length from ``--max-steps`` /
+    ``--tokens`` (cosine), else for ``--max-minutes`` alone from ``probe()`` (wsd: an estimate until the decay
+    starts; ``probe`` gives (steps, eval_every), whose cadence is taken when ``config`` sets none), else one
+    epoch (``epoch_steps()``); the evaluation and checkpoint cadence with it (``cadence``)."""
+    total, kind = steps_from_limits(config, tokens_per_step), "cosine"
+    if total is None and config.max_minutes is not None:
+        total, probed_every = probe()
+        if config.eval_every is None:
+            eval_every = probed_every
+        kind = "wsd"
+    elif total is None:
+        total = epoch_steps()
+    eval_every, save_every = cadence(eval_every, save_every, total)
+    return new_schedule(config, total, kind), eval_every, save_every
 
 
 def refitted(schedule: Schedule, config, step: int, tokens_per_step: int) -> tuple[Schedule, bool]:

@@ -98,6 +98,18 @@ class StepResult:
     skipped: bool  # the update was skipped (non-finite loss or gradients)
 
 
+def next_batches(stream, n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The next ``n`` micro-batches (inputs, targets) of ``stream`` on ``device`` (to a GPU through pinned
+    memory, without waiting for the copy): one optimizer step's with ``n`` the accumulation steps."""
+    out = []
+    for x, y in (next(stream) for _ in range(n)):
+        if device.type == "cuda":
+            out.append((x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)))
+        else:
+            out.append((x.to(device), y.to(device)))
+    return out
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, setup: TrainSetup,
                device_type: str, scaler=None, clip: float | None = 1.0, check_finite: bool = True,
                before_forward: Callable[[int], None] | None = None,

@@ -6,10 +6,13 @@ functions here say what a run out of memory trains with next and what the user i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
+import signal as signals
 import statistics
 import time
+from typing import Callable
 
 from trainer.schedule import TIME_LIMIT_ALLOWANCE, Schedule
 from trainer.verify import is_out_of_memory
@@ -105,6 +108,27 @@ class Stopping:
         self.stop_signal = int(signum)
         return True
 
+    @contextlib.contextmanager
+    def catching_signals(self):
+        """Within: SIGINT and SIGTERM recorded as the reason to stop (``signal``: the run finishes its step,
+        saves and stops), a second one a ``KeyboardInterrupt`` (stop now); the handlers before are put back
+        after. Outside the main thread, where Python takes no handlers, nothing is caught."""
+        def handler(signum, frame):
+            if not self.signal(signum):
+                raise KeyboardInterrupt
+
+        previous = {s: signals.getsignal(s) for s in (signals.SIGINT, signals.SIGTERM)}
+        try:
+            for s in previous:
+                signals.signal(s, handler)
+        except ValueError:  # not the main thread
+            previous = {}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signals.signal(s, h)
+
     def reason(self, step: int, tokens: int, schedule: Schedule) -> str | None:
         """Why the run stops before step ``step + 1`` (``tokens`` trained so far), or None to go on:
         interrupted, max_steps, max_tokens, the schedule's end (max_minutes for a time limit, else epoch),
@@ -122,6 +146,16 @@ class Stopping:
         if c.max_minutes is not None and self.elapsed >= self.time_budget:
             return "max_minutes"
         return None
+
+    def reason_in_ranks(self, step: int, tokens: int, schedule: Schedule, *, largest: Callable[[int], int],
+                        from_rank0: Callable[[object], object]) -> str | None:
+        """``reason`` agreed by the ranks of a distributed run: a signal any rank received stops them all
+        (``largest``: the maximum over the ranks, which every rank then has), the clock's verdict is rank 0's
+        (``from_rank0``: rank 0's value, in every rank)."""
+        signum = largest(self.stop_signal or 0)
+        if signum and self.stop_signal is None:
+            self.stop_signal = signum
+        return from_rank0(self.reason(step, tokens, schedule))
 
     def planned_steps(self, step: int, schedule: Schedule, tokens_per_step: int) -> int | None:
         """The step this run is planned to end at: its step or token limit (the nearer), else the schedule's
@@ -159,6 +193,11 @@ def halved(setup):
 def out_of_memory_at_one(step: int, message: str) -> str:
     return (f"step {step}: out of memory at micro-batch 1 ({message}); nothing smaller to try: use "
             "--checkpointing full, a shorter --ctx, a smaller model, or let `memplan autotune` plan it")
+
+
+def out_of_memory_outside_step(step: int, message: str, newest_note: str) -> str:
+    return (f"step {step}: out of memory outside a training step ({message}); {newest_note}; free memory (or "
+            "raise `ulimit -v`), then continue it with --resume")
 
 
 def out_of_memory_in_ranks(step: int, rank: int, world_size: int, message: str) -> str:

@@ -45,6 +45,24 @@ class TrainingTask:
     prompts: Callable[[], list[str]]
     meta: Callable[[TrainSetup], dict] = field(default=lambda setup: {})
 
+    def built(self, spec: ModelSpec, setup: TrainSetup, *, dist, seed: int, device: torch.device,
+              with_weights: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """(the model as trained, the plain module) for this process: in one, ``build_model`` seeded with
+        ``seed`` (the same module twice); over several ranks (``dist``: ``trainer.distributed.DistContext``),
+        wrapped with DDP or FSDP2 (``trainer.distributed.build_wrapped_model``: rank 0's weights in every rank;
+        FSDP2's plain module is sharded in place). ``with_weights``: the weights the run starts from are loaded
+        (False where a checkpoint's will be)."""
+        if dist.world_size > 1:
+            from trainer import distributed
+
+            wrapped = distributed.build_wrapped_model(
+                spec, setup, dist, seed,
+                build=lambda device, rank0: self.build_model(spec, setup, device, rank0 and with_weights))
+            return wrapped, distributed.unwrapped(wrapped)
+        torch.manual_seed(seed)
+        model = self.build_model(spec, setup, device, with_weights)
+        return model, model
+
 
 @dataclass(frozen=True)
 class StartingWeights:
