@@ -130,7 +130,7 @@ def train_command(
     n = parse_count(nproc, "--nproc") if nproc is not None else 1
     from trainer import distributed
 
-    rank, launched, _ = distributed.env_world()
+    _, launched, _ = distributed.env_world()
     if n > 1 and launched > 1:
         raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
 
@@ -147,19 +147,16 @@ def train_command(
                         global_batch_tokens=global_batch_tokens, budget=budget, margin=margin, sharding=sharding,
                         threads=n_threads, from_=from_, nproc=nproc)
 
+    if launched > 1:  # a rank reads its run from RUN/launch.json, never flags
+        raise InputError(f"this process is one of {launched} started by torchrun: `memplan train --nproc N` starts "
+                         "its ranks itself, each `python -m trainer RUN` reading the run it resolved")
     if n > 1:
         return _launch(request(n), check_loggers(log), console)
-    if sharding is not None and launched == 1:
+    if sharding is not None:
         raise InputError(f"--sharding {sharding}: needs several processes; add --nproc N")
-    if launched > 1:  # one rank of a torchrun launch given flags (`python -m trainer --flags`): join the group
-        distributed.init()
-        console = Console(stderr=True, highlight=False, quiet=rank != 0)
-    try:
-        from trainer.request import resolve_train
+    from trainer.request import resolve_train
 
-        _train(console, resolve_train(request(), RichUI(console)), log=log)
-    finally:
-        distributed.shutdown()
+    _train(console, resolve_train(request(), RichUI(console)), log=log)
 
 
 def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eval_every, seed, resume,
