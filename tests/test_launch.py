@@ -47,3 +47,45 @@ def test_a_command_started_as_a_torchrun_rank_is_refused(command, tmp_path, monk
     one_line_error(result, "this process is one of 2 started by torchrun", "--nproc N` starts its ranks itself",
                    "python -m trainer RUN")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_summary_and_the_report_take_a_runs_steady_figures_from_one_function(tmp_path, capsys, monkeypatch):
+    """``memplan train``'s closing summary and the run report give a recorded run's steady-state figures (peak
+    memory, median tokens/s, median MFU) alike, both from ``trainer.records.steady_figures``: what it says, each
+    shows (a stand-in's figures too, so neither computes its own)."""
+    from memplan.cli.train import _print_summary
+    from memplan.hardware import load_profile
+    from memplan.plan import Plan
+    from memplan.reports.run import build_run_page
+    from memplan.setup import TrainSetup
+    from memplan.units import format_bytes
+    from runs_helper import tiny_corpus, tiny_spec
+    from trainer import records
+    from trainer.data import PreparedData
+    from trainer.loop import TrainConfig, Trainer
+    from trainer.rundir import metric_records
+
+    prepared = PreparedData(tiny_corpus(tmp_path / "corpus"))
+    plan = Plan(model=tiny_spec("llama", prepared.vocab_size), setup=TrainSetup(ctx=32, micro_batch=2,
+                                                                                precision="fp32"), device="cpu")
+    trainer = Trainer.start(tmp_path / "run", plan, prepared, TrainConfig(max_steps=6, sample_tokens=0,
+                                                                         eval_batches=1), load_profile("cpu"))
+    summary = trainer.run()
+
+    def shown(figures: records.SteadyFigures) -> tuple[str, dict]:
+        capsys.readouterr()
+        _print_summary(trainer, summary, None)
+        return capsys.readouterr().out, build_run_page(trainer.run_dir).summary
+
+    recorded = records.steady_figures(metric_records(trainer.run_dir, latest=True))
+    assert recorded.steps == 5 and recorded.peak_memory_bytes and recorded.tokens_per_second
+    stand_in = records.SteadyFigures(steps=5, peak_memory_bytes=123 << 20, peak_allocated_bytes=45 << 20,
+                                     tokens_per_second=98765.0, mfu=0.0321)
+    for figures in (recorded, stand_in):
+        if figures is stand_in:
+            monkeypatch.setattr(records, "steady_figures", lambda lines: stand_in)
+        cli, report = shown(figures)
+        rate, memory = f"{figures.tokens_per_second:,.0f} tokens/s (median)", format_bytes(figures.peak_memory_bytes)
+        assert f"throughput: {rate}" in cli and f"MFU {figures.mfu:.1%}" in cli, cli
+        assert report["throughput"].startswith(rate) and f"MFU {figures.mfu:.1%}" in report["throughput"]
+        assert f"measured peak {memory}," in cli and report["peak memory"].startswith(f"measured {memory} ")

@@ -120,21 +120,14 @@ def finetune_command(
 
 
 def _launch(request, console) -> None:
-    """``memplan finetune --nproc N ...``: the finetune resolved here, once, for N processes (its plan made for
-    them), written into RUN/launch.json with kind ``finetune``, then N processes started by torchrun's launcher,
-    each ``python -m trainer RUN``: it reads that file and trains (rank 0 printing). No rank parses these flags."""
-    import os
+    """``memplan finetune --nproc N ...``: the finetune resolved once, here, for N processes (its plan made for
+    them) and written into RUN/launch.json with kind ``finetune`` (``trainer.launch.prepare_finetune``), then N
+    ranks started (``start_ranks``), each ``python -m trainer RUN`` reading that file (rank 0 printing); the exit
+    code is theirs. No rank parses these flags."""
+    from trainer.launch import prepare_finetune, start_ranks
 
-    from memplan.cli.train import start_ranks
-    from trainer.finetune_request import FinetuneLaunch, resolve_finetune
-    from trainer.request import check_launch_target, write_launch
-
-    check_launch_target(request)  # before the base and the data are read
-    run_dir = Path(request.out)
-    resolved = resolve_finetune(request, world_size=request.nproc,
-                                say=lambda text: console.print(f"[dim]{text}[/dim]"))
-    created = not os.path.lexists(run_dir)
-    write_launch(run_dir, FinetuneLaunch(request=request,
-                                         plan=None if request.resume else resolved.plan.to_dict()))
-    start_ranks(run_dir, request.nproc, resume=request.resume, created=created, what="finetuning",
-                say=lambda text: typer.echo(text, err=True))
+    run_dir, created = prepare_finetune(request, say=lambda text: console.print(f"[dim]{text}[/dim]"))
+    code = start_ranks(run_dir, request.nproc, resume=request.resume, created=created, what="finetuning",
+                       say=lambda text: typer.echo(text, err=True))
+    if code:
+        raise typer.Exit(code)
