@@ -284,9 +284,10 @@ def launch(*args: str, nproc: int = 2, via: str = "torchrun") -> subprocess.Pope
 
 def prepare(run: Path, corpus: Path, *, nproc: int, sharding: str, max_steps: int, save_every: int) -> Path:
     """RUN/launch.json of MODEL and QUIET's run for ``nproc`` processes, resolved and written through the library
-    as `memplan train --nproc N` does before it starts the ranks (``trainer.request``); returns RUN."""
+    as `memplan train --nproc N` does before it starts the ranks (``trainer.launch.prepare_train``); returns RUN."""
     from memplan.cli.options import run_control_from
-    from trainer.request import TrainRequest, TrainUI, check_launch_target, launch_spec, resolve_train, write_launch
+    from trainer.launch import prepare_train
+    from trainer.request import TrainRequest, TrainUI
 
     request = TrainRequest(
         data=str(corpus), out=str(run), model=dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128),
@@ -295,10 +296,8 @@ def prepare(run: Path, corpus: Path, *, nproc: int, sharding: str, max_steps: in
                                  eval_batches="1", eval_every="10"),
         hyper=dict(lr=3e-3, warmup_steps=None, min_lr_ratio=None, weight_decay=None, clip=None, seed=0),
         sharding=sharding, nproc=nproc)
-    check_launch_target(request)
-    resolved = resolve_train(request, TrainUI())
-    write_launch(resolved.run_dir, launch_spec(resolved, request, []))
-    return resolved.run_dir
+    run_dir, _ = prepare_train(request, TrainUI(), [])
+    return run_dir
 
 
 def train_here(*args: str) -> tuple[int, str]:
