@@ -62,7 +62,7 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 layers, hidden, heads, ffn, ctx, batch, attention, checkpointing = json.loads(sys.argv[1])
 threshold, steps = json.loads(sys.argv[2]), int(sys.argv[3])
-base = process_baseline_bytes()
+base = process_baseline_bytes(("memplan.cli",))  # as `memplan calibrate` measures it
 assert device.keep_heap_resident()
 if threshold is not None:
     assert libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD

@@ -9,7 +9,7 @@ documentation). This benchmark trains, in this one process and one after the oth
   the final sample from the first default prompt at temperature 0.8, top-k 40;
 - **new**: the quick start as it is now: the corpus prepared with ``DEFAULT_TOKENIZER_EMBEDDED``,
   ``quickstart_model`` and the global batch, ctx and learning rate of ``trainer/request.py``,
-  the final sample as ``memplan train`` prints it (``_final_sample``);
+  the final sample as ``memplan train`` prints it (``trainer.sample.final_sample``);
 
 each for ``--minutes`` (default 3) of training, with memplan's own calibration of this machine and
 memplan's autotune choosing the setup of each model, exactly as the quick start does. It reports
@@ -156,12 +156,12 @@ def run(args, cache: str) -> int:
     import torch
     from rich.console import Console
 
-    from memplan.cli.train import RichUI, _final_sample
+    from memplan.cli.train import RichUI
     from trainer import request as qs
     from memplan.cli.options import device_from
     from trainer import data
     from trainer.data import PreparedData
-    from trainer.sample import sample_text
+    from trainer.sample import final_sample, sample_text
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -193,7 +193,7 @@ def run(args, cache: str) -> int:
         plan = qs.autotuned_plan(None, qs.QUICKSTART_CTX, prepared, profile, RichUI(console), minutes=args.minutes,
                                   global_batch_tokens=None, budget=None, margin=0.1)
         results.append(train_one("new", prepared, plan, qs.QUICKSTART_LR, args.minutes, profile,
-                                 Path(cache) / "run-new", _final_sample))
+                                 Path(cache) / "run-new", final_sample))
 
     figures = {"threads": torch.get_num_threads(), "minutes": args.minutes, "runs": results}
     print(json.dumps(figures, indent=2) if args.json else render(figures))

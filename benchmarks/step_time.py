@@ -176,7 +176,7 @@ def predict(cfg: Config, device) -> dict:
 def calibrate_now(args, label: str):
     print(f"calibrating ({label}) for {args.calibrate_seconds:g} s ({args.threads} thread(s), clock {args.clock}) ...",
           file=sys.stderr, flush=True)
-    cal = calibrate(args.calibrate_seconds, threads=args.threads, clock=args.clock)
+    cal = calibrate(args.calibrate_seconds, threads=args.threads, clock=args.clock, loaded=("memplan.cli",))
     print(f"  fp32 matmul {cal.matmul_tflops().get('fp32', 0) * 1e3:.1f} GFLOPS, launch "
           f"{cal.launch_overhead_seconds * 1e6:.1f} us/op, timing spread {cal.noise:.0%}, {cal.seconds:.0f} s",
           file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from memplan.cli import app
 from memplan.errors import InputError
 from memplan.hardware import device_from_toml, load_profile
+from runs_helper import one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,6 +26,7 @@ def run_cli(*args: str):
 
 
 def memplan(*args: str, cwd=None):
+    """`memplan ARGS` in a process of its own: for a calibration, which measures the process it runs in."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=300)
@@ -84,19 +86,15 @@ def test_estimate_uses_the_calibrated_rates(profile):
 
 @pytest.mark.parametrize("value", ["0", "-5", "abc", "nan", "inf"])
 def test_bad_seconds_is_one_line(value, tmp_path):
-    r = memplan("calibrate", "--seconds", value, "--out", str(tmp_path / "x.toml"))
-    assert r.returncode == 2
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("memplan: error: --seconds")
-    assert "Traceback" not in r.stderr
+    r = run_cli("calibrate", "--seconds", value, "--out", str(tmp_path / "x.toml"))
+    assert one_line_error(r).startswith("memplan: error: --seconds")
     assert not list(tmp_path.iterdir())
 
 
 def test_existing_out_needs_force_and_is_kept(tmp_path):
     out = tmp_path / "old.toml"
     out.write_text("precious = true\n")
-    r = memplan("calibrate", "--seconds", "1", "--out", str(out))
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert "--force" in r.stderr
+    one_line_error(run_cli("calibrate", "--seconds", "1", "--out", str(out)), "--force")
     assert out.read_text() == "precious = true\n"
     assert [p.name for p in tmp_path.iterdir()] == ["old.toml"]
 
@@ -106,15 +104,13 @@ def test_unwritable_out_is_one_line(where, tmp_path):
     (tmp_path / "a-file").write_text("x")
     out = {"directory": tmp_path, "missing-parent": tmp_path / "nope" / "p.toml",
            "file-as-parent": tmp_path / "a-file" / "p.toml"}[where]
-    r = memplan("calibrate", "--seconds", "1", "--out", str(out))
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--out" in r.stderr
+    one_line_error(run_cli("calibrate", "--seconds", "1", "--out", str(out)), "--out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_read_only_directory_is_refused(read_only_dir):
     """(As root too: conftest's read_only_dir is a read-only tmpfs there, since root writes through file modes.)"""
-    r = memplan("calibrate", "--seconds", "1", "--out", str(read_only_dir / "p.toml"))
-    assert r.returncode == 2 and "cannot write" in r.stderr
+    one_line_error(run_cli("calibrate", "--seconds", "1", "--out", str(read_only_dir / "p.toml")), "cannot write")
     assert not list(read_only_dir.iterdir())
 
 
@@ -125,8 +121,7 @@ def test_read_only_directory_is_refused(read_only_dir):
     (["--device-name", " "], "--device-name"),
 ])
 def test_other_bad_options(args, needle, tmp_path):
-    r = memplan("calibrate", "--seconds", "1", "--out", str(tmp_path / "p.toml"), *args)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr
+    one_line_error(run_cli("calibrate", "--seconds", "1", "--out", str(tmp_path / "p.toml"), *args), needle)
     assert not list(tmp_path.iterdir())
 
 

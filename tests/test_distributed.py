@@ -1,6 +1,7 @@
 """Beyond one device: DDP and FSDP2 training on gloo, per-rank memory, communication time.
 
-The training tests launch `torchrun --nproc-per-node 2 -m trainer` on this CPU (gloo) with a tiny
+The training tests launch 2 ranks on this CPU (gloo) as the product does (`memplan train --nproc 2`, or
+RUN/launch.json written through the library and `torchrun --nproc-per-node 2 -m trainer RUN`) with a tiny
 model and compare its loss curve with one process training the same global batch.
 """
 
@@ -267,8 +268,9 @@ def corpus(tmp_path_factory):
 
 
 def launch(*args: str, nproc: int = 2, via: str = "torchrun") -> subprocess.Popen:
-    """Start (not wait for) a 2-process run: `torchrun --standalone --nproc-per-node N -m trainer ARGS`,
-    or `memplan train --nproc N ARGS` (via="memplan"), in a session of its own (killable as a group)."""
+    """Start (not wait for) a 2-process run, in a session of its own (killable as a group): `memplan train --nproc
+    N ARGS` (via="memplan"), or `torchrun --standalone --nproc-per-node N -m trainer RUN` (ARGS: the run directory
+    alone, whose launch.json ``prepare`` wrote), as a user who launches torchrun themselves does."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     if via == "torchrun":
@@ -280,21 +282,39 @@ def launch(*args: str, nproc: int = 2, via: str = "torchrun") -> subprocess.Pope
                             start_new_session=True)
 
 
-def trainer_here(*args: str) -> int:
-    """`python -m trainer ARGS` in this process (one process, no process group); its exit code."""
-    import torch
+def prepare(run: Path, corpus: Path, *, nproc: int, sharding: str, max_steps: int, save_every: int) -> Path:
+    """RUN/launch.json of MODEL and QUIET's run for ``nproc`` processes, resolved and written through the library
+    as `memplan train --nproc N` does before it starts the ranks (``trainer.launch.prepare_train``); returns RUN."""
+    from memplan.cli.options import run_control_from
+    from trainer.launch import prepare_train
+    from trainer.request import TrainRequest, TrainUI
 
-    from trainer.__main__ import entry
+    request = TrainRequest(
+        data=str(corpus), out=str(run), model=dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128),
+        setup=dict(ctx="32", precision="fp32", batch="2", grad_accum="1"),
+        control=run_control_from(max_steps=str(max_steps), save_every=str(save_every), sample_tokens="0",
+                                 eval_batches="1", eval_every="10"),
+        hyper=dict(lr=3e-3, warmup_steps=None, min_lr_ratio=None, weight_decay=None, clip=None, seed=0),
+        sharding=sharding, nproc=nproc)
+    run_dir, _ = prepare_train(request, TrainUI(), [])
+    return run_dir
+
+
+def train_here(*args: str) -> tuple[int, str]:
+    """`memplan train ARGS` in this process (one process, no process group): its exit code and its stderr."""
+    import torch
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as torchrun sets each rank: tiny models, and cores shared with other work
     try:
-        entry(list(args))
-    except SystemExit as e:
-        return int(e.code or 0)
+        result = CliRunner().invoke(app, ["train", *args])
     finally:
         torch.set_num_threads(threads)
-    return 0
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, result.stderr
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -316,21 +336,25 @@ def reference(corpus, tmp_path_factory):
     """One process, the global batch of the 2-rank runs: 2 micro-batches of 2 windows per step; a
     checkpoint at step 10."""
     run = tmp_path_factory.mktemp("single") / "run"
-    assert trainer_here("--data", str(corpus), "--out", str(run), *MODEL, *QUIET, "--batch", "2", "--grad-accum", "2",
-                        "--max-steps", str(STEPS), "--save-every", "10") == 0
+    code, err = train_here("--data", str(corpus), "--out", str(run), *MODEL, *QUIET, "--batch", "2", "--grad-accum", "2",
+                           "--max-steps", str(STEPS), "--save-every", "10")
+    assert code == 0, err[-3000:]
     return run
 
 
 @pytest.fixture(scope="module")
 def two_ranks(corpus, tmp_path_factory):
-    """DDP through `torchrun -m trainer`, FSDP2 through `memplan train --nproc 2` (side by side), each
-    rank a micro-batch of 2 windows per step; checkpoints every 10 steps. Returns (run, stdout, stderr)."""
+    """DDP through `torchrun -m trainer RUN` (RUN/launch.json written through the library), FSDP2 through `memplan
+    train --nproc 2` (side by side), each rank a micro-batch of 2 windows per step; checkpoints every 10 steps.
+    Returns (run, stdout, stderr)."""
     runs, launched = {}, {}
-    for sharding, via in (("ddp", "torchrun"), ("fsdp", "memplan")):
-        runs[sharding] = tmp_path_factory.mktemp(sharding) / "run"
-        launched[sharding] = launch("--data", str(corpus), "--out", str(runs[sharding]), *MODEL, *QUIET, "--batch", "2",
-                                    "--grad-accum", "1", "--sharding", sharding, "--max-steps", str(STEPS),
-                                    "--save-every", "10", via=via)
+    runs["ddp"] = prepare(tmp_path_factory.mktemp("ddp") / "run", corpus, nproc=2, sharding="ddp", max_steps=STEPS,
+                          save_every=10)
+    launched["ddp"] = launch(str(runs["ddp"]), via="torchrun")
+    runs["fsdp"] = tmp_path_factory.mktemp("fsdp") / "run"
+    launched["fsdp"] = launch("--data", str(corpus), "--out", str(runs["fsdp"]), *MODEL, *QUIET, "--batch", "2",
+                              "--grad-accum", "1", "--sharding", "fsdp", "--max-steps", str(STEPS),
+                              "--save-every", "10", via="memplan")
     out = {}
     for sharding, proc in launched.items():
         stdout, stderr = proc.communicate(timeout=600)
@@ -379,7 +403,8 @@ def test_saved_by_two_ranks_resumed_by_one(corpus, reference, two_ranks, tmp_pat
     run = tmp_path / "run"
     shutil.copytree(two_ranks["fsdp"][0], run)
     shutil.rmtree(run / "checkpoints" / "step-00000020")
-    assert trainer_here("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(STEPS)) == 0
+    code, err = train_here("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(STEPS))
+    assert code == 0, err[-3000:]
     (resume,) = events(run, "resume")
     assert resume["step"] == 10 and resume["checkpoint"] == str(run / "checkpoints" / "step-00000010")
     assert resume["setup"]["world_size"] == 1 and resume["setup"]["grad_accum"] == 2  # the same global batch
@@ -430,7 +455,8 @@ def test_saved_by_one_process_resumed_by_two_then_killed_mid_save(corpus, refere
     ref = ckpt.latest_checkpoint(checkpoints)
     assert ref.step >= 12 and (ref.path / "dcp" / ".metadata").is_file()
     ckpt.verify_checkpoint(ref.path)
-    assert trainer_here("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(ref.step + 1)) == 0
+    code, err = train_here("--data", str(corpus), "--out", str(run), "--resume", "--max-steps", str(ref.step + 1))
+    assert code == 0, err[-3000:]
     assert ckpt.latest_checkpoint(checkpoints).step == ref.step + 1
     assert losses(run)[ref.step + 1] == pytest.approx(single[ref.step + 1], abs=1e-3)
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]  # the leftovers were cleaned
@@ -450,14 +476,15 @@ def test_ranks_read_disjoint_windows_that_make_up_the_single_process_batch(corpu
         assert not any(torch.equal(a, b) for a in x0 for b in x1)
 
 
-def test_a_plan_for_two_devices_is_refused_in_one_process(corpus, tmp_path, capsys):
+def test_a_plan_for_two_devices_is_refused_in_one_process(corpus, tmp_path):
     from memplan.plan import Plan
 
     plan = tmp_path / "plan.toml"
     Plan(model=LLAMA.replace(vocab=320), setup=sharded(SETUP, 2, "ddp")).save(plan)
-    assert trainer_here("--data", str(corpus), "--out", str(tmp_path / "run"), "--plan", str(plan)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("python -m trainer: error: the plan is for --world-size 2 but 1 process(es) run it; launch "
+    code, err = train_here("--data", str(corpus), "--out", str(tmp_path / "run"), "--plan", str(plan))
+    assert code == 2
+    err = err.strip().splitlines()
+    assert err[-1] == ("memplan: error: the plan is for --world-size 2 but 1 process(es) run it; launch "
                        "it with `memplan train --nproc 2` (torchrun)")
     assert sum("error" in line for line in err) == 1
     assert not (tmp_path / "run").exists()

@@ -1,28 +1,17 @@
-"""``python -m trainer``: one rank of a torchrun launch (or one process alone), in one of two forms.
+"""``python -m trainer RUN``: one rank of a torchrun launch (or one process alone) of the run prepared in RUN.
 
-    python -m trainer RUN
+``memplan train --nproc N --out RUN ...`` resolves the run once (the plan for N processes, the settings, the
+data), writes it into RUN/launch.json (docs/run-directory.md) and starts ``torchrun --nproc-per-node N -m
+trainer RUN``; each rank reads that file, checked as any input is, and builds its trainer from it
+(``trainer.request.read_launch`` / ``resolve_launch``). ``memplan finetune --nproc N`` writes the file with kind
+``finetune`` and launches the same way. A launch that stopped before its run began can be started again the
+same way, e.g. with torchrun's own options: ``torchrun --nproc-per-node 2 -m trainer RUN``.
 
-trains the run prepared in ``RUN``: ``memplan train --nproc N --out RUN ...`` resolves the run once (the plan
-for N processes, the settings, the data), writes it into RUN/launch.json (docs/run-directory.md) and starts
-``torchrun --nproc-per-node N -m trainer RUN``; each rank reads that file, checked as any input is, and builds
-its trainer from it (``trainer.request.read_launch`` / ``resolve_launch``). No command line is parsed here.
-A launch that stopped before its run began can be started again the same way, e.g. with torchrun's own
-options: ``torchrun --nproc-per-node 2 -m trainer RUN``.
-
-    torchrun --nproc-per-node 2 -m trainer --plan plan.toml --data DATA --out RUN --sharding fsdp
-
-(options, no RUN) is still accepted for those who launch torchrun themselves: it takes ``memplan train``'s
-options, and every rank resolves them through the same request (``trainer.request.resolve_train``; what is
-decided by a measurement, such as the quick start's model, is rank 0's).
+No command line is parsed here: anything but one run directory (``memplan train``'s options, say) is refused
+in one line naming the accepted form, exit code 2.
 
 Under torchrun each process trains on its own device (its GPU by local rank, or the CPU over gloo) with DDP or
 FSDP2 (the plan's sharding, else DDP); only rank 0 prints and writes the run. Alone, it trains in one process.
-
-    torchrun --nproc-per-node 2 -m trainer finetune --run RUN --data sft.jsonl --out FT --lora-rank 8
-
-runs ``memplan finetune``'s options in each rank, for those who launch torchrun themselves; ``memplan finetune
---nproc N`` resolves the finetune once instead, writes RUN/launch.json with kind ``finetune`` and launches
-``python -m trainer RUN`` as ``memplan train --nproc N`` does.
 
 Bad input is one line on stderr, from rank 0 only, and exit code 2.
 """
@@ -37,41 +26,17 @@ PROG = "python -m trainer"
 
 
 def entry(argv: list[str] | None = None) -> None:
-    """``python -m trainer RUN`` (the run prepared in RUN), ``python -m trainer OPTIONS`` (``memplan train
-    OPTIONS``) or ``python -m trainer finetune OPTIONS`` (``memplan finetune OPTIONS``). Bad input is one line
-    on stderr (from rank 0 only) and exit code 2."""
+    """``python -m trainer RUN``: train the run RUN/launch.json describes, in this rank. Anything else (no RUN,
+    several arguments, an option) is one line on stderr (from rank 0 only) naming the accepted form, exit
+    code 2; so is bad input in the file."""
+    from memplan.errors import InputError
+
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] != "finetune" and not argv[0].startswith("-"):
-        return _prepared(argv)
-    import typer
-    from typer.core import TyperGroup
-
-    from memplan.cli import app, click_exceptions
-    from memplan.errors import InputError
-
-    args = ["finetune", *argv[1:]] if argv[:1] == ["finetune"] else ["train", *argv]
-    command = typer.main.get_command(app)
-    try:  # the group's own main, not memplan's one-line wrapper: here only rank 0 may print the error
-        rv = TyperGroup.main(command, args=args, prog_name=PROG, standalone_mode=False)
-    except InputError as e:
-        message = str(e)
-    except click_exceptions.ClickException as e:
-        message = e.format_message()
-    except typer.Exit as e:
-        _exit(e.exit_code)
-    else:
-        _exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
-    _fail(message)
-
-
-def _prepared(argv: list[str]) -> None:
-    """``python -m trainer RUN``: train the run RUN/launch.json describes, in this rank."""
-    from memplan.errors import InputError
-
     try:
-        if len(argv) != 1:
-            raise InputError(f"{PROG} RUN: one run directory, prepared by `memplan train --nproc N --out RUN`; "
-                             f"got {' '.join(argv)!r} (or give `memplan train`'s options alone)")
+        if len(argv) != 1 or argv[0].startswith("-"):
+            raise InputError(f"{PROG} RUN: one run directory, prepared by `memplan train --nproc N --out RUN` "
+                             f"(or `memplan finetune --nproc N`); got {' '.join(argv) or 'no argument'!r}. The ranks read the "
+                             "run from RUN/launch.json, never options")
         code = run_prepared(argv[0])
     except InputError as e:
         _fail(str(e))

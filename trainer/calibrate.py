@@ -42,7 +42,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,28 +117,34 @@ class Calibration:
 
 # The device itself (its family, torch device, name and memory) is read by trainer/device.py.
 
-def runtime_context_bytes(family: str) -> int:
+def runtime_context_bytes(family: str, loaded: Sequence[str] = ()) -> int:
     """Memory the runtime holds outside the allocator. CPU: what a training process measurably holds
-    before its model exists (``process_baseline_bytes``). CUDA: the driver's view less torch's reserve."""
+    before its model exists (``process_baseline_bytes``, with the modules ``loaded`` names). CUDA: the
+    driver's view less torch's reserve."""
     if family == "cuda":
         held = devices.driver_process_bytes(os.getpid())
         if held is None:
             return 0
         return max(0, held - devices.allocator_memory().reserved)
     if family == "cpu":
-        return process_baseline_bytes()
+        return process_baseline_bytes(loaded)
     return 0
 
 
-def process_baseline_bytes() -> int:
-    """The resident memory of a CPU training process before its model exists: this process with memplan's
-    command line and trainer imported (Python, torch, typer/rich, tokenizers: what ``memplan train`` loads)
-    and a tiny model's training steps run once per attention kernel and optimizer (which loads the code
+def process_baseline_bytes(loaded: Sequence[str] = ()) -> int:
+    """The resident memory of a CPU training process before its model exists: this process with trainer
+    imported and the modules ``loaded`` names, those the training process loads besides (``memplan train``'s
+    command line, ``memplan.cli``: Python, torch, typer/rich, tokenizers; its caller names them, so that this
+    library imports no command line), and a tiny model's training steps run once per attention kernel and optimizer (which loads the code
     pages of every kernel a step uses: oneDNN's among them, tens of MiB), then its garbage collected
     and the C heap trimmed. Measure it in a fresh process (calibration does): what an earlier workload
     in the same process left behind is not the runtime's."""
-    import memplan.cli  # noqa: F401  (what `memplan train` has loaded before its model exists)
+    import importlib
+
     import trainer.loop  # noqa: F401
+
+    for name in loaded:  # what the training process has loaded before its model exists
+        importlib.import_module(name)
     from memplan.model import ModelSpec
     from memplan.setup import TrainSetup
     from trainer.model import build_model
@@ -723,7 +729,7 @@ def matmul_dtypes(family: str) -> list[str]:
 
 def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "wall",
               progress: Callable[[str, float], None] | None = None, choose_threads: bool = False,
-              share_clock: bool = False, compile: bool = False) -> Calibration:
+              share_clock: bool = False, compile: bool = False, loaded: Sequence[str] = ()) -> Calibration:
     """Measure the local device within about ``seconds`` (the smallest case of every table is measured
     even when the budget is spent). ``threads`` pins torch's CPU threads (default: as they are, or with
     ``choose_threads`` on a CPU, the fastest of one and all cores by ``fastest_threads``, recorded in
@@ -736,6 +742,8 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     more wall time) as an idle one.
 
     With ``compile``, ``measure_compile`` times torch.compile on a reference step after the budgeted stages.
+    ``loaded``: the modules a training process loads besides trainer (``process_baseline_bytes``), imported
+    before the runtime context is measured.
 
     ``progress(stage, fraction_done)`` is called as the stages advance.
     """
@@ -764,7 +772,7 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     cal = Calibration(family=family, title=devices.device_title(family), threads=torch.get_num_threads(),
                       torch_version=torch.__version__, started=_dt.datetime.now().isoformat(timespec="seconds"),
                       memory_total_bytes=total, memory_usable_bytes=usable, memory_source=source,
-                      runtime_context_bytes=runtime_context_bytes(family), thread_seconds=thread_seconds)
+                      runtime_context_bytes=runtime_context_bytes(family, loaded), thread_seconds=thread_seconds)
     plan = seconds * PLANNED_SHARE  # measurements overrun their shares a little (the smallest cases always run)
     timer = _Clock(device, deadline=0.0, clock=clock)  # budgets run on the measuring clock: CPU time with cpu
     t0 = timer.now()
@@ -1009,9 +1017,10 @@ def profile_toml(data: dict) -> str:
 # ---- in a process of its own ---------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m trainer.calibrate SECONDS OUT NAME [THREADS]``: calibrate this machine in a fresh process
+    """``python -m trainer.calibrate SECONDS OUT NAME [THREADS [MODULES]]``: calibrate this machine in a fresh process
     (the quick start's calibration: its measurements leave nothing in the training process, and the
-    runtime context is measured in a process that has done nothing else) and write the profile TOML to
+    runtime context is measured in a process that has done nothing else but import MODULES, comma-separated:
+    those the training process has loaded, ``process_baseline_bytes``) and write the profile TOML to
     OUT as profile NAME. Progress goes to stdout as JSON lines ``{"stage": ..., "done": ...}``; the last line is
     ``{"finished": true, "threads": N, "noise": x, "seconds": s}``."""
     import json
@@ -1020,12 +1029,14 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     seconds, out, name = float(args[0]), args[1], args[2]
     threads = int(args[3]) if len(args) > 3 and args[3] else None
+    loaded = [m for m in args[4].split(",") if m] if len(args) > 4 else []
 
     def progress(stage: str, done: float) -> None:
         sys.stdout.write(json.dumps({"stage": stage, "done": done}) + "\n")
         sys.stdout.flush()
 
-    cal = calibrate(seconds, threads=threads, progress=progress, choose_threads=threads is None, share_clock=True)
+    cal = calibrate(seconds, threads=threads, progress=progress, choose_threads=threads is None, share_clock=True,
+                    loaded=loaded)
     text = profile_toml(profile_data(cal, name, None))
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)

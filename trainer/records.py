@@ -452,3 +452,38 @@ def read_records(path: str | Path, latest: bool = False) -> list[Record]:
         if isinstance(r, (TrainLine, EvalLine)):
             last[(r.KIND, r.step)] = i
     return [r for i, r in enumerate(out) if not isinstance(r, (TrainLine, EvalLine)) or last[(r.KIND, r.step)] == i]
+
+
+# ---- the figures of a run's steady steps ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SteadyFigures:
+    """What a run's steady steps measured (all its steps but the first, which allocates the optimizer state;
+    the first alone when there is no other), as ``memplan train``'s summary prints them and the run report
+    shows them: the largest step's memory (reserved, and live tensors where torch can tell), the median
+    tokens/s and the median MFU (None where no step recorded one)."""
+
+    steps: int
+    peak_memory_bytes: int | None
+    peak_allocated_bytes: int | None
+    tokens_per_second: float | None
+    mfu: float | None
+
+
+def steady_figures(records: typing.Iterable[Record]) -> SteadyFigures | None:
+    """The ``SteadyFigures`` of ``records`` (a run's metric records, e.g. ``trainer.rundir.metric_records(RUN,
+    latest=True)``; only its train lines count, in step order); None without a train line."""
+    import statistics
+
+    train = sorted((r for r in records if isinstance(r, TrainLine)), key=lambda r: r.step)
+    if not train:
+        return None
+    steady = train[1:] or train
+    memory = [r.memory_bytes for r in steady if r.memory_bytes]
+    allocated = [r.memory_allocated_bytes for r in steady if r.memory_allocated_bytes]
+    rates = [r.tokens_per_second for r in steady if r.tokens_per_second]
+    mfus = [r.mfu for r in steady if r.mfu is not None]
+    return SteadyFigures(steps=len(steady), peak_memory_bytes=max(memory, default=None),
+                         peak_allocated_bytes=max(allocated, default=None),
+                         tokens_per_second=statistics.median(rates) if rates else None,
+                         mfu=statistics.median(mfus) if mfus else None)

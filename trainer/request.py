@@ -430,8 +430,8 @@ def set_threads(threads: int | None, profile) -> int:
 
 
 def calibrate_in_child(name: str, threads: int | None, ui: "TrainUI", again: bool = False):
-    """A calibration of QUICKSTART_CALIBRATE_SECONDS in a fresh process (``python -m trainer.calibrate``),
-    with a progress bar; returns it as a ``memplan.local.LocalCalibration`` read from a temporary file."""
+    """A calibration of QUICKSTART_CALIBRATE_SECONDS in a fresh process (``python -m trainer.calibrate``) that
+    loads the modules of memplan this process has loaded (for its runtime context), with a progress bar; returns it as a ``memplan.local.LocalCalibration`` read from a temporary file."""
     import json
     import subprocess
     import tempfile
@@ -439,8 +439,11 @@ def calibrate_in_child(name: str, threads: int | None, ui: "TrainUI", again: boo
     from memplan import local
 
     tmp = Path(tempfile.mkstemp(prefix="memplan-calibration-", suffix=".toml")[1])
+    # the baseline is measured in a process that loaded what this one (the training process) has of memplan:
+    # its command line when `memplan train` runs it
+    loaded = sorted(m for m in sys.modules if m == "memplan" or m.startswith("memplan."))
     args = [sys.executable, "-m", "trainer.calibrate", str(QUICKSTART_CALIBRATE_SECONDS), str(tmp), name,
-            str(threads or "")]
+            str(threads or ""), ",".join(loaded)]
     what = "measuring this machine" + (" again" if again else "")
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])  # this checkout importable in the child, as in this process

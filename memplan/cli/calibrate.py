@@ -14,6 +14,10 @@ from memplan.cli.options import JsonOpt, print_json
 from memplan.errors import InputError
 from memplan.local import NOISY, slug
 
+# What a training process (`memplan train`, a rank of `python -m trainer RUN`) has loaded besides trainer before
+# its model exists: this command line. The calibration imports it before it measures the runtime context.
+TRAINING_PROCESS_MODULES = ("memplan.cli",)
+
 OutOpt = Annotated[Optional[str], typer.Option(
     "--out", help="Profile TOML to write (default: calibrated-<device>.toml in the current directory).",
     show_default=False)]
@@ -127,6 +131,7 @@ def calibrate_command(
     with Progress(*columns, console=console, transient=True, disable=json) as progress:
         task = progress.add_task("starting", total=1.0)
         cal = cal_mod.calibrate(budget, threads=n_threads, clock=clock, choose_threads=n_threads is None, compile=compile,
+                                loaded=TRAINING_PROCESS_MODULES,
                                 progress=lambda stage, done: progress.update(task, description=stage, completed=done))
     base = match_profile(cal.title, cal.family) if cal.family != "cpu" else None
     name = device_name.strip() if device_name else (f"{base.name}-calibrated" if base else slug(cal.title))

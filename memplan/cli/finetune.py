@@ -72,7 +72,7 @@ def finetune_command(
     eval_batches: EvalBatchesOpt = None, sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None,
     max_nonfinite: MaxNonfiniteOpt = None, verify_data: VerifyDataOpt = None, seed: SeedOpt = None,
     resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    threads: ThreadsOpt = None, log: LogOpt = None, nproc: FtNprocOpt = None, click_ctx: typer.Context = None,
+    threads: ThreadsOpt = None, log: LogOpt = None, nproc: FtNprocOpt = None,
 ) -> None:
     """Finetune a trained run (--run) or a Hugging Face checkpoint (--from) on instructions (loss on the responses only), with LoRA or every weight; planned,
     checkpointed and resumable like `memplan train`."""
@@ -86,7 +86,7 @@ def finetune_command(
 
     check_loggers(log)  # a bad --log is refused before anything runs
     n = parse_count(nproc, "--nproc") if nproc is not None else 1
-    rank, launched, _ = distributed.env_world()
+    _, launched, _ = distributed.env_world()
     if n > 1 and launched > 1:
         raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
     request = FinetuneRequest(
@@ -104,13 +104,13 @@ def finetune_command(
                                  verify_data=verify_data),
         seed=seed_from(seed), resume=resume, device=device, device_memory=device_memory,
         threads=threads_from(threads), log=list(log or []), nproc=n)
-    console = Console(quiet=rank != 0)  # one rank of several: rank 0 alone prints
+    if launched > 1:  # a rank reads its finetune from RUN/launch.json, never flags
+        raise InputError(f"this process is one of {launched} started by torchrun: `memplan finetune --nproc N` "
+                         "starts its ranks itself, each `python -m trainer RUN` reading the finetune it resolved")
+    console = Console()
     if n > 1:
         return _launch(request, console)
-    if launched > 1:  # one rank of a torchrun launch given these options itself: join the group
-        distributed.init()
-        click_ctx.call_on_close(distributed.shutdown)
-    resolved = resolve_finetune(request, world_size=launched, say=lambda text: console.print(f"[dim]{text}[/dim]"))
+    resolved = resolve_finetune(request, say=lambda text: console.print(f"[dim]{text}[/dim]"))
     trainer = start_finetune(resolved)
     if resolved.fields:
         print_fields(console, resolved.fields)  # (memplan/cli/fit.py: wrapped lines indented under their text)
@@ -120,21 +120,14 @@ def finetune_command(
 
 
 def _launch(request, console) -> None:
-    """``memplan finetune --nproc N ...``: the finetune resolved here, once, for N processes (its plan made for
-    them), written into RUN/launch.json with kind ``finetune``, then N processes started by torchrun's launcher,
-    each ``python -m trainer RUN``: it reads that file and trains (rank 0 printing). No rank parses these flags."""
-    import os
+    """``memplan finetune --nproc N ...``: the finetune resolved once, here, for N processes (its plan made for
+    them) and written into RUN/launch.json with kind ``finetune`` (``trainer.launch.prepare_finetune``), then N
+    ranks started (``start_ranks``), each ``python -m trainer RUN`` reading that file (rank 0 printing); the exit
+    code is theirs. No rank parses these flags."""
+    from trainer.launch import prepare_finetune, start_ranks
 
-    from memplan.cli.train import start_ranks
-    from trainer.finetune_request import FinetuneLaunch, resolve_finetune
-    from trainer.request import check_launch_target, write_launch
-
-    check_launch_target(request)  # before the base and the data are read
-    run_dir = Path(request.out)
-    resolved = resolve_finetune(request, world_size=request.nproc,
-                                say=lambda text: console.print(f"[dim]{text}[/dim]"))
-    created = not os.path.lexists(run_dir)
-    write_launch(run_dir, FinetuneLaunch(request=request,
-                                         plan=None if request.resume else resolved.plan.to_dict()))
-    start_ranks(run_dir, request.nproc, resume=request.resume, created=created, what="finetuning",
-                say=lambda text: typer.echo(text, err=True))
+    run_dir, created = prepare_finetune(request, say=lambda text: console.print(f"[dim]{text}[/dim]"))
+    code = start_ranks(run_dir, request.nproc, resume=request.resume, created=created, what="finetuning",
+                       say=lambda text: typer.echo(text, err=True))
+    if code:
+        raise typer.Exit(code)

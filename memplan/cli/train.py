@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -28,14 +27,6 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  LogOpt, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt,
                                  run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
-
-# The sample that ends a run: top-k 40 at temperature 0.6 (was 0.8). On the quick start's 3-minute model, 8 seeds
-# each, the share of sampled words found in the training text rose from 0.92-0.95 at 0.8 to 0.98-0.99 at 0.6
-# (fewer invented words such as "andator"); 0.5 with top-k 20 gave 0.99-1.0, little more.
-FINAL_SAMPLE_TEMPERATURE = 0.6
-FINAL_SAMPLE_TOP_K = 40
-
-LAUNCHED_BY_ENV = "MEMPLAN_LAUNCHED_BY"  # set by `memplan train --nproc` for the ranks it starts
 
 _R = "Run"
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan TOML (from `memplan autotune --out`) to "
@@ -130,7 +121,7 @@ def train_command(
     n = parse_count(nproc, "--nproc") if nproc is not None else 1
     from trainer import distributed
 
-    rank, launched, _ = distributed.env_world()
+    _, launched, _ = distributed.env_world()
     if n > 1 and launched > 1:
         raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
 
@@ -147,19 +138,16 @@ def train_command(
                         global_batch_tokens=global_batch_tokens, budget=budget, margin=margin, sharding=sharding,
                         threads=n_threads, from_=from_, nproc=nproc)
 
+    if launched > 1:  # a rank reads its run from RUN/launch.json, never flags
+        raise InputError(f"this process is one of {launched} started by torchrun: `memplan train --nproc N` starts "
+                         "its ranks itself, each `python -m trainer RUN` reading the run it resolved")
     if n > 1:
         return _launch(request(n), check_loggers(log), console)
-    if sharding is not None and launched == 1:
+    if sharding is not None:
         raise InputError(f"--sharding {sharding}: needs several processes; add --nproc N")
-    if launched > 1:  # one rank of a torchrun launch given flags (`python -m trainer --flags`): join the group
-        distributed.init()
-        console = Console(stderr=True, highlight=False, quiet=rank != 0)
-    try:
-        from trainer.request import resolve_train
+    from trainer.request import resolve_train
 
-        _train(console, resolve_train(request(), RichUI(console)), log=log)
-    finally:
-        distributed.shutdown()
+    _train(console, resolve_train(request(), RichUI(console)), log=log)
 
 
 def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eval_every, seed, resume,
@@ -271,6 +259,7 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
 
     from trainer import loggers, rundir
     from trainer.loop import DiskFull, TrainingStopped
+    from trainer.sample import final_sample
 
     attached = loggers.attach(trainer, loggers.check_loggers(log))
     _print_plan(trainer, console)
@@ -291,7 +280,7 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
         _stderr(console).print(f"[red]memplan: {what} stopped[/]: {escape(str(e))}", soft_wrap=True)
         console.print(f"Report: {run_dir / rundir.REPORT_FILE}")
         return 1
-    sample = _final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
+    sample = final_sample(trainer)  # in every rank: an FSDP2 model's forward needs them all
     if trainer.is_main:
         _print_summary(trainer, summary, sample)
     if trainer.stop_signal is not None:  # the shell's convention for a process ended by a signal
@@ -566,27 +555,14 @@ class _ProgressView:
             self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
 
 
-def _final_sample(trainer) -> tuple[str, str] | None:
-    """(prompt, continuation) of the trained model for the summary, or None without a prompt."""
-    from trainer.sample import sample_text
-
-    prompts = trainer.sample_prompts()
-    if not prompts:
-        return None
-    return prompts[0], sample_text(trainer.model, trainer.tokenizer, prompts[0], 96, ctx=trainer.setup.ctx,
-                                   seed=trainer.config.seed, temperature=FINAL_SAMPLE_TEMPERATURE,
-                                   top_k=FINAL_SAMPLE_TOP_K, precision=trainer.setup.precision)
-
-
 def _print_summary(trainer, summary, sample) -> None:
     from rich.console import Console
 
     from memplan.units import format_bytes, format_count, format_seconds
-    from trainer.records import TrainLine
+    from trainer.records import steady_figures
     from trainer.rundir import metric_records
 
-    train = [l for l in metric_records(trainer.run_dir, latest=True) if isinstance(l, TrainLine)]
-    steady = train[1:] or train
+    figures = steady_figures(metric_records(trainer.run_dir, latest=True))  # as the run report shows them
     out = Console(highlight=False)
     reasons = {"max_steps": "reached --max-steps", "max_tokens": "reached --tokens", "max_minutes": "time limit",
                "epoch": "one epoch done", "interrupted": "interrupted"}
@@ -604,13 +580,9 @@ def _print_summary(trainer, summary, sample) -> None:
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.eval_loss_by_source.items() if v is not None)
         print_hanging(out, "  ", f"held-out loss {e.eval_loss:.4f}, perplexity {e.eval_ppl:,.1f}"
                       + (f" ({per})" if per else ""))
-    if steady:
-        import statistics
-
-        meas = max((l.memory_bytes for l in steady if l.memory_bytes), default=None)
+    if figures is not None:
+        meas = figures.peak_memory_bytes
         pred = trainer.predicted
-        tps = statistics.median(l.tokens_per_second for l in steady)
-        mfu = statistics.median(l.mfu for l in steady)
         if meas:
             print_hanging(out, "  memory: ", f"measured peak {format_bytes(meas)}, predicted "
                           f"{format_bytes(pred.peak_reserved)} ({(pred.peak_reserved - meas) / meas:+.1%}); "
@@ -621,72 +593,31 @@ def _print_summary(trainer, summary, sample) -> None:
                          if trainer.profile.calibrated else f"the {trainer.profile.name} profile's runtime context is")
                 print_hanging(out, "    ", f"(this process held {format_bytes(trainer.baseline_bytes)} before the "
                               f"model existed; {whose} {format_bytes(context)})")
-        print_hanging(out, "  throughput: ", f"{tps:,.0f} tokens/s (median), predicted "
-                      f"{pred.tokens_per_second:,.0f}; MFU {mfu:.1%}")
+        if figures.tokens_per_second is not None:
+            print_hanging(out, "  throughput: ", f"{figures.tokens_per_second:,.0f} tokens/s (median), predicted "
+                          f"{pred.tokens_per_second:,.0f}; MFU {figures.mfu or 0.0:.1%}")
     if summary.checkpoint:
         print_hanging(out, "  checkpoint: ", str(summary.checkpoint))
     if summary.report:
         print_hanging(out, "  report: ", str(summary.report))
     if sample is not None:
+        from trainer.sample import FINAL_SAMPLE_TEMPERATURE, FINAL_SAMPLE_TOP_K
+
         out.print(f"[bold]Sample[/] (top-k {FINAL_SAMPLE_TOP_K}, temperature {FINAL_SAMPLE_TEMPERATURE:g}):")
         out.print(printable(f"{sample[0]}{sample[1]}"), markup=False)
 
 
 def _launch(request, log: list[str], console) -> None:
-    """``memplan train --nproc N ...``: the run resolved here, once, for N processes
-    (``trainer.request.resolve_train``: the embedded corpus, the calibration, autotune and the rescaling for N
-    processes), written into RUN/launch.json (``write_launch``), then N processes started by torchrun's
-    launcher, each ``python -m trainer RUN``: it reads that file and trains (rank 0 printing). No rank parses
-    these flags."""
+    """``memplan train --nproc N ...``: the run resolved once, here, for N processes and written into
+    RUN/launch.json (``trainer.launch.prepare_train``), then N ranks started (``start_ranks``), each ``python -m
+    trainer RUN`` reading that file (rank 0 printing); the exit code is theirs. No rank parses these flags."""
+    from trainer.launch import prepare_train, start_ranks
 
-
-    from trainer.request import check_launch_target, launch_spec, resolve_train, write_launch
-
-    nproc = request.nproc
-    if request.plan:  # refused here, before anything else, rather than after resolving it
-        from memplan.plan import Plan
-
-        world_size = Plan.load(request.plan).setup.world_size
-        if world_size not in (1, nproc):
-            raise InputError(f"the plan is for --world-size {world_size}; launch it with `memplan train --nproc "
-                             f"{world_size}`")
-    check_launch_target(request)
-    resolved = resolve_train(request, RichUI(console))
-    run_dir = resolved.run_dir
-    created = not os.path.lexists(run_dir)
-    write_launch(run_dir, launch_spec(resolved, request, log))
-    start_ranks(run_dir, nproc, resume=request.resume, created=created, what="training",
-                say=lambda text: console.print(text, soft_wrap=True))
-
-
-def start_ranks(run_dir: Path, nproc: int, *, resume: bool, created: bool, what: str, say) -> None:
-    """torchrun's launcher starting ``nproc`` ranks of ``python -m trainer RUN``, each reading RUN/launch.json
-    (written just before). When they fail: a new run refused before it began takes its launch file (and the
-    directory, if this launch ``created`` it) away, ``say`` names the failed ranks if rank 0 said nothing,
-    and the command exits with rank 0's code."""
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from trainer import rundir
-
-    args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "trainer", str(run_dir)])
-    for name in list(logging.root.manager.loggerDict):  # the launcher's own chatter: the ranks speak for the run
-        if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ[LAUNCHED_BY_ENV] = "memplan"  # the ranks' errors read as this command's
-    try:
-        run(args)
-    except ChildFailedError as e:
-        if not resume and not os.path.lexists(run_dir / rundir.RUN_FILE):  # refused before it began
-            rundir.remove_launch(run_dir, created)
-        codes = {f.local_rank: f.exitcode for f in e.failures.values()}
-        code = codes.get(0, next(iter(codes.values()), 1))
-        if 0 not in codes:  # rank 0 said nothing about it
-            say(f"memplan: {what} failed in rank(s) {', '.join(map(str, sorted(codes)))} "
-                f"(exit codes {', '.join(map(str, codes.values()))})")
-        raise typer.Exit(code if code > 0 else 1)
+    run_dir, created = prepare_train(request, RichUI(console), log)
+    code = start_ranks(run_dir, request.nproc, resume=request.resume, created=created, what="training",
+                       say=lambda text: console.print(text, soft_wrap=True))
+    if code:
+        raise typer.Exit(code)
 
 
 def printable(text: str) -> str:

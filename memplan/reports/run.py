@@ -157,7 +157,7 @@ def run_summary(run_dir: Path, lines: list, train: list, evals: list, starts: li
     """The report's summary rows: the run, model and setup, progress, losses, memory and throughput against
     the prediction (steady steps: all but the first), and what happened (resumes, out-of-memory steps,
     non-finite losses, the stop)."""
-    from trainer.records import NonfiniteEvent, StopEvent  # torch-free
+    from trainer.records import NonfiniteEvent, StopEvent, steady_figures  # torch-free
 
     first = starts[0] if starts else None
     model = first.model if first else {}
@@ -185,29 +185,25 @@ def run_summary(run_dir: Path, lines: list, train: list, evals: list, starts: li
         if e.eval_loss is not None:
             summary["held-out loss"] = (f"{e.eval_loss:.4f} (perplexity {e.eval_ppl or math.inf:,.1f}) at "
                                         f"step {e.step:,}" + (f"; {per}" if per else ""))
-    steady = train[1:] or train
+    steady = steady_figures(train)  # as `memplan train`'s summary prints them
     peak_pred = predicted.get("peak_reserved")
-    meas = [l.memory_bytes for l in steady if l.memory_bytes]
-    if meas and peak_pred:
-        m = max(meas)
+    if steady is not None and steady.peak_memory_bytes and peak_pred:
+        m = steady.peak_memory_bytes
         summary["peak memory"] = (f"measured {format_bytes(m)} (largest step), predicted {format_bytes(peak_pred)} "
                                   f"({(peak_pred - m) / m:+.1%})")
         if first is not None and first.baseline_memory_bytes and first.torch_device.startswith("cpu"):
             summary["peak memory"] += (f"; the process held {format_bytes(first.baseline_memory_bytes)} before "
                                        "the model existed")
-    alloc = [l.memory_allocated_bytes for l in steady if l.memory_allocated_bytes]
-    if alloc and predicted.get("peak_allocated"):
-        m, p = max(alloc), predicted["peak_allocated"]
+    if steady is not None and steady.peak_allocated_bytes and predicted.get("peak_allocated"):
+        m, p = steady.peak_allocated_bytes, predicted["peak_allocated"]
         summary["live tensors"] = f"measured {format_bytes(m)}, predicted {format_bytes(p)} ({(p - m) / m:+.1%})"
-    rates = [l.tokens_per_second for l in steady if l.tokens_per_second]
-    if rates:
-        med = statistics.median(rates)
+    if steady is not None and steady.tokens_per_second:
+        med = steady.tokens_per_second
         line = f"{med:,.0f} tokens/s (median)"
         if predicted.get("tokens_per_second"):
             line += f", predicted {predicted['tokens_per_second']:,.0f} ({(predicted['tokens_per_second'] - med) / med:+.0%})"
-        mfus = [l.mfu for l in steady if l.mfu is not None]
-        if mfus:
-            line += f"; MFU {statistics.median(mfus):.1%} of the device's dense peak"
+        if steady.mfu is not None:
+            line += f"; MFU {steady.mfu:.1%} of the device's dense peak"
         summary["throughput"] = line
     happened = []
     if len(starts) > 1:
