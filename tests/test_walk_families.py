@@ -161,9 +161,12 @@ def test_qwen3_meets_the_bars_a_fast_subset():
 
 @pytest.mark.slow
 def test_qwen3_meets_the_bars_over_the_matrix():
-    """Every precision, attention, checkpointing none/full, LoRA none/rank 4 (dropout 0 and 0.05), tied
-    and untied: 72 steps (before the hooks: median 3.71%, worst -25.8%)."""
-    _assert_bars(_errors(_matrix()))
+    """Every precision, attention, checkpointing none/full, LoRA none/rank 4 (dropout 0 and 0.05), with an
+    untied head: 36 steps (before the hooks, the 72 with tied heads too: median 3.71%, worst -25.8%). The qk
+    norms' hooks do not see the head; the tied half of the matrix (`python tests/test_walk_families.py qwen3`
+    prints all 72) is left out of the suite for CI's time, and tied heads are walked in the other families'
+    matrices."""
+    _assert_bars(_errors(_matrix(ties=(False,))))
 
 
 if __name__ == "__main__":  # walk vs trace tables: python tests/test_walk_families.py [qwen3] [phi gemma stablelm llama]
