@@ -738,9 +738,6 @@ class Trainer:
                           wall_seconds=self.elapsed_seconds)
 
 
-_lock_run = lock_run  # the run's lock (rank 0's): trainer.checkpoints.lock_run
-_apply_overrides = apply_overrides
-
 
 # =================================================================================================
 # A trained model, for sampling and generation
@@ -773,4 +770,3 @@ def build_trained(trained: rundir.TrainedCheckpoint, device=None):
         merge_lora(model)
     model.eval()
     return model, trained.tokenizer(), meta
-

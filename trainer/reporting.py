@@ -36,10 +36,6 @@ NO_SPACE_EXIT = 3  # memplan.reports.run's exit status when the disk was full
 REPORT_REFRESH_SECONDS = 60.0  # a checkpoint refreshes RUN/report.html at most this often
 
 
-class ReportFailed(Exception):
-    """A render failed for a reason other than a full disk; the message is its one line."""
-
-
 def _command(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "memplan.reports.run", str(run_dir), "--background"]
 
@@ -86,14 +82,14 @@ class ReportRenderer:
         """Render now, after any render still running, and wait. The page's path, or None when the render
         failed (reported through ``on_failure``); ``OSError`` (ENOSPC) when the disk is full."""
         self.last_render = self._clock()
-        self._reap(wait=True)
+        self._reap()
         self._child = self._start()
-        return self.path if self._reap(wait=True) else None
+        return self.path if self._reap() else None
 
     def close(self) -> None:
         """Wait for a render still running (a run closed after a failure does not raise for it)."""
         try:
-            self._reap(wait=True)
+            self._reap()
         except OSError:
             pass
 
@@ -101,13 +97,11 @@ class ReportRenderer:
         return subprocess.Popen(_command(self.run_dir), env=_environment(), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-    def _reap(self, wait: bool = False) -> bool:
-        """Take the last render's outcome: True when it wrote the page (or there was none to take)."""
+    def _reap(self) -> bool:
+        """Take the last render's outcome, waiting for it if it still runs: True when it wrote the page (or
+        there was none to take)."""
         child, self._child = self._child, None
         if child is None:
-            return True
-        if not wait and child.poll() is None:
-            self._child = child
             return True
         _, err = child.communicate()
         if child.returncode == 0:

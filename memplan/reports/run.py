@@ -272,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     3 when the disk was full (``trainer.reporting.NO_SPACE_EXIT``), 1 on any other failure, with its one
     line on stderr. ``--background``: at a lower priority than the training beside it (nice 10)."""
     import argparse
-    import errno
     import os
     import sys
+
+    from memplan.fsutil import no_space
 
     ap = argparse.ArgumentParser(prog="python -m memplan.reports.run", description="write RUN/report.html")
     ap.add_argument("run_dir")
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         write_run_report(args.run_dir)
     except OSError as e:
         print(f"{type(e).__name__}: {e}"[:300], file=sys.stderr)
-        return 3 if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG) else 1
+        return 3 if no_space(e) is not None else 1
     except Exception as e:  # a report must never cost the run: the trainer logs this line
         print(f"{type(e).__name__}: {e}"[:300], file=sys.stderr)
         return 1
