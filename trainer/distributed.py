@@ -424,21 +424,29 @@ def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 _METADATA_FILE = ".metadata"  # DCP's name for the pickled checkpoint metadata
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)  # its dataclasses, whichever a version adds
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+# Every global DCP's .metadata pickles (torch 2.x), as exact (module, name) pairs. Never a whole module: from
+# protocol 4 on, a dotted name (``os.system``) resolves through whatever the module imported.
+_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")})
 
 
 def _metadata_unpickler(f, where: str):
+    """An unpickler of DCP's ``.metadata`` that builds only the globals of ``_METADATA_GLOBALS`` and torch's
+    dtypes, each looked up by its exact name (torch itself offers no reader of the metadata without pickle)."""
     import pickle
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):
-            if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
-                return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-                return getattr(torch, name)
+            if "." not in name:
+                if (module, name) in _METADATA_GLOBALS:
+                    return super().find_class(module, name)
+                if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                    return getattr(torch, name)
             raise InputError(f"{where}: holds {module}.{name}, which checkpoint metadata never does; refusing "
                              "to load it")
 
