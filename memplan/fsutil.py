@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from memplan.errors import InputError
 
@@ -115,6 +115,15 @@ def temp_dir_beside(path: str | Path, tag: str) -> Path:
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.{tag}-", dir=str(parent)))
+
+
+def inside_name(name: object) -> bool:
+    """A name a manifest (a checkpoint's meta.json, a corpus's manifest.json) may list: a relative POSIX path
+    inside its directory, written plainly (not absolute, no '..', no backslash, no '.' or empty parts)."""
+    if not isinstance(name, str) or not name:
+        return False
+    p = PurePosixPath(name)
+    return not p.is_absolute() and ".." not in p.parts and "\\" not in name and p.as_posix() == name
 
 
 def fsync_path(path: str | Path) -> None:

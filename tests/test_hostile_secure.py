@@ -51,3 +51,40 @@ def test_a_dotted_name_in_dcp_metadata_runs_nothing(tmp_path):
         with pytest.raises(InputError, match=r"\.metadata: holds torch\.distributed\.checkpoint\.metadata\.os\.system"):
             distributed.load_sharded(tmp_path / "dcp", model, optimizer)
     assert not marker.exists(), "the crafted metadata ran os.system"
+
+
+# ---- 2: a corpus manifest names only files inside the corpus ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from runs_helper import tiny_corpus
+
+    return tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _copied_corpus(corpus: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(corpus, dest)
+    return dest
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+@pytest.mark.parametrize("entry", ["shard", "tokenizer"])
+def test_a_manifest_naming_a_file_outside_the_corpus_is_refused(tmp_path, corpus, entry, where):
+    """A shard or tokenizer copied outside the corpus (same bytes, same sha256) and named there by a rewritten
+    manifest.json (``../x`` or an absolute path) is refused in one line, not read."""
+    import json
+    import shutil
+
+    from trainer.data import PreparedData
+
+    copy = _copied_corpus(corpus, tmp_path / "corpus")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    item = manifest["train"]["shards"][0] if entry == "shard" else manifest["tokenizer"]
+    outside = tmp_path / f"outside-{Path(item['file']).name}"
+    shutil.copyfile(copy / item["file"], outside)
+    item["file"] = f"../{outside.name}" if where == "parent" else str(outside)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=r"manifest\.json: lists (shard|tokenizer) .*not a file inside the corpus"):
+        PreparedData(copy).tokenizer

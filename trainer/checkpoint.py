@@ -33,7 +33,7 @@ import random
 import re
 import shutil
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file  # (imported with the trainer
 # first checkpoint can fail to map under a memory limit, `ulimit -v`, after training used the room)
 
 from memplan.errors import InputError
-from memplan.fsutil import fsync_path
+from memplan.fsutil import fsync_path, inside_name
 
 CHECKPOINT_FORMAT = "memplan-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -287,12 +287,6 @@ def _older_hint(path: Path) -> str:
     return ""
 
 
-def _safe_name(name: str) -> bool:
-    """A name meta.json may list: a relative path inside the checkpoint (no '..', not absolute)."""
-    p = PurePosixPath(name)
-    return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name and p.as_posix() == name
-
-
 def check_no_unlisted_files(path: Path, meta: dict) -> None:
     """Every file in the checkpoint must be listed (with its sha256) in meta.json, and no entry may be a
     symbolic link: a file planted beside the listed ones (a ``dcp/.metadata``, which
@@ -315,7 +309,7 @@ def verify_checkpoint(path: str | Path, meta: dict | None = None) -> dict:
     path = Path(path)
     meta = meta if meta is not None else read_meta(path)
     for name in meta["files"]:
-        if not isinstance(name, str) or not _safe_name(name):
+        if not inside_name(name):
             raise InputError(f"{path / META_FILE}: lists {name!r}, not a file inside the checkpoint; the checkpoint "
                              "is corrupt")
     check_no_unlisted_files(path, meta)

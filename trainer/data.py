@@ -66,6 +66,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from memplan.errors import InputError
+from memplan.fsutil import inside_name
 from trainer.tokenizer import (EOT, Tokenizer, build_tokenizer, check_tiktoken_available,
                                file_sha256, parse_tokenizer_spec, token_dtype_name)
 
@@ -1452,6 +1453,9 @@ class TokenStore:
         self._maps: list[np.ndarray | None] = [None] * len(self.shards)
         self._starts = [0]
         for sh in self.shards:
+            if not inside_name(sh["file"]):
+                raise InputError(f"{self.directory / MANIFEST_FILE}: lists shard {sh['file']!r}, not a file inside "
+                                 "the corpus; the manifest is corrupt, re-run memplan prepare")
             path = self.directory / sh["file"]
             expected = int(sh["tokens"]) * dtype.itemsize
             try:

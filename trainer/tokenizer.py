@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from memplan.errors import InputError
+from memplan.fsutil import inside_name
 
 EOT = "<|endoftext|>"
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # first match wins
@@ -201,6 +202,9 @@ class Tokenizer:
             tok = cls.from_tiktoken(entry["encoding"])
             where = f"tiktoken encoding {entry['encoding']!r}"
         elif kind in ("bpe", "file"):
+            if not inside_name(entry["file"]):
+                raise InputError(f"{Path(directory) / 'manifest.json'}: lists tokenizer {entry['file']!r}, not a file "
+                                 "inside the corpus; the manifest is corrupt, re-run memplan prepare")
             path = Path(directory) / entry["file"]
             if not path.is_file():
                 raise InputError(f"{path}: missing; the prepared corpus is incomplete, re-run memplan prepare")
