@@ -111,10 +111,29 @@ def no_space(exc: BaseException | None) -> OSError | None:
 
 def temp_dir_beside(path: str | Path, tag: str) -> Path:
     """A fresh, empty directory ``.NAME.TAG-XXXXXXXX`` beside ``path`` (same filesystem, so renaming it to
-    ``path`` is atomic), created exclusively under an unpredictable name."""
+    ``path`` is atomic), created exclusively under an unpredictable name, with the ordinary mode (0777 less
+    the umask; mkdtemp makes it 0700, which the renamed corpus or export would keep)."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.{tag}-", dir=str(parent)))
+    made = Path(tempfile.mkdtemp(prefix=f".{path.name}.{tag}-", dir=str(parent)))
+    os.chmod(made, 0o777 & ~_umask())
+    return made
+
+
+def remove_entry(path: str | Path) -> None:
+    """Remove ``path`` whatever it is: a real directory with everything in it, a file, or a symbolic link
+    (the link itself, never what it points to: ``shutil.rmtree`` refuses a link, and with ``ignore_errors``
+    would leave it behind silently). Missing is fine; other failures are ignored, as a cleanup's are."""
+    import shutil
+
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def inside_name(name: object) -> bool:

@@ -88,3 +88,135 @@ def test_a_manifest_naming_a_file_outside_the_corpus_is_refused(tmp_path, corpus
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InputError, match=r"manifest\.json: lists (shard|tokenizer) .*not a file inside the corpus"):
         PreparedData(copy).tokenizer
+
+
+# ---- 3 (and issue 29 item 3): exports take a lock; a full disk is one line ------------------------------------
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus) -> Path:
+    from runs_helper import tiny_run
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return tiny_run(tmp_path_factory.mktemp("run") / "run", corpus, steps=2)
+    finally:
+        torch.set_num_threads(previous)
+
+
+OUT_NAME = {"hf": "model", "gguf": "model.gguf", "onnx": "model.onnx"}
+
+
+def _entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    if path.is_dir():
+        return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    return {path.name: path.read_bytes()}
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_a_second_export_to_the_same_out_is_refused_while_the_first_writes(tmp_path, run, monkeypatch, fmt):
+    """Two exports to one new --out: the one that comes second (here, started while the first is writing) is
+    refused in one line naming the PID that holds it; the first's output is what ends up there."""
+    import importlib
+
+    from runs_helper import one_line_error
+
+    module = importlib.import_module(f"trainer.export.{fmt}")
+    name = f"write_{fmt}"
+    real = getattr(module, name)
+    out = tmp_path / OUT_NAME[fmt]
+    second, started = [], []
+
+    def write_while_another_starts(run_, out_, dtype):
+        if not started:  # (the second export, if it gets this far, writes at once)
+            started.append(True)
+            second.append(cli("export", "--run", str(run), "--format", fmt, "--out", str(out)))
+        return real(run_, out_, dtype)
+
+    monkeypatch.setattr(module, name, write_while_another_starts)
+    first = cli("export", "--run", str(run), "--format", fmt, "--out", str(out))
+    assert first.exit_code == 0, first.output
+    one_line_error(second[0], f"--out {out}", "another memplan process", "is exporting to it")
+    assert out.exists() and _entries(tmp_path) == [out.name]  # no lock file or temporary sibling left
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])  # (onnx goes through the same check; its export takes a minute)
+def test_an_export_onto_a_full_disk_is_one_line_and_keeps_the_earlier_export(run, small_disk, fmt):
+    from conftest import fill_disk
+
+    out = small_disk / OUT_NAME[fmt]
+    assert cli("export", "--run", str(run), "--format", fmt, "--out", str(out)).exit_code == 0
+    before, entries = _snapshot(out), _entries(small_disk)
+    fill_disk(small_disk, leave=8192)
+    result = cli("export", "--run", str(run), "--format", fmt, "--out", str(out), "--force")
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert f"--out {out}: no space left on device" in lines[0] and "is intact" in lines[0], lines[0]
+    assert _snapshot(out) == before
+    assert _entries(small_disk) == sorted([*entries, "filler"])  # no partial output beside it
+
+
+def test_an_export_onto_a_full_disk_leaves_nothing_where_there_was_nothing(run, small_disk):
+    from conftest import fill_disk
+
+    out = small_disk / "model"
+    fill_disk(small_disk, leave=8192)
+    result = cli("export", "--run", str(run), "--format", "hf", "--out", str(out))
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "nothing was written" in result.stderr
+    assert _entries(small_disk) == ["filler"]
+
+
+# ---- 7: renamed symlinks are removed; corpora and exports take the umask's mode ------------------------------
+
+def test_export_force_over_a_symlinked_export_leaves_no_renamed_link(tmp_path, run):
+    earlier = tmp_path / "earlier"
+    assert cli("export", "--run", str(run), "--format", "hf", "--out", str(earlier)).exit_code == 0
+    before = _snapshot(earlier)
+    out = tmp_path / "model"
+    out.symlink_to(earlier)
+    result = cli("export", "--run", str(run), "--format", "hf", "--out", str(out), "--force")
+    assert result.exit_code == 0, result.output
+    assert out.is_dir() and not out.is_symlink()
+    assert _entries(tmp_path) == ["earlier", "model"]  # no .model.old-… link left behind
+    assert _snapshot(earlier) == before  # the link went, not what it pointed to
+
+
+def test_checkpoint_pruning_leaves_no_renamed_link(tmp_path):
+    from trainer import checkpoint as ckpt
+
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not the run's")
+    (directory / ckpt.checkpoint_name(1)).symlink_to(elsewhere)  # an old "checkpoint" that is a link
+    model = torch.nn.Linear(2, 2)
+    ckpt.save_checkpoint(directory, 2, model, {}, {}, keep=1)
+    assert _entries(directory) == [ckpt.checkpoint_name(2)]  # no .trash-step-… link left behind
+    assert (elsewhere / "keep.txt").read_text() == "not the run's"
+
+
+@pytest.fixture
+def umask_022():
+    import os
+
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def test_prepared_corpora_and_hf_exports_take_the_umask_mode(tmp_path, corpus, run, umask_022):
+    from runs_helper import tiny_corpus
+
+    prepared = tiny_corpus(tmp_path, n=40)
+    out = tmp_path / "model"
+    assert cli("export", "--run", str(run), "--format", "hf", "--out", str(out)).exit_code == 0
+    assert oct(prepared.stat().st_mode & 0o777) == oct(0o755)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}

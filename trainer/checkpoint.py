@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file  # (imported with the trainer
 # first checkpoint can fail to map under a memory limit, `ulimit -v`, after training used the room)
 
 from memplan.errors import InputError
-from memplan.fsutil import fsync_path, inside_name
+from memplan.fsutil import fsync_path, inside_name, remove_entry
 
 CHECKPOINT_FORMAT = "memplan-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -134,7 +134,7 @@ def _remove(path: Path) -> None:
     """Rename to .trash-… (atomic: never half a checkpoint under a step name), then delete."""
     trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{os.getpid()}")
     os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_entry(trash)  # a symlink planted as a checkpoint: the link, not a leftover .trash-… link
 
 
 def clean_leftovers(directory: Path) -> None:
@@ -146,7 +146,7 @@ def _clean_leftovers(directory: Path) -> None:
     """Temporary and trash directories left by a process that died while saving or pruning."""
     for p in directory.iterdir():
         if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
-            shutil.rmtree(p, ignore_errors=True)
+            remove_entry(p)
 
 
 # ---- weights under their canonical names ---------------------------------------------------------

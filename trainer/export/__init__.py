@@ -171,21 +171,51 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path, *, force: bool = 
         raise InputError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     out = Path(out)
     check_out(out, fmt, force)
-    run = load_run(run_dir, checkpoint)
-    check_exportable(run.spec, fmt)
-    resolved = resolve_dtype(dtype, run, fmt)
-    _check_packages(fmt)
-    t0 = time.perf_counter()
-    if fmt == "hf":
-        from trainer.export.hf import write_hf as write
-    elif fmt == "gguf":
-        from trainer.export.gguf import write_gguf as write
-    else:
-        from trainer.export.onnx import write_onnx as write
-    arch, notes = write(run, out, resolved)
+    with export_lock(out):
+        check_out(out, fmt, force)  # again, under the lock: an export that held it may have written out since
+        run = load_run(run_dir, checkpoint)
+        check_exportable(run.spec, fmt)
+        resolved = resolve_dtype(dtype, run, fmt)
+        _check_packages(fmt)
+        t0 = time.perf_counter()
+        if fmt == "hf":
+            from trainer.export.hf import write_hf as write
+        elif fmt == "gguf":
+            from trainer.export.gguf import write_gguf as write
+        else:
+            from trainer.export.onnx import write_onnx as write
+        arch, notes = _disk_full_is_one_line(write, run, out, resolved, fmt)
     return ExportResult(format=fmt, path=out, files=files_of(out) if fmt == "hf" else _written_files(out),
                         arch=arch, params=run.spec.params, step=run.step, dtype=resolved,
                         seconds=time.perf_counter() - t0, notes=tuple(notes))
+
+
+def export_lock(out: Path):
+    """The lock ``.NAME.lock`` beside ``out`` (``memplan.fsutil.hold_lock``, as prepare and train take), held
+    while an export writes ``out``: a second export to the same ``out`` is refused in one line naming the PID."""
+    from memplan.fsutil import hold_lock
+
+    return hold_lock(out.parent / f".{out.name}.lock",
+                     f"--out {out}: another memplan process (PID {{pid}}) is exporting to it; wait for it to end, "
+                     "or choose another --out")
+
+
+def _disk_full_is_one_line(write, run: LoadedRun, out: Path, dtype: str, fmt: str):
+    """``write(run, out, dtype)``; a full disk (``memplan.fsutil.no_space``: safetensors', gguf's and torch's
+    own ways of saying so) is one ``EnvironmentFailure`` line, exit 1. The writer has removed its temporary
+    sibling by then, and ``out`` is as it was (it is replaced by a rename only once all is written)."""
+    from memplan.errors import EnvironmentFailure
+    from memplan.fsutil import no_space
+
+    existed = out.exists()
+    try:
+        return write(run, out, dtype)
+    except Exception as e:
+        if no_space(e) is None:
+            raise
+        kept = f"the earlier {out} is intact" if existed else "nothing was written"
+        raise EnvironmentFailure(f"--out {out}: no space left on device while writing the {fmt} export; {kept}; "
+                                 "free space, then run it again") from None
 
 
 def _check_packages(fmt: str) -> None:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memplan.fsutil import fsync_path
+from memplan.fsutil import fsync_path, remove_entry
 from memplan.model import ModelSpec
 
 MARKER = "memplan_export"  # the key every export records (config.json, GGUF metadata, ONNX metadata)
@@ -58,7 +58,7 @@ def temp_sibling(out: Path) -> Path:
         kind, _, rest = p.name[len(out.name) + 2:].partition("-")
         pid = rest.split("-")[0]
         if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            remove_entry(p)
     from memplan.fsutil import temp_dir_beside
 
     return temp_dir_beside(out, f"tmp-{os.getpid()}")  # .NAME.tmp-PID-XXXXXXXX, created exclusively
@@ -98,7 +98,7 @@ def commit_dir(tmp: Path, out: Path) -> None:
     os.rename(tmp, out)
     fsync_path(out.parent)
     if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() else trash.unlink()
+        remove_entry(trash)  # an earlier output that was a symlink: the link goes, not a .NAME.old-… link
 
 
 def commit_files(tmp: Path, out: Path, names: list[str]) -> None:
