@@ -331,6 +331,12 @@ SIZE_TABLE: dict[str, dict] = {
     "3b": _llama(28, 3072, 24, 8, 8192,
                  source="Llama-3.2-3B's blocks (meta-llama/Llama-3.2-3B config.json) with a 32k vocabulary"),
     "7b": _llama(32, 4096, 32, 32, 11008, tied=False, source="Llama-2-7B (meta-llama/Llama-2-7b-hf config.json)"),
+    "13b": _llama(40, 5120, 40, 40, 13824, tied=False,
+                  source="Llama-2-13B (meta-llama/Llama-2-13b-hf config.json)"),
+    "34b": _llama(48, 8192, 64, 8, 22016, tied=False, rope_theta=1000000.0,
+                  source="Code Llama 34B (codellama/CodeLlama-34b-hf config.json; Llama 2 34B was never released)"),
+    "70b": _llama(80, 8192, 64, 8, 28672, tied=False,
+                  source="Llama-2-70B (meta-llama/Llama-2-70b-hf config.json)"),
 }
 
 
@@ -338,25 +344,34 @@ def _round_up(x: float, multiple: int) -> int:
     return max(multiple, int(-(-x // multiple) * multiple))
 
 
+MAX_PARAMS = 10**13  # the largest --params planned (10T): the rule's depth search is linear in depth (~590 at 10T)
+
+
 def shape_for_params(target: int, vocab: int = DEFAULT_VOCAB) -> dict:
     """The rule for a size not in SIZE_TABLE.
 
     Width follows depth with the aspect ratio of small Llamas, hidden = 64·layers (nanochat's
     "depth × 64"), with 64-wide heads, FFN = 8/3·hidden rounded up to 256, embeddings tied
-    below 1B and 4 query heads per KV head from 1B up. Among depths 2–64, the one whose exact
-    parameter count is closest to the target wins.
+    below 1B and 4 query heads per KV head from 1B up. Of the depths from 2 up, the one whose
+    exact parameter count is closest to the target wins (the count grows with depth, so the
+    search stops at the first depth at or above the target: any size up to ``MAX_PARAMS``).
     """
+    if target > MAX_PARAMS:
+        raise InputError(f"--params: {format_count(target)} is beyond the largest size planned, "
+                         f"{format_count(MAX_PARAMS)}; give a size up to it")
+    large = target >= 10**9
     best = None
-    for layers in range(2, 65):
+    for layers in range(2, 1 << 20):
         hidden = 64 * layers
         heads = hidden // 64
-        large = target >= 10**9
         kv_heads = heads // 4 if large and heads % 4 == 0 else heads
         shape = _llama(layers, hidden, heads, kv_heads, _round_up(8 * hidden / 3, 256), vocab=vocab,
                        tied=not large)
         n = ModelSpec(**shape).params
         if best is None or abs(n - target) < abs(best[0] - target):
             best = (n, shape)
+        if n >= target:
+            break
     shape = dict(best[1])
     shape["source"] = "memplan's rule: hidden = 64·layers, ffn = 8/3·hidden, depth closest to the size"
     return shape

@@ -220,3 +220,35 @@ def test_prepared_corpora_and_hf_exports_take_the_umask_mode(tmp_path, corpus, r
     assert oct(prepared.stat().st_mode & 0o777) == oct(0o755)
     assert oct(out.stat().st_mode & 0o777) == oct(0o755)
     assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}
+
+
+# ---- 4: sizes above 13B follow the rule (or a table row), up to 10T; beyond, one line ------------------------
+
+@pytest.mark.parametrize("size, shape", [
+    ("13b", (40, 5120, 40, 40, 13824)),  # Llama-2-13B
+    ("34b", (48, 8192, 64, 8, 22016)),  # Code Llama 34B
+    ("70b", (80, 8192, 64, 8, 28672)),  # Llama-2-70B
+])
+def test_the_large_table_rows_are_llamas_published_shapes(size, shape):
+    from memplan.model import from_size
+
+    spec = from_size(size)
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab, spec.tied) == (*shape, 32000,
+                                                                                                        False)
+
+
+@pytest.mark.parametrize("size, target", [("20b", 20e9), ("175b", 175e9), ("1t", 1e12), ("10t", 1e13)])
+def test_sizes_beyond_the_old_depth_search_follow_the_rule(size, target):
+    """hidden = 64·layers, the depth whose count is closest: within a few percent of any size (before: every size
+    above about 13B planned the 64-layer 12.55B model)."""
+    from memplan.model import from_size
+
+    spec = from_size(size)
+    assert spec.hidden == 64 * spec.layers and spec.layers > 64
+    assert abs(spec.params - target) / target < 0.03, spec.params
+
+
+def test_a_size_beyond_the_largest_planned_is_one_line():
+    from runs_helper import one_line_error
+
+    one_line_error(cli("estimate", "--params", "20t", "--device", "h100-sxm"), "--params", "largest size planned")

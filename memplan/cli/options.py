@@ -22,8 +22,8 @@ _M, _S, _D = "Model", "Setup", "Device"
 
 # ---- MODEL ---------------------------------------------------------------------------------
 ParamsOpt = Annotated[Optional[str], typer.Option(
-    "--params", help="Model size: 22m, 124m, 350m, 1b, 1.1b, 3b, 7b, or any size such as 50m (a documented "
-                     "Llama-style shape).", rich_help_panel=_M)]
+    "--params", help="Model size: 22m, 124m, 350m, 1b, 1.1b, 3b, 7b, 13b, 34b, 70b, or any size up to 10t such as "
+                     "50m (a documented Llama-style shape).", rich_help_panel=_M)]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", help="A preset name (gpt2, tinyllama-1.1b, llama-3.2-1b, ...) or a Hugging Face config.json.",
     rich_help_panel=_M)]
