@@ -252,3 +252,70 @@ def test_a_size_beyond_the_largest_planned_is_one_line():
     from runs_helper import one_line_error
 
     one_line_error(cli("estimate", "--params", "20t", "--device", "h100-sxm"), "--params", "largest size planned")
+
+
+# ---- 5: --log's loggers are checked before anything is created or appended -----------------------------------
+
+TINY = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "2", "--kv-heads", "2", "--ffn", "128",
+        "--ctx", "64", "--batch", "4", "--precision", "fp32", "--sample-tokens", "0", "--threads", "1",
+        "--device", "cpu"]
+
+
+def _tree(run_dir: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(run_dir)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(run_dir.rglob("*")) if not p.is_symlink()}
+
+
+@pytest.mark.parametrize("logger, plant", [("tensorboard", "file"), ("tensorboard", "symlink"),
+                                           ("tensorboard", "read-only"), ("wandb", "file"), ("wandb", "read-only")])
+def test_an_unusable_logger_directory_is_one_line_before_the_resume_writes(tmp_path, run, logger, plant):
+    import shutil
+
+    from conftest import read_only_directory
+    from runs_helper import one_line_error
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    where = copy / logger
+    needle = {"file": "is a file", "symlink": "symbolic link", "read-only": "cannot write"}[plant]
+    if plant == "file":
+        where.write_text("not a directory")
+    elif plant == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        where.symlink_to(tmp_path / "elsewhere")
+    with read_only_directory(where) if plant == "read-only" else _nothing():
+        before = _tree(copy)
+        result = cli("train", "--out", str(copy), "--resume", "--max-steps", "3", "--log", logger)
+        one_line_error(result, f"--log {logger}", str(where), needle)
+        assert _tree(copy) == before  # no resume event appended, nothing created
+    if plant == "symlink":
+        assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_a_missing_logging_package_leaves_no_run_directory(tmp_path, corpus, monkeypatch):
+    import sys
+
+    from runs_helper import one_line_error
+
+    for name in ("tensorboard", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)  # as where the package is not installed
+    out = tmp_path / "run"
+    result = cli("train", "--data", str(corpus), "--out", str(out), *TINY, "--max-steps", "1", "--log", "tensorboard")
+    one_line_error(result, "--log tensorboard", "memplan[logging]")
+    assert _entries(tmp_path) == []  # not even RUN/.lock
+
+
+def test_an_invalid_wandb_mode_is_one_line_before_anything_runs(tmp_path, corpus, monkeypatch):
+    from runs_helper import one_line_error
+
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    out = tmp_path / "run"
+    result = cli("train", "--data", str(corpus), "--out", str(out), *TINY, "--max-steps", "1", "--log", "wandb")
+    one_line_error(result, "--log wandb", "WANDB_MODE='sometimes'", "offline")
+    assert _entries(tmp_path) == []

@@ -29,8 +29,18 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")
 EXTRA = "pip install 'memplan[logging]'"
 
 
-def check_loggers(names: list[str] | None) -> list[str]:
-    """``--log`` values, checked (jsonl is always on; it may be named)."""
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # wandb.Settings.mode's values
+_PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb"}  # the package each logger imports
+_DIRECTORY = {"tensorboard": "tensorboard", "wandb": "wandb"}  # where in RUN each writes
+
+
+def check_loggers(names: list[str] | None, run_dir: str | Path | None = None) -> list[str]:
+    """``--log`` values, checked (jsonl is always on; it may be named) before anything is created or appended:
+    each logger's package importable, ``WANDB_MODE`` one wandb takes, and with ``run_dir`` the directory each
+    writes (``RUN/tensorboard``, ``RUN/wandb``) not a symbolic link and, where it exists, a writable directory.
+    Each failure is one InputError line."""
+    import importlib.util
+
     out = []
     for name in names or []:
         for part in name.split(","):
@@ -39,7 +49,32 @@ def check_loggers(names: list[str] | None) -> list[str]:
                 raise InputError(f"--log: unknown {part!r} (accepted: {', '.join(LOGGERS)}; repeat --log for several)")
             if part not in out:
                 out.append(part)
+    for name in out:
+        package = _PACKAGE.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise InputError(f"--log {name}: needs the {package} package; install it with {EXTRA}")
+    mode = os.environ.get("WANDB_MODE")
+    if "wandb" in out and mode and mode not in WANDB_MODES:
+        raise InputError(f"--log wandb: WANDB_MODE={mode!r} is not a mode wandb takes (accepted: "
+                         f"{', '.join(WANDB_MODES)}); set it to one or unset it")
+    if run_dir is not None:
+        for name in out:
+            if name in _DIRECTORY:
+                _check_directory(name, Path(run_dir) / _DIRECTORY[name])
     return out
+
+
+def _check_directory(name: str, path: Path) -> None:
+    """``path`` (where logger ``name`` writes) is absent, or a real directory this process can write in."""
+    if path.is_symlink():
+        raise InputError(f"--log {name}: {path} is a symbolic link; refusing to write through it (remove it)")
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise InputError(f"--log {name}: {path} is a file, not a directory; move it away")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"--log {name}: cannot write in {path} (read-only or not yours); make it writable or "
+                         "move it away")
 
 
 def _number(value) -> float | None:
@@ -185,6 +220,7 @@ def attach(trainer, names: list[str]) -> list:
     out = []
     if not trainer.is_main:
         return out
+    check_loggers(names, trainer.run_dir)  # (the command checked them before it created anything)
     for name in names:
         logger = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger}.get(name)
         if logger is not None:

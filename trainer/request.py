@@ -811,7 +811,7 @@ def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> Resolv
 
     run_dir = Path(run_dir)
     where = str(run_dir / rundir.LAUNCH_FILE)
-    check_loggers(spec.log)
+    check_loggers(spec.log, run_dir)
     profile, _ = profile_for(spec.device, spec.device_memory, spec.threads, ui, measure_now=False)
     data = Path(spec.data)
     if not (data / "manifest.json").is_file():

@@ -84,7 +84,7 @@ def finetune_command(
     from trainer.lora import parse_targets
     from trainer.loggers import check_loggers
 
-    check_loggers(log)  # a bad --log is refused before anything runs
+    check_loggers(log, out)  # a bad --log is refused before anything runs (or is created)
     n = parse_count(nproc, "--nproc") if nproc is not None else 1
     _, launched, _ = distributed.env_world()
     if n > 1 and launched > 1:

@@ -115,7 +115,7 @@ def train_command(
     n_threads = threads_from(threads)
     from trainer.loggers import check_loggers
 
-    check_loggers(log)  # a bad --log is refused before anything runs
+    check_loggers(log, out)  # a bad --log is refused before anything runs (or is created)
     if sharding is not None and sharding not in ("ddp", "fsdp"):
         raise InputError(f"--sharding: {sharding!r} (accepted: ddp, fsdp; training in one process shards nothing)")
     n = parse_count(nproc, "--nproc") if nproc is not None else 1
