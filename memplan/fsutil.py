@@ -20,12 +20,13 @@ Pure Python (no torch): the planner and the trainer both use it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from memplan.errors import InputError
+from memplan.errors import EnvironmentFailure, InputError
 
 try:
     import fcntl
@@ -107,6 +108,43 @@ def no_space(exc: BaseException | None) -> OSError | None:
                 return OSError(n, os.strerror(n))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def free_bytes(directory: str | Path) -> int:
+    """Bytes this process may still write on the disk holding ``directory`` (root may use the reserved blocks)."""
+    st = os.statvfs(directory)
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+def check_room(path: str | Path, need_bytes: int, flag: str, what: str) -> None:
+    """Before any work: ``EnvironmentFailure`` (one line, exit 1) when the disk of ``path``'s directory has less
+    than ``need_bytes`` free, ``what`` naming what the command writes there."""
+    from memplan.units import format_bytes
+
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    free = free_bytes(parent)
+    if free < need_bytes:
+        raise EnvironmentFailure(f"{flag}: cannot write {str(path)!r}: only {format_bytes(free)} free on its disk, "
+                                 f"and {what} takes up to {format_bytes(need_bytes)}; free some space or name a file "
+                                 "on another disk")
+
+
+@contextlib.contextmanager
+def full_disk_is_one_line(path: str | Path, flag: str, what: str = ""):
+    """Writes of ``path`` within: a full disk (``no_space``, however the writer reported it) becomes one
+    ``EnvironmentFailure`` line (exit 1) saying the earlier ``path`` is intact, or that nothing was written
+    (the writes within are atomic: a temporary sibling renamed over ``path`` once whole)."""
+    path = Path(path)
+    existed = path.exists() or path.is_symlink()
+    try:
+        yield
+    except Exception as e:
+        if no_space(e) is None:
+            raise
+        kept = f"the earlier {path} is intact" if existed else "nothing was written"
+        raise EnvironmentFailure(f"{flag} {path}: no space left on device{' while writing ' + what if what else ''}; "
+                                 f"{kept}; free space, then run it again") from None
 
 
 def temp_dir_beside(path: str | Path, tag: str) -> Path:

@@ -319,3 +319,54 @@ def test_an_invalid_wandb_mode_is_one_line_before_anything_runs(tmp_path, corpus
     result = cli("train", "--data", str(corpus), "--out", str(out), *TINY, "--max-steps", "1", "--log", "wandb")
     one_line_error(result, "--log wandb", "WANDB_MODE='sometimes'", "offline")
     assert _entries(tmp_path) == []
+
+
+# ---- 6: calibrate --out and autotune --out onto a full disk ----------------------------------------------------
+
+AUTOTUNE = ["autotune", "--params", "22m", "--device", "cpu", "--ctx", "256"]
+
+
+def _one_line_failure(result, *needles):
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize("command", ["calibrate", "autotune"])
+def test_out_onto_a_full_disk_is_refused_before_the_work(small_disk, monkeypatch, command):
+    import memplan.autotune as planner
+    import trainer.calibrate
+
+    from conftest import fill_disk
+
+    monkeypatch.setattr(trainer.calibrate, "calibrate", lambda *a, **k: pytest.fail("measured onto a full disk"))
+    monkeypatch.setattr(planner, "autotune", lambda *a, **k: pytest.fail("planned onto a full disk"))
+    old = small_disk / "old.toml"
+    old.write_text("the earlier file")
+    fill_disk(small_disk)
+    args = ["calibrate", "--seconds", "1"] if command == "calibrate" else AUTOTUNE
+    result = cli(*args, "--out", str(old), "--force") if command == "calibrate" else cli(*args, "--out", str(old))
+    _one_line_failure(result, "--out", "free on its disk")
+    assert old.read_text() == "the earlier file" and _entries(small_disk) == ["filler", "old.toml"]
+
+
+def test_autotune_out_onto_a_disk_that_fills_meanwhile_is_one_line_and_keeps_the_earlier_plan(small_disk,
+                                                                                             monkeypatch):
+    import memplan.autotune as planner
+
+    from conftest import fill_disk
+
+    old = small_disk / "plan.toml"
+    old.write_text("the earlier plan")
+    real = planner.autotune
+
+    def filling(*args, **kwargs):
+        fill_disk(small_disk)  # someone else's download lands while it plans
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "autotune", filling)
+    result = cli(*AUTOTUNE, "--out", str(old))
+    _one_line_failure(result, f"--out {old}: no space left on device", "the earlier", "is intact")
+    assert old.read_text() == "the earlier plan" and _entries(small_disk) == ["filler", "plan.toml"]

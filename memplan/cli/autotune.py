@@ -274,13 +274,17 @@ def autotune_command(
         raise typer.Exit(EXIT_NOTHING_FITS)
 
 
+PLAN_BYTES_AT_MOST = 16 << 10  # a plan's TOML: about 1 KiB (the model, the setup, the device, the predictions)
+
+
 def _check_out(out: str) -> None:
     """--out refused in one line before any work: a directory, or a path that cannot be written."""
-    from memplan.fsutil import check_target
+    from memplan.fsutil import check_room, check_target
 
     if Path(out).is_dir():
         raise InputError(f"--out: {out!r} is a directory; give a file name such as {Path(out) / 'plan.toml'}")
     check_target(out, "--out", "plan.toml")
+    check_room(out, PLAN_BYTES_AT_MOST, "--out", "a plan")  # (before a --verify's minutes of measuring)
 
 
 def _print_units(result, global_batch_tokens: str | None, tokens: str | None) -> None:
@@ -323,13 +327,18 @@ def _verify_here(result, dev, n_threads: int | None, steps: int, json: bool):
 
 
 def _write_out(out: str, final, result, verification, json: bool) -> None:
-    """--out: the plan chosen (and verified), or a file saying that nothing fits, never an older plan."""
+    """--out: the plan chosen (and verified), or a file saying that nothing fits, never an older plan; a full disk
+    is one line, exit 1, the earlier file intact."""
+    from memplan.fsutil import full_disk_is_one_line
+
     if final is None:
-        _save_no_plan(out, result, verification)
+        with full_disk_is_one_line(out, "--out", "the plan"):
+            _save_no_plan(out, result, verification)
         print(f"memplan: no plan: wrote {out} saying that nothing fits (`memplan train --plan` refuses it)",
               file=sys.stderr)
         return
-    final.save(out)
+    with full_disk_is_one_line(out, "--out", "the plan"):
+        final.save(out)
     if not json:
         print(f"Wrote {out}")
 

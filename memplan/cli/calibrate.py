@@ -12,6 +12,7 @@ from memplan.cli.app import app
 from memplan.cli.fit import print_fitted
 from memplan.cli.options import JsonOpt, print_json
 from memplan.errors import InputError
+from memplan.fsutil import check_room
 from memplan.local import NOISY, slug
 
 # What a training process (`memplan train`, a rank of `python -m trainer RUN`) has loaded besides trainer before
@@ -40,6 +41,9 @@ CompileMeasureOpt = Annotated[bool, typer.Option(
                       "time, outside --seconds: tens of seconds), so autotune can weigh it.")]
 
 DEFAULT_SECONDS = "50"  # measurements plan 80% of it; with torch's import the command ends within a minute
+
+
+PROFILE_BYTES_AT_MOST = 64 << 10  # a calibrated profile's TOML: a few KiB (the largest shipped profile is 6.7 KiB)
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -117,6 +121,7 @@ def calibrate_command(
     target = Path(out) if out else None
     if target is not None:
         check_out(target, force)
+        check_room(target, PROFILE_BYTES_AT_MOST, "--out", "a calibrated profile")  # before minutes of measuring
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -138,6 +143,7 @@ def calibrate_command(
     if target is None:
         target = Path(f"calibrated-{slug(name)}.toml")
         check_out(target, force)
+        check_room(target, PROFILE_BYTES_AT_MOST, "--out", "a calibrated profile")
     data = cal_mod.profile_data(cal, name, base)
     text = cal_mod.profile_toml(data)
     # the file must load as a profile before it replaces anything
@@ -146,9 +152,10 @@ def calibrate_command(
     from memplan.hardware import device_from_toml
 
     device = device_from_toml(tomllib.loads(text), str(target))
-    from memplan.fsutil import write_atomic
+    from memplan.fsutil import full_disk_is_one_line, write_atomic
 
-    write_atomic(target, text)  # a temporary file beside it, renamed over: the old file survives any failure
+    with full_disk_is_one_line(target, "--out", "the profile"):  # one line, exit 1
+        write_atomic(target, text)  # a temporary file beside it, renamed over: the old file survives any failure
     if json:
         print_json({"out": str(target), "profile": data})
     else:

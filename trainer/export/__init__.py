@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memplan.errors import InputError
+from memplan.fsutil import full_disk_is_one_line
 from memplan.model import ModelSpec
 from trainer.export.common import (MARKER, LoadedRun, commit_dir, commit_files, family_of,  # noqa: F401
                                    temp_sibling, umask_mode)
@@ -184,7 +185,8 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path, *, force: bool = 
             from trainer.export.gguf import write_gguf as write
         else:
             from trainer.export.onnx import write_onnx as write
-        arch, notes = _disk_full_is_one_line(write, run, out, resolved, fmt)
+        with full_disk_is_one_line(out, "--out", f"the {fmt} export"):  # exit 1; out as it was, no temporary left
+            arch, notes = write(run, out, resolved)
     return ExportResult(format=fmt, path=out, files=files_of(out) if fmt == "hf" else _written_files(out),
                         arch=arch, params=run.spec.params, step=run.step, dtype=resolved,
                         seconds=time.perf_counter() - t0, notes=tuple(notes))
@@ -198,24 +200,6 @@ def export_lock(out: Path):
     return hold_lock(out.parent / f".{out.name}.lock",
                      f"--out {out}: another memplan process (PID {{pid}}) is exporting to it; wait for it to end, "
                      "or choose another --out")
-
-
-def _disk_full_is_one_line(write, run: LoadedRun, out: Path, dtype: str, fmt: str):
-    """``write(run, out, dtype)``; a full disk (``memplan.fsutil.no_space``: safetensors', gguf's and torch's
-    own ways of saying so) is one ``EnvironmentFailure`` line, exit 1. The writer has removed its temporary
-    sibling by then, and ``out`` is as it was (it is replaced by a rename only once all is written)."""
-    from memplan.errors import EnvironmentFailure
-    from memplan.fsutil import no_space
-
-    existed = out.exists()
-    try:
-        return write(run, out, dtype)
-    except Exception as e:
-        if no_space(e) is None:
-            raise
-        kept = f"the earlier {out} is intact" if existed else "nothing was written"
-        raise EnvironmentFailure(f"--out {out}: no space left on device while writing the {fmt} export; {kept}; "
-                                 "free space, then run it again") from None
 
 
 def _check_packages(fmt: str) -> None:
