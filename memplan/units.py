@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from fractions import Fraction
 
 from memplan.errors import InputError
 
@@ -58,10 +59,10 @@ def parse_count(text: str | int, what: str = "count", *, binary: bool = False, m
         if not m or suffix not in suffixes:
             example = "8192 or 8k" if binary else "1000000, 1m or 2.5b"
             raise InputError(f"{what}: {text!r} is not a count; use an integer such as {example}")
-        value_f = float(m.group(1)) * suffixes[suffix]
-        if not math.isclose(value_f, round(value_f), rel_tol=0, abs_tol=1e-6):
+        exact = Fraction(m.group(1)) * suffixes[suffix]  # exact: a float would echo 2**63 - 1 as 2**63
+        if exact.denominator != 1:
             raise InputError(f"{what}: {text!r} is not a whole number")
-        value = int(round(value_f))
+        value = int(exact)
     if value < minimum:
         raise InputError(f"{what}: {text!r} must be at least {minimum}")
     return value

@@ -370,3 +370,37 @@ def test_autotune_out_onto_a_disk_that_fills_meanwhile_is_one_line_and_keeps_the
     result = cli(*AUTOTUNE, "--out", str(old))
     _one_line_failure(result, f"--out {old}: no space left on device", "the earlier", "is intact")
     assert old.read_text() == "the earlier plan" and _entries(small_disk) == ["filler", "plan.toml"]
+
+
+# ---- 7: finetune --resume names its own base; counts are exact ------------------------------------------------
+
+def test_finetune_resume_with_another_run_is_refused_in_one_line(tmp_path, run):
+    import json
+    import shutil
+
+    from runs_helper import one_line_error
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Which animal is {i}?", "response": f"The cat is {i}."}) + "\n"
+                            for i in range(12)))
+    out = tmp_path / "ft"
+    first = cli("finetune", "--run", str(run), "--data", str(data), "--out", str(out), "--batch", "4",
+                "--max-steps", "1", "--save-every", "1", "--eval-every", "1", "--sample-tokens", "0", "--threads", "1")
+    assert first.exit_code == 0, first.output
+    other = tmp_path / "other-run"  # the same run copied: same tokenizer, another base directory
+    shutil.copytree(run, other)
+    before = (out / "metrics.jsonl").read_bytes()
+    result = cli("finetune", "--run", str(other), "--data", str(data), "--out", str(out), "--resume",
+                 "--max-steps", "2", "--threads", "1")
+    one_line_error(result, f"--run {other}", f"was finetuned from --run {run.resolve()}")
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("text, binary, value", [("9223372036854775807", True, 2**63 - 1),
+                                                 ("1000000000000000000000000001", False, 10**27 + 1),
+                                                 ("1.5m", False, 1_500_000), ("0.5k", True, 512)])
+def test_counts_are_parsed_exactly(text, binary, value):
+    """``--ctx 9223372036854775807`` is that number, not 2**63 (a float's nearest)."""
+    from memplan.units import parse_count
+
+    assert parse_count(text, "--ctx", binary=binary) == value

@@ -133,6 +133,7 @@ def _resolve_resume(req: FinetuneRequest, profile) -> ResolvedFinetune:
     ft = meta.get("finetune")
     if not ft:
         raise InputError(f"--resume: {out_dir} is a training run, not a finetune; resume it with memplan train")
+    _check_same_base(req, ft, out_dir)
     plan = Plan.from_dict(meta["plan"], str(ref.path / ckpt.META_FILE))
     if req.run is not None:
         _, tokenizer, tok, _ = base_of(req.run)
@@ -150,6 +151,17 @@ def _resolve_resume(req: FinetuneRequest, profile) -> ResolvedFinetune:
                          "the same data")
     overrides = {**req.control, "seed": req.seed, "lr": req.lr}  # None: as the finetune has it
     return ResolvedFinetune(request=req, sft=sft, profile=profile, plan=plan, overrides=overrides)
+
+
+def _check_same_base(req: FinetuneRequest, ft: dict, out_dir: Path) -> None:
+    """A resume names the base the finetune started from (its checkpoint's ``finetune.base_run``, resolved), by
+    the same flag: another run or checkpoint directory is refused in one line naming the one to give."""
+    flag, given = ("--run", req.run) if req.run is not None else ("--from", req.from_)
+    recorded_flag = "--from" if ft.get("base_hf") else "--run"
+    recorded = {str(ft.get("base_run")), str((ft.get("base_hf") or {}).get("path"))}
+    if flag != recorded_flag or str(Path(given).resolve()) not in recorded:
+        raise InputError(f"{flag} {given}: {out_dir} was finetuned from {recorded_flag} {ft.get('base_run')}; "
+                         f"resume it with {recorded_flag} {ft.get('base_run')}")
 
 
 def _base_and_data(req: FinetuneRequest, profile, say):
