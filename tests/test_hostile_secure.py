@@ -5,7 +5,6 @@ before anything is written, full disks under calibrate/autotune/export, and the 
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -35,21 +34,19 @@ def _stack_global_payload(module: str, name: str, command: str) -> bytes:
 
 
 def test_a_dotted_name_in_dcp_metadata_runs_nothing(tmp_path):
+    """A listed, checksummed ``dcp/.metadata`` (meta.json is not authenticated) whose protocol-4 STACK_GLOBAL names
+    ``os.system`` inside torch.distributed.checkpoint.metadata (which imports os) is refused, and runs nothing.
+    (A genuine .metadata still loads: tests/test_hostile.py saves and loads one.)"""
     from trainer import distributed
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
     marker = tmp_path / "code-ran"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        distributed.save_sharded(tmp_path / "dcp", model, optimizer)
-        distributed.load_sharded(tmp_path / "dcp", model, optimizer)  # a genuine one still loads
-        payload = _stack_global_payload("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}")
-        (tmp_path / "dcp" / ".metadata").write_bytes(payload)
-        with pytest.raises(InputError, match=r"\.metadata: holds torch\.distributed\.checkpoint\.metadata\.os\.system"):
-            distributed.load_sharded(tmp_path / "dcp", model, optimizer)
+    (tmp_path / "dcp").mkdir()
+    payload = _stack_global_payload("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}")
+    (tmp_path / "dcp" / ".metadata").write_bytes(payload)
+    with pytest.raises(InputError, match=r"\.metadata: holds torch\.distributed\.checkpoint\.metadata\.os\.system"):
+        distributed.load_sharded(tmp_path / "dcp", model, optimizer)
     assert not marker.exists(), "the crafted metadata ran os.system"
 
 
