@@ -113,15 +113,18 @@ def hf_config(run: LoadedRun, dtype: str) -> dict:
     # RoPE extrapolates poorly beyond what it trained at: advertise that; a learned table has its rows. A scaled
     # RoPE keeps the model's own max_positions: dynamic NTK (and a yarn without its factor) computes from it.
     context = spec.max_positions if spec.pos == "learned" or spec.rope_scaling else run.ctx
-    cfg = {**spec_config(spec, context, dtype), "bos_token_id": run.eot_id, "eos_token_id": run.eot_id}
+    cfg = {**spec_config(spec, context, dtype, rope_scaling=True), "bos_token_id": run.eot_id, "eos_token_id": run.eot_id}
     cfg[MARKER] = {"run": str(run.run_dir), "checkpoint": str(run.checkpoint), "step": run.step,
                    "tokens": run.meta.get("tokens"), "spec": spec.to_dict()}
     return cfg
 
 
-def spec_config(spec, context: int, dtype: str = "float32") -> dict:
+def spec_config(spec, context: int, dtype: str = "float32", rope_scaling: bool = False) -> dict:
     """The transformers config (as config.json's dict) of the model ``spec`` describes, ``context``
-    positions long: the family's class and its own keys, no dropout, no token ids."""
+    positions long: the family's class and its own keys, no dropout, no token ids. ``rope_scaling``: with the
+    spec's RoPE scaling (what an export writes); without it (``--stack transformers``' trace and measurement)
+    RoPE is plain, which moves no tensor, and transformers' dynamic NTK update, a branch on a tensor's value,
+    cannot run on fake tensors."""
     family = family_of(spec)
     common = {"architectures": [CLASS_NAMES[family]], "vocab_size": spec.vocab,
               "tie_word_embeddings": spec.tied, "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
@@ -130,10 +133,11 @@ def spec_config(spec, context: int, dtype: str = "float32") -> dict:
         cfg = {"model_type": "llama", "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
                "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
                "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim, "hidden_act": "silu",
-               "max_position_embeddings": spec.max_positions if spec.rope_scaling else context,
-               "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
-               "rope_scaling": dict(spec.rope_scaling) or None, "attention_bias": False, "attention_dropout": 0.0,
-               "mlp_bias": False, "pretraining_tp": 1}
+               "max_position_embeddings": context, "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
+               "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+               "pretraining_tp": 1}
+        if rope_scaling and spec.rope_scaling:  # dynamic NTK scales from the model's own max_position_embeddings
+            cfg.update(rope_scaling=dict(spec.rope_scaling), max_position_embeddings=spec.max_positions)
         if family == "qwen2":
             cfg = {**{k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")},
                    "model_type": "qwen2", "use_sliding_window": False, "sliding_window": None,
