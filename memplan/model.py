@@ -678,7 +678,7 @@ def rope_scaling_pairs(value, where: str) -> tuple:
     kind = items.get("rope_type", items.get("type", "default"))
     if kind == "default":
         return ()
-    if kind not in ROPE_SCALINGS:
+    if not isinstance(kind, str) or kind not in ROPE_SCALINGS:
         raise InputError(f"{where}: rope_type {kind!r:.40} is not one memplan computes; accepted: "
                          f"{', '.join(ROPE_TYPES)}")
     required, optional = ROPE_SCALINGS[kind]
@@ -731,7 +731,7 @@ def _rope_scaling(c: _Config, max_positions: int) -> tuple:
         return ()
     key, params = found
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind in ROPE_SCALINGS and "original_max_position_embeddings" in ROPE_SCALINGS[kind][0]:
+    if isinstance(kind, str) and kind in ROPE_SCALINGS and "original_max_position_embeddings" in ROPE_SCALINGS[kind][0]:
         top = c.cfg.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = (top if top is not None else
                                                       params.get("original_max_position_embeddings")

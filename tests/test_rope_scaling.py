@@ -237,6 +237,22 @@ def test_an_unsupported_rope_type_is_one_line_exit_2(checkpoints, tmp_path):
     one_line_error(result, "rope_type 'longrope'", "accepted: default, llama3, linear, dynamic, yarn")
 
 
+@pytest.mark.parametrize("rope,needle", [
+    ({"rope_type": "llama3", "factor": 8.0}, "rope_type 'llama3' needs low_freq_factor"),
+    ({"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 16}, "factor = '4'"),
+    ({"rope_type": "linear", "factor": -2.0}, "factor = -2.0; accepted: a finite number > 0"),
+    ({"rope_type": ["linear"], "factor": 2.0}, "rope_type ['linear']"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": "no"}, "truncate"),
+    ("linear", "rope_scaling = 'linear'; accepted: an object with rope_type"),
+])
+def test_a_bad_rope_scaling_value_is_one_line_naming_the_key(tmp_path, rope, needle):
+    path = tmp_path / "config.json"
+    cfg = {"model_type": "llama", **SHAPE, "vocab_size": VOCAB, "rope_scaling": rope}
+    path.write_text(json.dumps(cfg))
+    result = runner.invoke(app, ["estimate", "--model", str(path), "--ctx", "64", "--device", "cpu"])
+    one_line_error(result, needle)
+
+
 # ---- finetune --from a scaled llama, with LoRA, and export -------------------------------------------------
 
 @pytest.mark.slow
