@@ -216,6 +216,18 @@ def test_gguf_refuses_dynamic_ntk_in_one_line_writing_nothing(checkpoints, tmp_p
     assert "\n" not in str(e.value) and not out.exists() and list(tmp_path.glob(".dynamic*")) == []
 
 
+def test_onnx_refuses_dynamic_ntk_beyond_its_positions_in_one_line(checkpoints, tmp_path):
+    """One traced graph cannot recompute dynamic NTK's frequencies per length: a run trained past
+    max_position_embeddings (48 > 32) is refused before anything is written."""
+    from memplan.errors import InputError
+    from trainer.export.onnx import write_onnx
+
+    out = tmp_path / "dynamic.onnx"
+    with pytest.raises(InputError, match="dynamic NTK RoPE.*accepted: --format hf"):
+        write_onnx(loaded_run(checkpoints["dynamic"][0], tmp_path), out, "float32")
+    assert not out.exists() and list(tmp_path.glob(".dynamic*")) == []
+
+
 # ---- a rope type memplan does not compute -----------------------------------------------------------------
 
 def test_an_unsupported_rope_type_is_one_line_exit_2(checkpoints, tmp_path):
