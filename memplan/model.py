@@ -5,7 +5,8 @@ Three sources of a shape, all returning the same frozen ``ModelSpec``:
 - ``from_size("350m")``: a documented table of Llama-style shapes (``SIZE_TABLE``), and for any
   other size a rule (``shape_for_params``) that picks depth and width the way small-model
   recipes do.
-- ``preset("tinyllama-1.1b")``: named published models, each row citing the config it copies.
+- ``preset("tinyllama-1.1b")``: named published models, each row citing the config it copies; some
+  (``CONFIG_PRESETS``: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b) ship as that config.json itself.
 - ``from_hf_config(path)``: a Hugging Face ``config.json`` of the llama, mistral, qwen2, gpt2,
   gpt_neox, phi, gemma, stablelm or qwen3 families.
 

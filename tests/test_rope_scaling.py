@@ -113,6 +113,34 @@ def test_imported_model_computes_transformers_logits_with_each_rope_scaling(chec
             assert max_diff(plain(ids()), want) > 1e-2
 
 
+@pytest.mark.parametrize("params", [
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.707, "mscale_all_dim": 1.414, "truncate": False},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "attention_factor": 1.3},
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "factor": 3.0},
+    {"rope_type": "dynamic", "factor": 4.0},
+])
+def test_frequencies_are_transformers_own_bit_for_bit(params):
+    """At a real head width (64) and bases, every scaling's inverse frequencies and cos/sin factor equal what
+    transformers' ROPE_INIT_FUNCTIONS return, exactly; dynamic's at lengths up to and beyond max positions."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from memplan.model import rope_scaling_pairs
+    from trainer.model import rope_frequencies
+
+    for theta in (10000.0, 500000.0):
+        config = LlamaConfig(hidden_size=512, num_attention_heads=8, intermediate_size=64, num_hidden_layers=1,
+                             max_position_embeddings=2048, rope_parameters={**params, "rope_theta": theta})
+        for length in ((1000, 2048, 2049, 5000) if params["rope_type"] == "dynamic" else (None,)):
+            seq = torch.tensor(length) if length and length > 2048 else None  # transformers' growth path
+            want, want_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu", seq_len=seq)
+            got, got_factor = rope_frequencies(64, theta, rope_scaling_pairs(params, "test"), length, 2048)
+            assert torch.equal(got, want) and got_factor == want_factor, (params, theta, length)
+
+
 def test_dynamic_scaling_follows_the_sequence_length(checkpoints):
     """dynamic NTK is plain RoPE up to max_position_embeddings (32) and scales by the sequence's length past it:
     one model, forwards of 24, 48 and 24 tokens again, each as a fresh transformers forward computes it."""
