@@ -5,7 +5,8 @@ Three sources of a shape, all returning the same frozen ``ModelSpec``:
 - ``from_size("350m")``: a documented table of Llama-style shapes (``SIZE_TABLE``), and for any
   other size a rule (``shape_for_params``) that picks depth and width the way small-model
   recipes do.
-- ``preset("tinyllama-1.1b")``: named published models, each row citing the config it copies.
+- ``preset("tinyllama-1.1b")``: named published models, each row citing the config it copies; some
+  (``CONFIG_PRESETS``: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b) ship as that config.json itself.
 - ``from_hf_config(path)``: a Hugging Face ``config.json`` of the llama, mistral, qwen2, gpt2,
   gpt_neox, phi, gemma, stablelm or qwen3 families.
 
@@ -75,6 +76,9 @@ class ModelSpec:
     max_positions: int = 2048  # rows of the learned position table; RoPE's nominal context
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # RoPE scaling (ROPE_SCALINGS), as transformers' rope_parameters: (key, value) pairs sorted by key, rope_type
+    # among them; () is plain RoPE. A tuple so the spec stays hashable; a dict is taken and made one.
+    rope_scaling: tuple = ()
     name: str = ""  # where the shape came from: a size, a preset or a file
     source: str = ""  # citation for a published shape
 
@@ -116,6 +120,10 @@ class ModelSpec:
             raise choice_error("act", self.act, list(ACTS))
         if not 0 < self.rotary_pct <= 1:
             raise InputError(f"rotary_pct: {self.rotary_pct} must be in (0, 1]")
+        object.__setattr__(self, "rope_scaling", rope_scaling_pairs(self.rope_scaling, "rope_scaling"))
+        if self.rope_scaling and self.pos != "rope":
+            raise InputError(f"rope_scaling: {self.arch} with {self.pos} positions has no RoPE to scale "
+                             "(accepted: rope_scaling with rotary positions only)")
 
     # ---- derived shape ---------------------------------------------------------------------
     @property
@@ -275,9 +283,20 @@ class ModelSpec:
             "tied": self.tied,
         }
 
+    @property
+    def rope_type(self) -> str:
+        """The RoPE scaling's type (ROPE_SCALINGS), ``default`` where there is none."""
+        return dict(self.rope_scaling).get("rope_type", "default")
+
     def to_dict(self) -> dict:
-        """Every field, for plan files and checkpoints (``ModelSpec(**d)`` rebuilds it)."""
-        return dataclasses.asdict(self)
+        """Every field, for plan files and checkpoints (``ModelSpec(**d)`` rebuilds it); ``rope_scaling`` as a
+        JSON/TOML object, and only where there is one (a plain model's dict is what it was before the field)."""
+        d = dataclasses.asdict(self)
+        if self.rope_scaling:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        else:
+            del d["rope_scaling"]
+        return d
 
     def size_note(self) -> str:
         """When the model is named after a size or preset (``22m``, ``tinyllama-1.1b``) but its count
@@ -397,7 +416,11 @@ def from_size(text: str) -> ModelSpec:
 
 _HF = "https://huggingface.co/{}/blob/main/config.json"
 
-# Published models, each copied from the config it cites.
+# Llama 3.1 / 3.2's RoPE scaling (their config.json's rope_scaling)
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+# Published models, each copied from the config it cites (and, below, CONFIG_PRESETS: the config itself).
 PRESETS: dict[str, dict] = {
     "gpt2": dict(arch="gpt2", layers=12, hidden=768, heads=12, kv_heads=12, ffn=3072, vocab=50257, tied=True,
                  max_positions=1024, source=_HF.format("openai-community/gpt2")),
@@ -409,20 +432,14 @@ PRESETS: dict[str, dict] = {
                     tied=True, max_positions=1024, source=_HF.format("openai-community/gpt2-xl")),
     "tinyllama-1.1b": _llama(22, 2048, 32, 4, 5632, tied=False, norm_eps=1e-5,
                              source=_HF.format("TinyLlama/TinyLlama_v1.1")),
-    "llama-3.2-1b": _llama(16, 2048, 32, 8, 8192, vocab=128256, tied=True, rope_theta=500000.0,
-                           max_positions=131072, source=_HF.format("meta-llama/Llama-3.2-1B")),
     "llama-3.2-3b": _llama(28, 3072, 24, 8, 8192, vocab=128256, tied=True, rope_theta=500000.0,
-                           max_positions=131072, source=_HF.format("meta-llama/Llama-3.2-3B")),
+                           max_positions=131072, rope_scaling=_LLAMA3_ROPE, source=_HF.format("meta-llama/Llama-3.2-3B")),
     "llama-2-7b": _llama(32, 4096, 32, 32, 11008, tied=False, max_positions=4096,
                          source=_HF.format("meta-llama/Llama-2-7b-hf")),
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, tied=False, rope_theta=1000000.0, max_positions=32768,
                          source=_HF.format("mistralai/Mistral-7B-v0.3")),
-    "smollm2-135m": _llama(30, 576, 9, 3, 1536, vocab=49152, tied=True, rope_theta=100000.0,
-                           source=_HF.format("HuggingFaceTB/SmolLM2-135M")),
     "smollm2-360m": _llama(32, 960, 15, 5, 2560, vocab=49152, tied=True, rope_theta=100000.0,
                            source=_HF.format("HuggingFaceTB/SmolLM2-360M")),
-    "qwen2.5-0.5b": _llama(24, 896, 14, 2, 4864, vocab=151936, tied=True, qkv_bias=True, rope_theta=1000000.0,
-                           norm_eps=1e-6, max_positions=32768, source=_HF.format("Qwen/Qwen2.5-0.5B")),
     "pythia-70m": dict(arch="gpt_neox", layers=6, hidden=512, heads=8, kv_heads=8, ffn=2048, vocab=50304,
                        tied=False, rotary_pct=0.25, source=_HF.format("EleutherAI/pythia-70m")),
     "pythia-160m": dict(arch="gpt_neox", layers=12, hidden=768, heads=12, kv_heads=12, ffn=3072, vocab=50304,
@@ -611,11 +628,12 @@ def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
                          f"num_attention_heads = {hidden // heads}; memplan plans head_dim = hidden / heads only")
     kv_heads = c.count("num_key_value_heads", optional=True) or heads
     c.divides("num_key_value_heads", kv_heads, "num_attention_heads", heads)
+    max_positions = c.count("max_position_embeddings", 2048)
     return ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
                      vocab=vocab,
                      tied=c.flag("tie_word_embeddings", False),  # LlamaConfig, MistralConfig, Qwen2Config
                      bias=bias, qkv_bias=model_type == "qwen2" and not bias,
-                     max_positions=c.count("max_position_embeddings", 2048),
+                     max_positions=max_positions, rope_scaling=_rope_scaling(c, max_positions),
                      norm_eps=c.number("rms_norm_eps", 1e-6, at_most=1), rope_theta=_rope_theta(c), **common)
 
 
@@ -643,6 +661,98 @@ def _rope_theta(c: _Config, keys: tuple[str, ...] = ("rope_theta",)) -> float:
     if isinstance(rope, dict) and "rope_theta" in rope:
         return _Config(c.path, rope).number("rope_theta", 10000.0)
     return 10000.0
+
+
+# ---- RoPE scaling -------------------------------------------------------------------------------------
+# The rope types memplan's model computes, as transformers' modeling_rope_utils does, and the keys each reads
+# from rope_parameters / rope_scaling: (required, optional). rope_theta and partial_rotary_factor are read
+# apart (``rope_theta``, ``rotary_pct``). original_max_position_embeddings, where a type takes it and the config
+# leaves it out, is the config's max_position_embeddings (transformers' ``standardize_rope_params``).
+ROPE_SCALINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+}
+ROPE_TYPES = ("default", *ROPE_SCALINGS)  # what a config's rope_type may be
+_ROPE_MAY_BE_ZERO = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")  # 0: transformers' default (``or``)
+
+
+def rope_scaling_pairs(value, where: str) -> tuple:
+    """A RoPE scaling as ModelSpec keeps it: sorted (key, value) pairs with its ``rope_type`` (a dict, the pairs
+    themselves or a list of them as JSON gives them back); () for none or ``default``. Every value is checked:
+    the type one of ROPE_SCALINGS with each of its required keys, numbers finite and > 0,
+    ``original_max_position_embeddings`` a whole number, ``truncate`` true or false; anything else an InputError
+    naming ``where`` and the key."""
+    if value is None or (isinstance(value, (tuple, list, dict)) and not value):
+        return ()
+    try:
+        items = dict(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{where}: {value!r:.60} is not an object of RoPE scaling parameters") from None
+    kind = items.get("rope_type", items.get("type", "default"))
+    if kind == "default":
+        return ()
+    if not isinstance(kind, str) or kind not in ROPE_SCALINGS:
+        raise InputError(f"{where}: rope_type {kind!r:.40} is not one memplan computes; accepted: "
+                         f"{', '.join(ROPE_TYPES)}")
+    required, optional = ROPE_SCALINGS[kind]
+    out: dict = {"rope_type": kind}
+    for key in (*required, *optional):
+        v = items.get(key)
+        if v is None:
+            if key in required:
+                raise InputError(f"{where}: rope_type {kind!r} needs {key}; a {kind} scaling has each of "
+                                 f"{', '.join(required)}")
+            continue
+        if key == "truncate":
+            if not isinstance(v, bool):
+                raise InputError(f"{where}: truncate = {v!r:.40}; accepted: true or false")
+        elif key == "original_max_position_embeddings":
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DIM:
+                raise InputError(f"{where}: {key} = {v!r:.40}; accepted: a whole number from 1 to {MAX_DIM:,}")
+        elif (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+              or (v == 0 and key not in _ROPE_MAY_BE_ZERO)):
+            raise InputError(f"{where}: {key} = {v!r:.40}; accepted: a finite number "
+                             f"{'>= 0' if key in _ROPE_MAY_BE_ZERO else '> 0'}")
+        else:
+            v = float(v)
+        out[key] = v
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise InputError(f"{where}: high_freq_factor {out['high_freq_factor']:g} <= low_freq_factor "
+                         f"{out['low_freq_factor']:g}; accepted: high_freq_factor > low_freq_factor")
+    return tuple(sorted(out.items()))
+
+
+def _rope_scaling(c: _Config, max_positions: int) -> tuple:
+    """The config's RoPE scaling (ModelSpec.rope_scaling): transformers 5's ``rope_parameters``, else the
+    ``rope_scaling`` of earlier configs; its type ``rope_type`` (or the older ``type``). As transformers
+    standardizes it, ``original_max_position_embeddings`` at the config's top level wins, then the one inside,
+    then ``max_position_embeddings``. A type memplan does not compute (longrope, ...) is an InputError
+    naming it and the accepted ones."""
+    where = f"--model: {str(c.path)!r}"
+    found = None
+    for key in ("rope_parameters", "rope_scaling"):
+        value = c.cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise InputError(f"{where}: {key} = {value!r:.40}; accepted: an object with rope_type")
+        found = (key, dict(value))
+        break
+    if found is None:
+        return ()
+    key, params = found
+    kind = params.get("rope_type", params.get("type", "default"))
+    if isinstance(kind, str) and kind in ROPE_SCALINGS and "original_max_position_embeddings" in ROPE_SCALINGS[kind][0]:
+        top = c.cfg.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = (top if top is not None else
+                                                      params.get("original_max_position_embeddings")
+                                                      or max_positions)
+    return rope_scaling_pairs(params, f"{where}: {key}")
 
 
 # hidden_act values of each family's configs that memplan walks (transformers' ACT2FN names)
@@ -715,6 +825,7 @@ def resolve(params: str | None = None, model: str | None = None, stack_families:
         for field in ("norm", "pos", "mlp", "bias", "parallel_residual", "act", "head_size"):
             changes.setdefault(field, None)
         changes.setdefault("qkv_bias", False)
+        changes.setdefault("rope_scaling", ())  # the scaling was the other family's
     if "heads" in changes and "kv_heads" not in changes and spec.kv_heads == spec.heads:
         changes["kv_heads"] = changes["heads"]
     data = {**spec.to_dict(), **changes}
@@ -723,3 +834,31 @@ def resolve(params: str | None = None, model: str | None = None, stack_families:
         data["name"] = f"{spec.name}, custom" if spec.name else "custom"
         data["source"] = f"{spec.source or spec.name}, with --{', --'.join(k.replace('_', '-') for k in shape_changes)}"
     return ModelSpec(**data)
+
+
+# ---- presets shipped as their config.json ------------------------------------------------------------
+# The llama-architecture models people finetune from, each its Hub config.json as published, copied into
+# memplan/presets/NAME.json (package data) and read by from_hf_config as any config.json is: so ``--model NAME``
+# is exactly ``--model that/config.json``, RoPE scaling included. Their weights are not shipped: ``memplan
+# finetune --from`` takes a checkpoint directory (or a Hub id, fetched where the network allows).
+CONFIG_PRESETS: dict[str, str] = {  # preset name -> the Hub repository whose config.json it is
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",  # llama: 30 × 576, 9 heads (3 kv), tied, rope_theta 1e5
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",  # qwen2: 24 × 896, 14 heads (2 kv), q/k/v biases, tied, rope_theta 1e6
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",  # llama: 16 × 2048, 32 heads (8 kv), tied, llama3 RoPE ×32
+}
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def config_preset_path(name: str) -> Path:
+    """The config.json a CONFIG_PRESETS entry ships as."""
+    return PRESETS_DIR / f"{name}.json"
+
+
+def _config_preset(name: str) -> dict:
+    """A CONFIG_PRESETS entry's ModelSpec fields, read from its shipped config.json, citing the Hub's."""
+    fields = from_hf_config(config_preset_path(name)).to_dict()
+    fields.pop("name")
+    return {**fields, "source": _HF.format(CONFIG_PRESETS[name])}
+
+
+PRESETS.update({name: _config_preset(name) for name in CONFIG_PRESETS})

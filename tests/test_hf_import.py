@@ -283,12 +283,13 @@ def test_an_unsupported_model_type_is_refused(checkpoints, sft, tmp_path):
     _refused(d, sft, tmp_path, "'mixtral'", "llama, mistral, qwen2, gpt2, gpt_neox")
 
 
-def test_a_scaled_rope_is_refused(checkpoints, sft, tmp_path):
+def test_a_scaled_rope_missing_a_key_is_refused(checkpoints, sft, tmp_path):
+    """llama3 RoPE imports (tests/test_rope_scaling.py); one without its low_freq_factor is one line naming it."""
     d = copy_checkpoint(checkpoints["llama"][0], tmp_path / "ck")
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}
     (d / "config.json").write_text(json.dumps(cfg))
-    _refused(d, sft, tmp_path, "rope_type 'llama3'", "accepted: default")
+    _refused(d, sft, tmp_path, "rope_type 'llama3' needs low_freq_factor")
 
 
 def test_a_missing_tokenizer_is_refused(checkpoints, sft, tmp_path):

@@ -54,6 +54,8 @@ def test_wheel_holds_every_profile_matrix_and_module(wheel):
     assert profiles - names == set(), "profiles missing from the wheel"
     assert matrices - names == set(), "matrices missing from the wheel"
     assert modules - names == set(), "modules missing from the wheel"
+    presets = _tracked("memplan/presets/*.json")  # the config.json presets (memplan.model.CONFIG_PRESETS)
+    assert "memplan/presets/llama-3.2-1b.json" in presets and presets - names == set(), "presets missing from the wheel"
     assert not any(n.startswith(("memplan_profiles", "memplan_matrices", "tests/", "benchmarks/")) for n in names)
 
 

@@ -16,8 +16,10 @@ ignored, as transformers ties it to the embedding). Buffers older transformers s
 ``attn.masked_bias``, ``rotary_emb.inv_freq``) are recomputed and skipped. Files are read with the
 ``safetensors`` library only (no pickle): a ``pytorch_model.bin`` checkpoint is refused.
 
-Configuration the trainer cannot compute is refused, naming the key: a RoPE scaling other than the
-default, a non-SiLU llama activation, GPT-2's ``scale_attn_by_inverse_layer_idx``, a GPT-NeoX without
+RoPE scaling (``rope_parameters`` or ``rope_scaling``) of type llama3, linear, dynamic or yarn is the spec's
+``rope_scaling``, computed as transformers does (``trainer.model.rope_frequencies``). Configuration the trainer
+cannot compute is refused, naming the key: another RoPE type (longrope, ...), any scaling on gpt_neox, a
+non-SiLU llama activation, GPT-2's ``scale_attn_by_inverse_layer_idx``, a GPT-NeoX without
 attention biases. A sliding window caps the context (``ImportedModel.max_ctx``). An exact (erf) GELU runs as
 the trainer's tanh approximation (at most ~5e-4 apart per activation), said in ``notes``.
 
@@ -179,8 +181,9 @@ def weights_sha256(directory: Path) -> str:
 # ---- the configuration -------------------------------------------------------------------------------
 
 def _check_rope(cfg: dict, where: str, flag: str = "--from") -> None:
-    """A RoPE scaling other than the default is refused (its base and rotary share are read by
-    ``memplan.model.from_hf_config``, wherever the config puts them)."""
+    """gpt_neox: a RoPE scaling other than the default is refused. (The llama family's, llama3, linear, dynamic
+    and yarn, is read by ``memplan.model.from_hf_config`` into ``ModelSpec.rope_scaling`` and computed by
+    the trainer as transformers does; any other type is refused there.)"""
     for key in ("rope_parameters", "rope_scaling"):
         value = cfg.get(key)
         if value is None:
@@ -189,8 +192,9 @@ def _check_rope(cfg: dict, where: str, flag: str = "--from") -> None:
             raise InputError(f"{flag} {where}: {key} must be an object, got {value!r:.40}")
         kind = value.get("rope_type", value.get("type", "default"))
         if kind != "default":
-            raise InputError(f"{flag} {where}: {key} has rope_type {kind!r:.40}; memplan's trainer computes "
-                             "the default RoPE only (accepted: default)")
+            raise InputError(f"{flag} {where}: {key} has rope_type {kind!r:.40}; memplan's gpt_neox computes "
+                             "the default RoPE only (accepted: default; llama3, linear, dynamic and yarn for the "
+                             "llama, mistral and qwen2 families)")
 
 
 def read_spec(directory: Path, flag: str = "--from") -> tuple[str, ModelSpec, dict, int, list[str]]:
@@ -200,7 +204,8 @@ def read_spec(directory: Path, flag: str = "--from") -> tuple[str, ModelSpec, di
     cfg = json.loads(path.read_text(encoding="utf-8"))
     model_type, where = cfg["model_type"], str(directory)
     notes: list[str] = []
-    _check_rope(cfg, where, flag)
+    if model_type == "gpt_neox":
+        _check_rope(cfg, where, flag)
     spec = dataclasses.replace(spec, name=cfg.get("_name_or_path") or directory.name, source=str(directory))
     act_key = "activation_function" if model_type == "gpt2" else "hidden_act"
     act = cfg.get(act_key, "gelu_new" if model_type == "gpt2" else ("gelu" if model_type == "gpt_neox" else "silu"))

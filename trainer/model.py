@@ -81,10 +81,88 @@ def make_norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
 
 
-def rotary_tables(rotary_dim: int, ctx: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (ctx, rotary_dim/2), fp32 (cast to the compute dtype once per forward)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+def rope_frequencies(rotary_dim: int, theta: float, scaling: tuple = (), seq_len: int | None = None,
+                     max_positions: int = 2048, device=None) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies (rotary_dim/2, fp32) and the factor on cos and sin, for ``scaling``
+    (``ModelSpec.rope_scaling``), op for op as transformers computes them (modeling_rope_utils.py):
+
+    - default: θ^(−2i/d).
+    - linear (``_compute_linear_scaling_rope_parameters``): θ^(−2i/d) / factor.
+    - dynamic NTK (``_compute_dynamic_ntk_parameters``): the base grows with the sequence, θ·(factor·L/M −
+      (factor − 1))^(d/(d−2)), L = max(seq_len, M), M = max_positions; so up to M it is the default.
+      transformers recomputes it when a forward's largest position + 1 exceeds what it has cached (as a
+      0-dim int64 tensor, hence in fp32 arithmetic), as here.
+    - yarn (``_compute_yarn_parameters``): interpolation 1/(factor·θ^(2i/d)) and extrapolation 1/θ^(2i/d)
+      blended by a linear ramp between the correction dims of beta_fast and beta_slow rotations over
+      original_max_position_embeddings; cos and sin scaled by attention_factor (default 0.1·ln(factor) + 1,
+      or the mscale / mscale_all_dim ratio).
+    - llama3 (``_compute_llama3_parameters``): wavelengths beyond original/low_freq_factor divided by factor,
+      those below original/high_freq_factor kept, a smooth blend between.
+    """
+    p = dict(scaling)
+    kind, dim, base = p.get("rope_type", "default"), rotary_dim, theta
+    if kind == "default":
+        return 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)), 1.0
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    factor = p["factor"]
+    if kind == "linear":
+        inv_freq = 1.0 / (base ** exponents)
+        inv_freq /= factor
+        return inv_freq, 1.0
+    if kind == "dynamic":
+        if seq_len is not None and seq_len > max_positions:  # transformers' growth path: seq_len a tensor
+            length = torch.tensor(seq_len, dtype=torch.int64, device=device)
+        else:
+            length = max_positions  # at init (seq_len None): max_position_embeddings, a Python int
+        base = base * ((factor * length / max_positions) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** exponents), 1.0
+    if kind == "llama3":
+        inv_freq = 1.0 / (base ** exponents)
+        low, high, old = p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama), 1.0
+    # yarn
+    original = p["original_max_position_embeddings"]
+    attention_factor, mscale, mscale_all_dim = p.get("attention_factor"), p.get("mscale"), p.get("mscale_all_dim")
+
+    def get_mscale(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        attention_factor = (float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+                            if mscale and mscale_all_dim else get_mscale(factor))
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float)
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+def rotary_tables(rotary_dim: int, ctx: int, theta: float, device=None, scaling: tuple = (),
+                  max_positions: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (ctx, rotary_dim/2), fp32 (cast to the compute dtype once per forward), with the
+    RoPE scaling ``scaling`` (``rope_frequencies``; a dynamic one computed for a ``ctx``-token sequence)."""
+    inv_freq, attention_factor = rope_frequencies(rotary_dim, theta, scaling, ctx, max_positions, device)
     angles = torch.outer(torch.arange(ctx, device=device, dtype=torch.float32), inv_freq)  # (T, rd/2)
+    if attention_factor != 1.0:  # yarn: as transformers, cos and sin scaled in fp32 before the cast
+        return angles.cos() * attention_factor, angles.sin() * attention_factor
     return angles.cos(), angles.sin()
 
 
@@ -268,11 +346,17 @@ class Transformer(nn.Module):
         """cos and sin tables for T positions, kept as non-persistent buffers (grown on demand)."""
         if self.spec.pos != "rope":
             return None
+        spec = self.spec
+        # a dynamic scaling's tables depend on the sequence's length once it is beyond max_positions
+        length = T if spec.rope_type == "dynamic" and T > spec.max_positions else None
         cos = getattr(self, "rope_cos", None)
-        if cos is None or cos.shape[0] < T or cos.device != torch.device(device):
-            cos, sin = rotary_tables(self.spec.rotary_dim, T, self.spec.rope_theta, device)
+        if (cos is None or cos.shape[0] < T or cos.device != torch.device(device)
+                or getattr(self, "rope_length", None) != length):
+            cos, sin = rotary_tables(spec.rotary_dim, T, spec.rope_theta, device, spec.rope_scaling,
+                                     spec.max_positions)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+            self.rope_length = length
         return self.rope_cos[:T], self.rope_sin[:T]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

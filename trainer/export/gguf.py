@@ -17,6 +17,10 @@ gptneox  token_embd, blk.N.{attn_norm, attn_qkv, attn_output, ffn_norm, ffn_up, 
          interleave to get the same); RoPE is llama.cpp's NEOX mode (halves) on the first
          rope.dimension_count dims, so no permutation.
 
+RoPE scaling as llama.cpp's converter writes it: linear and yarn as ``{arch}.rope.scaling.*`` metadata, llama3
+as the ``rope_freqs`` tensor of per-frequency divisors; dynamic NTK (which llama.cpp lacks) is refused in one
+line (``gguf_rope_scaling``).
+
 Norm weights and biases stay float32 whatever --dtype says (llama.cpp reads them as float32). ``q8_0``
 stores each matrix in llama.cpp's Q8_0 blocks (32 weights, one f16 scale: 8.5 bits a weight), quantized by
 ``gguf.quants``; a matrix whose rows are not a multiple of 32 falls back to float16, as llama.cpp's
@@ -85,6 +89,8 @@ def gguf_tensors(run: LoadedRun) -> dict[str, np.ndarray]:
             out[g + gguf_name + ".weight"] = t(b + ours + ".weight")
             if spec.bias:
                 out[g + gguf_name + ".bias"] = t(b + ours + ".bias")
+    if spec.rope_type == "llama3":
+        out["rope_freqs.weight"] = llama3_rope_factors(spec)
     out["output_norm.weight"] = t("norm.weight")
     if spec.norm == "layernorm":
         out["output_norm.bias"] = t("norm.bias")
@@ -93,11 +99,78 @@ def gguf_tensors(run: LoadedRun) -> dict[str, np.ndarray]:
     return dict(sorted(out.items(), key=lambda kv_: _order(kv_[0])))
 
 
+def gguf_rope_scaling(spec) -> dict:
+    """The RoPE scaling metadata llama.cpp reads (``gguf.Keys.Rope``), as its converter writes it: linear as
+    type and factor; yarn as type, factor, original context and the betas it sets (llama.cpp's own yarn takes
+    the attention factor as 0.1·ln(factor) + 1, transformers' default); llama3 as no metadata but the
+    ``rope_freqs`` tensor (``llama3_rope_factors``). What llama.cpp cannot compute is an InputError: dynamic NTK
+    (no such scaling in llama.cpp), and a yarn with its own attention_factor, mscale or truncate false."""
+    import gguf
+
+    kind, p = spec.rope_type, dict(spec.rope_scaling)
+    if kind in ("default", "llama3"):
+        return {}
+    if kind == "linear":
+        return {gguf.Keys.Rope.SCALING_TYPE: gguf.RopeScalingType.LINEAR.value,
+                gguf.Keys.Rope.SCALING_FACTOR: p["factor"]}
+    own = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if p.get(k)]
+    if kind == "yarn" and not own and p.get("truncate", True):
+        out = {gguf.Keys.Rope.SCALING_TYPE: gguf.RopeScalingType.YARN.value, gguf.Keys.Rope.SCALING_FACTOR: p["factor"],
+               gguf.Keys.Rope.SCALING_ORIG_CTX_LEN: p["original_max_position_embeddings"]}
+        if p.get("beta_fast"):
+            out[gguf.Keys.Rope.SCALING_YARN_BETA_FAST] = p["beta_fast"]
+        if p.get("beta_slow"):
+            out[gguf.Keys.Rope.SCALING_YARN_BETA_SLOW] = p["beta_slow"]
+        return out
+    why = ("llama.cpp has no dynamic NTK scaling" if kind == "dynamic" else
+           f"llama.cpp's yarn cannot take its {', '.join(own) or 'truncate false'}")
+    raise InputError(f"--format gguf: the model's rope_type {kind!r} cannot be written ({why}); accepted for GGUF: "
+                     "default, linear, llama3, yarn (without attention_factor, mscale, truncate false); "
+                     "--format hf writes every scaling")
+
+
+def write_rope_scaling(w, spec) -> None:
+    """``gguf_rope_scaling``'s keys into the writer ``w``, with the writer's own typed adders."""
+    import gguf
+
+    adders = {gguf.Keys.Rope.SCALING_TYPE: w.add_rope_scaling_type,
+              gguf.Keys.Rope.SCALING_FACTOR: w.add_rope_scaling_factor,
+              gguf.Keys.Rope.SCALING_ORIG_CTX_LEN: w.add_rope_scaling_orig_ctx_len,
+              gguf.Keys.Rope.SCALING_YARN_BETA_FAST: w.add_rope_scaling_yarn_beta_fast,
+              gguf.Keys.Rope.SCALING_YARN_BETA_SLOW: w.add_rope_scaling_yarn_beta_slow}
+    for key, value in gguf_rope_scaling(spec).items():
+        adders[key](gguf.RopeScalingType(value) if key == gguf.Keys.Rope.SCALING_TYPE else value)
+
+
+def llama3_rope_factors(spec) -> np.ndarray:
+    """llama3 RoPE as llama.cpp takes it: ``rope_freqs``, one divisor per frequency (rotary_dim/2, float32), as
+    its converter computes them (LlamaModel.generate_extra_tensors): 1 for wavelengths below
+    original/high_freq_factor, factor beyond original/low_freq_factor, 1/((1 − s)/factor + s) between, s the
+    smooth factor of transformers' ``_compute_llama3_parameters``."""
+    import math
+
+    p, dim = dict(spec.rope_scaling), spec.rotary_dim
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    freqs = 1.0 / (spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def _order(name: str) -> tuple:
     """Writing order: embeddings, then blocks by number, then the output (as llama.cpp's converter)."""
     if name.startswith("blk."):
         return (1, int(name.split(".")[1]), name)
-    return (0 if name.startswith(("token_embd", "position_embd")) else 2, 0, name)
+    return (0 if name.startswith(("token_embd", "position_embd", "rope_freqs")) else 2, 0, name)
 
 
 def gguf_vocab(run: LoadedRun) -> tuple[list[str], list[int], list[str]]:
@@ -139,6 +212,7 @@ def write_gguf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
 
     spec = run.spec
     arch = GGUF_ARCH[family_of(spec)]
+    gguf_rope_scaling(spec)  # a RoPE scaling llama.cpp cannot compute is refused before anything is written
     tokens, types, merges = gguf_vocab(run)
     tensors = gguf_tensors(run)
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
@@ -166,6 +240,7 @@ def write_gguf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
         if spec.pos == "rope":
             w.add_rope_dimension_count(spec.rotary_dim)
             w.add_rope_freq_base(spec.rope_theta)
+            write_rope_scaling(w, spec)
         if spec.arch == "gpt_neox":
             w.add_parallel_residual(True)
         w.add_tokenizer_model("gpt2")

@@ -14,6 +14,11 @@ gpt_neox gpt_neox.{embed_in,layers.i.*,final_layer_norm}, embed_out; query_key_v
         head ([q_h; k_h; v_h] for each head h, HF's view(..., heads, 3·head_dim)), so our [q; k; v]
         rows are regrouped by head.
 
+RoPE scaling (llama3, linear, dynamic, yarn: ``ModelSpec.rope_scaling``) is written as config.json's
+``rope_scaling``, which transformers 4.45 on reads as such and transformers 5 standardizes into its
+``rope_parameters``; ``max_position_embeddings`` is then the model's own (dynamic NTK scales from it), not the
+context trained at.
+
 GELU is written as ``gelu_pytorch_tanh`` (the tanh approximation the trainer uses), so transformers
 computes exactly what the trainer does.
 """
@@ -105,17 +110,21 @@ def hf_tensors(run: LoadedRun) -> dict[str, torch.Tensor]:
 def hf_config(run: LoadedRun, dtype: str) -> dict:
     """config.json: the class's own keys (transformers 4.45 through 5 read them)."""
     spec = run.spec
-    # RoPE extrapolates poorly beyond what it trained at: advertise that; a learned table has its rows
-    context = spec.max_positions if spec.pos == "learned" else run.ctx
-    cfg = {**spec_config(spec, context, dtype), "bos_token_id": run.eot_id, "eos_token_id": run.eot_id}
+    # RoPE extrapolates poorly beyond what it trained at: advertise that; a learned table has its rows. A scaled
+    # RoPE keeps the model's own max_positions: dynamic NTK (and a yarn without its factor) computes from it.
+    context = spec.max_positions if spec.pos == "learned" or spec.rope_scaling else run.ctx
+    cfg = {**spec_config(spec, context, dtype, rope_scaling=True), "bos_token_id": run.eot_id, "eos_token_id": run.eot_id}
     cfg[MARKER] = {"run": str(run.run_dir), "checkpoint": str(run.checkpoint), "step": run.step,
                    "tokens": run.meta.get("tokens"), "spec": spec.to_dict()}
     return cfg
 
 
-def spec_config(spec, context: int, dtype: str = "float32") -> dict:
+def spec_config(spec, context: int, dtype: str = "float32", rope_scaling: bool = False) -> dict:
     """The transformers config (as config.json's dict) of the model ``spec`` describes, ``context``
-    positions long: the family's class and its own keys, no dropout, no token ids."""
+    positions long: the family's class and its own keys, no dropout, no token ids. ``rope_scaling``: with the
+    spec's RoPE scaling (what an export writes); without it (``--stack transformers``' trace and measurement)
+    RoPE is plain, which moves no tensor, and transformers' dynamic NTK update, a branch on a tensor's value,
+    cannot run on fake tensors."""
     family = family_of(spec)
     common = {"architectures": [CLASS_NAMES[family]], "vocab_size": spec.vocab,
               "tie_word_embeddings": spec.tied, "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
@@ -127,6 +136,8 @@ def spec_config(spec, context: int, dtype: str = "float32") -> dict:
                "max_position_embeddings": context, "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
                "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
                "pretraining_tp": 1}
+        if rope_scaling and spec.rope_scaling:  # dynamic NTK scales from the model's own max_position_embeddings
+            cfg.update(rope_scaling=dict(spec.rope_scaling), max_position_embeddings=spec.max_positions)
         if family == "qwen2":
             cfg = {**{k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")},
                    "model_type": "qwen2", "use_sliding_window": False, "sliding_window": None,

@@ -46,6 +46,11 @@ def write_onnx(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
         raise InputError(f"--dtype {dtype}: onnx export writes float32 (convert afterwards with onnxruntime's tools "
                          "for float16); use --dtype auto or float32")
     spec = run.spec
+    if spec.rope_type == "dynamic" and run.ctx > spec.max_positions:  # checked before anything is written
+        raise InputError(f"--format onnx: dynamic NTK RoPE recomputes its frequencies for sequences beyond "
+                         f"max_position_embeddings {spec.max_positions}, which one traced graph cannot (the run "
+                         f"trained at {run.ctx}); accepted: --format hf, or a run trained at --ctx up to "
+                         f"{spec.max_positions}")
     model = build_model(spec, "eager", "none", torch.float32, device="cpu")
     ckpt.load_weights(model, {k: v.float() for k, v in run.tensors.items()}, str(run.checkpoint))
     model.eval()
