@@ -80,6 +80,14 @@ class _BoxedGraph:
         return out
 
 
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage ``node`` views (itself when it is no view)."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args \
+            and isinstance(node.args[0], torch.fx.Node) and node.target.is_view:
+        node = node.args[0]
+    return node
+
+
 def _call(target, args, kwargs):
     """One op of a partitioned graph. The generator-state operators that checkpointed blocks' graphs use to
     replay their randomness (higher-order operators, which MemTracker's dispatch mode does not take) run as
@@ -107,8 +115,10 @@ class _Compiled(torch.nn.Module):
         self.model = model
         self.graphs: list[tuple[torch.fx.GraphModule, object]] = []
         self.inputs: list[torch.Tensor | None] | None = None
+        self.partitioned: list[tuple[torch.fx.GraphModule, bool]] = []  # (graph, is_backward), as inductor got them
 
         def capture(gm, example_inputs, **kwargs):
+            self.partitioned.append((gm, bool(kwargs.get("is_backward"))))
             return _BoxedGraph(gm)
 
         def backend(gm, example_inputs):
@@ -152,6 +162,29 @@ class _Compiled(torch.nn.Module):
         out = self.graphs[0][1](*[idx if t is None else t for t in self.inputs])
         return out[0]
 
+    def saved_for_backward(self) -> dict[str, int]:
+        """Bytes the partitioner's forward graph returns beyond the model's output, by kind: ``saved`` (made
+        by the forward: what a compiled step holds for its backward) and ``inputs`` (parameters and the
+        token ids, held anyway); distinct storages, each counted once."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        forward = next(gm for gm, backward in self.partitioned if not backward)
+        outputs = list(forward.graph.nodes)[-1].args[0]
+        placeholders = {n for n in forward.graph.nodes if n.op == "placeholder"}
+        out = {"saved": 0, "inputs": 0}
+        seen = set()
+        for node in outputs[1:]:
+            val = getattr(node, "meta", {}).get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            key = StorageWeakRef(val.untyped_storage())
+            if key in seen:
+                continue
+            seen.add(key)
+            kind = "inputs" if _root(node) in placeholders else "saved"
+            out[kind] += val.untyped_storage().nbytes()
+        return out
+
 
 def trace_compiled_step(spec: ModelSpec, setup: TrainSetup, device: str = "cpu") -> StepMemory:
     """The live-tensor peak of a steady-state compiled step on fake tensors (nothing is allocated): the
@@ -182,7 +215,8 @@ def trace_compiled_step(spec: ModelSpec, setup: TrainSetup, device: str = "cpu")
             total, categories, _ = _tracked_steps(model, optimizer, setup,
                                                   lambda: _random_batches(spec, setup, device), kind,
                                                   step_fn=step_fn)
+            saved = step_model.saved_for_backward()
     finally:
         torch._dynamo.reset()
-    return StepMemory(peak_allocated=total, breakdown=categories,
+    return StepMemory(peak_allocated=total, breakdown=categories, terms={"forward_saved": saved["saved"]},
                       method=f"MemTracker under FakeTensorMode ({device}), inductor's partitioned graphs op by op")
