@@ -212,11 +212,6 @@ def print_inference(est, rates_note: str | None = None) -> None:
     ])
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
 
-    from memplan.memory.compiled import compiled_modelled
-
-    why_not = compiled_modelled(setup, est.stack.name)
-    compiled_ok = why_not is None
-
     def memory_table(described: bool):
         table = Table(title=f"Memory at the peak ({mem.peak_moment})", title_justify="left")
         table.add_column("term", no_wrap=True)
