@@ -107,3 +107,19 @@ def test_the_compiled_trace_is_the_compiled_walk():
     assert abs(walked - traced.peak_allocated) / traced.peak_allocated < 0.03, (walked, traced.peak_allocated)
     assert abs(eager - traced.peak_allocated) / traced.peak_allocated > 0.03, (eager, traced.peak_allocated)
     assert 0 < traced.terms["forward_saved"] < traced.peak_allocated
+
+
+def test_autotune_plans_a_compiled_step_with_its_own_memory():
+    from memplan.autotune import _Evaluator, autotune
+    from memplan.hardware import load_profile
+    from memplan.model import from_size
+
+    device = load_profile("rtx-4090").replace(calibrated={"compile_speedup": 1.3})
+    ev = _Evaluator(from_size("22m"), device, 1.3, None)
+    setup = TrainSetup(ctx=1024, micro_batch=8, precision="bf16-mixed")
+    assert ev.memory(setup.replace(compile=True)).peak_allocated < ev.memory(setup).peak_allocated
+    full = setup.replace(checkpointing="full")  # not modelled: the eager step's walk, shared
+    assert ev.memory(full.replace(compile=True)) is ev.memory(full)
+    result = autotune(from_size("22m"), device, ctx=1024)
+    assert result.plan.setup.compile and result.plan.setup.checkpointing == "none"
+    assert any("torch.compile" in n and "lower" in n for n in result.notes), result.notes
