@@ -216,7 +216,12 @@ def trace_compiled_step(spec: ModelSpec, setup: TrainSetup, device: str = "cpu")
                                                   lambda: _random_batches(spec, setup, device), kind,
                                                   step_fn=step_fn)
             saved = step_model.saved_for_backward()
+            if len(step_model.partitioned) != 2:
+                raise RuntimeError(f"torch.compile partitioned {len(step_model.partitioned)} graphs of the model's "
+                                   "step; the compiled trace expects one forward and one backward")
     finally:
         torch._dynamo.reset()
-    return StepMemory(peak_allocated=total, breakdown=categories, terms={"forward_saved": saved["saved"]},
+    nodes = {f"{'backward' if backward else 'forward'}_nodes": len(gm.graph.nodes)
+             for gm, backward in step_model.partitioned}  # the graphs' sizes: what inductor lowers and compiles
+    return StepMemory(peak_allocated=total, breakdown=categories, terms={"forward_saved": saved["saved"], **nodes},
                       method=f"MemTracker under FakeTensorMode ({device}), inductor's partitioned graphs op by op")

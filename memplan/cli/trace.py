@@ -164,7 +164,8 @@ def trace_command(
     data = traced_json(est, traced)
     data["stack"] = "memplan"
     if setup.compile:
-        data["trace"]["compiled"] = {"forward_saved": traced.terms.get("forward_saved", 0)}
+        data["trace"]["compiled"] = {k: traced.terms.get(k, 0) for k in ("forward_saved", "forward_nodes",
+                                                                         "backward_nodes")}
     if json:
         print_json(data)
         return
