@@ -7,11 +7,12 @@ makes one kernel of a pointwise chain, whose intermediates are never materialise
 checked against it (tests/test_compiled.py), and the trace against a real compiled step's allocator peak
 (benchmarks/compile_memory.py).
 
-Modelled: memplan's own step, one process, no LoRA, without checkpointing. There the partitioner saves what
-eager autograd saves (the block input, the norms' statistics and low-precision outputs, q, k, v and the
-rotated q and k, SDPA's output and log-sum-exp, x + attention, the up matmul's output, the down matmul's
-input, autocast's weight copies) except the terms below. Under checkpointing, with LoRA, or with FSDP the
-compiled step is not modelled here (``compiled_modelled`` says why).
+Modelled: memplan's own step, one process, without checkpointing; with LoRA where an adapter on up, qkv or proj
+makes every block's MLP input need a gradient (eager autograd then saves silu(gate) in every block). There the
+partitioner saves what eager autograd saves (the block input, the norms' statistics and low-precision outputs,
+q, k, v and the rotated q and k, SDPA's output and log-sum-exp, x + attention, the up matmul's output, the down
+matmul's input, autocast's weight copies) except the terms below. Under checkpointing, with LoRA on down or the
+head alone, or with FSDP the compiled step is not modelled here (``compiled_modelled`` says why).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def compiled_modelled(setup: TrainSetup, stack_name: str = "memplan") -> str | N
         return f"--stack {stack_name}: the trainer compiles memplan's own model only"
     if setup.world_size > 1:
         return "sharded steps are planned eager"
-    if setup.lora_rank:
-        return "LoRA's compiled step is not modelled yet"
+    if setup.lora_rank and not ({"up", "qkv", "proj"} & set(setup.lora)):
+        return f"LoRA on {setup.lora_targets} alone: the compiled step of a frozen first MLP is not modelled yet"
     if setup.checkpointing != "none":
         return f"checkpointing {setup.checkpointing}: the compiled recomputation is not modelled yet"
     return None
@@ -52,8 +53,9 @@ def compiled_first_residual_unsaved_bytes(spec: ModelSpec, setup: TrainSetup) ->
     (n·H·r) is the block input (the embedding's output, saved anyway) plus the out-projection's output, so the
     partitioner saves that output (n·H·a) and recomputes the sum in the backward; a later block's input is
     itself a sum inductor recomputes nothing of, and there the fp32 sum is saved, as eager saves it.
-    0 when r = a, for a parallel-residual block (no x + attention is saved) or under checkpointing."""
-    if setup.checkpointing != "none" or spec.parallel_residual:
+    0 when r = a, for a parallel-residual block (no x + attention is saved), under checkpointing, or under LoRA
+    (the first block's input is frozen and not saved, so the fp32 sum is what the partitioner keeps)."""
+    if setup.checkpointing != "none" or spec.parallel_residual or setup.lora_rank:
         return 0
     return tokens(setup) * spec.hidden * max(0, residual_bytes_per_element(setup) - act_bytes(setup))
 
