@@ -1,4 +1,5 @@
-"""What torch.compile (inductor) does to the peak of a training step, on this CPU, with real tensors.
+"""What torch.compile (inductor) does to the peak of a training step, on this CPU, with real tensors; for
+memplan's own step, against ``memplan trace --compile`` and ``estimate --compile``'s walk.
 
 For memplan's own model and step and for transformers' (``trainer/stacks/hf.py``), the same small
 llama shape, eager and ``torch.compile``d, in fp32 and bf16-mixed, without and with full
@@ -98,7 +99,8 @@ def main() -> None:
     spec = ModelSpec(arch=args.arch, layers=2, hidden=256, heads=4, kv_heads=4,
                      ffn=688 if args.arch == "llama" else 1024, vocab=2048, tied=False)
     print(f"{spec.describe()}; ctx 256, micro-batch 4, sdpa, adamw, CPU, 1 thread")
-    print(f"{'stack':12s} {'precision':10s} {'ckpt':5s} {'eager':>12s} {'compiled':>12s} {'change':>7s}")
+    print(f"{'stack':12s} {'precision':10s} {'ckpt':5s} {'eager':>12s} {'compiled':>12s} {'change':>7s}"
+          "   memplan: compiled trace (trace --compile), compiled walk (estimate --compile), each against compiled")
     for stack in args.stacks.split(","):
         for precision in args.precisions.split(","):
             for checkpointing in ("none", "full"):
@@ -106,8 +108,17 @@ def main() -> None:
                 started = time.time()
                 eager = step_peak(stack, spec, setup, False)
                 compiled = step_peak(stack, spec, setup, True)
-                print(f"{stack:12s} {precision:10s} {checkpointing:5s} {eager:>12,} {compiled:>12,} "
-                      f"{(compiled - eager) / eager:>+7.1%}  ({time.time() - started:.0f} s)", flush=True)
+                line = (f"{stack:12s} {precision:10s} {checkpointing:5s} {eager:>12,} {compiled:>12,} "
+                        f"{(compiled - eager) / eager:>+7.1%}")
+                if stack == "memplan":
+                    from memplan.memory import peak_memory
+                    from trainer.compiled_trace import trace_compiled_step
+
+                    traced = trace_compiled_step(spec, setup.replace(compile=True)).peak_allocated
+                    walked = peak_memory(spec, setup.replace(compile=True)).peak_allocated
+                    line += (f"   trace {traced:,} ({(traced - compiled) / compiled:+.2%}), "
+                             f"walk {walked:,} ({(walked - compiled) / compiled:+.2%})")
+                print(f"{line}  ({time.time() - started:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

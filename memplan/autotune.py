@@ -53,6 +53,7 @@ from memplan.errors import InputError
 from memplan.estimate import memory_on
 from memplan.hardware import Device
 from memplan.memory import MemoryBreakdown
+from memplan.memory.compiled import compiled_modelled
 from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import CHECKPOINTINGS, TrainSetup
@@ -313,8 +314,9 @@ def _sig(x: float) -> float:
 class _Evaluator:
     """Memory walks and step times of setups, each computed once.
 
-    Memory does not depend on ``compile`` (a compiled step is planned with the eager step's
-    memory), so walks are shared between the two.
+    A compiled step's memory is its own where ``memplan.memory.compiled`` models it (inductor's partitioner
+    saves less, which can let a larger micro-batch fit); elsewhere it is planned with the eager step's, and
+    the walks are shared between the two.
     """
 
     def __init__(self, spec: ModelSpec, device: Device, speedup: float | None, epoch_tokens: int | None,
@@ -330,7 +332,8 @@ class _Evaluator:
         return len(self._memory)
 
     def memory(self, setup: TrainSetup) -> MemoryBreakdown:
-        key = setup.replace(compile=False) if setup.compile else setup
+        modelled = setup.compile and compiled_modelled(setup, self.stack.name) is None
+        key = setup.replace(compile=False) if setup.compile and not modelled else setup
         if key not in self._memory:
             self._memory[key] = memory_on(self.spec, key, self.device, self.stack)
         return self._memory[key]
@@ -550,6 +553,9 @@ def _compile_note(chosen: TrainSetup, ev: _Evaluator) -> str:
            if ev.epoch_tokens else None)
     what = (f"torch.compile: steps {gain:.1%} faster, ~{one_off:.0f} s to compile once, paid back after "
             f"{payback:,} steps")
+    lower = ev.memory(eager).peak_allocated - ev.memory(compiled).peak_allocated
+    if lower > 0:  # inductor's partitioner saves less (memplan.memory.compiled)
+        what += f"; its peak {format_bytes(lower)} lower"
     if run is None:
         return what + ("; taken (no --tokens to weigh the compile time against)" if chosen.compile else "")
     return what + (f"; taken for {run}" if chosen.compile else f"; not taken for {run}")

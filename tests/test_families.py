@@ -406,21 +406,34 @@ def test_sweep_stack_transformers_refuses_selective_checkpointing():
     one_line_error(CliRunner().invoke(app, [*args, "--stack", "transformers"]), "selective", "none, full")
 
 
-# ---- torch.compile: its peak is not modelled, and estimate says so beside the number -------------
+# ---- torch.compile: the compiled step's peak where it is modelled; said to be the eager one where not ----
 
-def test_estimate_compile_says_the_memory_is_the_eager_steps():
+def test_estimate_compile_gives_the_compiled_steps_memory():
     runner = CliRunner()
-    args = ["estimate", "--params", "22m", "--ctx", "256", "--device", "cpu"]
+    args = ["estimate", "--params", "22m", "--ctx", "1024", "--device", "cpu"]
     text = runner.invoke(app, [*args, "--compile"], env={"COLUMNS": "200"})
     assert text.exit_code == 0, text.output
     title, table = text.stdout.split("┏", 1)
-    assert "of the eager step: torch.compile's peak is not" in title  # the table's title
-    assert "(eager)" in table.split("peak reserved")[1].splitlines()[0]  # beside the number
-    assert "the memory above is the eager step's; torch.compile's peak is not modelled" in " ".join(table.split())
+    assert "of the eager step" not in title and "(eager)" not in table.split("peak reserved")[1].splitlines()[0]
+    assert "the memory above is the compiled step's" in " ".join(table.split())
     compiled = json.loads(runner.invoke(app, [*args, "--compile", "--json"]).stdout)
     eager = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
-    assert compiled["compile_memory"] == "not modelled: memory is the eager step's"
     assert "compile_memory" not in eager
+    figures = compiled["compile_memory"]
+    assert figures["modelled"] is True and figures["eager_peak_allocated"] == eager["memory"]["peak_allocated"]
+    assert figures["peak_allocated"] == compiled["memory"]["peak_allocated"] < eager["memory"]["peak_allocated"]
+
+
+def test_estimate_compile_says_where_the_memory_is_the_eager_steps():
+    runner = CliRunner()
+    args = ["estimate", "--params", "22m", "--ctx", "256", "--device", "cpu", "--checkpointing", "full"]
+    text = runner.invoke(app, [*args, "--compile"], env={"COLUMNS": "200"})
+    title, table = text.stdout.split("┏", 1)
+    assert "of the eager step: torch.compile's peak is not" in title  # the table's title
+    assert "(eager)" in table.split("peak reserved")[1].splitlines()[0]  # beside the number
+    compiled = json.loads(runner.invoke(app, [*args, "--compile", "--json"]).stdout)
+    eager = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    assert compiled["compile_memory"]["modelled"] is False and "checkpointing full" in compiled["compile_memory"]["why"]
     assert compiled["memory"] == eager["memory"]  # the eager step's number, said to be so
 
 

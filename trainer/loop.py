@@ -79,6 +79,7 @@ from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManag
                                  check_metrics_file, check_new_run, check_plan_fits, check_plan_for_data,
                                  check_run_dir_free, check_same_plan, holding_lock, lock_run, predicted_for,
                                  resume_settings, state_of)
+from trainer.compile_guard import EAGER_FALLBACK, compile_errors, step_model_for, warn
 from trainer.device import current_rss as _process_rss, keep_heap_resident, torch_device_for, trim_heap as _trim_heap  # noqa: F401
 from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
@@ -290,7 +291,7 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.scaler = self._make_scaler()
         self.stream = self._new_stream(self.setup.micro_batch)
-        self.step_model = torch.compile(self.wrapped) if self.setup.compile else self.wrapped
+        self.step_model = step_model_for(self.wrapped, self.setup.compile, self.device.type)
         self.monitor = MemoryMonitor(self.device)
         # (the interval read here, when the trainer is built: a test may set trainer.loop's)
         self.sampler = MemorySampler(every_step=self.dist.world_size > 1, interval=MEMORY_SAMPLE_SECONDS)
@@ -529,8 +530,19 @@ class Trainer:
         )
 
     def _train_step(self, batches):
-        return train_step(self.step_model, self.optimizer, batches, self.setup, self.device.type, scaler=self.scaler,
-                          clip=self.config.clip or None)
+        try:
+            return train_step(self.step_model, self.optimizer, batches, self.setup, self.device.type,
+                              scaler=self.scaler, clip=self.config.clip or None)
+        except compile_errors() as e:
+            if self.step_model is self.wrapped:
+                raise
+            # the compile failed before the optimizer's update: the step is taken again eager, from no gradients
+            warn(f"torch.compile failed at step {self.step + 1} ({type(e).__name__}: "
+                 f"{(str(e).strip().splitlines() or [''])[0][:120]}); {EAGER_FALLBACK}")
+            self.step_model = self.wrapped
+            self.optimizer.zero_grad(set_to_none=True)
+            return train_step(self.step_model, self.optimizer, batches, self.setup, self.device.type,
+                              scaler=self.scaler, clip=self.config.clip or None)
 
     def _stop_reason(self) -> str | None:
         if self.dist.world_size == 1:

@@ -98,8 +98,13 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     helps = {**_TERM_HELP, **(_SHARDED_HELP.get(setup.sharding, {}))}
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
 
+    from memplan.memory.compiled import compiled_modelled
+
+    why_not = compiled_modelled(setup, est.stack.name)
+    compiled_ok = why_not is None
+
     def memory_table(described: bool):
-        compiled = " of the eager step: torch.compile's peak is not modelled" if setup.compile else ""
+        compiled = "" if not setup.compile or compiled_ok else " of the eager step: torch.compile's peak is not modelled"
         table = Table(title=f"Memory at the peak ({mem.peak_moment}){compiled}", title_justify="left")
         table.add_column("term", no_wrap=True)
         table.add_column("bytes", justify="right", no_wrap=True)
@@ -111,13 +116,16 @@ def print_estimate(est, rates_note: str | None = None) -> None:
         table.add_section()
         table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors" if described else "")
         table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]"
-                      + (" [yellow](eager)[/]" if setup.compile else ""), "",
+                      + (" [yellow](eager)[/]" if setup.compile and not compiled_ok else ""), "",
                       f"{verdict} in {format_bytes(device.usable_bytes)}")
         return table, [(k, helps[k]) for k in helps] + [("peak allocated", "live tensors")]
 
     print_described(console, memory_table)
-    if setup.compile:
-        console.print(f"[yellow]note[/]: {COMPILE_MEMORY_NOTE}")
+    if setup.compile and not compiled_ok:
+        console.print(f"[yellow]note[/]: {COMPILE_MEMORY_NOTE} ({why_not})")
+    elif setup.compile:
+        console.print("[dim]note: --compile: the memory above is the compiled step's (what inductor's partitioner "
+                      "saves; `memplan trace --compile` traces it)[/]")
     if est.max_micro_batch:
         console.print(f"Largest micro-batch that fits: [bold]{est.max_micro_batch}[/]")
     else:
@@ -142,7 +150,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
 
 
 # benchmarks/compile_memory.py, on this project's CPU (2-layer llama, hidden 256, ctx 256, micro-batch 4)
-COMPILE_MEMORY_NOTE = ("--compile: the memory above is the eager step's; torch.compile's peak is not modelled. "
+COMPILE_MEMORY_NOTE = ("--compile: the memory above is the eager step's; torch.compile's peak is not modelled here. "
                        "Measured on a CPU (inductor), it moved from -26% to +8% of the eager peak by stack, "
                        "precision and checkpointing (benchmarks/compile_memory.py): check it with a real step.")
 
@@ -353,8 +361,11 @@ def estimate_command(
 
         advice = [lever.to_json() for lever in levers(spec, setup, dev)] if not est.max_micro_batch else []
         data = {**est.to_json(), "advice": advice}
-        if setup.compile:  # the number is the eager step's: said beside it, never passed off as compiled
-            data["compile_memory"] = "not modelled: memory is the eager step's"
+        if setup.compile:  # the compiled step's figures, or why memory is the eager step's
+            from memplan.memory.compiled import compile_memory_json
+
+            eager = estimate(spec, setup.replace(compile=False), dev, stack=walk).memory.peak_allocated
+            data["compile_memory"] = compile_memory_json(spec, setup, est.memory.peak_allocated, eager, walk.name)
         print_json(with_rates(data, rates_note))
     else:
         print_estimate(est, rates_note)

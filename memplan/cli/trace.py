@@ -144,6 +144,8 @@ def trace_command(
     from trainer.measure import trace_step
 
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
+    if setup.compile and setup.world_size > 1:
+        raise InputError("trace --compile: one process only (--world-size 1); a sharded step is traced eager")
     if setup.world_size > 1:  # rank 0 of an FSDP2 step, the other ranks a fake process group
         from memplan.memory import peak_memory, sdpa_gqa_repeats
         from trainer.distributed import trace_rank_step
@@ -153,10 +155,17 @@ def trace_command(
         repeat = sdpa_gqa_repeats(spec, setup, dev.flash_attention, dev.family)
         est = dataclasses.replace(est, memory=peak_memory(spec, setup, dev.runtime_context_bytes,
                                                           dev.allocator_overhead, repeat, collectives="nccl"))
+    elif setup.compile:  # inductor's partitioner on fake tensors (trainer.compiled_trace)
+        from trainer.compiled_trace import trace_compiled_step
+
+        traced = trace_compiled_step(spec, setup, fake_device)
     else:
         traced = trace_step(spec, setup, fake_device)
     data = traced_json(est, traced)
     data["stack"] = "memplan"
+    if setup.compile:
+        data["trace"]["compiled"] = {k: traced.terms.get(k, 0) for k in ("forward_saved", "forward_nodes",
+                                                                         "backward_nodes")}
     if json:
         print_json(data)
         return
@@ -170,6 +179,9 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
     from memplan.estimate import estimate
     from trainer.stacks import StackModel, trace_stack
 
+    if setup.compile:
+        raise InputError(f"trace --stack {stack} --compile: the compiled step is traced for memplan's own trainer "
+                         "(--stack memplan); accepted for other stacks: their eager step (no --compile)")
     if setup.world_size > 1:
         raise InputError(f"trace --stack {stack}: one process only (--world-size 1); sharded steps are traced "
                          "for memplan's own trainer")

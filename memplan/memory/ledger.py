@@ -43,6 +43,7 @@ class _StepWalk:
         # the highest live logits, and the highest live total besides them, each at its own moment
         # (``mapped_logits_high_water_bytes``: on a CPU the two high-waters are resident together)
         self.logits_high = self.rest_high = 0
+        self.compiled = False  # the step's torch.compile is modelled (memplan.memory.compiled); set by the step
 
     def alloc(self, category: str, nbytes: int, where: str | None = None) -> None:
         self.live[category] += int(nbytes)

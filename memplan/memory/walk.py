@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import memplan.memory.compiled as compiled
 import memplan.memory.lora as lora
 from memplan.memory.ledger import CATEGORIES, Moment, _StepWalk  # noqa: F401  (walk.Moment: callers import it here)
 from memplan.memory.sharding import FullyShard, Replicated
@@ -211,7 +212,8 @@ class _BlockForward:
         spec, setup, p, w = self.spec, self.setup, self.p, self.w
         w.where = "block forward: MLP"
         up = self.normed_linear("up", mlp_up_bytes(spec, setup))
-        inner = self.make(mlp_inner_bytes(spec, setup))  # silu(gate), or gelu(up)
+        fused = compiled.compiled_silu_unsaved_bytes(spec, setup) if w.compiled and p.keeps_saved else 0
+        inner = self.make(mlp_inner_bytes(spec, setup) - fused)  # silu(gate) (compiled: fused away), or gelu(up)
         if spec.mlp == "swiglu":
             inner += self.make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
         self.weight_copy("down")
@@ -346,9 +348,12 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     _linear_backward(w, spec, setup, m["down"], g_branch if branch_cast else 0, inner, inner, input_cast=False,
                      matrix="down")
     if spec.mlp == "swiglu":
+        recomputed = compiled.compiled_silu_unsaved_bytes(spec, setup) if w.compiled else 0
+        w.alloc("temporaries", recomputed)  # compiled: silu(gate) recomputed from the saved gate
         w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
         w.free("temporaries", inner)  # the product's gradient
-        w.free("activations", inner)  # silu(gate)
+        w.free("activations", inner - recomputed)  # silu(gate)
+        w.free("temporaries", recomputed)
         w.alloc("temporaries", inner)  # silu's input gradient
         w.free("temporaries", inner)
         w.free("activations", mlp_up_bytes(spec, setup))  # gate|up released
@@ -492,6 +497,13 @@ class _Step:
         if sharding.lora_outside_blocks:
             self.first_unsaved = lora.first_block_unsaved_bytes(spec, cs, gqa_repeat, stack)
             self.first_copies = lora.first_block_weight_copy_bytes(spec, cs)
+        # torch.compile (memplan.memory.compiled): what inductor's partitioner saves less, where it is modelled
+        self.w.compiled = compiled.compiled_modelled(cs, stack.name) is None
+        self.first_residual = 0
+        if self.w.compiled:
+            self.stored -= compiled.compiled_silu_unsaved_bytes(spec, cs)
+            self.first_residual = compiled.compiled_first_residual_unsaved_bytes(spec, cs)
+            self.first_unsaved += self.first_residual
 
     def persistent_state(self) -> None:
         """Weights, buffers, optimizer state, gradients that outlive the step, and the step's inputs."""
@@ -626,6 +638,8 @@ class _Step:
             w.free("temporaries", before)
         w.mark(f"start of the {which} block's backward")
         first = (which == "first" or spec.layers == 1) and bool(self.first_unsaved)
+        if first:  # compiled: the first block saved its projection's output for x + attention, freed as the sum
+            w.alloc("activations", self.first_residual)
         self.grad = _block_backward(w, spec, cs, self.grad, self.gqa, first=first)
         if cs.checkpointing == "selective":  # kept outputs the recomputation never reached
             w.free("activations", self.n * spec.hidden * self.a)  # the down-projection's
