@@ -275,6 +275,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep, dist=self.dist,
                                              save_every=config.save_every)
         self.log = rundir.RunLog(self._writing, active=self.is_main)  # rank 0 alone writes and reports
+        self.stopping.on_signal = self._signalled
         self.evaluation = Evaluation(config=config, loss=self.task.evaluate, prompts=self.task.prompts,
                                      tokenizer=self.tokenizer, model=lambda: self.model, setup=lambda: self.setup,
                                      device=self.device)
@@ -466,6 +467,11 @@ class Trainer:
             self.schedule, self.eval_every, self.save_every = distributed.from_rank0(
                 (self.schedule, self.eval_every, self.save_every))
         self.log.emit(self._start_line())
+
+    def _signalled(self, signum: int, now: bool) -> None:
+        """A signal arrived (``Stopping.catching_signals``): a ``signal`` line, written and shown at once (the step
+        under way finishes first, unless it is the second signal, when this line is the run's last)."""
+        self.log.emit(records.SignalEvent(step=self.step, signal=signal.Signals(signum).name, now=now))
 
     def close(self) -> None:
         self.monitor.close()

@@ -10,6 +10,7 @@ those keys, in the order they are written:
     CheckpointEvent   "event": "checkpoint"        OomEvent        "event": "oom"
     EvalOomEvent      "event": "eval_oom"          NonfiniteEvent  "event": "nonfinite"
     DecayEvent        "event": "decay"             ReportFailedEvent "event": "report_failed"
+    SignalEvent       "event": "signal" (SIGINT/SIGTERM: stop after this step, or a second one: now)
     StopEvent         "event": "stop" (the run's end: its reason, tokens and time)
     OtherEvent        an event name this memplan does not know (a newer one's): kept, its keys as they are
 
@@ -322,6 +323,18 @@ class ReportFailedEvent(_Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SignalEvent(_Event):
+    """SIGINT or SIGTERM arrived during step ``step`` + 1: the first one stops the run after that step
+    (``now`` false: checkpoint, report, stop); a second one stops it at once (``now`` true: written before the
+    process exits, with no checkpoint of the step)."""
+
+    EVENT: typing.ClassVar[str] = "signal"
+    step: int
+    signal: str  # "SIGINT", "SIGTERM"
+    now: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class StopEvent(_Event):
     """The run ends: why (``max_steps``, ``max_tokens``, ``max_minutes``, ``epoch``, ``interrupted``)."""
 
@@ -354,10 +367,10 @@ class OtherEvent(_Event):
 
 
 Record = typing.Union[TrainLine, EvalLine, StartEvent, CheckpointEvent, OomEvent, EvalOomEvent, NonfiniteEvent,
-                      DecayEvent, ReportFailedEvent, StopEvent, OtherEvent]
+                      DecayEvent, ReportFailedEvent, SignalEvent, StopEvent, OtherEvent]
 EVENTS: dict[str, type] = {**{name: StartEvent for name in StartEvent.NAMES},
                            **{c.EVENT: c for c in (CheckpointEvent, OomEvent, EvalOomEvent, NonfiniteEvent,
-                                                   DecayEvent, ReportFailedEvent, StopEvent)}}
+                                                   DecayEvent, ReportFailedEvent, SignalEvent, StopEvent)}}
 KINDS: dict[str, type] = {"train": TrainLine, "eval": EvalLine}
 
 

@@ -186,6 +186,8 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
     quickstart = not plan and not given_model and not given_setup and not resume and from_ is None
 
     profile, rates_note = profile_for(req.device, req.device_memory, req.threads, ui, measure_now=quickstart)
+    if plan and not resume:
+        check_plan_device(plan, profile, req.device)
     if resume:
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
@@ -299,6 +301,23 @@ def best_precision(profile) -> str:
     if profile.supports("fp16"):
         return "fp16-mixed"
     return "fp32"
+
+
+def check_plan_device(plan_path: str, profile, device_arg: str | None) -> None:
+    """A plan made for another device is refused: its micro-batch, precision and predictions were chosen for
+    that device's memory and rates (a 4090's micro-batch 128 in bf16 takes half an hour a step on a CPU).
+    ``--device`` naming the plan's own device trains it anyway, predicted against that profile."""
+    from memplan.autotune import device_ref
+    from memplan.plan import Plan
+
+    made_for = Plan.load(plan_path).device
+    if not made_for or made_for in (profile.name, device_ref(profile)):
+        return
+    here = profile.name if device_arg is None else f"--device {device_arg} ({profile.name})"
+    raise InputError(f"--plan {plan_path} was made for {made_for}, not for {here}: re-plan with `memplan autotune "
+                     f"MODEL --ctx N --out {plan_path}`" + (" (no --device: this machine)" if device_arg is None else
+                                                          f" --device {device_arg}")
+                     + f", or train this plan as it is with --device {made_for}")
 
 
 def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, quiet: bool = False,

@@ -551,6 +551,13 @@ class _ProgressView:
                         f"({line.in_a_row} in a row)")
         elif isinstance(line, records.CheckpointEvent):
             self._print(f"[dim]checkpoint {line.path} ({line.seconds:.1f} s)[/]")
+        elif isinstance(line, records.SignalEvent):
+            if line.now:
+                self._print(f"[yellow]{line.signal} again[/]: stopping now, without a checkpoint of step "
+                            f"{line.step + 1} (--resume continues from the last checkpoint, if there is one)")
+            else:
+                self._print(f"[yellow]{line.signal}[/]: stopping after this step (step {line.step + 1}), then "
+                            "a checkpoint and the report; send it again to stop now")
         elif isinstance(line, records.StopEvent) and line.reason == "interrupted":
             self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
 
