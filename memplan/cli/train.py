@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -304,7 +305,7 @@ def _error_line(console, text: str) -> None:
 
 
 def _print_plan(trainer, console) -> None:
-    from memplan.units import format_bytes, format_count
+    from memplan.units import format_bytes, format_count, format_seconds
 
     p, s = trainer.plan, trainer.plan.setup
     pred = trainer.predicted
@@ -321,7 +322,8 @@ def _print_plan(trainer, console) -> None:
                   f"({trainer.profile.name} profile)")
     print_hanging(console, "  predicted: ", f"peak {format_bytes(pred.peak_reserved)} "
                   f"({format_bytes(pred.peak_allocated)} live tensors), {pred.tokens_per_second:,.0f} tokens/s, "
-                  f"MFU {pred.mfu:.1%}")
+                  f"{format_seconds(pred.step_seconds)} a step, MFU {pred.mfu:.1%}")
+    print_hanging(console, "  ETA: ", predicted_eta_text(trainer))
     if trainer.base_hf:  # memplan train --from: where the weights came from
         b = trainer.base_hf
         print_hanging(console, "  weights: ", ("started from " if trainer.step else "from ")
@@ -339,6 +341,37 @@ def _print_plan(trainer, console) -> None:
     if trainer.profile.family not in family:
         console.print(f"[yellow]note[/]: training runs on {trainer.device} but the predictions are for the "
                       f"{trainer.profile.name} profile ({trainer.profile.family}); measured and predicted will differ")
+
+
+def predicted_eta_text(trainer) -> str:
+    """What the run is predicted to take, before its first step (from the predicted step time): the steps its
+    step or token limit leaves, else one epoch of the data; a time limit caps it. A step predicted to take
+    longer than the time limit is said so."""
+    import math as _math
+
+    from memplan.units import format_count
+
+    c, s = trainer.config, trainer.plan.setup
+    step_seconds = trainer.predicted.step_seconds
+    left = []
+    if c.max_steps is not None:
+        left.append((max(0, c.max_steps - trainer.step), f"--max-steps {c.max_steps:,}"))
+    if c.max_tokens is not None:
+        left.append((max(0, _math.ceil((c.max_tokens - trainer.tokens) / s.tokens_per_step)),
+                     f"--max-tokens {format_count(c.max_tokens)}"))
+    if not left and c.max_minutes is None:
+        left.append((max(1, trainer.data.train_tokens // s.tokens_per_step), "one epoch"))
+    limit = None if c.max_minutes is None else c.max_minutes * 60.0
+    if left:
+        steps, why = min(left)
+        seconds = steps * step_seconds
+        if limit is None or seconds <= limit:
+            return f"{_clock(seconds)} for {steps:,} step{'s' if steps != 1 else ''} ({why}) at the predicted step time"
+    if step_seconds > limit:
+        return (f"{_clock(limit)} (--max-minutes {c.max_minutes:g}); one step is predicted to take "
+                f"{_clock(step_seconds)}, longer than the time limit")
+    return f"{_clock(limit)} (--max-minutes {c.max_minutes:g}): about {int(limit // step_seconds):,} steps at the " \
+           "predicted step time"
 
 
 def limits_text(limits: dict, clock: bool = True) -> str:
@@ -409,6 +442,8 @@ STATUS_FIELDS = ("loss", "tokens/s", "mfu", "memory", "eta")
 STATUS_DROP_ORDER = ("prediction", "mfu", "memory", "tokens/s", "loss", "eta")
 LIVE_BAR_WIDTHS = (24, 12)
 LIVE_REFRESH_SECONDS = 0.5  # the live line is redrawn at most this often (on a step's metrics line)
+STEP_TICK_SECONDS = 1.0  # a step (or its evaluation) longer than this: the live line counts its time each second
+PIPE_STEP_TICK_SECONDS = 60.0  # ... and on a pipe, a line this often
 
 
 def fit_live_line(width: int, count: str, fields: dict[str, str], prediction: str = "") -> tuple[str, int]:
@@ -467,13 +502,46 @@ class _ProgressView:
         self.task = None
         self._last_print = -1
         self._refreshed = -math.inf
+        self._line_at = self._pipe_said = time.perf_counter()  # the last step's line; the last tick printed
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def __enter__(self):
         self.progress.__enter__()
+        self._line_at = self._pipe_said = time.perf_counter()
+        self._ticker = threading.Thread(target=self._tick_loop, name="memplan-live-line", daemon=True)
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc):
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         return self.progress.__exit__(*exc)
+
+    def _tick_loop(self) -> None:
+        """Between steps' lines (a long step: a plan for a slower device, a loaded machine), the time spent in the
+        step under way, each STEP_TICK_SECONDS, so that the line never sits still for the length of a step."""
+        while not self._stop.wait(STEP_TICK_SECONDS):
+            self.tick()
+
+    def tick(self) -> None:
+        """The step under way and how long it has run, against its predicted time (a thread calls it)."""
+        now = time.perf_counter()
+        waited = now - self._line_at
+        if waited < STEP_TICK_SECONDS:
+            return
+        step = self.trainer.step + 1
+        text = (f"step {step:,} running for {_clock(waited)} (predicted {_clock(self.trainer.predicted.step_seconds)}"
+                " a step)")
+        if self.live:
+            if self.task is None:
+                self.task = self.progress.add_task("train", total=None, count=f"step {step:,}", status=text)
+            self.progress.update(self.task, count=f"step {step:,}", status=text)
+            self.progress.refresh()
+        elif now - self._pipe_said >= PIPE_STEP_TICK_SECONDS:
+            self._pipe_said = now
+            self._print(f"[dim]{text}[/]")
 
     def _print(self, text: str) -> None:  # on a terminal, wrapped at its width; on a pipe, one line each
         (self.progress.console if self.live else self.console).print(text, soft_wrap=not self.live)
@@ -494,10 +562,11 @@ class _ProgressView:
 
     def update(self, line) -> None:
         """Show one metrics line (a ``trainer.records`` record, as ``Trainer.on_event`` passes it)."""
-        from memplan.units import format_bytes, format_count, format_seconds
+        from memplan.units import format_bytes, format_count
         from trainer import records
 
         if isinstance(line, records.TrainLine):
+            self._line_at = time.perf_counter()
             total = line.total_steps
             fixed = self.trainer.schedule.fixed
             elapsed, limit = self._clock()
@@ -508,7 +577,7 @@ class _ProgressView:
             loss = "n/a" if line.loss is None else f"{line.loss:.4f}"
             fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line.tokens_per_second)} tok/s",
                       "mfu": f"MFU {line.mfu:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
-                      "eta": f"ETA {format_seconds(line.eta_seconds)}"}
+                      "eta": f"ETA {_clock(line.eta_seconds)}"}  # one unit as it counts down: 2:06, 1:48
             prediction = f"(pred {format_bytes(pred)})"
             if self.live:
                 status, bar = fit_live_line(self.progress.console.width, count, fields, prediction)
