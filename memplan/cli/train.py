@@ -343,6 +343,17 @@ def _print_plan(trainer, console) -> None:
                       f"{trainer.profile.name} profile ({trainer.profile.family}); measured and predicted will differ")
 
 
+def held_out_count(eval_tokens: int, val_tokens: int, eval_batches: int, run_dir) -> str:
+    """How many tokens a held-out loss is over, and the command that gives the same figure: the trainer
+    evaluates ``eval_batches`` batches a source (evenly spaced windows), a sample of a larger split, while
+    ``memplan eval`` reads the whole split unless told ``--max-batches``."""
+    same = f"`memplan eval --run {run_dir} --max-batches {eval_batches}` gives the same"
+    if eval_tokens >= val_tokens * 0.9:  # every window (a window's last token and a partial window are left out)
+        return f"over all {eval_tokens:,} tokens of the held-out split ({same})"
+    return (f"over {eval_tokens:,} of the held-out split's {val_tokens:,} tokens ({same}; "
+            "without --max-batches it reads them all)")
+
+
 def predicted_eta_text(trainer) -> str:
     """What the run is predicted to take, before its first step (from the predicted step time): the steps its
     step or token limit leaves, else one epoch of the data; a time limit caps it. A step predicted to take
@@ -603,7 +614,7 @@ class _ProgressView:
             per = ", ".join(f"{k} {v:.3f}" for k, v in line.eval_loss_by_source.items() if v is not None)
             ppl = line.eval_ppl
             loss = "n/a" if line.eval_loss is None else f"{line.eval_loss:.4f}"
-            self._print(f"[bold]eval[/] step {line.step}: held-out loss {loss}"
+            self._print(f"[bold]eval[/] step {line.step}: held-out loss {loss} over {line.eval_tokens:,} tokens"
                         + (f" (perplexity {ppl:,.1f})" if ppl else "") + (f" — {per}" if per else ""))
             for s in line.samples[:2]:
                 self._print(f"  [dim]{s['prompt']!r} →[/] {s['text'][:160]!r}")
@@ -655,7 +666,10 @@ def _print_summary(trainer, summary, sample) -> None:
         e = summary.last_eval
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.eval_loss_by_source.items() if v is not None)
         print_hanging(out, "  ", f"held-out loss {e.eval_loss:.4f}, perplexity {e.eval_ppl:,.1f}"
-                      + (f" ({per})" if per else ""))
+                      + (f" ({per})" if per else "") + (
+                          "; " + held_out_count(e.eval_tokens, trainer.data.val_tokens, trainer.config.eval_batches,
+                                                trainer.run_dir) if trainer.task.kind == "train" else
+                          f"; over {e.eval_tokens:,} held-out tokens"))
     if figures is not None:
         meas = figures.peak_memory_bytes
         pred = trainer.predicted
