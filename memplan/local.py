@@ -170,7 +170,9 @@ class LocalCalibration:
                 f"spread {self.noise:.0%}" + (f", {share:.0%} of a core free" if share and share < 0.95 else ""))
 
 
-SHARE_PROBE_SECONDS = 0.5  # the probe of the share of a core this process gets now (train, before its steps)
+SHARE_PROBE_SECONDS = 0.2  # one probe of the share of a core this process gets now (train, before its steps)
+SHARE_PROBES = 5  # probes in a row: their median is the share, their range tells whether the load holds still
+SHARE_UNSTEADY = 0.25  # probes whose range exceeds this share of their median: the load comes and goes
 
 
 def core_share_now(seconds: float = SHARE_PROBE_SECONDS) -> float:
@@ -185,6 +187,34 @@ def core_share_now(seconds: float = SHARE_PROBE_SECONDS) -> float:
         pass
     wall = time.perf_counter() - wall0
     return min(1.0, max(0.01, (time.process_time() - cpu0) / wall))
+
+
+def core_share_probes(repeats: int = SHARE_PROBES, seconds: float = SHARE_PROBE_SECONDS) -> list[float]:
+    """``repeats`` probes of ``core_share_now`` in a row (one second in all by default)."""
+    return [core_share_now(seconds) for _ in range(repeats)]
+
+
+def with_share_probes(profile: Device, shares: list[float]) -> tuple[Device, str]:
+    """``profile`` (a one-thread CPU calibration timed by CPU time) for the run about to start, from
+    ``shares``, probes of the share of a core measured now; and the words for the rates line.
+
+    Probes that agree (range within SHARE_UNSTEADY of their median): their median is the share, and step
+    times are wall time with the waits for other processes in (``with_share_now``). Probes that do not:
+    the load comes and goes faster than a run, so any share read now misleads the prediction (a 0.5 s
+    probe read 62% on a machine where the run then got nearly all of a core, predicting half its speed).
+    Then no share is applied: the prediction is the step's CPU time, an idle core's (``predicts`` cpu),
+    which the run compares with each step's measured CPU time, a figure the load does not move."""
+    import statistics
+
+    median = statistics.median(shares)
+    low, high = min(shares), max(shares)
+    if high - low <= SHARE_UNSTEADY * median:
+        return with_share_now(profile, median)
+    calibrated = {k: v for k, v in profile.calibrated.items() if k != "cpu_share"}
+    calibrated["predicts"] = "cpu"
+    return profile.replace(calibrated=calibrated), (
+        f"now {low:.0%}-{high:.0%} of a core free over {len(shares)} probes, too unsteady to predict wall time: "
+        "times predicted are CPU time (an idle core's), compared with the steps' own CPU time")
 
 
 def with_share_now(profile: Device, share: float) -> tuple[Device, str]:

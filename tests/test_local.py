@@ -293,6 +293,51 @@ def test_train_predicts_with_the_share_of_a_core_measured_when_it_starts(cache, 
     assert "now" not in data["rates"]
 
 
+def test_an_unsteady_load_predicts_cpu_time_instead_of_scaling_by_one_probe(cache, monkeypatch):
+    """Issue 28: one half-second probe read 62% of a core free and the quick start predicted half the speed it
+    then measured (2,225 against 4,436 tokens/s), its global batch sized from that. The share is now the median
+    of SHARE_PROBES probes; when they disagree (the load comes and goes), no share is applied: the prediction
+    is the step's CPU time (clock "cpu"), said on the rates line, and compared with the steps' CPU time."""
+    from memplan.model import resolve
+    from memplan.prediction import predict
+    from memplan.setup import TrainSetup
+    from trainer import request as train
+
+    title, version = local.cpu_title(), local.torch_version()
+    path = local.calibration_path("cpu", title, 1, version)
+    path.parent.mkdir(parents=True)
+    path.write_text(calibration_text(cpu_share=0.9))
+    spec, setup = resolve(params="1m"), TrainSetup(ctx=256, micro_batch=4, precision="fp32")
+    probes = iter([0.62, 0.95, 0.4, 0.9, 0.97])
+    monkeypatch.setattr(local, "core_share_now", lambda seconds=0: next(probes))
+    profile, note = train.local_calibration(load_profile("cpu"), None, measure_now=False)
+    assert "cpu_share" not in profile.calibrated
+    assert "now 40%-97% of a core free over 5 probes, too unsteady to predict wall time" in note, note
+    unsteady = predict(spec, setup, profile)
+    idle = local.find_calibration("cpu").applied(load_profile("cpu"))
+    idle = idle.replace(calibrated={k: v for k, v in idle.calibrated.items() if k != "cpu_share"})
+    assert unsteady.clock == "cpu" and unsteady.step_seconds == pytest.approx(predict(spec, setup, idle).step_seconds)
+    # probes that agree: their median is the share, and the prediction is of wall time
+    probes = iter([0.62, 0.6, 0.64, 0.61, 0.66])
+    steady, note = train.local_calibration(load_profile("cpu"), None, measure_now=False)
+    assert steady.calibrated["cpu_share"] == 0.62 and note.endswith("now 62% of a core free"), note
+    assert predict(spec, setup, steady).clock == "wall"
+    assert predict(spec, setup, steady).step_seconds > unsteady.step_seconds
+
+
+def test_steady_figures_give_tokens_per_second_of_cpu_time():
+    from trainer.records import TrainLine, steady_figures
+
+    def line(step, seconds, cpu):
+        return TrainLine(step=step, loss=1.0, tokens_per_second=1000 / seconds, lr=1e-3, grad_norm=1.0, tokens=1000 * step,
+                         step_seconds=seconds, time=float(step), mfu=0.1, micro_batch=1, grad_accum=1, skipped=False,
+                         eta_seconds=1.0, total_steps=9, cpu_seconds=cpu)
+
+    figures = steady_figures([line(1, 9.0, 1.0), line(2, 2.0, 0.5), line(3, 1.0, 0.5), line(4, 4.0, 0.4)])
+    assert figures.tokens_per_second == 500  # wall: waits for other processes in
+    assert figures.cpu_tokens_per_second == 2000  # 1000 tokens over 0.5 s of CPU time (median of 2000, 2000, 2500)
+
+
 def test_the_calibration_process_records_threads_and_the_runtime_context(tmp_path):
     """`python -m trainer.calibrate` (the quick start's child), for one second: the thread trial's times, the
     thread count chosen and what a warmed-up process here holds, in a profile that loads."""

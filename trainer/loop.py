@@ -261,6 +261,7 @@ class Trainer:
         self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self.log.emit(
             records.ReportFailedEvent(step=self.step, error=line)), refresh_seconds=REPORT_REFRESH_SECONDS)
         self._recent: list[float] = []  # the latest step times, for the ETA
+        self._step_cpu_seconds = 0.0  # the process's CPU time over the last step
         self._resume_from = resume_from
         self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
         # a resume: the limits the run had when the command line replaced them (None: kept as they were)
@@ -573,6 +574,7 @@ class Trainer:
             total_steps=self.schedule.total_steps,
             memory_allocated_bytes=memory.allocated_bytes,
             nonfinite=None if finite else str(loss),
+            cpu_seconds=self._step_cpu_seconds if self.device.type == "cpu" else None,
         )
         self.log.emit(line)
         if not finite:
@@ -612,11 +614,12 @@ class Trainer:
             batches = next_batches(self.stream, self.setup.grad_accum, self.device)
             self.sampler.before_step(self.monitor)
             oom = None
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             try:
                 result = self._train_step(batches)
                 loss = float(distributed.mean_across_ranks(result.loss))  # waits for the device
                 seconds = time.perf_counter() - t0
+                self._step_cpu_seconds = time.process_time() - cpu0  # this process's CPU time: the load moves it little
                 grad_norm = float(result.grad_norm)
                 memory = self.sampler.after_step(step, seconds, self._read_memory)
                 return loss, grad_norm, bool(result.skipped), seconds, memory

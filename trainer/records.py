@@ -161,6 +161,14 @@ class TrainLine(_Record):
     total_steps: int
     memory_allocated_bytes: int | None = _omit()  # only where torch can tell
     nonfinite: str | None = _omit()  # only when the loss was not finite
+    cpu_seconds: float | None = _omit()  # on a CPU: the process's CPU time over the step
+
+    @property
+    def cpu_tokens_per_second(self) -> float | None:
+        """Tokens per second of the process's CPU time (on a CPU): what a loaded machine's waits do not move."""
+        if not self.cpu_seconds:
+            return None
+        return self.tokens_per_second * self.step_seconds / self.cpu_seconds
 
     @property
     def measured_here(self) -> bool:
@@ -481,6 +489,7 @@ class SteadyFigures:
     peak_allocated_bytes: int | None
     tokens_per_second: float | None
     mfu: float | None
+    cpu_tokens_per_second: float | None = None  # median tokens per second of CPU time (steps on a CPU)
 
 
 def steady_figures(records: typing.Iterable[Record]) -> SteadyFigures | None:
@@ -496,7 +505,9 @@ def steady_figures(records: typing.Iterable[Record]) -> SteadyFigures | None:
     allocated = [r.memory_allocated_bytes for r in steady if r.memory_allocated_bytes]
     rates = [r.tokens_per_second for r in steady if r.tokens_per_second]
     mfus = [r.mfu for r in steady if r.mfu is not None]
+    cpu_rates = [r.cpu_tokens_per_second for r in steady if r.cpu_tokens_per_second]
     return SteadyFigures(steps=len(steady), peak_memory_bytes=max(memory, default=None),
                          peak_allocated_bytes=max(allocated, default=None),
                          tokens_per_second=statistics.median(rates) if rates else None,
-                         mfu=statistics.median(mfus) if mfus else None)
+                         mfu=statistics.median(mfus) if mfus else None,
+                         cpu_tokens_per_second=statistics.median(cpu_rates) if cpu_rates else None)

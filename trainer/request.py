@@ -295,12 +295,8 @@ def check_vocab(vocab: int | None, prepared) -> None:
 
 
 def best_precision(profile) -> str:
-    """bf16-mixed where bf16 is native, else fp16-mixed where fp16 is, else fp32 (a CPU emulates half types)."""
-    if profile.supports("bf16"):
-        return "bf16-mixed"
-    if profile.supports("fp16"):
-        return "fp16-mixed"
-    return "fp32"
+    """``Device.best_precision``: bf16-mixed where bf16 is native, else fp16-mixed, else fp32."""
+    return profile.best_precision
 
 
 def check_plan_device(plan_path: str, profile, device_arg: str | None) -> None:
@@ -368,7 +364,7 @@ def local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads:
     profile, note = _local_calibration(profile, ui, measure_now, threads)
     share = profile.calibrated.get("cpu_share") if profile.family == "cpu" else None
     if share and note and "nominal" not in note:
-        profile, said = local.with_share_now(profile, local.core_share_now())
+        profile, said = local.with_share_probes(profile, local.core_share_probes())
         note = f"{note}; {said}"
     return profile, note
 

@@ -283,12 +283,16 @@ def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
     return stack_of(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
 
 
+
+# not given: the device's best precision (memplan.hardware.Device.best_precision), as train and autotune take it
+EstPrecisionOpt = Annotated[Optional[str], PrecisionOpt.__metadata__[0]]
+
 @app.command("estimate")
 def estimate_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
     vocab: VocabOpt = None, tied: TiedOpt = None,
-    ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: PrecisionOpt = "bf16-mixed",
+    ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: EstPrecisionOpt = None,
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
     world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
@@ -340,13 +344,15 @@ def estimate_command(
                         ("--prompt-tokens", prompt_tokens)):
         if value is not None:
             raise InputError(f"{flag} applies to --mode inference only; accepted with --mode training: none")
-    setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
+    dev, rates_note = local_device_from(device, device_memory)
+    # not given: the device's best, as train and autotune take it (memory and time of the same precision)
+    chosen = precision or dev.best_precision
+    setup = setup_from(ctx, batch, grad_accum, chosen, attention, checkpointing, optimizer, world_size, sharding,
                        compile)
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
     walk = stack_from(stack, loss_dtype, lora_dropout, spec, setup)
-    dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
         from memplan.advice import levers
@@ -360,8 +366,11 @@ def estimate_command(
         print_estimate(est, rates_note)
         from memplan.units import resolved
 
+        from rich.console import Console
+
         units = resolved([("--tokens", tokens, est.tokens)])
         if units:  # 2b tokens is 2,000,000,000
-            from rich.console import Console
-
             Console(highlight=False).print(f"[dim]note: {units}[/]")
+        if precision is None:
+            Console(highlight=False).print(f"[dim]note: precision {chosen}, {dev.name}'s best (--precision to "
+                                           "choose)[/]")

@@ -683,7 +683,13 @@ def _print_summary(trainer, summary, sample) -> None:
                          if trainer.profile.calibrated else f"the {trainer.profile.name} profile's runtime context is")
                 print_hanging(out, "    ", f"(this process held {format_bytes(trainer.baseline_bytes)} before the "
                               f"model existed; {whose} {format_bytes(context)})")
-        if figures.tokens_per_second is not None:
+        if figures.tokens_per_second is not None and pred.clock == "cpu" and figures.cpu_tokens_per_second:
+            # the load was too unsteady to predict wall time: CPU time against CPU time (memplan.local)
+            print_hanging(out, "  throughput: ", f"{figures.tokens_per_second:,.0f} tokens/s (median); per second of "
+                          f"CPU time {figures.cpu_tokens_per_second:,.0f}, predicted {pred.tokens_per_second:,.0f} "
+                          f"({(pred.tokens_per_second - figures.cpu_tokens_per_second) / figures.cpu_tokens_per_second:+.1%}"
+                          f"; the load was too unsteady to predict wall time); MFU {figures.mfu or 0.0:.1%}")
+        elif figures.tokens_per_second is not None:
             print_hanging(out, "  throughput: ", f"{figures.tokens_per_second:,.0f} tokens/s (median), predicted "
                           f"{pred.tokens_per_second:,.0f}; MFU {figures.mfu or 0.0:.1%}")
     if summary.checkpoint:
