@@ -226,9 +226,16 @@ def print_inference(est, rates_note: str | None = None) -> None:
                   f"{s.ctx}: [bold]{est.max_batch:,}[/]")
     console.print(f"Prefill: {format_seconds(t.prefill_seconds)} for {s.batch * s.prompt_tokens:,} tokens "
                   f"({t.prefill_tokens_per_second:,.0f} tokens/s, compute)")
-    console.print(f"Decode: {t.decode_tokens_per_second:,.1f} tokens/s at the full context "
-                  f"({t.decode_tokens_per_second_start:,.1f} after the prompt), {t.decode_bound}-bound "
-                  f"({format_bytes(t.bandwidth_bytes_per_second)}/s)")
+    # the headline is the step validate --mode inference compares with: the roofline and the host's dispatch
+    decode = s.batch / t.decode_step_seconds_with_dispatch if t.decode_step_seconds_with_dispatch else \
+        t.decode_tokens_per_second
+    console.print(f"Decode: {decode:,.1f} tokens/s at the full context with the host's dispatch "
+                  f"({format_seconds(t.decode_dispatch_seconds)} a token step); the device's roofline alone: "
+                  f"{t.decode_tokens_per_second:,.1f} ({t.decode_tokens_per_second_start:,.1f} after the prompt), "
+                  f"{t.decode_bound}-bound ({format_bytes(t.bandwidth_bytes_per_second)}/s)")
+    if est.device.family == "cpu":
+        console.print("[dim]note: an upper bound on a CPU: the sampling loop's own Python and the cache's "
+                      "updates are not modelled (`memplan validate --mode inference` measures this machine)[/]")
     for note in est.notes:
         console.print(f"[yellow]note[/]: {note}")
 
