@@ -394,6 +394,7 @@ def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads
                          "(predictions of time are far closer afterwards)[/]")
     local.require_cache("the quick start keeps this machine's calibration there")  # before measuring, not after
     measured = []  # each in a temporary file, removed below
+    started = time.perf_counter()  # the whole of it: start-up, the thread trial, the measurements, a second attempt
     try:
         for attempt in range(CALIBRATE_ATTEMPTS):
             try:
@@ -405,6 +406,7 @@ def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads
             if measured[-1].trusted:
                 break
         best = min(measured, key=lambda c: c.noise)
+        took = calibration_took(time.perf_counter() - started, len(measured))
         title = local.local_title(family)
         version = local.torch_version()
         path = local.calibration_path(family, title, best.threads, version)
@@ -421,14 +423,20 @@ def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads
             write_atomically(local.noisy_path(path), best.path.read_text())
             return best.applied(profile), (
                 f"{best.note()} — [yellow]too noisy to keep[/] (other processes competed for the CPU): time "
-                f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again")
+                f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again ({took})")
         write_atomically(path, best.path.read_text())
         local.noisy_path(path).unlink(missing_ok=True)
     finally:
         for cal in measured:
             cal.path.unlink(missing_ok=True)
     kept = local.read_calibration(path)
-    return kept.applied(profile), f"{kept.note()} (measured now in {kept.calibrated.get('seconds', 0):.0f} s; kept)"
+    return kept.applied(profile), f"{kept.note()} ({took}; kept)"
+
+
+def calibration_took(seconds: float, attempts: int) -> str:
+    """How long measuring this machine took, all of it (the README's 15 s are the measurements alone)."""
+    return (f"measured now in {seconds:.0f} s: {QUICKSTART_CALIBRATE_SECONDS:g} s of measurements"
+            + (f" × {attempts} attempts" if attempts > 1 else "") + ", the thread trial and torch's start-up")
 
 
 def set_threads(threads: int | None, profile) -> int:
