@@ -264,8 +264,12 @@ class StartEvent(_Event):
 
 
 def _check_predicted(predicted: dict, where: str) -> None:
-    """A record's ``predicted`` (``memplan.prediction.Prediction``'s dict): numbers or null, but the phase."""
-    _check_mapping({k: v for k, v in predicted.items() if k != "peak_phase"}, float | None, f"{where}: 'predicted'")
+    """A record's ``predicted`` (``memplan.prediction.Prediction``'s dict): numbers or null, but the phase and
+    the clock (wall | cpu)."""
+    _check_mapping({k: v for k, v in predicted.items() if k not in ("peak_phase", "clock")}, float | None,
+                   f"{where}: 'predicted'")
+    if "clock" in predicted and predicted["clock"] not in ("wall", "cpu"):
+        raise InputError(f"{where}: 'predicted'[\"clock\"] is {predicted['clock']!r}; accepted: wall, cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
