@@ -118,6 +118,38 @@ def test_the_plan_header_gives_the_step_time_and_the_eta_before_the_first_step()
         "3:00 (--max-minutes 3): about 360 steps at the predicted step time")
 
 
+def _lines_at_80(print_it) -> list[str]:
+    out = io.StringIO()
+    print_it(Console(file=out, width=80, color_system=None, highlight=False))
+    lines = [line.rstrip() for line in out.getvalue().splitlines()]
+    assert len(lines) > 1 and all(len(line) <= 80 for line in lines), lines
+    return lines
+
+
+def test_long_lines_wrap_at_80_columns_indented_under_their_label():
+    """Issue 28: the train header's rates line, the quick start's "Model for a 3-minute run" (about 300
+    characters) and trace's comparison lines ran past 80 columns or wrapped to the left edge."""
+    from memplan.cli.fit import print_labelled
+    from memplan.cli.train import RichUI
+    from memplan.model import from_size
+    from trainer.request import quickstart_model_line
+
+    model = quickstart_model_line(from_size("22m").replace(vocab=4096), 4436.0, 2.5e10, True, 3.0)
+    lines = _lines_at_80(lambda c: RichUI(c).say(model, soft_wrap=True))
+    assert lines[0].startswith("Model for a 3-minute run: llama")
+    assert all(line.startswith(" " * len("Model for a 3-minute run: ")) for line in lines[1:]), lines
+    rates = ("[dim]rates: this machine's calibration of 2026-12-02, 1 thread, spread 22%, 32% of a core free; now "
+             "40%-97% of a core free over 5 probes, too unsteady to predict wall time: times predicted are CPU "
+             "time[/]")
+    lines = _lines_at_80(lambda c: print_labelled(c, rates, indent="  "))
+    assert lines[0].startswith("  rates: this machine's")
+    assert all(line.startswith(" " * len("  rates: ")) for line in lines[1:]), lines
+    trace = ("memplan's own model of this shape: 12.60 GiB (-32.76% against the transformers trace); fits in "
+             "3.60 GiB on gtx-1650")
+    lines = _lines_at_80(lambda c: print_labelled(c, trace))
+    assert all(line.startswith(" " * len("memplan's own model of this shape: ")) for line in lines[1:]), lines
+
+
 def test_the_live_line_drops_the_lowest_priority_fields_first():
     fields = {"loss": "loss 8.3068", "tokens/s": "12.3K tok/s", "mfu": "MFU 12.5%", "memory": "mem 1.23 GiB",
               "eta": "ETA 31.6 s"}

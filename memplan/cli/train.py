@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli.app import app
-from memplan.cli.fit import print_hanging
+from memplan.cli.fit import print_hanging, print_labelled
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
                                  KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
@@ -191,7 +191,12 @@ class RichUI:
         self.console = console
 
     def say(self, text: str, soft_wrap: bool = False) -> None:
-        self.console.print(text, soft_wrap=soft_wrap)
+        """A line; ``soft_wrap``: a long one carrying its label (the quick start's "Model for a 3-minute run: ..."),
+        wrapped at the width under what follows the label."""
+        if soft_wrap:
+            print_labelled(self.console, text)
+        else:
+            self.console.print(text)
 
     @contextlib.contextmanager
     def calibrating(self, what: str):
@@ -265,7 +270,7 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
     attached = loggers.attach(trainer, loggers.check_loggers(log))
     _print_plan(trainer, console)
     if rates_note:
-        console.print(f"  {rates_note}", soft_wrap=True)
+        print_labelled(console, rates_note, indent="  ")  # rates: ..., wrapped under its label
     view = _ProgressView(console, trainer)
     trainer.on_event(view.update)
     try:
