@@ -352,3 +352,28 @@ def test_help_names_the_extras_with_their_brackets(command, extra, monkeypatch):
     result = CliRunner().invoke(app, [command, "--help"])
     assert result.exit_code == 0
     assert extra in " ".join(result.output.replace("│", " ").split())
+
+
+def test_help_names_what_each_option_takes_not_its_python_type():
+    """Issue 28: `--help` showed every option as <str>, even counts (numbers are taken as text to parse 8k, 2b and
+    512MiB). Each option declares what it takes (N, SIZE, PATH, PRECISION, ...)."""
+    from typer.main import get_command
+
+    from memplan.cli import app
+
+    shown = {}
+
+    def walk(command, path):
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+            return
+        ctx = command.context_class(command)
+        for p in command.params:
+            if p.param_type_name == "option" and not getattr(p, "is_flag", False):
+                shown[(" ".join(path), p.opts[0])] = p.make_metavar(ctx=ctx)
+
+    walk(get_command(app), [])
+    assert shown and not {k: v for k, v in shown.items() if v.startswith("<")}
+    assert shown[("train", "--max-steps")] == "N" and shown[("estimate", "--ctx")] == "N"
+    assert shown[("autotune", "--budget")] == "SIZE" and shown[("estimate", "--precision")] == "PRECISION"

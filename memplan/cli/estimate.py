@@ -18,41 +18,41 @@ from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
 
 TokensOpt = Annotated[Optional[str], typer.Option(
-    "--tokens", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
+    "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
 
 ModeOpt = Annotated[str, typer.Option(
-    "--mode", help="training: one training step (the default). inference: generation with a KV cache (weights, "
+    "--mode", metavar="MODE", help="training: one training step (the default). inference: generation with a KV cache (weights, "
                    "cache, one forward over the prompt, decode), the largest context and batch, tokens/s.")]
 WeightsDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--weights-dtype", help="Inference: fp32 | bf16 | fp16 | int8 (GGUF Q8_0) | int4 (GGUF Q4_0); default bf16 "
+    "--weights-dtype", metavar="DTYPE", help="Inference: fp32 | bf16 | fp16 | int8 (GGUF Q8_0) | int4 (GGUF Q4_0); default bf16 "
                             "where the device runs it natively, else fp32.", show_default=False)]
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--kv-dtype", help="Inference: the KV cache's dtype, fp32 | bf16 | fp16 | int8; default the activations' "
+    "--kv-dtype", metavar="DTYPE", help="Inference: the KV cache's dtype, fp32 | bf16 | fp16 | int8; default the activations' "
                        "(fp16 with int8/int4 weights, as llama.cpp).", show_default=False)]
 PromptTokensOpt = Annotated[Optional[str], typer.Option(
-    "--prompt-tokens", help="Inference: prompt tokens prefilled in one forward (default: --ctx, the worst case); "
+    "--prompt-tokens", metavar="N", help="Inference: prompt tokens prefilled in one forward (default: --ctx, the worst case); "
                             "--ctx is what the cache holds, prompt plus new tokens.", show_default=False)]
 LoraRankOpt = Annotated[str, typer.Option(
-    "--lora-rank", help="Training: LoRA finetuning with rank-R adapters (frozen weights: no gradients or optimizer "
+    "--lora-rank", metavar="N", help="Training: LoRA finetuning with rank-R adapters (frozen weights: no gradients or optimizer "
                         "state; adapters get both); 0 trains every weight.")]
 LoraTargetsOpt = Annotated[str, typer.Option(
-    "--lora-targets", help="Training with --lora-rank: the matrices with adapters (comma-separated subset "
+    "--lora-targets", metavar="LIST", help="Training with --lora-rank: the matrices with adapters (comma-separated subset "
                            "of qkv, q, k, v, proj, up, down, head; qkv is q,k,v).")]
 StackOpt = Annotated[str, typer.Option(
-    "--stack", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
+    "--stack", metavar="STACK", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step, peft for --lora-rank; "
                     "llama, gpt2, gpt_neox, and phi, gemma, stablelm, qwen3, which memplan's own trainer does not "
                     "build) | litgpt (its GPT, pretrain.py / finetune/lora.py) | torchtune (its Llama builders, "
                     "single-device recipes). No library is imported: the walk's hooks model what each saves.")]
 LossDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--loss-dtype", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
+    "--loss-dtype", metavar="DTYPE", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
                          "the default) | logits (over the logits in their own dtype, as a plain PyTorch loop "
                          "calling F.cross_entropy under autocast does).", show_default=False)]
 EstLoraDropoutOpt = Annotated[Optional[float], typer.Option(
-    "--lora-dropout", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
+    "--lora-dropout", metavar="P", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
                            "(default: the library's, peft's and torchtune's 0.0, litgpt's 0.05). "
                            "Above 0, each adapted module saves its dropout's mask and output.", show_default=False)]
-SamplingOpt = Annotated[str, typer.Option("--sampling", help="Inference: top-k | greedy (how each token is chosen).")]
+SamplingOpt = Annotated[str, typer.Option("--sampling", metavar="SAMPLING", help="Inference: top-k | greedy (how each token is chosen).")]
 MODES = ("training", "inference")
 
 _TERM_HELP = {
@@ -241,7 +241,7 @@ def print_inference(est, rates_note: str | None = None) -> None:
 
 
 PlanStackOpt = Annotated[str, typer.Option(
-    "--stack", help="Whose code runs the step every candidate's memory walk follows: memplan (its own trainer) | "
+    "--stack", metavar="STACK", help="Whose code runs the step every candidate's memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step; also phi, gemma, stablelm, "
                     "qwen3) | litgpt | torchtune. As `memplan estimate --stack`.")]
 

@@ -21,13 +21,13 @@ TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits"
 
 
 StackOpt = Annotated[str, typer.Option(
-    "--stack", help="Whose training code to trace: memplan (its own trainer) | transformers (Hugging Face "
+    "--stack", metavar="STACK", help="Whose training code to trace: memplan (its own trainer) | transformers (Hugging Face "
                     "transformers, with peft for --lora-rank) | litgpt (litgpt's GPT, pretrain.py's step or "
                     "finetune/lora.py's with --lora-rank) | torchtune (its Llama builders and single-device "
                     "recipes' step). transformers needs `pip install 'memplan\\[stacks]'`, litgpt 'memplan\\[litgpt]', "
                     "torchtune 'memplan\\[torchtune]' (each of the last two in its own environment).")]
 LoraDropoutOpt = Annotated[float | None, typer.Option(
-    "--lora-dropout", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
+    "--lora-dropout", metavar="P", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
                            "(default: the library's own: peft's 0.0, litgpt finetune_lora's 0.05, torchtune's "
                            "configs' 0.0). Above 0, each adapter saves its dropout's mask and output.")]
 

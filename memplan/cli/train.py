@@ -30,20 +30,20 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
 from memplan.errors import InputError
 
 _R = "Run"
-PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan TOML (from `memplan autotune --out`) to "
+PlanOpt = Annotated[Optional[str], typer.Option("--plan", metavar="FILE", help="A plan TOML (from `memplan autotune --out`) to "
                                                 "train on, as given.", show_default=False, rich_help_panel=_R)]
 DataOpt = Annotated[Optional[str], typer.Option(
-    "--data", help="A prepared corpus (`memplan prepare --out DIR`). Default: the embedded corpus, prepared once "
+    "--data", metavar="DIR", help="A prepared corpus (`memplan prepare --out DIR`). Default: the embedded corpus, prepared once "
                    "into the cache ($MEMPLAN_CACHE, else ~/.cache/memplan).", show_default=False, rich_help_panel=_R)]
 OutOpt = Annotated[Optional[str], typer.Option(
-    "--out", "-o", help="The run directory (metrics.jsonl, plan.toml, checkpoints/, report.html). Default: "
+    "--out", "-o", metavar="PATH", help="The run directory (metrics.jsonl, plan.toml, checkpoints/, report.html). Default: "
                         "runs/train-DATE-TIME.", show_default=False, rich_help_panel=_R)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its newest checkpoint.",
                                          rich_help_panel=_R)]
 ReportOpt = Annotated[bool, typer.Option("--report", help="Only (re)write RUN/report.html from RUN/metrics.jsonl "
                                          "(also while the run is going) and exit.", rich_help_panel=_R)]
 FromOpt = Annotated[Optional[str], typer.Option(
-    "--from", help="Continue pretraining a Hugging Face checkpoint: a directory with config.json (llama, mistral, "
+    "--from", metavar="PATH", help="Continue pretraining a Hugging Face checkpoint: a directory with config.json (llama, mistral, "
                    "qwen2, gpt2, gpt_neox), model.safetensors or its shards and tokenizer.json, or a Hub id (the "
                    "local Hugging Face cache, else fetched). --data must be prepared with its tokenizer "
                    "(`memplan prepare --tokenizer SAME`); the learning rate defaults to 1e-4.", show_default=False,
@@ -51,32 +51,32 @@ FromOpt = Annotated[Optional[str], typer.Option(
 CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
                                                     show_default=False, rich_help_panel="Setup")]
 NprocOpt = Annotated[Optional[str], typer.Option(
-    "--nproc", help="Train in N processes (torchrun: one per GPU, else N CPU processes over gloo) with DDP or "
+    "--nproc", metavar="N", help="Train in N processes (torchrun: one per GPU, else N CPU processes over gloo) with DDP or "
                     "FSDP2; each rank runs --batch × --grad-accum per step (the plan's, for --plan).",
     show_default=False, rich_help_panel="Setup")]
 TrainShardingOpt = Annotated[Optional[str], typer.Option(
-    "--sharding", help="With --nproc: ddp | fsdp (default: the plan's, else ddp).", show_default=False,
+    "--sharding", metavar="SHARDING", help="With --nproc: ddp | fsdp (default: the plan's, else ddp).", show_default=False,
     rich_help_panel="Setup")]
 
 _H = "Hyper-parameters"
-LrOpt = Annotated[Optional[str], typer.Option("--lr", help="Peak learning rate (default 6e-4).", show_default=False,
+LrOpt = Annotated[Optional[str], typer.Option("--lr", metavar="X", help="Peak learning rate (default 6e-4).", show_default=False,
                                               rich_help_panel=_H)]
-WarmupOpt = Annotated[Optional[str], typer.Option("--warmup", help="Warmup steps (default: 5% of the steps, at "
+WarmupOpt = Annotated[Optional[str], typer.Option("--warmup", metavar="N", help="Warmup steps (default: 5% of the steps, at "
                                                   "most 100).", show_default=False, rich_help_panel=_H)]
-MinLrOpt = Annotated[Optional[str], typer.Option("--min-lr-ratio", help="Cosine decay ends at this share of the "
+MinLrOpt = Annotated[Optional[str], typer.Option("--min-lr-ratio", metavar="F", help="Cosine decay ends at this share of the "
                                                  "peak (default 0.1).", show_default=False, rich_help_panel=_H)]
-WeightDecayOpt = Annotated[Optional[str], typer.Option("--weight-decay", help="AdamW weight decay (default 0.1).",
+WeightDecayOpt = Annotated[Optional[str], typer.Option("--weight-decay", metavar="X", help="AdamW weight decay (default 0.1).",
                                                        show_default=False, rich_help_panel=_H)]
-ClipOpt = Annotated[Optional[str], typer.Option("--clip", help="Gradient-norm clipping, 0 = off (default 1.0).",
+ClipOpt = Annotated[Optional[str], typer.Option("--clip", metavar="X", help="Gradient-norm clipping, 0 = off (default 1.0).",
                                                 show_default=False, rich_help_panel=_H)]
 _A = "Autotune (without --plan or --batch)"
 GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
-    "--global-batch-tokens", help="Tokens per optimizer step for autotune to keep.", show_default=False,
+    "--global-batch-tokens", metavar="N", help="Tokens per optimizer step for autotune to keep.", show_default=False,
     rich_help_panel=_A)]
-BudgetOpt = Annotated[Optional[str], typer.Option("--budget", help="Memory budget for autotune (e.g. 6GiB); "
+BudgetOpt = Annotated[Optional[str], typer.Option("--budget", metavar="SIZE", help="Memory budget for autotune (e.g. 6GiB); "
                                                   "default: the device's usable memory.", show_default=False,
                                                   rich_help_panel=_A)]
-MarginOpt = Annotated[str, typer.Option("--margin", help="Share of the budget autotune leaves free.",
+MarginOpt = Annotated[str, typer.Option("--margin", metavar="F", help="Share of the budget autotune leaves free.",
                                         rich_help_panel=_A)]
 
 
