@@ -377,3 +377,22 @@ def test_help_names_what_each_option_takes_not_its_python_type():
     assert shown and not {k: v for k, v in shown.items() if v.startswith("<")}
     assert shown[("train", "--max-steps")] == "N" and shown[("estimate", "--ctx")] == "N"
     assert shown[("autotune", "--budget")] == "SIZE" and shown[("estimate", "--precision")] == "PRECISION"
+
+
+def test_counts_and_possessives_read_as_english(tmp_path):
+    """Issue 28: "transformers's", "1 documents"."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    from memplan.units import plural, possessive
+
+    assert (plural(1, "document"), plural(2, "document"), plural(0, "duplicate")) == (
+        "1 document", "2 documents", "0 duplicates")
+    assert (possessive("transformers"), possessive("memplan")) == ("transformers'", "memplan's")
+    out = CliRunner().invoke(app, ["estimate", "--model", "smollm2-135m", "--stack", "transformers", "--ctx", "256",
+                                   "--device", "rtx-4090"])
+    assert out.exit_code == 0, out.output
+    assert "transformers' step" in out.stdout and "transformers's" not in out.stdout
+    (tmp_path / "one.txt").write_text("too short")
+    out = CliRunner().invoke(app, ["prepare", "--input", str(tmp_path / "one.txt"), "--out", str(tmp_path / "p")])
+    assert out.exit_code == 2 and "1 document read" in out.stderr, out.output

@@ -1171,8 +1171,10 @@ def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: 
         short = sum(s.filtered_short for s in all_stats)
         nontext = sum(s.filtered_nontext for s in all_stats)
         dups = sum(s.duplicates_dropped for s in all_stats)
-        raise InputError(f"empty corpus after filtering: {seen} documents read, {short} shorter than "
-                         f"--min-chars {config.clean.min_chars}, {nontext} mostly non-text, {dups} duplicates; "
+        from memplan.units import plural
+
+        raise InputError(f"empty corpus after filtering: {plural(seen, 'document')} read, {short} shorter than "
+                         f"--min-chars {config.clean.min_chars}, {nontext} mostly non-text, {plural(dups, 'duplicate')}; "
                          "lower --min-chars, check --text-field, or add inputs")
     return all_stats, all_lengths
 

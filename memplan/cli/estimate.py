@@ -15,7 +15,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  WorldSizeOpt, local_device_from, print_json, setup_from,
                                  with_rates)
 from memplan.errors import InputError
-from memplan.units import format_bytes, format_count, format_seconds, parse_count
+from memplan.units import format_bytes, format_count, format_seconds, parse_count, possessive
 
 TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
@@ -153,7 +153,7 @@ def _stack_words(stack) -> str:
     if stack.name == "transformers":
         words += ", transformers' step" + (f" (peft dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
     elif stack.name in ("litgpt", "torchtune"):
-        words += f", {stack.name}'s step" + (f" (LoRA dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
+        words += f", {possessive(stack.name)} step" + (f" (LoRA dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
     if not stack.fp32_loss:
         words += ", loss in the logits' dtype"
     return words

@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli.app import app
+from memplan.units import plural
 
 InputsOpt = Annotated[Optional[list[str]], typer.Option(
     "--input", "-i", metavar="PATH", help="A .txt, .jsonl or .parquet file, a directory of them (recursive), or hf:NAME; "
@@ -186,13 +187,13 @@ def _print_summary(result, config, seconds: float) -> None:
     for s in result.stats:
         if s.val_split == "window":
             share = s.val_tokens / s.tokens if s.tokens else 0.0
-            out.print(f"[yellow]note:[/] source {s.name!r}: {s.documents} document(s); whole documents cannot hold "
+            out.print(f"[yellow]note:[/] source {s.name!r}: {plural(s.documents, 'document')}; whole documents cannot hold "
                       f"out {config.val_fraction:.0%} (within ±{VAL_SPLIT_TOLERANCE:.0%} of it), so held out the "
                       f"last {s.val_tokens:,} of its "
                       f"{s.tokens:,} tokens ({share:.1%}) by cutting document {s.val_start_document + 1} at a space "
                       "(manifest: val_split \"window\")")
         elif s.documents and not s.val_documents and config.val_fraction > 0:
-            out.print(f"[yellow]note:[/] source {s.name!r} has {s.documents} document(s): nothing held out for it")
+            out.print(f"[yellow]note:[/] source {s.name!r} has {plural(s.documents, 'document')}: nothing held out for it")
         if s.skipped_files:
             out.print(f"[yellow]warning:[/] source {s.name!r}: skipped {len(s.skipped_files)} file(s) that are not "
                       f"text: " + "; ".join(f"{p} ({why})" for p, why in s.skipped_files))
