@@ -309,6 +309,14 @@ def check_plan_device(plan_path: str, profile, device_arg: str | None) -> None:
     made_for = Plan.load(plan_path).device
     if not made_for or made_for in (profile.name, device_ref(profile)):
         return
+    if Path(made_for).is_file():  # a profile file (`memplan calibrate --out`): the device it describes
+        from memplan.hardware import resolve_device
+
+        try:
+            if resolve_device(made_for).name == profile.name:
+                return
+        except InputError:
+            pass
     here = profile.name if device_arg is None else f"--device {device_arg} ({profile.name})"
     raise InputError(f"--plan {plan_path} was made for {made_for}, not for {here}: re-plan with `memplan autotune "
                      f"MODEL --ctx N --out {plan_path}`" + (" (no --device: this machine)" if device_arg is None else
