@@ -316,6 +316,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, corpus
     assert sorted(losses(run)) == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow  # it trains (two tiny steps)
 def test_a_second_signal_stops_at_once_and_is_recorded_in_metrics(tmp_path, corpus, monkeypatch):
     """Issue 28: a second SIGTERM during a (long) step stops the process at once; before it exits, a ``signal``
     line with now true is in metrics.jsonl (it used to exit 130 with no record of why)."""
