@@ -422,8 +422,8 @@ def test_cli_prints_a_table_per_source_and_notes_sources_split_inside_a_document
     for word in ("alpha", "beta", "gamma", "total", "docs", "chars", "tokens", "dups", "filtered"):
         assert word in res.stdout
     text = " ".join(res.stdout.split())
-    assert "'beta': 1 document(s); whole documents cannot hold out 20%" in text
-    assert "'gamma': 2 document(s)" in text and "'alpha': " not in text
+    assert "'beta': 1 document; whole documents cannot hold out 20%" in text
+    assert "'gamma': 2 documents" in text and "'alpha': " not in text
 
 
 def test_val_document_count():
