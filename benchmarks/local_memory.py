@@ -83,6 +83,11 @@ def run_figures(run: Path) -> dict:
             "baseline": start.get("baseline_memory_bytes"),
             "predicted_tps": start["predicted"]["tokens_per_second"],
             "measured_tps": statistics.median(line["tokens_per_second"] for line in steady),
+            # a "cpu" prediction (the load too unsteady for wall time) is of tokens per second of CPU time
+            "predicted_clock": start["predicted"].get("clock", "wall"),
+            "measured_cpu_tps": statistics.median(line["tokens_per_second"] * line["step_seconds"] / line["cpu_seconds"]
+                                                  for line in steady) if all(line.get("cpu_seconds") for line in steady)
+            else None,
             "steps": len(train)}
 
 

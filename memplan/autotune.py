@@ -35,7 +35,11 @@ so the fastest fitting micro-batch of a configuration is its largest fitting one
 micro-batch, so the largest fitting one is found by bisection over the divisors; without it
 (micro-batch = the whole per-process batch) the gradients appear during the backward only, so
 that point is evaluated on its own (it can fit when a smaller, accumulating micro-batch does not).
-A configuration costs about five walks of ``memplan.memory``; the whole search well under a second.
+Launches can also cost nothing (a calibrated rate that is linear in tokens): then micro-batches tie on
+speed and the smallest wins on memory, so each configuration's point is the best of all its fitting
+micro-batches by the same key ``ranked_fitting`` sorts by (the plan printed is the first one
+``--verify`` tries). A configuration costs about ten walks of ``memplan.memory``; the whole search
+well under a second.
 
 Nothing here imports torch. ``trainer.verify.verify`` runs the chosen plan for real.
 """
@@ -195,6 +199,20 @@ class ConfigSearch:
     largest_accumulating: int  # largest micro-batch < the per-process batch that fits with accumulation, 0 if none
     whole_fits: bool  # the whole per-process batch as one micro-batch (no accumulation) fits
 
+    def fitting(self, per: int, ev: "_Evaluator", limit: int) -> list[TrainSetup]:
+        """Every micro-batch of this configuration that fits, at ``per`` sequences a process.
+
+        The accumulating micro-batches up to the largest that fits, and the whole batch if it fits
+        (memory grows with the micro-batch, so no second search); each walked and checked against
+        ``limit``. The search picks its best point from these and ``ranked_fitting`` lists them, so
+        the plan printed is the first plan ``--verify`` tries.
+        """
+        sizes = [m for m in divisors(per) if m < per and m <= self.largest_accumulating]
+        if self.whole_fits:
+            sizes.append(per)
+        setups = [self.setup.replace(micro_batch=m, grad_accum=per // m) for m in sizes]
+        return [s for s in setups if ev.peak(s) <= limit]
+
 
 @dataclass(frozen=True, kw_only=True)
 class AutotuneResult:
@@ -242,13 +260,7 @@ class AutotuneResult:
         if ev is None:
             raise ValueError("ranked_fitting needs the result of autotune() (it keeps the evaluator)")
         per = self.sequences_per_process
-        setups = []
-        for cfg in self.configs:
-            sizes = [m for m in divisors(per) if m < per and m <= cfg.largest_accumulating]
-            if cfg.whole_fits:
-                sizes.append(per)
-            setups += [cfg.setup.replace(micro_batch=m, grad_accum=per // m) for m in sizes]
-        setups = [s for s in setups if ev.peak(s) <= self.limit_bytes]
+        setups = [s for cfg in self.configs for s in cfg.fitting(per, ev, self.limit_bytes)]
         setups.sort(key=ev.rank_key)
         return [Candidate(plan=self.plan_for(s), predicted=ev.predicted(s), fits=True, why="fits") for s in setups]
 
@@ -490,13 +502,12 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
                 hi = mid
         largest = accumulating[lo] if lo >= 0 else 0
         whole_fits = ev.peak(at(per)) <= limit
-        configs.append(ConfigSearch(setup=base, largest_accumulating=largest, whole_fits=whole_fits))
-        if whole_fits:
-            best_points.append(at(per))
-        else:
-            if largest:
-                best_points.append(at(largest))
-            # the first micro-batch that does not fit
+        config = ConfigSearch(setup=base, largest_accumulating=largest, whole_fits=whole_fits)
+        configs.append(config)
+        fitting = config.fitting(per, ev, limit)
+        if fitting:  # the configuration's best by the one objective (a smaller micro-batch wins a tie on speed)
+            best_points.append(min(fitting, key=ev.rank_key))
+        if not whole_fits:  # the first micro-batch that does not fit
             rejected_points.append(at(accumulating[hi]) if hi < len(accumulating) else at(per))
 
     best_points.sort(key=ev.rank_key)

@@ -151,6 +151,16 @@ class Device:
         """Whether ``dtype`` runs natively (fp32 always does)."""
         return dtype == "fp32" or bool(self.native.get(dtype, False))
 
+    @property
+    def best_precision(self) -> str:
+        """The training precision this device runs best: bf16-mixed where bf16 is native, else fp16-mixed where
+        fp16 is, else fp32 (a CPU emulates half types). What ``train`` and ``estimate`` take when not told."""
+        if self.supports("bf16"):
+            return "bf16-mixed"
+        if self.supports("fp16"):
+            return "fp16-mixed"
+        return "fp32"
+
     def to_json(self) -> dict:
         """The ``device`` object of the --json output (docs/json.md)."""
         return {"name": self.name, "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes}

@@ -170,7 +170,12 @@ class LocalCalibration:
                 f"spread {self.noise:.0%}" + (f", {share:.0%} of a core free" if share and share < 0.95 else ""))
 
 
-SHARE_PROBE_SECONDS = 0.5  # the probe of the share of a core this process gets now (train, before its steps)
+SHARE_PROBE_SECONDS = 0.2  # one probe of the share of a core this process gets now (train, before its steps)
+SHARE_PROBES = 5  # probes in a row: their median is the share, their range tells whether the load holds still
+SHARE_UNSTEADY = 0.25  # probes whose range exceeds this share of their median: the load comes and goes
+# a share below this: others hold most of the core, and the few points it moves between the probes and the run
+# are a large part of it (0.16 probed, 0.21 got: a third off); wall time is not predicted from it
+SHARE_FLOOR = 0.5
 
 
 def core_share_now(seconds: float = SHARE_PROBE_SECONDS) -> float:
@@ -185,6 +190,43 @@ def core_share_now(seconds: float = SHARE_PROBE_SECONDS) -> float:
         pass
     wall = time.perf_counter() - wall0
     return min(1.0, max(0.01, (time.process_time() - cpu0) / wall))
+
+
+def core_share_probes(repeats: int = SHARE_PROBES, seconds: float = SHARE_PROBE_SECONDS) -> list[float]:
+    """``repeats`` probes of ``core_share_now`` in a row (one second in all by default)."""
+    return [core_share_now(seconds) for _ in range(repeats)]
+
+
+def with_share_probes(profile: Device, shares: list[float]) -> tuple[Device, str]:
+    """``profile`` (a one-thread CPU calibration timed by CPU time) for the run about to start, from
+    ``shares``, probes of the share of a core measured now; and the words for the rates line.
+
+    Probes that agree (range within SHARE_UNSTEADY of their median) on a share of at least SHARE_FLOOR, with
+    a calibration steady enough to keep: their median is the share, and step times are wall time with the
+    waits for other processes in (``with_share_now``). Otherwise the load moves more than a prediction of
+    wall time can follow (a 0.5 s probe read 62% on a machine where the run then got nearly all of a core,
+    predicting half its speed; on a machine loaded 6 times over, 16% probed and 21% got, a third off): no
+    share is applied, the prediction is the step's CPU time, an idle core's (``predicts`` cpu), and the run
+    compares it with each step's measured CPU time, a figure the load does not move."""
+    import statistics
+
+    median = statistics.median(shares)
+    low, high = min(shares), max(shares)
+    noise = float(profile.calibrated.get("noise", 0.0) or 0.0)
+    why = []
+    if high - low > SHARE_UNSTEADY * median:
+        why.append(f"{low:.0%}-{high:.0%} over {len(shares)} probes")
+    elif median < SHARE_FLOOR:
+        why.append(f"others hold {1 - median:.0%} of it")
+    if noise > NOISY:
+        why.append(f"the calibration's timings spread {noise:.0%}")
+    if not why:
+        return with_share_now(profile, median)
+    calibrated = {k: v for k, v in profile.calibrated.items() if k != "cpu_share"}
+    calibrated["predicts"] = "cpu"
+    return profile.replace(calibrated=calibrated), (
+        f"now {median:.0%} of a core free ({'; '.join(why)}), too unsteady to predict wall time: times predicted "
+        "are CPU time (an idle core's), compared with the steps' own CPU time")
 
 
 def with_share_now(profile: Device, share: float) -> tuple[Device, str]:

@@ -26,6 +26,9 @@ class Prediction:
     mfu: float  # model FLOPs per second over the device's dense peak
     epoch_seconds: float | None = None  # the tokens of one epoch, with torch.compile's one-off; None: not asked
     compile_seconds: float = 0.0  # torch.compile's one-off (in epoch_seconds, not in step_seconds)
+    # wall | cpu: CPU time of a step (an idle core's), where the machine's load was too unsteady to predict wall
+    # time (memplan.local.with_share_probes); the run compares it with its steps' CPU time
+    clock: str = "wall"
 
     def plan_table(self) -> dict:
         """plan.toml's ``[predicted]`` (docs/run-directory.md): peak_reserved, step_seconds, tokens_per_second,
@@ -56,4 +59,5 @@ def predict(spec: ModelSpec, setup: TrainSetup, device: Device, tokens: int | No
     return Prediction(peak_allocated=mem.peak_allocated, peak_reserved=mem.peak_reserved, peak_phase=mem.peak_phase,
                       step_seconds=t.step_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
                       epoch_seconds=tokens / t.tokens_per_second + t.compile_seconds if tokens else None,
-                      compile_seconds=t.compile_seconds)
+                      compile_seconds=t.compile_seconds,
+                      clock="cpu" if device.calibrated.get("predicts") == "cpu" else "wall")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from memplan.errors import InputError
 from memplan.setup import LORA_TARGET_NAMES, QKV_PARTS
+from memplan.units import possessive
 
 STACKS = ("memplan", "transformers", "litgpt", "torchtune")
 LOSS_DTYPES = ("fp32", "logits")
@@ -76,12 +77,12 @@ def check_stack_setup(stack: str, spec, setup) -> str:
     if allowed is None:
         return stack
     if spec.arch not in allowed["archs"] or spec.pos != "rope":
-        raise InputError(f"--stack {stack}: the walk covers {stack}'s {', '.join(allowed['archs'])} models "
+        raise InputError(f"--stack {stack}: the walk covers {possessive(stack)} {', '.join(allowed['archs'])} models "
                          f"(rotary positions), not {spec.arch!r}")
     for field in ("precision", "attention", "checkpointing", "sharding"):
         value = getattr(setup, field)
         if value not in allowed[field]:
-            raise InputError(f"--stack {stack}: --{field} {value} is not one that {stack}'s code takes "
+            raise InputError(f"--stack {stack}: --{field} {value} is not one that {possessive(stack)} code takes "
                              f"(accepted: {', '.join(allowed[field])})")
     if setup.lora_rank and ("up" in setup.lora) != ("down" in setup.lora):
         raise InputError(f"--stack {stack}: --lora-targets {setup.lora_targets}: {stack} adapts the MLP whole "
@@ -114,7 +115,7 @@ def check_lora_targets(stack: str, spec, setup) -> None:
                          "base matmul's output, which the adapter adds into in place (accepted with LoRA: none, "
                          "full)")
     if setup.lora_head and stack in ("memplan", "torchtune") and spec.tied:
-        raise InputError(f"--lora-targets head: this model ties its LM head to the token embedding, and {stack}'s "
+        raise InputError(f"--lora-targets head: this model ties its LM head to the token embedding, and {possessive(stack)} "
                          "code does not adapt the one shared matrix (accepted for a tied model: "
                          f"{', '.join(t for t in LORA_TARGET_NAMES if t != 'head')})")
 

@@ -155,6 +155,16 @@ def format_seconds(s: float | None) -> str:
     return f"{s / 86400:.1f} days"
 
 
+def plural(n: int, word: str) -> str:
+    """``1 document``, ``2 documents``, ``1,024 documents``."""
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def possessive(name: str) -> str:
+    """``memplan's``, ``transformers'`` (a name ending in s takes the apostrophe alone)."""
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
+
+
 def closest(name: str, choices: list[str], n: int = 3) -> list[str]:
     """The closest names to a misspelt one, best first (for "did you mean" hints)."""
     return difflib.get_close_matches(name.lower(), choices, n=n, cutoff=0.4)

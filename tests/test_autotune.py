@@ -444,3 +444,52 @@ def test_verify_refuses_a_plan_for_another_kind_of_device():
     # checked before any trial starts: the plan is for a CUDA GPU, this machine trains on its CPU
     out = run_cli("autotune", "--params", "22m", "--device", "rtx-4090", "--verify")
     assert "this machine's cpu" in one_line_error(out)
+
+
+def test_verify_tries_and_writes_the_plan_it_printed_when_micro_batches_tie_on_speed(tmp_path, monkeypatch):
+    """Issue 28: with step times linear in tokens (a calibrated CPU rate pays nothing per launch), every
+    micro-batch of a configuration ties on speed and the smaller one wins on memory. The search once took
+    each configuration's largest micro-batch and printed 32 × 1 while ``ranked_fitting`` (what --verify
+    walks) put 16 × 2 first, so --verify ran and wrote a plan other than the one printed. One ranking: the
+    plan printed is the first trial, the verified plan and the one written."""
+    import re
+
+    import memplan.autotune as autotune_module
+    import trainer.verify as verify_module
+    from trainer.verify import TrialResult
+
+    monkeypatch.setattr(autotune_module._Evaluator, "seconds",
+                        lambda self, s: s.tokens_per_step * 1e-6 * (1.5 if s.checkpointing != "none" else 1.0))
+
+    class FitsRunner:  # every trial fits: the first plan tried is the one verified
+        family = "cpu"
+
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, model, setup, *, steps, max_micro_batches, context_bytes, seed):
+            return TrialResult(setup=setup, status="ok", peak_bytes=1, tokens_per_second=1000.0, steps_run=steps,
+                               micro_batches=min(setup.grad_accum, max_micro_batches))
+
+    monkeypatch.setattr(verify_module, "TrialRunner", FitsRunner)
+    args = ["--params", "2m", "--vocab", "4096", "--device", "cpu", "--ctx", "64", "--global-batch", "32",
+            "--budget", "1GiB"]
+    result = autotune(from_size("2m").replace(vocab=4096), load_profile("cpu"), ctx=64, global_batch=32,
+                      budget_bytes=GiB)
+    assert result.plan.setup == result.ranked_fitting()[0].setup
+    path = tmp_path / "vplan.toml"
+    out = run_cli("autotune", *args, "--verify", "--threads", "1", "--out", str(path))
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.stdout.split())
+    printed = re.search(r"Plan: micro-batch (\d+) × (\d+)", text).groups()
+    tried = re.search(r"trial: micro-batch (\d+) × (\d+)", text).groups()
+    verified = re.search(r"Verified: micro-batch (\d+) × (\d+)", text).groups()
+    written = Plan.load(path).setup
+    assert printed == tried == verified == (str(written.micro_batch), str(written.grad_accum))
+    assert written == result.plan.setup

@@ -422,8 +422,8 @@ def test_cli_prints_a_table_per_source_and_notes_sources_split_inside_a_document
     for word in ("alpha", "beta", "gamma", "total", "docs", "chars", "tokens", "dups", "filtered"):
         assert word in res.stdout
     text = " ".join(res.stdout.split())
-    assert "'beta': 1 document(s); whole documents cannot hold out 20%" in text
-    assert "'gamma': 2 document(s)" in text and "'alpha': " not in text
+    assert "'beta': 1 document; whole documents cannot hold out 20%" in text
+    assert "'gamma': 2 documents" in text and "'alpha': " not in text
 
 
 def test_val_document_count():
@@ -850,3 +850,17 @@ def test_embedded_corpus_parses_the_stdlib_without_importing_it():
     assert any("JSON" in d for d in data.docstrings_of_file(json_init))
     data.docstrings_of_file(next(f for f in files if f.name == "antigravity.py"))
     assert "antigravity" not in sys.modules  # parsed, not imported (importing it opens a web browser)
+
+
+def test_the_tokenizing_counter_ends_at_its_total_when_the_held_out_split_cuts_a_document(tmp_path):
+    """Issue 28: prepare's tokenizing counter ended at 6316/6315: the held-out part of a document the split cuts
+    in two starts with its own end-of-text and was counted as one more document."""
+    src = tmp_path / "one.txt"
+    src.write_text(" ".join(f"word{i} and more text here." for i in range(400)))  # one document: the split cuts it
+    seen = []
+    result = data.prepare(data.resolve_inputs([str(src)]), tmp_path / "out",
+                          data.PrepareConfig(tokenizer="bpe:300", workers=1, val_fraction=0.2),
+                          progress=lambda stage, done, total: seen.append((stage, done, total)))
+    assert result.manifest["sources"][0]["val_tokens"] > 0
+    counts = [(done, total) for stage, done, total in seen if stage == "tokenize"]
+    assert counts[-1][0] == counts[-1][1] and all(done <= total for done, total in counts), counts

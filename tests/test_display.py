@@ -53,8 +53,8 @@ def test_a_time_limited_run_counts_steps_against_its_clock_never_past_an_estimat
         assert "\n" not in text and len(text) <= 80, text
         for n, m in re.findall(r"step ([\d,]+)/([\d,]+)", text):
             assert int(n.replace(",", "")) <= int(m.replace(",", "")), text
-    assert "step 178 1:30/3:00" in shown[1] and "/161" not in shown[1] and "ETA 90.0 s" in shown[1]
-    assert "step 210/264 2:30/3:00" in shown[3] and "ETA 30.0 s" in shown[3]
+    assert "step 178 1:30/3:00" in shown[1] and "/161" not in shown[1] and "ETA 1:30" in shown[1]
+    assert "step 210/264 2:30/3:00" in shown[3] and "ETA 0:30" in shown[3]
 
 
 def test_a_step_limited_run_shows_n_of_m_and_keeps_the_count_at_any_width():
@@ -63,9 +63,91 @@ def test_a_step_limited_run_shows_n_of_m_and_keeps_the_count_at_any_width():
         assert "\n" not in text and len(text) <= width, (width, text)
         assert "step 1,234/5,000" in text, (width, text)
         if width >= 40:
-            assert "ETA 3.0 min" in text, (width, text)
+            assert "ETA 3:00" in text, (width, text)
     wide = _render_view([(1234, 5000, True, 60.0, 180.0)], max_minutes=None, width=200)[0]
-    assert "loss 8.3068 | 12.3K tok/s | MFU 12.5% | mem 1.23 GiB (pred 1.10 GiB) | ETA 3.0 min" in wide
+    assert "loss 8.3068 | 12.3K tok/s | MFU 12.5% | mem 1.23 GiB (pred 1.10 GiB) | ETA 3:00" in wide
+
+
+def test_the_eta_counts_down_in_one_unit():
+    """Issue 28: the ETA read "2.1 min", then "108.0 s" (format_seconds changes unit at 120 s); it is a clock."""
+    shown = _render_view([(10, 100, True, 10.0, 126.0), (20, 100, True, 20.0, 108.0), (99, 100, True, 90.0, 0.4)],
+                         max_minutes=None)
+    assert ["ETA 2:06" in shown[0], "ETA 1:48" in shown[1], "ETA 0:00" in shown[2]] == [True] * 3, shown
+
+
+def test_the_live_line_runs_during_a_long_step(monkeypatch):
+    """Issue 28: a plan for a faster device takes half an hour a step here, and nothing moved before the
+    first step ended. The view counts the time of the step under way against its prediction, on a terminal
+    (redrawn) and on a pipe (a line every PIPE_STEP_TICK_SECONDS)."""
+    import time
+
+    import memplan.cli.train as train_cli
+
+    monkeypatch.setattr(train_cli, "STEP_TICK_SECONDS", 0.02)
+    monkeypatch.setattr(train_cli, "PIPE_STEP_TICK_SECONDS", 0.05)
+    trainer = SimpleNamespace(config=SimpleNamespace(max_minutes=None), elapsed_seconds=0.0, step=0,
+                              schedule=SimpleNamespace(fixed=True),
+                              predicted=SimpleNamespace(peak_reserved=GiB, step_seconds=1831.0))
+    for terminal in (True, False):
+        out = io.StringIO()
+        view = _ProgressView(Console(file=out, force_terminal=terminal, width=80, color_system=None), trainer)
+        with view:
+            time.sleep(0.3)  # the first step, still under way
+            rendered = io.StringIO()
+            Console(file=rendered, width=80, color_system=None).print(view.progress.get_renderable())
+        text = rendered.getvalue() if terminal else out.getvalue()
+        assert re.search(r"step 1 running for 0:00 \(predicted 30:31 a step\)", text), (terminal, text)
+
+
+def test_the_plan_header_gives_the_step_time_and_the_eta_before_the_first_step():
+    """Issue 28: the header said 72 tokens/s but neither the step time (1,831 s) nor how long the run takes."""
+    from memplan.cli.train import predicted_eta_text
+
+    def fake(max_steps=None, max_tokens=None, max_minutes=None, step_seconds=1831.0):
+        return SimpleNamespace(config=SimpleNamespace(max_steps=max_steps, max_tokens=max_tokens,
+                                                      max_minutes=max_minutes),
+                               plan=SimpleNamespace(setup=SimpleNamespace(tokens_per_step=131072)), step=0, tokens=0,
+                               predicted=SimpleNamespace(step_seconds=step_seconds),
+                               data=SimpleNamespace(train_tokens=1_000_000))
+
+    assert predicted_eta_text(fake(max_steps=10)) == "5:05:10 for 10 steps (--max-steps 10) at the predicted step time"
+    assert predicted_eta_text(fake()) == "3:33:37 for 7 steps (one epoch) at the predicted step time"
+    assert predicted_eta_text(fake(max_minutes=3.0)) == ("3:00 (--max-minutes 3); one step is predicted to take "
+                                                        "30:31, longer than the time limit")
+    assert predicted_eta_text(fake(max_minutes=3.0, step_seconds=0.5)) == (
+        "3:00 (--max-minutes 3): about 360 steps at the predicted step time")
+
+
+def _lines_at_80(print_it) -> list[str]:
+    out = io.StringIO()
+    print_it(Console(file=out, width=80, color_system=None, highlight=False))
+    lines = [line.rstrip() for line in out.getvalue().splitlines()]
+    assert len(lines) > 1 and all(len(line) <= 80 for line in lines), lines
+    return lines
+
+
+def test_long_lines_wrap_at_80_columns_indented_under_their_label():
+    """Issue 28: the train header's rates line, the quick start's "Model for a 3-minute run" (about 300
+    characters) and trace's comparison lines ran past 80 columns or wrapped to the left edge."""
+    from memplan.cli.fit import print_labelled
+    from memplan.cli.train import RichUI
+    from memplan.model import from_size
+    from trainer.request import quickstart_model_line
+
+    model = quickstart_model_line(from_size("22m").replace(vocab=4096), 4436.0, 2.5e10, True, 3.0)
+    lines = _lines_at_80(lambda c: RichUI(c).say(model, soft_wrap=True))
+    assert lines[0].startswith("Model for a 3-minute run: llama")
+    assert all(line.startswith(" " * len("Model for a 3-minute run: ")) for line in lines[1:]), lines
+    rates = ("[dim]rates: this machine's calibration of 2026-12-02, 1 thread, spread 22%, 32% of a core free; now "
+             "40%-97% of a core free over 5 probes, too unsteady to predict wall time: times predicted are CPU "
+             "time[/]")
+    lines = _lines_at_80(lambda c: print_labelled(c, rates, indent="  "))
+    assert lines[0].startswith("  rates: this machine's")
+    assert all(line.startswith(" " * len("  rates: ")) for line in lines[1:]), lines
+    trace = ("memplan's own model of this shape: 12.60 GiB (-32.76% against the transformers trace); fits in "
+             "3.60 GiB on gtx-1650")
+    lines = _lines_at_80(lambda c: print_labelled(c, trace))
+    assert all(line.startswith(" " * len("memplan's own model of this shape: ")) for line in lines[1:]), lines
 
 
 def test_the_live_line_drops_the_lowest_priority_fields_first():
@@ -270,3 +352,47 @@ def test_help_names_the_extras_with_their_brackets(command, extra, monkeypatch):
     result = CliRunner().invoke(app, [command, "--help"])
     assert result.exit_code == 0
     assert extra in " ".join(result.output.replace("│", " ").split())
+
+
+def test_help_names_what_each_option_takes_not_its_python_type():
+    """Issue 28: `--help` showed every option as <str>, even counts (numbers are taken as text to parse 8k, 2b and
+    512MiB). Each option declares what it takes (N, SIZE, PATH, PRECISION, ...)."""
+    from typer.main import get_command
+
+    from memplan.cli import app
+
+    shown = {}
+
+    def walk(command, path):
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+            return
+        ctx = command.context_class(command)
+        for p in command.params:
+            if p.param_type_name == "option" and not getattr(p, "is_flag", False):
+                shown[(" ".join(path), p.opts[0])] = p.make_metavar(ctx=ctx)
+
+    walk(get_command(app), [])
+    assert shown and not {k: v for k, v in shown.items() if v.startswith("<")}
+    assert shown[("train", "--max-steps")] == "N" and shown[("estimate", "--ctx")] == "N"
+    assert shown[("autotune", "--budget")] == "SIZE" and shown[("estimate", "--precision")] == "PRECISION"
+
+
+def test_counts_and_possessives_read_as_english(tmp_path):
+    """Issue 28: "transformers's", "1 documents"."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    from memplan.units import plural, possessive
+
+    assert (plural(1, "document"), plural(2, "document"), plural(0, "duplicate")) == (
+        "1 document", "2 documents", "0 duplicates")
+    assert (possessive("transformers"), possessive("memplan")) == ("transformers'", "memplan's")
+    out = CliRunner().invoke(app, ["estimate", "--model", "smollm2-135m", "--stack", "transformers", "--ctx", "256",
+                                   "--device", "rtx-4090"])
+    assert out.exit_code == 0, out.output
+    assert "transformers' step" in out.stdout and "transformers's" not in out.stdout
+    (tmp_path / "one.txt").write_text("too short")
+    out = CliRunner().invoke(app, ["prepare", "--input", str(tmp_path / "one.txt"), "--out", str(tmp_path / "p")])
+    assert out.exit_code == 2 and "1 document read" in out.stderr, out.output

@@ -175,3 +175,25 @@ def test_estimate_says_no_micro_batch_fits_without_suggesting_checkpointing_alre
     assert data["advice"] and all(a["change"] and a["peak_reserved"] > 0 for a in data["advice"])
     assert not any(a["change"].startswith("--checkpointing") for a in data["advice"])
     assert json.loads(run("--params", "22m", "--device", "rtx-4090", "--json").stdout)["advice"] == []
+
+
+def test_without_precision_a_device_without_bf16_is_estimated_in_its_best_precision_for_memory_and_time():
+    """Issue 28: on the gtx-1650 (no native bf16) estimate took memory for bf16-mixed and time for fp32; without
+    --precision it now takes the device's best, as train and autotune do, for both."""
+    def run(*extra):
+        result = CliRunner().invoke(app, ["estimate", "--params", "124m", "--device", "gtx-1650", *extra, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    default, fp32 = run(), run("--precision", "fp32")
+    assert default["setup"]["precision"] == "fp32"
+    assert default["memory"] == fp32["memory"] and default["time"]["step_seconds"] == fp32["time"]["step_seconds"]
+    assert not any("bf16" in note for note in default["time"]["notes"])
+    assert run("--precision", "bf16-mixed")["setup"]["precision"] == "bf16-mixed"  # asked for: as asked
+    text = CliRunner().invoke(app, ["estimate", "--params", "124m", "--device", "gtx-1650"]).stdout
+    assert "precision fp32, gtx-1650's best" in " ".join(text.split())
+    assert run_device("rtx-4090")["setup"]["precision"] == "bf16-mixed"
+
+
+def run_device(name: str) -> dict:
+    return json.loads(CliRunner().invoke(app, ["estimate", "--params", "124m", "--device", name, "--json"]).stdout)

@@ -183,3 +183,32 @@ def test_a_window_longer_than_every_split_names_the_longest(env):
 @pytest.mark.parametrize("flag,value", [("--ctx", "big"), ("--batch", "0"), ("--max-batches", "-1")])
 def test_bad_numbers_are_one_line_errors(env, flag, value):
     one_line_error(cli("--run", str(env["run"]), flag, value), flag)
+
+
+@pytest.mark.slow  # it trains (3 tiny steps)
+def test_the_summary_gives_the_held_out_token_count_and_the_eval_that_reproduces_it(env, tmp_path):
+    """Issue 28: the summary's held-out loss was a sample of the split (eval_batches batches a source) and
+    nothing said so, while `memplan eval` read the whole split and gave another figure. The summary names the
+    token count and the `memplan eval` command that reproduces the figure exactly, with the same count."""
+    import re
+
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--data", str(env["corpus"]), "--out", str(run), "--arch", "llama",
+                                      "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--ctx", "32",
+                                      "--batch", "2", "--max-steps", "3", "--eval-batches", "1",
+                                      "--sample-tokens", "0"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    last = logged_evals(run)[-1]
+    found = re.search(r"held-out loss ([\d.]+), .*? over ([\d,]+) of the held-out split's ([\d,]+) tokens "
+                      r"\(`memplan eval --run (\S+) --max-batches (\d+)` gives the same", text)
+    assert found, text
+    loss, count, split, run_named, batches = found.groups()
+    assert float(loss) == pytest.approx(last["eval_loss"], abs=5e-5)
+    assert int(count.replace(",", "")) == last["eval_tokens"] < int(split.replace(",", ""))
+    assert (run_named, batches) == (str(run), "1")
+    same = json.loads(cli("--run", run_named, "--max-batches", batches, "--json").stdout)
+    assert same["eval_tokens"] == last["eval_tokens"]
+    assert same["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-9)
+    whole = json.loads(cli("--run", run_named, "--json").stdout)
+    assert whole["eval_tokens"] > last["eval_tokens"]

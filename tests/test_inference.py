@@ -159,3 +159,17 @@ def test_generation_with_int8_weights_is_refused_by_the_measurement():
 
     with pytest.raises(InputError, match="int8/int4"):
         measure_generation(TINY, InferenceSetup(ctx=16, weights_dtype="int8"))
+
+
+def test_decode_on_a_cpu_is_the_step_with_the_hosts_dispatch_and_says_it_is_a_bound():
+    """Issue 28: on a CPU estimate printed the bandwidth roofline alone ("Decode: 150.1 tokens/s") while validate
+    --mode inference, which adds the host's dispatch, measured 3-12x slower. The headline is now the step validate
+    compares with, and the output says what is left out."""
+    result = CliRunner().invoke(app, ["estimate", "--params", "22m", "--mode", "inference", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    t = estimate_json("--params", "22m", "--device", "cpu")["time"]
+    with_dispatch = 1 / t["decode_step_seconds_with_dispatch"]
+    assert with_dispatch < t["decode_tokens_per_second"]
+    assert f"Decode: {with_dispatch:,.1f} tokens/s at the full context with the host's dispatch" in text, text
+    assert "an upper bound on a CPU" in text and "memplan validate --mode inference" in text

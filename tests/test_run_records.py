@@ -66,7 +66,10 @@ EVENTS = [
     {"kind": "event", "event": "stop", "step": 3, "reason": "interrupted", "tokens": 192, "time": 0.15,
      "wall_seconds": 2.5, "signal": "SIGINT"},
 ]
-OLD_LINES = [START, RESUME, TRAIN, TRAIN_NONFINITE, EVAL, *EVENTS]
+# issue 28: a prediction of CPU time (the load too unsteady for wall time), a step's CPU time, a signal's line
+NEWER = [{**START, "predicted": {**START["predicted"], "clock": "cpu"}}, {**TRAIN, "cpu_seconds": 0.04},
+         {"kind": "event", "event": "signal", "step": 2, "signal": "SIGTERM", "now": False}]
+OLD_LINES = [START, RESUME, TRAIN, TRAIN_NONFINITE, EVAL, *EVENTS, *NEWER]
 
 
 @pytest.mark.parametrize("line", OLD_LINES, ids=lambda l: l.get("event", l["kind"]) + str(len(l)))

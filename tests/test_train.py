@@ -302,7 +302,10 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, corpus
     result = cli("--data", str(corpus), "--out", str(run), *TINY, "--batch", "4", "--max-steps", "200",
                  "--eval-every", "1000", "--sample-tokens", "0")
     assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert "SIGTERM: stopping after this step (step 3)" in " ".join(result.output.split())  # said at once
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
+    said = [l for l in read_metrics(run) if l.get("event") == "signal"]
+    assert [(l["step"], l["signal"], l["now"]) for l in said] == [(2, "SIGTERM", False)]
     stop = [l for l in read_metrics(run) if l.get("event") == "stop"][-1]
     assert stop["reason"] == "interrupted" and stop["signal"] == "SIGTERM" and stop["step"] == 3
     assert sorted(losses(run)) == [1, 2, 3] and (run / "checkpoints" / "step-00000003").is_dir()
@@ -311,6 +314,46 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, corpus
     result = cli("--out", str(run), "--resume", "--max-steps", "5")
     assert result.exit_code == 0, result.output
     assert sorted(losses(run)) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow  # it trains (two tiny steps)
+def test_a_second_signal_stops_at_once_and_is_recorded_in_metrics(tmp_path, corpus, monkeypatch):
+    """Issue 28: a second SIGTERM during a (long) step stops the process at once; before it exits, a ``signal``
+    line with now true is in metrics.jsonl (it used to exit 130 with no record of why)."""
+    from trainer import loop
+
+    real, calls = loop.Trainer._train_step, {"n": 0}
+
+    def step_then_two_signals(self, batches):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, batches)
+
+    monkeypatch.setattr(loop.Trainer, "_train_step", step_then_two_signals)
+    run = tmp_path / "run"
+    result = cli("--data", str(corpus), "--out", str(run), *TINY, "--batch", "4", "--max-steps", "200",
+                 "--eval-every", "1000", "--sample-tokens", "0")
+    assert result.exit_code != 0
+    said = [l for l in read_metrics(run) if l.get("event") == "signal"]
+    assert [(l["step"], l["now"]) for l in said] == [(1, False), (1, True)]
+    assert "SIGTERM again: stopping now" in " ".join(result.output.split())
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_plan_made_for_another_device_is_refused_in_one_line_naming_both(tmp_path, corpus):
+    """Issue 28: a plan autotuned for an RTX 4090 (micro-batch 128 in bf16) trained on this CPU without a word.
+    It is refused, naming both devices, how to re-plan and how to override; nothing is written."""
+    plan = tmp_path / "plan.toml"
+    made = CliRunner().invoke(app, ["autotune", "--params", "22m", "--vocab", "8192", "--device", "rtx-4090",
+                                    "--ctx", "512", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    run = tmp_path / "run"
+    result = cli("--plan", str(plan), "--data", str(corpus), "--out", str(run), "--max-steps", "1")
+    line = assert_one_line_error(result, "rtx-4090", "made for", "memplan autotune", "--device rtx-4090")
+    assert load_profile("cpu").name in line if torch.cuda.device_count() == 0 else True
+    assert not run.exists()
 
 
 def test_resume_refuses_another_model_shape_and_touches_nothing(tmp_path, corpus):

@@ -175,8 +175,8 @@ def thread_candidates() -> list[int]:
     return sorted({1, default})
 
 
-def fastest_threads(candidates: list[int] | None = None,
-                    repeats: int = THREAD_TRIAL_REPEATS) -> tuple[int, dict[str, float]]:
+def fastest_threads(candidates: list[int] | None = None, repeats: int = THREAD_TRIAL_REPEATS,
+                    on_round: Callable[[float], None] | None = None) -> tuple[int, dict[str, float]]:
     """The thread count under which a small model's training step (the quick start's size: 2 layers,
     hidden 128, ctx 256) runs fastest here now, and the median step seconds of each. The counts take
     turns step by step, so load from other processes weighs on all of them alike. On a loaded two-core
@@ -204,6 +204,8 @@ def fastest_threads(candidates: list[int] | None = None,
                 train_step(model, opt, batch, setup, "cpu")
                 if i:  # the first round warms up
                     times[n].append(time.perf_counter() - t0)
+            if on_round is not None:  # the share of the trial done (its progress bar moves round by round)
+                on_round((i + 1) / (repeats + 1))
     finally:
         torch.set_num_threads(before)
     medians = {n: statistics.median(t) for n, t in times.items()}
@@ -759,7 +761,8 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     if threads is None and choose_threads and family == "cpu" and clock == "wall":
         if progress is not None:
             progress("threads", 0.0)
-        best, thread_seconds = fastest_threads()
+        best, thread_seconds = fastest_threads(
+            on_round=(lambda done: progress("threads", done)) if progress is not None else None)
         torch.set_num_threads(best)
     if (share_clock or choose_threads) and family == "cpu" and torch.get_num_threads() == 1:
         clock = "cpu"

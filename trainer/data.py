@@ -1172,8 +1172,10 @@ def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: 
         short = sum(s.filtered_short for s in all_stats)
         nontext = sum(s.filtered_nontext for s in all_stats)
         dups = sum(s.duplicates_dropped for s in all_stats)
-        raise InputError(f"empty corpus after filtering: {seen} documents read, {short} shorter than "
-                         f"--min-chars {config.clean.min_chars}, {nontext} mostly non-text, {dups} duplicates; "
+        from memplan.units import plural
+
+        raise InputError(f"empty corpus after filtering: {plural(seen, 'document')} read, {short} shorter than "
+                         f"--min-chars {config.clean.min_chars}, {nontext} mostly non-text, {plural(dups, 'duplicate')}; "
                          "lower --min-chars, check --text-field, or add inputs")
     return all_stats, all_lengths
 
@@ -1340,7 +1342,10 @@ class ShardWriter:
 def _tokenize_and_write(staging, stats, tokenizer, dtype, directory, config, progress) -> dict:
     writers = {False: ShardWriter(directory, "train", dtype, config.shard_tokens),
                True: ShardWriter(directory, "val", dtype, config.shard_tokens)}
-    total_docs = sum(s.documents for s in stats)
+    # what the counter counts: the pieces that start with an end-of-text, each document's and, where the held-out
+    # split cuts a document in two (val_start_char > 0), its held-out part's (_staged_pieces); counting documents
+    # alone, the counter ended past its total (6316/6315)
+    total_docs = sum(s.documents + (1 if s.val_start_char > 0 else 0) for s in stats)
     done = 0
     progress("tokenize", 0, total_docs)
     chunks = _chunks_of_staged(staging, stats)

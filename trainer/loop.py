@@ -262,6 +262,7 @@ class Trainer:
         self.report = ReportRenderer(self.run_dir, on_failure=lambda line: self.log.emit(
             records.ReportFailedEvent(step=self.step, error=line)), refresh_seconds=REPORT_REFRESH_SECONDS)
         self._recent: list[float] = []  # the latest step times, for the ETA
+        self._step_cpu_seconds = 0.0  # the process's CPU time over the last step
         self._resume_from = resume_from
         self._lock: rundir.RunLock | None = None  # held from Trainer.start / resume until close()
         # a resume: the limits the run had when the command line replaced them (None: kept as they were)
@@ -276,6 +277,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep, dist=self.dist,
                                              save_every=config.save_every)
         self.log = rundir.RunLog(self._writing, active=self.is_main)  # rank 0 alone writes and reports
+        self.stopping.on_signal = self._signalled
         self.evaluation = Evaluation(config=config, loss=self.task.evaluate, prompts=self.task.prompts,
                                      tokenizer=self.tokenizer, model=lambda: self.model, setup=lambda: self.setup,
                                      device=self.device)
@@ -468,6 +470,11 @@ class Trainer:
                 (self.schedule, self.eval_every, self.save_every))
         self.log.emit(self._start_line())
 
+    def _signalled(self, signum: int, now: bool) -> None:
+        """A signal arrived (``Stopping.catching_signals``): a ``signal`` line, written and shown at once (the step
+        under way finishes first, unless it is the second signal, when this line is the run's last)."""
+        self.log.emit(records.SignalEvent(step=self.step, signal=signal.Signals(signum).name, now=now))
+
     def close(self) -> None:
         self.monitor.close()
         self.report.close()
@@ -579,6 +586,7 @@ class Trainer:
             total_steps=self.schedule.total_steps,
             memory_allocated_bytes=memory.allocated_bytes,
             nonfinite=None if finite else str(loss),
+            cpu_seconds=self._step_cpu_seconds if self.device.type == "cpu" else None,
         )
         self.log.emit(line)
         if not finite:
@@ -618,11 +626,12 @@ class Trainer:
             batches = next_batches(self.stream, self.setup.grad_accum, self.device)
             self.sampler.before_step(self.monitor)
             oom = None
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             try:
                 result = self._train_step(batches)
                 loss = float(distributed.mean_across_ranks(result.loss))  # waits for the device
                 seconds = time.perf_counter() - t0
+                self._step_cpu_seconds = time.process_time() - cpu0  # this process's CPU time: the load moves it little
                 grad_norm = float(result.grad_norm)
                 memory = self.sampler.after_step(step, seconds, self._read_memory)
                 return loss, grad_norm, bool(result.skipped), seconds, memory

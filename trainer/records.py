@@ -10,6 +10,7 @@ those keys, in the order they are written:
     CheckpointEvent   "event": "checkpoint"        OomEvent        "event": "oom"
     EvalOomEvent      "event": "eval_oom"          NonfiniteEvent  "event": "nonfinite"
     DecayEvent        "event": "decay"             ReportFailedEvent "event": "report_failed"
+    SignalEvent       "event": "signal" (SIGINT/SIGTERM: stop after this step, or a second one: now)
     StopEvent         "event": "stop" (the run's end: its reason, tokens and time)
     OtherEvent        an event name this memplan does not know (a newer one's): kept, its keys as they are
 
@@ -160,6 +161,14 @@ class TrainLine(_Record):
     total_steps: int
     memory_allocated_bytes: int | None = _omit()  # only where torch can tell
     nonfinite: str | None = _omit()  # only when the loss was not finite
+    cpu_seconds: float | None = _omit()  # on a CPU: the process's CPU time over the step
+
+    @property
+    def cpu_tokens_per_second(self) -> float | None:
+        """Tokens per second of the process's CPU time (on a CPU): what a loaded machine's waits do not move."""
+        if not self.cpu_seconds:
+            return None
+        return self.tokens_per_second * self.step_seconds / self.cpu_seconds
 
     @property
     def measured_here(self) -> bool:
@@ -255,8 +264,12 @@ class StartEvent(_Event):
 
 
 def _check_predicted(predicted: dict, where: str) -> None:
-    """A record's ``predicted`` (``memplan.prediction.Prediction``'s dict): numbers or null, but the phase."""
-    _check_mapping({k: v for k, v in predicted.items() if k != "peak_phase"}, float | None, f"{where}: 'predicted'")
+    """A record's ``predicted`` (``memplan.prediction.Prediction``'s dict): numbers or null, but the phase and
+    the clock (wall | cpu)."""
+    _check_mapping({k: v for k, v in predicted.items() if k not in ("peak_phase", "clock")}, float | None,
+                   f"{where}: 'predicted'")
+    if "clock" in predicted and predicted["clock"] not in ("wall", "cpu"):
+        raise InputError(f"{where}: 'predicted'[\"clock\"] is {predicted['clock']!r}; accepted: wall, cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,6 +335,18 @@ class ReportFailedEvent(_Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SignalEvent(_Event):
+    """SIGINT or SIGTERM arrived during step ``step`` + 1: the first one stops the run after that step
+    (``now`` false: checkpoint, report, stop); a second one stops it at once (``now`` true: written before the
+    process exits, with no checkpoint of the step)."""
+
+    EVENT: typing.ClassVar[str] = "signal"
+    step: int
+    signal: str  # "SIGINT", "SIGTERM"
+    now: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class StopEvent(_Event):
     """The run ends: why (``max_steps``, ``max_tokens``, ``max_minutes``, ``epoch``, ``interrupted``)."""
 
@@ -354,10 +379,10 @@ class OtherEvent(_Event):
 
 
 Record = typing.Union[TrainLine, EvalLine, StartEvent, CheckpointEvent, OomEvent, EvalOomEvent, NonfiniteEvent,
-                      DecayEvent, ReportFailedEvent, StopEvent, OtherEvent]
+                      DecayEvent, ReportFailedEvent, SignalEvent, StopEvent, OtherEvent]
 EVENTS: dict[str, type] = {**{name: StartEvent for name in StartEvent.NAMES},
                            **{c.EVENT: c for c in (CheckpointEvent, OomEvent, EvalOomEvent, NonfiniteEvent,
-                                                   DecayEvent, ReportFailedEvent, StopEvent)}}
+                                                   DecayEvent, ReportFailedEvent, SignalEvent, StopEvent)}}
 KINDS: dict[str, type] = {"train": TrainLine, "eval": EvalLine}
 
 
@@ -468,6 +493,7 @@ class SteadyFigures:
     peak_allocated_bytes: int | None
     tokens_per_second: float | None
     mfu: float | None
+    cpu_tokens_per_second: float | None = None  # median tokens per second of CPU time (steps on a CPU)
 
 
 def steady_figures(records: typing.Iterable[Record]) -> SteadyFigures | None:
@@ -483,7 +509,9 @@ def steady_figures(records: typing.Iterable[Record]) -> SteadyFigures | None:
     allocated = [r.memory_allocated_bytes for r in steady if r.memory_allocated_bytes]
     rates = [r.tokens_per_second for r in steady if r.tokens_per_second]
     mfus = [r.mfu for r in steady if r.mfu is not None]
+    cpu_rates = [r.cpu_tokens_per_second for r in steady if r.cpu_tokens_per_second]
     return SteadyFigures(steps=len(steady), peak_memory_bytes=max(memory, default=None),
                          peak_allocated_bytes=max(allocated, default=None),
                          tokens_per_second=statistics.median(rates) if rates else None,
-                         mfu=statistics.median(mfus) if mfus else None)
+                         mfu=statistics.median(mfus) if mfus else None,
+                         cpu_tokens_per_second=statistics.median(cpu_rates) if cpu_rates else None)

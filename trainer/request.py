@@ -186,6 +186,8 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
     quickstart = not plan and not given_model and not given_setup and not resume and from_ is None
 
     profile, rates_note = profile_for(req.device, req.device_memory, req.threads, ui, measure_now=quickstart)
+    if plan and not resume:
+        check_plan_device(plan, profile, req.device)
     if resume:
         if not out:
             raise InputError("--resume: name the run to continue with --out RUN")
@@ -293,12 +295,33 @@ def check_vocab(vocab: int | None, prepared) -> None:
 
 
 def best_precision(profile) -> str:
-    """bf16-mixed where bf16 is native, else fp16-mixed where fp16 is, else fp32 (a CPU emulates half types)."""
-    if profile.supports("bf16"):
-        return "bf16-mixed"
-    if profile.supports("fp16"):
-        return "fp16-mixed"
-    return "fp32"
+    """``Device.best_precision``: bf16-mixed where bf16 is native, else fp16-mixed, else fp32."""
+    return profile.best_precision
+
+
+def check_plan_device(plan_path: str, profile, device_arg: str | None) -> None:
+    """A plan made for another device is refused: its micro-batch, precision and predictions were chosen for
+    that device's memory and rates (a 4090's micro-batch 128 in bf16 takes half an hour a step on a CPU).
+    ``--device`` naming the plan's own device trains it anyway, predicted against that profile."""
+    from memplan.autotune import device_ref
+    from memplan.plan import Plan
+
+    made_for = Plan.load(plan_path).device
+    if not made_for or made_for in (profile.name, device_ref(profile)):
+        return
+    if Path(made_for).is_file():  # a profile file (`memplan calibrate --out`): the device it describes
+        from memplan.hardware import resolve_device
+
+        try:
+            if resolve_device(made_for).name == profile.name:
+                return
+        except InputError:
+            pass
+    here = profile.name if device_arg is None else f"--device {device_arg} ({profile.name})"
+    raise InputError(f"--plan {plan_path} was made for {made_for}, not for {here}: re-plan with `memplan autotune "
+                     f"MODEL --ctx N --out {plan_path}`" + (" (no --device: this machine)" if device_arg is None else
+                                                          f" --device {device_arg}")
+                     + f", or train this plan as it is with --device {made_for}")
 
 
 def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, quiet: bool = False,
@@ -349,7 +372,7 @@ def local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads:
     profile, note = _local_calibration(profile, ui, measure_now, threads)
     share = profile.calibrated.get("cpu_share") if profile.family == "cpu" else None
     if share and note and "nominal" not in note:
-        profile, said = local.with_share_now(profile, local.core_share_now())
+        profile, said = local.with_share_probes(profile, local.core_share_probes())
         note = f"{note}; {said}"
     return profile, note
 
@@ -379,6 +402,7 @@ def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads
                          "(predictions of time are far closer afterwards)[/]")
     local.require_cache("the quick start keeps this machine's calibration there")  # before measuring, not after
     measured = []  # each in a temporary file, removed below
+    started = time.perf_counter()  # the whole of it: start-up, the thread trial, the measurements, a second attempt
     try:
         for attempt in range(CALIBRATE_ATTEMPTS):
             try:
@@ -390,6 +414,7 @@ def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads
             if measured[-1].trusted:
                 break
         best = min(measured, key=lambda c: c.noise)
+        took = calibration_took(time.perf_counter() - started, len(measured))
         title = local.local_title(family)
         version = local.torch_version()
         path = local.calibration_path(family, title, best.threads, version)
@@ -406,14 +431,20 @@ def _local_calibration(profile, ui: "TrainUI | None", measure_now: bool, threads
             write_atomically(local.noisy_path(path), best.path.read_text())
             return best.applied(profile), (
                 f"{best.note()} — [yellow]too noisy to keep[/] (other processes competed for the CPU): time "
-                f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again")
+                f"predictions are uncertain by about ±{best.noise:.0%}; the next run measures again ({took})")
         write_atomically(path, best.path.read_text())
         local.noisy_path(path).unlink(missing_ok=True)
     finally:
         for cal in measured:
             cal.path.unlink(missing_ok=True)
     kept = local.read_calibration(path)
-    return kept.applied(profile), f"{kept.note()} (measured now in {kept.calibrated.get('seconds', 0):.0f} s; kept)"
+    return kept.applied(profile), f"{kept.note()} ({took}; kept)"
+
+
+def calibration_took(seconds: float, attempts: int) -> str:
+    """How long measuring this machine took, all of it (the README's 15 s are the measurements alone)."""
+    return (f"measured now in {seconds:.0f} s: {QUICKSTART_CALIBRATE_SECONDS:g} s of measurements"
+            + (f" × {attempts} attempts" if attempts > 1 else "") + ", the thread trial and torch's start-up")
 
 
 def set_threads(threads: int | None, profile) -> int:

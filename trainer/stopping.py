@@ -86,6 +86,9 @@ class Stopping:
         self.started = time.perf_counter() if started is None else started
         self.schedule_ends_run = True
         self.stop_signal: int | None = None  # the signal (SIGINT, SIGTERM) that asked the run to stop
+        # called with (signum, now) as each signal arrives: now is False for the first (stop after this step),
+        # True for a second (stop at once; the KeyboardInterrupt follows the call)
+        self.on_signal: Callable[[int, bool], None] | None = None
         self.nonfinite_run = 0  # non-finite losses in a row
 
     @property
@@ -114,7 +117,10 @@ class Stopping:
         saves and stops), a second one a ``KeyboardInterrupt`` (stop now); the handlers before are put back
         after. Outside the main thread, where Python takes no handlers, nothing is caught."""
         def handler(signum, frame):
-            if not self.signal(signum):
+            first = self.signal(signum)
+            if self.on_signal is not None:
+                self.on_signal(signum, not first)
+            if not first:
                 raise KeyboardInterrupt
 
         previous = {s: signals.getsignal(s) for s in (signals.SIGINT, signals.SIGTERM)}

@@ -22,35 +22,35 @@ from memplan.units import (GiB, at_least, format_bytes, format_count, format_sec
 
 _A = "Autotune"
 GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
-    "--global-batch-tokens", help="Tokens per optimizer step over all processes (e.g. 524288 or 0.5m); kept exactly "
+    "--global-batch-tokens", metavar="N", help="Tokens per optimizer step over all processes (e.g. 524288 or 0.5m); kept exactly "
                                   "when it is a whole number of sequences. Default: by model size (131,072 below "
                                   "100M parameters, 524,288 below 1B, 1,048,576 from 1B).",
     rich_help_panel=_A, show_default=False)]
 GlobalBatchOpt = Annotated[Optional[str], typer.Option(
-    "--global-batch", help="Sequences per optimizer step over all processes (instead of --global-batch-tokens).",
+    "--global-batch", metavar="N", help="Sequences per optimizer step over all processes (instead of --global-batch-tokens).",
     rich_help_panel=_A, show_default=False)]
 BudgetOpt = Annotated[Optional[str], typer.Option(
-    "--budget", help="Memory budget, e.g. 3GiB or 24GB (default: the device's usable memory).", rich_help_panel=_A,
+    "--budget", metavar="SIZE", help="Memory budget, e.g. 3GiB or 24GB (default: the device's usable memory).", rich_help_panel=_A,
     show_default=False)]
 MarginOpt = Annotated[str, typer.Option(
-    "--margin", help="Share of the budget kept free: the predicted peak must fit budget × (1 − margin).",
+    "--margin", metavar="F", help="Share of the budget kept free: the predicted peak must fit budget × (1 − margin).",
     rich_help_panel=_A)]
 TokensOpt = Annotated[Optional[str], typer.Option(
-    "--tokens", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", rich_help_panel=_A,
+    "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", rich_help_panel=_A,
     show_default=False)]
 VerifyOpt = Annotated[bool, typer.Option(
     "--verify", help="Run a few real steps of the chosen plan on this machine; step down while the measured peak "
                      "exceeds the budget or runs out of memory.", rich_help_panel=_A)]
 VerifyStepsOpt = Annotated[int, typer.Option(
-    "--verify-steps", help="Real steps per trial under --verify (the first is a warm-up); 2 or more.",
+    "--verify-steps", metavar="N", help="Real steps per trial under --verify (the first is a warm-up); 2 or more.",
     rich_help_panel=_A, callback=at_least(2))]
 OutOpt = Annotated[Optional[str], typer.Option(
-    "--out", help="Write the chosen plan as TOML (what `memplan train --plan` takes).", rich_help_panel=_A,
+    "--out", metavar="PATH", help="Write the chosen plan as TOML (what `memplan train --plan` takes).", rich_help_panel=_A,
     show_default=False)]
 WorldSizeOpt = Annotated[str, typer.Option(
-    "--world-size", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
+    "--world-size", metavar="N", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
                          "both tried.", rich_help_panel=_A)]
-TopOpt = Annotated[int, typer.Option("--top", help="Rows of each table (fitting candidates, rejected ones); 1 or more.",
+TopOpt = Annotated[int, typer.Option("--top", metavar="N", help="Rows of each table (fitting candidates, rejected ones); 1 or more.",
                                      rich_help_panel=_A, callback=at_least(1))]
 
 

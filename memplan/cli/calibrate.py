@@ -20,20 +20,20 @@ from memplan.local import NOISY, slug
 TRAINING_PROCESS_MODULES = ("memplan.cli",)
 
 OutOpt = Annotated[Optional[str], typer.Option(
-    "--out", help="Profile TOML to write (default: calibrated-<device>.toml in the current directory).",
+    "--out", metavar="PATH", help="Profile TOML to write (default: calibrated-<device>.toml in the current directory).",
     show_default=False)]
 DeviceNameOpt = Annotated[Optional[str], typer.Option(
-    "--device-name", help="The profile's name (what `--device` reports); default: <bundled name>-calibrated or "
+    "--device-name", metavar="NAME", help="The profile's name (what `--device` reports); default: <bundled name>-calibrated or "
                           "the device's model name.", show_default=False)]
 SecondsOpt = Annotated[str, typer.Option(
-    "--seconds", help="Time budget of the measurements (the smallest case of every table is always measured); "
+    "--seconds", metavar="S", help="Time budget of the measurements (the smallest case of every table is always measured); "
                       "CPU seconds with --clock cpu.")]
 ThreadsOpt = Annotated[Optional[str], typer.Option(
-    "--threads", help="torch CPU threads to measure with (recorded in the profile; train with the same). "
+    "--threads", metavar="N", help="torch CPU threads to measure with (recorded in the profile; train with the same). "
                       "Default on a CPU: the faster of one thread and all cores, timed first on a small "
                       "training step.", show_default=False)]
 ClockOpt = Annotated[str, typer.Option(
-    "--clock", help="wall | cpu. cpu times one CPU thread by its process CPU time, which leaves out the time "
+    "--clock", metavar="CLOCK", help="wall | cpu. cpu times one CPU thread by its process CPU time, which leaves out the time "
                     "other processes hold the core (shared machines); needs --threads 1.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")]
 CompileMeasureOpt = Annotated[bool, typer.Option(

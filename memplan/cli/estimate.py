@@ -15,44 +15,44 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  WorldSizeOpt, local_device_from, print_json, setup_from,
                                  with_rates)
 from memplan.errors import InputError
-from memplan.units import format_bytes, format_count, format_seconds, parse_count
+from memplan.units import format_bytes, format_count, format_seconds, parse_count, possessive
 
 TokensOpt = Annotated[Optional[str], typer.Option(
-    "--tokens", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
+    "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
 
 ModeOpt = Annotated[str, typer.Option(
-    "--mode", help="training: one training step (the default). inference: generation with a KV cache (weights, "
+    "--mode", metavar="MODE", help="training: one training step (the default). inference: generation with a KV cache (weights, "
                    "cache, one forward over the prompt, decode), the largest context and batch, tokens/s.")]
 WeightsDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--weights-dtype", help="Inference: fp32 | bf16 | fp16 | int8 (GGUF Q8_0) | int4 (GGUF Q4_0); default bf16 "
+    "--weights-dtype", metavar="DTYPE", help="Inference: fp32 | bf16 | fp16 | int8 (GGUF Q8_0) | int4 (GGUF Q4_0); default bf16 "
                             "where the device runs it natively, else fp32.", show_default=False)]
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--kv-dtype", help="Inference: the KV cache's dtype, fp32 | bf16 | fp16 | int8; default the activations' "
+    "--kv-dtype", metavar="DTYPE", help="Inference: the KV cache's dtype, fp32 | bf16 | fp16 | int8; default the activations' "
                        "(fp16 with int8/int4 weights, as llama.cpp).", show_default=False)]
 PromptTokensOpt = Annotated[Optional[str], typer.Option(
-    "--prompt-tokens", help="Inference: prompt tokens prefilled in one forward (default: --ctx, the worst case); "
+    "--prompt-tokens", metavar="N", help="Inference: prompt tokens prefilled in one forward (default: --ctx, the worst case); "
                             "--ctx is what the cache holds, prompt plus new tokens.", show_default=False)]
 LoraRankOpt = Annotated[str, typer.Option(
-    "--lora-rank", help="Training: LoRA finetuning with rank-R adapters (frozen weights: no gradients or optimizer "
+    "--lora-rank", metavar="N", help="Training: LoRA finetuning with rank-R adapters (frozen weights: no gradients or optimizer "
                         "state; adapters get both); 0 trains every weight.")]
 LoraTargetsOpt = Annotated[str, typer.Option(
-    "--lora-targets", help="Training with --lora-rank: the matrices with adapters (comma-separated subset "
+    "--lora-targets", metavar="LIST", help="Training with --lora-rank: the matrices with adapters (comma-separated subset "
                            "of qkv, q, k, v, proj, up, down, head; qkv is q,k,v).")]
 StackOpt = Annotated[str, typer.Option(
-    "--stack", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
+    "--stack", metavar="STACK", help="Training: whose code runs the step the memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step, peft for --lora-rank; "
                     "llama, gpt2, gpt_neox, and phi, gemma, stablelm, qwen3, which memplan's own trainer does not "
                     "build) | litgpt (its GPT, pretrain.py / finetune/lora.py) | torchtune (its Llama builders, "
                     "single-device recipes). No library is imported: the walk's hooks model what each saves.")]
 LossDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--loss-dtype", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
+    "--loss-dtype", metavar="DTYPE", help="Training: fp32 (cross-entropy over logits.float(), as transformers and memplan do; "
                          "the default) | logits (over the logits in their own dtype, as a plain PyTorch loop "
                          "calling F.cross_entropy under autocast does).", show_default=False)]
 EstLoraDropoutOpt = Annotated[Optional[float], typer.Option(
-    "--lora-dropout", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
+    "--lora-dropout", metavar="P", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
                            "(default: the library's, peft's and torchtune's 0.0, litgpt's 0.05). "
                            "Above 0, each adapted module saves its dropout's mask and output.", show_default=False)]
-SamplingOpt = Annotated[str, typer.Option("--sampling", help="Inference: top-k | greedy (how each token is chosen).")]
+SamplingOpt = Annotated[str, typer.Option("--sampling", metavar="SAMPLING", help="Inference: top-k | greedy (how each token is chosen).")]
 MODES = ("training", "inference")
 
 _TERM_HELP = {
@@ -161,7 +161,7 @@ def _stack_words(stack) -> str:
     if stack.name == "transformers":
         words += ", transformers' step" + (f" (peft dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
     elif stack.name in ("litgpt", "torchtune"):
-        words += f", {stack.name}'s step" + (f" (LoRA dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
+        words += f", {possessive(stack.name)} step" + (f" (LoRA dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
     if not stack.fp32_loss:
         words += ", loss in the logits' dtype"
     return words
@@ -234,15 +234,22 @@ def print_inference(est, rates_note: str | None = None) -> None:
                   f"{s.ctx}: [bold]{est.max_batch:,}[/]")
     console.print(f"Prefill: {format_seconds(t.prefill_seconds)} for {s.batch * s.prompt_tokens:,} tokens "
                   f"({t.prefill_tokens_per_second:,.0f} tokens/s, compute)")
-    console.print(f"Decode: {t.decode_tokens_per_second:,.1f} tokens/s at the full context "
-                  f"({t.decode_tokens_per_second_start:,.1f} after the prompt), {t.decode_bound}-bound "
-                  f"({format_bytes(t.bandwidth_bytes_per_second)}/s)")
+    # the headline is the step validate --mode inference compares with: the roofline and the host's dispatch
+    decode = s.batch / t.decode_step_seconds_with_dispatch if t.decode_step_seconds_with_dispatch else \
+        t.decode_tokens_per_second
+    console.print(f"Decode: {decode:,.1f} tokens/s at the full context with the host's dispatch "
+                  f"({format_seconds(t.decode_dispatch_seconds)} a token step); the device's roofline alone: "
+                  f"{t.decode_tokens_per_second:,.1f} ({t.decode_tokens_per_second_start:,.1f} after the prompt), "
+                  f"{t.decode_bound}-bound ({format_bytes(t.bandwidth_bytes_per_second)}/s)")
+    if est.device.family == "cpu":
+        console.print("[dim]note: an upper bound on a CPU: the sampling loop's own Python and the cache's "
+                      "updates are not modelled (`memplan validate --mode inference` measures this machine)[/]")
     for note in est.notes:
         console.print(f"[yellow]note[/]: {note}")
 
 
 PlanStackOpt = Annotated[str, typer.Option(
-    "--stack", help="Whose code runs the step every candidate's memory walk follows: memplan (its own trainer) | "
+    "--stack", metavar="STACK", help="Whose code runs the step every candidate's memory walk follows: memplan (its own trainer) | "
                     "transformers (Hugging Face transformers' model and Trainer step; also phi, gemma, stablelm, "
                     "qwen3) | litgpt | torchtune. As `memplan estimate --stack`.")]
 
@@ -291,12 +298,16 @@ def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
     return stack_of(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
 
 
+
+# not given: the device's best precision (memplan.hardware.Device.best_precision), as train and autotune take it
+EstPrecisionOpt = Annotated[Optional[str], PrecisionOpt.__metadata__[0]]
+
 @app.command("estimate")
 def estimate_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
     vocab: VocabOpt = None, tied: TiedOpt = None,
-    ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: PrecisionOpt = "bf16-mixed",
+    ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: EstPrecisionOpt = None,
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
     world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
@@ -348,13 +359,15 @@ def estimate_command(
                         ("--prompt-tokens", prompt_tokens)):
         if value is not None:
             raise InputError(f"{flag} applies to --mode inference only; accepted with --mode training: none")
-    setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
+    dev, rates_note = local_device_from(device, device_memory)
+    # not given: the device's best, as train and autotune take it (memory and time of the same precision)
+    chosen = precision or dev.best_precision
+    setup = setup_from(ctx, batch, grad_accum, chosen, attention, checkpointing, optimizer, world_size, sharding,
                        compile)
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
     walk = stack_from(stack, loss_dtype, lora_dropout, spec, setup)
-    dev, rates_note = local_device_from(device, device_memory)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
         from memplan.advice import levers
@@ -371,8 +384,11 @@ def estimate_command(
         print_estimate(est, rates_note)
         from memplan.units import resolved
 
+        from rich.console import Console
+
         units = resolved([("--tokens", tokens, est.tokens)])
         if units:  # 2b tokens is 2,000,000,000
-            from rich.console import Console
-
             Console(highlight=False).print(f"[dim]note: {units}[/]")
+        if precision is None:
+            Console(highlight=False).print(f"[dim]note: precision {chosen}, {dev.name}'s best (--precision to "
+                                           "choose)[/]")

@@ -9,19 +9,19 @@ import typer
 from memplan.cli.app import app
 from memplan.cli.options import JsonOpt, ThreadsOpt, threads_from, use_threads
 
-RunOpt = Annotated[str, typer.Option("--run", help="The run directory (what `memplan train --out` wrote).",
+RunOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="The run directory (what `memplan train --out` wrote).",
                                      show_default=False)]
 DataOpt = Annotated[Optional[str], typer.Option(
-    "--data", help="A prepared corpus with the run's tokenizer (default: the one the run trained on).",
+    "--data", metavar="DIR", help="A prepared corpus with the run's tokenizer (default: the one the run trained on).",
     show_default=False)]
 CheckpointOpt = Annotated[Optional[str], typer.Option(
-    "--checkpoint", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
-CtxOpt = Annotated[Optional[str], typer.Option("--ctx", help="Tokens per evaluation window (default: the run's "
+    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
+CtxOpt = Annotated[Optional[str], typer.Option("--ctx", metavar="N", help="Tokens per evaluation window (default: the run's "
                                                "context; 8192 or 8k).", show_default=False)]
-BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Windows per forward (default: the run's "
+BatchOpt = Annotated[Optional[str], typer.Option("--batch", metavar="N", help="Windows per forward (default: the run's "
                                                  "micro-batch).", show_default=False)]
 MaxBatchesOpt = Annotated[Optional[str], typer.Option(
-    "--max-batches", help="Batches per source, evenly spaced over its held-out split (default: every window; "
+    "--max-batches", metavar="N", help="Batches per source, evenly spaced over its held-out split (default: every window; "
                           "the run's eval_batches reproduces the loss the trainer logged).", show_default=False)]
 
 

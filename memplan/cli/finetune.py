@@ -15,45 +15,45 @@ from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt
                                  VerifyDataOpt, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
-RunOpt = Annotated[Optional[str], typer.Option("--run", help="The trained run to start from (its newest checkpoint).",
+RunOpt = Annotated[Optional[str], typer.Option("--run", metavar="RUN", help="The trained run to start from (its newest checkpoint).",
                                                 show_default=False)]
 FromOpt = Annotated[Optional[str], typer.Option(
-    "--from", help="Start from a Hugging Face checkpoint directory instead of a run: config.json (llama, mistral, "
+    "--from", metavar="PATH", help="Start from a Hugging Face checkpoint directory instead of a run: config.json (llama, mistral, "
                    "qwen2, gpt2, gpt_neox), model.safetensors or its shards, tokenizer.json; a Hub id is looked up "
                    "in the local Hugging Face cache only.", show_default=False)]
 DataOpt = Annotated[str, typer.Option(
-    "--data", help='JSONL, one example a line: {"prompt": ..., "response": ...} or {"messages": [{"role": '
+    "--data", metavar="DIR", help='JSONL, one example a line: {"prompt": ..., "response": ...} or {"messages": [{"role": '
                    '"system"|"user"|"assistant", "content": ...}, ...]}. The loss is on the responses only.')]
-OutOpt = Annotated[str, typer.Option("--out", help="The finetune's run directory (checkpoints, metrics, report).")]
-LoraRankOpt = Annotated[int, typer.Option("--lora-rank", help="LoRA rank; 0 finetunes every weight.")]
-LoraAlphaOpt = Annotated[float, typer.Option("--lora-alpha", help="LoRA scale numerator: updates are B·A·alpha/rank.")]
+OutOpt = Annotated[str, typer.Option("--out", metavar="PATH", help="The finetune's run directory (checkpoints, metrics, report).")]
+LoraRankOpt = Annotated[int, typer.Option("--lora-rank", metavar="N", help="LoRA rank; 0 finetunes every weight.")]
+LoraAlphaOpt = Annotated[float, typer.Option("--lora-alpha", metavar="X", help="LoRA scale numerator: updates are B·A·alpha/rank.")]
 LoraTargetsOpt = Annotated[str, typer.Option(
-    "--lora-targets", help="The matrices that get adapters: all (qkv, proj, up, down), or a comma-separated "
+    "--lora-targets", metavar="LIST", help="The matrices that get adapters: all (qkv, proj, up, down), or a comma-separated "
                            "subset of qkv, q, k, v, proj, up, down, head (qkv is q,k,v).")]
 TemplateOpt = Annotated[str, typer.Option(
-    "--template", help="chat: '### User:\\n{prompt}\\n\\n### Assistant:\\n{response}' (prompt the finetuned model "
+    "--template", metavar="NAME|FILE", help="chat: '### User:\\n{prompt}\\n\\n### Assistant:\\n{response}' (prompt the finetuned model "
                        "the same way); plain: prompt and response as they are.")]
 PackingOpt = Annotated[str, typer.Option(
-    "--packing", help="packed: examples back to back in rows of --ctx tokens; padded: one example a row.")]
-FtCtxOpt = Annotated[Optional[str], typer.Option("--ctx", help="Context of a row; default: the base run's.",
+    "--packing", metavar="PACKING", help="packed: examples back to back in rows of --ctx tokens; padded: one example a row.")]
+FtCtxOpt = Annotated[Optional[str], typer.Option("--ctx", metavar="N", help="Context of a row; default: the base run's.",
                                                  show_default=False)]
 FtBatchOpt = Annotated[Optional[str], typer.Option(
-    "--batch", help="Micro-batch; default: autotuned (with --grad-accum) for the device and the LoRA setup.",
+    "--batch", metavar="N", help="Micro-batch; default: autotuned (with --grad-accum) for the device and the LoRA setup.",
     show_default=False)]
-FtAccumOpt = Annotated[Optional[str], typer.Option("--grad-accum", help="Micro-batches per step (with --batch).",
+FtAccumOpt = Annotated[Optional[str], typer.Option("--grad-accum", metavar="N", help="Micro-batches per step (with --batch).",
                                                    show_default=False)]
 FtPrecisionOpt = Annotated[Optional[str], typer.Option(
-    "--precision", help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16; default: the base run's.", show_default=False)]
+    "--precision", metavar="PRECISION", help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16; default: the base run's.", show_default=False)]
 GlobalBatchOpt = Annotated[Optional[str], typer.Option(
-    "--global-batch-tokens", help="Tokens per optimizer step for autotune; default 8 rows of --ctx.",
+    "--global-batch-tokens", metavar="N", help="Tokens per optimizer step for autotune; default 8 rows of --ctx.",
     show_default=False)]
-BudgetOpt = Annotated[Optional[str], typer.Option("--budget", help="Memory budget for autotune (e.g. 6GiB).",
+BudgetOpt = Annotated[Optional[str], typer.Option("--budget", metavar="SIZE", help="Memory budget for autotune (e.g. 6GiB).",
                                                   show_default=False)]
 LrOpt = Annotated[Optional[float], typer.Option(
-    "--lr", help="Peak learning rate; default 2e-4 with LoRA, 3e-5 for a full finetune.", show_default=False)]
+    "--lr", metavar="X", help="Peak learning rate; default 2e-4 with LoRA, 3e-5 for a full finetune.", show_default=False)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the finetune in --out from its newest checkpoint.")]
 FtNprocOpt = Annotated[Optional[str], typer.Option(
-    "--nproc", help="Finetune in N processes (torchrun: one per GPU, else N CPU processes over gloo), with DDP for "
+    "--nproc", metavar="N", help="Finetune in N processes (torchrun: one per GPU, else N CPU processes over gloo), with DDP for "
                     "--batch, else DDP or FSDP2 as autotune plans it: every rank builds the base weights and the "
                     "adapters, only the trainable weights' gradients are "
                     "reduced; each rank runs --batch × --grad-accum per step (autotuned: the same global batch as "

@@ -89,6 +89,26 @@ def print_hanging(console, label: str, text: str) -> None:
     console.print(grid)
 
 
+LABEL_MAX_CHARS = 40  # a longer head before the first ": " is not a label: the line hangs under its indent
+
+
+def print_labelled(console, text: str, indent: str = "") -> None:
+    """A long line that carries its own label (``analytic estimate: ...``, ``rates: ...``; rich markup allowed):
+    at ``indent``, wrapped at the console's width with its continuation lines under what follows the label's
+    ": " (``print_hanging``'s layout), rather than at the left edge or past the width."""
+    from rich.table import Table
+    from rich.text import Text
+
+    whole = Text.from_markup(text)
+    at = whole.plain.find(": ")
+    label, rest = whole.divide([at + 2]) if 0 <= at < LABEL_MAX_CHARS else (Text(""), whole)
+    grid = Table.grid()
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    grid.add_row(Text(indent) + label, rest)
+    console.print(grid)
+
+
 def print_fitted(console, table, borderless: bool = False) -> bool:
     """Print ``table``; where its rows would wrap at this width (or ``borderless``), without its vertical
     borders (the columns then need one space between them, not three), which leaves a table's text as it

@@ -12,25 +12,25 @@ from memplan.cli.options import SEED_MAX, ThreadsOpt, threads_from, use_threads
 from memplan.units import parse_float, parse_int
 
 _G = "Generation"
-RunOpt = Annotated[str, typer.Option("--run", help="A run directory (`memplan train --out RUN` or `memplan finetune`).",
+RunOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="A run directory (`memplan train --out RUN` or `memplan finetune`).",
                                      show_default=False)]
 CheckpointOpt = Annotated[Optional[str], typer.Option(
-    "--checkpoint", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
-PromptOpt = Annotated[str, typer.Option("--prompt", help="The text to continue (empty: start a new document).",
+    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
+PromptOpt = Annotated[str, typer.Option("--prompt", metavar="TEXT", help="The text to continue (empty: start a new document).",
                                         show_default=False)]
-MaxNewOpt = Annotated[str, typer.Option("--max-new-tokens", help="Tokens to generate at most (end-of-text stops "
+MaxNewOpt = Annotated[str, typer.Option("--max-new-tokens", metavar="N", help="Tokens to generate at most (end-of-text stops "
                                         "earlier).", rich_help_panel=_G)]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Always the most likely token: the same text on every call.",
                                          rich_help_panel=_G)]
-TemperatureOpt = Annotated[str, typer.Option("--temperature", help="Softmax temperature (lower: safer, higher: more "
+TemperatureOpt = Annotated[str, typer.Option("--temperature", metavar="T", help="Softmax temperature (lower: safer, higher: more "
                                              "varied).", rich_help_panel=_G)]
-TopKOpt = Annotated[str, typer.Option("--top-k", help="Sample among the k most likely tokens (0: all).",
+TopKOpt = Annotated[str, typer.Option("--top-k", metavar="N", help="Sample among the k most likely tokens (0: all).",
                                       rich_help_panel=_G)]
-TopPOpt = Annotated[str, typer.Option("--top-p", help="Sample among the most likely tokens whose probabilities sum "
+TopPOpt = Annotated[str, typer.Option("--top-p", metavar="P", help="Sample among the most likely tokens whose probabilities sum "
                                       "to p (1: all).", rich_help_panel=_G)]
-RepetitionOpt = Annotated[str, typer.Option("--repetition-penalty", help="Divide the logits of tokens already seen "
+RepetitionOpt = Annotated[str, typer.Option("--repetition-penalty", metavar="X", help="Divide the logits of tokens already seen "
                                             "by this (1: off; 1.1-1.3 breaks loops).", rich_help_panel=_G)]
-SeedOpt = Annotated[str, typer.Option("--seed", help="Seed of the sampling, 0 to 4294967295 (same seed, same text).",
+SeedOpt = Annotated[str, typer.Option("--seed", metavar="N", help="Seed of the sampling, 0 to 4294967295 (same seed, same text).",
                                       rich_help_panel=_G)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print {text, stats} as JSON instead of streaming.")]
 

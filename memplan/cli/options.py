@@ -22,51 +22,51 @@ _M, _S, _D = "Model", "Setup", "Device"
 
 # ---- MODEL ---------------------------------------------------------------------------------
 ParamsOpt = Annotated[Optional[str], typer.Option(
-    "--params", help="Model size: 22m, 124m, 350m, 1b, 1.1b, 3b, 7b, 13b, 34b, 70b, or any size up to 10t such as "
+    "--params", metavar="SIZE", help="Model size: 22m, 124m, 350m, 1b, 1.1b, 3b, 7b, 13b, 34b, 70b, or any size up to 10t such as "
                      "50m (a documented Llama-style shape).", rich_help_panel=_M)]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", help="A preset name (gpt2, tinyllama-1.1b, llama-3.2-1b, ...) or a Hugging Face config.json.",
+    "--model", metavar="NAME|PATH", help="A preset name (gpt2, tinyllama-1.1b, llama-3.2-1b, ...) or a Hugging Face config.json.",
     rich_help_panel=_M)]
-ArchOpt = Annotated[Optional[str], typer.Option("--arch", help="llama | gpt2", rich_help_panel=_M)]
-LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="Transformer blocks.", rich_help_panel=_M)]
-HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Model width.", rich_help_panel=_M)]
-HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Query heads.", rich_help_panel=_M)]
-KvHeadsOpt = Annotated[Optional[int], typer.Option("--kv-heads", help="Key/value heads (GQA).", rich_help_panel=_M)]
-FfnOpt = Annotated[Optional[int], typer.Option("--ffn", help="MLP inner width.", rich_help_panel=_M)]
-VocabOpt = Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary size.", rich_help_panel=_M)]
+ArchOpt = Annotated[Optional[str], typer.Option("--arch", metavar="ARCH", help="llama | gpt2", rich_help_panel=_M)]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers", metavar="N", help="Transformer blocks.", rich_help_panel=_M)]
+HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", metavar="N", help="Model width.", rich_help_panel=_M)]
+HeadsOpt = Annotated[Optional[int], typer.Option("--heads", metavar="N", help="Query heads.", rich_help_panel=_M)]
+KvHeadsOpt = Annotated[Optional[int], typer.Option("--kv-heads", metavar="N", help="Key/value heads (GQA).", rich_help_panel=_M)]
+FfnOpt = Annotated[Optional[int], typer.Option("--ffn", metavar="N", help="MLP inner width.", rich_help_panel=_M)]
+VocabOpt = Annotated[Optional[int], typer.Option("--vocab", metavar="N", help="Vocabulary size.", rich_help_panel=_M)]
 TiedOpt = Annotated[Optional[bool], typer.Option("--tied/--untied", help="Tie the LM head to the embedding.",
                                                  rich_help_panel=_M, show_default=False)]
 
 # ---- SETUP ---------------------------------------------------------------------------------
-CtxOpt = Annotated[str, typer.Option("--ctx", help="Context length in tokens (8192 or 8k).", rich_help_panel=_S)]
-BatchOpt = Annotated[str, typer.Option("--batch", help="Micro-batch (sequences per forward).", rich_help_panel=_S)]
-GradAccumOpt = Annotated[str, typer.Option("--grad-accum", help="Micro-batches per optimizer step.",
+CtxOpt = Annotated[str, typer.Option("--ctx", metavar="N", help="Context length in tokens (8192 or 8k).", rich_help_panel=_S)]
+BatchOpt = Annotated[str, typer.Option("--batch", metavar="N", help="Micro-batch (sequences per forward).", rich_help_panel=_S)]
+GradAccumOpt = Annotated[str, typer.Option("--grad-accum", metavar="N", help="Micro-batches per optimizer step.",
                                            rich_help_panel=_S)]
-PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16",
+PrecisionOpt = Annotated[str, typer.Option("--precision", metavar="PRECISION", help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16",
                                            rich_help_panel=_S)]
-AttentionOpt = Annotated[str, typer.Option("--attention", help="eager | sdpa", rich_help_panel=_S)]
-CheckpointingOpt = Annotated[str, typer.Option("--checkpointing", help="none | selective | full",
+AttentionOpt = Annotated[str, typer.Option("--attention", metavar="ATTENTION", help="eager | sdpa", rich_help_panel=_S)]
+CheckpointingOpt = Annotated[str, typer.Option("--checkpointing", metavar="CHECKPOINTING", help="none | selective | full",
                                                rich_help_panel=_S)]
-OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw | adamw-fused | sgd | adamw8bit",
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", metavar="OPTIMIZER", help="adamw | adamw-fused | sgd | adamw8bit",
                                            rich_help_panel=_S)]
-WorldSizeOpt = Annotated[str, typer.Option("--world-size", help="Data-parallel processes.", rich_help_panel=_S)]
-ShardingOpt = Annotated[str, typer.Option("--sharding", help="none | ddp | fsdp", rich_help_panel=_S)]
+WorldSizeOpt = Annotated[str, typer.Option("--world-size", metavar="N", help="Data-parallel processes.", rich_help_panel=_S)]
+ShardingOpt = Annotated[str, typer.Option("--sharding", metavar="SHARDING", help="none | ddp | fsdp", rich_help_panel=_S)]
 CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the model.",
                                           rich_help_panel=_S)]
 
 # ---- DEVICE --------------------------------------------------------------------------------
 DeviceOpt = Annotated[Optional[str], typer.Option(
-    "--device", help="A profile name (see `memplan profiles`) or a profile TOML; default: the local device.",
+    "--device", metavar="NAME|PATH", help="A profile name (see `memplan profiles`) or a profile TOML; default: the local device.",
     rich_help_panel=_D)]
 DeviceMemoryOpt = Annotated[Optional[str], typer.Option(
-    "--device-memory", help="Override the device's memory size (a 64GiB Mac, a Strix Halo's GTT), e.g. 96GiB.",
+    "--device-memory", metavar="SIZE", help="Override the device's memory size (a 64GiB Mac, a Strix Halo's GTT), e.g. 96GiB.",
     rich_help_panel=_D)]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (keys documented in docs/json.md) instead of tables.")]
 
 # ---- RUNTIME (every command that runs torch) -----------------------------------------------
 ThreadsOpt = Annotated[Optional[str], typer.Option(
-    "--threads", help="torch CPU threads. Default: the count this machine's calibration measured fastest (one "
+    "--threads", metavar="N", help="torch CPU threads. Default: the count this machine's calibration measured fastest (one "
                       "thread beats all cores on a small or busy machine), else torch's default.",
     show_default=False)]
 
@@ -74,44 +74,44 @@ ThreadsOpt = Annotated[Optional[str], typer.Option(
 # ---- RUN CONTROL (train, finetune): when a run stops, how often it evaluates and saves ------------------
 _R = "Run"
 MaxStepsOpt = Annotated[Optional[str], typer.Option(
-    "--max-steps", help="Stop after this many optimizer steps (counted from the run's start).", show_default=False,
+    "--max-steps", metavar="N", help="Stop after this many optimizer steps (counted from the run's start).", show_default=False,
     rich_help_panel=_R)]
-TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Stop after this many training tokens (e.g. 50m).",
+TokensOpt = Annotated[Optional[str], typer.Option("--tokens", metavar="N", help="Stop after this many training tokens (e.g. 50m).",
                                                   show_default=False, rich_help_panel=_R)]
 MaxMinutesOpt = Annotated[Optional[str], typer.Option(
-    "--max-minutes", help="Stop after this many minutes of this command's training (a resume counts from its own "
+    "--max-minutes", metavar="MIN", help="Stop after this many minutes of this command's training (a resume counts from its own "
                           "start); alone, it also sets the schedule's length (from timed steps). Default without "
                           "any limit: one epoch (`memplan train` alone: 3 minutes). On --resume, limits given "
                           "replace the run's; without any, its own stay.", show_default=False, rich_help_panel=_R)]
-SaveEveryOpt = Annotated[Optional[str], typer.Option("--save-every", help="Steps between checkpoints "
+SaveEveryOpt = Annotated[Optional[str], typer.Option("--save-every", metavar="N", help="Steps between checkpoints "
                                                      "(default: as --eval-every).", show_default=False,
                                                      rich_help_panel=_R)]
 EvalEveryOpt = Annotated[Optional[str], typer.Option(
-    "--eval-every", help="Steps between held-out evaluations (default: 5 per run, at least every 1000 steps).",
+    "--eval-every", metavar="N", help="Steps between held-out evaluations (default: 5 per run, at least every 1000 steps).",
     show_default=False, rich_help_panel=_R)]
-KeepOpt = Annotated[Optional[str], typer.Option("--keep", help="Checkpoints to keep (default 3).", show_default=False,
+KeepOpt = Annotated[Optional[str], typer.Option("--keep", metavar="N", help="Checkpoints to keep (default 3).", show_default=False,
                                                 rich_help_panel=_R)]
-EvalBatchesOpt = Annotated[Optional[str], typer.Option("--eval-batches", help="Held-out batches per source in an "
+EvalBatchesOpt = Annotated[Optional[str], typer.Option("--eval-batches", metavar="N", help="Held-out batches per source in an "
                                                        "evaluation (default 4).", show_default=False,
                                                        rich_help_panel=_R)]
-SampleTokensOpt = Annotated[Optional[str], typer.Option("--sample-tokens", help="Tokens per evaluation sample, "
+SampleTokensOpt = Annotated[Optional[str], typer.Option("--sample-tokens", metavar="N", help="Tokens per evaluation sample, "
                                                         "0 = none (default 32).", show_default=False,
                                                         rich_help_panel=_R)]
 PromptOpt = Annotated[Optional[list[str]], typer.Option(
-    "--prompt", help="A sample prompt (repeat for several). Default: the start of each source's first held-out "
+    "--prompt", metavar="TEXT", help="A sample prompt (repeat for several). Default: the start of each source's first held-out "
                      "document (a finetune: its first held-out prompts).", show_default=False, rich_help_panel=_R)]
-MaxNonfiniteOpt = Annotated[Optional[str], typer.Option("--max-nonfinite", help="Stop after this many non-finite "
+MaxNonfiniteOpt = Annotated[Optional[str], typer.Option("--max-nonfinite", metavar="N", help="Stop after this many non-finite "
                                                         "losses in a row (default 5).", show_default=False,
                                                         rich_help_panel=_R)]
 VerifyDataOpt = Annotated[Optional[bool], typer.Option(
     "--verify-data/--no-verify-data", help="Check the data (every shard's sha256; a finetune's JSONL) before "
                                            "training (default: on).", show_default=False, rich_help_panel=_R)]
 SeedOpt = Annotated[Optional[str], typer.Option(
-    "--seed", help="Seed of the initialisation and the data order, 0 to 4294967295 (default 0).",
+    "--seed", metavar="N", help="Seed of the initialisation and the data order, 0 to 4294967295 (default 0).",
     show_default=False, rich_help_panel=_R)]
 
 LogOpt = Annotated[Optional[list[str]], typer.Option(
-    "--log", help="Also log to: tensorboard (RUN/tensorboard/) | wandb (RUN/wandb/, offline unless logged in); "
+    "--log", metavar="LOGGER", help="Also log to: tensorboard (RUN/tensorboard/) | wandb (RUN/wandb/, offline unless logged in); "
                   "repeatable. metrics.jsonl is always written. Needs `pip install 'memplan\\[logging]'`.",
     show_default=False, rich_help_panel=_R)]
 

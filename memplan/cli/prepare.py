@@ -13,26 +13,27 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli.app import app
+from memplan.units import plural
 
 InputsOpt = Annotated[Optional[list[str]], typer.Option(
-    "--input", "-i", help="A .txt, .jsonl or .parquet file, a directory of them (recursive), or hf:NAME; "
+    "--input", "-i", metavar="PATH", help="A .txt, .jsonl or .parquet file, a directory of them (recursive), or hf:NAME; "
                           "repeat for several sources. Default: the embedded corpus (CPython's pydoc topics "
                           "and standard-library docstrings).", show_default=False)]
 # Numbers are taken as text and parsed here, so a bad one is the usual one-line InputError.
-OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Directory to write the prepared corpus into "
+OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", metavar="PATH", help="Directory to write the prepared corpus into "
                                                "(required).", show_default=False)]
 TokenizerOpt = Annotated[Optional[str], typer.Option(
-    "--tokenizer", help="bpe:N (train a byte-level BPE of N tokens), a tokenizer.json path, or gpt2 (tiktoken). "
+    "--tokenizer", metavar="SPEC", help="bpe:N (train a byte-level BPE of N tokens), a tokenizer.json path, or gpt2 (tiktoken). "
                         "Default: bpe:4096 for the embedded corpus, bpe:8192 for --input.", show_default=False)]
 ValFractionOpt = Annotated[str, typer.Option(
-    "--val-fraction", help="Hold out the last this-fraction of each source's documents, in [0, 0.5].")]
+    "--val-fraction", metavar="F", help="Hold out the last this-fraction of each source's documents, in [0, 0.5].")]
 WorkersOpt = Annotated[Optional[str], typer.Option(
-    "--workers", help="Processes for parsing and tokenizing. Default: min(4, CPUs).", show_default=False)]
-TextFieldOpt = Annotated[str, typer.Option("--text-field", help="The text field of .jsonl / .parquet / hf records.")]
-MinCharsOpt = Annotated[str, typer.Option("--min-chars", help="Drop documents shorter than this after cleaning.")]
-ShardTokensOpt = Annotated[str, typer.Option("--shard-tokens", help="Tokens per shard file, at most (e.g. 100m).")]
+    "--workers", metavar="N", help="Processes for parsing and tokenizing. Default: min(4, CPUs).", show_default=False)]
+TextFieldOpt = Annotated[str, typer.Option("--text-field", metavar="FIELD", help="The text field of .jsonl / .parquet / hf records.")]
+MinCharsOpt = Annotated[str, typer.Option("--min-chars", metavar="N", help="Drop documents shorter than this after cleaning.")]
+ShardTokensOpt = Annotated[str, typer.Option("--shard-tokens", metavar="N", help="Tokens per shard file, at most (e.g. 100m).")]
 MaxDocsOpt = Annotated[Optional[str], typer.Option(
-    "--max-docs", help="Keep at most this many documents per source.", show_default=False)]
+    "--max-docs", metavar="N", help="Keep at most this many documents per source.", show_default=False)]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace a prepared corpus already in --out.")]
 
 
@@ -186,13 +187,13 @@ def _print_summary(result, config, seconds: float) -> None:
     for s in result.stats:
         if s.val_split == "window":
             share = s.val_tokens / s.tokens if s.tokens else 0.0
-            out.print(f"[yellow]note:[/] source {s.name!r}: {s.documents} document(s); whole documents cannot hold "
+            out.print(f"[yellow]note:[/] source {s.name!r}: {plural(s.documents, 'document')}; whole documents cannot hold "
                       f"out {config.val_fraction:.0%} (within ±{VAL_SPLIT_TOLERANCE:.0%} of it), so held out the "
                       f"last {s.val_tokens:,} of its "
                       f"{s.tokens:,} tokens ({share:.1%}) by cutting document {s.val_start_document + 1} at a space "
                       "(manifest: val_split \"window\")")
         elif s.documents and not s.val_documents and config.val_fraction > 0:
-            out.print(f"[yellow]note:[/] source {s.name!r} has {s.documents} document(s): nothing held out for it")
+            out.print(f"[yellow]note:[/] source {s.name!r} has {plural(s.documents, 'document')}: nothing held out for it")
         if s.skipped_files:
             out.print(f"[yellow]warning:[/] source {s.name!r}: skipped {len(s.skipped_files)} file(s) that are not "
                       f"text: " + "; ".join(f"{p} ({why})" for p, why in s.skipped_files))

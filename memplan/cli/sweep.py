@@ -25,20 +25,20 @@ from memplan.units import format_bytes, format_count, format_seconds, parse_coun
 
 _S = "Setup"
 CtxListOpt = Annotated[str, typer.Option(
-    "--ctx", help="Context lengths, comma-separated (1k,2k,4k,8k; k = 1024).", rich_help_panel=_S,
+    "--ctx", metavar="N", help="Context lengths, comma-separated (1k,2k,4k,8k; k = 1024).", rich_help_panel=_S,
     show_default=False)]
 BatchListOpt = Annotated[str, typer.Option(
-    "--batch", help="Micro-batches, comma-separated (1,2,4,8).", rich_help_panel=_S)]
+    "--batch", metavar="N", help="Micro-batches, comma-separated (1,2,4,8).", rich_help_panel=_S)]
 AttentionListOpt = Annotated[str, typer.Option(
-    "--attention", help="Attention kernels, comma-separated: eager, sdpa.", rich_help_panel=_S)]
+    "--attention", metavar="ATTENTION", help="Attention kernels, comma-separated: eager, sdpa.", rich_help_panel=_S)]
 CheckpointingListOpt = Annotated[str, typer.Option(
-    "--checkpointing", help="Activation checkpointing, comma-separated: none, selective, full.", rich_help_panel=_S)]
+    "--checkpointing", metavar="CHECKPOINTING", help="Activation checkpointing, comma-separated: none, selective, full.", rich_help_panel=_S)]
 PrecisionListOpt = Annotated[str, typer.Option(
-    "--precision", help="Precisions, comma-separated: fp32, tf32, bf16-mixed, fp16-mixed, bf16.", rich_help_panel=_S)]
+    "--precision", metavar="PRECISION", help="Precisions, comma-separated: fp32, tf32, bf16-mixed, fp16-mixed, bf16.", rich_help_panel=_S)]
 TokensOpt = Annotated[Optional[str], typer.Option(
-    "--tokens", help="Tokens in one epoch (e.g. 2b): adds the time per epoch.", show_default=False)]
+    "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): adds the time per epoch.", show_default=False)]
 HtmlOpt = Annotated[Optional[Path], typer.Option(
-    "--html", help="Write the HTML report here (self-contained; opens offline).", show_default=False,
+    "--html", metavar="FILE", help="Write the HTML report here (self-contained; opens offline).", show_default=False,
     dir_okay=False)]
 
 

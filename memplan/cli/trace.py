@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from memplan.cli.app import app
+from memplan.cli.fit import print_labelled
 from memplan.cli.estimate import LoraRankOpt, LoraTargetsOpt, TokensOpt
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
@@ -20,13 +21,13 @@ TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits"
 
 
 StackOpt = Annotated[str, typer.Option(
-    "--stack", help="Whose training code to trace: memplan (its own trainer) | transformers (Hugging Face "
+    "--stack", metavar="STACK", help="Whose training code to trace: memplan (its own trainer) | transformers (Hugging Face "
                     "transformers, with peft for --lora-rank) | litgpt (litgpt's GPT, pretrain.py's step or "
                     "finetune/lora.py's with --lora-rank) | torchtune (its Llama builders and single-device "
                     "recipes' step). transformers needs `pip install 'memplan\\[stacks]'`, litgpt 'memplan\\[litgpt]', "
                     "torchtune 'memplan\\[torchtune]' (each of the last two in its own environment).")]
 LoraDropoutOpt = Annotated[float | None, typer.Option(
-    "--lora-dropout", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
+    "--lora-dropout", metavar="P", help="--stack transformers|litgpt|torchtune with --lora-rank: the adapters' dropout "
                            "(default: the library's own: peft's 0.0, litgpt finetune_lora's 0.05, torchtune's "
                            "configs' 0.0). Above 0, each adapter saves its dropout's mask and output.")]
 
@@ -241,11 +242,11 @@ def _print_trace(described: str, setup, traced, data: dict, est, dev, stack: str
     console.print(table)
     fits = f"{'fits' if data['fits'] else 'does not fit'} in {format_bytes(dev.usable_bytes)} on {dev.name}"
     if est is None:
-        console.print(f"{fits}; memplan's analytic walk does not cover this family (the trace is exact for it)",
-                      soft_wrap=True)
+        print_labelled(console, f"{fits}; memplan's analytic walk does not cover this family (the trace is exact "
+                                "for it)")
     elif stack == "memplan":
-        console.print(f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
-                      f"({data['trace']['analytic_error']:+.2%} against the trace); {fits}", soft_wrap=True)
+        print_labelled(console, f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
+                                f"({data['trace']['analytic_error']:+.2%} against the trace); {fits}")
     else:
-        console.print(f"memplan's own model of this shape: {format_bytes(est.memory.peak_allocated)} "
-                      f"({data['trace']['analytic_error']:+.2%} against the {stack} trace); {fits}", soft_wrap=True)
+        print_labelled(console, f"memplan's own model of this shape: {format_bytes(est.memory.peak_allocated)} "
+                                f"({data['trace']['analytic_error']:+.2%} against the {stack} trace); {fits}")

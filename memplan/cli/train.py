@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -19,7 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli.app import app
-from memplan.cli.fit import print_hanging
+from memplan.cli.fit import print_hanging, print_labelled
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
                                  KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
@@ -29,20 +30,20 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
 from memplan.errors import InputError
 
 _R = "Run"
-PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan TOML (from `memplan autotune --out`) to "
+PlanOpt = Annotated[Optional[str], typer.Option("--plan", metavar="FILE", help="A plan TOML (from `memplan autotune --out`) to "
                                                 "train on, as given.", show_default=False, rich_help_panel=_R)]
 DataOpt = Annotated[Optional[str], typer.Option(
-    "--data", help="A prepared corpus (`memplan prepare --out DIR`). Default: the embedded corpus, prepared once "
+    "--data", metavar="DIR", help="A prepared corpus (`memplan prepare --out DIR`). Default: the embedded corpus, prepared once "
                    "into the cache ($MEMPLAN_CACHE, else ~/.cache/memplan).", show_default=False, rich_help_panel=_R)]
 OutOpt = Annotated[Optional[str], typer.Option(
-    "--out", "-o", help="The run directory (metrics.jsonl, plan.toml, checkpoints/, report.html). Default: "
+    "--out", "-o", metavar="PATH", help="The run directory (metrics.jsonl, plan.toml, checkpoints/, report.html). Default: "
                         "runs/train-DATE-TIME.", show_default=False, rich_help_panel=_R)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its newest checkpoint.",
                                          rich_help_panel=_R)]
 ReportOpt = Annotated[bool, typer.Option("--report", help="Only (re)write RUN/report.html from RUN/metrics.jsonl "
                                          "(also while the run is going) and exit.", rich_help_panel=_R)]
 FromOpt = Annotated[Optional[str], typer.Option(
-    "--from", help="Continue pretraining a Hugging Face checkpoint: a directory with config.json (llama, mistral, "
+    "--from", metavar="PATH", help="Continue pretraining a Hugging Face checkpoint: a directory with config.json (llama, mistral, "
                    "qwen2, gpt2, gpt_neox), model.safetensors or its shards and tokenizer.json, or a Hub id (the "
                    "local Hugging Face cache, else fetched). --data must be prepared with its tokenizer "
                    "(`memplan prepare --tokenizer SAME`); the learning rate defaults to 1e-4.", show_default=False,
@@ -50,32 +51,32 @@ FromOpt = Annotated[Optional[str], typer.Option(
 CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
                                                     show_default=False, rich_help_panel="Setup")]
 NprocOpt = Annotated[Optional[str], typer.Option(
-    "--nproc", help="Train in N processes (torchrun: one per GPU, else N CPU processes over gloo) with DDP or "
+    "--nproc", metavar="N", help="Train in N processes (torchrun: one per GPU, else N CPU processes over gloo) with DDP or "
                     "FSDP2; each rank runs --batch × --grad-accum per step (the plan's, for --plan).",
     show_default=False, rich_help_panel="Setup")]
 TrainShardingOpt = Annotated[Optional[str], typer.Option(
-    "--sharding", help="With --nproc: ddp | fsdp (default: the plan's, else ddp).", show_default=False,
+    "--sharding", metavar="SHARDING", help="With --nproc: ddp | fsdp (default: the plan's, else ddp).", show_default=False,
     rich_help_panel="Setup")]
 
 _H = "Hyper-parameters"
-LrOpt = Annotated[Optional[str], typer.Option("--lr", help="Peak learning rate (default 6e-4).", show_default=False,
+LrOpt = Annotated[Optional[str], typer.Option("--lr", metavar="X", help="Peak learning rate (default 6e-4).", show_default=False,
                                               rich_help_panel=_H)]
-WarmupOpt = Annotated[Optional[str], typer.Option("--warmup", help="Warmup steps (default: 5% of the steps, at "
+WarmupOpt = Annotated[Optional[str], typer.Option("--warmup", metavar="N", help="Warmup steps (default: 5% of the steps, at "
                                                   "most 100).", show_default=False, rich_help_panel=_H)]
-MinLrOpt = Annotated[Optional[str], typer.Option("--min-lr-ratio", help="Cosine decay ends at this share of the "
+MinLrOpt = Annotated[Optional[str], typer.Option("--min-lr-ratio", metavar="F", help="Cosine decay ends at this share of the "
                                                  "peak (default 0.1).", show_default=False, rich_help_panel=_H)]
-WeightDecayOpt = Annotated[Optional[str], typer.Option("--weight-decay", help="AdamW weight decay (default 0.1).",
+WeightDecayOpt = Annotated[Optional[str], typer.Option("--weight-decay", metavar="X", help="AdamW weight decay (default 0.1).",
                                                        show_default=False, rich_help_panel=_H)]
-ClipOpt = Annotated[Optional[str], typer.Option("--clip", help="Gradient-norm clipping, 0 = off (default 1.0).",
+ClipOpt = Annotated[Optional[str], typer.Option("--clip", metavar="X", help="Gradient-norm clipping, 0 = off (default 1.0).",
                                                 show_default=False, rich_help_panel=_H)]
 _A = "Autotune (without --plan or --batch)"
 GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
-    "--global-batch-tokens", help="Tokens per optimizer step for autotune to keep.", show_default=False,
+    "--global-batch-tokens", metavar="N", help="Tokens per optimizer step for autotune to keep.", show_default=False,
     rich_help_panel=_A)]
-BudgetOpt = Annotated[Optional[str], typer.Option("--budget", help="Memory budget for autotune (e.g. 6GiB); "
+BudgetOpt = Annotated[Optional[str], typer.Option("--budget", metavar="SIZE", help="Memory budget for autotune (e.g. 6GiB); "
                                                   "default: the device's usable memory.", show_default=False,
                                                   rich_help_panel=_A)]
-MarginOpt = Annotated[str, typer.Option("--margin", help="Share of the budget autotune leaves free.",
+MarginOpt = Annotated[str, typer.Option("--margin", metavar="F", help="Share of the budget autotune leaves free.",
                                         rich_help_panel=_A)]
 
 
@@ -190,7 +191,12 @@ class RichUI:
         self.console = console
 
     def say(self, text: str, soft_wrap: bool = False) -> None:
-        self.console.print(text, soft_wrap=soft_wrap)
+        """A line; ``soft_wrap``: a long one carrying its label (the quick start's "Model for a 3-minute run: ..."),
+        wrapped at the width under what follows the label."""
+        if soft_wrap:
+            print_labelled(self.console, text)
+        else:
+            self.console.print(text)
 
     @contextlib.contextmanager
     def calibrating(self, what: str):
@@ -264,7 +270,7 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
     attached = loggers.attach(trainer, loggers.check_loggers(log))
     _print_plan(trainer, console)
     if rates_note:
-        console.print(f"  {rates_note}", soft_wrap=True)
+        print_labelled(console, rates_note, indent="  ")  # rates: ..., wrapped under its label
     view = _ProgressView(console, trainer)
     trainer.on_event(view.update)
     try:
@@ -304,7 +310,7 @@ def _error_line(console, text: str) -> None:
 
 
 def _print_plan(trainer, console) -> None:
-    from memplan.units import format_bytes, format_count
+    from memplan.units import format_bytes, format_count, format_seconds
 
     p, s = trainer.plan, trainer.plan.setup
     pred = trainer.predicted
@@ -321,7 +327,8 @@ def _print_plan(trainer, console) -> None:
                   f"({trainer.profile.name} profile)")
     print_hanging(console, "  predicted: ", f"peak {format_bytes(pred.peak_reserved)} "
                   f"({format_bytes(pred.peak_allocated)} live tensors), {pred.tokens_per_second:,.0f} tokens/s, "
-                  f"MFU {pred.mfu:.1%}")
+                  f"{format_seconds(pred.step_seconds)} a step, MFU {pred.mfu:.1%}")
+    print_hanging(console, "  ETA: ", predicted_eta_text(trainer))
     if trainer.base_hf:  # memplan train --from: where the weights came from
         b = trainer.base_hf
         print_hanging(console, "  weights: ", ("started from " if trainer.step else "from ")
@@ -339,6 +346,48 @@ def _print_plan(trainer, console) -> None:
     if trainer.profile.family not in family:
         console.print(f"[yellow]note[/]: training runs on {trainer.device} but the predictions are for the "
                       f"{trainer.profile.name} profile ({trainer.profile.family}); measured and predicted will differ")
+
+
+def held_out_count(eval_tokens: int, val_tokens: int, eval_batches: int, run_dir) -> str:
+    """How many tokens a held-out loss is over, and the command that gives the same figure: the trainer
+    evaluates ``eval_batches`` batches a source (evenly spaced windows), a sample of a larger split, while
+    ``memplan eval`` reads the whole split unless told ``--max-batches``."""
+    same = f"`memplan eval --run {run_dir} --max-batches {eval_batches}` gives the same"
+    if eval_tokens >= val_tokens * 0.9:  # every window (a window's last token and a partial window are left out)
+        return f"over all {eval_tokens:,} tokens of the held-out split ({same})"
+    return (f"over {eval_tokens:,} of the held-out split's {val_tokens:,} tokens ({same}; "
+            "without --max-batches it reads them all)")
+
+
+def predicted_eta_text(trainer) -> str:
+    """What the run is predicted to take, before its first step (from the predicted step time): the steps its
+    step or token limit leaves, else one epoch of the data; a time limit caps it. A step predicted to take
+    longer than the time limit is said so."""
+    import math as _math
+
+    from memplan.units import format_count
+
+    c, s = trainer.config, trainer.plan.setup
+    step_seconds = trainer.predicted.step_seconds
+    left = []
+    if c.max_steps is not None:
+        left.append((max(0, c.max_steps - trainer.step), f"--max-steps {c.max_steps:,}"))
+    if c.max_tokens is not None:
+        left.append((max(0, _math.ceil((c.max_tokens - trainer.tokens) / s.tokens_per_step)),
+                     f"--max-tokens {format_count(c.max_tokens)}"))
+    if not left and c.max_minutes is None:
+        left.append((max(1, trainer.data.train_tokens // s.tokens_per_step), "one epoch"))
+    limit = None if c.max_minutes is None else c.max_minutes * 60.0
+    if left:
+        steps, why = min(left)
+        seconds = steps * step_seconds
+        if limit is None or seconds <= limit:
+            return f"{_clock(seconds)} for {steps:,} step{'s' if steps != 1 else ''} ({why}) at the predicted step time"
+    if step_seconds > limit:
+        return (f"{_clock(limit)} (--max-minutes {c.max_minutes:g}); one step is predicted to take "
+                f"{_clock(step_seconds)}, longer than the time limit")
+    return f"{_clock(limit)} (--max-minutes {c.max_minutes:g}): about {int(limit // step_seconds):,} steps at the " \
+           "predicted step time"
 
 
 def limits_text(limits: dict, clock: bool = True) -> str:
@@ -409,6 +458,8 @@ STATUS_FIELDS = ("loss", "tokens/s", "mfu", "memory", "eta")
 STATUS_DROP_ORDER = ("prediction", "mfu", "memory", "tokens/s", "loss", "eta")
 LIVE_BAR_WIDTHS = (24, 12)
 LIVE_REFRESH_SECONDS = 0.5  # the live line is redrawn at most this often (on a step's metrics line)
+STEP_TICK_SECONDS = 1.0  # a step (or its evaluation) longer than this: the live line counts its time each second
+PIPE_STEP_TICK_SECONDS = 60.0  # ... and on a pipe, a line this often
 
 
 def fit_live_line(width: int, count: str, fields: dict[str, str], prediction: str = "") -> tuple[str, int]:
@@ -467,13 +518,46 @@ class _ProgressView:
         self.task = None
         self._last_print = -1
         self._refreshed = -math.inf
+        self._line_at = self._pipe_said = time.perf_counter()  # the last step's line; the last tick printed
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def __enter__(self):
         self.progress.__enter__()
+        self._line_at = self._pipe_said = time.perf_counter()
+        self._ticker = threading.Thread(target=self._tick_loop, name="memplan-live-line", daemon=True)
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc):
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         return self.progress.__exit__(*exc)
+
+    def _tick_loop(self) -> None:
+        """Between steps' lines (a long step: a plan for a slower device, a loaded machine), the time spent in the
+        step under way, each STEP_TICK_SECONDS, so that the line never sits still for the length of a step."""
+        while not self._stop.wait(STEP_TICK_SECONDS):
+            self.tick()
+
+    def tick(self) -> None:
+        """The step under way and how long it has run, against its predicted time (a thread calls it)."""
+        now = time.perf_counter()
+        waited = now - self._line_at
+        if waited < STEP_TICK_SECONDS:
+            return
+        step = self.trainer.step + 1
+        text = (f"step {step:,} running for {_clock(waited)} (predicted {_clock(self.trainer.predicted.step_seconds)}"
+                " a step)")
+        if self.live:
+            if self.task is None:
+                self.task = self.progress.add_task("train", total=None, count=f"step {step:,}", status=text)
+            self.progress.update(self.task, count=f"step {step:,}", status=text)
+            self.progress.refresh()
+        elif now - self._pipe_said >= PIPE_STEP_TICK_SECONDS:
+            self._pipe_said = now
+            self._print(f"[dim]{text}[/]")
 
     def _print(self, text: str) -> None:  # on a terminal, wrapped at its width; on a pipe, one line each
         (self.progress.console if self.live else self.console).print(text, soft_wrap=not self.live)
@@ -494,10 +578,11 @@ class _ProgressView:
 
     def update(self, line) -> None:
         """Show one metrics line (a ``trainer.records`` record, as ``Trainer.on_event`` passes it)."""
-        from memplan.units import format_bytes, format_count, format_seconds
+        from memplan.units import format_bytes, format_count
         from trainer import records
 
         if isinstance(line, records.TrainLine):
+            self._line_at = time.perf_counter()
             total = line.total_steps
             fixed = self.trainer.schedule.fixed
             elapsed, limit = self._clock()
@@ -508,7 +593,7 @@ class _ProgressView:
             loss = "n/a" if line.loss is None else f"{line.loss:.4f}"
             fields = {"loss": f"loss {loss}", "tokens/s": f"{format_count(line.tokens_per_second)} tok/s",
                       "mfu": f"MFU {line.mfu:.1%}", "memory": f"mem {format_bytes(mem) if mem else '?'}",
-                      "eta": f"ETA {format_seconds(line.eta_seconds)}"}
+                      "eta": f"ETA {_clock(line.eta_seconds)}"}  # one unit as it counts down: 2:06, 1:48
             prediction = f"(pred {format_bytes(pred)})"
             if self.live:
                 status, bar = fit_live_line(self.progress.console.width, count, fields, prediction)
@@ -534,7 +619,7 @@ class _ProgressView:
             per = ", ".join(f"{k} {v:.3f}" for k, v in line.eval_loss_by_source.items() if v is not None)
             ppl = line.eval_ppl
             loss = "n/a" if line.eval_loss is None else f"{line.eval_loss:.4f}"
-            self._print(f"[bold]eval[/] step {line.step}: held-out loss {loss}"
+            self._print(f"[bold]eval[/] step {line.step}: held-out loss {loss} over {line.eval_tokens:,} tokens"
                         + (f" (perplexity {ppl:,.1f})" if ppl else "") + (f" — {per}" if per else ""))
             for s in line.samples[:2]:
                 self._print(f"  [dim]{s['prompt']!r} →[/] {s['text'][:160]!r}")
@@ -551,6 +636,13 @@ class _ProgressView:
                         f"({line.in_a_row} in a row)")
         elif isinstance(line, records.CheckpointEvent):
             self._print(f"[dim]checkpoint {line.path} ({line.seconds:.1f} s)[/]")
+        elif isinstance(line, records.SignalEvent):
+            if line.now:
+                self._print(f"[yellow]{line.signal} again[/]: stopping now, without a checkpoint of step "
+                            f"{line.step + 1} (--resume continues from the last checkpoint, if there is one)")
+            else:
+                self._print(f"[yellow]{line.signal}[/]: stopping after this step (step {line.step + 1}), then "
+                            "a checkpoint and the report; send it again to stop now")
         elif isinstance(line, records.StopEvent) and line.reason == "interrupted":
             self._print("[yellow]interrupted[/]: checkpoint saved; continue with --resume")
 
@@ -579,7 +671,10 @@ def _print_summary(trainer, summary, sample) -> None:
         e = summary.last_eval
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.eval_loss_by_source.items() if v is not None)
         print_hanging(out, "  ", f"held-out loss {e.eval_loss:.4f}, perplexity {e.eval_ppl:,.1f}"
-                      + (f" ({per})" if per else ""))
+                      + (f" ({per})" if per else "") + (
+                          "; " + held_out_count(e.eval_tokens, trainer.data.val_tokens, trainer.config.eval_batches,
+                                                trainer.run_dir) if trainer.task.kind == "train" else
+                          f"; over {e.eval_tokens:,} held-out tokens"))
     if figures is not None:
         meas = figures.peak_memory_bytes
         pred = trainer.predicted
@@ -593,7 +688,13 @@ def _print_summary(trainer, summary, sample) -> None:
                          if trainer.profile.calibrated else f"the {trainer.profile.name} profile's runtime context is")
                 print_hanging(out, "    ", f"(this process held {format_bytes(trainer.baseline_bytes)} before the "
                               f"model existed; {whose} {format_bytes(context)})")
-        if figures.tokens_per_second is not None:
+        if figures.tokens_per_second is not None and pred.clock == "cpu" and figures.cpu_tokens_per_second:
+            # the load was too unsteady to predict wall time: CPU time against CPU time (memplan.local)
+            print_hanging(out, "  throughput: ", f"{figures.tokens_per_second:,.0f} tokens/s (median); per second of "
+                          f"CPU time {figures.cpu_tokens_per_second:,.0f}, predicted {pred.tokens_per_second:,.0f} "
+                          f"({(pred.tokens_per_second - figures.cpu_tokens_per_second) / figures.cpu_tokens_per_second:+.1%}"
+                          f"; the load was too unsteady to predict wall time); MFU {figures.mfu or 0.0:.1%}")
+        elif figures.tokens_per_second is not None:
             print_hanging(out, "  throughput: ", f"{figures.tokens_per_second:,.0f} tokens/s (median), predicted "
                           f"{pred.tokens_per_second:,.0f}; MFU {figures.mfu or 0.0:.1%}")
     if summary.checkpoint:

@@ -13,22 +13,22 @@ from memplan.reports.validate import decode_step_words, inference_page, validati
 from memplan.cli.options import DeviceMemoryOpt, DeviceOpt, JsonOpt, ThreadsOpt, print_json, threads_from, use_threads
 
 MatrixOpt = Annotated[Optional[str], typer.Option(
-    "--matrix", help="A bundled matrix name or a matrix TOML file (default: default; with --world-size > 1: "
+    "--matrix", metavar="NAME|FILE", help="A bundled matrix name or a matrix TOML file (default: default; with --world-size > 1: "
                      "distributed).", show_default=False)]
 RanksOpt = Annotated[str, typer.Option(
-    "--world-size", help="Measure each config's DDP/FSDP step in this many gloo processes here, every rank "
+    "--world-size", metavar="N", help="Measure each config's DDP/FSDP step in this many gloo processes here, every rank "
                          "against its own prediction (1: single-process steps).")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="Only the matrix's representative subset (quick = true).")]
-HtmlOpt = Annotated[Optional[str], typer.Option("--html", help="Write a self-contained HTML report to this file.",
+HtmlOpt = Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Write a self-contained HTML report to this file.",
                                                 show_default=False)]
 NoTraceOpt = Annotated[bool, typer.Option("--no-trace", help="Skip the FakeTensor trace of each config.")]
 StacksOpt = Annotated[str, typer.Option(
-    "--stack", help="Whose training code to measure, comma-separated for side by side: memplan (its own "
+    "--stack", metavar="STACK", help="Whose training code to measure, comma-separated for side by side: memplan (its own "
                     "trainer) | transformers (Hugging Face, peft for LoRA; `pip install 'memplan\\[stacks]'`) | "
                     "litgpt ('memplan\\[litgpt]') | torchtune ('memplan\\[torchtune]'), the last two each in its own "
                     "environment. Other stacks run in one process, on this machine's device.")]
 ModeOpt = Annotated[str, typer.Option(
-    "--mode", help="training: a real training step per config (the default). inference: real generation per "
+    "--mode", metavar="MODE", help="training: a real training step per config (the default). inference: real generation per "
                    "config, its prefill and decode peaks against `estimate --mode inference` (matrices in "
                    "memplan/matrices/inference/).")]
 

@@ -184,7 +184,8 @@ def run_summary(run_dir: Path, lines: list, train: list, evals: list, starts: li
         per = ", ".join(f"{k} {v:.4f}" for k, v in e.eval_loss_by_source.items() if v is not None)
         if e.eval_loss is not None:
             summary["held-out loss"] = (f"{e.eval_loss:.4f} (perplexity {e.eval_ppl or math.inf:,.1f}) at "
-                                        f"step {e.step:,}" + (f"; {per}" if per else ""))
+                                        f"step {e.step:,}, over {e.eval_tokens:,} held-out tokens"
+                                        + (f"; {per}" if per else ""))
     steady = steady_figures(train)  # as `memplan train`'s summary prints them
     peak_pred = predicted.get("peak_reserved")
     if steady is not None and steady.peak_memory_bytes and peak_pred:

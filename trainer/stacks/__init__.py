@@ -33,6 +33,7 @@ import contextlib
 from dataclasses import dataclass
 
 from memplan.errors import InputError
+from memplan.units import possessive
 
 STACKS = ("memplan", "transformers", "litgpt", "torchtune")
 _MODULES = {"transformers": "hf", "litgpt": "litgpt", "torchtune": "torchtune"}  # trainer/stacks/<module>.py
@@ -137,7 +138,7 @@ def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_
         total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, device),
                                               torch.device(device).type, step_fn=step)
     return StepMemory(peak_allocated=total, breakdown=categories, params=sum(p.numel() for p in net.parameters()),
-                      method=f"{stack}'s model and step, MemTracker under FakeTensorMode ({device})")
+                      method=f"{possessive(stack)} model and step, MemTracker under FakeTensorMode ({device})")
 
 
 def measure_stack(stack: str, model: StackModel, setup, seed: int = 0, lora_dropout: float | None = None):
@@ -156,7 +157,7 @@ def measure_stack(stack: str, model: StackModel, setup, seed: int = 0, lora_drop
     total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, "cpu", gen),
                                           "cpu", step_fn=step)
     return StepMemory(peak_allocated=total, breakdown=categories, params=sum(p.numel() for p in net.parameters()),
-                      method=f"{stack}'s model and step, MemTracker on real tensors (cpu)")
+                      method=f"{possessive(stack)} model and step, MemTracker on real tensors (cpu)")
 
 
 
