@@ -311,6 +311,10 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
 
     if plan_path:
         p = Plan.load(plan_path)
+        if p.stack != "memplan":
+            raise InputError(f"--plan {plan_path}: a plan for --stack {p.stack}, whose own code trains it (`memplan "
+                             f"autotune --stack {p.stack} --emit DIR` writes its config); memplan train takes plans "
+                             "for its own trainer (accepted: a plan of `memplan autotune --stack memplan --out FILE`)")
         if p.model.vocab != prepared.vocab_size:
             if not quiet:
                 ui.say(f"[yellow]note[/]: the plan's model has vocab {p.model.vocab}; training with the data's "
