@@ -428,8 +428,9 @@ def check_emit(directory: str | Path, stack: str, lora: bool, force: bool) -> Pa
     if not force:
         existing = [n for n in writer.names(lora) if (directory / n).exists() or (directory / n).is_symlink()]
         if existing:
-            raise InputError(f"--emit: {', '.join(str(directory / n) for n in existing)} already exists; give "
-                             "--force to replace it, or another directory")
+            raise InputError(f"--emit: {', '.join(str(directory / n) for n in existing)} already "
+                             f"exist{'s' if len(existing) == 1 else ''}; give --force to replace "
+                             f"{'it' if len(existing) == 1 else 'them'}, or another directory")
     return directory
 
 

@@ -263,3 +263,12 @@ def test_emit_imports_no_torch():
     import subprocess
 
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_nothing_fits_emits_nothing_and_exits_3(tmp_path):
+    result, out, emitted = autotune_emit(tmp_path, "torchtune", "--budget", "64MiB")
+    assert result.exit_code == 3, result.output
+    assert json.loads(result.stdout)["emitted"] == []
+    assert not emitted.exists() or not any(emitted.iterdir())
+    with pytest.raises(InputError, match="holds no plan"):
+        Plan.load(out)

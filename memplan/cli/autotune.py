@@ -309,7 +309,7 @@ def _write_emit(emit: str, final, stack: str, files, force: bool, json: bool) ->
 
     paths = [str(p) for p in write(final, stack, emit, force=force, files=files)]
     if not json:
-        print(f"Wrote {', '.join(paths)} ({stack}'s own config)")
+        print(f"Wrote {', '.join(paths)} (the plan as {stack} takes it)")
     return paths
 
 
