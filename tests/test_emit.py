@@ -253,6 +253,9 @@ def test_a_plan_for_another_stack_is_not_trained_by_memplans_trainer(tmp_path):
     assert Plan.load(path).stack == "torchtune"
     with pytest.raises(InputError, match="a plan for --stack torchtune"):
         plan_from_flags(str(path), None, None, None, None, None)
+    line = one_line_error(run_cli("train", "--plan", str(path), "--out", str(tmp_path / "run")))
+    assert "a plan for --stack torchtune" in line and "--stack memplan --out FILE" in line
+    assert not (tmp_path / "run").exists()
     path.write_text(path.read_text().replace('stack = "torchtune"', 'stack = "keras"'))
     with pytest.raises(InputError, match="stack = 'keras' is not one memplan plans for"):
         Plan.load(path)
