@@ -280,16 +280,14 @@ class LitgptWriter(Writer):
                 init[name] = t[key]
         if "beta1" in t and "beta2" in t:
             init["betas"] = [t["beta1"], t["beta2"]]
-        data: dict = {}
-        data["precision"] = LIT_PRECISION[s.precision]
-        data["devices"] = s.world_size
-        if s.lora_rank:
-            data = {"checkpoint_dir": f"checkpoints/{plan.model.name or 'MODEL'}", **data,
+        model_config = lit_model_config(plan.model, s.ctx)  # also refuses a shape litgpt's GPT does not build
+        common = {"precision": LIT_PRECISION[s.precision], "devices": s.world_size}
+        if s.lora_rank:  # finetune_lora reads the model from its checkpoint directory
+            data = {"checkpoint_dir": f"checkpoints/{plan.model.name or 'MODEL'}", **common,
                     "lora_r": s.lora_rank, "lora_alpha": LIT_LORA_ALPHA, "lora_dropout": LIT_LORA_DROPOUT,
                     **lit_lora_flags(s.lora_targets)}
         else:
-            data = {"model_name": plan.model.name or f"memplan-{plan.model.arch}",
-                    "model_config": lit_model_config(plan.model, s.ctx), **data}
+            data = {"model_name": model_config["name"], "model_config": model_config, **common}
         data["train"] = train
         data["optimizer"] = {"class_path": "torch.optim.AdamW", "init_args": init} if init else "AdamW"
         return script, data

@@ -275,3 +275,12 @@ def test_nothing_fits_emits_nothing_and_exits_3(tmp_path):
     assert not emitted.exists() or not any(emitted.iterdir())
     with pytest.raises(InputError, match="holds no plan"):
         Plan.load(out)
+
+
+@pytest.mark.parametrize("stack, needle", [("litgpt", "accepted: llama, gpt_neox shapes"),
+                                           ("torchtune", "accepted: --arch llama")])
+def test_a_family_the_stack_does_not_build_is_refused(stack, needle):
+    gpt2 = ModelSpec(arch="gpt2", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=256, tied=True)
+    for lora in (0, 4):
+        with pytest.raises(InputError, match=needle):
+            render(plan_of(gpt2, precision="fp32", lora_rank=lora), stack)
