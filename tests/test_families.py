@@ -359,7 +359,6 @@ def test_autotune_cli_stack_transformers_plan_matches_estimate_stack_transformer
 
 @pytest.mark.parametrize("args,needles", [
     (["--stack", "nanogpt"], ["--stack", "memplan, transformers, litgpt, torchtune"]),
-    (["--stack", "transformers", "--out", "plan.toml"], ["--out", "--stack memplan"]),
     (["--stack", "transformers", "--verify"], ["--verify", "--stack memplan"]),
 ])
 def test_autotune_bad_stack_options_are_one_line_errors(tmp_path, args, needles):

@@ -172,6 +172,8 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
     given_setup = any(v is not None for k, v in setup_flags.items() if k != "ctx")
     if plan and (given_model or given_setup or ctx is not None):
         raise InputError("give --plan FILE or MODEL/SETUP options, not both")
+    if plan:  # a plan for another stack's code: refused before any data is prepared
+        memplan_plan(plan)
     if from_ is not None:
         if plan or given_model:
             raise InputError("--from: the checkpoint is the model; give --from or --plan / model options "
@@ -324,6 +326,19 @@ def check_plan_device(plan_path: str, profile, device_arg: str | None) -> None:
                      + f", or train this plan as it is with --device {made_for}")
 
 
+def memplan_plan(plan_path):
+    """The plan of ``--plan FILE``, or an InputError for one made for another stack's code (``autotune --stack
+    transformers|litgpt|torchtune --out``), which that library trains."""
+    from memplan.plan import Plan
+
+    p = Plan.load(plan_path)
+    if p.stack != "memplan":
+        raise InputError(f"--plan {plan_path}: a plan for --stack {p.stack}, whose own code trains it (`memplan "
+                         f"autotune --stack {p.stack} --emit DIR` writes its config); memplan train takes plans "
+                         "for its own trainer (accepted: a plan of `memplan autotune --stack memplan --out FILE`)")
+    return p
+
+
 def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, quiet: bool = False,
                      spec=None):
     """The plan of --plan FILE, or of MODEL and SETUP flags as given (no autotune); vocab from the data (``spec``:
@@ -333,7 +348,7 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
     from memplan.prediction import predict
 
     if plan_path:
-        p = Plan.load(plan_path)
+        p = memplan_plan(plan_path)
         if p.model.vocab != prepared.vocab_size:
             if not quiet:
                 ui.say(f"[yellow]note[/]: the plan's model has vocab {p.model.vocab}; training with the data's "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,12 @@ VerifyStepsOpt = Annotated[int, typer.Option(
 OutOpt = Annotated[Optional[str], typer.Option(
     "--out", metavar="PATH", help="Write the chosen plan as TOML (what `memplan train --plan` takes).", rich_help_panel=_A,
     show_default=False)]
+EmitOpt = Annotated[Optional[str], typer.Option(
+    "--emit", metavar="DIR", help="Write the chosen plan as the --stack library's own config into this directory (made if absent): "
+                   "training_args.json, lora_config.json (LoRA) and train.py for transformers, litgpt.yaml for "
+                   "litgpt, torchtune.yaml for torchtune.", rich_help_panel=_A, show_default=False)]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace files --emit would write that already exist.",
+                                        rich_help_panel=_A)]
 WorldSizeOpt = Annotated[str, typer.Option(
     "--world-size", metavar="N", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
                          "both tried.", rich_help_panel=_A)]
@@ -232,7 +239,8 @@ def autotune_command(
     ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
     budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
     verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
-    json: JsonOpt = False, threads: ThreadsOpt = None, stack: PlanStackOpt = "memplan",
+    json: JsonOpt = False, threads: ThreadsOpt = None, stack: PlanStackOpt = "memplan", emit: EmitOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
     plan that fits the memory budget at the global batch asked; --verify runs it for real."""
@@ -245,10 +253,13 @@ def autotune_command(
         _check_out(out)
     walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied))
     spec = walk.spec
-    if stack != "memplan" and (verify or out):
-        raise InputError(f"--{'verify' if verify else 'out'} runs (or writes a plan for) memplan's own trainer; "
-                         f"a plan for --stack {stack} is one for that library's step (accepted with --verify and --out: "
-                         "--stack memplan)")
+    if stack != "memplan" and verify:
+        raise InputError(f"--verify runs memplan's own trainer; a plan for --stack {stack} is one for that library's "
+                         "step (accepted with --verify: --stack memplan)")
+    if emit:  # the stack has a writer, DIR can be written, no file of it is replaced without --force
+        from memplan.emit import check_emit
+
+        check_emit(emit, stack, lora=False, force=force)
     dev, rates_note = local_device_from(device, device_memory, n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
@@ -263,18 +274,46 @@ def autotune_command(
 
     verification = _verify_here(result, dev, n_threads, verify_steps, json) if verify else None
     final = verification.plan if verification is not None else result.plan
+    if final is not None and stack != "memplan":
+        final = dataclasses.replace(final, stack=stack)  # the plan records whose code it is for
+    files = _render_emit(final, stack) if emit else None  # a setting the stack cannot express: nothing written
     if out:
         _write_out(out, final, result, verification, json)
+    emitted = _write_emit(emit, final, stack, files, force, json) if emit else None
     if json:
         data = result.to_json(verification)
         if stack != "memplan":  # memplan's own step: the JSON as it always was
             data["stack"] = stack
+        if emit:
+            data["emitted"] = emitted
         print_json(with_rates(data, rates_note))
     if final is None:  # answered, but there is nothing to train: a script must not go on
         raise typer.Exit(EXIT_NOTHING_FITS)
 
 
 PLAN_BYTES_AT_MOST = 16 << 10  # a plan's TOML: about 1 KiB (the model, the setup, the device, the predictions)
+
+
+def _render_emit(final, stack: str) -> dict[str, str] | None:
+    """--emit's files for the plan chosen (None when nothing fits), rendered before anything is written."""
+    if final is None:
+        return None
+    from memplan.emit import render
+
+    return render(final, stack)
+
+
+def _write_emit(emit: str, final, stack: str, files, force: bool, json: bool) -> list[str]:
+    """--emit: the stack's config written into ``emit``; nothing when nothing fits (said on stderr)."""
+    if final is None:
+        print(f"memplan: --emit skipped: nothing fits, so no {stack} config was written", file=sys.stderr)
+        return []
+    from memplan.emit import emit as write
+
+    paths = [str(p) for p in write(final, stack, emit, force=force, files=files)]
+    if not json:
+        print(f"Wrote {', '.join(paths)} (the plan as {stack} takes it)")
+    return paths
 
 
 def _check_out(out: str) -> None:

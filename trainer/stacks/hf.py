@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from memplan.emit import hf_lora_modules
 from memplan.errors import InputError
 from memplan.setup import TrainSetup
 from trainer.stacks import StackModel, require
@@ -30,23 +31,6 @@ STACK = "transformers"
 LIBRARY = "transformers"
 DEFAULT_LORA_ALPHA = 16.0
 PEFT_DEFAULT_DROPOUT = 0.0  # peft's LoraConfig.lora_dropout default
-
-# memplan's adapter targets (memplan.setup.LORA_TARGETS) as each family names the modules, for
-# peft's target_modules (a regex over the full module names)
-_TARGETS = {
-    "llama": {"qkv": ("q_proj", "k_proj", "v_proj"), "q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",),
-              "proj": ("o_proj",), "up": ("gate_proj", "up_proj"), "down": ("down_proj",), "head": ("lm_head",)},
-    "gpt2": {"qkv": ("attn.c_attn",), "proj": ("attn.c_proj",), "up": ("mlp.c_fc",), "down": ("mlp.c_proj",),
-             "head": ("lm_head",)},
-    "gpt_neox": {"qkv": ("query_key_value",), "proj": ("attention.dense",), "up": ("dense_h_to_4h",),
-                 "down": ("dense_4h_to_h",), "head": ("embed_out",)},
-    "phi": {"qkv": ("q_proj", "k_proj", "v_proj"), "q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",),
-            "proj": ("self_attn.dense",), "up": ("fc1",), "down": ("fc2",), "head": ("lm_head",)},
-    "phi3": {"qkv": ("qkv_proj",), "proj": ("o_proj",), "up": ("gate_up_proj",), "down": ("down_proj",),
-             "head": ("lm_head",)},
-}
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "stablelm", "olmo", "olmo2",
-               "smollm3", "granite")
 
 
 def config_dict(model: StackModel, setup: TrainSetup) -> dict:
@@ -145,17 +129,9 @@ def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None
 
 
 def lora_target_modules(model_type: str, targets: str) -> str:
-    """peft's ``target_modules``: a regex matching the modules of memplan's ``targets``."""
-    family = "llama" if model_type in _LLAMA_LIKE else model_type
-    names = _TARGETS.get(family)
-    if names is None:
-        raise InputError(f"--lora-rank with --stack transformers: no adapter targets known for model_type "
-                         f"{model_type!r} (accepted: {', '.join(sorted({*_LLAMA_LIKE, *_TARGETS}))})")
-    missing = [t for t in targets.split(",") if t not in names]
-    if missing:
-        raise InputError(f"--lora-targets {targets}: {model_type}'s attention is one fused matrix, which peft adapts "
-                         f"whole (accepted for {model_type}: {', '.join(names)})")
-    modules = [m for t in targets.split(",") for m in names[t]]
+    """peft's ``target_modules``: a regex matching the modules of memplan's ``targets``
+    (``memplan.emit.hf_lora_modules``)."""
+    modules = hf_lora_modules(model_type, targets)
     return r"(?:.*\.)?(" + "|".join(m.replace(".", r"\.") for m in modules) + ")$"  # lm_head: a top-level name
 
 
