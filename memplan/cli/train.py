@@ -558,7 +558,7 @@ class _ProgressView:
 def _print_summary(trainer, summary, sample) -> None:
     from rich.console import Console
 
-    from memplan.units import format_bytes, format_count, format_seconds
+    from memplan.units import format_bytes, format_count, format_seconds, measured
     from trainer.records import steady_figures
     from trainer.rundir import metric_records
 
@@ -578,7 +578,8 @@ def _print_summary(trainer, summary, sample) -> None:
     if summary.last_eval:
         e = summary.last_eval
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.eval_loss_by_source.items() if v is not None)
-        print_hanging(out, "  ", f"held-out loss {e.eval_loss:.4f}, perplexity {e.eval_ppl:,.1f}"
+        print_hanging(out, "  ", f"held-out loss {measured(e.eval_loss, '.4f')}, "
+                      f"perplexity {measured(e.eval_ppl, ',.1f')}"
                       + (f" ({per})" if per else ""))
     if figures is not None:
         meas = figures.peak_memory_bytes
@@ -595,7 +596,7 @@ def _print_summary(trainer, summary, sample) -> None:
                               f"model existed; {whose} {format_bytes(context)})")
         if figures.tokens_per_second is not None:
             print_hanging(out, "  throughput: ", f"{figures.tokens_per_second:,.0f} tokens/s (median), predicted "
-                          f"{pred.tokens_per_second:,.0f}; MFU {figures.mfu or 0.0:.1%}")
+                          f"{measured(pred.tokens_per_second, ',.0f')}; MFU {measured(figures.mfu, '.1%')}")
     if summary.checkpoint:
         print_hanging(out, "  checkpoint: ", str(summary.checkpoint))
     if summary.report:
