@@ -162,10 +162,11 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
     """
 
     from trainer.lora import frozen_params_tracked, lora_for
-    from trainer.measure import PeakTracker, StepMemory, _categories, _random_batches, _TermProbe
+    from trainer.measure import PeakTracker, StepMemory, _categories, _random_batches, _TermProbe, traced_accumulation
     from trainer.model import apply_checkpointing, build_model
     from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
+    asked, setup = setup, (traced_accumulation(setup) if fake else setup)  # fake: the peak of N is the second's
     torch.manual_seed(seed)
     set_matmul_precision(setup.precision)
     mesh = None
@@ -213,8 +214,10 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
         terms = probe.finish() if probe is not None else {}
     total = int(snapshot.get("Total", sum(snapshot.values())))
     method = "MemTracker under FakeTensorMode, fake process group" if fake else "MemTracker on real tensors, gloo"
-    return StepMemory(peak_allocated=total, breakdown=_categories(snapshot), terms=terms,
-                      method=f"{method} (rank {dist.get_rank()})")
+    from trainer.measure import with_untraced_inputs
+
+    return with_untraced_inputs(StepMemory(peak_allocated=total, breakdown=_categories(snapshot), terms=terms,
+                                           method=f"{method} (rank {dist.get_rank()})"), asked, device.type)
 
 
 def trace_rank_step(spec, setup: TrainSetup, rank: int = 0, device: str = "cpu"):
