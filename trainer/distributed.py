@@ -300,6 +300,56 @@ def barrier() -> None:
         dist.barrier()
 
 
+SAVE_TIMEOUT = TIMEOUT  # the longest a rank waits for the others at each step of a checkpoint save
+_save_group = None
+
+
+def _outcome_group():
+    """A gloo group of every rank (made once, by every rank at its first save) whose collectives time out
+    after ``SAVE_TIMEOUT``: the outcomes ``settle`` exchanges are small CPU objects, whatever the backend."""
+    global _save_group
+    if _save_group is None:
+        _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
+    return _save_group
+
+
+def settle(what: str, error: BaseException | None) -> None:
+    """Every rank's outcome of the part ``what`` of a save, exchanged (a barrier that carries errors): where
+    one rank failed, every rank stops with one line naming it and its cause (``RankFailed``; the failing
+    rank raises its own error, so a full disk stays ``DiskFull``); a rank that never answers ends the others
+    after ``SAVE_TIMEOUT``. In a single process, ``error`` is raised as it is."""
+    from memplan.fsutil import no_space
+    from trainer.stopping import RankFailed, TrainingStopped
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None
+    if error is not None:
+        text = " ".join(str(error).split())[:300]
+        mine = text if isinstance(error, TrainingStopped) else f"{type(error).__name__}: {text}"
+    outcomes: list = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(outcomes, mine, group=_outcome_group())
+    except Exception as e:  # gloo's timeout, or a peer that closed its connection (it exited)
+        if error is not None:
+            raise error
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
+        raise RankFailed(f"{what}: rank {dist.get_rank()} heard from no other rank within {SAVE_TIMEOUT} "
+                         f"({first}); another rank failed or hung") from None
+    failed = [(rank, cause) for rank, cause in enumerate(outcomes) if cause]
+    if error is not None:  # its own error where it is one line already (a full disk becomes DiskFull)
+        if isinstance(error, TrainingStopped) or no_space(error) is not None:
+            raise error
+        raise RankFailed(f"{what}: rank {dist.get_rank()} failed: {mine}") from error
+    if failed:
+        rank, cause = failed[0]
+        raise RankFailed(f"{what}: rank {rank} failed: {cause}" + (f" (and {len(failed) - 1} more rank"
+                                                                  f"{'s' if len(failed) > 2 else ''})"
+                                                                  if len(failed) > 1 else ""))
+
+
 def from_rank0(obj):
     """Rank 0's ``obj`` in every rank (itself in a single process): for what must be the same
     everywhere but is decided by time or measurement (a plan autotuned on a timed matmul, a run
