@@ -88,19 +88,26 @@ def main() -> None:
         many = root / "many.txt"
         docs = [" ".join(words[i:i + 200]) for i in range(0, len(words), 200)]
         many.write_text("<|endoftext|>".join(docs), encoding="utf-8")
+        record = root / "one.jsonl"  # the same text as one .jsonl record (issue 29): read in pieces too
+        import json
+
+        record.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
         del text, words
         from trainer.data import DOC_CHUNK_CHARS
 
         print(f"{len(docs):,} documents of ~{os.path.getsize(many) // len(docs):,} characters vs one of "
               f"{os.path.getsize(one):,} with no newline; pieces of {DOC_CHUNK_CHARS:,} characters")
         rows = []
-        for name, src in (("one document", one), (f"{len(docs):,} documents", many)):
+        for name, src in (("one document", one), (f"{len(docs):,} documents", many), ("one .jsonl record", record)):
             kib, seconds = peak_of_prepare(src, root / f"out-{src.stem}")
             rows.append((name, kib, seconds))
             print(f"  {name:>18}: peak RSS {kib / 1024:8.1f} MiB  ({seconds:.1f} s)")
         diff = rows[0][1] - rows[1][1]
         per_char = diff * 1024 / DOC_CHUNK_CHARS
         print(f"difference: {diff / 1024:+.1f} MiB ({per_char:+.0f} bytes per character of a piece)")
+        record_diff = rows[2][1] - rows[1][1]
+        print(f"one .jsonl record against the many documents: {record_diff / 1024:+.1f} MiB "
+              f"({record_diff * 1024 / (args.size_mb * 1e6):+.1f} bytes per character of the record)")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -140,6 +140,18 @@ def format_count(n: float) -> str:
     return f"{int(n)}"
 
 
+NOT_MEASURED = "not measured"
+
+
+def measured(value, spec: str = "") -> str:
+    """``value`` formatted by ``spec`` (``format(value, spec)``), or "not measured" where a figure is missing:
+    None, NaN or infinite (a held-out loss that overflowed its perplexity, a step that measured no rate).
+    Every summary, report and log line formats its figures through this, so none crashes on a missing one."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return NOT_MEASURED
+    return format(value, spec)
+
+
 def format_seconds(s: float | None) -> str:
     """``850 ms``, ``12.3 s``, ``4.2 min``, ``3.1 h``, ``12.5 days``."""
     if s is None:

@@ -113,24 +113,36 @@ class CheckpointManager:
         export read), the rest of the state, the meta, and renames it into place."""
         directory = self.directory
         tmp = distributed.from_rank0(ckpt.temporary_dir(directory, step))
+        what = f"checkpoint step {step}"
+        error = None
         if self.dist.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-            ckpt.clean_leftovers(directory)
-            (tmp / distributed.SHARDED_DIR).mkdir(parents=True)
-        distributed.barrier()
-        distributed.save_sharded(tmp / distributed.SHARDED_DIR, wrapped, optimizer)
-        weights = distributed.full_weights(wrapped)
-        distributed.barrier()
-        path = directory / ckpt.checkpoint_name(step)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                ckpt.clean_leftovers(directory)
+                (tmp / distributed.SHARDED_DIR).mkdir(parents=True)
+            except Exception as e:
+                error = e
+        distributed.settle(what, error)  # each part ends with every rank's outcome: one failure stops all
+        error = weights = None
+        try:
+            distributed.save_sharded(tmp / distributed.SHARDED_DIR, wrapped, optimizer)
+            weights = distributed.full_weights(wrapped)
+        except Exception as e:
+            error = e
+        distributed.settle(what, error)
+        path, error = directory / ckpt.checkpoint_name(step), None
         if self.dist.is_main:
-            weights = {ckpt.canonical_name(k): v.contiguous() for k, v in weights.items()
-                       if not (tied and k == "head.weight")}  # tied: stored once, as the model's
-            state = {k: v for k, v in state().items() if k != "optimizer"}
-            meta = {**meta(), "distributed": {"world_size": self.dist.world_size, "sharding": sharding,
-                                            "sharded": distributed.SHARDED_DIR}}
-            path = ckpt.save_checkpoint(directory, step, None, state, meta, keep=self.keep,
-                                        extra_files=extra, weights=weights, tmp=tmp)
-        distributed.barrier()
+            try:
+                weights = {ckpt.canonical_name(k): v.contiguous() for k, v in weights.items()
+                           if not (tied and k == "head.weight")}  # tied: stored once, as the model's
+                state = {k: v for k, v in state().items() if k != "optimizer"}
+                meta = {**meta(), "distributed": {"world_size": self.dist.world_size, "sharding": sharding,
+                                                "sharded": distributed.SHARDED_DIR}}
+                path = ckpt.save_checkpoint(directory, step, None, state, meta, keep=self.keep,
+                                            extra_files=extra, weights=weights, tmp=tmp)
+            except Exception as e:
+                error = e
+        distributed.settle(what, error)
         return path
 
     def load(self, path: Path, *, model: torch.nn.Module, wrapped: torch.nn.Module, optimizer, device,

@@ -527,11 +527,30 @@ def _read_txt(path: Path, text_field: str, chunk_chars: int = 0) -> Iterator["st
         yield from documents_of_stream(iter(lambda: f.read(limit), ""), limit)
 
 
+def pieces_of_text(text: str, limit: int) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``limit`` characters, each cut by ``cut_point``, sliced by
+    position (no copy of the rest per piece: ``split_text``'s would be quadratic in a 50 MB record)."""
+    start, n = 0, len(text)
+    while n - start > limit:
+        p = cut_point(text[start:start + limit + 1], limit)
+        yield text[start:start + p]
+        start += p
+    if start < n:
+        yield text[start:]
+
+
+def as_document(text: str, limit: int = DOC_CHUNK_CHARS) -> "str | LongDocument":
+    """A record's text (.jsonl, .parquet, hf:) as a document: itself, or, longer than ``limit`` characters,
+    a ``LongDocument`` of its pieces, so that it is cleaned, staged and tokenized in pieces as a long .txt
+    document is, instead of whole (one 50 MB record cost its size many times over)."""
+    return text if len(text) <= limit else LongDocument(pieces_of_text(text, limit))
+
+
 def _nonblank(texts: Iterable[str]) -> Iterator[str]:
     return (t for t in texts if t.strip())
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def _read_jsonl(path: Path, text_field: str) -> Iterator["str | LongDocument"]:
     """One JSON object per line; the document is its ``text_field``. Blank lines are skipped."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
@@ -552,10 +571,11 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
             if not isinstance(value, str):
                 raise InputError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, not text; "
                                  "name the text field with --text-field")
-            yield value
+            del line, record  # the record's text alone is held while its pieces are read
+            yield as_document(value)
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _read_parquet(path: Path, text_field: str) -> Iterator["str | LongDocument"]:
     pq = _pyarrow_parquet(path)
     try:
         pf = pq.ParquetFile(path)
@@ -569,7 +589,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
         for value in batch.column(0).to_pylist():
             if value is not None and not isinstance(value, str):
                 raise InputError(f"{path}: column {text_field!r} is not text; name the text column with --text-field")
-            yield value or ""
+            yield as_document(value or "")
 
 
 def _pyarrow_parquet(path):
@@ -591,7 +611,8 @@ def _read_hf(name: str, split: str, text_field: str) -> Iterator[str]:
             if text_field not in record:
                 raise InputError(f"hf:{name}: no {text_field!r} field (has: {', '.join(record)}); "
                                  "name the text field with --text-field")
-            yield record[text_field] or ""
+            value = record[text_field] or ""
+            yield as_document(value) if isinstance(value, str) else value
     except InputError:
         raise
     except Exception as e:

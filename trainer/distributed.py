@@ -162,10 +162,11 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
     """
 
     from trainer.lora import frozen_params_tracked, lora_for
-    from trainer.measure import PeakTracker, StepMemory, _categories, _random_batches, _TermProbe
+    from trainer.measure import PeakTracker, StepMemory, _categories, _random_batches, _TermProbe, traced_accumulation
     from trainer.model import apply_checkpointing, build_model
     from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
+    asked, setup = setup, (traced_accumulation(setup) if fake else setup)  # fake: the peak of N is the second's
     torch.manual_seed(seed)
     set_matmul_precision(setup.precision)
     mesh = None
@@ -213,8 +214,10 @@ def _rank_step_memory(spec, setup: TrainSetup, device: torch.device, seed: int =
         terms = probe.finish() if probe is not None else {}
     total = int(snapshot.get("Total", sum(snapshot.values())))
     method = "MemTracker under FakeTensorMode, fake process group" if fake else "MemTracker on real tensors, gloo"
-    return StepMemory(peak_allocated=total, breakdown=_categories(snapshot), terms=terms,
-                      method=f"{method} (rank {dist.get_rank()})")
+    from trainer.measure import with_untraced_inputs
+
+    return with_untraced_inputs(StepMemory(peak_allocated=total, breakdown=_categories(snapshot), terms=terms,
+                                           method=f"{method} (rank {dist.get_rank()})"), asked, device.type)
 
 
 def trace_rank_step(spec, setup: TrainSetup, rank: int = 0, device: str = "cpu"):
@@ -295,6 +298,56 @@ def measure_ranks(configs: list, world_size: int, progress=None) -> list[list]:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+SAVE_TIMEOUT = TIMEOUT  # the longest a rank waits for the others at each step of a checkpoint save
+_save_group = None
+
+
+def _outcome_group():
+    """A gloo group of every rank (made once, by every rank at its first save) whose collectives time out
+    after ``SAVE_TIMEOUT``: the outcomes ``settle`` exchanges are small CPU objects, whatever the backend."""
+    global _save_group
+    if _save_group is None:
+        _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
+    return _save_group
+
+
+def settle(what: str, error: BaseException | None) -> None:
+    """Every rank's outcome of the part ``what`` of a save, exchanged (a barrier that carries errors): where
+    one rank failed, every rank stops with one line naming it and its cause (``RankFailed``; the failing
+    rank raises its own error, so a full disk stays ``DiskFull``); a rank that never answers ends the others
+    after ``SAVE_TIMEOUT``. In a single process, ``error`` is raised as it is."""
+    from memplan.fsutil import no_space
+    from trainer.stopping import RankFailed, TrainingStopped
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None
+    if error is not None:
+        text = " ".join(str(error).split())[:300]
+        mine = text if isinstance(error, TrainingStopped) else f"{type(error).__name__}: {text}"
+    outcomes: list = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(outcomes, mine, group=_outcome_group())
+    except Exception as e:  # gloo's timeout, or a peer that closed its connection (it exited)
+        if error is not None:
+            raise error
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
+        raise RankFailed(f"{what}: rank {dist.get_rank()} heard from no other rank within {SAVE_TIMEOUT} "
+                         f"({first}); another rank failed or hung") from None
+    failed = [(rank, cause) for rank, cause in enumerate(outcomes) if cause]
+    if error is not None:  # its own error where it is one line already (a full disk becomes DiskFull)
+        if isinstance(error, TrainingStopped) or no_space(error) is not None:
+            raise error
+        raise RankFailed(f"{what}: rank {dist.get_rank()} failed: {mine}") from error
+    if failed:
+        rank, cause = failed[0]
+        raise RankFailed(f"{what}: rank {rank} failed: {cause}" + (f" (and {len(failed) - 1} more rank"
+                                                                  f"{'s' if len(failed) > 2 else ''})"
+                                                                  if len(failed) > 1 else ""))
 
 
 def from_rank0(obj):

@@ -164,6 +164,24 @@ def _check_same_base(req: FinetuneRequest, ft: dict, out_dir: Path) -> None:
                          f"resume it with {recorded_flag} {ft.get('base_run')}")
 
 
+def check_one_row_fits(spec, ctx: int, precision: str, profile, lora_rank: int = 0) -> None:
+    """Refuse a --ctx at which even the leanest step (one row, full checkpointing, with LoRA if asked) is
+    predicted not to fit the device, before the data is cut into rows of ctx + 1 tokens (an int64 and a bool
+    tensor each: --ctx 1000000000 allocated 9 GB for them before any check)."""
+    from memplan.plan import Plan
+    from memplan.setup import TrainSetup
+    from memplan.units import format_bytes
+    from trainer.checkpoints import predicted_for
+
+    spec.check_context(ctx)
+    lean = TrainSetup(ctx=ctx, micro_batch=1, precision=precision, checkpointing="full", lora_rank=lora_rank)
+    peak = predicted_for(Plan(model=spec, setup=lean, device=profile.name), profile).peak_reserved
+    if peak > profile.usable_bytes:
+        raise InputError(f"--ctx {ctx:,}: even one row of {ctx:,} tokens is predicted to need {format_bytes(peak)} "
+                         f"(micro-batch 1, --checkpointing full) but {profile.name} has "
+                         f"{format_bytes(profile.usable_bytes)} usable; use a shorter --ctx")
+
+
 def _base_and_data(req: FinetuneRequest, profile, say):
     """The instruction data tokenized for the base, the base's model spec and the precision to train it in."""
     from trainer.finetune import base_of, base_of_hf, load_sft
@@ -171,6 +189,7 @@ def _base_and_data(req: FinetuneRequest, profile, say):
     if req.run is not None:
         base_plan, tokenizer, tok, base_ckpt = base_of(req.run)
         ctx = req.ctx or base_plan.setup.ctx
+        check_one_row_fits(base_plan.model, ctx, req.precision or base_plan.setup.precision, profile, req.lora_rank)
         sft = load_sft(req.data, tokenizer, tok, ctx=ctx, template=req.template, packing=req.packing,
                        base_checkpoint=base_ckpt, base_run=Path(req.run), lora_alpha=req.lora_alpha)
         return sft, base_plan.model, req.precision or base_plan.setup.precision

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from memplan.errors import InputError
 from trainer.model import Transformer, apply_rotary, sdpa_takes_gqa
+from trainer.sample import NonFiniteLogits, finite_logits
 from trainer.step import autocast
 
 REPETITION_NGRAM = 4  # the repetition score counts repeated 4-grams of the output
@@ -87,7 +88,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_seconds: float = 0.0  # the prompt's forward (and its context shifts' re-prefills)
     decode_seconds: float = 0.0  # the one-token forwards and the sampling
-    stopped: str = ""  # eot | max_new_tokens
+    stopped: str = ""  # eot | max_new_tokens | nonfinite (the logits left no token to choose: NaN weights)
     context_shifts: int = 0  # times the window was full and its newest half re-prefilled
     output_ids: list[int] = field(default_factory=list)
 
@@ -250,11 +251,12 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float | N
 
 def choose(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor,
            generator: torch.Generator | None) -> torch.Tensor:
-    """The next token of each row (B,) from fp32 logits (B, vocab)."""
+    """The next token of each row (B,) from fp32 logits (B, vocab); non-finite logits are guarded
+    (``trainer.sample.finite_logits``: ``NonFiniteLogits`` where a row has nothing left to choose)."""
     logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
     if config.greedy:
-        return logits.argmax(dim=-1)
-    logits = filter_top_k_top_p(logits / config.temperature, config.top_k, config.top_p)
+        return finite_logits(logits).argmax(dim=-1)
+    logits = filter_top_k_top_p(finite_logits(logits / config.temperature), config.top_k, config.top_p)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
@@ -315,7 +317,12 @@ def generate_ids(model: Transformer, prompt_ids: list[list[int]] | list[int], co
     logits = prefill(ids[:, -(window - 1):] if ids.shape[1] >= window else ids)
     for step in range(config.max_new_tokens):
         t0 = time.perf_counter()
-        nxt = choose(logits, config, ids, generator)  # (B,)
+        try:
+            nxt = choose(logits, config, ids, generator)  # (B,)
+        except NonFiniteLogits:
+            stats.decode_seconds += time.perf_counter() - t0
+            stats.stopped = "nonfinite"
+            return
         if single and config.stop_at_eot and eot_id is not None and int(nxt[0]) == eot_id:
             stats.decode_seconds += time.perf_counter() - t0
             stats.stopped = "eot"
@@ -341,9 +348,10 @@ def generate_ids(model: Transformer, prompt_ids: list[list[int]] | list[int], co
 
 
 def generate_text(model: Transformer, tokenizer, prompt: str, config: SamplingConfig, *, window: int,
-                  precision: str = "fp32", on_text: Callable[[str], None] | None = None
-                  ) -> tuple[str, GenerationStats]:
-    """The prompt's continuation as text, and the stats; ``on_text(piece)`` receives it as it streams.
+                  precision: str = "fp32", on_text: Callable[[str], None] | None = None,
+                  on_token: Callable[[GenerationStats], None] | None = None) -> tuple[str, GenerationStats]:
+    """The prompt's continuation as text, and the stats; ``on_text(piece)`` receives it as it streams, and
+    ``on_token(stats)`` is called after each new token (progress of a long generation).
 
     An empty prompt starts a new document (the end-of-text token the corpus separates documents with).
     Streaming decodes everything generated so far at each step and passes on only what is new and
@@ -357,6 +365,8 @@ def generate_text(model: Transformer, tokenizer, prompt: str, config: SamplingCo
     for token in generate_ids(model, prompt_ids, config, window=window, eot_id=tokenizer.eot_id,
                               precision=precision, stats=stats):
         out.append(token[0])
+        if on_token is not None:
+            on_token(stats)
         if on_text is not None:
             text = tokenizer.decode(out)
             if not text.endswith("\ufffd") and len(text) > shown:

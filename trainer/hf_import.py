@@ -392,10 +392,13 @@ class _Files:
         return out
 
 
-def read_weights(directory: Path, spec: ModelSpec) -> tuple[dict[str, torch.Tensor], str]:
-    """The canonical tensors of a checkpoint, every name and shape checked first; and the stored dtype."""
+def read_weights(directory: Path, spec: ModelSpec, notes: list | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    """The canonical tensors of a checkpoint, every name, shape, dtype and value checked first
+    (``trainer.weights_guard``); and their dtype."""
+    from trainer import weights_guard
+
     files, expected, rename, head = check_weights(directory, spec)
-    raw = files.read([rename.get(k, k) for k in expected])
+    raw = weights_guard.checked(files.read([rename.get(k, k) for k in expected]), directory, notes)
     hf = {k: raw[rename.get(k, k)] for k in expected}
     tensors = {e.target: _combine(e, [hf[n] for n, _ in e.sources], spec) for e in _layout(spec)}
     if not spec.tied:
@@ -408,7 +411,10 @@ def check_weights(directory: Path, spec: ModelSpec):
     """Every tensor of the checkpoint's safetensors headers checked by name and shape against ``spec``, no
     data read: (files, expected HF names and shapes, renames of a prefix-less base model, the head's name);
     a missing, extra or misshapen tensor is an InputError naming it."""
+    from trainer import weights_guard
+
     files = _Files(directory)
+    weights_guard.check_dtypes(files, directory)  # floats only, by the headers (no data read)
     layout = _layout(spec)
     expected = {name: shape for e in layout for name, shape in e.sources}
     prefix = BASE_PREFIX[spec.arch]
@@ -495,6 +501,6 @@ def import_hf(text: str | Path) -> ImportedModel:
     directory = resolve_checkpoint(str(text))
     model_type, spec, cfg, max_ctx, notes = read_spec(directory)
     tokenizer, record = read_tokenizer(directory, cfg, spec)
-    tensors, dtype = read_weights(directory, spec)
+    tensors, dtype = read_weights(directory, spec, notes)
     return ImportedModel(path=directory, model_type=model_type, spec=spec, tensors=tensors, tokenizer=tokenizer,
                          tokenizer_record=record, dtype=dtype, max_ctx=max_ctx, notes=tuple(notes))

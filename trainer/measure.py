@@ -114,6 +114,97 @@ def _remove_when_backward_ends(handle, grad):
     torch.autograd.Variable._execution_engine.queue_callback(handle.remove)
 
 
+TRACED_ACCUMULATION = 2  # micro-batches a traced step takes at most, whatever --grad-accum says
+
+
+def traced_accumulation(setup: TrainSetup) -> TrainSetup:
+    """``setup`` with at most ``TRACED_ACCUMULATION`` micro-batches per step, for a trace on fake tensors: the
+    first micro-batch runs without gradients, every later one with the gradients the earlier left, so the
+    second is the largest and a third repeats it exactly; tracing N micro-batches would cost N times as long
+    (``--grad-accum 1000000`` never ended) for one figure more, added back by ``with_untraced_inputs``."""
+    return setup if setup.grad_accum <= TRACED_ACCUMULATION else setup.replace(grad_accum=TRACED_ACCUMULATION)
+
+
+def with_untraced_inputs(memory: "StepMemory", setup: TrainSetup, device_type: str) -> "StepMemory":
+    """A trace of ``traced_accumulation(setup)`` as the trace of ``setup``: a step makes all its micro-batches'
+    token ids and targets before the first forward (int64, (micro_batch, ctx) each, live through the step;
+    MemTracker counts them as activations), so each micro-batch not traced adds 2 of them to the peak:
+    (grad_accum - TRACED_ACCUMULATION) · 2 · round_up(micro_batch · ctx · 8, block), block 512 bytes for the
+    CUDA caching allocator, else 1."""
+    import dataclasses
+
+    missing = setup.grad_accum - traced_accumulation(setup).grad_accum
+    if missing <= 0:
+        return memory
+    block = 512 if device_type in ("cuda", "rocm") else 1
+    one = -(-setup.micro_batch * setup.ctx * 8 // block) * block
+    extra = missing * 2 * one
+    breakdown = {**memory.breakdown, "activations": memory.breakdown.get("activations", 0) + extra}
+    return dataclasses.replace(memory, peak_allocated=memory.peak_allocated + extra, breakdown=breakdown)
+
+
+# A deep model's trace costs time in proportion to its layers (FakeTensor and MemTracker dispatch every op: about
+# 0.43 s a layer for a 22M-parameter shape on one core, so --layers 1000 ran past 5 minutes). Above
+# PROBE_ABOVE_LAYERS layers the time is predicted from two shallow traces of the same shape and setup, timed here
+# (PROBE_LAYERS), and a trace predicted to take longer than TRACE_SECONDS_LIMIT is refused in one line.
+TRACE_SECONDS_LIMIT = 180.0
+TRACE_SECONDS_ENV = "MEMPLAN_TRACE_SECONDS"  # overrides the limit
+PROBE_ABOVE_LAYERS = 48
+PROBE_LAYERS = (1, 3)
+
+
+def trace_seconds_limit() -> float:
+    """The longest a trace may be predicted to take: ``MEMPLAN_TRACE_SECONDS`` when set, else the default."""
+    import math
+    import os
+
+    text = os.environ.get(TRACE_SECONDS_ENV, "").strip()
+    if not text:
+        return TRACE_SECONDS_LIMIT
+    from memplan.errors import InputError
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise InputError(f"{TRACE_SECONDS_ENV}={text!r:.40}: not a number of seconds; accepted: a positive number")
+    return value
+
+
+def predicted_trace_seconds(spec: ModelSpec, setup: TrainSetup, tracer: Callable) -> float:
+    """Seconds ``tracer(spec, setup)`` is predicted to take: fixed + per_layer · layers, from timed traces of
+    the same shape with ``PROBE_LAYERS`` layers (per_layer: their difference per layer; fixed: the rest)."""
+    import dataclasses
+
+    lo, hi = PROBE_LAYERS
+    times = []
+    for n in (lo, hi):
+        t0 = time.perf_counter()
+        tracer(dataclasses.replace(spec, layers=n), setup)
+        times.append(time.perf_counter() - t0)
+    per_layer = max((times[1] - times[0]) / (hi - lo), times[1] / hi / 4)  # noise never makes a layer free
+    fixed = max(0.0, times[0] - per_layer * lo)
+    return fixed + per_layer * spec.layers
+
+
+def check_trace_time(spec: ModelSpec, setup: TrainSetup, tracer: Callable, what: str = "trace") -> None:
+    """Refuse, in one line giving the predicted time and how to proceed, a trace of more than
+    ``PROBE_ABOVE_LAYERS`` layers predicted (``predicted_trace_seconds``) to take longer than the limit."""
+    if spec.layers <= PROBE_ABOVE_LAYERS:
+        return
+    from memplan.errors import InputError
+    from memplan.units import format_seconds
+
+    limit = trace_seconds_limit()
+    predicted = predicted_trace_seconds(spec, setup, tracer)
+    if predicted > limit:
+        raise InputError(f"--layers {spec.layers}: the {what} is predicted to take {format_seconds(predicted)} "
+                         f"(its cost grows with every layer), beyond {format_seconds(limit)}; `memplan estimate` "
+                         "with the same flags answers in a second, or trace fewer layers, or allow it with "
+                         f"{TRACE_SECONDS_ENV}={int(predicted * 1.5) + 1}")
+
+
 def _random_batches(spec: ModelSpec, setup: TrainSetup, device, generator: torch.Generator | None = None):
     return _random_ids(spec.vocab, setup, device, generator)
 
@@ -228,13 +319,16 @@ def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda") -> Step
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    asked, setup = setup, traced_accumulation(setup)
     set_matmul_precision(setup.precision)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device):
         model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device), setup)
         optimizer = make_optimizer(model, setup.optimizer)
         total, categories, _ = _tracked_steps(model, optimizer, setup,
                                               lambda: _random_batches(spec, setup, device), torch.device(device).type)
-    return StepMemory(peak_allocated=total, breakdown=categories, method=f"MemTracker under FakeTensorMode ({device})")
+    return with_untraced_inputs(StepMemory(peak_allocated=total, breakdown=categories,
+                                           method=f"MemTracker under FakeTensorMode ({device})"),
+                                asked, torch.device(device).type)
 
 
 def _rss_sampler(stop: threading.Event, out: list[int], interval: float = 0.002) -> None:

@@ -15,12 +15,35 @@ import torch
 from trainer.step import autocast
 
 
+class NonFiniteLogits(Exception):
+    """No token can be chosen: every logit of a row is NaN or -inf (the model's weights or activations are not
+    finite: a diverged run, an fp16 overflow, a corrupt checkpoint)."""
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` (..., vocab) made safe for softmax and arg-max, as the last step before either: NaN is -inf
+    (never chosen); in a row holding +inf, the +inf entries alone are candidates, equally likely (softmax of
+    inf is NaN). A row left with no candidate raises ``NonFiniteLogits``. Finite logits are returned as they
+    are (one isfinite pass)."""
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return logits
+    ninf = torch.full_like(logits, float("-inf"))
+    pos = logits == float("inf")
+    cleaned = torch.where(finite, logits, ninf)
+    cleaned = torch.where(pos.any(dim=-1, keepdim=True), torch.where(pos, torch.zeros_like(logits), ninf), cleaned)
+    if not bool((cleaned > float("-inf")).any(dim=-1).all()):
+        raise NonFiniteLogits("every logit is NaN or -inf")
+    return cleaned
+
+
 @torch.no_grad()
 def sample_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, *, ctx: int,
                greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
                generator: torch.Generator | None = None, stop_id: int | None = None,
                precision: str = "fp32") -> list[int]:
-    """The ids that follow ``prompt_ids`` (the prompt not included); stops early at ``stop_id``.
+    """The ids that follow ``prompt_ids`` (the prompt not included); stops early at ``stop_id``, or where the
+    logits leave nothing to choose (all NaN: ``finite_logits``).
 
     Greedy takes the most likely token; otherwise logits / temperature, cut to the ``top_k``
     largest, then one draw from the softmax with ``generator``.
@@ -39,10 +62,13 @@ def sample_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: in
             window = ids[:, -ctx:]
             with autocast(precision, device.type):
                 logits = model(window)[0, -1].float()  # (vocab,)
+            try:
+                logits = finite_logits(logits if greedy else logits / temperature)
+            except NonFiniteLogits:  # nothing to choose from: the sample ends here
+                break
             if greedy:
                 nxt = int(torch.argmax(logits))
             else:
-                logits = logits / temperature
                 if top_k is not None and top_k < logits.numel():
                     kth = torch.topk(logits, top_k).values[-1]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

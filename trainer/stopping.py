@@ -31,6 +31,12 @@ class DiskFull(TrainingStopped):
     full. The message is one line naming the file; the unfinished checkpoint is gone, earlier ones stay."""
 
 
+class RankFailed(TrainingStopped):
+    """A rank of a distributed run failed in a part of a checkpoint save, or did not answer within the save's
+    timeout (``trainer.distributed.settle``): every rank stops with this one line, naming the rank and the cause,
+    instead of waiting in a collective for a rank that will never come."""
+
+
 def out_of_memory(e: BaseException) -> str | None:
     """The first line of ``e`` (at most 300 characters) when it says the device ran out of memory
     (``trainer.verify.is_out_of_memory``: a GPU's ``torch.OutOfMemoryError``; on a CPU the allocator's

@@ -9,6 +9,7 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.options import SEED_MAX, ThreadsOpt, threads_from, use_threads
+from memplan.errors import InputError
 from memplan.units import parse_float, parse_int
 
 _G = "Generation"
@@ -32,9 +33,49 @@ RepetitionOpt = Annotated[str, typer.Option("--repetition-penalty", metavar="X",
                                             "by this (1: off; 1.1-1.3 breaks loops).", rich_help_panel=_G)]
 SeedOpt = Annotated[str, typer.Option("--seed", metavar="N", help="Seed of the sampling, 0 to 4294967295 (same seed, same text).",
                                       rich_help_panel=_G)]
+SlidingOpt = Annotated[bool, typer.Option(
+    "--sliding-window", help="Go on past the model's context window: when it is full its newest half is kept "
+    "(without it, a prompt and --max-new-tokens beyond the window are refused).", rich_help_panel=_G)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print {text, stats} as JSON instead of streaming.")]
 
 LOOP_WARNING = 0.5  # a repetition score above this is called out: the output loops
+PROGRESS_SECONDS = 10.0  # a generation running longer says its progress and rate on stderr this often
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int, window: int, sliding: bool) -> None:
+    """Refuse a generation beyond the model's context window unless ``--sliding-window`` asks for one."""
+    if not sliding and prompt_tokens + max_new_tokens > window:
+        room = max(0, window - prompt_tokens)
+        raise InputError(f"--max-new-tokens {max_new_tokens:,}: the prompt ({prompt_tokens:,} tokens) and "
+                         f"{max_new_tokens:,} new tokens exceed the model's context window of {window:,} tokens; "
+                         f"use --max-new-tokens {room:,} or less, or --sliding-window to go on past it (its newest "
+                         "half kept each time it is full)")
+
+
+class Progress:
+    """``on_token`` for a long generation: every ``PROGRESS_SECONDS`` a line on stderr with the tokens so far,
+    the rate and the time left at that rate."""
+
+    def __init__(self, err, total: int, streaming: bool):
+        import time
+
+        self.err, self.total, self.streaming = err, total, streaming
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, stats) -> None:
+        import time
+
+        from memplan.units import format_seconds
+
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_SECONDS:
+            return
+        self.last = now
+        rate = stats.new_tokens / max(now - self.start, 1e-9)
+        left = (self.total - stats.new_tokens) / rate if rate > 0 else None
+        self.err.print(("\n" if self.streaming else "") + f"[dim]generating: {stats.new_tokens:,} of "
+                       f"{self.total:,} tokens, {rate:,.1f} tokens/s, {format_seconds(left)} left at this rate[/]",
+                       soft_wrap=True)
 
 
 def inference_precision(plan_precision: str, device_type: str) -> str:
@@ -50,7 +91,7 @@ def generate_command(
     run: RunOpt, prompt: PromptOpt = "", max_new_tokens: MaxNewOpt = "128", greedy: GreedyOpt = False,
     temperature: TemperatureOpt = "0.8", top_k: TopKOpt = "50", top_p: TopPOpt = "1.0",
     repetition_penalty: RepetitionOpt = "1.0", seed: SeedOpt = "0", checkpoint: CheckpointOpt = None,
-    json: JsonOpt = False, threads: ThreadsOpt = None,
+    json: JsonOpt = False, threads: ThreadsOpt = None, sliding_window: SlidingOpt = False,
 ) -> None:
     """Continue --prompt with the run's model: tokens stream to stdout; tokens/s and a repetition score to stderr."""
     from rich.console import Console
@@ -77,6 +118,7 @@ def generate_command(
     model, tokenizer, meta = load_trained(run, device=device, checkpoint=checkpoint)
     precision = inference_precision(meta["plan"]["setup"]["precision"], device.type)
     window = context_window(model, meta)
+    check_length(len(tokenizer.encode(prompt) or [tokenizer.eot_id]), config.max_new_tokens, window, sliding_window)
     err = Console(stderr=True, highlight=False)
 
     def stream(piece: str) -> None:
@@ -84,7 +126,8 @@ def generate_command(
         sys.stdout.flush()
 
     text, stats = generate_text(model, tokenizer, prompt, config, window=window, precision=precision,
-                                on_text=None if json else stream)
+                                on_text=None if json else stream,
+                                on_token=Progress(err, config.max_new_tokens, streaming=not json))
     if json:
         print_json({"prompt": prompt, "text": text, "run": str(run), "step": meta.get("step"),
                     "sampling": {k: getattr(config, k) for k in ("max_new_tokens", "greedy", "temperature", "top_k",
@@ -101,6 +144,8 @@ def generate_command(
                f"{stats.prefill_seconds * 1000:.0f} ms)" if decode else f" (prompt {stats.prompt_tokens} tokens)")
             + f"; repetition {stats.repetition:.2f} (share of repeated 4-grams)"
             + ("; stopped at end-of-text" if stats.stopped == "eot" else "")
+            + ("; stopped: the logits were not finite (NaN), so no token could be chosen; the model's weights "
+               "hold NaN or inf" if stats.stopped == "nonfinite" else "")
             + (f"; the window of {window} tokens was full {stats.context_shifts}× (its newest half kept)"
                if stats.context_shifts else ""))
     err.print(line, soft_wrap=not err.is_terminal)  # a terminal wraps it at its width; a log keeps one line

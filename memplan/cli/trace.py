@@ -142,7 +142,7 @@ def trace_command(
 
     import torch
 
-    from trainer.measure import trace_step
+    from trainer.measure import check_trace_time, trace_step
 
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
     if setup.compile and setup.world_size > 1:
@@ -151,6 +151,7 @@ def trace_command(
         from memplan.memory import peak_memory, sdpa_gqa_repeats
         from trainer.distributed import trace_rank_step
 
+        check_trace_time(spec, setup, lambda s, st: trace_rank_step(s, st, 0, fake_device))
         traced = trace_rank_step(spec, setup, 0, fake_device)
         # the fake process group allocates as NCCL does: compare with that prediction
         repeat = sdpa_gqa_repeats(spec, setup, dev.flash_attention, dev.family)
@@ -161,6 +162,7 @@ def trace_command(
 
         traced = trace_compiled_step(spec, setup, fake_device)
     else:
+        check_trace_time(spec, setup, lambda s, st: trace_step(s, st, fake_device))
         traced = trace_step(spec, setup, fake_device)
     data = traced_json(est, traced)
     data["stack"] = "memplan"
@@ -198,6 +200,11 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
     except InputError:
         if cfg is None:
             raise  # not a config file: the shape itself is wrong
+    if cfg is None:
+        from trainer.measure import check_trace_time
+
+        check_trace_time(spec, setup, lambda s, st: trace_stack(stack, StackModel(spec=s, hf_config=None), st,
+                                                                fake_device, lora_dropout=lora_dropout))
     traced = trace_stack(stack, StackModel(spec=None if cfg is not None else spec, hf_config=cfg), setup,
                          fake_device, lora_dropout=lora_dropout)
     if spec is None:  # a family memplan's analytic model does not cover: the trace alone

@@ -650,7 +650,7 @@ class _ProgressView:
 def _print_summary(trainer, summary, sample) -> None:
     from rich.console import Console
 
-    from memplan.units import format_bytes, format_count, format_seconds
+    from memplan.units import format_bytes, format_count, format_seconds, measured
     from trainer.records import steady_figures
     from trainer.rundir import metric_records
 
@@ -670,7 +670,8 @@ def _print_summary(trainer, summary, sample) -> None:
     if summary.last_eval:
         e = summary.last_eval
         per = ", ".join(f"{k} {v:.3f}" for k, v in e.eval_loss_by_source.items() if v is not None)
-        print_hanging(out, "  ", f"held-out loss {e.eval_loss:.4f}, perplexity {e.eval_ppl:,.1f}"
+        print_hanging(out, "  ", f"held-out loss {measured(e.eval_loss, '.4f')}, "
+                      f"perplexity {measured(e.eval_ppl, ',.1f')}"
                       + (f" ({per})" if per else "") + (
                           "; " + held_out_count(e.eval_tokens, trainer.data.val_tokens, trainer.config.eval_batches,
                                                 trainer.run_dir) if trainer.task.kind == "train" else
@@ -696,7 +697,7 @@ def _print_summary(trainer, summary, sample) -> None:
                           f"; the load was too unsteady to predict wall time); MFU {figures.mfu or 0.0:.1%}")
         elif figures.tokens_per_second is not None:
             print_hanging(out, "  throughput: ", f"{figures.tokens_per_second:,.0f} tokens/s (median), predicted "
-                          f"{pred.tokens_per_second:,.0f}; MFU {figures.mfu or 0.0:.1%}")
+                          f"{measured(pred.tokens_per_second, ',.0f')}; MFU {measured(figures.mfu, '.1%')}")
     if summary.checkpoint:
         print_hanging(out, "  checkpoint: ", str(summary.checkpoint))
     if summary.report:

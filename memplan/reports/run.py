@@ -14,12 +14,11 @@ process never holds what plotly and the page allocate:
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 
 from memplan.reports.page import Page, style_figure, write_page
-from memplan.units import format_bytes, format_count, format_seconds
+from memplan.units import format_bytes, format_count, format_seconds, measured
 
 SMOOTHING = 0.9  # exponential moving average of the training loss (plotted beside the raw loss)
 
@@ -183,7 +182,7 @@ def run_summary(run_dir: Path, lines: list, train: list, evals: list, starts: li
         e = evals[-1]
         per = ", ".join(f"{k} {v:.4f}" for k, v in e.eval_loss_by_source.items() if v is not None)
         if e.eval_loss is not None:
-            summary["held-out loss"] = (f"{e.eval_loss:.4f} (perplexity {e.eval_ppl or math.inf:,.1f}) at "
+            summary["held-out loss"] = (f"{e.eval_loss:.4f} (perplexity {measured(e.eval_ppl, ',.1f')}) at "
                                         f"step {e.step:,}, over {e.eval_tokens:,} held-out tokens"
                                         + (f"; {per}" if per else ""))
     steady = steady_figures(train)  # as `memplan train`'s summary prints them

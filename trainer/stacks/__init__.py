@@ -128,17 +128,20 @@ def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainer.measure import StepMemory, _random_ids, _tracked_steps
+    from trainer.measure import StepMemory, _random_ids, _tracked_steps, traced_accumulation, with_untraced_inputs
     from trainer.step import set_matmul_precision
 
     check_stack(stack)
+    asked, setup = setup, traced_accumulation(setup)  # the peak of N micro-batches: the second's, plus their ids
     set_matmul_precision(setup.precision)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device), _as_on_real_tensors(stack):
         net, optimizer, step = _built(stack, model, setup, lora_dropout)
         total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, device),
                                               torch.device(device).type, step_fn=step)
-    return StepMemory(peak_allocated=total, breakdown=categories, params=sum(p.numel() for p in net.parameters()),
-                      method=f"{possessive(stack)} model and step, MemTracker under FakeTensorMode ({device})")
+    return with_untraced_inputs(
+        StepMemory(peak_allocated=total, breakdown=categories, params=sum(p.numel() for p in net.parameters()),
+                   method=f"{possessive(stack)} model and step, MemTracker under FakeTensorMode ({device})"),
+        asked, torch.device(device).type)
 
 
 def measure_stack(stack: str, model: StackModel, setup, seed: int = 0, lora_dropout: float | None = None):
