@@ -14,6 +14,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
                                  WorldSizeOpt, device_from, model_from, print_json, setup_from)
 from memplan.errors import InputError
+from memplan.stacks import STACKS as STACKS_WALKED
 from memplan.units import format_bytes, parse_count
 
 TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
@@ -144,6 +145,7 @@ def trace_command(
     from trainer.measure import trace_step
 
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
+    accelerator = dev.family in ("cuda", "rocm") and fake_device == "cpu"
     if setup.world_size > 1:  # rank 0 of an FSDP2 step, the other ranks a fake process group
         from memplan.memory import peak_memory, sdpa_gqa_repeats
         from trainer.distributed import trace_rank_step
@@ -154,7 +156,7 @@ def trace_command(
         est = dataclasses.replace(est, memory=peak_memory(spec, setup, dev.runtime_context_bytes,
                                                           dev.allocator_overhead, repeat, collectives="nccl"))
     else:
-        traced = trace_step(spec, setup, fake_device)
+        traced = trace_step(spec, setup, fake_device, accelerator=accelerator)
     data = traced_json(est, traced)
     data["stack"] = "memplan"
     if json:
@@ -175,6 +177,7 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
                          "for memplan's own trainer")
     dev = device_from(device, device_memory)
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
+    accelerator = dev.family in ("cuda", "rocm") and fake_device == "cpu"  # dropout as CUDA's kernels run it
     cfg = read_hf_config(model) if model else None
     spec = None
     if cfg is not None and any(v is not None for v in shape_flags):
@@ -186,8 +189,16 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
         if cfg is None:
             raise  # not a config file: the shape itself is wrong
     traced = trace_stack(stack, StackModel(spec=None if cfg is not None else spec, hf_config=cfg), setup,
-                         fake_device, lora_dropout=lora_dropout)
-    if spec is None:  # a family memplan's analytic model does not cover: the trace alone
+                         fake_device, lora_dropout=lora_dropout, accelerator=accelerator)
+    from memplan.stacks import check_stack_builds, check_stack_setup, stack_of
+
+    if spec is not None:
+        try:  # the walk of the same stack (estimate --stack S), where it covers the step
+            check_stack_builds(stack, spec, STACKS_WALKED)
+            check_stack_setup(stack, spec, setup)
+        except InputError:
+            spec, cfg = None, cfg or {"model_type": spec.arch}
+    if spec is None:  # a family or a step memplan's analytic walk does not cover: the trace alone
         data = stack_json(stack, cfg, setup, dev, traced, traced.params)
         if json:
             print_json(data)
@@ -195,11 +206,12 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
         _print_trace(f"{cfg.get('model_type')} from {model} ({traced.params:,} parameters)", setup, traced, data,
                      None, dev, stack)
         return
-    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
+    walked = stack_of(stack, lora_dropout=lora_dropout)  # the walk of the same stack (estimate --stack S)
+    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walked)
     data = traced_json(est, traced)
     data["stack"] = stack
     data["trace"]["stack"] = stack
-    data["trace"]["analytic_stack"] = "memplan"  # the walk is memplan's own model's until estimate --stack
+    data["trace"]["analytic_stack"] = stack
     if json:
         print_json(data)
         return
@@ -235,5 +247,5 @@ def _print_trace(described: str, setup, traced, data: dict, est, dev, stack: str
         console.print(f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
                       f"({data['trace']['analytic_error']:+.2%} against the trace); {fits}", soft_wrap=True)
     else:
-        console.print(f"memplan's own model of this shape: {format_bytes(est.memory.peak_allocated)} "
+        console.print(f"estimate --stack {stack}: {format_bytes(est.memory.peak_allocated)} "
                       f"({data['trace']['analytic_error']:+.2%} against the {stack} trace); {fits}", soft_wrap=True)
