@@ -75,6 +75,10 @@ class ModelSpec:
     max_positions: int = 2048  # rows of the learned position table; RoPE's nominal context
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # model dropout, as GPT-2 places it (--dropout P sets all three; a config.json's own fields: DROPOUT_KEYS)
+    attn_dropout: float = 0.0  # on the attention probabilities (SDPA's dropout_p)
+    resid_dropout: float = 0.0  # after each attention and MLP output projection
+    embd_dropout: float = 0.0  # after the embedding (token + positions)
     name: str = ""  # where the shape came from: a size, a preset or a file
     source: str = ""  # citation for a published shape
 
@@ -116,6 +120,8 @@ class ModelSpec:
             raise choice_error("act", self.act, list(ACTS))
         if not 0 < self.rotary_pct <= 1:
             raise InputError(f"rotary_pct: {self.rotary_pct} must be in (0, 1]")
+        for field in ("attn_dropout", "resid_dropout", "embd_dropout"):
+            check_dropout(getattr(self, field), f"--dropout ({field})")
 
     # ---- derived shape ---------------------------------------------------------------------
     @property
@@ -304,6 +310,41 @@ class ModelSpec:
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def dropouts(self) -> bool:
+        """Whether any dropout of the model is on (each costs a mask and an output in training)."""
+        return bool(self.attn_dropout or self.resid_dropout or self.embd_dropout)
+
+
+def check_dropout(p, flag: str = "--dropout") -> float:
+    """A dropout probability in [0, 1), else the one-line InputError."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 <= p < 1:
+        raise InputError(f"{flag}: {p!r} is not a dropout probability (accepted: a number in [0, 1), e.g. 0.1)")
+    return float(p)
+
+
+# each family's config.json dropout keys (transformers' names) → ModelSpec's fields, with the config
+# class's default where the key is absent (GPT2Config: 0.1 each; the others 0.0)
+DROPOUT_KEYS = {
+    "gpt2": (("attn_pdrop", "attn_dropout", 0.1), ("resid_pdrop", "resid_dropout", 0.1),
+             ("embd_pdrop", "embd_dropout", 0.1)),
+    "gpt_neox": (("attention_dropout", "attn_dropout", 0.0), ("hidden_dropout", "resid_dropout", 0.0),
+                 ("hidden_dropout", "embd_dropout", 0.0)),
+    "phi": (("attention_dropout", "attn_dropout", 0.0), ("resid_pdrop", "resid_dropout", 0.0),
+            ("embd_pdrop", "embd_dropout", 0.0)),
+    "stablelm": (("attention_dropout", "attn_dropout", 0.0), ("hidden_dropout", "resid_dropout", 0.0)),
+}
+_ATTENTION_ONLY = (("attention_dropout", "attn_dropout", 0.0),)  # llama, mistral, qwen2, qwen3, gemma
+
+
+def _config_dropouts(c, model_type: str) -> dict:
+    """ModelSpec's dropout fields from a config.json's own keys (``DROPOUT_KEYS``), each a probability in [0, 1)."""
+    out = {}
+    for key, field, default in DROPOUT_KEYS.get(model_type, _ATTENTION_ONLY):
+        value = c.cfg.get(key, default)
+        out[field] = check_dropout(default if value is None else value, f"--model: {str(c.path)!r}: {key}")
+    return out
 
 
 # ---- sizes ---------------------------------------------------------------------------------
@@ -544,6 +585,14 @@ class _Config:
 
 
 def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` (``_shape_from_hf_config``) with the family's own
+    dropout fields (``DROPOUT_KEYS``)."""
+    path = Path(path)
+    c = _Config(path, read_config(path))  # read once
+    return _shape_from_hf_config(c, stack_families).replace(**_config_dropouts(c, c.model_type))
+
+
+def _shape_from_hf_config(c: "_Config", stack_families: bool = False) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox, and the
     ``STACK_ARCHS`` phi, gemma, stablelm, qwen3 where ``stack_families``: the commands whose walk follows
     transformers' code, ``--stack transformers``; elsewhere memplan's trainer would build the model,
@@ -551,8 +600,7 @@ def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
 
     Every value memplan reads is checked here, naming its key (``hidden_size``, not ``--hidden``): whole
     numbers in [1, MAX_DIM], finite positive floats, booleans, head counts that divide."""
-    path = Path(path)
-    c = _Config(path, read_config(path))
+    path = c.path
     cfg, model_type = c.cfg, c.model_type
     if model_type not in HF_MODEL_TYPES and not (stack_families and model_type in STACK_MODEL_TYPES):
         also = "" if stack_families else (f" ({', '.join(STACK_MODEL_TYPES)}: with --stack transformers, in "
@@ -689,6 +737,9 @@ def resolve(params: str | None = None, model: str | None = None, stack_families:
     else:
         spec = from_size(params or "22m")
     changes = {k: v for k, v in overrides.items() if v is not None}
+    if "dropout" in changes:  # --dropout P: attention, residual and embedding dropout alike
+        p = check_dropout(changes.pop("dropout"))
+        changes.update(attn_dropout=p, resid_dropout=p, embd_dropout=p)
     if not stack_families and changes.get("arch") in STACK_ARCHS:
         raise InputError(f"--arch {changes['arch']}: memplan's own trainer builds {', '.join(MEMPLAN_ARCHS)} "
                          f"(accepted here: {', '.join(MEMPLAN_ARCHS)}; {', '.join(STACK_ARCHS)}: with --stack "

@@ -11,7 +11,7 @@ from memplan.cli.app import app
 from memplan.cli.estimate import LoraRankOpt, LoraTargetsOpt, TokensOpt
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
-                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
+                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt, DropoutOpt,
                                  WorldSizeOpt, device_from, model_from, print_json, setup_from)
 from memplan.errors import InputError
 from memplan.stacks import STACKS as STACKS_WALKED
@@ -91,7 +91,7 @@ def stack_json(stack: str, cfg: dict, setup, dev, traced, params: int | None) ->
 def trace_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
     ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: PrecisionOpt = "bf16-mixed",
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
     world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
@@ -121,12 +121,12 @@ def trace_command(
         raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack "
                          "transformers|litgpt|torchtune with --lora-rank (memplan's own adapters have no dropout)")
     if stack != "memplan":
-        return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied),
+        return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout),
                             device, device_memory, tokens, json, lora_dropout)
     from memplan.estimate import estimate
     from memplan.stacks import check_stack_setup
 
-    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout)
     check_stack_setup("memplan", spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
     if setup.sharding == "ddp":
         raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "

@@ -462,6 +462,61 @@ def lora_unsaved_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return out
 
 
+# ---- model dropout (ModelSpec.attn_dropout, resid_dropout, embd_dropout) -----------------------
+
+def dropout_mask_bytes(elems: int, input_bytes: int, cpu: bool) -> int:
+    """What one dropout saves for backward over ``elems`` elements of an input of ``input_bytes`` each.
+
+    On an accelerator ATen's ``dropout`` runs the fused ``native_dropout`` (``is_fused_kernel_acceptable``:
+    a CUDA tensor), which saves its bool mask: elems·1. On the CPU ``_dropout_impl`` makes ``noise =
+    at::empty_like(input).bernoulli_(1 - p)``, divides it by 1 − p and returns ``input * noise``, whose
+    backward keeps the noise in the input's dtype: elems·input_bytes. (The output is the next op's input,
+    counted where that op saves it.)"""
+    return elems * (input_bytes if cpu else MASK_BYTES)
+
+
+def cpu_math_attention(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> bool:
+    """Whether SDPA runs its math path (explicit T×T scores, as eager attention): attention dropout in
+    training on the CPU, whose flash kernel takes no dropout. On an accelerator flash and memory-efficient
+    attention drop in the kernel from a Philox seed and save no mask: the walk's SDPA as it is."""
+    return setup.attention == "sdpa" and cpu and spec.attn_dropout > 0
+
+
+def resid_dropout_mask_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """One residual dropout's mask (after the attention output projection, or after the MLP's down
+    projection: GPT-2's ``resid_dropout``), over that projection's output (n·H, in the compute dtype a):
+    n·H·1 on an accelerator, n·H·a on the CPU (``dropout_mask_bytes``). 0 without residual dropout."""
+    if not spec.resid_dropout:
+        return 0
+    return dropout_mask_bytes(tokens(setup) * spec.hidden, act_bytes(setup), cpu)
+
+
+def attn_dropout_saved_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """What attention dropout saves beyond the probabilities, where the T×T probabilities exist (eager
+    attention, or SDPA's math path on the CPU: ``cpu_math_attention``): its mask over B·heads·T² and the
+    dropped probabilities the product with v saves in their place (B·heads·T²·a; softmax keeps its own
+    output for its backward). 0 under an accelerator's SDPA (dropped in the kernel) or without dropout."""
+    if not spec.attn_dropout or (setup.attention == "sdpa" and not cpu):
+        return 0
+    scores = setup.micro_batch * spec.heads * setup.ctx * setup.ctx
+    return dropout_mask_bytes(scores, act_bytes(setup), cpu) + scores * act_bytes(setup)
+
+
+def block_dropout_saved_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """Everything one block's dropouts save without checkpointing: two residual dropouts' masks and the
+    attention dropout's mask and dropped probabilities. 0 at dropout 0."""
+    return 2 * resid_dropout_mask_bytes(spec, setup, cpu) + attn_dropout_saved_bytes(spec, setup, cpu)
+
+
+def embd_dropout_mask_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """The embedding dropout's mask (GPT-2's ``drop`` after ``wte + wpe``) over the embedding sum, n·H in the
+    residual dtype r: n·H·1 on an accelerator, n·H·r on the CPU. 0 under LoRA (the frozen embedding's output
+    needs no gradient, so the dropout records nothing) or without embedding dropout."""
+    if not spec.embd_dropout or setup.lora_rank:
+        return 0
+    return dropout_mask_bytes(tokens(setup) * spec.hidden, residual_bytes_per_element(setup), cpu)
+
+
 # ---- the loss ------------------------------------------------------------------------------
 
 def logits_bytes(spec: ModelSpec, setup: TrainSetup) -> int:

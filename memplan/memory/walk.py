@@ -28,7 +28,8 @@ from memplan.memory.ledger import CATEGORIES, Moment, _StepWalk  # noqa: F401  (
 from memplan.memory.sharding import FullyShard, Replicated
 from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
                                   _layer_matrices, act_bytes, attention_output_copy_bytes, attention_scores_bytes,
-                                  causal_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
+                                  attn_dropout_saved_bytes, block_dropout_saved_bytes, causal_mask_bytes,
+                                  cpu_math_attention, embd_dropout_mask_bytes, resid_dropout_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
                                   head_weight_grad_bytes, input_bytes, layer_lowp_weight_bytes, logits_bytes,
                                   mlp_inner_bytes, mlp_up_bytes, norm_output_bytes, norm_stat_bytes,
                                   qkv_output_bytes, residual_bytes_per_element, rope_buffer_bytes, rope_cast_bytes,
@@ -97,6 +98,21 @@ class _BlockForward:
     def __init__(self, w: _StepWalk, spec: ModelSpec, setup: TrainSetup, p: BlockPass, gqa_repeat: bool):
         self.w, self.spec, self.setup, self.p, self.gqa_repeat = w, spec, setup, p, gqa_repeat
         self.n, self.a, self.r = tokens(setup), act_bytes(setup), residual_bytes_per_element(setup)
+        self.cpu = w.stack.cpu  # dropout masks as the CPU makes them
+        # SDPA's math path on the CPU under attention dropout: the T×T scores, as eager attention
+        self.eager = setup.attention == "eager" or cpu_math_attention(spec, setup, self.cpu)
+
+    def resid_dropout(self, out: int) -> int:
+        """A residual dropout over a projection's output (``out`` bytes, live; GPT-2's ``resid_dropout``): its
+        mask, kept where autograd's saved tensors are, and its output, which replaces the projection's."""
+        mask = resid_dropout_mask_bytes(self.spec, self.setup, self.cpu)
+        if not self.spec.resid_dropout:
+            return out
+        self.make(mask)
+        dropped = self.make(out)
+        self.drop(out, self.p.keeps_outputs)
+        self.drop(mask, self.p.keeps_saved)
+        return dropped
 
     def make(self, nbytes: int, reused: bool = False) -> int:
         """A tensor made (unless the pass reuses it) and its bytes."""
@@ -148,7 +164,7 @@ class _BlockForward:
         w.alloc("activations", held)
         w.alloc("temporaries", w.stack.rotary_transient_bytes(spec, setup))  # its qk norms' and rotary's at once
         w.free("temporaries", w.stack.rotary_transient_bytes(spec, setup))
-        if setup.attention == "eager":
+        if self.eager:
             proj_in = self.eager_attention(qkv, q_rot + k_rot)
         elif sdpa_repeated_kv_bytes(spec, setup, self.gqa_repeat):
             proj_in = self.sdpa_repeated(qkv, q_rot, k_rot)
@@ -161,12 +177,14 @@ class _BlockForward:
         o = self.make(self.n * spec.hidden * self.a, p.reuses_outputs)  # out-projection output
         self.adapter("proj")
         w.free("activations", held)  # the attention's forward returns
-        if setup.attention == "sdpa":
+        if not self.eager:
             self.drop(proj_in, p.keeps_saved or p.keeps_outputs)
         else:
             self.drop(proj_in, p.keeps_saved and lora.saves_input(setup, "proj"))
+        keep_o = p.keeps_outputs and not spec.resid_dropout  # (the dropout released it, or kept it, itself)
+        o = self.resid_dropout(o)
         x_mid = self.make(self.n * spec.hidden * self.r)  # x + attention (parallel: a partial sum nothing saves)
-        self.drop(o, p.keeps_outputs)
+        self.drop(o, keep_o)
         self.mlp(x_mid)
 
     def sdpa(self, qkv: int, rotated: int) -> int:
@@ -197,6 +215,8 @@ class _BlockForward:
         self.make(scores)  # q·kᵀ, scaled and masked in place; recomputed even when the probabilities are reused
         probs = self.make(scores, p.reuses_outputs)
         self.drop(scores, False)
+        dropout = attn_dropout_saved_bytes(spec, setup, self.cpu)  # its mask and the dropped probabilities
+        self.make(dropout)
         v = self.make(eager_kv_bytes(spec, setup))
         self.drop(qkv, p.keeps_outputs)
         pv = self.make(self.n * spec.q_dim * self.a)  # probs·v, (B, heads, T, hd)
@@ -204,6 +224,7 @@ class _BlockForward:
         self.drop(pv, False)
         self.drop(q + k + v, p.keeps_saved)
         self.drop(probs, p.keeps_saved or p.keeps_outputs)
+        self.drop(dropout, p.keeps_saved)
         return proj_in
 
     def mlp(self, x_mid: int) -> None:
@@ -244,8 +265,10 @@ class _BlockForward:
         if p.keeps_saved and not lora.saves_input(setup, "down"):
             w.free("activations", mlp_inner_bytes(spec, setup))
             inner -= mlp_inner_bytes(spec, setup)
+        keep_d = p.keeps_outputs and not spec.resid_dropout
+        d = self.resid_dropout(d)
         self.make(self.n * spec.hidden * self.r)  # the block's output
-        self.drop(d, p.keeps_outputs)
+        self.drop(d, keep_d)
         self.drop(x_mid, p.keeps_saved and not spec.parallel_residual)
         self.drop(inner, p.keeps_saved)
         self.drop(up, p.keeps_saved or p.keeps_outputs)
@@ -336,6 +359,17 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     m = _layer_matrices(spec)
     inner = mlp_inner_bytes(spec, setup)
     branch_cast = r != a  # fp32 residual, bf16 branch: the gradient is cast for the branch
+    cpu = w.stack.cpu
+    eager = setup.attention == "eager" or cpu_math_attention(spec, setup, cpu)  # SDPA's math path: eager's tensors
+
+    def resid_dropout_backward(g_in: int) -> int:
+        """A residual dropout's backward (grad·mask/(1 − p), a new n·H·a gradient); its mask released."""
+        if not spec.resid_dropout:
+            return g_in
+        w.alloc("temporaries", n * hidden * a)
+        w.free("temporaries", g_in)
+        w.free("activations", resid_dropout_mask_bytes(spec, setup, cpu))
+        return n * hidden * a
 
     w.where = "block backward: MLP"
     g_branch = grad_bytes
@@ -343,8 +377,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
     # down: input gradient n·F·a
-    _linear_backward(w, spec, setup, m["down"], g_branch if branch_cast else 0, inner, inner, input_cast=False,
-                     matrix="down")
+    _linear_backward(w, spec, setup, m["down"], resid_dropout_backward(g_branch if branch_cast else 0), inner, inner,
+                     input_cast=False, matrix="down")
     if spec.mlp == "swiglu":
         w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
         w.free("temporaries", inner)  # the product's gradient
@@ -377,19 +411,19 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     if branch_cast:
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
-    proj_saved = attention_output_copy_bytes(spec, setup) if setup.attention == "eager" else 0
-    _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * spec.q_dim * a,
-                     input_cast=False, matrix="proj")
+    proj_saved = attention_output_copy_bytes(spec, setup) if eager else 0
+    _linear_backward(w, spec, setup, m["proj"], resid_dropout_backward(g_branch if branch_cast else 0), proj_saved,
+                     n * spec.q_dim * a, input_cast=False, matrix="proj")
     dq, dkv = n * spec.q_dim * a, n * spec.kv_dim * a
     repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
-    if setup.attention == "sdpa" and repeated:
+    if not eager and repeated:
         w.alloc("temporaries", dq + repeated)  # dq and the repeated dk, dv
         w.free("temporaries", dq)  # the projection's input gradient
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
                + rotated_q_bytes(spec, setup) + repeated + (qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0))
         w.alloc("temporaries", 2 * dkv)  # repeat_interleave backward sums the groups
         w.free("temporaries", repeated)
-    elif setup.attention == "sdpa":
+    elif not eager:
         w.alloc("temporaries", dq + 2 * dkv)
         w.free("temporaries", dq)  # the projection's input gradient
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
@@ -402,6 +436,11 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.alloc("temporaries", kv_copy + scores)  # probs·v backward: dv, dprobs
         w.free("activations", kv_copy)  # v
         w.free("temporaries", dq)
+        dropout = attn_dropout_saved_bytes(spec, setup, cpu)
+        if dropout:  # the dropout's backward: dprobs = d(dropped)·mask/(1 − p); its mask and output released
+            w.alloc("temporaries", scores)
+            w.free("temporaries", scores)
+            w.free("activations", dropout)
         w.alloc("temporaries", scores)  # softmax backward
         softmax = w.stack.softmax_backward_bytes(spec, setup)  # a stack's fp32 softmax backward
         w.alloc("temporaries", softmax)
@@ -485,7 +524,7 @@ class _Step:
         # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
         self.stored = saved_per_layer_bytes(spec, cs, gqa_repeat) - (self.lowp if not self.ckpt else 0)
         if not self.ckpt:
-            self.stored += stack.block_saved_bytes(spec, cs)
+            self.stored += stack.block_saved_bytes(spec, cs) + block_dropout_saved_bytes(spec, cs, stack.cpu)
         # LoRA without checkpointing: the first block saves nothing before its first adapter (its input
         # and the weights before are frozen), memplan's tensors, the stack's, and autocast's weight copies
         self.first_unsaved = self.first_copies = 0
@@ -516,6 +555,9 @@ class _Step:
             w.alloc("activations", cs.ctx * spec.hidden * r)
             w.alloc("activations", n * spec.hidden * r)  # + positions
             w.free("activations", n * spec.hidden * r + cs.ctx * spec.hidden * r)
+        if spec.embd_dropout:  # its mask (saved where the embedding trains), its output in place of the sum
+            w.alloc("activations", embd_dropout_mask_bytes(spec, cs, self.stack.cpu) + n * spec.hidden * r)
+            w.free("activations", n * spec.hidden * r)
 
     def blocks_forward(self) -> None:
         """The blocks before the last, as what they leave alive, then the last block op by op."""
@@ -653,6 +695,11 @@ class _Step:
         if self.lora:
             w.free("temporaries", self.grad)
         else:
+            mask = embd_dropout_mask_bytes(spec, cs, self.stack.cpu)
+            if mask:  # the embedding dropout's backward: a new gradient, its mask released
+                w.alloc("temporaries", self.grad)
+                w.free("temporaries", self.grad)
+                w.free("activations", mask)
             if spec.pos == "learned":
                 self.position_backward()
             w.alloc("temporaries", self.vh_grad)  # embedding_dense_backward
