@@ -29,7 +29,7 @@ from memplan.memory.sharding import FullyShard, Replicated
 from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
                                   _layer_matrices, act_bytes, attention_output_copy_bytes, attention_scores_bytes,
                                   attn_dropout_saved_bytes, block_dropout_saved_bytes, causal_mask_bytes,
-                                  cpu_math_attention, embd_dropout_mask_bytes, resid_dropout_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
+                                  cpu_math_attention, embd_dropout_mask_bytes, math_attention_shapes, resid_dropout_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
                                   head_weight_grad_bytes, input_bytes, layer_lowp_weight_bytes, logits_bytes,
                                   mlp_inner_bytes, mlp_up_bytes, norm_output_bytes, norm_stat_bytes,
                                   qkv_output_bytes, residual_bytes_per_element, rope_buffer_bytes, rope_cast_bytes,
@@ -100,7 +100,8 @@ class _BlockForward:
         self.n, self.a, self.r = tokens(setup), act_bytes(setup), residual_bytes_per_element(setup)
         self.cpu = w.stack.cpu  # dropout masks as the CPU makes them
         # SDPA's math path on the CPU under attention dropout: the T×T scores, as eager attention
-        self.eager = setup.attention == "eager" or cpu_math_attention(spec, setup, self.cpu)
+        self.math = cpu_math_attention(spec, setup, self.cpu)
+        self.eager = setup.attention == "eager" or self.math
 
     def resid_dropout(self, out: int) -> int:
         """A residual dropout over a projection's output (``out`` bytes, live; GPT-2's ``resid_dropout``): its
@@ -164,7 +165,9 @@ class _BlockForward:
         w.alloc("activations", held)
         w.alloc("temporaries", w.stack.rotary_transient_bytes(spec, setup))  # its qk norms' and rotary's at once
         w.free("temporaries", w.stack.rotary_transient_bytes(spec, setup))
-        if self.eager:
+        if self.math:
+            proj_in = self.math_attention(qkv, q_rot + k_rot)
+        elif self.eager:
             proj_in = self.eager_attention(qkv, q_rot + k_rot)
         elif sdpa_repeated_kv_bytes(spec, setup, self.gqa_repeat):
             proj_in = self.sdpa_repeated(qkv, q_rot, k_rot)
@@ -204,6 +207,33 @@ class _BlockForward:
         self.drop(q_rot + repeated, p.keeps_saved)
         self.drop(qkv, p.keeps_outputs or (p.keeps_saved and spec.pos != "rope"))
         return out
+
+    def math_attention(self, qkv: int, rotated: int) -> int:
+        """SDPA's math path on the CPU under attention dropout, in fp32 (``terms.math_attention_shapes``): q, k,
+        v cast up and repeated to every head, q·√s and k·√s, the scores, softmax, the dropout's noise and
+        output, the product with v (cast back), transposed back to (B, T, q_dim); the projection's input."""
+        spec, setup, p = self.spec, self.setup, self.p
+        t = math_attention_shapes(spec, setup)
+        self.make(t["casts"])
+        self.drop(rotated, False)  # the rotated q and k, read by the casts (or the scaling)
+        self.make(t["repeated"])
+        q, k = self.make(t["q"]), self.make(t["k"])
+        self.make(t["v"])  # v as the second bmm saves it: a contiguous copy
+        self.drop(t["casts"] + t["repeated"], False)
+        self.make(t["scores"])  # q·kᵀ, the causal mask added in place
+        probs = self.make(t["scores"])  # softmax, saved
+        self.drop(t["scores"], False)
+        dropout = self.make(2 * t["scores"])  # the noise and the dropped probabilities, saved
+        self.drop(qkv, p.keeps_outputs)
+        out = self.make(t["out"])
+        if self.a != FP32_BYTES:
+            self.make(self.n * spec.q_dim * self.a)  # cast back to the inputs' dtype
+            self.drop(out, False)
+            out = self.n * spec.q_dim * self.a
+        proj_in = self.make(attention_output_copy_bytes(spec, setup))  # transposed back to (B, T, q_dim)
+        self.drop(out, False)
+        self.drop(q + k + t["v"] + probs + dropout, p.keeps_saved)
+        return proj_in
 
     def eager_attention(self, qkv: int, rotated: int) -> int:
         """Eager attention: contiguous copies, q·kᵀ, softmax, probs·v transposed back; the projection's input."""
@@ -350,6 +380,38 @@ def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_byt
     return out
 
 
+def _math_attention_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, dq: int, dkv: int) -> None:
+    """SDPA's math path backward (``_BlockForward.math_attention``), from the projection's input gradient
+    (``dq``, live) to q's, k's and v's gradients (dq + 2·dkv, live), in fp32 between the casts."""
+    t, f = math_attention_shapes(spec, setup), FP32_BYTES
+    s = t["scores"]
+    g = dq
+    if act_bytes(setup) != f:  # the cast back's backward
+        w.alloc("temporaries", t["out"])
+        w.free("temporaries", dq)
+        g = t["out"]
+    w.alloc("temporaries", s + t["kv_w"])  # the second bmm's backward: d(dropped), dv
+    w.free("temporaries", g)
+    w.free("activations", s + t["v"])  # the dropped probabilities and v as saved
+    w.alloc("temporaries", s)  # the dropout's backward: d(probs) = d(dropped)·noise
+    w.free("temporaries", s)
+    w.free("activations", s)  # the noise
+    w.alloc("temporaries", s)  # softmax's backward
+    w.free("temporaries", s)
+    w.free("activations", s)  # softmax's output
+    w.alloc("temporaries", t["q"] + t["k"])  # the first bmm's backward: d(q·√s), d(k·√s)
+    w.free("temporaries", s)
+    w.free("activations", t["q"] + t["k"])
+    w.alloc("temporaries", t["q"] + t["k"])  # the scaling's backward
+    w.free("temporaries", t["q"] + t["k"])
+    if t["repeated"]:  # repeat_interleave's backward sums the groups
+        w.alloc("temporaries", 2 * t["kv_w"] // spec.heads * spec.kv_heads)
+        w.free("temporaries", 2 * t["kv_w"])
+    fp32_grads = t["q"] + 2 * t["kv_w"] // spec.heads * spec.kv_heads if t["repeated"] else t["q"] + 2 * t["kv_w"]
+    w.alloc("temporaries", dq + 2 * dkv)  # cast to the inputs' dtype (a copy in fp32 too: the same size)
+    w.free("temporaries", fp32_grads)
+
+
 def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int,
                     gqa_repeat: bool = False, first: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
@@ -360,7 +422,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     inner = mlp_inner_bytes(spec, setup)
     branch_cast = r != a  # fp32 residual, bf16 branch: the gradient is cast for the branch
     cpu = w.stack.cpu
-    eager = setup.attention == "eager" or cpu_math_attention(spec, setup, cpu)  # SDPA's math path: eager's tensors
+    math = cpu_math_attention(spec, setup, cpu)  # SDPA's math path on the CPU (attention dropout)
+    eager = setup.attention == "eager" or math
 
     def resid_dropout_backward(g_in: int) -> int:
         """A residual dropout's backward (grad·mask/(1 − p), a new n·H·a gradient); its mask released."""
@@ -423,6 +486,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
                + rotated_q_bytes(spec, setup) + repeated + (qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0))
         w.alloc("temporaries", 2 * dkv)  # repeat_interleave backward sums the groups
         w.free("temporaries", repeated)
+    elif math:
+        _math_attention_backward(w, spec, setup, dq, dkv)
     elif not eager:
         w.alloc("temporaries", dq + 2 * dkv)
         w.free("temporaries", dq)  # the projection's input gradient
