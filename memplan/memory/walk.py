@@ -380,6 +380,51 @@ def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_byt
     return out
 
 
+def _resid_dropout_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, g_in: int) -> int:
+    """A residual dropout's backward (grad·mask/(1 − p), a new n·H·a gradient, ``g_in`` released); its mask
+    released. Returns the gradient the projection's backward takes (``g_in`` without the dropout)."""
+    if not spec.resid_dropout:
+        return g_in
+    out = tokens(setup) * spec.hidden * act_bytes(setup)
+    w.alloc("temporaries", out)
+    w.free("temporaries", g_in)
+    w.free("activations", resid_dropout_mask_bytes(spec, setup, w.stack.cpu))
+    return out
+
+
+def _eager_attention_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, dq: int, dkv: int) -> None:
+    """Eager attention's backward, from the projection's input gradient (``dq``, live) to q's, k's and v's
+    gradients (dq + 2·dkv, live): probs·v, the attention dropout, softmax, the mask, the scaling, q·kᵀ."""
+    scores = attention_scores_bytes(spec, setup)
+    kv_copy = eager_kv_bytes(spec, setup)
+    w.alloc("temporaries", dq)  # the output gradient, contiguous in (B, heads, T, hd)
+    w.free("temporaries", dq)  # ... replaces the projection's input gradient
+    w.alloc("temporaries", kv_copy + scores)  # probs·v backward: dv, dprobs
+    w.free("activations", kv_copy)  # v
+    w.free("temporaries", dq)
+    dropout = attn_dropout_saved_bytes(spec, setup, w.stack.cpu)
+    if dropout:  # the dropout's backward: dprobs = d(dropped)·mask/(1 − p); its mask and output released
+        w.alloc("temporaries", scores)
+        w.free("temporaries", scores)
+        w.free("activations", dropout)
+    w.alloc("temporaries", scores)  # softmax backward
+    softmax = w.stack.softmax_backward_bytes(spec, setup)  # a stack's fp32 softmax backward
+    w.alloc("temporaries", softmax)
+    w.free("temporaries", softmax)
+    w.free("temporaries", scores)
+    w.free("activations", scores)  # probabilities
+    w.alloc("temporaries", scores)  # masked_fill backward
+    w.free("temporaries", scores)
+    w.alloc("temporaries", scores)  # scaling backward
+    w.free("temporaries", scores)
+    w.alloc("temporaries", dq + kv_copy)  # q·kᵀ backward: dq, dk
+    w.free("temporaries", scores)
+    w.free("activations", eager_q_bytes(spec, setup) + kv_copy)
+    if kv_copy != dkv:  # repeat_interleave backward sums the groups
+        w.alloc("temporaries", 2 * dkv)
+        w.free("temporaries", 2 * kv_copy)
+
+
 def _math_attention_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, dq: int, dkv: int) -> None:
     """SDPA's math path backward (``_BlockForward.math_attention``), from the projection's input gradient
     (``dq``, live) to q's, k's and v's gradients (dq + 2·dkv, live), in fp32 between the casts."""
@@ -425,22 +470,13 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     math = cpu_math_attention(spec, setup, cpu)  # SDPA's math path on the CPU (attention dropout)
     eager = setup.attention == "eager" or math
 
-    def resid_dropout_backward(g_in: int) -> int:
-        """A residual dropout's backward (grad·mask/(1 − p), a new n·H·a gradient); its mask released."""
-        if not spec.resid_dropout:
-            return g_in
-        w.alloc("temporaries", n * hidden * a)
-        w.free("temporaries", g_in)
-        w.free("activations", resid_dropout_mask_bytes(spec, setup, cpu))
-        return n * hidden * a
-
     w.where = "block backward: MLP"
     g_branch = grad_bytes
     if branch_cast:
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
     # down: input gradient n·F·a
-    _linear_backward(w, spec, setup, m["down"], resid_dropout_backward(g_branch if branch_cast else 0), inner, inner,
+    _linear_backward(w, spec, setup, m["down"], _resid_dropout_backward(w, spec, setup, g_branch if branch_cast else 0), inner, inner,
                      input_cast=False, matrix="down")
     if spec.mlp == "swiglu":
         w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
@@ -475,7 +511,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
     proj_saved = attention_output_copy_bytes(spec, setup) if eager else 0
-    _linear_backward(w, spec, setup, m["proj"], resid_dropout_backward(g_branch if branch_cast else 0), proj_saved,
+    _linear_backward(w, spec, setup, m["proj"], _resid_dropout_backward(w, spec, setup, g_branch if branch_cast else 0), proj_saved,
                      n * spec.q_dim * a, input_cast=False, matrix="proj")
     dq, dkv = n * spec.q_dim * a, n * spec.kv_dim * a
     repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
@@ -494,34 +530,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
                + rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup) + qkv_output_bytes(spec, setup))
     else:
-        scores = attention_scores_bytes(spec, setup)
-        kv_copy = eager_kv_bytes(spec, setup)
-        w.alloc("temporaries", dq)  # the output gradient, contiguous in (B, heads, T, hd)
-        w.free("temporaries", dq)  # ... replaces the projection's input gradient
-        w.alloc("temporaries", kv_copy + scores)  # probs·v backward: dv, dprobs
-        w.free("activations", kv_copy)  # v
-        w.free("temporaries", dq)
-        dropout = attn_dropout_saved_bytes(spec, setup, cpu)
-        if dropout:  # the dropout's backward: dprobs = d(dropped)·mask/(1 − p); its mask and output released
-            w.alloc("temporaries", scores)
-            w.free("temporaries", scores)
-            w.free("activations", dropout)
-        w.alloc("temporaries", scores)  # softmax backward
-        softmax = w.stack.softmax_backward_bytes(spec, setup)  # a stack's fp32 softmax backward
-        w.alloc("temporaries", softmax)
-        w.free("temporaries", softmax)
-        w.free("temporaries", scores)
-        w.free("activations", scores)  # probabilities
-        w.alloc("temporaries", scores)  # masked_fill backward
-        w.free("temporaries", scores)
-        w.alloc("temporaries", scores)  # scaling backward
-        w.free("temporaries", scores)
-        w.alloc("temporaries", dq + kv_copy)  # q·kᵀ backward: dq, dk
-        w.free("temporaries", scores)
-        w.free("activations", eager_q_bytes(spec, setup) + kv_copy)
-        if kv_copy != dkv:  # repeat_interleave backward sums the groups
-            w.alloc("temporaries", 2 * dkv)
-            w.free("temporaries", 2 * kv_copy)
+        _eager_attention_backward(w, spec, setup, dq, dkv)
     if spec.pos == "rope":
         w.alloc("temporaries", dkv)  # k rotated back
         w.free("temporaries", dkv)
