@@ -617,7 +617,10 @@ def _shape_from_hf_config(c: "_Config", stack_families: bool = False) -> ModelSp
         return ModelSpec(arch="gpt2", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
                          ffn=c.count("n_inner", optional=True) or 4 * hidden, vocab=vocab,
                          tied=c.flag("tie_word_embeddings", True), max_positions=c.count("n_positions", 1024),
-                         norm_eps=c.number("layer_norm_epsilon", 1e-5, at_most=1), **common)
+                         norm_eps=c.number("layer_norm_epsilon", 1e-5, at_most=1),
+                         # GPT2Config's default, "gelu_new": the tanh GELU in Python ops (what it saves differs)
+                         act="gelu_new" if cfg.get("activation_function", "gelu_new") == "gelu_new" else None,
+                         **common)
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     c.need(*keys)
     hidden, layers, heads, ffn, vocab = (c.count(k) for k in keys)

@@ -135,7 +135,7 @@ def spec_config(spec, context: int, dtype: str = "float32") -> dict:
     elif spec.arch == "gpt2":
         cfg = {"model_type": "gpt2", "n_embd": spec.hidden, "n_layer": spec.layers, "n_head": spec.heads,
                "n_inner": spec.ffn, "n_positions": spec.max_positions, "n_ctx": spec.max_positions,
-               "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": spec.norm_eps,
+               "activation_function": "gelu_new" if spec.act == "gelu_new" else "gelu_pytorch_tanh", "layer_norm_epsilon": spec.norm_eps,
                "resid_pdrop": spec.resid_dropout, "embd_pdrop": spec.embd_dropout, "attn_pdrop": spec.attn_dropout, "scale_attn_weights": True}
     else:
         cfg = {"model_type": "gpt_neox", "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
