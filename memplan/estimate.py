@@ -47,7 +47,7 @@ def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device, stack: Stack =
     repeat = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
     if stack.name != "memplan":
         repeat = False  # transformers passes enable_gqa to SDPA (no mask in an unpadded batch)
-        stack = stack.on_cpu(device.family == "cpu")
+    stack = stack.on_cpu(device.family == "cpu")
     return peak_memory(spec, setup, device.runtime_context_bytes, device.allocator_overhead, repeat,
                        COLLECTIVES_OF_FAMILY[device.family], heap_retention=device.family == "cpu", stack=stack)
 

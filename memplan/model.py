@@ -79,6 +79,10 @@ class ModelSpec:
     # RoPE scaling (ROPE_SCALINGS), as transformers' rope_parameters: (key, value) pairs sorted by key, rope_type
     # among them; () is plain RoPE. A tuple so the spec stays hashable; a dict is taken and made one.
     rope_scaling: tuple = ()
+    # model dropout, as GPT-2 places it (--dropout P sets all three; a config.json's own fields: DROPOUT_KEYS)
+    attn_dropout: float = 0.0  # on the attention probabilities (SDPA's dropout_p)
+    resid_dropout: float = 0.0  # after each attention and MLP output projection
+    embd_dropout: float = 0.0  # after the embedding (token + positions)
     name: str = ""  # where the shape came from: a size, a preset or a file
     source: str = ""  # citation for a published shape
 
@@ -124,6 +128,8 @@ class ModelSpec:
         if self.rope_scaling and self.pos != "rope":
             raise InputError(f"rope_scaling: {self.arch} with {self.pos} positions has no RoPE to scale "
                              "(accepted: rope_scaling with rotary positions only)")
+        for field in ("attn_dropout", "resid_dropout", "embd_dropout"):
+            check_dropout(getattr(self, field), f"--dropout ({field})")
 
     # ---- derived shape ---------------------------------------------------------------------
     @property
@@ -323,6 +329,41 @@ class ModelSpec:
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def dropouts(self) -> bool:
+        """Whether any dropout of the model is on (each costs a mask and an output in training)."""
+        return bool(self.attn_dropout or self.resid_dropout or self.embd_dropout)
+
+
+def check_dropout(p, flag: str = "--dropout") -> float:
+    """A dropout probability in [0, 1), else the one-line InputError."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 <= p < 1:
+        raise InputError(f"{flag}: {p!r} is not a dropout probability (accepted: a number in [0, 1), e.g. 0.1)")
+    return float(p)
+
+
+# each family's config.json dropout keys (transformers' names) → ModelSpec's fields, with the config
+# class's default where the key is absent (GPT2Config: 0.1 each; the others 0.0)
+DROPOUT_KEYS = {
+    "gpt2": (("attn_pdrop", "attn_dropout", 0.1), ("resid_pdrop", "resid_dropout", 0.1),
+             ("embd_pdrop", "embd_dropout", 0.1)),
+    "gpt_neox": (("attention_dropout", "attn_dropout", 0.0), ("hidden_dropout", "resid_dropout", 0.0),
+                 ("hidden_dropout", "embd_dropout", 0.0)),
+    "phi": (("attention_dropout", "attn_dropout", 0.0), ("resid_pdrop", "resid_dropout", 0.0),
+            ("embd_pdrop", "embd_dropout", 0.0)),
+    "stablelm": (("attention_dropout", "attn_dropout", 0.0), ("hidden_dropout", "resid_dropout", 0.0)),
+}
+_ATTENTION_ONLY = (("attention_dropout", "attn_dropout", 0.0),)  # llama, mistral, qwen2, qwen3, gemma
+
+
+def _config_dropouts(c, model_type: str) -> dict:
+    """ModelSpec's dropout fields from a config.json's own keys (``DROPOUT_KEYS``), each a probability in [0, 1)."""
+    out = {}
+    for key, field, default in DROPOUT_KEYS.get(model_type, _ATTENTION_ONLY):
+        value = c.cfg.get(key, default)
+        out[field] = check_dropout(default if value is None else value, f"--model: {str(c.path)!r}: {key}")
+    return out
 
 
 # ---- sizes ---------------------------------------------------------------------------------
@@ -576,6 +617,14 @@ class _Config:
 
 
 def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` (``_shape_from_hf_config``) with the family's own
+    dropout fields (``DROPOUT_KEYS``)."""
+    path = Path(path)
+    c = _Config(path, read_config(path))  # read once
+    return _shape_from_hf_config(c, stack_families).replace(**_config_dropouts(c, c.model_type))
+
+
+def _shape_from_hf_config(c: "_Config", stack_families: bool = False) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` (llama, mistral, qwen2, gpt2, gpt_neox, and the
     ``STACK_ARCHS`` phi, gemma, stablelm, qwen3 where ``stack_families``: the commands whose walk follows
     transformers' code, ``--stack transformers``; elsewhere memplan's trainer would build the model,
@@ -583,8 +632,7 @@ def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
 
     Every value memplan reads is checked here, naming its key (``hidden_size``, not ``--hidden``): whole
     numbers in [1, MAX_DIM], finite positive floats, booleans, head counts that divide."""
-    path = Path(path)
-    c = _Config(path, read_config(path))
+    path = c.path
     cfg, model_type = c.cfg, c.model_type
     if model_type not in HF_MODEL_TYPES and not (stack_families and model_type in STACK_MODEL_TYPES):
         also = "" if stack_families else (f" ({', '.join(STACK_MODEL_TYPES)}: with --stack transformers, in "
@@ -601,7 +649,10 @@ def from_hf_config(path: str | Path, stack_families: bool = False) -> ModelSpec:
         return ModelSpec(arch="gpt2", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
                          ffn=c.count("n_inner", optional=True) or 4 * hidden, vocab=vocab,
                          tied=c.flag("tie_word_embeddings", True), max_positions=c.count("n_positions", 1024),
-                         norm_eps=c.number("layer_norm_epsilon", 1e-5, at_most=1), **common)
+                         norm_eps=c.number("layer_norm_epsilon", 1e-5, at_most=1),
+                         # GPT2Config's default, "gelu_new": the tanh GELU in Python ops (what it saves differs)
+                         act="gelu_new" if cfg.get("activation_function", "gelu_new") == "gelu_new" else None,
+                         **common)
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     c.need(*keys)
     hidden, layers, heads, ffn, vocab = (c.count(k) for k in keys)
@@ -814,6 +865,9 @@ def resolve(params: str | None = None, model: str | None = None, stack_families:
     else:
         spec = from_size(params or "22m")
     changes = {k: v for k, v in overrides.items() if v is not None}
+    if "dropout" in changes:  # --dropout P: attention, residual and embedding dropout alike
+        p = check_dropout(changes.pop("dropout"))
+        changes.update(attn_dropout=p, resid_dropout=p, embd_dropout=p)
     if not stack_families and changes.get("arch") in STACK_ARCHS:
         raise InputError(f"--arch {changes['arch']}: memplan's own trainer builds {', '.join(MEMPLAN_ARCHS)} "
                          f"(accepted here: {', '.join(MEMPLAN_ARCHS)}; {', '.join(STACK_ARCHS)}: with --stack "

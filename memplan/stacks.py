@@ -174,7 +174,11 @@ def hf_attention_saved_bytes(spec, setup) -> int:
     gpt_neox's ``eager_attention_forward``; gpt2's ``softmax`` under autocast is fp32 too, then
     ``attn_weights.type(value.dtype)``): softmax saves its fp32 output, B·heads·T²·4, besides the
     low-precision copy the matmul with V saves (memplan counts that one); 0 in fp32, and for
-    gpt2 under pure bf16 (its softmax stays bf16).
+    gpt2 under pure bf16 (its softmax stays bf16). With attention dropout (``attn_weights =
+    module.attn_dropout(attn_weights)`` after the cast, ``eager_attention_forward``) the matmul saves
+    the dropped probabilities instead (``memory.attn_dropout_saved_bytes``), and the low-precision
+    copy is saved by nothing (the dropout keeps its mask only): B·heads·T²·a less, beside the fp32
+    softmax output. (memplan's softmax runs in the compute dtype and saves that copy itself.)
 
     sdpa with rotary positions and separate q_proj, k_proj, v_proj (llama, phi, gemma, stablelm,
     qwen3): ``q_embed = (q * cos) + (rotate_half(q) * sin)`` (``apply_rotary_pos_emb``) saves only
@@ -186,7 +190,7 @@ def hf_attention_saved_bytes(spec, setup) -> int:
     scores = setup.micro_batch * spec.heads * setup.ctx * setup.ctx
     if setup.attention == "eager":
         fp32_softmax = a != FP32 and (spec.arch != "gpt2" or setup.mixed)
-        return scores * FP32 if fp32_softmax else 0
+        return scores * (FP32 - (a if spec.attn_dropout else 0)) if fp32_softmax else 0
     if spec.pos == "rope" and spec.arch not in FUSED_QKV_ARCHS:
         return -n * (spec.q_dim + spec.kv_dim) * a
     return 0

@@ -15,6 +15,7 @@ so a 1B model at 8k context is traced on a laptop CPU without allocating its mem
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
@@ -310,24 +311,58 @@ def _tracked_steps(model, optimizer, setup: TrainSetup, batches_fn, device_type:
     return total, _categories(snapshot), (probe.finish() if probe else {})
 
 
-def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda") -> StepMemory:
+class AcceleratorDropout(torch.overrides.TorchFunctionMode):
+    """Dropout on fake CPU tensors as an accelerator runs it, for the trace of a step planned for one.
+
+    ATen's ``dropout`` takes the fused ``native_dropout`` where ``is_fused_kernel_acceptable`` holds
+    (a CUDA, XPU or private-use tensor): it saves a bool mask, n·1 bytes. On the CPU it takes
+    ``_dropout_impl`` instead: ``noise = at::empty_like(input).bernoulli_(1 - p)``, divided by 1 − p,
+    and ``input * noise`` saves that noise in the input's dtype, n·4 for an fp32 input. A CPU build
+    of torch cannot make fake CUDA tensors, so ``F.dropout`` is routed to ``torch.native_dropout``
+    here, whose CPU kernel returns the same bool mask CUDA's does. SDPA's ``dropout_p`` is dropped in
+    the kernel on an accelerator (flash and memory-efficient attention draw it from a Philox seed and
+    save no mask); on the CPU it forces the math path (scores, softmax, a noise mask, all B·heads·T²):
+    so it is taken as 0 here, what the accelerator's kernel saves."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.dropout:
+            names = ("input", "p", "training", "inplace")
+            bound = {**dict(zip(names, args)), **kwargs}
+            p, training = bound.get("p", 0.5), bound.get("training", True)
+            x = bound["input"]
+            if training and 0 < p < 1 and x.numel() and not bound.get("inplace", False):
+                return torch.native_dropout(x, p, True)[0]
+        if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("dropout_p", 0):
+            kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+_AS_ACCELERATOR = ", dropout as an accelerator's kernels run it"
+
+
+def trace_step(spec: ModelSpec, setup: TrainSetup, device: str = "cuda", accelerator: bool = False) -> StepMemory:
     """Exact live-tensor peak of a steady-state step on fake tensors (nothing is allocated).
 
     ``device`` is the device the fake tensors claim to live on: ``cuda`` rounds every
     allocation to the caching allocator's 512-byte blocks, as ``max_memory_allocated`` does;
-    ``cpu`` counts bytes exactly as the CPU measurement does.
+    ``cpu`` counts bytes exactly as the CPU measurement does. ``accelerator``: the step is planned
+    for an accelerator though the fake tensors live on the CPU: dropout as its kernels run it
+    (``AcceleratorDropout``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     asked, setup = setup, traced_accumulation(setup)
     set_matmul_precision(setup.precision)
-    with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device):
+    with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device), \
+            (AcceleratorDropout() if accelerator else contextlib.nullcontext()):
         model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device), setup)
         optimizer = make_optimizer(model, setup.optimizer)
         total, categories, _ = _tracked_steps(model, optimizer, setup,
                                               lambda: _random_batches(spec, setup, device), torch.device(device).type)
     return with_untraced_inputs(StepMemory(peak_allocated=total, breakdown=categories,
-                                           method=f"MemTracker under FakeTensorMode ({device})"),
+                                           method=f"MemTracker under FakeTensorMode "
+                                                  f"({device}{_AS_ACCELERATOR if accelerator else ''})"),
                                 asked, torch.device(device).type)
 
 

@@ -216,6 +216,8 @@ class Attention(nn.Module):
         # q, k and v in one matmul: (H) -> (H + 2·kv_dim)
         self.qkv = nn.Linear(spec.hidden, spec.hidden + 2 * spec.kv_dim, bias=qkv_bias)
         self.proj = nn.Linear(spec.hidden, spec.hidden, bias=spec.bias)
+        self.attn_dropout = spec.attn_dropout  # on the probabilities (GPT-2's attn_pdrop)
+        self.resid_dropout = _dropout(spec.resid_dropout)  # after the output projection (resid_pdrop)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,11 +234,18 @@ class Attention(nn.Module):
             if self.kv_heads != self.heads and not sdpa_takes_gqa(q, k, v):
                 groups = self.heads // self.kv_heads
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != self.heads)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != self.heads,
+                                               dropout_p=self.attn_dropout if self.training else 0.0)
         else:
-            y = eager_attention(q, k, v, causal_mask(T, x.device) if mask is None else mask)
+            y = eager_attention(q, k, v, causal_mask(T, x.device) if mask is None else mask,
+                                self.attn_dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, H): a view after SDPA, a copy after eager
-        return self.proj(y)
+        return self.resid_dropout(self.proj(y))
+
+
+def _dropout(p: float) -> nn.Module:
+    """``nn.Dropout(p)``, or nothing at all where p is 0 (no module, no op: the step is as without dropout)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
 def sdpa_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -259,8 +268,10 @@ def sdpa_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√d + causal mask)·v with the (B, heads, T, T) scores materialised.
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    dropout: float = 0.0) -> torch.Tensor:
+    """softmax(q·kᵀ/√d + causal mask)·v with the (B, heads, T, T) scores materialised; with ``dropout``
+    (training) the probabilities dropped before the product with v, as GPT-2's ``attn_dropout``.
 
     Scaling and masking are in place, so at most two T×T tensors (scores, probabilities) are
     live in the forward.
@@ -276,6 +287,8 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     # softmax in the scores' dtype on every device (CUDA autocast would otherwise upcast it to fp32)
     probs = scores.softmax(dim=-1, dtype=scores.dtype)
     del scores
+    if dropout > 0:
+        probs = F.dropout(probs, dropout, training=True)
     return probs @ v  # (B, heads, T, hd)
 
 
@@ -291,6 +304,7 @@ class MLP(nn.Module):
         # SwiGLU: gate and up in one matmul (H) -> (2F); GELU: (H) -> (F)
         self.up = nn.Linear(spec.hidden, (2 if self.swiglu else 1) * spec.ffn, bias=spec.bias)
         self.down = nn.Linear(spec.ffn, spec.hidden, bias=spec.bias)
+        self.resid_dropout = _dropout(spec.resid_dropout)  # after the down projection (GPT-2's resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -299,7 +313,7 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.down(h)
+        return self.resid_dropout(self.down(h))
 
 
 class Block(nn.Module):
@@ -324,6 +338,7 @@ class Transformer(nn.Module):
         self.spec, self.attention = spec, attention
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
         self.pos = nn.Embedding(spec.max_positions, spec.hidden) if spec.pos == "learned" else None
+        self.embed_dropout = _dropout(spec.embd_dropout)  # after the embedding sum (GPT-2's embd_pdrop)
         self.blocks = nn.ModuleList(Block(spec, attention) for _ in range(spec.layers))
         self.norm = make_norm(spec)
         self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
@@ -364,6 +379,7 @@ class Transformer(nn.Module):
         x = self.embed(idx)  # (B, T, H)
         if self.pos is not None:
             x = x + self.pos(torch.arange(T, device=idx.device))
+        x = self.embed_dropout(x)
         rope = self.rope(T, idx.device)
         if rope is not None:  # the dtype q and k will have: the autocast dtype, else the weights'
             dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) \

@@ -241,7 +241,8 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
                          hyper=hyper, rates_note=rates_note)
 
 
-MODEL_FLAGS = ("params", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied")
+MODEL_FLAGS = ("params", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied",
+               "dropout")
 SETUP_FLAGS = ("ctx", "batch", "grad_accum", "precision", "attention", "checkpointing", "optimizer", "compile")
 
 

@@ -38,8 +38,10 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
     t0 = time.perf_counter()
     family = devices.local_family()
     repeat = sdpa_gqa_repeats(config.spec, config.setup, device.flash_attention, family)
+    from memplan.stacks import stack_of
+
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
-                            repeat)
+                            repeat, stack=stack_of("memplan", cpu=family == "cpu"))  # dropout masks as made here
     measured = measure_step(config.spec, config.setup, family)
     traced = trace_step(config.spec, config.setup, devices.fake_device(family)) if trace else None
     rss_delta = (measured.peak_rss - measured.baseline_rss) if measured.peak_rss is not None else None

@@ -13,7 +13,7 @@ import typer
 from memplan.cli.app import app
 from memplan.cli.fit import fits, print_fields
 from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
-                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt,
+                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt, DropoutOpt,
                                  local_device_from, threads_from, with_rates,
                                  print_json)
 from memplan.cli.estimate import PlanStackOpt, stack_for_search
@@ -234,7 +234,7 @@ def print_verification(v) -> None:
 def autotune_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
     device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
     ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
     budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
@@ -251,7 +251,7 @@ def autotune_command(
     n_threads = threads_from(threads)
     if out:  # refused before any work: a plan computed (or verified) for nothing is lost time
         _check_out(out)
-    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied))
+    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout))
     spec = walk.spec
     if stack != "memplan" and verify:
         raise InputError(f"--verify runs memplan's own trainer; a plan for --stack {stack} is one for that library's "

@@ -11,7 +11,7 @@ from memplan.cli.app import app
 from memplan.cli.fit import print_described, print_fields
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
-                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
+                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt, DropoutOpt,
                                  WorldSizeOpt, local_device_from, print_json, setup_from,
                                  with_rates)
 from memplan.errors import InputError
@@ -270,9 +270,9 @@ def stack_for_search(stack: str, params, model, shape: tuple) -> SearchStack:
     from memplan.stacks import check_stack, check_stack_builds, stack_of
 
     check_stack(stack)
-    arch, layers, hidden, heads, kv_heads, ffn, vocab, tied = shape
+    arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout = shape
     spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
-                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
+                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
     check_stack_builds(stack, spec)
     return SearchStack(spec=spec, stack=stack_of(stack))
 
@@ -306,7 +306,7 @@ EstPrecisionOpt = Annotated[Optional[str], PrecisionOpt.__metadata__[0]]
 def estimate_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
     ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: EstPrecisionOpt = None,
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
     world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
@@ -336,7 +336,7 @@ def estimate_command(
         if value is not None and mode == "inference":
             raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
     spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
-                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
+                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
     if mode == "inference":
         if not spec.memplan_builds:
             raise InputError(f"--mode inference: the {spec.arch} family is planned for training under --stack "

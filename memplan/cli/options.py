@@ -36,6 +36,11 @@ FfnOpt = Annotated[Optional[int], typer.Option("--ffn", metavar="N", help="MLP i
 VocabOpt = Annotated[Optional[int], typer.Option("--vocab", metavar="N", help="Vocabulary size.", rich_help_panel=_M)]
 TiedOpt = Annotated[Optional[bool], typer.Option("--tied/--untied", help="Tie the LM head to the embedding.",
                                                  rich_help_panel=_M, show_default=False)]
+DropoutOpt = Annotated[Optional[float], typer.Option(
+    "--dropout", help="Model dropout P in [0, 1): on the attention probabilities, after each attention and MLP "
+                      "output projection, and after the embedding, as GPT-2 places them (default: a config.json's "
+                      "own dropout fields, else 0). Training only: evaluation and generation run without it.",
+    rich_help_panel=_M, show_default=False)]
 
 # ---- SETUP ---------------------------------------------------------------------------------
 CtxOpt = Annotated[str, typer.Option("--ctx", metavar="N", help="Context length in tokens (8192 or 8k).", rich_help_panel=_S)]
@@ -168,11 +173,11 @@ def run_control_from(*, max_steps=None, tokens=None, max_minutes=None, save_ever
 
 
 def model_from(params=None, model=None, arch=None, layers=None, hidden=None, heads=None, kv_heads=None,
-               ffn=None, vocab=None, tied=None):
+               ffn=None, vocab=None, tied=None, dropout=None):
     from memplan.model import resolve
 
     return resolve(params=params, model=model, arch=arch, layers=layers, hidden=hidden, heads=heads,
-                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied)
+                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
 
 
 def setup_from(ctx="1024", batch="1", grad_accum="1", precision="bf16-mixed", attention="sdpa",

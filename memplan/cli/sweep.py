@@ -17,7 +17,7 @@ from memplan.cli.estimate import PlanStackOpt
 from memplan.cli.options import local_device_from, with_rates  # noqa: I001
 from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt,
                                  HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
-                                 ShardingOpt, TiedOpt, VocabOpt, WorldSizeOpt, print_json,
+                                 ShardingOpt, TiedOpt, VocabOpt, DropoutOpt, WorldSizeOpt, print_json,
                                  setup_from)
 from memplan.reports.sweep import (CHECKPOINTING_WORDS, fixed_words, format_ctx, gib_text, setup_words,  # noqa: F401
                                    sweep_page, variant_label, variant_words)
@@ -127,7 +127,7 @@ def print_sweep(sw, rates_note: str | None = None) -> None:
 def sweep_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
     ctx: CtxListOpt = ..., batch: BatchListOpt = "1", attention: AttentionListOpt = "sdpa",
     checkpointing: CheckpointingListOpt = "none", precision: PrecisionListOpt = "bf16-mixed",
     grad_accum: GradAccumOpt = "1", optimizer: OptimizerOpt = "adamw", world_size: WorldSizeOpt = "1",
@@ -149,7 +149,7 @@ def sweep_command(
     )
     from memplan.cli.estimate import stack_for_search, stack_from
 
-    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied))
+    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout))
     spec = walk.spec
     base = setup_from(str(axes.ctx[0]), str(axes.micro_batch[0]), grad_accum, axes.precision[0], axes.attention[0],
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)

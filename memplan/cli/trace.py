@@ -12,9 +12,10 @@ from memplan.cli.fit import print_labelled
 from memplan.cli.estimate import LoraRankOpt, LoraTargetsOpt, TokensOpt
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
                                  DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
-                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt,
+                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt, DropoutOpt,
                                  WorldSizeOpt, device_from, model_from, print_json, setup_from)
 from memplan.errors import InputError
+from memplan.stacks import STACKS as STACKS_WALKED
 from memplan.units import format_bytes, parse_count
 
 TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
@@ -91,7 +92,7 @@ def stack_json(stack: str, cfg: dict, setup, dev, traced, params: int | None) ->
 def trace_command(
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
     ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: PrecisionOpt = "bf16-mixed",
     attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
     world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
@@ -121,12 +122,12 @@ def trace_command(
         raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack "
                          "transformers|litgpt|torchtune with --lora-rank (memplan's own adapters have no dropout)")
     if stack != "memplan":
-        return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied),
+        return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout),
                             device, device_memory, tokens, json, lora_dropout)
     from memplan.estimate import estimate
     from memplan.stacks import check_stack_setup
 
-    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied)
+    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout)
     check_stack_setup("memplan", spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
     if setup.sharding == "ddp":
         raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "
@@ -147,6 +148,7 @@ def trace_command(
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
     if setup.compile and setup.world_size > 1:
         raise InputError("trace --compile: one process only (--world-size 1); a sharded step is traced eager")
+    accelerator = dev.family in ("cuda", "rocm") and fake_device == "cpu"
     if setup.world_size > 1:  # rank 0 of an FSDP2 step, the other ranks a fake process group
         from memplan.memory import peak_memory, sdpa_gqa_repeats
         from trainer.distributed import trace_rank_step
@@ -162,8 +164,8 @@ def trace_command(
 
         traced = trace_compiled_step(spec, setup, fake_device)
     else:
-        check_trace_time(spec, setup, lambda s, st: trace_step(s, st, fake_device))
-        traced = trace_step(spec, setup, fake_device)
+        check_trace_time(spec, setup, lambda s, st: trace_step(s, st, fake_device, accelerator=accelerator))
+        traced = trace_step(spec, setup, fake_device, accelerator=accelerator)
     data = traced_json(est, traced)
     data["stack"] = "memplan"
     if setup.compile:
@@ -190,6 +192,7 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
                          "for memplan's own trainer")
     dev = device_from(device, device_memory)
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
+    accelerator = dev.family in ("cuda", "rocm") and fake_device == "cpu"  # dropout as CUDA's kernels run it
     cfg = read_hf_config(model) if model else None
     spec = None
     if cfg is not None and any(v is not None for v in shape_flags):
@@ -206,8 +209,16 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
         check_trace_time(spec, setup, lambda s, st: trace_stack(stack, StackModel(spec=s, hf_config=None), st,
                                                                 fake_device, lora_dropout=lora_dropout))
     traced = trace_stack(stack, StackModel(spec=None if cfg is not None else spec, hf_config=cfg), setup,
-                         fake_device, lora_dropout=lora_dropout)
-    if spec is None:  # a family memplan's analytic model does not cover: the trace alone
+                         fake_device, lora_dropout=lora_dropout, accelerator=accelerator)
+    from memplan.stacks import check_stack_builds, check_stack_setup, stack_of
+
+    if spec is not None:
+        try:  # the walk of the same stack (estimate --stack S), where it covers the step
+            check_stack_builds(stack, spec, STACKS_WALKED)
+            check_stack_setup(stack, spec, setup)
+        except InputError:
+            spec, cfg = None, cfg or {"model_type": spec.arch}
+    if spec is None:  # a family or a step memplan's analytic walk does not cover: the trace alone
         data = stack_json(stack, cfg, setup, dev, traced, traced.params)
         if json:
             print_json(data)
@@ -215,11 +226,12 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
         _print_trace(f"{cfg.get('model_type')} from {model} ({traced.params:,} parameters)", setup, traced, data,
                      None, dev, stack)
         return
-    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
+    walked = stack_of(stack, lora_dropout=lora_dropout)  # the walk of the same stack (estimate --stack S)
+    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walked)
     data = traced_json(est, traced)
     data["stack"] = stack
     data["trace"]["stack"] = stack
-    data["trace"]["analytic_stack"] = "memplan"  # the walk is memplan's own model's until estimate --stack
+    data["trace"]["analytic_stack"] = stack
     if json:
         print_json(data)
         return
@@ -255,5 +267,5 @@ def _print_trace(described: str, setup, traced, data: dict, est, dev, stack: str
         print_labelled(console, f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
                                 f"({data['trace']['analytic_error']:+.2%} against the trace); {fits}")
     else:
-        print_labelled(console, f"memplan's own model of this shape: {format_bytes(est.memory.peak_allocated)} "
+        print_labelled(console, f"estimate --stack {stack}: {format_bytes(est.memory.peak_allocated)} "
                                 f"({data['trace']['analytic_error']:+.2%} against the {stack} trace); {fits}")

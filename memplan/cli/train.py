@@ -25,7 +25,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
                                  KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
-                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt,
+                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, DropoutOpt, TokensOpt, VerifyDataOpt, VocabOpt,
                                  run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -88,7 +88,7 @@ def train_command(
     resume: ResumeOpt = False, report: ReportOpt = False,
     params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
     hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None,
+    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
     ctx: Annotated[Optional[str], CtxOpt.__metadata__[0]] = None,
     batch: Annotated[Optional[str], BatchOpt.__metadata__[0]] = None,
     grad_accum: Annotated[Optional[str], GradAccumOpt.__metadata__[0]] = None,
@@ -130,7 +130,7 @@ def train_command(
         return _request(plan=plan, data=data, out=out, max_steps=max_steps, tokens=tokens, max_minutes=max_minutes,
                         save_every=save_every, eval_every=eval_every, seed=seed, resume=resume, params=params,
                         model=model, arch=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                        ffn=ffn, vocab=vocab, tied=tied, ctx=ctx, batch=batch, grad_accum=grad_accum,
+                        ffn=ffn, vocab=vocab, tied=tied, dropout=dropout, ctx=ctx, batch=batch, grad_accum=grad_accum,
                         precision=precision, attention=attention, checkpointing=checkpointing, optimizer=optimizer,
                         compile=compile, device=device, device_memory=device_memory, lr=lr, warmup=warmup,
                         min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, clip=clip, keep=keep,
@@ -153,6 +153,7 @@ def train_command(
 
 def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eval_every, seed, resume,
              params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
+             dropout=None,
              precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
              min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
              verify_data, global_batch_tokens, budget, margin, sharding, threads=None, from_=None, nproc=1):
@@ -166,7 +167,7 @@ def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eva
     request = TrainRequest(
         plan=plan, data=data, out=out, from_=from_, resume=resume,
         model=dict(params=params, model=model, arch=arch, layers=layers, hidden=hidden, heads=heads,
-                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied),
+                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout),
         setup=dict(ctx=ctx, batch=batch, grad_accum=grad_accum, precision=precision, attention=attention,
                    checkpointing=checkpointing, optimizer=optimizer, compile=compile),
         control=run_control_from(max_steps=max_steps, tokens=tokens, max_minutes=max_minutes, save_every=save_every,

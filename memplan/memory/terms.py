@@ -462,6 +462,93 @@ def lora_unsaved_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
     return out
 
 
+# ---- model dropout (ModelSpec.attn_dropout, resid_dropout, embd_dropout) -----------------------
+
+def dropout_mask_bytes(elems: int, input_bytes: int, cpu: bool) -> int:
+    """What one dropout saves for backward over ``elems`` elements of an input of ``input_bytes`` each.
+
+    On an accelerator ATen's ``dropout`` runs the fused ``native_dropout`` (``is_fused_kernel_acceptable``:
+    a CUDA tensor), which saves its bool mask: elems·1. On the CPU ``_dropout_impl`` makes ``noise =
+    at::empty_like(input).bernoulli_(1 - p)``, divides it by 1 − p and returns ``input * noise``, whose
+    backward keeps the noise in the input's dtype: elems·input_bytes. (The output is the next op's input,
+    counted where that op saves it.)"""
+    return elems * (input_bytes if cpu else MASK_BYTES)
+
+
+def cpu_math_attention(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> bool:
+    """Whether SDPA runs its math path (explicit T×T scores, as eager attention): attention dropout in
+    training on the CPU, whose flash kernel takes no dropout. On an accelerator flash and memory-efficient
+    attention drop in the kernel from a Philox seed and save no mask: the walk's SDPA as it is."""
+    return setup.attention == "sdpa" and cpu and spec.attn_dropout > 0
+
+
+def resid_dropout_mask_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """One residual dropout's mask (after the attention output projection, or after the MLP's down
+    projection: GPT-2's ``resid_dropout``), over that projection's output (n·H, in the compute dtype a):
+    n·H·1 on an accelerator, n·H·a on the CPU (``dropout_mask_bytes``). 0 without residual dropout."""
+    if not spec.resid_dropout:
+        return 0
+    return dropout_mask_bytes(tokens(setup) * spec.hidden, act_bytes(setup), cpu)
+
+
+def attn_dropout_saved_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """What attention dropout saves beyond the probabilities under eager attention: its mask over
+    B·heads·T² and the dropped probabilities the product with v saves in their place (B·heads·T²·a;
+    softmax keeps its own output for its backward). 0 under SDPA (``math_attention_saved_bytes``) or
+    without dropout."""
+    if not spec.attn_dropout or setup.attention != "eager":
+        return 0
+    scores = setup.micro_batch * spec.heads * setup.ctx * setup.ctx
+    return dropout_mask_bytes(scores, act_bytes(setup), cpu) + scores * act_bytes(setup)
+
+
+def math_attention_shapes(spec: ModelSpec, setup: TrainSetup) -> dict[str, int]:
+    """The tensors of SDPA's math path (``_scaled_dot_product_attention_math``, ATen), on the CPU in fp32
+    whatever the inputs' dtype (16-bit inputs are upcast, the output cast back): ``casts``, the fp32 copies
+    of q, k, v (n·(q_dim + 2·kv)·4; 0 for fp32 inputs); ``repeated``, k and v repeated to every head under
+    grouped-query attention (2·n·q_dim·4); ``q``, ``k``, the scaled copies ``q·√s`` and ``k·√s`` the first
+    bmm saves (n·q_dim·4, n·kv_w·4, kv_w the repeated width); ``v``, what the second bmm saves of v, a
+    contiguous copy (n·kv_w·4: ``matmul`` reshapes the transposed (B, heads, T, hd) view to (B·heads, T, hd),
+    which copies; the qkv output it was a view of is not kept); ``scores``, one B·heads·T²·4 tensor (the scores, the softmax output, the noise,
+    the dropped probabilities); ``out``, the product with v, n·q_dim·4."""
+    n, f = tokens(setup), FP32_BYTES
+    gqa = spec.kv_heads != spec.heads
+    kv_w = spec.q_dim if gqa else spec.kv_dim
+    up = act_bytes(setup) != f
+    return {"casts": n * (spec.q_dim + 2 * spec.kv_dim) * f if up else 0,
+            "repeated": 2 * n * spec.q_dim * f if gqa else 0, "q": n * spec.q_dim * f, "k": n * kv_w * f,
+            "v": n * kv_w * f, "kv_w": n * kv_w * f,
+            "scores": setup.micro_batch * spec.heads * setup.ctx * setup.ctx * f, "out": n * spec.q_dim * f}
+
+
+def math_attention_saved_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
+    """What a block saves under SDPA's math path with attention dropout (``cpu_math_attention``) beyond what
+    the walk's SDPA saves (its output and log-sum-exp, the rotated q and k, the qkv output): the scaled q
+    and k, v as saved, the softmax output, the noise mask and the dropped probabilities (3·B·heads·T²·4),
+    and the transposed copy of the output the out-projection saves (n·q_dim·a) (``math_attention_shapes``)."""
+    t = math_attention_shapes(spec, setup)
+    math = t["q"] + t["k"] + t["v"] + 3 * t["scores"] + attention_output_copy_bytes(spec, setup)
+    sdpa = sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup) + rotated_q_bytes(spec, setup) \
+        + rotated_k_bytes(spec, setup) + qkv_output_bytes(spec, setup)
+    return math - sdpa
+
+
+def block_dropout_saved_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """Everything one block's dropouts save without checkpointing: two residual dropouts' masks and the
+    attention dropout's mask and dropped probabilities. 0 at dropout 0."""
+    math = math_attention_saved_bytes(spec, setup) if cpu_math_attention(spec, setup, cpu) else 0
+    return 2 * resid_dropout_mask_bytes(spec, setup, cpu) + attn_dropout_saved_bytes(spec, setup, cpu) + math
+
+
+def embd_dropout_mask_bytes(spec: ModelSpec, setup: TrainSetup, cpu: bool) -> int:
+    """The embedding dropout's mask (GPT-2's ``drop`` after ``wte + wpe``) over the embedding sum, n·H in the
+    residual dtype r: n·H·1 on an accelerator, n·H·r on the CPU. 0 under LoRA (the frozen embedding's output
+    needs no gradient, so the dropout records nothing) or without embedding dropout."""
+    if not spec.embd_dropout or setup.lora_rank:
+        return 0
+    return dropout_mask_bytes(tokens(setup) * spec.hidden, residual_bytes_per_element(setup), cpu)
+
+
 # ---- the loss ------------------------------------------------------------------------------
 
 def logits_bytes(spec: ModelSpec, setup: TrainSetup) -> int:

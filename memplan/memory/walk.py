@@ -29,7 +29,8 @@ from memplan.memory.ledger import CATEGORIES, Moment, _StepWalk  # noqa: F401  (
 from memplan.memory.sharding import FullyShard, Replicated
 from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
                                   _layer_matrices, act_bytes, attention_output_copy_bytes, attention_scores_bytes,
-                                  causal_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
+                                  attn_dropout_saved_bytes, block_dropout_saved_bytes, causal_mask_bytes,
+                                  cpu_math_attention, embd_dropout_mask_bytes, math_attention_shapes, resid_dropout_mask_bytes, eager_kv_bytes, eager_q_bytes, fp32_logits_bytes,
                                   head_weight_grad_bytes, input_bytes, layer_lowp_weight_bytes, logits_bytes,
                                   mlp_inner_bytes, mlp_up_bytes, norm_output_bytes, norm_stat_bytes,
                                   qkv_output_bytes, residual_bytes_per_element, rope_buffer_bytes, rope_cast_bytes,
@@ -98,6 +99,22 @@ class _BlockForward:
     def __init__(self, w: _StepWalk, spec: ModelSpec, setup: TrainSetup, p: BlockPass, gqa_repeat: bool):
         self.w, self.spec, self.setup, self.p, self.gqa_repeat = w, spec, setup, p, gqa_repeat
         self.n, self.a, self.r = tokens(setup), act_bytes(setup), residual_bytes_per_element(setup)
+        self.cpu = w.stack.cpu  # dropout masks as the CPU makes them
+        # SDPA's math path on the CPU under attention dropout: the T×T scores, as eager attention
+        self.math = cpu_math_attention(spec, setup, self.cpu)
+        self.eager = setup.attention == "eager" or self.math
+
+    def resid_dropout(self, out: int) -> int:
+        """A residual dropout over a projection's output (``out`` bytes, live; GPT-2's ``resid_dropout``): its
+        mask, kept where autograd's saved tensors are, and its output, which replaces the projection's."""
+        mask = resid_dropout_mask_bytes(self.spec, self.setup, self.cpu)
+        if not self.spec.resid_dropout:
+            return out
+        self.make(mask)
+        dropped = self.make(out)
+        self.drop(out, self.p.keeps_outputs)
+        self.drop(mask, self.p.keeps_saved)
+        return dropped
 
     def make(self, nbytes: int, reused: bool = False) -> int:
         """A tensor made (unless the pass reuses it) and its bytes."""
@@ -149,7 +166,9 @@ class _BlockForward:
         w.alloc("activations", held)
         w.alloc("temporaries", w.stack.rotary_transient_bytes(spec, setup))  # its qk norms' and rotary's at once
         w.free("temporaries", w.stack.rotary_transient_bytes(spec, setup))
-        if setup.attention == "eager":
+        if self.math:
+            proj_in = self.math_attention(qkv, q_rot + k_rot)
+        elif self.eager:
             proj_in = self.eager_attention(qkv, q_rot + k_rot)
         elif sdpa_repeated_kv_bytes(spec, setup, self.gqa_repeat):
             proj_in = self.sdpa_repeated(qkv, q_rot, k_rot)
@@ -162,12 +181,14 @@ class _BlockForward:
         o = self.make(self.n * spec.hidden * self.a, p.reuses_outputs)  # out-projection output
         self.adapter("proj")
         w.free("activations", held)  # the attention's forward returns
-        if setup.attention == "sdpa":
+        if not self.eager:
             self.drop(proj_in, p.keeps_saved or p.keeps_outputs)
         else:
             self.drop(proj_in, p.keeps_saved and lora.saves_input(setup, "proj"))
+        keep_o = p.keeps_outputs and not spec.resid_dropout  # (the dropout released it, or kept it, itself)
+        o = self.resid_dropout(o)
         x_mid = self.make(self.n * spec.hidden * self.r)  # x + attention (parallel: a partial sum nothing saves)
-        self.drop(o, p.keeps_outputs)
+        self.drop(o, keep_o)
         self.mlp(x_mid)
 
     def sdpa(self, qkv: int, rotated: int) -> int:
@@ -188,6 +209,33 @@ class _BlockForward:
         self.drop(qkv, p.keeps_outputs or (p.keeps_saved and spec.pos != "rope"))
         return out
 
+    def math_attention(self, qkv: int, rotated: int) -> int:
+        """SDPA's math path on the CPU under attention dropout, in fp32 (``terms.math_attention_shapes``): q, k,
+        v cast up and repeated to every head, q·√s and k·√s, the scores, softmax, the dropout's noise and
+        output, the product with v (cast back), transposed back to (B, T, q_dim); the projection's input."""
+        spec, setup, p = self.spec, self.setup, self.p
+        t = math_attention_shapes(spec, setup)
+        self.make(t["casts"])
+        self.drop(rotated, False)  # the rotated q and k, read by the casts (or the scaling)
+        self.make(t["repeated"])
+        q, k = self.make(t["q"]), self.make(t["k"])
+        self.make(t["v"])  # v as the second bmm saves it: a contiguous copy
+        self.drop(t["casts"] + t["repeated"], False)
+        self.make(t["scores"])  # q·kᵀ, the causal mask added in place
+        probs = self.make(t["scores"])  # softmax, saved
+        self.drop(t["scores"], False)
+        dropout = self.make(2 * t["scores"])  # the noise and the dropped probabilities, saved
+        self.drop(qkv, p.keeps_outputs)
+        out = self.make(t["out"])
+        if self.a != FP32_BYTES:
+            self.make(self.n * spec.q_dim * self.a)  # cast back to the inputs' dtype
+            self.drop(out, False)
+            out = self.n * spec.q_dim * self.a
+        proj_in = self.make(attention_output_copy_bytes(spec, setup))  # transposed back to (B, T, q_dim)
+        self.drop(out, False)
+        self.drop(q + k + t["v"] + probs + dropout, p.keeps_saved)
+        return proj_in
+
     def eager_attention(self, qkv: int, rotated: int) -> int:
         """Eager attention: contiguous copies, q·kᵀ, softmax, probs·v transposed back; the projection's input."""
         spec, setup, p = self.spec, self.setup, self.p
@@ -198,6 +246,8 @@ class _BlockForward:
         self.make(scores)  # q·kᵀ, scaled and masked in place; recomputed even when the probabilities are reused
         probs = self.make(scores, p.reuses_outputs)
         self.drop(scores, False)
+        dropout = attn_dropout_saved_bytes(spec, setup, self.cpu)  # its mask and the dropped probabilities
+        self.make(dropout)
         v = self.make(eager_kv_bytes(spec, setup))
         self.drop(qkv, p.keeps_outputs)
         pv = self.make(self.n * spec.q_dim * self.a)  # probs·v, (B, heads, T, hd)
@@ -205,6 +255,7 @@ class _BlockForward:
         self.drop(pv, False)
         self.drop(q + k + v, p.keeps_saved)
         self.drop(probs, p.keeps_saved or p.keeps_outputs)
+        self.drop(dropout, p.keeps_saved)
         return proj_in
 
     def mlp(self, x_mid: int) -> None:
@@ -246,8 +297,10 @@ class _BlockForward:
         if p.keeps_saved and not lora.saves_input(setup, "down"):
             w.free("activations", mlp_inner_bytes(spec, setup))
             inner -= mlp_inner_bytes(spec, setup)
+        keep_d = p.keeps_outputs and not spec.resid_dropout
+        d = self.resid_dropout(d)
         self.make(self.n * spec.hidden * self.r)  # the block's output
-        self.drop(d, p.keeps_outputs)
+        self.drop(d, keep_d)
         self.drop(x_mid, p.keeps_saved and not spec.parallel_residual)
         self.drop(inner, p.keeps_saved)
         self.drop(up, p.keeps_saved or p.keeps_outputs)
@@ -329,6 +382,83 @@ def _norm_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_in_byt
     return out
 
 
+def _resid_dropout_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, g_in: int) -> int:
+    """A residual dropout's backward (grad·mask/(1 − p), a new n·H·a gradient, ``g_in`` released); its mask
+    released. Returns the gradient the projection's backward takes (``g_in`` without the dropout)."""
+    if not spec.resid_dropout:
+        return g_in
+    out = tokens(setup) * spec.hidden * act_bytes(setup)
+    w.alloc("temporaries", out)
+    w.free("temporaries", g_in)
+    w.free("activations", resid_dropout_mask_bytes(spec, setup, w.stack.cpu))
+    return out
+
+
+def _eager_attention_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, dq: int, dkv: int) -> None:
+    """Eager attention's backward, from the projection's input gradient (``dq``, live) to q's, k's and v's
+    gradients (dq + 2·dkv, live): probs·v, the attention dropout, softmax, the mask, the scaling, q·kᵀ."""
+    scores = attention_scores_bytes(spec, setup)
+    kv_copy = eager_kv_bytes(spec, setup)
+    w.alloc("temporaries", dq)  # the output gradient, contiguous in (B, heads, T, hd)
+    w.free("temporaries", dq)  # ... replaces the projection's input gradient
+    w.alloc("temporaries", kv_copy + scores)  # probs·v backward: dv, dprobs
+    w.free("activations", kv_copy)  # v
+    w.free("temporaries", dq)
+    dropout = attn_dropout_saved_bytes(spec, setup, w.stack.cpu)
+    if dropout:  # the dropout's backward: dprobs = d(dropped)·mask/(1 − p); its mask and output released
+        w.alloc("temporaries", scores)
+        w.free("temporaries", scores)
+        w.free("activations", dropout)
+    w.alloc("temporaries", scores)  # softmax backward
+    softmax = w.stack.softmax_backward_bytes(spec, setup)  # a stack's fp32 softmax backward
+    w.alloc("temporaries", softmax)
+    w.free("temporaries", softmax)
+    w.free("temporaries", scores)
+    w.free("activations", scores)  # probabilities
+    w.alloc("temporaries", scores)  # masked_fill backward
+    w.free("temporaries", scores)
+    w.alloc("temporaries", scores)  # scaling backward
+    w.free("temporaries", scores)
+    w.alloc("temporaries", dq + kv_copy)  # q·kᵀ backward: dq, dk
+    w.free("temporaries", scores)
+    w.free("activations", eager_q_bytes(spec, setup) + kv_copy)
+    if kv_copy != dkv:  # repeat_interleave backward sums the groups
+        w.alloc("temporaries", 2 * dkv)
+        w.free("temporaries", 2 * kv_copy)
+
+
+def _math_attention_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, dq: int, dkv: int) -> None:
+    """SDPA's math path backward (``_BlockForward.math_attention``), from the projection's input gradient
+    (``dq``, live) to q's, k's and v's gradients (dq + 2·dkv, live), in fp32 between the casts."""
+    t, f = math_attention_shapes(spec, setup), FP32_BYTES
+    s = t["scores"]
+    g = dq
+    if act_bytes(setup) != f:  # the cast back's backward
+        w.alloc("temporaries", t["out"])
+        w.free("temporaries", dq)
+        g = t["out"]
+    w.alloc("temporaries", s + t["kv_w"])  # the second bmm's backward: d(dropped), dv
+    w.free("temporaries", g)
+    w.free("activations", s + t["v"])  # the dropped probabilities and v as saved
+    w.alloc("temporaries", s)  # the dropout's backward: d(probs) = d(dropped)·noise
+    w.free("temporaries", s)
+    w.free("activations", s)  # the noise
+    w.alloc("temporaries", s)  # softmax's backward
+    w.free("temporaries", s)
+    w.free("activations", s)  # softmax's output
+    w.alloc("temporaries", t["q"] + t["k"])  # the first bmm's backward: d(q·√s), d(k·√s)
+    w.free("temporaries", s)
+    w.free("activations", t["q"] + t["k"])
+    w.alloc("temporaries", t["q"] + t["k"])  # the scaling's backward
+    w.free("temporaries", t["q"] + t["k"])
+    if t["repeated"]:  # repeat_interleave's backward sums the groups
+        w.alloc("temporaries", 2 * t["kv_w"] // spec.heads * spec.kv_heads)
+        w.free("temporaries", 2 * t["kv_w"])
+    fp32_grads = t["q"] + 2 * t["kv_w"] // spec.heads * spec.kv_heads if t["repeated"] else t["q"] + 2 * t["kv_w"]
+    w.alloc("temporaries", dq + 2 * dkv)  # cast to the inputs' dtype (a copy in fp32 too: the same size)
+    w.free("temporaries", fp32_grads)
+
+
 def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int,
                     gqa_repeat: bool = False, first: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
@@ -338,6 +468,9 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     m = _layer_matrices(spec)
     inner = mlp_inner_bytes(spec, setup)
     branch_cast = r != a  # fp32 residual, bf16 branch: the gradient is cast for the branch
+    cpu = w.stack.cpu
+    math = cpu_math_attention(spec, setup, cpu)  # SDPA's math path on the CPU (attention dropout)
+    eager = setup.attention == "eager" or math
 
     w.where = "block backward: MLP"
     g_branch = grad_bytes
@@ -345,8 +478,8 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
     # down: input gradient n·F·a
-    _linear_backward(w, spec, setup, m["down"], g_branch if branch_cast else 0, inner, inner, input_cast=False,
-                     matrix="down")
+    _linear_backward(w, spec, setup, m["down"], _resid_dropout_backward(w, spec, setup, g_branch if branch_cast else 0), inner, inner,
+                     input_cast=False, matrix="down")
     if spec.mlp == "swiglu":
         recomputed = compiled.compiled_silu_unsaved_bytes(spec, setup) if w.compiled else 0
         w.alloc("temporaries", recomputed)  # compiled: silu(gate) recomputed from the saved gate
@@ -382,47 +515,27 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     if branch_cast:
         g_branch = n * hidden * a
         w.alloc("temporaries", g_branch)
-    proj_saved = attention_output_copy_bytes(spec, setup) if setup.attention == "eager" else 0
-    _linear_backward(w, spec, setup, m["proj"], g_branch if branch_cast else 0, proj_saved, n * spec.q_dim * a,
-                     input_cast=False, matrix="proj")
+    proj_saved = attention_output_copy_bytes(spec, setup) if eager else 0
+    _linear_backward(w, spec, setup, m["proj"], _resid_dropout_backward(w, spec, setup, g_branch if branch_cast else 0), proj_saved,
+                     n * spec.q_dim * a, input_cast=False, matrix="proj")
     dq, dkv = n * spec.q_dim * a, n * spec.kv_dim * a
     repeated = sdpa_repeated_kv_bytes(spec, setup, gqa_repeat)
-    if setup.attention == "sdpa" and repeated:
+    if not eager and repeated:
         w.alloc("temporaries", dq + repeated)  # dq and the repeated dk, dv
         w.free("temporaries", dq)  # the projection's input gradient
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
                + rotated_q_bytes(spec, setup) + repeated + (qkv_output_bytes(spec, setup) if spec.pos != "rope" else 0))
         w.alloc("temporaries", 2 * dkv)  # repeat_interleave backward sums the groups
         w.free("temporaries", repeated)
-    elif setup.attention == "sdpa":
+    elif math:
+        _math_attention_backward(w, spec, setup, dq, dkv)
+    elif not eager:
         w.alloc("temporaries", dq + 2 * dkv)
         w.free("temporaries", dq)  # the projection's input gradient
         w.free("activations", sdpa_output_bytes(spec, setup) + sdpa_logsumexp_bytes(spec, setup)
                + rotated_q_bytes(spec, setup) + rotated_k_bytes(spec, setup) + qkv_output_bytes(spec, setup))
     else:
-        scores = attention_scores_bytes(spec, setup)
-        kv_copy = eager_kv_bytes(spec, setup)
-        w.alloc("temporaries", dq)  # the output gradient, contiguous in (B, heads, T, hd)
-        w.free("temporaries", dq)  # ... replaces the projection's input gradient
-        w.alloc("temporaries", kv_copy + scores)  # probs·v backward: dv, dprobs
-        w.free("activations", kv_copy)  # v
-        w.free("temporaries", dq)
-        w.alloc("temporaries", scores)  # softmax backward
-        softmax = w.stack.softmax_backward_bytes(spec, setup)  # a stack's fp32 softmax backward
-        w.alloc("temporaries", softmax)
-        w.free("temporaries", softmax)
-        w.free("temporaries", scores)
-        w.free("activations", scores)  # probabilities
-        w.alloc("temporaries", scores)  # masked_fill backward
-        w.free("temporaries", scores)
-        w.alloc("temporaries", scores)  # scaling backward
-        w.free("temporaries", scores)
-        w.alloc("temporaries", dq + kv_copy)  # q·kᵀ backward: dq, dk
-        w.free("temporaries", scores)
-        w.free("activations", eager_q_bytes(spec, setup) + kv_copy)
-        if kv_copy != dkv:  # repeat_interleave backward sums the groups
-            w.alloc("temporaries", 2 * dkv)
-            w.free("temporaries", 2 * kv_copy)
+        _eager_attention_backward(w, spec, setup, dq, dkv)
     if spec.pos == "rope":
         w.alloc("temporaries", dkv)  # k rotated back
         w.free("temporaries", dkv)
@@ -490,7 +603,7 @@ class _Step:
         # autocast, its weight copies (saved, or cached until the forward ends under checkpointing)
         self.stored = saved_per_layer_bytes(spec, cs, gqa_repeat) - (self.lowp if not self.ckpt else 0)
         if not self.ckpt:
-            self.stored += stack.block_saved_bytes(spec, cs)
+            self.stored += stack.block_saved_bytes(spec, cs) + block_dropout_saved_bytes(spec, cs, stack.cpu)
         # LoRA without checkpointing: the first block saves nothing before its first adapter (its input
         # and the weights before are frozen), memplan's tensors, the stack's, and autocast's weight copies
         self.first_unsaved = self.first_copies = 0
@@ -528,6 +641,9 @@ class _Step:
             w.alloc("activations", cs.ctx * spec.hidden * r)
             w.alloc("activations", n * spec.hidden * r)  # + positions
             w.free("activations", n * spec.hidden * r + cs.ctx * spec.hidden * r)
+        if spec.embd_dropout:  # its mask (saved where the embedding trains), its output in place of the sum
+            w.alloc("activations", embd_dropout_mask_bytes(spec, cs, self.stack.cpu) + n * spec.hidden * r)
+            w.free("activations", n * spec.hidden * r)
 
     def blocks_forward(self) -> None:
         """The blocks before the last, as what they leave alive, then the last block op by op."""
@@ -667,6 +783,11 @@ class _Step:
         if self.lora:
             w.free("temporaries", self.grad)
         else:
+            mask = embd_dropout_mask_bytes(spec, cs, self.stack.cpu)
+            if mask:  # the embedding dropout's backward: a new gradient, its mask released
+                w.alloc("temporaries", self.grad)
+                w.free("temporaries", self.grad)
+                w.free("activations", mask)
             if spec.pos == "learned":
                 self.position_backward()
             w.alloc("temporaries", self.vh_grad)  # embedding_dense_backward

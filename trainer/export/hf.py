@@ -121,7 +121,8 @@ def hf_config(run: LoadedRun, dtype: str) -> dict:
 
 def spec_config(spec, context: int, dtype: str = "float32", rope_scaling: bool = False) -> dict:
     """The transformers config (as config.json's dict) of the model ``spec`` describes, ``context``
-    positions long: the family's class and its own keys, no dropout, no token ids. ``rope_scaling``: with the
+    positions long: the family's class and its own keys, the spec's dropout in the family's fields
+    (``memplan.model.DROPOUT_KEYS``: a llama has attention dropout only), no token ids. ``rope_scaling``: with the
     spec's RoPE scaling (what an export writes); without it (``--stack transformers``' trace and measurement)
     RoPE is plain, which moves no tensor, and transformers' dynamic NTK update, a branch on a tensor's value,
     cannot run on fake tensors."""
@@ -134,7 +135,7 @@ def spec_config(spec, context: int, dtype: str = "float32", rope_scaling: bool =
                "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
                "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim, "hidden_act": "silu",
                "max_position_embeddings": context, "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
-               "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+               "rope_scaling": None, "attention_bias": False, "attention_dropout": spec.attn_dropout, "mlp_bias": False,
                "pretraining_tp": 1}
         if rope_scaling and spec.rope_scaling:  # dynamic NTK scales from the model's own max_position_embeddings
             cfg.update(rope_scaling=dict(spec.rope_scaling), max_position_embeddings=spec.max_positions)
@@ -145,15 +146,16 @@ def spec_config(spec, context: int, dtype: str = "float32", rope_scaling: bool =
     elif spec.arch == "gpt2":
         cfg = {"model_type": "gpt2", "n_embd": spec.hidden, "n_layer": spec.layers, "n_head": spec.heads,
                "n_inner": spec.ffn, "n_positions": spec.max_positions, "n_ctx": spec.max_positions,
-               "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": spec.norm_eps,
-               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True}
+               "activation_function": "gelu_new" if spec.act == "gelu_new" else "gelu_pytorch_tanh", "layer_norm_epsilon": spec.norm_eps,
+               "resid_pdrop": spec.resid_dropout, "embd_pdrop": spec.embd_dropout, "attn_pdrop": spec.attn_dropout, "scale_attn_weights": True}
     else:
         cfg = {"model_type": "gpt_neox", "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
                "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads, "hidden_act": "gelu_pytorch_tanh",
                "max_position_embeddings": context, "rotary_pct": spec.rotary_pct,
                "partial_rotary_factor": spec.rotary_pct, "rotary_emb_base": spec.rope_theta,
                "rope_theta": spec.rope_theta, "layer_norm_eps": spec.norm_eps, "use_parallel_residual": True,
-               "attention_bias": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+               "attention_bias": True, "attention_dropout": spec.attn_dropout,
+               "hidden_dropout": spec.resid_dropout}
     return {**common, **cfg}
 
 

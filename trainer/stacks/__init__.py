@@ -122,25 +122,31 @@ def _as_on_real_tensors(stack: str):
     return module.as_on_real_tensors()
 
 
-def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_dropout: float | None = None):
+def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_dropout: float | None = None,
+                accelerator: bool = False):
     """The exact live-tensor peak of a steady-state step of ``stack``'s code (``trainer.measure.StepMemory``),
-    on fake tensors claiming to live on ``device``: two steps under ``FakeTensorMode`` and ``MemTracker``."""
+    on fake tensors claiming to live on ``device``: two steps under ``FakeTensorMode`` and ``MemTracker``.
+    ``accelerator``: the step is planned for an accelerator though the fake tensors live on the CPU:
+    dropout as its kernels run it, a bool mask (``trainer.measure.AcceleratorDropout``)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainer.measure import StepMemory, _random_ids, _tracked_steps, traced_accumulation, with_untraced_inputs
+    from trainer.measure import (_AS_ACCELERATOR, AcceleratorDropout, StepMemory, _random_ids, _tracked_steps,
+                                 traced_accumulation, with_untraced_inputs)
     from trainer.step import set_matmul_precision
 
     check_stack(stack)
     asked, setup = setup, traced_accumulation(setup)  # the peak of N micro-batches: the second's, plus their ids
     set_matmul_precision(setup.precision)
-    with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device), _as_on_real_tensors(stack):
+    with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device), _as_on_real_tensors(stack), \
+            (AcceleratorDropout() if accelerator else contextlib.nullcontext()):
         net, optimizer, step = _built(stack, model, setup, lora_dropout)
         total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, device),
                                               torch.device(device).type, step_fn=step)
     return with_untraced_inputs(
         StepMemory(peak_allocated=total, breakdown=categories, params=sum(p.numel() for p in net.parameters()),
-                   method=f"{possessive(stack)} model and step, MemTracker under FakeTensorMode ({device})"),
+                   method=f"{possessive(stack)} model and step, MemTracker under FakeTensorMode "
+                          f"({device}{_AS_ACCELERATOR if accelerator else ''})"),
         asked, torch.device(device).type)
 
 

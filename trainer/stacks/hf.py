@@ -54,12 +54,12 @@ _ACT_NAMES = {"gelu_new": "gelu_new", "gelu_tanh": "gelu_pytorch_tanh", "gelu": 
 def family_config(spec, context: int) -> dict:
     """config.json's contents for a spec of a family memplan's trainer does not build (phi, gemma,
     stablelm, qwen3: ``memplan.model.STACK_ARCHS``), as ``memplan.model.from_hf_config`` reads them
-    back: the family's own keys, no dropout."""
+    back: the family's own keys, the spec's dropout in the family's fields (``memplan.model.DROPOUT_KEYS``)."""
     common = {"model_type": spec.arch, "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
               "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
               "num_key_value_heads": spec.kv_heads, "vocab_size": spec.vocab, "tie_word_embeddings": spec.tied,
               "max_position_embeddings": context, "rope_theta": spec.rope_theta, "hidden_act": _ACT_NAMES[spec.act],
-              "attention_dropout": 0.0, "initializer_range": 0.02}
+              "attention_dropout": spec.attn_dropout, "initializer_range": 0.02}
     if spec.arch in ("gemma", "qwen3"):
         extra = {"head_dim": spec.head_dim, "rms_norm_eps": spec.norm_eps, "attention_bias": False}
         if spec.arch == "gemma":
@@ -67,9 +67,9 @@ def family_config(spec, context: int) -> dict:
         return {**common, **extra}
     extra = {"layer_norm_eps": spec.norm_eps, "partial_rotary_factor": spec.rotary_pct, "qk_layernorm": False}
     if spec.arch == "phi":
-        return {**common, **extra, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+        return {**common, **extra, "resid_pdrop": spec.resid_dropout, "embd_pdrop": spec.embd_dropout}
     return {**common, **extra, "use_qkv_bias": spec.qkv_bias, "use_parallel_residual": spec.parallel_residual,
-            "hidden_dropout": 0.0}
+            "hidden_dropout": spec.resid_dropout}
 
 
 @contextlib.contextmanager
