@@ -37,7 +37,7 @@ VocabOpt = Annotated[Optional[int], typer.Option("--vocab", metavar="N", help="V
 TiedOpt = Annotated[Optional[bool], typer.Option("--tied/--untied", help="Tie the LM head to the embedding.",
                                                  rich_help_panel=_M, show_default=False)]
 DropoutOpt = Annotated[Optional[float], typer.Option(
-    "--dropout", help="Model dropout P in [0, 1): on the attention probabilities, after each attention and MLP "
+    "--dropout", metavar="P", help="Model dropout P in [0, 1): on the attention probabilities, after each attention and MLP "
                       "output projection, and after the embedding, as GPT-2 places them (default: a config.json's "
                       "own dropout fields, else 0). Training only: evaluation and generation run without it.",
     rich_help_panel=_M, show_default=False)]
