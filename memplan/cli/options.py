@@ -65,6 +65,12 @@ DeviceMemoryOpt = Annotated[Optional[str], typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (keys documented in docs/json.md) instead of tables.")]
 
 # ---- RUNTIME (every command that runs torch) -----------------------------------------------
+TrainStackOpt = Annotated[Optional[str], typer.Option(
+    "--stack", help="train/finetune: whose model class trains, in memplan's loop: memplan (its own) | transformers "
+                    "(AutoModelForCausalLM.from_config, peft's LoRA; planned as `estimate --stack transformers`). "
+                    "Default: memplan's own where it builds the family (llama, mistral, qwen2, gpt2, gpt_neox), "
+                    "else transformers' (qwen3, gemma, phi, stablelm).", show_default=False,
+    rich_help_panel="Setup")]
 ThreadsOpt = Annotated[Optional[str], typer.Option(
     "--threads", help="torch CPU threads. Default: the count this machine's calibration measured fastest (one "
                       "thread beats all cores on a small or busy machine), else torch's default.",

@@ -24,7 +24,8 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
                                  KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
-                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, VerifyDataOpt, VocabOpt,
+                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, TokensOpt, TrainStackOpt, VerifyDataOpt,
+                                 VocabOpt,
                                  run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -103,6 +104,7 @@ def train_command(
     verify_data: VerifyDataOpt = None,
     global_batch_tokens: GlobalBatchTokensOpt = None, budget: BudgetOpt = None, margin: MarginOpt = "0.1",
     nproc: NprocOpt = None, sharding: TrainShardingOpt = None, threads: ThreadsOpt = None, log: LogOpt = None,
+    stack: TrainStackOpt = None,
 ) -> None:
     """Train a model on a plan and measure it against memplan's predictions; alone, a short run on the embedded corpus."""
     from rich.console import Console
@@ -136,7 +138,7 @@ def train_command(
                         eval_batches=eval_batches, sample_tokens=sample_tokens, prompt=prompt,
                         max_nonfinite=max_nonfinite, verify_data=verify_data,
                         global_batch_tokens=global_batch_tokens, budget=budget, margin=margin, sharding=sharding,
-                        threads=n_threads, from_=from_, nproc=nproc)
+                        threads=n_threads, from_=from_, nproc=nproc, stack=stack)
 
     if launched > 1:  # a rank reads its run from RUN/launch.json, never flags
         raise InputError(f"this process is one of {launched} started by torchrun: `memplan train --nproc N` starts "
@@ -154,7 +156,8 @@ def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eva
              params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
              precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
              min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
-             verify_data, global_batch_tokens, budget, margin, sharding, threads=None, from_=None, nproc=1):
+             verify_data, global_batch_tokens, budget, margin, sharding, threads=None, from_=None, nproc=1,
+             stack=None):
     """The flags as a ``trainer.request.TrainRequest`` (``nproc``: to be resolved for that many processes)."""
     from memplan.units import parse_count
     from trainer.request import TrainRequest
@@ -178,7 +181,7 @@ def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eva
                    seed=seed_from(seed)),
         device=device, device_memory=device_memory, threads=threads, sharding=sharding,
         global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"), budget=budget,
-        margin=_number(margin, "--margin"), nproc=nproc)
+        margin=_number(margin, "--margin"), nproc=nproc, stack=stack)
     return request
 
 
