@@ -140,9 +140,12 @@ class HFCausalLM(nn.Module):
         if end > cache.max_len:
             raise ValueError(f"positions up to {end} exceed the cache's {cache.max_len}")
         positions = torch.arange(start, end, device=idx.device)[None].expand(idx.shape[0], -1)
-        out = self.net(input_ids=idx, past_key_values=cache.kv, use_cache=True, position_ids=positions,
-                       logits_to_keep=1)
-        cache.kv, cache.length = out.past_key_values, end
+        import inspect
+
+        # the cache, updated in place: ``cache`` in transformers 5.2x, ``past_key_values`` before
+        name = "cache" if "cache" in inspect.signature(self.net.forward).parameters else "past_key_values"
+        out = self.net(input_ids=idx, use_cache=True, position_ids=positions, logits_to_keep=1, **{name: cache.kv})
+        cache.length = end
         return out.logits[:, -1].float()
 
 
