@@ -286,7 +286,7 @@ class ModelSpec:
         tokenizer, or --vocab) changes, its embedding does not. "" when the count is the named one."""
         named = (self.name or "").split(",")[0].strip()
         try:
-            base = preset(named) if named in PRESETS else from_size(named) if named else None
+            base = preset(named) if named in PRESETS or named in CONFIG_PRESETS else from_size(named) if named else None
         except InputError:
             base = None
         if base is None or base.params == self.params:
@@ -417,11 +417,30 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# ---- presets of the families transformers' model class trains (issue 24) --------------------------------
+# Each is its model's config.json as published on the Hub (cited here), shipped in memplan/presets/NAME.json and
+# read as any --model config.json is (``from_hf_config``). memplan cannot fetch the real weights here: these
+# presets plan the real shape, and train from a checkpoint of the same family (``memplan train --from DIR``).
+CONFIG_PRESETS: dict[str, str] = {
+    "qwen3-0.6b": _HF.format("Qwen/Qwen3-0.6B"),
+    "gemma-2b": _HF.format("google/gemma-2b"),
+    "phi-2": _HF.format("microsoft/phi-2"),
+}
+
+
+def config_preset_path(name: str) -> Path:
+    """The shipped config.json of a ``CONFIG_PRESETS`` model."""
+    return Path(__file__).parent / "presets" / f"{name}.json"
+
+
 def preset(name: str) -> ModelSpec:
     """A named published model; a misspelt name suggests the closest ones."""
     key = name.strip().lower()
+    if key in CONFIG_PRESETS:
+        spec = from_hf_config(config_preset_path(key), stack_families=True)
+        return spec.replace(name=key, source=CONFIG_PRESETS[key])
     if key not in PRESETS:
-        raise choice_error("--model", name, sorted(PRESETS))
+        raise choice_error("--model", name, sorted([*PRESETS, *CONFIG_PRESETS]))
     return ModelSpec(name=key, **PRESETS[key])
 
 

@@ -228,3 +228,77 @@ def test_fsdp_is_refused_for_transformers_model_class():
     with pytest.raises(Exception, match="--sharding fsdp is not wrapped"):
         check_stack_setup(TrainSetup(world_size=2, sharding="fsdp", stack="transformers"))
     check_stack_setup(TrainSetup(world_size=2, sharding="ddp", stack="transformers"))
+
+
+# ---- the presets of transformers' families: the real shape planned, a tiny one of the family trained ------------
+
+PRESETS = ("qwen3-0.6b", "gemma-2b", "phi-2")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_preset_is_its_published_config_and_plans_with_transformers(name):
+    from test_families import PUBLISHED
+
+    from memplan.model import CONFIG_PRESETS, config_preset_path, preset
+
+    spec = preset(name)
+    published = json.loads(config_preset_path(name).read_text())
+    assert CONFIG_PRESETS[name] in spec.source and spec.arch == published["model_type"]
+    def kv(cfg):  # None: one key/value head per query head (PhiConfig's default)
+        return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+
+    assert kv(published) == kv(PUBLISHED[name][0])
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        assert published[key] == PUBLISHED[name][0][key]
+    assert abs(spec.params / 1e9 - PUBLISHED[name][1]) < 0.01  # the model card's size
+    est = runner.invoke(app, ["estimate", "--model", name, "--stack", "transformers", "--device", "h100-sxm",
+                              "--ctx", "2048", "--batch", "1", "--precision", "bf16-mixed", "--json"])
+    assert est.exit_code == 0, est.output
+    assert json.loads(est.output)["memory"]["peak_reserved"] > spec.params * 16  # weights, grads, AdamW
+    tuned = runner.invoke(app, ["autotune", "--model", name, "--stack", "transformers", "--device", "h100-sxm",
+                                "--ctx", "2048", "--json"])
+    assert tuned.exit_code == 0, tuned.output
+    assert json.loads(tuned.output)["plan"]["micro_batch"] >= 1
+    one_line_error(runner.invoke(app, ["estimate", "--model", name, "--device", "h100-sxm"]), "--stack transformers")
+
+
+def tiny_of(name: str):
+    """The preset's own config.json, shrunk to 2 layers of hidden 64: a random model of the same family."""
+    from transformers import AutoConfig
+
+    from memplan.model import config_preset_path
+
+    cfg = json.loads(config_preset_path(name).read_text())
+    heads, kv = 4, max(1, 4 * cfg["num_key_value_heads"] // cfg["num_attention_heads"])
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+               num_key_value_heads=kv, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+               max_position_embeddings=128)
+    if "head_dim" in cfg:
+        cfg["head_dim"] = 16
+    if "max_window_layers" in cfg:
+        cfg["max_window_layers"] = 2
+    dropped = ("_name_or_path", "torch_dtype", "dtype")  # the tiny one in fp32, as the test computes
+    return AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in dropped})
+
+
+@pytest.mark.slow
+def test_each_preset_family_trains_two_steps_from_a_tiny_random_checkpoint(tmp_path):
+    from test_train_from import prepare
+
+    tok = tokenizer()
+    for i, name in enumerate(PRESETS):
+        directory = tmp_path / name
+        base = write_checkpoint(directory, tiny_of(name), tok)
+        data = prepare(tmp_path, str(directory), name=f"data-{name}")
+        out = tmp_path / f"run-{name}"
+        result = runner.invoke(app, ["train", "--device", "cpu", "--sample-tokens", "0", "--from", str(directory),
+                                     "--data", str(data), "--out", str(out), "--ctx", "32", "--batch", "2",
+                                     "--precision", "fp32", "--max-steps", "2", "--lr", "1e-9"])
+        assert result.exit_code == 0, result.output
+        from trainer.loop import load_trained
+
+        model, _, meta = load_trained(out)
+        assert meta["step"] == 2 and meta["plan"]["setup"]["stack"] == "transformers"
+        x = ids_of()
+        with torch.no_grad():  # it started from the checkpoint's weights (a learning rate of 1e-9 keeps them)
+            assert (model(x).float() - base(x).logits.float()).abs().max().item() <= TOL

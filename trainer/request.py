@@ -583,6 +583,9 @@ def for_world(plan, world_size: int, sharding: str | None, profile, ui: "TrainUI
                f"micro-batch {s.micro_batch} × {s.grad_accum} accumulation, so a step is {world_size}× "
                f"the plan's global batch ({chosen})")
     setup = s.replace(world_size=world_size, sharding=chosen)
+    from trainer.hf_model import check_stack_setup
+
+    check_stack_setup(setup)  # FSDP2 does not wrap transformers' model class here
     return Plan(model=plan.model, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes,
                 predicted=predict(plan.model, setup, profile).plan_table())
 
@@ -871,7 +874,14 @@ def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> Resolv
                              overrides=overrides, rates_note=spec.rates_note, sharding=spec.sharding)
     config = TrainConfig(**_checked_settings(spec.config, where, "config"))
     starting = None
-    if spec.starting is not None:
+    if spec.starting is not None and plan.setup.stack != "memplan":  # transformers' class, of the config recorded
+        from trainer import hf_model
+
+        starting = hf_model.starting_weights(Path(spec.starting["path"]), plan.model, plan.setup,
+                                             hf_model.check_config(spec.starting.get("config"), f"{where}: 'starting'"),
+                                             model_type=spec.starting["model_type"],
+                                             recorded_sha256=spec.starting["weights_sha256"])
+    elif spec.starting is not None:
         starting = starting_from_hf(Path(spec.starting["path"]), plan.model, model_type=spec.starting["model_type"],
                                     recorded_sha256=spec.starting["weights_sha256"])
     return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, plan=plan, rates_note=spec.rates_note,
