@@ -175,6 +175,7 @@ def build(spec: ModelSpec, setup, device, hf_config: dict, weights=None, lora_al
     from trainer.stacks.hf import build_model
 
     check_config(hf_config, "the run's config")
+    check_stack_setup(setup.replace(stack=STACK), "--stack transformers")  # a plan file's too: no FSDP2, no compile
 
     def load(net):
         if weights is not None:

@@ -20,7 +20,7 @@ RunOpt = Annotated[Optional[str], typer.Option("--run", help="The trained run to
                                                 show_default=False)]
 FromOpt = Annotated[Optional[str], typer.Option(
     "--from", help="Start from a Hugging Face checkpoint directory instead of a run: config.json (llama, mistral, "
-                   "qwen2, gpt2, gpt_neox), model.safetensors or its shards, tokenizer.json; a Hub id is looked up "
+                   "qwen2, gpt2, gpt_neox; qwen3, gemma, phi, stablelm in transformers' model class), model.safetensors or its shards, tokenizer.json; a Hub id is looked up "
                    "in the local Hugging Face cache only.", show_default=False)]
 DataOpt = Annotated[str, typer.Option(
     "--data", help='JSONL, one example a line: {"prompt": ..., "response": ...} or {"messages": [{"role": '

@@ -27,7 +27,9 @@ ParamsOpt = Annotated[Optional[str], typer.Option(
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", help="A preset name (gpt2, tinyllama-1.1b, llama-3.2-1b, ...) or a Hugging Face config.json.",
     rich_help_panel=_M)]
-ArchOpt = Annotated[Optional[str], typer.Option("--arch", help="llama | gpt2", rich_help_panel=_M)]
+ArchOpt = Annotated[Optional[str], typer.Option(
+    "--arch", help="llama | gpt2 | gpt_neox; qwen3 | gemma | phi | stablelm where transformers' code runs (--stack "
+                   "transformers; train chooses it for them).", rich_help_panel=_M)]
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="Transformer blocks.", rich_help_panel=_M)]
 HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Model width.", rich_help_panel=_M)]
 HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Query heads.", rich_help_panel=_M)]

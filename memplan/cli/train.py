@@ -44,7 +44,7 @@ ReportOpt = Annotated[bool, typer.Option("--report", help="Only (re)write RUN/re
                                          "(also while the run is going) and exit.", rich_help_panel=_R)]
 FromOpt = Annotated[Optional[str], typer.Option(
     "--from", help="Continue pretraining a Hugging Face checkpoint: a directory with config.json (llama, mistral, "
-                   "qwen2, gpt2, gpt_neox), model.safetensors or its shards and tokenizer.json, or a Hub id (the "
+                   "qwen2, gpt2, gpt_neox; qwen3, gemma, phi, stablelm in transformers' model class), model.safetensors or its shards and tokenizer.json, or a Hub id (the "
                    "local Hugging Face cache, else fetched). --data must be prepared with its tokenizer "
                    "(`memplan prepare --tokenizer SAME`); the learning rate defaults to 1e-4.", show_default=False,
     rich_help_panel=_R)]
