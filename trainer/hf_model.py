@@ -254,24 +254,6 @@ def load_into(net: nn.Module, tensors: dict, where: str) -> None:
         net.tie_weights()
 
 
-def starting_weights(directory: Path, spec: ModelSpec, setup, hf_config: dict, *, model_type: str,
-                     recorded_sha256: str | None = None, flag: str = "--from"):
-    """A ``trainer.task.StartingWeights`` of a Hugging Face checkpoint for transformers' model class: names and
-    shapes checked now (headers only), read when the model is built."""
-    from trainer import hf_import
-    from trainer.task import StartingWeights
-
-    check_weights(directory, spec, setup, hf_config, flag)
-    sha = hf_import.weights_sha256(directory)
-    if recorded_sha256 is not None and sha != recorded_sha256:
-        raise InputError(f"{flag}: the weights in {directory} changed since the run started from them (sha256 "
-                         f"{sha[:12]}, recorded {recorded_sha256[:12]}); start a new run from them instead")
-    return StartingWeights(load=lambda: read_weights(directory, spec, setup, hf_config, flag),
-                           record={"path": str(directory.resolve()), "model_type": model_type,
-                                   "weights_sha256": sha, "config": hf_config},
-                           where=f"{flag} {directory}", hf_config=hf_config)
-
-
 def merged(model: HFCausalLM) -> HFCausalLM:
     """A LoRA model with peft's adapters folded into its weights (``merge_and_unload``); others as they are."""
     net = model.net

@@ -304,9 +304,9 @@ def _resolve_from(ui, from_: str, imported, prepared, profile, *, setup_flags, g
     if stack == "memplan":
         starting = starting_from_hf(imported.path, spec, model_type=imported.model_type)
     else:  # transformers' model class: its tensors checked against the model config.json describes
-        from trainer import hf_model
+        from trainer.task import starting_from_hf_stack
 
-        starting = hf_model.starting_weights(imported.path, spec, the_plan.setup, imported.hf_config,
+        starting = starting_from_hf_stack(imported.path, spec, the_plan.setup, imported.hf_config,
                                              model_type=imported.model_type)
     if hyper["lr"] is None:
         hyper["lr"] = FROM_LR
@@ -876,8 +876,9 @@ def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> Resolv
     starting = None
     if spec.starting is not None and plan.setup.stack != "memplan":  # transformers' class, of the config recorded
         from trainer import hf_model
+        from trainer.task import starting_from_hf_stack
 
-        starting = hf_model.starting_weights(Path(spec.starting["path"]), plan.model, plan.setup,
+        starting = starting_from_hf_stack(Path(spec.starting["path"]), plan.model, plan.setup,
                                              hf_model.check_config(spec.starting.get("config"), f"{where}: 'starting'"),
                                              model_type=spec.starting["model_type"],
                                              recorded_sha256=spec.starting["weights_sha256"])

@@ -99,6 +99,24 @@ def starting_from_hf(directory: Path, spec, *, model_type: str, recorded_sha256:
                                               "weights_sha256": sha}, where=f"{flag} {directory}")
 
 
+def starting_from_hf_stack(directory: Path, spec: ModelSpec, setup, hf_config: dict, *, model_type: str,
+                           recorded_sha256: str | None = None, flag: str = "--from") -> StartingWeights:
+    """The ``StartingWeights`` of a Hugging Face checkpoint for transformers' model class (``trainer.hf_model``):
+    names and shapes checked now (headers only), read when the model is built."""
+    from trainer import hf_import
+    from trainer.hf_model import check_weights, read_weights
+
+    check_weights(directory, spec, setup, hf_config, flag)
+    sha = hf_import.weights_sha256(directory)
+    if recorded_sha256 is not None and sha != recorded_sha256:
+        raise InputError(f"{flag}: the weights in {directory} changed since the run started from them (sha256 "
+                         f"{sha[:12]}, recorded {recorded_sha256[:12]}); start a new run from them instead")
+    return StartingWeights(load=lambda: read_weights(directory, spec, setup, hf_config, flag),
+                           record={"path": str(directory.resolve()), "model_type": model_type,
+                                   "weights_sha256": sha, "config": hf_config},
+                           where=f"{flag} {directory}", hf_config=hf_config)
+
+
 def starting_weights_again(meta: dict, where: str, plan: Plan) -> StartingWeights:
     """A ``--from`` run resumed before its first checkpoint starts again from the checkpoint it recorded."""
     base = meta.get("base_hf")
@@ -112,7 +130,7 @@ def starting_weights_again(meta: dict, where: str, plan: Plan) -> StartingWeight
     if plan.setup.stack != "memplan":  # transformers' model class, of the config.json it recorded
         from trainer import hf_model
 
-        return hf_model.starting_weights(directory, plan.model, plan.setup, hf_model.run_config(meta, where),
+        return starting_from_hf_stack(directory, plan.model, plan.setup, hf_model.run_config(meta, where),
                                          model_type=str(base.get("model_type")),
                                          recorded_sha256=base["weights_sha256"], flag="--resume")
     return starting_from_hf(directory, plan.model, model_type=str(base.get("model_type")),
