@@ -5,7 +5,9 @@ machine's calibration: the quick start, `memplan train` with a model and setup g
 In a fresh cache (so the quick start calibrates this machine first, in a process of its own): the
 whole quick start as a user types it (`memplan train`: three minutes, with its evaluations, samples,
 checkpoints and report refreshes, whose memory a few seconds of it would not show), then each TRAIN
-config for TRAIN_MINUTES on the embedded corpus, then each VERIFY config through `autotune --verify`.
+config for TRAIN_MINUTES on the embedded corpus, then one run per family memplan trains (FAMILIES: its own model
+for llama, mistral, qwen2, gpt2, gpt_neox; transformers' own model class for qwen3, gemma, phi, stablelm and a
+llama with llama3 rope_scaling), then each VERIFY config through `autotune --verify`.
 For a run, measured = the largest steady-step peak
 resident memory the trainer logged (VmHWM per step, less the token shards' mapped pages) and
 predicted = the plan's peak_reserved (runtime context from the calibration + live tensors + the
@@ -14,7 +16,7 @@ predicted within ±10% of measured for every config, judged apart for the plans 
 start and the verify trials: the bar of the quick start's promise) and for `train` given a model and
 setup.
 
-    python benchmarks/local_memory.py [--cache DIR] [--keep DIR] [--quick-minutes M]
+    python benchmarks/local_memory.py [--cache DIR] [--keep DIR] [--quick-minutes M] [--families-only]
 """
 
 from __future__ import annotations
@@ -50,6 +52,39 @@ TRAIN = [
 # step 2, 463 MiB from step 14 on, 465 MiB at step 400), and the trainer samples memory once a second after the
 # first two steps, so a run of a few steps measured only the unsettled step 2 (the +12.0% this row once showed).
 TRAIN_MINUTES = 0.5
+# One run per family memplan trains, each from a config.json of transformers' own config class (what a user's
+# --model names), the same small shape: 2 layers, hidden 128, 4 heads, ffn 384; trained as `memplan train --model
+# CONFIG` chooses (memplan's own model where it builds the family, else transformers'; --stack transformers for
+# the llama with rope_scaling, which memplan's own model does not compute here).
+FAMILY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4)
+FAMILY_SETUP = ["--ctx", "256", "--batch", "4"]
+FAMILY_STEPS = 30  # steps, not minutes: the heap settles over tens of steps, however loaded the machine is
+
+
+def family_configs() -> dict:
+    """name: (a transformers config of the family, extra `memplan train` flags)."""
+    from transformers import (GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, PhiConfig,
+                              Qwen2Config, Qwen3Config, StableLmConfig)
+
+    s = FAMILY_SHAPE
+    return {
+        "llama": (LlamaConfig(**s, num_key_value_heads=2, tie_word_embeddings=True), []),
+        "mistral": (MistralConfig(**s, num_key_value_heads=2, tie_word_embeddings=True), []),
+        "qwen2": (Qwen2Config(**s, num_key_value_heads=2, tie_word_embeddings=True), []),
+        "gpt2": (GPT2Config(n_embd=128, n_layer=2, n_head=4, n_inner=384, n_positions=1024), []),
+        "gpt_neox": (GPTNeoXConfig(**s, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True), []),
+        "qwen3": (Qwen3Config(**s, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True), []),
+        "gemma": (GemmaConfig(**s, num_key_value_heads=1, head_dim=32), []),
+        "phi": (PhiConfig(**s, tie_word_embeddings=True), []),
+        "stablelm": (StableLmConfig(**s, num_key_value_heads=2, tie_word_embeddings=True), []),
+        "llama rope llama3": (LlamaConfig(**s, num_key_value_heads=2, tie_word_embeddings=True,
+                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 256}),
+                              ["--stack", "transformers"]),
+    }
+
+
 # name, `memplan autotune` arguments (model, context, budget)
 VERIFY = [
     ("2x128 600MiB", ["--layers", "2", "--hidden", "128", "--heads", "2", "--ffn", "384", "--ctx", "256",
@@ -102,28 +137,47 @@ def main() -> int:
     ap.add_argument("--keep", help="write the runs here (default: a temporary directory)")
     ap.add_argument("--quick-minutes", type=float,
                     help="stop the quick start after this many minutes (default: its own three)")
+    ap.add_argument("--families-only", action="store_true",
+                    help="only the run per family (the embedded corpus prepared first, no quick start)")
     args = ap.parse_args()
     cache = Path(args.cache or tempfile.mkdtemp(prefix="memplan-cache-"))
     runs = Path(args.keep or tempfile.mkdtemp(prefix="memplan-runs-"))
     env = env_for(cache)
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; cache {cache}", flush=True)
     rows = []
-    limit = ["--max-minutes", f"{args.quick_minutes:g}"] if args.quick_minutes else []
-    quick = memplan("train", "--out", str(runs / "quickstart"), *limit, env=env)
-    if quick.returncode != 0:
-        sys.exit(f"the quick start failed: {quick.stderr.strip()[-800:]}")
-    rates = next((ln.strip() for ln in quick.stderr.splitlines() if "rates:" in ln), "")
-    print(rates, flush=True)
+    if args.families_only:
+        prepared = subprocess.run([sys.executable, "-c", "from trainer.request import ensure_embedded_data; "
+                                   "ensure_embedded_data()"], capture_output=True, text=True, env=env, cwd=ROOT)
+        if prepared.returncode != 0:
+            sys.exit(f"preparing the embedded corpus failed: {prepared.stderr.strip()[-800:]}")
+    else:
+        limit = ["--max-minutes", f"{args.quick_minutes:g}"] if args.quick_minutes else []
+        quick = memplan("train", "--out", str(runs / "quickstart"), *limit, env=env)
+        if quick.returncode != 0:
+            sys.exit(f"the quick start failed: {quick.stderr.strip()[-800:]}")
+        rates = next((ln.strip() for ln in quick.stderr.splitlines() if "rates:" in ln), "")
+        print(rates, flush=True)
+        rows.append(("train", "quick start", run_figures(runs / "quickstart")))
     data = next((cache / "data").iterdir())
-    rows.append(("train", "quick start", run_figures(runs / "quickstart")))
-    for name, flags in TRAIN:
+    for name, (config, extra) in family_configs().items():
+        out = runs / ("family_" + name.replace(" ", "_"))
+        path = out.parent / f"{out.name}.config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        config.to_json_file(str(path))
+        r = memplan("train", "--data", str(data), "--out", str(out), "--model", str(path),
+                    *FAMILY_SETUP, *extra, "--precision", "fp32", "--max-steps", str(FAMILY_STEPS),
+                    "--eval-batches", "1", "--sample-tokens", "0", env=env)
+        if r.returncode != 0:
+            sys.exit(f"family {name}: {r.stderr.strip()[-800:]}")
+        rows.append(("family", name, run_figures(out)))
+    for name, flags in ([] if args.families_only else TRAIN):
         out = runs / name.replace(" ", "_")
         r = memplan("train", "--data", str(data), "--out", str(out), *flags, "--max-minutes", f"{TRAIN_MINUTES:g}",
                     "--sample-tokens", "0", env=env)
         if r.returncode != 0:
             sys.exit(f"{name}: {r.stderr.strip()[-800:]}")
         rows.append(("train", name, run_figures(out)))
-    for name, flags in VERIFY:
+    for name, flags in ([] if args.families_only else VERIFY):
         r = memplan("autotune", *flags, "--vocab", "4096", "--verify", "--json", env=env)
         if r.returncode != 0:
             sys.exit(f"{name}: {r.stderr.strip()[-800:]}")
@@ -136,13 +190,16 @@ def main() -> int:
     worst = {"planned": 0.0, "given": 0.0}  # the quick start's and verify's plans; train's given setups
     for kind, name, f in rows:
         err = (f["predicted_peak"] - f["measured_peak"]) / f["measured_peak"]
-        group = "given" if kind == "train" and name != "quick start" else "planned"
+        group = "given" if kind in ("train", "family") and name != "quick start" else "planned"
         worst[group] = max(worst[group], abs(err))
         print(f"{kind:7}{name:28}{f['predicted_peak'] / 2**20:>9.1f} MiB{f['measured_peak'] / 2**20:>8.1f} MiB"
               f"{err:>+9.1%}   {f['predicted_tps'] / f['measured_tps']:.2f}")
     print(f"\nload average {os.getloadavg()[0]:.1f}")
-    return judge([Bar("the quick start and autotune --verify: worst |error|", worst["planned"], BAR),
-                  Bar("train with a given model and setup: worst |error|", worst["given"], BAR)])
+    groups = {("given" if kind in ("train", "family") and name != "quick start" else "planned") for kind, name, _ in rows}
+    return judge([bar for group, bar in (
+        ("planned", Bar("the quick start and autotune --verify: worst |error|", worst["planned"], BAR)),
+        ("given", Bar("train with a given model and setup (and one run per family): worst |error|", worst["given"],
+                      BAR))) if group in groups])
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device, stack: Stack =
     """peak_memory with the device family's runtime context, allocator reserve, attention kernels and
     collectives backend; on a CPU, also what glibc's heap keeps resident (``glibc_heap_retention_bytes``).
     ``stack``: whose code runs the step (``memplan.stacks``), its dropout masks as the device makes them."""
+    if stack.name == "memplan" and setup.stack != "memplan":  # a plan that trains another stack's model class
+        from memplan.stacks import stack_of
+
+        stack = stack_of(setup.stack)
     repeat = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
     if stack.name != "memplan":
         repeat = False  # transformers passes enable_gqa to SDPA (no mask in an unpadded batch)

@@ -6,7 +6,7 @@ Three sources of a shape, all returning the same frozen ``ModelSpec``:
   other size a rule (``shape_for_params``) that picks depth and width the way small-model
   recipes do.
 - ``preset("tinyllama-1.1b")``: named published models, each row citing the config it copies; some
-  (``CONFIG_PRESETS``: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b) ship as that config.json itself.
+  (``CONFIG_PRESETS``: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b, qwen3-0.6b, gemma-2b, phi-2) ship as that config.json itself.
 - ``from_hf_config(path)``: a Hugging Face ``config.json`` of the llama, mistral, qwen2, gpt2,
   gpt_neox, phi, gemma, stablelm or qwen3 families.
 
@@ -311,7 +311,7 @@ class ModelSpec:
         tokenizer, or --vocab) changes, its embedding does not. "" when the count is the named one."""
         named = (self.name or "").split(",")[0].strip()
         try:
-            base = preset(named) if named in PRESETS else from_size(named) if named else None
+            base = preset(named) if named in PRESETS or named in CONFIG_PRESETS else from_size(named) if named else None
         except InputError:
             base = None
         if base is None or base.params == self.params:
@@ -490,11 +490,37 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# ---- presets shipped as their config.json ------------------------------------------------------------
+# Each is its model's config.json as published on the Hub (the repository cited here), copied unedited into
+# memplan/presets/NAME.json (package data) and read as any --model config.json is (``from_hf_config``), so
+# ``--model NAME`` is exactly ``--model that/config.json``, RoPE scaling included. The weights are not shipped
+# and could not be fetched where these were written: the presets plan the real shape, and train from a
+# checkpoint of the same family (``memplan train|finetune --from DIR``). The llama architectures train in
+# memplan's own model; qwen3, gemma and phi in transformers' own model class (``--stack transformers``).
+CONFIG_PRESETS: dict[str, str] = {  # preset name -> the Hub repository whose config.json it is
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",  # llama: 30 × 576, 9 heads (3 kv), tied, rope_theta 1e5
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",  # qwen2: 24 × 896, 14 heads (2 kv), q/k/v biases, tied, rope_theta 1e6
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",  # llama: 16 × 2048, 32 heads (8 kv), tied, llama3 RoPE ×32
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",  # qwen3: 28 × 1024, 16 heads (8 kv), head_dim 128, q/k norms, tied
+    "gemma-2b": "google/gemma-2b",  # gemma: 18 × 2048, 8 heads (1 kv), head_dim 256, GeGLU, tied
+    "phi-2": "microsoft/phi-2",  # phi: 32 × 2560, 32 heads, partial rotary 0.4, parallel attention and MLP
+}
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def config_preset_path(name: str) -> Path:
+    """The config.json a ``CONFIG_PRESETS`` entry ships as."""
+    return PRESETS_DIR / f"{name}.json"
+
+
 def preset(name: str) -> ModelSpec:
     """A named published model; a misspelt name suggests the closest ones."""
     key = name.strip().lower()
+    if key in CONFIG_PRESETS:
+        spec = from_hf_config(config_preset_path(key), stack_families=True)
+        return spec.replace(name=key, source=_HF.format(CONFIG_PRESETS[key]))
     if key not in PRESETS:
-        raise choice_error("--model", name, sorted(PRESETS))
+        raise choice_error("--model", name, sorted([*PRESETS, *CONFIG_PRESETS]))
     return ModelSpec(name=key, **PRESETS[key])
 
 
@@ -888,31 +914,3 @@ def resolve(params: str | None = None, model: str | None = None, stack_families:
         data["name"] = f"{spec.name}, custom" if spec.name else "custom"
         data["source"] = f"{spec.source or spec.name}, with --{', --'.join(k.replace('_', '-') for k in shape_changes)}"
     return ModelSpec(**data)
-
-
-# ---- presets shipped as their config.json ------------------------------------------------------------
-# The llama-architecture models people finetune from, each its Hub config.json as published, copied into
-# memplan/presets/NAME.json (package data) and read by from_hf_config as any config.json is: so ``--model NAME``
-# is exactly ``--model that/config.json``, RoPE scaling included. Their weights are not shipped: ``memplan
-# finetune --from`` takes a checkpoint directory (or a Hub id, fetched where the network allows).
-CONFIG_PRESETS: dict[str, str] = {  # preset name -> the Hub repository whose config.json it is
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",  # llama: 30 × 576, 9 heads (3 kv), tied, rope_theta 1e5
-    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",  # qwen2: 24 × 896, 14 heads (2 kv), q/k/v biases, tied, rope_theta 1e6
-    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",  # llama: 16 × 2048, 32 heads (8 kv), tied, llama3 RoPE ×32
-}
-PRESETS_DIR = Path(__file__).parent / "presets"
-
-
-def config_preset_path(name: str) -> Path:
-    """The config.json a CONFIG_PRESETS entry ships as."""
-    return PRESETS_DIR / f"{name}.json"
-
-
-def _config_preset(name: str) -> dict:
-    """A CONFIG_PRESETS entry's ModelSpec fields, read from its shipped config.json, citing the Hub's."""
-    fields = from_hf_config(config_preset_path(name)).to_dict()
-    fields.pop("name")
-    return {**fields, "source": _HF.format(CONFIG_PRESETS[name])}
-
-
-PRESETS.update({name: _config_preset(name) for name in CONFIG_PRESETS})

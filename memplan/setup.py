@@ -13,6 +13,7 @@ ATTENTIONS = ("eager", "sdpa")
 CHECKPOINTINGS = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-fused", "sgd", "adamw8bit")
 SHARDINGS = ("none", "ddp", "fsdp")
+TRAIN_STACKS = ("memplan", "transformers")  # whose model class a run trains (memplan's own, or transformers')
 LORA_TARGETS = ("qkv", "proj", "up", "down")  # the reference model's block matrices an adapter can sit on
 QKV_PARTS = ("q", "k", "v")  # an adapter on one slice of the fused qkv matrix (qkv: all three, one adapter)
 # what --lora-targets accepts, in the order a setup names them: q, k, v alone (qkv is their shorthand), the
@@ -52,11 +53,12 @@ class TrainSetup:
     compile: bool = False  # torch.compile the model
     lora_rank: int = 0  # > 0: LoRA finetuning, base weights frozen, rank-r adapters on lora_targets train
     lora_targets: str = "qkv,proj,up,down"  # comma-separated subset of LORA_TARGET_NAMES
+    stack: str = "memplan"  # TRAIN_STACKS: whose model class trains (a plan of another is walked as it runs)
 
     def __post_init__(self) -> None:
         for field, choices in (("precision", PRECISIONS), ("attention", ATTENTIONS),
                                ("checkpointing", CHECKPOINTINGS), ("optimizer", OPTIMIZERS),
-                               ("sharding", SHARDINGS)):
+                               ("sharding", SHARDINGS), ("stack", TRAIN_STACKS)):
             if getattr(self, field) not in choices:
                 raise choice_error(f"--{field}", str(getattr(self, field)), list(choices))
         for field in ("ctx", "micro_batch", "grad_accum", "world_size"):
@@ -137,7 +139,12 @@ class TrainSetup:
         return bool(self.lora_rank) and "head" in self.lora_targets.split(",")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as plan.toml's [setup] holds them; ``stack`` only where it is not memplan's own (a plan
+        of memplan's model reads as it always did)."""
+        data = dataclasses.asdict(self)
+        if data["stack"] == "memplan":
+            del data["stack"]
+        return data
 
     def replace(self, **changes) -> "TrainSetup":
         return dataclasses.replace(self, **changes)

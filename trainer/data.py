@@ -1003,9 +1003,11 @@ def _hub_checkpoint(text: str) -> Path | None:
 def _checkpoint_tokenizer(directory: Path) -> Tokenizer:
     """A Hugging Face checkpoint's tokenizer as ``--from`` reads it: the end-of-text token its config names and the
     vocabulary of its (possibly padded) embedding."""
-    from trainer import hf_import
+    from trainer import hf_import, hf_model
 
-    _, model, cfg, _, _ = hf_import.read_spec(directory, "--tokenizer")
+    # the shapes of any family memplan trains (its own model's or transformers' class, trainer.hf_model): the
+    # tokenizer needs the vocabulary and the end-of-text id only
+    _, model, cfg, _ = hf_model.checkpoint_stack(directory, "transformers", "--tokenizer")
     return hf_import.read_tokenizer(directory, cfg, model, "--tokenizer")[0]
 
 

@@ -192,6 +192,7 @@ class SFTData:
     stats: dict = field(default_factory=dict)
     base_weights: dict | None = None  # canonical tensors of an imported Hugging Face checkpoint (``base_of_hf``)
     base_hf: dict | None = None  # what was imported: {"path", "model_type", "dtype"}
+    hf_config: dict | None = None  # transformers' model class trains (trainer.hf_model): the config.json it is of
 
     @property
     def vocab_size(self) -> int:
@@ -331,6 +332,8 @@ def finetune_task(data: SFTData) -> TrainingTask:
     a resume (its checkpoint holds every weight), the ranks that receive rank 0's, the meta device."""
 
     def model(spec, setup, device, with_weights: bool) -> torch.nn.Module:
+        if setup.stack != "memplan":  # transformers' model class (trainer.hf_model), peft's adapters on it
+            return _hf_model(spec, setup, device, with_weights)
         built = build_model(spec, setup.attention, "none", param_dtype(setup.precision), device=device)
         if with_weights and data.base_weights is not None:  # imported (``base_of_hf``)
             ckpt.load_weights(built, data.base_weights, f"--from {data.base_run}")
@@ -345,13 +348,25 @@ def finetune_task(data: SFTData) -> TrainingTask:
     def stream(*, micro_batch: int, ctx: int, seed: int, rank: int, world_size: int) -> SFTStream:
         return SFTStream(data, micro_batch, seed, rank=rank, world_size=world_size)
 
+    def _hf_model(spec, setup, device, with_weights: bool) -> torch.nn.Module:
+        from trainer import hf_model
+
+        weights = None
+        if with_weights and data.base_weights is not None:  # imported, under transformers' names
+            weights, data.base_weights = data.base_weights, None
+        elif with_weights:  # a memplan run of transformers' model class: its newest checkpoint's weights
+            path = data.base_checkpoint / ckpt.MODEL_FILE
+            weights = hf_model.plain_weights(ckpt.read_weights(path), str(path))
+        return hf_model.build(spec, setup, device, data.hf_config, weights=weights, lora_alpha=data.lora_alpha)
+
     def meta(setup) -> dict:
         d = data
         return {"finetune": {"base_run": str(d.base_run.resolve()), "base_checkpoint": str(d.base_checkpoint.resolve()),
                              "base_hf": d.base_hf, "data_sha256": d.sha256, "template": d.template,
                              "packing": d.packing, "stats": d.stats,
                              "lora": ({"rank": setup.lora_rank, "alpha": d.lora_alpha,
-                                       "targets": setup.lora_targets} if setup.lora_rank else None)}}
+                                       "targets": setup.lora_targets} if setup.lora_rank else None)},
+                **({"hf_config": d.hf_config} if setup.stack != "memplan" else {})}
 
     return TrainingTask(kind="finetune", build_model=model, make_stream=stream,
                         evaluate=lambda m, setup, device, n: evaluate_sft(m, data, setup, device, n),
@@ -366,15 +381,21 @@ def base_of(run_dir: str | Path) -> tuple[Plan, object, dict, Path]:
     return trained.plan, trained.tokenizer(), trained.tokenizer_record, trained.path
 
 
-def base_of_hf(path: str | Path, *, weights: bool = True):
+def base_of_hf(path: str | Path, *, weights: bool = True, stack: str | None = None):
     """A Hugging Face checkpoint directory (or a Hub id's cached snapshot) as a finetune's base: the
     ``trainer.hf_import.ImportedModel`` (spec, canonical weights, its own tokenizer and record); with
-    ``weights=False`` only the spec and tokenizer are read (a resume takes its weights from its checkpoint)."""
-    from trainer import hf_import
+    ``weights=False`` only the spec and tokenizer are read (a resume takes its weights from its checkpoint).
+    ``stack`` (``--stack``; None: memplan's own model where it builds the family, else transformers'): for
+    transformers' model class the tensors keep their names and ``hf_config`` is the config.json
+    (``trainer.hf_model``)."""
+    from trainer import hf_import, hf_model
 
+    directory = hf_import.resolve_checkpoint(str(path))
+    chosen, spec, cfg, note = hf_model.checkpoint_stack(directory, stack)
+    if chosen == hf_model.STACK:
+        return hf_model.import_checkpoint(directory, spec, cfg, weights, note)
     if weights:
         return hf_import.import_hf(path)
-    directory = hf_import.resolve_checkpoint(str(path))
     model_type, spec, cfg, max_ctx, notes = hf_import.read_spec(directory)
     tokenizer, record = hf_import.read_tokenizer(directory, cfg, spec)
     return hf_import.ImportedModel(path=directory, model_type=model_type, spec=spec, tensors={}, tokenizer=tokenizer,

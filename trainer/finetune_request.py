@@ -55,6 +55,7 @@ class FinetuneRequest:
     threads: int | None = None
     log: list = field(default_factory=list)
     nproc: int = 1
+    stack: str | None = None  # --stack: whose model class trains (None: memplan's where it builds the family)
 
     def to_json(self) -> dict:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
@@ -108,8 +109,8 @@ def resolve_finetune(req: FinetuneRequest, *, world_size: int = 1, plan=None,
     profile, _ = profile_for(req.device, req.device_memory, req.threads, None, measure_now=False)
     if req.resume:
         return _resolve_resume(req, profile)
-    sft, spec, precision = _base_and_data(req, profile, say)
-    plan = plan if plan is not None else _plan(req, spec, sft, profile, precision, world_size)
+    sft, spec, precision, stack = _base_and_data(req, profile, say)
+    plan = plan if plan is not None else _plan(req, spec, sft, profile, precision, world_size, stack)
     from trainer.loop import TrainConfig
 
     config = TrainConfig(**{k: v for k, v in req.control.items() if v is not None},
@@ -138,7 +139,7 @@ def _resolve_resume(req: FinetuneRequest, profile) -> ResolvedFinetune:
     if req.run is not None:
         _, tokenizer, tok, _ = base_of(req.run)
     else:
-        imported = base_of_hf(req.from_, weights=False)
+        imported = base_of_hf(req.from_, weights=False, stack=plan.setup.stack)
         tokenizer, tok = imported.tokenizer, imported.tokenizer_record
     if tok.get("sha256") != meta.get("tokenizer_sha256"):
         raise InputError(f"{'--run' if req.run is not None else '--from'} {req.run or req.from_}: its tokenizer is "
@@ -146,6 +147,10 @@ def _resolve_resume(req: FinetuneRequest, profile) -> ResolvedFinetune:
     sft = load_sft(req.data, tokenizer, tok, ctx=plan.setup.ctx, template=ft["template"], packing=ft["packing"],
                    base_checkpoint=Path(ft["base_checkpoint"]), base_run=Path(ft["base_run"]),
                    lora_alpha=float((ft.get("lora") or {}).get("alpha", req.lora_alpha)), base_hf=ft.get("base_hf"))
+    if plan.setup.stack != "memplan":  # transformers' model class, of the config.json the finetune recorded
+        from trainer import hf_model
+
+        sft.hf_config = hf_model.run_config(meta, str(ref.path / ckpt.META_FILE))
     if sft.sha256 != ft["data_sha256"]:
         raise InputError(f"--data {req.data}: not the file {out_dir} was finetuned on (sha256 differs); resume with "
                          "the same data")
@@ -188,14 +193,23 @@ def _base_and_data(req: FinetuneRequest, profile, say):
 
     if req.run is not None:
         base_plan, tokenizer, tok, base_ckpt = base_of(req.run)
+        stack = base_plan.setup.stack
+        if req.stack is not None and req.stack != stack:
+            raise InputError(f"--stack {req.stack}: {req.run} trained {stack}'s model class, which its weights "
+                             f"are named for (accepted: {stack}, or export it and finetune with --from)")
         ctx = req.ctx or base_plan.setup.ctx
         check_one_row_fits(base_plan.model, ctx, req.precision or base_plan.setup.precision, profile, req.lora_rank)
         sft = load_sft(req.data, tokenizer, tok, ctx=ctx, template=req.template, packing=req.packing,
                        base_checkpoint=base_ckpt, base_run=Path(req.run), lora_alpha=req.lora_alpha)
-        return sft, base_plan.model, req.precision or base_plan.setup.precision
+        if stack != "memplan":
+            from trainer import checkpoint as ckpt
+            from trainer import hf_model
+
+            sft.hf_config = hf_model.run_config(ckpt.verify_checkpoint(base_ckpt), str(base_ckpt))
+        return sft, base_plan.model, req.precision or base_plan.setup.precision, stack
     from trainer.request import best_precision
 
-    imported = base_of_hf(req.from_)
+    imported = base_of_hf(req.from_, stack=req.stack)
     ctx = req.ctx or min(imported.max_ctx, 2048)
     if ctx > imported.max_ctx:
         raise InputError(f"--ctx {ctx}: {imported.path} computes as transformers does up to "
@@ -204,12 +218,14 @@ def _base_and_data(req: FinetuneRequest, profile, say):
     sft = load_sft(req.data, imported.tokenizer, imported.tokenizer_record, ctx=ctx, template=req.template,
                    packing=req.packing, base_checkpoint=imported.path, base_run=imported.path,
                    lora_alpha=req.lora_alpha, base_weights=imported.tensors, base_hf=base_hf)
+    sft.hf_config = imported.hf_config
     for note in imported.notes:
         say(f"--from: {note}")
-    return sft, imported.spec, req.precision or best_precision(profile)
+    return sft, imported.spec, req.precision or best_precision(profile), \
+        "memplan" if imported.hf_config is None else "transformers"
 
 
-def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: int):
+def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: int, stack: str = "memplan"):
     """The plan: --batch as given (DDP over ``world_size`` processes), else autotune's for ``world_size``."""
     from memplan.plan import Plan
     from memplan.prediction import predict
@@ -220,23 +236,28 @@ def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: 
         setup = TrainSetup(ctx=ctx, micro_batch=req.batch, grad_accum=req.grad_accum or 1, precision=precision,
                            attention=req.attention, checkpointing=req.checkpointing, optimizer=req.optimizer,
                            lora_rank=req.lora_rank, lora_targets=req.lora_targets, world_size=world_size,
-                           sharding="ddp" if world_size > 1 else "none")
+                           sharding="ddp" if world_size > 1 else "none", stack=stack)
     else:
         if req.grad_accum is not None:
             raise InputError("--grad-accum goes with --batch; without --batch autotune picks both")
         from memplan.autotune import autotune
+        from memplan.stacks import stack_of
 
         result = autotune(spec, profile, ctx=ctx, global_batch_tokens=req.global_batch_tokens or 8 * ctx,
                           budget_bytes=req.budget_bytes, lora_rank=req.lora_rank, lora_targets=req.lora_targets,
-                          precision=precision, world_size=world_size)
+                          precision=precision, world_size=world_size, stack=stack_of(stack))
         if result.plan is None:
             raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}"
                              + (" with LoRA" if req.lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
                              "--checkpointing full")
-        setup = result.plan.setup
+        setup = result.plan.setup.replace(stack=stack)
+        if stack != "memplan":  # memplan's compile is planned for its own model only
+            setup = setup.replace(compile=False)
     from memplan.stacks import check_lora_targets
+    from trainer.hf_model import check_stack_setup
 
-    check_lora_targets("memplan", spec, setup)  # what memplan's trainer adapts (a tied head, q/k/v under selective)
+    check_lora_targets(stack, spec, setup)  # what the stack's code adapts (a tied head, q/k/v under selective)
+    check_stack_setup(setup)  # what memplan's trainer adapts (a tied head, q/k/v under selective)
     predicted = predict(spec, setup, profile)
     return Plan(model=spec, setup=setup, device=profile.name, budget_bytes=profile.usable_bytes,
                 predicted=predicted.plan_table())

@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -301,7 +302,9 @@ def generate_ids(model: Transformer, prompt_ids: list[list[int]] | list[int], co
     if ids.shape[1] >= window:  # a prompt longer than the window: its newest tokens
         stats.context_shifts += 1
     stats.prompt_tokens = ids.shape[1]
-    cache = KVCache(model, ids.shape[0], min(window, ids.shape[1] + config.max_new_tokens))
+    cache = (model.new_cache if hasattr(model, "new_cache") else partial(KVCache, model))(  # trainer.hf_model's own
+        ids.shape[0], min(window, ids.shape[1] + config.max_new_tokens))
+    cached = getattr(model, "forward_cached", None) or partial(forward_cached, model)
     generator = torch.Generator().manual_seed(config.seed)
     single = ids.shape[0] == 1
 
@@ -310,7 +313,7 @@ def generate_ids(model: Transformer, prompt_ids: list[list[int]] | list[int], co
             on_phase("prefill")
         t0 = time.perf_counter()
         with autocast(precision, device.type):
-            out = forward_cached(model, context, cache, 0)
+            out = cached(context, cache, 0)
         stats.prefill_seconds += time.perf_counter() - t0
         return out
 
@@ -342,7 +345,7 @@ def generate_ids(model: Transformer, prompt_ids: list[list[int]] | list[int], co
             on_phase("decode")
         t0 = time.perf_counter()
         with autocast(precision, device.type):
-            logits = forward_cached(model, nxt[:, None], cache, cache.length)
+            logits = cached(nxt[:, None], cache, cache.length)
         stats.decode_seconds += time.perf_counter() - t0
     stats.stopped = "max_new_tokens"
 

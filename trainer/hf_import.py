@@ -65,6 +65,7 @@ class ImportedModel:
     dtype: str  # the stored dtype of the weights
     max_ctx: int  # the longest context the trainer computes as transformers does
     notes: tuple[str, ...] = ()
+    hf_config: dict | None = None  # transformers' model class trains it (trainer.hf_model): its config.json
 
 
 # ---- where the checkpoint is -------------------------------------------------------------------------

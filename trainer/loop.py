@@ -383,6 +383,10 @@ class Trainer:
         # ref None: again from step 0, from the weights it started from (a --from run's, checked unchanged)
         starting = starting_weights_again(r.meta, r.where, r.plan) if r.ref is None and r.meta.get("base_hf") \
             else None
+        if task is None and r.plan.setup.stack != "memplan":  # transformers' model of the config it recorded
+            from trainer import hf_model
+
+            task = pretraining(data, starting, hf_config=hf_model.run_config(r.meta, r.where))
         trainer = cls(run_dir, r.plan, data, r.config, profile, device, r.ref, starting, task)
         trainer.base_hf = r.meta.get("base_hf")
         if any((overrides or {}).get(k) is not None for k in LIMITS):
@@ -780,6 +784,10 @@ def build_trained(trained: rundir.TrainedCheckpoint, device=None):
     """
     path, meta, plan = trained.path, trained.meta, trained.plan
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if plan.setup.stack != "memplan":  # transformers' model class, rebuilt from the config.json it recorded
+        from trainer import hf_model
+
+        return hf_model.trained(trained, plan, meta, device), trained.tokenizer(), meta
     model = build_model(plan.model, plan.setup.attention, "none", param_dtype(plan.setup.precision), device=device)
     if plan.setup.lora_rank:  # a LoRA finetune: its adapters, folded into the weights once loaded
         from trainer.lora import apply_lora, lora_targets, merge_lora

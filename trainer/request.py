@@ -93,6 +93,7 @@ class TrainRequest:
     budget: str | None = None
     margin: float | None = None
     nproc: int = 1  # --nproc: resolved for this many processes (which this process will launch)
+    stack: str | None = None  # --stack: whose model class trains (None: memplan's where it builds the family)
 
 
 @dataclass
@@ -210,7 +211,8 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
     if from_ is not None:  # continued pretraining of a Hugging Face checkpoint: the checkpoint first, then the data
         from trainer.finetune import base_of_hf
 
-        imported = base_of_hf(from_, weights=False)  # spec and tokenizer now; the weights when the model is built
+        # spec and tokenizer now; the weights when the model is built
+        imported = base_of_hf(from_, weights=False, stack=req.stack)
         return _resolve_from(ui, from_, imported, PreparedData(Path(data)), profile, setup_flags=setup_flags,
                              given_setup=given_setup, overrides=overrides, hyper=hyper, out=out, launched=launched,
                              sharding=req.sharding, global_batch_tokens=req.global_batch_tokens, budget=req.budget,
@@ -221,11 +223,12 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
         minutes = overrides["max_minutes"] = QUICKSTART_MINUTES
     if quickstart and hyper["lr"] is None:
         hyper["lr"] = QUICKSTART_LR
+    spec = (model_from(**{**model_flags, "vocab": None}, stack_families=True).replace(vocab=prepared.vocab_size)
+            if given_model else None)
+    stack = _stack_for(req.stack, spec, plan, ui)
     if plan or given_setup:
-        the_plan = plan_from_flags(plan, model_flags, setup_flags, prepared, profile, ui)
+        the_plan = plan_from_flags(plan, model_flags, setup_flags, prepared, profile, ui, spec=spec, stack=stack)
     else:
-        spec = (model_from(**{**model_flags, "vocab": None}).replace(vocab=prepared.vocab_size) if given_model
-                else None)
         if given_model:
             check_vocab(vocab, prepared)
         ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else (
@@ -233,12 +236,33 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
         the_plan = autotuned_plan(spec, ctx_n, prepared, profile, ui, minutes=minutes,
                                   max_steps=overrides["max_steps"], max_tokens=overrides["max_tokens"],
                                   global_batch_tokens=req.global_batch_tokens, budget=req.budget, margin=req.margin,
-                                  world_size=launched)
+                                  world_size=launched, stack=stack)
     if launched > 1:  # every rank trains rank 0's plan (the quick start's is chosen on a timed matmul)
         the_plan = distributed.from_rank0(for_world(the_plan, launched, req.sharding, profile, ui))
     run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
     return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, plan=the_plan, overrides=overrides,
                          hyper=hyper, rates_note=rates_note)
+
+
+def _stack_for(asked: str | None, spec, plan_path, ui) -> str:
+    """The stack whose model class a new run trains (``trainer.hf_model.choose_stack``): ``--stack``, else memplan's
+    own model where it builds the family, else transformers' (said in one line); a plan file's own."""
+    from trainer.hf_model import choose_stack
+
+    if plan_path:
+        if asked is not None:
+            raise InputError("--stack: a plan file names its stack in [setup]; give --plan FILE or --stack, not both")
+        return "memplan"
+    if spec is None:  # the quick start's model, or MODEL flags' defaults: memplan's llama family
+        from memplan.setup import TRAIN_STACKS
+
+        if asked is not None and asked not in TRAIN_STACKS:
+            raise InputError(f"--stack: {asked!r} does not train here (accepted: {', '.join(TRAIN_STACKS)})")
+        return asked or "memplan"
+    stack, note = choose_stack(asked, spec)
+    if note:
+        ui.say(f"[dim]note: {note}[/dim]")
+    return stack
 
 
 MODEL_FLAGS = ("params", "model", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied",
@@ -266,6 +290,7 @@ def _resolve_from(ui, from_: str, imported, prepared, profile, *, setup_flags, g
     for note in imported.notes:
         ui.say(f"[dim]--from: {note}[/dim]")
     spec = imported.spec
+    stack = "memplan" if imported.hf_config is None else "transformers"
     ctx = setup_flags["ctx"]
     ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else min(imported.max_ctx, DEFAULT_CTX)
     if ctx_n > imported.max_ctx:
@@ -273,15 +298,21 @@ def _resolve_from(ui, from_: str, imported, prepared, profile, *, setup_flags, g
                          f"positions; use --ctx {imported.max_ctx} or less")
     if given_setup:
         the_plan = plan_from_flags(None, None, {**setup_flags, "ctx": str(ctx_n)}, prepared, profile, ui,
-                                   spec=spec)
+                                   spec=spec, stack=stack)
     else:
         the_plan = autotuned_plan(spec, ctx_n, prepared, profile, ui, minutes=overrides["max_minutes"],
                                   global_batch_tokens=global_batch_tokens, budget=budget, margin=margin,
                                   world_size=launched, max_steps=overrides["max_steps"],
-                                  max_tokens=overrides["max_tokens"])
+                                  max_tokens=overrides["max_tokens"], stack=stack)
     if launched > 1:
         the_plan = distributed.from_rank0(for_world(the_plan, launched, sharding, profile, ui))
-    starting = starting_from_hf(imported.path, spec, model_type=imported.model_type)
+    if stack == "memplan":
+        starting = starting_from_hf(imported.path, spec, model_type=imported.model_type)
+    else:  # transformers' model class: its tensors checked against the model config.json describes
+        from trainer.task import starting_from_hf_stack
+
+        starting = starting_from_hf_stack(imported.path, spec, the_plan.setup, imported.hf_config,
+                                             model_type=imported.model_type)
     if hyper["lr"] is None:
         hyper["lr"] = FROM_LR
     run_dir = Path(out) if out else distributed.from_rank0(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))
@@ -341,7 +372,7 @@ def memplan_plan(plan_path):
 
 
 def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, quiet: bool = False,
-                     spec=None):
+                     spec=None, stack: str = "memplan"):
     """The plan of --plan FILE, or of MODEL and SETUP flags as given (no autotune); vocab from the data (``spec``:
     this model, an imported checkpoint's, instead of MODEL flags)."""
     from memplan.plan import Plan
@@ -366,7 +397,10 @@ def plan_from_flags(plan_path, model_flags, setup_flags, prepared, profile, ui, 
         setup = setup_from(ctx=s["ctx"] or str(DEFAULT_CTX), batch=s["batch"] or "1", grad_accum=s["grad_accum"] or "1",
                            precision=precision, attention=s["attention"] or "sdpa",
                            checkpointing=s["checkpointing"] or "none", optimizer=s["optimizer"] or "adamw",
-                           compile=bool(s["compile"]))
+                           compile=bool(s["compile"])).replace(stack=stack)
+        from trainer.hf_model import check_stack_setup
+
+        check_stack_setup(setup)
         if not s["precision"] and not quiet:
             ui.say(f"precision {precision}: the best the {profile.name} profile runs natively "
                    "(--precision to choose)")
@@ -596,12 +630,16 @@ def for_world(plan, world_size: int, sharding: str | None, profile, ui: "TrainUI
                f"micro-batch {s.micro_batch} × {s.grad_accum} accumulation, so a step is {world_size}× "
                f"the plan's global batch ({chosen})")
     setup = s.replace(world_size=world_size, sharding=chosen)
+    from trainer.hf_model import check_stack_setup
+
+    check_stack_setup(setup)  # FSDP2 does not wrap transformers' model class here
     return Plan(model=plan.model, setup=setup, device=plan.device, budget_bytes=plan.budget_bytes,
                 predicted=predict(plan.model, setup, profile).plan_table())
 
 
 def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, global_batch_tokens, budget, margin,
-                   world_size: int = 1, max_steps: int | None = None, max_tokens: int | None = None):
+                   world_size: int = 1, max_steps: int | None = None, max_tokens: int | None = None,
+                   stack: str = "memplan"):
     """autotune's plan for ``spec`` (None: the quick start's model, sized for ``minutes`` on this device);
     a plan that compiles is weighed again against the tokens this run will train."""
     from memplan.units import parse_size
@@ -620,6 +658,10 @@ def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, glob
             global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
     kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
               budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin, world_size=world_size)
+    if stack != "memplan":  # every candidate walked as transformers' model class runs (memplan.stacks)
+        from memplan.stacks import stack_of
+
+        kw["stack"] = stack_of(stack)
     result = autotune(spec, profile, tokens=None, **kw)
     if result.plan is not None and result.plan.setup.compile:
         # torch.compile's compile time is a one-off: weigh it against the tokens this run will train (its limit,
@@ -632,6 +674,11 @@ def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, glob
     if result.plan is None:
         advice = "; ".join(getattr(result, "advice", None) or ["try a smaller model or a shorter --ctx"])
         raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}: {advice}")
+    if stack != "memplan":  # the plan trains that stack's model class, and is predicted as it runs
+        from memplan.prediction import predict
+
+        setup = result.plan.setup.replace(stack=stack, compile=False)
+        return dataclasses.replace(result.plan, setup=setup, predicted=predict(spec, setup, profile).plan_table())
     return result.plan
 
 
@@ -874,7 +921,15 @@ def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> Resolv
                              overrides=overrides, rates_note=spec.rates_note, sharding=spec.sharding)
     config = TrainConfig(**_checked_settings(spec.config, where, "config"))
     starting = None
-    if spec.starting is not None:
+    if spec.starting is not None and plan.setup.stack != "memplan":  # transformers' class, of the config recorded
+        from trainer import hf_model
+        from trainer.task import starting_from_hf_stack
+
+        starting = starting_from_hf_stack(Path(spec.starting["path"]), plan.model, plan.setup,
+                                             hf_model.check_config(spec.starting.get("config"), f"{where}: 'starting'"),
+                                             model_type=spec.starting["model_type"],
+                                             recorded_sha256=spec.starting["weights_sha256"])
+    elif spec.starting is not None:
         starting = starting_from_hf(Path(spec.starting["path"]), plan.model, model_type=spec.starting["model_type"],
                                     recorded_sha256=spec.starting["weights_sha256"])
     return ResolvedTrain(run_dir=run_dir, prepared=prepared, profile=profile, plan=plan, rates_note=spec.rates_note,

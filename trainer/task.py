@@ -76,6 +76,7 @@ class StartingWeights:
     load: Callable[[], dict]
     record: dict
     where: str
+    hf_config: dict | None = None  # transformers' model class trains (``trainer.hf_model``): its config.json
 
 
 def starting_from_hf(directory: Path, spec, *, model_type: str, recorded_sha256: str | None = None,
@@ -98,6 +99,24 @@ def starting_from_hf(directory: Path, spec, *, model_type: str, recorded_sha256:
                                               "weights_sha256": sha}, where=f"{flag} {directory}")
 
 
+def starting_from_hf_stack(directory: Path, spec: ModelSpec, setup, hf_config: dict, *, model_type: str,
+                           recorded_sha256: str | None = None, flag: str = "--from") -> StartingWeights:
+    """The ``StartingWeights`` of a Hugging Face checkpoint for transformers' model class (``trainer.hf_model``):
+    names and shapes checked now (headers only), read when the model is built."""
+    from trainer import hf_import
+    from trainer.hf_model import check_weights, read_weights
+
+    check_weights(directory, spec, setup, hf_config, flag)
+    sha = hf_import.weights_sha256(directory)
+    if recorded_sha256 is not None and sha != recorded_sha256:
+        raise InputError(f"{flag}: the weights in {directory} changed since the run started from them (sha256 "
+                         f"{sha[:12]}, recorded {recorded_sha256[:12]}); start a new run from them instead")
+    return StartingWeights(load=lambda: read_weights(directory, spec, setup, hf_config, flag),
+                           record={"path": str(directory.resolve()), "model_type": model_type,
+                                   "weights_sha256": sha, "config": hf_config},
+                           where=f"{flag} {directory}", hf_config=hf_config)
+
+
 def starting_weights_again(meta: dict, where: str, plan: Plan) -> StartingWeights:
     """A ``--from`` run resumed before its first checkpoint starts again from the checkpoint it recorded."""
     base = meta.get("base_hf")
@@ -108,20 +127,47 @@ def starting_weights_again(meta: dict, where: str, plan: Plan) -> StartingWeight
     if not directory.is_dir():
         raise InputError(f"--resume: the run stopped before its first checkpoint and started from {directory}, "
                          "which is gone; start it again with --from")
+    if plan.setup.stack != "memplan":  # transformers' model class, of the config.json it recorded
+        from trainer import hf_model
+
+        return starting_from_hf_stack(directory, plan.model, plan.setup, hf_model.run_config(meta, where),
+                                         model_type=str(base.get("model_type")),
+                                         recorded_sha256=base["weights_sha256"], flag="--resume")
     return starting_from_hf(directory, plan.model, model_type=str(base.get("model_type")),
                             recorded_sha256=base["weights_sha256"], flag="--resume")
 
 
-def pretraining(data, starting: StartingWeights | None = None) -> TrainingTask:
+def pretraining(data, starting: StartingWeights | None = None, hf_config: dict | None = None) -> TrainingTask:
     """``memplan train``'s task: the reference model (from ``starting``'s weights when given, else as seeded),
     windows of the prepared corpus ``data`` (``trainer.data.TrainStream``), its held-out windows per source,
-    prompts from its held-out documents."""
+    prompts from its held-out documents. A plan of ``--stack transformers`` trains transformers' model class
+    (``trainer.hf_model``) of ``hf_config`` (a resumed run's), else of ``starting``'s checkpoint, else of the
+    spec."""
     from trainer.data import TrainStream
     from trainer.evaluation import default_prompts, evaluate
     from trainer.model import build_model
     from trainer.step import param_dtype
 
+    built_from: dict = {}  # the config transformers' model was built from, for every checkpoint's meta.json
+
+    def config(spec: ModelSpec, setup: TrainSetup) -> dict:
+        from trainer import hf_model
+
+        if hf_config is not None:
+            cfg = hf_config
+        elif starting is not None and starting.hf_config is not None:
+            cfg = starting.hf_config
+        else:
+            cfg = hf_model.spec_hf_config(spec, setup)
+        built_from["config"] = cfg
+        return cfg
+
     def model(spec: ModelSpec, setup: TrainSetup, device, with_weights: bool) -> torch.nn.Module:
+        if setup.stack == "transformers":
+            from trainer import hf_model
+
+            weights = starting.load() if with_weights and starting is not None else None
+            return hf_model.build(spec, setup, device, config(spec, setup), weights=weights)
         built = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
         if with_weights and starting is not None:
             ckpt.load_weights(built, starting.load(), starting.where)
@@ -130,6 +176,11 @@ def pretraining(data, starting: StartingWeights | None = None) -> TrainingTask:
     def stream(*, micro_batch: int, ctx: int, seed: int, rank: int, world_size: int):
         return TrainStream(data, batch=micro_batch, ctx=ctx, seed=seed, rank=rank, world_size=world_size)
 
+    def meta(setup: TrainSetup) -> dict:
+        from trainer import hf_model
+
+        return {hf_model.META_KEY: built_from["config"]} if setup.stack == "transformers" else {}
+
     return TrainingTask(kind="train", build_model=model, make_stream=stream,
                         evaluate=lambda m, setup, device, n: evaluate(m, data, setup, device, n),
-                        prompts=lambda: default_prompts(data, data.tokenizer))
+                        prompts=lambda: default_prompts(data, data.tokenizer), meta=meta)

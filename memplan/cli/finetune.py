@@ -12,6 +12,7 @@ from memplan.cli.fit import print_fields
 from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, EvalBatchesOpt,
                                  EvalEveryOpt, KeepOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, OptimizerOpt,
                                  LogOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt, SeedOpt, ThreadsOpt, TokensOpt,
+                                 TrainStackOpt,
                                  VerifyDataOpt, run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -19,7 +20,7 @@ RunOpt = Annotated[Optional[str], typer.Option("--run", metavar="RUN", help="The
                                                 show_default=False)]
 FromOpt = Annotated[Optional[str], typer.Option(
     "--from", metavar="PATH", help="Start from a Hugging Face checkpoint directory instead of a run: config.json (llama, mistral, "
-                   "qwen2, gpt2, gpt_neox), model.safetensors or its shards, tokenizer.json; a Hub id is looked up "
+                   "qwen2, gpt2, gpt_neox; qwen3, gemma, phi, stablelm in transformers' model class), model.safetensors or its shards, tokenizer.json; a Hub id is looked up "
                    "in the local Hugging Face cache only.", show_default=False)]
 DataOpt = Annotated[str, typer.Option(
     "--data", metavar="DIR", help='JSONL, one example a line: {"prompt": ..., "response": ...} or {"messages": [{"role": '
@@ -72,7 +73,7 @@ def finetune_command(
     eval_batches: EvalBatchesOpt = None, sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None,
     max_nonfinite: MaxNonfiniteOpt = None, verify_data: VerifyDataOpt = None, seed: SeedOpt = None,
     resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    threads: ThreadsOpt = None, log: LogOpt = None, nproc: FtNprocOpt = None,
+    threads: ThreadsOpt = None, log: LogOpt = None, nproc: FtNprocOpt = None, stack: TrainStackOpt = None,
 ) -> None:
     """Finetune a trained run (--run) or a Hugging Face checkpoint (--from) on instructions (loss on the responses only), with LoRA or every weight; planned,
     checkpointed and resumable like `memplan train`."""
@@ -103,7 +104,7 @@ def finetune_command(
                                  sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
                                  verify_data=verify_data),
         seed=seed_from(seed), resume=resume, device=device, device_memory=device_memory,
-        threads=threads_from(threads), log=list(log or []), nproc=n)
+        threads=threads_from(threads), log=list(log or []), nproc=n, stack=stack)
     if launched > 1:  # a rank reads its finetune from RUN/launch.json, never flags
         raise InputError(f"this process is one of {launched} started by torchrun: `memplan finetune --nproc N` "
                          "starts its ranks itself, each `python -m trainer RUN` reading the finetune it resolved")

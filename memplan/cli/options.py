@@ -27,7 +27,9 @@ ParamsOpt = Annotated[Optional[str], typer.Option(
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", metavar="NAME|PATH", help="A preset name (gpt2, tinyllama-1.1b, llama-3.2-1b, ...) or a Hugging Face config.json.",
     rich_help_panel=_M)]
-ArchOpt = Annotated[Optional[str], typer.Option("--arch", metavar="ARCH", help="llama | gpt2", rich_help_panel=_M)]
+ArchOpt = Annotated[Optional[str], typer.Option(
+    "--arch", metavar="ARCH", help="llama | gpt2 | gpt_neox; qwen3 | gemma | phi | stablelm where transformers' code runs (--stack "
+                   "transformers; train chooses it for them).", rich_help_panel=_M)]
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", metavar="N", help="Transformer blocks.", rich_help_panel=_M)]
 HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", metavar="N", help="Model width.", rich_help_panel=_M)]
 HeadsOpt = Annotated[Optional[int], typer.Option("--heads", metavar="N", help="Query heads.", rich_help_panel=_M)]
@@ -70,6 +72,12 @@ DeviceMemoryOpt = Annotated[Optional[str], typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (keys documented in docs/json.md) instead of tables.")]
 
 # ---- RUNTIME (every command that runs torch) -----------------------------------------------
+TrainStackOpt = Annotated[Optional[str], typer.Option(
+    "--stack", metavar="STACK", help="train/finetune: whose model class trains, in memplan's loop: memplan (its own) | transformers "
+                    "(AutoModelForCausalLM.from_config, peft's LoRA; planned as `estimate --stack transformers`). "
+                    "Default: memplan's own where it builds the family (llama, mistral, qwen2, gpt2, gpt_neox), "
+                    "else transformers' (qwen3, gemma, phi, stablelm).", show_default=False,
+    rich_help_panel="Setup")]
 ThreadsOpt = Annotated[Optional[str], typer.Option(
     "--threads", metavar="N", help="torch CPU threads. Default: the count this machine's calibration measured fastest (one "
                       "thread beats all cores on a small or busy machine), else torch's default.",

@@ -25,7 +25,8 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
                                  KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
-                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, DropoutOpt, TokensOpt, VerifyDataOpt, VocabOpt,
+                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, DropoutOpt, TokensOpt, TrainStackOpt,
+                                 VerifyDataOpt, VocabOpt,
                                  run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
 
@@ -44,7 +45,7 @@ ReportOpt = Annotated[bool, typer.Option("--report", help="Only (re)write RUN/re
                                          "(also while the run is going) and exit.", rich_help_panel=_R)]
 FromOpt = Annotated[Optional[str], typer.Option(
     "--from", metavar="PATH", help="Continue pretraining a Hugging Face checkpoint: a directory with config.json (llama, mistral, "
-                   "qwen2, gpt2, gpt_neox), model.safetensors or its shards and tokenizer.json, or a Hub id (the "
+                   "qwen2, gpt2, gpt_neox; qwen3, gemma, phi, stablelm in transformers' model class), model.safetensors or its shards and tokenizer.json, or a Hub id (the "
                    "local Hugging Face cache, else fetched). --data must be prepared with its tokenizer "
                    "(`memplan prepare --tokenizer SAME`); the learning rate defaults to 1e-4.", show_default=False,
     rich_help_panel=_R)]
@@ -104,6 +105,7 @@ def train_command(
     verify_data: VerifyDataOpt = None,
     global_batch_tokens: GlobalBatchTokensOpt = None, budget: BudgetOpt = None, margin: MarginOpt = "0.1",
     nproc: NprocOpt = None, sharding: TrainShardingOpt = None, threads: ThreadsOpt = None, log: LogOpt = None,
+    stack: TrainStackOpt = None,
 ) -> None:
     """Train a model on a plan and measure it against memplan's predictions; alone, a short run on the embedded corpus."""
     from rich.console import Console
@@ -137,7 +139,7 @@ def train_command(
                         eval_batches=eval_batches, sample_tokens=sample_tokens, prompt=prompt,
                         max_nonfinite=max_nonfinite, verify_data=verify_data,
                         global_batch_tokens=global_batch_tokens, budget=budget, margin=margin, sharding=sharding,
-                        threads=n_threads, from_=from_, nproc=nproc)
+                        threads=n_threads, from_=from_, nproc=nproc, stack=stack)
 
     if launched > 1:  # a rank reads its run from RUN/launch.json, never flags
         raise InputError(f"this process is one of {launched} started by torchrun: `memplan train --nproc N` starts "
@@ -156,7 +158,8 @@ def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eva
              dropout=None,
              precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
              min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
-             verify_data, global_batch_tokens, budget, margin, sharding, threads=None, from_=None, nproc=1):
+             verify_data, global_batch_tokens, budget, margin, sharding, threads=None, from_=None, nproc=1,
+             stack=None):
     """The flags as a ``trainer.request.TrainRequest`` (``nproc``: to be resolved for that many processes)."""
     from memplan.units import parse_count
     from trainer.request import TrainRequest
@@ -180,7 +183,7 @@ def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eva
                    seed=seed_from(seed)),
         device=device, device_memory=device_memory, threads=threads, sharding=sharding,
         global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"), budget=budget,
-        margin=_number(margin, "--margin"), nproc=nproc)
+        margin=_number(margin, "--margin"), nproc=nproc, stack=stack)
     return request
 
 

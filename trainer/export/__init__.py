@@ -122,7 +122,8 @@ def resolve_dtype(dtype: str, run: LoadedRun, fmt: str = "hf") -> str:
     if dtype == "auto" and fmt == "onnx":
         return "float32"
     if dtype == "auto":
-        return "bfloat16" if str(run.tensors["embed.weight"].dtype) == "torch.bfloat16" else "float32"
+        first = run.tensors.get("embed.weight", next(iter(run.tensors.values()), None))
+        return "bfloat16" if first is not None and str(first.dtype) == "torch.bfloat16" else "float32"
     return dtype
 
 
@@ -175,6 +176,16 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path, *, force: bool = 
     with export_lock(out):
         check_out(out, fmt, force)  # again, under the lock: an export that held it may have written out since
         run = load_run(run_dir, checkpoint)
+        from trainer.export import hf_stack
+
+        if hf_stack.is_stack_run(run):  # transformers' own model class trained (trainer.hf_model)
+            hf_stack.check_format(run, fmt)
+            resolved = resolve_dtype(dtype, run, fmt)
+            t0 = time.perf_counter()
+            with full_disk_is_one_line(out, "--out", f"the {fmt} export"):  # exit 1; out as it was, no temporary left
+                arch, notes, params = hf_stack.write_hf_stack(run, out, resolved)
+            return ExportResult(format=fmt, path=out, files=files_of(out), arch=arch, params=params, step=run.step,
+                                dtype=resolved, seconds=time.perf_counter() - t0, notes=tuple(notes))
         check_exportable(run.spec, fmt)
         resolved = resolve_dtype(dtype, run, fmt)
         _check_packages(fmt)

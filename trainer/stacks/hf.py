@@ -91,8 +91,10 @@ def _quiet(transformers):
 
 
 def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None = None,
-                lora_alpha: float = DEFAULT_LORA_ALPHA) -> torch.nn.Module:
-    """transformers' model for ``model`` in ``setup``'s precision, attention, checkpointing and LoRA."""
+                lora_alpha: float = DEFAULT_LORA_ALPHA, before_lora=None) -> torch.nn.Module:
+    """transformers' model for ``model`` in ``setup``'s precision, attention, checkpointing and LoRA;
+    ``before_lora(net)`` (memplan's training of this class, ``trainer.hf_model``) loads weights into the
+    plain model before checkpointing and peft's adapters are applied."""
     transformers = require("transformers", STACK)
     from trainer.step import param_dtype
 
@@ -117,6 +119,8 @@ def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None
     except (ValueError, AssertionError, TypeError, KeyError) as e:
         raise InputError(f"--model: transformers could not build this {model_type} model for attention "
                          f"{setup.attention!r} ({' '.join(str(e).split())[:240]})") from None
+    if before_lora is not None:
+        before_lora(net)
     if setup.checkpointing == "full":
         enable = getattr(net, "activation_checkpointing_enable", None) or net.gradient_checkpointing_enable
         enable()
