@@ -173,12 +173,12 @@ def tokenizer_files(run: LoadedRun, context: int) -> dict[str, str]:
             "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
 
 
-def write_hf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
+def write_hf_dir(run: LoadedRun, out: Path, tensors: dict, config: dict, context: int) -> None:
+    """``out`` as ``save_pretrained`` lays it out: model.safetensors, config.json, generation_config.json and the
+    tokenizer's files (``context`` positions long), written into a temporary sibling and moved into place whole
+    (a failure leaves ``out`` as it was and no temporary behind)."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.to(TORCH_DTYPES[dtype]).contiguous() for k, v in hf_tensors(run).items()}
-    config = hf_config(run, dtype)
-    context = config.get("max_position_embeddings", config.get("n_positions"))
     generation = {"bos_token_id": run.eot_id, "eos_token_id": run.eot_id, "pad_token_id": run.eot_id}
     tmp = temp_sibling(out)
     try:
@@ -193,6 +193,12 @@ def write_hf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_hf(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
+    tensors = {k: v.to(TORCH_DTYPES[dtype]).contiguous() for k, v in hf_tensors(run).items()}
+    config = hf_config(run, dtype)
+    write_hf_dir(run, out, tensors, config, config.get("max_position_embeddings", config.get("n_positions")))
     notes = [] if run.tokenizer_json is not None else [
         "the run used tiktoken's gpt2 encoding: no tokenizer files written; load the `gpt2` tokenizer from "
         "transformers (the same vocabulary)"]

@@ -11,11 +11,10 @@ the tokenizer files. ``AutoModelForCausalLM.from_pretrained`` loads it and gives
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from memplan.errors import InputError
-from trainer.export.common import MARKER, LoadedRun, commit_dir, temp_sibling
+from trainer.export.common import MARKER, LoadedRun
 
 TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -41,10 +40,9 @@ def check_format(run: LoadedRun, fmt: str) -> None:
 def write_hf_stack(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str], int]:
     """(the class name, notes, parameters) of the ``hf`` export of ``run`` written to ``out``."""
     import torch
-    from safetensors.torch import save_file
 
     from trainer import rundir
-    from trainer.export.hf import tokenizer_files
+    from trainer.export.hf import write_hf_dir
     from trainer.hf_model import trained
 
     checkpoint = rundir.trained_checkpoint(run.run_dir, run.checkpoint)
@@ -62,19 +60,6 @@ def write_hf_stack(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str
     config[MARKER] = {"run": str(run.run_dir), "checkpoint": str(run.checkpoint), "step": run.step,
                       "tokens": run.meta.get("tokens"), "spec": run.spec.to_dict()}
     context = config.get("max_position_embeddings") or config.get("n_positions") or run.ctx
-    generation = {"bos_token_id": run.eot_id, "eos_token_id": run.eot_id, "pad_token_id": run.eot_id}
-    tmp = temp_sibling(out)
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
-        for name, text in tokenizer_files(run, context).items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        commit_dir(tmp, out)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_hf_dir(run, out, tensors, config, context)
     params = sum(t.numel() for t in tensors.values())
     return type(net).__name__, [], params
