@@ -186,7 +186,8 @@ def test_estimate_json_names_its_stack_and_follows_it():
     own, hf = json.loads(own.stdout), json.loads(hf.stdout)
     assert own["stack"] == "memplan" and hf["stack"] == "transformers"
     spec = ModelSpec(**LLAMA)
-    setup = TrainSetup(ctx=64, micro_batch=2, lora_rank=4)
+    # estimate without --precision takes the device's best (the cpu profile's: fp32), as train and autotune do
+    setup = TrainSetup(ctx=64, micro_batch=2, lora_rank=4, precision=hf["setup"]["precision"])
     walked = peak_memory(spec, setup, stack=stack_of("transformers", lora_dropout=0.05, cpu=True)).peak_allocated
     assert hf["memory"]["peak_allocated"] == walked
 

@@ -223,14 +223,14 @@ def resolve_train(req: TrainRequest, ui: TrainUI) -> ResolvedTrain:
         minutes = overrides["max_minutes"] = QUICKSTART_MINUTES
     if quickstart and hyper["lr"] is None:
         hyper["lr"] = QUICKSTART_LR
+    if given_model:
+        check_vocab(vocab, prepared)
     spec = (model_from(**{**model_flags, "vocab": None}, stack_families=True).replace(vocab=prepared.vocab_size)
             if given_model else None)
     stack = _stack_for(req.stack, spec, plan, ui)
     if plan or given_setup:
         the_plan = plan_from_flags(plan, model_flags, setup_flags, prepared, profile, ui, spec=spec, stack=stack)
     else:
-        if given_model:
-            check_vocab(vocab, prepared)
         ctx_n = parse_count(ctx, "--ctx", binary=True) if ctx is not None else (
             DEFAULT_CTX if given_model else QUICKSTART_CTX)
         the_plan = autotuned_plan(spec, ctx_n, prepared, profile, ui, minutes=minutes,
