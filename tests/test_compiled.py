@@ -46,15 +46,18 @@ def test_trace_compile_of_another_stack_is_one_line():
     one_line_error(result, "--compile", "--stack memplan")
 
 
-def test_compile_without_a_cpp_compiler_is_one_line_naming_eager(monkeypatch, capsys):
+def test_compile_without_a_cpp_compiler_is_one_line_naming_eager(capsys):
     from torch._inductor import config
 
     from trainer.compile_guard import compile_unavailable, step_model_for
 
-    monkeypatch.setattr(config.cpp, "cxx", ("memplan-test-no-such-c++",))
-    assert "no C++ compiler" in compile_unavailable("cpu")
-    model = torch.nn.Linear(2, 2)
-    assert step_model_for(model, True, "cpu") is model
+    # inductor's own config.patch, which puts cpp.cxx back on exit (monkeypatch.setattr on the config's
+    # proxy deleted the key on undo, and every later compile in the process then failed)
+    with config.patch({"cpp.cxx": ("memplan-test-no-such-c++",)}):
+        assert "no C++ compiler" in compile_unavailable("cpu")
+        model = torch.nn.Linear(2, 2)
+        assert step_model_for(model, True, "cpu") is model
+    assert config.cpp.cxx != ("memplan-test-no-such-c++",)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "no C++ compiler" in lines[0] and "eager" in lines[0]
 

@@ -269,7 +269,8 @@ def tiny_of(name: str):
     from memplan.model import config_preset_path
 
     cfg = json.loads(config_preset_path(name).read_text())
-    heads, kv = 4, max(1, 4 * cfg["num_key_value_heads"] // cfg["num_attention_heads"])
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]  # None: one per query head (phi-2)
+    heads, kv = 4, max(1, 4 * kv_heads // cfg["num_attention_heads"])
     cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
                num_key_value_heads=kv, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=None,
                max_position_embeddings=128)
