@@ -433,21 +433,29 @@ def check_weights(directory: Path, spec: ModelSpec):
         present.pop(head, None)  # tied: transformers ties it to the embedding
     else:
         expected[head] = (spec.vocab, spec.hidden)
+    check_names_and_shapes(f"--from {directory}", {k: v for k, v in present.items() if not k.endswith(SKIPPED_BUFFERS)},
+                           expected, f"a {spec.layers}-layer {spec.arch} with "
+                                     f"tie_word_embeddings={str(spec.tied).lower()}")
+    return files, expected, rename, head
+
+
+def check_names_and_shapes(where: str, present: dict, expected: dict, described: str) -> None:
+    """A checkpoint's tensors (``present``: name -> shape, buffers left out) against those of the model its
+    config.json describes (``expected``, less any the model ties): the first missing, unknown or misshapen tensor
+    is a one-line InputError naming it."""
     missing = [k for k in expected if k not in present]
     if missing:
-        raise InputError(f"--from {directory}: tensor {missing[0]} is missing"
+        raise InputError(f"{where}: tensor {missing[0]} is missing"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                         + f"; config.json describes a {spec.layers}-layer {spec.arch} with "
-                           f"tie_word_embeddings={str(spec.tied).lower()}")
-    extra = sorted(k for k in present if k not in expected and not k.endswith(SKIPPED_BUFFERS))
+                         + f"; config.json describes {described}")
+    extra = sorted(k for k in present if k not in expected)
     if extra:
-        raise InputError(f"--from {directory}: tensor {extra[0]} is not part of the model config.json describes"
+        raise InputError(f"{where}: tensor {extra[0]} is not part of the model config.json describes"
                          + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "") + "; refusing a partial load")
     for name, shape in expected.items():
         if present[name] != shape:
-            raise InputError(f"--from {directory}: tensor {name} has shape {list(present[name])}, config.json "
-                             f"makes it {list(shape)}")
-    return files, expected, rename, head
+            raise InputError(f"{where}: tensor {name} has shape {list(present[name])}, config.json makes it "
+                             f"{list(shape)}")
 
 
 # ---- the tokenizer ---------------------------------------------------------------------------------------

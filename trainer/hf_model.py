@@ -213,24 +213,14 @@ def check_weights(directory: Path, spec: ModelSpec, setup, hf_config: dict, flag
     """The checkpoint's safetensors headers checked by name and shape against transformers' model of its
     config.json, no data read: the ``trainer.hf_import`` file set and the names to read; else a one-line
     InputError naming the first missing, unknown or misshapen tensor."""
-    from trainer.hf_import import _Files
+    from trainer.hf_import import _Files, check_names_and_shapes
 
     files = _Files(directory)
     shapes, tied = expected_tensors(spec, setup, hf_config)
     present = {k: v for k, v in files.shapes.items() if not k.endswith(SKIPPED)}
-    missing = [k for k in shapes if k not in present and k not in tied]
-    if missing:
-        raise InputError(f"{flag} {directory}: tensor {missing[0]} is missing"
-                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                         + f"; config.json describes a {spec.layers}-layer {hf_config['model_type']}")
-    extra = sorted(k for k in present if k not in shapes)
-    if extra:
-        raise InputError(f"{flag} {directory}: tensor {extra[0]} is not part of the model config.json describes"
-                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "") + "; refusing a partial load")
-    for name, shape in present.items():
-        if shapes[name] != shape:
-            raise InputError(f"{flag} {directory}: tensor {name} has shape {list(shape)}, config.json makes it "
-                             f"{list(shapes[name])}")
+    expected = {k: v for k, v in shapes.items() if k not in tied or k in present}  # a tied head may be absent
+    check_names_and_shapes(f"{flag} {directory}", present, expected,
+                           f"a {spec.layers}-layer {hf_config['model_type']}")
     return files, sorted(present)
 
 
