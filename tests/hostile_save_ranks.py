@@ -1,5 +1,5 @@
 """One rank of tests/test_hostile_ranks.py (run under torchrun, gloo): a tiny DDP model's checkpoint saved
-through ``trainer.checkpoints.CheckpointManager`` with a failure planted in one rank's part of the save.
+through ``trainer.checkpoint_policy.CheckpointManager`` with a failure planted in one rank's part of the save.
 Each rank writes what it ended with, one line, to OUT/rank{R}.txt, and exits 0 (so that torchrun's agent ends
 no rank early: the test reads whether every rank came out of the save, and with what)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_format as ckpt
 from trainer import distributed
 
 
@@ -35,7 +35,7 @@ def main(out: str, fault: str, failing: int) -> None:
             ckpt.save_checkpoint = broken  # rank 0's part after them
         else:
             distributed.save_sharded = broken  # every rank's part
-    from trainer.checkpoints import CheckpointManager
+    from trainer.checkpoint_policy import CheckpointManager
 
     manager = CheckpointManager(run, keep=1, dist=ctx)
     try:

@@ -1,4 +1,4 @@
-"""trainer.checkpoint: atomic saves (also under SIGKILL), keep-last-k, the newest by name, verification
+"""trainer.checkpoint_format: atomic saves (also under SIGKILL), keep-last-k, the newest by name, verification
 that names the bad file, canonical weight names, tied weights, RNG states."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from memplan.errors import InputError
 from memplan.model import ModelSpec
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_format as ckpt
 from trainer.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_a_save_that_fails_before_the_rename_leaves_the_previous_checkpoint(tmp_
 
 _SAVER = textwrap.dedent("""
     import sys, torch
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 2048)  # 8 MiB of weights: each save takes a while
     big = {"moments": torch.randn(3_000_000)}  # 12 MiB of state

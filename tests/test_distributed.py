@@ -381,7 +381,7 @@ def test_two_ranks_follow_the_single_process_loss_curve(two_ranks, reference, sh
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_a_distributed_checkpoint_holds_every_ranks_shards_and_the_whole_weights(two_ranks, reference, sharding):
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     run = two_ranks[sharding][0]
     path = run / "checkpoints" / "step-00000010"
@@ -425,7 +425,7 @@ def test_saved_by_one_process_resumed_by_two_then_killed_mid_save(corpus, refere
 
     import psutil
 
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)

@@ -70,13 +70,13 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def weights(run: Path, step: int = STEPS) -> dict:
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     return ckpt.read_weights(run / "checkpoints" / f"step-{step:08d}" / ckpt.MODEL_FILE)
 
 
 def base_weights(run: Path) -> dict:
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     return ckpt.read_weights(ckpt.latest_checkpoint(run / "checkpoints").path / ckpt.MODEL_FILE)
 

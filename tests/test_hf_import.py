@@ -92,7 +92,7 @@ def sft(tmp_path_factory):
 
 
 def memplan_model(directory):
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
     from trainer.hf_import import import_hf
     from trainer.model import build_model
 

@@ -35,7 +35,7 @@ from memplan.hardware import load_profile
 from memplan.plan import Plan
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_format as ckpt
 from trainer.data import PreparedData
 from trainer.loop import TrainConfig, Trainer, read_metrics
 from runs_helper import one_line_error, story, tiny_corpus

@@ -48,6 +48,6 @@ def test_a_rank_failing_in_a_save_ends_every_rank_naming_it(tmp_path, fault, fai
 
 
 def ckpt_name() -> str:
-    from trainer.checkpoint import checkpoint_name
+    from trainer.checkpoint_format import checkpoint_name
 
     return checkpoint_name(1)

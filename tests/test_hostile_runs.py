@@ -33,7 +33,7 @@ from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from runs_helper import one_line_error, tiny_corpus, tiny_run
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_format as ckpt
 from trainer.data import PreparedData
 from trainer.loop import LIMITS, REPEAT_WARN_PASSES, SEED_MAX, TrainConfig, Trainer, read_metrics
 

@@ -185,7 +185,7 @@ def test_export_force_over_a_symlinked_export_leaves_no_renamed_link(tmp_path, r
 
 
 def test_checkpoint_pruning_leaves_no_renamed_link(tmp_path):
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     directory = tmp_path / "checkpoints"
     directory.mkdir()

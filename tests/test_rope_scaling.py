@@ -78,7 +78,7 @@ def ids(n: int = T, seed: int = 1) -> torch.Tensor:
 
 
 def memplan_model(directory: Path, **spec_changes):
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
     from trainer.hf_import import import_hf
     from trainer.model import build_model
 

@@ -501,7 +501,7 @@ def test_non_finite_losses_skip_updates_then_stop_naming_the_step(tmp_path, corp
     # the updates of steps 3-5 were skipped: the weights are still those after step 2
     after_two = torch.load(run / "checkpoints" / "step-00000002" / "state.pt", weights_only=True)
     assert after_two["step"] == 2
-    from trainer.checkpoint import read_weights
+    from trainer.checkpoint_format import read_weights
 
     saved = read_weights(run / "checkpoints" / "step-00000002" / "model.safetensors")
     live = trainer.model.state_dict()

@@ -130,7 +130,7 @@ def test_a_run_from_a_checkpoint_starts_with_the_logits_transformers_computes(ch
 def test_train_from_trains_records_the_checkpoint_and_exports_back_to_transformers(checkpoint, data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
     from trainer.loop import load_trained
 
     ck, reference = checkpoint
@@ -420,7 +420,7 @@ def kill_when(args: list[str], ready, poll: float = 0.01, command: str = "train"
 def test_a_finetune_of_a_from_run_keeps_the_checkpoints_end_of_text(checkpoint, tmp_path):
     """A run trained --from a checkpoint whose config ends text with id 7 (not the <|endoftext|> its tokenizer.json
     also holds): finetuning that run (--run) reads the tokenizer back as the run recorded it, id 7."""
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     ck = copy_checkpoint(checkpoint[0], tmp_path / "ck")
     cfg = json.loads((ck / "config.json").read_text())

@@ -1,5 +1,5 @@
 """The units the trainer composes, each alone: the schedule (trainer/schedule.py), the stop decisions
-(trainer/stopping.py), evaluation (trainer/evaluation.py), the checkpoint manager (trainer/checkpoints.py) and the
+(trainer/stopping.py), evaluation (trainer/loop_eval.py), the checkpoint manager (trainer/checkpoint_policy.py) and the
 factories of what is trained (trainer/task.py, trainer/finetune.py's ``finetune_task``)."""
 
 import errno
@@ -166,8 +166,8 @@ def _save(manager, step: int, model, optimizer):
 
 
 def test_checkpoints_are_due_at_their_cadence_the_newest_keep_stay_and_a_resume_takes_the_newest(tmp_path):
-    from trainer import checkpoint as ckpt
-    from trainer.checkpoints import CheckpointManager, resume_point
+    from trainer import checkpoint_format as ckpt
+    from trainer.checkpoint_policy import CheckpointManager, resume_point
 
     manager = CheckpointManager(tmp_path, keep=2, dist=_one_process(), save_every=2)
     assert [s for s in range(1, 7) if manager.due(s)] == [2, 4, 6]
@@ -191,7 +191,7 @@ def test_checkpoints_are_due_at_their_cadence_the_newest_keep_stay_and_a_resume_
 
 def test_a_run_stopped_before_its_first_checkpoint_resumes_only_with_its_own_command(tmp_path):
     from trainer import rundir
-    from trainer.checkpoints import resume_point
+    from trainer.checkpoint_policy import resume_point
 
     rundir.write_record(tmp_path, {"kind": "finetune", "plan": {}, "config": {}, "data": {}})
     ref, record, where = resume_point(tmp_path, "finetune")
@@ -201,7 +201,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_only_with_its_own_com
 
 
 def test_a_resume_replaces_the_limits_together_and_refuses_to_change_what_is_not_run_control():
-    from trainer.checkpoints import apply_overrides
+    from trainer.checkpoint_policy import apply_overrides
 
     run = config(max_steps=100, max_tokens=10**6, lr=1e-3)
     assert apply_overrides(run, {}) is run
@@ -212,7 +212,7 @@ def test_a_resume_replaces_the_limits_together_and_refuses_to_change_what_is_not
 
 
 def test_a_full_disk_while_writing_is_one_line_naming_the_file_and_the_intact_checkpoint(tmp_path):
-    from trainer.checkpoints import CheckpointManager
+    from trainer.checkpoint_policy import CheckpointManager
 
     manager = CheckpointManager(tmp_path, keep=3, dist=_one_process(), save_every=1)
     model = torch.nn.Linear(2, 2)
@@ -230,7 +230,7 @@ def test_a_full_disk_while_writing_is_one_line_naming_the_file_and_the_intact_ch
 # ---- evaluation ----------------------------------------------------------------------------------------
 
 def _evaluation(loss):
-    from trainer.evaluation import Evaluation
+    from trainer.loop_eval import Evaluation
 
     return Evaluation(config=config(sample_tokens=0, eval_batches=2), loss=loss, prompts=lambda: ["Once"],
                       tokenizer=None, model=lambda: None, setup=lambda: TrainSetup(ctx=8, micro_batch=1),
@@ -282,7 +282,7 @@ def _sft(run: Path, sft: Path):
 
 
 def _base_weights(run: Path) -> dict:
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     return ckpt.read_weights(ckpt.latest_checkpoint(run / "checkpoints").path / ckpt.MODEL_FILE)
 
@@ -411,7 +411,7 @@ def test_an_out_of_memory_step_is_redone_at_half_the_micro_batch_on_the_same_win
     from memplan.plan import Plan
     from runs_helper import tiny_spec
     from trainer.backoff import back_off
-    from trainer.checkpoints import predicted_for
+    from trainer.checkpoint_policy import predicted_for
     from trainer.data import PreparedData
     from trainer.task import pretraining
 
@@ -540,7 +540,7 @@ class _Stream:
 
 
 def test_a_restore_puts_back_the_weights_optimizer_position_rng_and_counters_and_names_a_bad_state(tmp_path):
-    from trainer.checkpoints import CheckpointManager, state_of
+    from trainer.checkpoint_policy import CheckpointManager, state_of
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
@@ -761,7 +761,7 @@ def test_a_new_run_is_checked_under_its_lock_which_a_failed_check_releases(base,
     from memplan.plan import Plan
     from runs_helper import tiny_spec
     from trainer import rundir
-    from trainer.checkpoints import check_new_run, holding_lock
+    from trainer.checkpoint_policy import check_new_run, holding_lock
     from trainer.data import PreparedData
 
     run_dir, corpus, _ = base

@@ -464,7 +464,7 @@ def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optim
     ``weights_only=False``: either runs whatever code a crafted file holds. Here the metadata is read
     by an unpickler that builds only DCP's metadata classes, torch sizes, dtypes and layouts and
     paths, and the non-tensor items with ``weights_only=True`` (the checkpoint's sha256s were checked
-    before: trainer/checkpoint.py)."""
+    before: trainer/checkpoint_format.py)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

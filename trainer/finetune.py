@@ -40,8 +40,8 @@ import torch
 
 from memplan.errors import InputError
 from memplan.plan import Plan
-from trainer import checkpoint as ckpt
-from trainer.evaluation import ppl as _ppl
+from trainer import checkpoint_format as ckpt
+from trainer.loop_eval import ppl as _ppl
 from trainer.lora import DEFAULT_ALPHA, apply_lora, lora_targets
 from trainer.task import TrainingTask
 from trainer.model import apply_checkpointing, build_model, lm_loss

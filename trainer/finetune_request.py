@@ -122,7 +122,7 @@ def resolve_finetune(req: FinetuneRequest, *, world_size: int = 1, plan=None,
 
 def _resolve_resume(req: FinetuneRequest, profile) -> ResolvedFinetune:
     from memplan.plan import Plan
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
     from trainer.finetune import base_of, base_of_hf, load_sft
     from trainer.rundir import CHECKPOINT_DIR
 
@@ -176,7 +176,7 @@ def check_one_row_fits(spec, ctx: int, precision: str, profile, lora_rank: int =
     from memplan.plan import Plan
     from memplan.setup import TrainSetup
     from memplan.units import format_bytes
-    from trainer.checkpoints import predicted_for
+    from trainer.checkpoint_policy import predicted_for
 
     spec.check_context(ctx)
     lean = TrainSetup(ctx=ctx, micro_batch=1, precision=precision, checkpointing="full", lora_rank=lora_rank)
@@ -202,7 +202,7 @@ def _base_and_data(req: FinetuneRequest, profile, say):
         sft = load_sft(req.data, tokenizer, tok, ctx=ctx, template=req.template, packing=req.packing,
                        base_checkpoint=base_ckpt, base_run=Path(req.run), lora_alpha=req.lora_alpha)
         if stack != "memplan":
-            from trainer import checkpoint as ckpt
+            from trainer import checkpoint_format as ckpt
             from trainer import hf_model
 
             sft.hf_config = hf_model.run_config(ckpt.verify_checkpoint(base_ckpt), str(base_ckpt))

@@ -265,7 +265,7 @@ def run_config(meta: dict, where: str) -> dict:
 def trained(trained_ckpt, plan, meta: dict, device) -> HFCausalLM:
     """A verified checkpoint of transformers' model class, in eval mode on ``device``: rebuilt from the config it
     recorded, without checkpointing or compile, its LoRA adapters (peft's) folded into the weights."""
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     cfg = run_config(meta, str(trained_ckpt.path / ckpt.META_FILE))
     alpha = float(((meta.get("finetune") or {}).get("lora") or {}).get("alpha", 16.0))

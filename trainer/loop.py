@@ -12,7 +12,7 @@ A run directory (documented key by key in docs/run-directory.md)::
                         run was killed after logging it and resumed from an earlier checkpoint: the
                         later line is the one that counts (``read_metrics(..., latest=True)``).
     RUN/plan.toml       the plan trained on (rewritten if an out-of-memory step halves the micro-batch)
-    RUN/checkpoints/    atomic checkpoints (trainer/checkpoint.py)
+    RUN/checkpoints/    atomic checkpoints (trainer/checkpoint_format.py)
     RUN/report.html     the run report (memplan/reports/run.py)
 
 Each step is ``trainer.step.train_step``, the step memplan's memory model describes, with the
@@ -46,7 +46,7 @@ The trainer owns the loop; what is decided around it lives in units of their own
 ``trainer.schedule`` (the learning rate, the evaluation and checkpoint cadence, a time-limited run's probe),
 ``trainer.stopping`` (limits, signals and the ranks' agreement on them, non-finite losses),
 ``trainer.backoff`` (a step out of memory: the micro-batch halved, the stream rebuilt where it was),
-``trainer.evaluation`` (held-out loss and samples), ``trainer.checkpoints`` (when to save, keep-N, distributed
+``trainer.loop_eval`` (held-out loss and samples), ``trainer.checkpoint_policy`` (when to save, keep-N, distributed
 saving, a new run's and a resume's checks, restoring), ``trainer.rundir`` (opening the run directory, the run
 record, the metrics lines: ``RunLog``), ``trainer.monitor`` (which steps' memory is measured:
 ``MemorySampler``) and ``trainer.reporting`` (the report, rendered in a process of its own).
@@ -71,17 +71,17 @@ from memplan.errors import InputError
 from memplan.hardware import Device
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_format as ckpt
 from trainer import distributed
 from trainer import records, rundir
 from trainer.backoff import back_off, release_memory
-from trainer.checkpoints import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
+from trainer.checkpoint_policy import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
                                  check_metrics_file, check_new_run, check_plan_fits, check_plan_for_data,
                                  check_run_dir_free, check_same_plan, holding_lock, lock_run, predicted_for,
                                  resume_settings, state_of)
 from trainer.compile_guard import EAGER_FALLBACK, compile_errors, step_model_for, warn
 from trainer.device import current_rss as _process_rss, keep_heap_resident, torch_device_for, trim_heap as _trim_heap  # noqa: F401
-from trainer.evaluation import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
+from trainer.loop_eval import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
                                 finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
 from trainer.model import build_model
 from trainer.monitor import MEMORY_SAMPLE_SECONDS, MemoryMonitor, MemorySampler
@@ -233,8 +233,8 @@ class Trainer:
     corpus): the model, the batches, the held-out loss and the prompts, the same in one process and in every
     rank. The trainer owns the loop and composes the units that decide around it: the learning rate
     (``trainer.schedule``), when to stop (``trainer.stopping.Stopping``), how to back off
-    (``trainer.backoff``), evaluations (``trainer.evaluation.Evaluation``), checkpoints
-    (``trainer.checkpoints.CheckpointManager``), the run's lines (``trainer.rundir.RunLog``), memory samples
+    (``trainer.backoff``), evaluations (``trainer.loop_eval.Evaluation``), checkpoints
+    (``trainer.checkpoint_policy.CheckpointManager``), the run's lines (``trainer.rundir.RunLog``), memory samples
     (``trainer.monitor.MemorySampler``) and the report (``trainer.reporting.ReportRenderer``).
 
     Attributes a caller (or a test) may use between construction and ``run()``: ``model`` (the
@@ -370,7 +370,7 @@ class Trainer:
 
     @staticmethod
     def _holding_run_lock(run_dir: Path, build) -> "Trainer":
-        """``build()`` while holding the run's lock (``trainer.checkpoints.holding_lock``), which it then keeps."""
+        """``build()`` while holding the run's lock (``trainer.checkpoint_policy.holding_lock``), which it then keeps."""
         trainer, lock = holding_lock(run_dir, build)
         trainer._lock = lock
         return trainer

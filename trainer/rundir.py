@@ -39,7 +39,7 @@ from memplan.fsutil import Lock, hold_lock, open_append, write_atomic
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"  # one JSON object per line (docs/run-directory.md)
 LOCK_FILE = ".lock"
-CHECKPOINT_DIR = "checkpoints"  # RUN/checkpoints/step-NNNNNNNN/ (trainer.checkpoint)
+CHECKPOINT_DIR = "checkpoints"  # RUN/checkpoints/step-NNNNNNNN/ (trainer.checkpoint_format)
 TOKENIZER_FILE = "tokenizer.json"  # the tokenizer a checkpoint trained with, in the checkpoint
 LAUNCH_FILE = "launch.json"  # what `memplan train --nproc` asks of each rank (trainer.request.LaunchSpec)
 PLAN_FILE = "plan.toml"  # the plan trained on (rewritten when an out-of-memory step halves the micro-batch)
@@ -117,7 +117,7 @@ def write_record(run_dir: Path, record: dict) -> None:
 
 def run_identity(data) -> dict:
     """What a run trains on, as its record and every checkpoint's meta.json say it (and a resume checks it,
-    ``trainer.checkpoints.check_same_data``): the tokenizer (``tokenizer_sha256``, and ``tokenizer``: what
+    ``trainer.checkpoint_policy.check_same_data``): the tokenizer (``tokenizer_sha256``, and ``tokenizer``: what
     rebuilds it) and the prepared data (``data``: its resolved path, train-split size and sources)."""
     tok = data.manifest["tokenizer"]
     return {
@@ -182,7 +182,7 @@ def read_record(run_dir: str | Path) -> dict | None:
 def resume_source(run_dir: str | Path) -> tuple[object, dict]:
     """(newest checkpoint or None, the meta or record it resumes from) of the run in ``run_dir``; an
     InputError saying why when there is no run to resume there."""
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     run_dir = Path(run_dir)
     if not run_dir.exists():
@@ -243,7 +243,7 @@ def trained_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     """The newest checkpoint of the run in ``run_dir`` (or ``checkpoint``), every file's size and sha256 checked
     against its meta.json, and its plan; an InputError naming what is missing (the directory, any checkpoint)."""
     from memplan.plan import Plan
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
 
     run_dir = Path(run_dir)
     if checkpoint is None:

@@ -18,7 +18,7 @@ from memplan.errors import InputError
 from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_format as ckpt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,7 @@ class TrainingTask:
     (``state_dict``/``load_state_dict``), ``epoch_plan(epoch)`` and ``global_batch`` (rows of all ranks per
     micro-batch); each rank reads its own share of every global batch.
 
-    ``evaluate(model, setup, device, max_batches)``: the held-out losses (``trainer.evaluation.evaluate``'s
+    ``evaluate(model, setup, device, max_batches)``: the held-out losses (``trainer.loop_eval.evaluate``'s
     keys); ``prompts()``: the sample prompts when none are configured; ``meta(setup)``: keys every
     checkpoint's meta.json adds; ``kind``: RUN/run.json's kind (what resumes it)."""
 
@@ -144,7 +144,7 @@ def pretraining(data, starting: StartingWeights | None = None, hf_config: dict |
     (``trainer.hf_model``) of ``hf_config`` (a resumed run's), else of ``starting``'s checkpoint, else of the
     spec."""
     from trainer.data import TrainStream
-    from trainer.evaluation import default_prompts, evaluate
+    from trainer.loop_eval import default_prompts, evaluate
     from trainer.model import build_model
     from trainer.step import param_dtype
 

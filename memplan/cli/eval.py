@@ -32,14 +32,14 @@ def eval_command(run: RunOpt, data: DataOpt = None, checkpoint: CheckpointOpt = 
     """Held-out loss and perplexity of a run, per source and overall, on its own split or another corpus."""
     from memplan.units import parse_count
 
-    from trainer.evaluate import EvalConfig
+    from trainer.eval_command import EvalConfig
 
     config = EvalConfig(ctx=parse_count(ctx, "--ctx", binary=True) if ctx else None,
                         batch=parse_count(batch, "--batch") if batch else None,
                         max_batches=parse_count(max_batches, "--max-batches") if max_batches else None)
     threads_from(threads)  # a bad value is refused before torch starts
 
-    from trainer.evaluate import evaluate_run
+    from trainer.eval_command import evaluate_run
     from trainer.loop import torch_device_for
 
     use_threads(threads)

@@ -87,7 +87,7 @@ def check_exportable(spec: ModelSpec, fmt: str) -> str:
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> LoadedRun:
     """The newest (or the given) checkpoint of a run, verified (``rundir.trained_checkpoint``)."""
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
     from trainer import rundir
     from trainer.rundir import TOKENIZER_FILE
 

@@ -39,7 +39,7 @@ class _Logits(torch.nn.Module):
 
 
 def write_onnx(run: LoadedRun, out: Path, dtype: str) -> tuple[str, list[str]]:
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_format as ckpt
     from trainer.model import build_model
 
     if dtype != "float32":

@@ -1,6 +1,6 @@
 """A run's checkpoints as a policy: when one is due, where it goes, how many stay, how every rank of a
 distributed run takes part in it, how a resume reads one back, and what a full disk leaves behind. The
-on-disk format is ``trainer/checkpoint.py``'s. The checks a run makes before anything is written are here
+on-disk format is ``trainer/checkpoint_format.py``'s. The checks a run makes before anything is written are here
 too (``check_*``), and what a resume continues from and with (``resume_settings``: the newest checkpoint
 verified, the run's plan and config with the overrides given, rescaled for this launch's processes).
 """
@@ -20,7 +20,7 @@ import torch
 from memplan.errors import InputError
 from memplan.fsutil import no_space
 from memplan.plan import Plan
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_format as ckpt
 from trainer import distributed
 from trainer import rundir
 from trainer.rundir import CHECKPOINT_DIR, METRICS_FILE, TOKENIZER_FILE  # noqa: F401  (loop imports them here)
@@ -42,7 +42,7 @@ class Restored:
 
 class CheckpointManager:
     """The checkpoints of the run in ``run_dir``: one every ``save_every`` steps (``due``), the newest ``keep``
-    kept, written atomically (``trainer.checkpoint.save_checkpoint``) by one process, or with every rank's
+    kept, written atomically (``trainer.checkpoint_format.save_checkpoint``) by one process, or with every rank's
     shards of the model and optimizer under torchrun (``dist``: ``trainer.distributed.DistContext``)."""
 
     def __init__(self, run_dir: Path, *, keep: int, dist, save_every: int | None = None):

@@ -1,7 +1,7 @@
 """Held-out evaluation during a run: the loss (``evaluate`` for a prepared corpus; a task may bring its own,
 as finetuning does), samples from the model, and ``Evaluation``, which runs both when the loop asks,
 times them, and turns an out-of-memory evaluation into an event instead of a failed run. (``memplan eval``'s
-library is ``trainer/evaluate.py``, which scores a finished run with the same ``evaluate``.)
+library is ``trainer/eval_command.py``, which scores a finished run with the same ``evaluate``.)
 """
 
 from __future__ import annotations
