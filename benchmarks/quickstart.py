@@ -105,7 +105,8 @@ def full_eval(model, data, tokenizer, ctx: int) -> dict:
 
 def train_one(name: str, prepared, plan, lr: float, minutes: float, profile, run_dir: Path, sample) -> dict:
     """Train ``plan`` for ``minutes`` as the quick start does; the figures of the run."""
-    from trainer.loop import TrainConfig, Trainer, read_metrics
+    from trainer.loop import TrainConfig, Trainer
+    from trainer.rundir import read_metrics
 
     load_before = os.getloadavg()[0]
     trainer = Trainer.start(run_dir, plan, prepared, TrainConfig(max_minutes=minutes, lr=lr), profile)

@@ -175,7 +175,8 @@ def test_progress_count_never_shows_a_total_the_run_has_passed():
 
 def test_a_time_limited_run_before_its_decay_has_the_time_left_as_its_eta():
     pytest.importorskip("torch")
-    from trainer.loop import Schedule, Trainer
+    from trainer.loop import Trainer
+    from trainer.schedule import Schedule
 
     def eta(step: int, *, fixed: bool, elapsed: float, max_minutes=3.0, max_steps=None) -> float:
         schedule = Schedule(peak_lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=161, kind="wsd",

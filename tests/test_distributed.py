@@ -319,7 +319,7 @@ def train_here(*args: str) -> tuple[int, str]:
 
 def losses(run_dir) -> dict[int, float]:
     """Step → loss of the run as it stands (a resumed run's steps from the resume on)."""
-    from trainer.loop import read_metrics
+    from trainer.rundir import read_metrics
 
     return {row["step"]: row["loss"] for row in read_metrics(run_dir, latest=True) if row.get("kind") == "train"}
 

@@ -37,7 +37,8 @@ from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 from trainer import checkpoint_format as ckpt
 from trainer.data import PreparedData
-from trainer.loop import TrainConfig, Trainer, read_metrics
+from trainer.loop import TrainConfig, Trainer
+from trainer.rundir import read_metrics
 from runs_helper import one_line_error, story, tiny_corpus
 
 REPO = Path(__file__).resolve().parents[1]

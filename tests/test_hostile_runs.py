@@ -35,7 +35,9 @@ from memplan.setup import TrainSetup
 from runs_helper import one_line_error, tiny_corpus, tiny_run
 from trainer import checkpoint_format as ckpt
 from trainer.data import PreparedData
-from trainer.loop import LIMITS, REPEAT_WARN_PASSES, SEED_MAX, TrainConfig, Trainer, read_metrics
+from trainer.loop import REPEAT_WARN_PASSES, SEED_MAX, TrainConfig, Trainer
+from trainer.rundir import read_metrics
+from trainer.stopping import LIMITS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -410,12 +412,10 @@ def test_a_cpu_allocation_failure_at_micro_batch_one_is_one_line(tmp_path, corpu
 def test_memory_running_out_outside_a_step_is_one_line(tmp_path, corpus, monkeypatch):
     """Saving a checkpoint (torch.save's buffers, a library mapped late) under a memory limit: nothing to halve,
     one line saying what to do, exit 1."""
-    from trainer import loop
-
     def save_checkpoint(*args, **kwargs):
         raise MemoryError()
 
-    monkeypatch.setattr(loop.ckpt, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_checkpoint)
     result = cli("train", "--data", str(corpus), "--out", str(tmp_path / "run"), *TINY, "--max-steps", "2")
     no_traceback(result)
     assert result.exit_code == 1

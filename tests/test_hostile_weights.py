@@ -107,7 +107,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(base, sft, tmp_path, v
 def test_train_from_non_finite_weights_is_refused_when_they_are_read(base, tmp_path):
     """``memplan train --from``: the same check where its weights are read (while the model is built)."""
     from trainer.hf_import import read_spec
-    from trainer.loop import starting_from_hf
+    from trainer.task import starting_from_hf
 
     name = "model.norm.weight"
     d = variant(base, tmp_path / "ck", lambda t: t[name].fill_(float("nan")))
@@ -119,7 +119,7 @@ def test_train_from_non_finite_weights_is_refused_when_they_are_read(base, tmp_p
 
 def test_integer_weights_are_refused_from_the_headers_before_train_from_reads_them(base, tmp_path):
     from trainer.hf_import import read_spec
-    from trainer.loop import starting_from_hf
+    from trainer.task import starting_from_hf
 
     name = "model.embed_tokens.weight"
     d = variant(base, tmp_path / "ck", lambda t: t.update({name: t[name].to(torch.int64)}))

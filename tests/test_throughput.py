@@ -20,7 +20,8 @@ from memplan.setup import TrainSetup
 from memplan.timing import compile_fusion, compile_seconds, step_time
 from trainer import loop, rundir
 from trainer.data import PreparedData
-from trainer.loop import TrainConfig, Trainer, read_metrics
+from trainer.loop import TrainConfig, Trainer
+from trainer.rundir import read_metrics
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

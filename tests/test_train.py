@@ -29,7 +29,10 @@ from memplan.plan import Plan
 from memplan.setup import TrainSetup
 from trainer import data
 from trainer.data import PreparedData
-from trainer.loop import Schedule, TrainConfig, Trainer, TrainingStopped, read_metrics
+from trainer.loop import TrainConfig, Trainer
+from trainer.rundir import read_metrics
+from trainer.schedule import Schedule
+from trainer.stopping import TrainingStopped
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "2", "--kv-heads", "2", "--ffn", "128",

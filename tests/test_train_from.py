@@ -69,7 +69,7 @@ FLAGS = ("--ctx", "32", "--batch", "2", "--precision", "fp32")
 
 
 def losses(run: Path) -> dict[int, float]:
-    from trainer.loop import read_metrics
+    from trainer.rundir import read_metrics
 
     return {l["step"]: l["loss"] for l in read_metrics(run, latest=True) if l.get("kind") == "train"}
 
@@ -110,7 +110,8 @@ def test_a_run_from_a_checkpoint_starts_with_the_logits_transformers_computes(ch
     from memplan.setup import TrainSetup
     from trainer.data import PreparedData
     from trainer.hf_import import read_spec
-    from trainer.loop import Trainer, TrainConfig, starting_from_hf
+    from trainer.loop import Trainer, TrainConfig
+    from trainer.task import starting_from_hf
 
     ck, reference = checkpoint
     _, spec, _, _, _ = read_spec(ck)
@@ -231,11 +232,11 @@ def test_a_finetune_from_a_checkpoint_resumes_bit_identically_after_sigkill(chec
 
 
 def test_weights_changed_since_a_run_started_are_refused_when_it_starts_again(checkpoint, data, tmp_path):
-    from trainer.loop import starting_weights_again
+    from trainer.task import starting_weights_again
 
     ck = copy_checkpoint(checkpoint[0], tmp_path / "ck")
     from trainer.hf_import import read_spec
-    from trainer.loop import starting_from_hf
+    from trainer.task import starting_from_hf
 
     _, spec, _, _, _ = read_spec(ck)
     record = starting_from_hf(ck, spec, model_type="llama").record

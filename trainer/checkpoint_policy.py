@@ -23,7 +23,7 @@ from memplan.plan import Plan
 from trainer import checkpoint_format as ckpt
 from trainer import distributed
 from trainer import rundir
-from trainer.rundir import CHECKPOINT_DIR, METRICS_FILE, TOKENIZER_FILE  # noqa: F401  (loop imports them here)
+from trainer.rundir import CHECKPOINT_DIR, METRICS_FILE, TOKENIZER_FILE
 from trainer.schedule import Schedule
 from trainer.stopping import LIMITS, DiskFull
 

@@ -1,6 +1,6 @@
 """Held-out loss and perplexity of a trained run: what ``memplan eval`` runs.
 
-The loss is the trainer's own evaluation (``trainer.loop.evaluate``): mean next-token cross-entropy
+The loss is the trainer's own evaluation (``trainer.loop_eval.evaluate``): mean next-token cross-entropy
 over non-overlapping windows of ``ctx`` tokens of each source's held-out (val) split, in the run's
 precision. Overall is the mean over every evaluated token (sources weighted by their tokens), and
 perplexity is exp(loss). With the run's ctx, micro-batch and ``max_batches = eval_batches`` it gives
@@ -26,7 +26,8 @@ import torch
 from memplan.errors import InputError
 from trainer.data import PreparedData
 from trainer import rundir
-from trainer.loop import build_trained, evaluate
+from trainer.loop import build_trained
+from trainer.loop_eval import evaluate
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,28 +75,20 @@ from trainer import checkpoint_format as ckpt
 from trainer import distributed
 from trainer import records, rundir
 from trainer.backoff import back_off, release_memory
-from trainer.checkpoint_policy import (CHECKPOINT_DIR, TOKENIZER_FILE, CheckpointManager, apply_overrides,  # noqa: F401
-                                 check_metrics_file, check_new_run, check_plan_fits, check_plan_for_data,
-                                 check_run_dir_free, check_same_plan, holding_lock, lock_run, predicted_for,
-                                 resume_settings, state_of)
+from trainer.checkpoint_policy import (CheckpointManager, check_new_run, holding_lock, predicted_for, resume_settings,
+                                       state_of)
 from trainer.compile_guard import EAGER_FALLBACK, compile_errors, step_model_for, warn
-from trainer.device import current_rss as _process_rss, keep_heap_resident, torch_device_for, trim_heap as _trim_heap  # noqa: F401
-from trainer.loop_eval import (PROMPT_TOKENS, Evaluation, default_prompts, evaluate,  # noqa: F401
-                                finite_or_none as _finite_or_none, json_safe as _json_safe, ppl as _ppl)
+from trainer.device import current_rss as _process_rss, keep_heap_resident, torch_device_for, trim_heap as _trim_heap
+from trainer.loop_eval import Evaluation, finite_or_none as _finite_or_none
 from trainer.model import build_model
 from trainer.monitor import MEMORY_SAMPLE_SECONDS, MemoryMonitor, MemorySampler
 from trainer.reporting import REPORT_REFRESH_SECONDS, ReportRenderer
-from trainer.rundir import METRICS_FILE, PLAN_FILE, REPORT_FILE, MetricsWriter, read_metrics  # noqa: F401  (read_metrics: callers import it from here too)
-from trainer.schedule import (DECAY_SHARE, EVAL_EVERY_MAX, EVAL_TIME_SHARE, EVALS_PER_RUN,  # noqa: F401
-                              PROBE_STEPS, TIME_LIMIT_ALLOWANCE, WARMUP_FRACTION, WARMUP_MAX_STEPS, Schedule,
-                              cadence, decayed, default_eval_every, default_warmup, first_schedule, new_schedule,
-                              probe, probed_length, refitted, steps_from_limits)
+from trainer.rundir import REPORT_FILE
+from trainer.schedule import Schedule, decayed, first_schedule, probe, refitted
 from trainer.step import make_optimizer, next_batches, param_dtype, set_matmul_precision, train_step
-from trainer.stopping import (ETA_WINDOW, LIMITS, DiskFull, Stopping, TrainingStopped, eta_seconds,  # noqa: F401
-                              halved, memory_failure, out_of_memory, out_of_memory_at_one, out_of_memory_in_ranks,
-                              out_of_memory_outside_step)
-from trainer.task import (StartingWeights, TrainingTask, pretraining, starting_from_hf,  # noqa: F401
-                          starting_weights_again)
+from trainer.stopping import (ETA_WINDOW, LIMITS, Stopping, TrainingStopped, eta_seconds, memory_failure, out_of_memory,
+                              out_of_memory_at_one, out_of_memory_in_ranks, out_of_memory_outside_step)
+from trainer.task import StartingWeights, TrainingTask, pretraining, starting_weights_again
 
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
 SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds

@@ -110,7 +110,7 @@ class ResolvedTrain:
     overrides: dict = field(default_factory=dict)  # run control
     hyper: dict = field(default_factory=dict)
     rates_note: str | None = None
-    starting: object | None = None  # trainer.loop.StartingWeights (--from)
+    starting: object | None = None  # trainer.task.StartingWeights (--from)
     sharding: str | None = None
     config: object | None = None  # trainer.loop.TrainConfig of a new run, where already made (a rank's)
 
@@ -279,7 +279,7 @@ def _resolve_from(ui, from_: str, imported, prepared, profile, *, setup_flags, g
     have been prepared with its tokenizer."""
     from memplan.units import parse_count
     from trainer import distributed
-    from trainer.loop import starting_from_hf
+    from trainer.task import starting_from_hf
 
     want, got = imported.tokenizer_record, prepared.manifest["tokenizer"]
     if (got.get("sha256"), got.get("eot_id"), prepared.vocab_size) != (want["sha256"], want["eot_id"],
@@ -553,7 +553,7 @@ def measured_matmul_rate(seconds: float = 0.5) -> float:
     """FLOP/s of a square fp32 matmul on the local torch device (a quick rate for the quick start's model choice)."""
     import torch
 
-    from trainer.loop import torch_device_for
+    from trainer.device import torch_device_for
 
     dev = torch_device_for()
     a = torch.randn(MATMUL_PROBE, MATMUL_PROBE, device=dev)
@@ -811,7 +811,7 @@ def check_launch_target(req: TrainRequest) -> None:
     of a launch that never began aside), or holds a run to resume; an InputError otherwise. (``write_launch``
     checks again, holding the run's lock.)"""
     from trainer import rundir
-    from trainer.loop import check_run_dir_free
+    from trainer.checkpoint_policy import check_run_dir_free
 
     if req.out is None:
         return
@@ -830,7 +830,7 @@ def write_launch(run_dir: Path, spec: LaunchSpec) -> Path:
 
     from memplan.fsutil import write_atomic
     from trainer import rundir
-    from trainer.loop import check_run_dir_free
+    from trainer.checkpoint_policy import check_run_dir_free
 
     lock = rundir.lock_run(run_dir)
     try:
@@ -901,7 +901,8 @@ def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> Resolv
     from trainer import rundir
     from trainer.data import PreparedData
     from trainer.loggers import check_loggers
-    from trainer.loop import TrainConfig, starting_from_hf
+    from trainer.loop import TrainConfig
+    from trainer.task import starting_from_hf
 
     run_dir = Path(run_dir)
     where = str(run_dir / rundir.LAUNCH_FILE)

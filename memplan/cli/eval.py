@@ -40,7 +40,7 @@ def eval_command(run: RunOpt, data: DataOpt = None, checkpoint: CheckpointOpt = 
     threads_from(threads)  # a bad value is refused before torch starts
 
     from trainer.eval_command import evaluate_run
-    from trainer.loop import torch_device_for
+    from trainer.device import torch_device_for
 
     use_threads(threads)
     result = evaluate_run(run, data, config, checkpoint=checkpoint, device=torch_device_for())

@@ -110,7 +110,8 @@ def generate_command(
     threads_from(threads)  # a bad value is refused before torch starts
 
     from trainer.generate import SamplingConfig, context_window, generate_text
-    from trainer.loop import load_trained, torch_device_for
+    from trainer.device import torch_device_for
+    from trainer.loop import load_trained
 
     config = SamplingConfig(**config_kwargs)
     use_threads(threads)

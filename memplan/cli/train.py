@@ -268,7 +268,7 @@ def trained(console, trainer, run_dir: Path, *, what: str = "training", rates_no
     from rich.markup import escape
 
     from trainer import loggers, rundir
-    from trainer.loop import DiskFull, TrainingStopped
+    from trainer.stopping import DiskFull, TrainingStopped
     from trainer.sample import final_sample
 
     attached = loggers.attach(trainer, loggers.check_loggers(log))
