@@ -15,6 +15,7 @@ Every run is a tiny Llama (2 layers, hidden 64) on the tiny corpus of tests/runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,17 +28,16 @@ from typer.testing import CliRunner
 
 from conftest import fill_disk
 from memplan.cli import app
-from memplan.cli.options import LIMITS as CLI_LIMITS, SEED_MAX as CLI_SEED_MAX
 from memplan.hardware import load_profile
 from memplan.model import ModelSpec
 from memplan.plan import Plan
+from memplan.run_control import LIMITS, SEED_MAX
 from memplan.setup import TrainSetup
 from runs_helper import one_line_error, tiny_corpus, tiny_run
 from trainer import checkpoint_format as ckpt
 from trainer.data import PreparedData
-from trainer.loop import REPEAT_WARN_PASSES, SEED_MAX, TrainConfig, Trainer
+from trainer.loop import REPEAT_WARN_PASSES, TrainConfig, Trainer
 from trainer.rundir import read_metrics
-from trainer.stopping import LIMITS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,7 +109,9 @@ def test_finetune_and_train_share_one_definition_of_the_run_control_options():
         t, f = by_flag["train"].get(flag), by_flag["finetune"].get(flag)
         assert f is not None, f"finetune lacks {flag}"
         assert (t.help, t.secondary_opts, t.multiple) == (f.help, f.secondary_opts, f.multiple), flag
-    assert LIMITS == CLI_LIMITS and SEED_MAX == CLI_SEED_MAX
+    # the limits and the seed's range, defined once (memplan.run_control), are what the trainer and the help say
+    assert set(LIMITS) <= {f.name for f in dataclasses.fields(TrainConfig)}
+    assert f"0 to {SEED_MAX} " in by_flag["train"]["--seed"].help
 
 
 def test_finetune_takes_the_run_control_options_of_train(bases, tmp_path):

@@ -20,12 +20,13 @@ import torch
 from memplan.errors import InputError
 from memplan.fsutil import no_space
 from memplan.plan import Plan
+from memplan.run_control import LIMITS
 from trainer import checkpoint_format as ckpt
 from trainer import distributed
 from trainer import rundir
 from trainer.rundir import CHECKPOINT_DIR, METRICS_FILE, TOKENIZER_FILE
 from trainer.schedule import Schedule
-from trainer.stopping import LIMITS, DiskFull
+from trainer.stopping import DiskFull
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ import torch
 from memplan.errors import InputError
 from memplan.hardware import Device
 from memplan.plan import Plan
+from memplan.run_control import LIMITS, SEED_MAX
 from memplan.setup import TrainSetup
 from trainer import checkpoint_format as ckpt
 from trainer import distributed
@@ -86,12 +87,11 @@ from trainer.reporting import REPORT_REFRESH_SECONDS, ReportRenderer
 from trainer.rundir import REPORT_FILE
 from trainer.schedule import Schedule, decayed, first_schedule, probe, refitted
 from trainer.step import make_optimizer, next_batches, param_dtype, set_matmul_precision, train_step
-from trainer.stopping import (ETA_WINDOW, LIMITS, Stopping, TrainingStopped, eta_seconds, memory_failure, out_of_memory,
+from trainer.stopping import (ETA_WINDOW, Stopping, TrainingStopped, eta_seconds, memory_failure, out_of_memory,
                               out_of_memory_at_one, out_of_memory_in_ranks, out_of_memory_outside_step)
 from trainer.task import StartingWeights, TrainingTask, pretraining, starting_weights_again
 
 REPEAT_WARN_PASSES = 4.0  # a run planned for more passes than this over its training tokens is warned of it
-SEED_MAX = 2**32 - 1  # seeds are mixed with steps and epochs into torch's and numpy's 64-bit seeds
 
 
 # =================================================================================================

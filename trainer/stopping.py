@@ -17,7 +17,6 @@ from typing import Callable
 from trainer.schedule import TIME_LIMIT_ALLOWANCE, Schedule
 from trainer.verify import is_out_of_memory
 
-LIMITS = ("max_steps", "max_tokens", "max_minutes")  # the settings that decide when a run stops
 ETA_WINDOW = 20  # steps whose median step time predicts the rest
 
 

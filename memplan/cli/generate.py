@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli.app import app
-from memplan.cli.options import SEED_MAX, ThreadsOpt, threads_from, use_threads
+from memplan.cli.options import ThreadsOpt, threads_from, use_threads
 from memplan.errors import InputError
+from memplan.run_control import SEED_MAX
 from memplan.units import parse_float, parse_int
 
 _G = "Generation"

@@ -128,8 +128,7 @@ LogOpt = Annotated[Optional[list[str]], typer.Option(
                   "repeatable. metrics.jsonl is always written. Needs `pip install 'memplan\\[logging]'`.",
     show_default=False, rich_help_panel=_R)]
 
-SEED_MAX = 2**32 - 1  # as trainer.loop.SEED_MAX (this module imports no torch)
-LIMITS = ("max_steps", "max_tokens", "max_minutes")  # as trainer.loop.LIMITS: the settings that decide when a run stops
+from memplan.run_control import SEED_MAX  # the range the trainer checks too
 
 
 def seed_from(text: str | None) -> int | None:

@@ -23,12 +23,13 @@ from memplan.cli.app import app
 from memplan.cli.fit import print_hanging, print_labelled
 from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
                                  EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
-                                 KvHeadsOpt, LayersOpt, LIMITS, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
+                                 KvHeadsOpt, LayersOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
                                  OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
                                  LogOpt, SeedOpt, ThreadsOpt, TiedOpt, DropoutOpt, TokensOpt, TrainStackOpt,
                                  VerifyDataOpt, VocabOpt,
                                  run_control_from, seed_from, threads_from)
 from memplan.errors import InputError
+from memplan.run_control import LIMITS
 
 _R = "Run"
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", metavar="FILE", help="A plan TOML (from `memplan autotune --out`) to "
