@@ -1,7 +1,7 @@
 """What torch.compile (inductor) does to the peak of a training step, on this CPU, with real tensors; for
 memplan's own step, against ``memplan trace --compile`` and ``estimate --compile``'s walk.
 
-For memplan's own model and step and for transformers' (``trainer/stacks/hf.py``), the same small
+For memplan's own model and step and for transformers' (``trainer/stacks/transformers.py``), the same small
 llama shape, eager and ``torch.compile``d, in fp32 and bf16-mixed, without and with full
 checkpointing. The peak of a step is the bytes live at its start (parameters, buffers, optimizer
 state, ``.grad``) plus the largest running sum of the CPU allocator's allocations and frees over one
@@ -71,7 +71,7 @@ def step_peak(stack: str, spec: ModelSpec, setup: TrainSetup, compiled: bool, se
             return [(ids, ids)]
     else:
         from trainer.stacks import StackModel
-        from trainer.stacks.hf import build_model, train_step
+        from trainer.stacks.transformers import build_model, train_step
 
         net = build_model(StackModel(spec=spec), setup)
 

@@ -58,7 +58,7 @@ class Plan:
     predicted: dict = field(default_factory=dict)  # peak_reserved, step_seconds, tokens_per_second, epoch_seconds
     verified: dict = field(default_factory=dict)  # what autotune --verify measured (peak_measured, tokens/s, ...)
     training: dict = field(default_factory=dict)  # lr, warmup, weight decay, betas, clip ([training], TRAINING_KEYS)
-    stack: str = "memplan"  # whose code the plan is for (memplan.stacks.STACKS: autotune --stack)
+    stack: str = "memplan"  # whose code the plan is for (memplan.memory.stacks.STACKS: autotune --stack)
 
     def contract_plan(self) -> dict:
         """The ``plan`` object of ``autotune --json`` (docs/json.md)."""
@@ -102,7 +102,7 @@ class Plan:
         except TypeError as e:
             raise InputError(f"{where}: {e}") from None
         stack = data.get("stack", "memplan")
-        from memplan.stacks import STACKS
+        from memplan.memory.stacks import STACKS
 
         if stack not in STACKS:
             raise InputError(f"{where}: stack = {stack!r} is not one memplan plans for (accepted: {', '.join(STACKS)})")

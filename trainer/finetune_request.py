@@ -241,11 +241,11 @@ def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: 
         if req.grad_accum is not None:
             raise InputError("--grad-accum goes with --batch; without --batch autotune picks both")
         from memplan.autotune import autotune
-        from memplan.stacks import stack_of
+        from memplan.memory.stacks import stack_for
 
         result = autotune(spec, profile, ctx=ctx, global_batch_tokens=req.global_batch_tokens or 8 * ctx,
                           budget_bytes=req.budget_bytes, lora_rank=req.lora_rank, lora_targets=req.lora_targets,
-                          precision=precision, world_size=world_size, stack=stack_of(stack))
+                          precision=precision, world_size=world_size, stack=stack_for(stack))
         if result.plan is None:
             raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}"
                              + (" with LoRA" if req.lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
@@ -253,7 +253,7 @@ def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: 
         setup = result.plan.setup.replace(stack=stack)
         if stack != "memplan":  # memplan's compile is planned for its own model only
             setup = setup.replace(compile=False)
-    from memplan.stacks import check_lora_targets
+    from memplan.memory.stacks import check_lora_targets
     from trainer.hf_model import check_stack_setup
 
     check_lora_targets(stack, spec, setup)  # what the stack's code adapts (a tied head, q/k/v under selective)

@@ -7,7 +7,7 @@ transformers`` asks for it for any family. Everything else is memplan's: the loo
 step (``trainer/step.py``: logits, fp32 cross-entropy, backward, clip, optimizer), checkpoints, evaluation,
 sampling, reports. The plan is walked as ``--stack transformers`` walks it (``TrainSetup.stack``).
 
-- The model: ``AutoModelForCausalLM.from_config`` of a config.json's contents (``trainer.stacks.hf.build_model``:
+- The model: ``AutoModelForCausalLM.from_config`` of a config.json's contents (``trainer.stacks.transformers.build_model``:
   attention, precision, checkpointing ``full``, peft's LoRA), never ``trust_remote_code``: a config with an
   ``auto_map`` is refused, and nothing from a checkpoint directory is imported or executed.
 - ``HFCausalLM`` wraps it as memplan's loop calls a model: ``model(ids)`` gives the logits; ``generate``'s
@@ -91,7 +91,7 @@ def check_config(cfg, where: str) -> dict:
 def spec_hf_config(spec: ModelSpec, setup) -> dict:
     """The config.json contents of a fresh model of ``spec`` (``--arch``/``--model``) in transformers' class."""
     from trainer.stacks import StackModel
-    from trainer.stacks.hf import config_dict
+    from trainer.stacks.transformers import config_dict
 
     return config_dict(StackModel(spec=spec), setup)
 
@@ -172,7 +172,7 @@ def build(spec: ModelSpec, setup, device, hf_config: dict, weights=None, lora_al
     ``weights`` (HF-named tensors, checked already) loaded before peft's LoRA adapters (``setup.lora_rank``,
     unless ``lora`` is False) wrap it."""
     from trainer.stacks import StackModel
-    from trainer.stacks.hf import build_model
+    from trainer.stacks.transformers import build_model
 
     check_config(hf_config, "the run's config")
     check_stack_setup(setup.replace(stack=STACK), "--stack transformers")  # a plan file's too: no FSDP2, no compile

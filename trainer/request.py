@@ -658,10 +658,10 @@ def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, glob
             global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
     kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
               budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin, world_size=world_size)
-    if stack != "memplan":  # every candidate walked as transformers' model class runs (memplan.stacks)
-        from memplan.stacks import stack_of
+    if stack != "memplan":  # every candidate walked as transformers' model class runs (memplan.memory.stacks)
+        from memplan.memory.stacks import stack_for
 
-        kw["stack"] = stack_of(stack)
+        kw["stack"] = stack_for(stack)
     result = autotune(spec, profile, tokens=None, **kw)
     if result.plan is not None and result.plan.setup.compile:
         # torch.compile's compile time is a one-off: weigh it against the tokens this run will train (its limit,

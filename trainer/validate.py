@@ -38,10 +38,10 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
     t0 = time.perf_counter()
     family = devices.local_family()
     repeat = sdpa_gqa_repeats(config.spec, config.setup, device.flash_attention, family)
-    from memplan.stacks import stack_of
+    from memplan.memory.stacks import stack_for
 
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
-                            repeat, stack=stack_of("memplan", cpu=family == "cpu"))  # dropout masks as made here
+                            repeat, stack=stack_for("memplan", cpu=family == "cpu"))  # dropout masks as made here
     measured = measure_step(config.spec, config.setup, family)
     traced = trace_step(config.spec, config.setup, devices.fake_device(family)) if trace else None
     rss_delta = (measured.peak_rss - measured.baseline_rss) if measured.peak_rss is not None else None
@@ -71,13 +71,13 @@ def run_stack_config(config: MatrixConfig, device: Device, stack: str, trace: bo
     (``measure_stack``, MemTracker on real tensors) against the analytic walk and the stack's trace."""
     from trainer.stacks import StackModel, measure_stack, trace_stack
 
-    from memplan.stacks import STACKS as WALKED, stack_of
+    from memplan.memory.stacks import STACKS as WALKED, stack_for
 
     t0 = time.perf_counter()
     family = devices.local_family()
     model = StackModel(spec=config.spec)
     # the walk with the stack's hooks where it has them (memplan/stacks.py), else memplan's own model's
-    hooks = stack_of(stack, cpu=family == "cpu") if stack in WALKED else stack_of("memplan")
+    hooks = stack_for(stack, cpu=family == "cpu") if stack in WALKED else stack_for("memplan")
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
                             stack=hooks)
     if family == "cpu":

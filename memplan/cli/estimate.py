@@ -100,7 +100,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
 
     from memplan.memory.compiled import compiled_modelled
 
-    why_not = compiled_modelled(setup, est.stack.name)
+    why_not = compiled_modelled(setup, est.stack)
     compiled_ok = why_not is None
 
     def memory_table(described: bool):
@@ -259,29 +259,29 @@ class SearchStack:
     """A search's model and the walk's hooks for ``--stack`` (autotune, sweep)."""
 
     spec: object  # memplan.model.ModelSpec
-    stack: object  # memplan.stacks.Stack
+    stack: object  # memplan.memory.stacks.Stack
 
 
 def stack_for_search(stack: str, params, model, shape: tuple) -> SearchStack:
-    """``--stack`` of autotune and sweep, checked as estimate checks it (``memplan.stacks.check_stack``, then
+    """``--stack`` of autotune and sweep, checked as estimate checks it (``memplan.memory.stacks.check_stack``, then
     ``check_stack_builds`` for the model's family), with the model resolved as estimate resolves it (a
     config.json of phi, gemma, stablelm or qwen3 accepted, for --stack transformers)."""
     from memplan.model import resolve
-    from memplan.stacks import check_stack, check_stack_builds, stack_of
+    from memplan.memory.stacks import check_stack, check_stack_builds, stack_for
 
     check_stack(stack)
     arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout = shape
     spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
                    heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
     check_stack_builds(stack, spec)
-    return SearchStack(spec=spec, stack=stack_of(stack))
+    return SearchStack(spec=spec, stack=stack_for(stack))
 
 
 def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
-    """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error:
+    """The walk's hooks (memplan.memory.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error:
     a family the stack's code does not build (``check_stack_builds``: phi, gemma, stablelm, qwen3 under
     --stack memplan), or a setting it does not have. estimate, autotune and sweep check alike."""
-    from memplan.stacks import check_stack_builds, check_stack_setup, stack_of
+    from memplan.memory.stacks import check_stack_builds, check_stack_setup, stack_for
 
     if lora_dropout is not None and (stack == "memplan" or not setup.lora_rank or not 0.0 <= lora_dropout < 1.0):
         raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers, litgpt "
@@ -295,7 +295,7 @@ def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
             raise InputError("--stack transformers: --sharding fsdp is walked for memplan's own step only "
                              "(accepted: none, ddp)")
     check_stack_setup(stack, spec, setup)
-    return stack_of(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
+    return stack_for(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
 
 
 
@@ -324,7 +324,7 @@ def estimate_command(
     from memplan.model import MEMPLAN_ARCHS, resolve
     from memplan.units import choice_error
 
-    from memplan.stacks import check_loss_dtype, check_stack
+    from memplan.memory.stacks import check_loss_dtype, check_stack
 
     if mode not in MODES:
         raise choice_error("--mode", mode, list(MODES))
@@ -378,7 +378,7 @@ def estimate_command(
             from memplan.memory.compiled import compile_memory_json
 
             eager = estimate(spec, setup.replace(compile=False), dev, stack=walk).memory.peak_allocated
-            data["compile_memory"] = compile_memory_json(spec, setup, est.memory.peak_allocated, eager, walk.name)
+            data["compile_memory"] = compile_memory_json(spec, setup, est.memory.peak_allocated, eager, walk)
         print_json(with_rates(data, rates_note))
     else:
         print_estimate(est, rates_note)

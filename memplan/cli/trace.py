@@ -15,7 +15,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt, DropoutOpt,
                                  WorldSizeOpt, device_from, model_from, print_json, setup_from)
 from memplan.errors import InputError
-from memplan.stacks import STACKS as STACKS_WALKED
+from memplan.memory.stacks import STACKS as STACKS_WALKED
 from memplan.units import format_bytes, parse_count
 
 TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
@@ -125,7 +125,7 @@ def trace_command(
         return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout),
                             device, device_memory, tokens, json, lora_dropout)
     from memplan.estimate import estimate
-    from memplan.stacks import check_stack_setup
+    from memplan.memory.stacks import check_stack_setup
 
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout)
     check_stack_setup("memplan", spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
@@ -210,7 +210,7 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
                                                                 fake_device, lora_dropout=lora_dropout))
     traced = trace_stack(stack, StackModel(spec=None if cfg is not None else spec, hf_config=cfg), setup,
                          fake_device, lora_dropout=lora_dropout, accelerator=accelerator)
-    from memplan.stacks import check_stack_builds, check_stack_setup, stack_of
+    from memplan.memory.stacks import check_stack_builds, check_stack_setup, stack_for
 
     if spec is not None:
         try:  # the walk of the same stack (estimate --stack S), where it covers the step
@@ -226,7 +226,7 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
         _print_trace(f"{cfg.get('model_type')} from {model} ({traced.params:,} parameters)", setup, traced, data,
                      None, dev, stack)
         return
-    walked = stack_of(stack, lora_dropout=lora_dropout)  # the walk of the same stack (estimate --stack S)
+    walked = stack_for(stack, lora_dropout=lora_dropout)  # the walk of the same stack (estimate --stack S)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walked)
     data = traced_json(est, traced)
     data["stack"] = stack

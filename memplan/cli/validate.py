@@ -132,7 +132,7 @@ def print_validation(console, run, rows, where: str) -> None:
     for which in dict.fromkeys(r.stack for r in rows):
         part = summarize([r for r in rows if r.stack == which] if several else rows)
         if several:
-            from memplan.stacks import STACKS as WALKED
+            from memplan.memory.stacks import STACKS as WALKED
 
             walk = "the walk with its hooks" if which in WALKED else "memplan's own model's walk"
             console.print(f"[bold]{which}[/] ({walk} against the measured {which} step):")
