@@ -13,6 +13,7 @@ from pathlib import Path
 import tomli_w
 
 from memplan.errors import InputError
+from memplan.memory.stacks import DEFAULT, STACKS, shown
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 
@@ -67,7 +68,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         data = {"version": PLAN_VERSION, "device": self.device, "budget_bytes": self.budget_bytes,
-                **({"stack": self.stack} if self.stack != "memplan" else {}),  # memplan's own: the file as it was
+                **({"stack": self.stack} if shown(self.stack) else {}),  # memplan's own: the file as it was
                 "model": {k: v for k, v in self.model.to_dict().items() if v is not None},
                 "setup": self.setup.to_dict(),
                 "predicted": {k: v for k, v in self.predicted.items() if v is not None}}
@@ -101,9 +102,7 @@ class Plan:
             setup = TrainSetup(**data["setup"])
         except TypeError as e:
             raise InputError(f"{where}: {e}") from None
-        stack = data.get("stack", "memplan")
-        from memplan.memory.stacks import STACKS
-
+        stack = data.get("stack", DEFAULT)
         if stack not in STACKS:
             raise InputError(f"{where}: stack = {stack!r} is not one memplan plans for (accepted: {', '.join(STACKS)})")
         return cls(model=model, setup=setup, device=str(data.get("device", "")), stack=stack,

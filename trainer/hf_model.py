@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from memplan.errors import InputError
+from memplan.memory.stacks import stack_class
 from memplan.model import HF_MODEL_TYPES, STACK_ARCHS, ModelSpec
 
 STACK = "transformers"
@@ -44,7 +45,7 @@ def choose_stack(asked: str | None, spec: ModelSpec) -> tuple[str, str | None]:
 
     if asked is not None and asked not in TRAIN_STACKS:
         raise InputError(f"--stack: {asked!r} does not train here (accepted: {', '.join(TRAIN_STACKS)})")
-    if asked == "memplan" and not spec.memplan_builds:
+    if asked is not None and not stack_class(asked).trains_hf_model and not spec.memplan_builds:
         raise InputError(f"--stack memplan: memplan's own model does not build the {spec.arch} family (it builds "
                          f"{', '.join(HF_MODEL_TYPES)}); accepted for {spec.arch}: --stack transformers")
     if asked is not None:
@@ -57,7 +58,7 @@ def choose_stack(asked: str | None, spec: ModelSpec) -> tuple[str, str | None]:
 
 def check_stack_setup(setup, where: str = "--stack transformers") -> None:
     """What memplan's loop cannot yet do with transformers' model: FSDP2, torch.compile, selective checkpointing."""
-    if setup.stack != STACK:
+    if not stack_class(setup.stack).trains_hf_model:
         return
     if setup.sharding == "fsdp":
         raise InputError(f"{where}: --sharding fsdp is not wrapped for transformers' model class here; use "
@@ -306,7 +307,7 @@ def checkpoint_stack(directory: Path, asked: str | None, flag: str = "--from") -
         check_config(cfg, f"{flag} {directory}")
     spec = from_hf_config(directory / "config.json", stack_families=True)
     stack, note = choose_stack(asked, spec)
-    if stack == STACK:
+    if stack_class(stack).trains_hf_model:
         cfg = read_config(directory, flag)
     return stack, spec, cfg, note
 

@@ -95,10 +95,14 @@ def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
     return net, own(net, setup) if own else make_optimizer(net, setup.optimizer), module.train_step
 
 
-def require_stack(stack: str) -> None:
-    """The one-line InputError naming the extra to install when ``stack``'s library is missing."""
+def require_stack(stack: str, lora: bool = False) -> None:
+    """The one-line InputError naming the extra to install when ``stack``'s library is missing (with ``lora``,
+    also the library its adapters come from: ``LORA_LIBRARY``, peft for transformers)."""
     check_stack(stack)
-    _require_library(stack, _stack_module(stack))
+    module = _stack_module(stack)
+    _require_library(stack, module)
+    if lora and getattr(module, "LORA_LIBRARY", None):
+        require(module.LORA_LIBRARY, stack)
 
 
 def _require_library(stack: str, module) -> None:

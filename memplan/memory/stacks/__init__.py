@@ -88,3 +88,31 @@ def stack_for(name: str = DEFAULT, loss_dtype: str | None = None, lora_dropout: 
     if not 0.0 <= lora_dropout < 1.0:
         raise InputError(f"--lora-dropout: {lora_dropout} must be in [0, 1)")
     return cls(loss_dtype=check_loss_dtype(loss_dtype or "fp32"), lora_dropout=lora_dropout, cpu=cpu)
+
+
+def stack_from_flags(stack: str, loss_dtype: str | None, lora_dropout: float | None, spec, setup) -> Stack:
+    """The walk's hooks for --stack, --loss-dtype and --lora-dropout, or a one-line error: a family the stack's
+    code does not build (``check_stack_builds``: phi, gemma, stablelm, qwen3 under --stack memplan), or a
+    setting it does not have. estimate, autotune and sweep check alike."""
+    if lora_dropout is not None and (not stack_class(stack).has_lora_dropout or not setup.lora_rank
+                                     or not 0.0 <= lora_dropout < 1.0):
+        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers, litgpt "
+                         "or torchtune with --lora-rank (memplan's own adapters have no dropout)")
+    check_stack_builds(stack, spec)
+    stack_class(stack)().check_walked(setup)
+    check_stack_setup(stack, spec, setup)
+    return stack_for(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
+
+
+def walked_for(stack: Stack, setup) -> Stack:
+    """The hooks the walk follows for ``setup``: ``stack``, or where that is memplan's own step and the plan
+    trains another stack's model class (``TrainSetup.stack``: transformers'), that stack's."""
+    if type(stack) is Stack and setup.stack != Stack.name:
+        return stack_for(setup.stack)
+    return stack
+
+
+def shown(stack: str) -> str | None:
+    """``--stack``'s name where a report or a plan file names it: None for memplan's own step, the default
+    (the JSON and the files as they always were)."""
+    return None if stack == DEFAULT else stack

@@ -47,6 +47,7 @@ class Stack:
     (one module per library) names itself in ``name`` and overrides the hooks and attributes its code changes."""
 
     name: ClassVar[str] = "memplan"
+    library: ClassVar[str | None] = None  # the library whose code the stack follows; None: memplan's own
     # what the stack's code has (``--precision``, ``--attention``, ``--checkpointing``, ``--sharding``)
     precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     attentions: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
@@ -61,14 +62,30 @@ class Stack:
     sums_input_gradient_in_place: ClassVar[bool] = True
     # the trainer's compile is planned for memplan's own model only (memory.compiled.compiled_modelled)
     compiles: ClassVar[bool] = True
-    # whose model class a plan for this stack trains (memplan.setup.TRAIN_STACKS), None where memplan trains none
-    trains: ClassVar[str | None] = "memplan"
-    # a line of estimate's report naming the step walked ("" for memplan's own)
+    # a plan for this stack trains transformers' model class (trainer.hf_model), not memplan's own
+    trains_hf_model: ClassVar[bool] = False
+    # memplan's SDPA repeats K and V where the kernel takes no grouped heads (memory.sdpa_gqa_repeats); the
+    # libraries' own layouts are their hooks' (transformers passes enable_gqa to SDPA)
+    walks_sdpa_gqa_repeat: ClassVar[bool] = True
+    # the adapters have a dropout (--lora-dropout): memplan's own have none
+    has_lora_dropout: ClassVar[bool] = False
+    # estimate's Setup line: the step walked (", transformers' step"; "" for memplan's own) and its dropout's name
     step_words: ClassVar[str] = ""
+    dropout_words: ClassVar[str] = "LoRA dropout"
 
     loss_dtype: str = "fp32"  # LOSS_DTYPES
     lora_dropout: float = 0.0  # the adapters' dropout (peft's LoraConfig.lora_dropout, ...)
     cpu: bool = False  # the step runs on the CPU (dropout's mask in the input's dtype)
+
+    def describe(self) -> str:
+        """estimate's Setup words for the step walked: "" for memplan's own, else the library's step and its
+        adapters' dropout, and a loss on the logits' dtype."""
+        words = self.step_words
+        if words and self.lora_dropout:
+            words += f" ({self.dropout_words} {self.lora_dropout:g})"
+        if not self.fp32_loss:
+            words += ", loss in the logits' dtype"
+        return words
 
     # ---- checks: what the stack's code builds and runs ----------------------------------------
 
@@ -79,6 +96,10 @@ class Stack:
             others = [s for s in accepted if s != self.name]
             raise InputError(f"--stack {self.name}: memplan's own trainer does not build the {spec.arch} family "
                              f"(accepted for {spec.arch}: --stack {', '.join(others)})")
+
+    def check_walked(self, setup) -> None:
+        """The one-line InputError where the walk does not follow ``setup``'s checkpointing or sharding for the
+        stack (checked before ``check_lora_targets``): memplan's own walk follows them all."""
 
     def check_setup(self, spec, setup) -> None:
         """The one-line InputError where the stack's code does not run ``setup``'s step for ``spec``, beyond

@@ -330,6 +330,9 @@ class LitgptStack(Stack):
     """litgpt's ``GPT`` and its scripts' step: the hooks above at the walk's fixed points."""
 
     name: ClassVar[str] = "litgpt"
+    library: ClassVar[str | None] = "litgpt"
+    walks_sdpa_gqa_repeat: ClassVar[bool] = False
+    has_lora_dropout: ClassVar[bool] = True
     # what litgpt's single-device scripts take
     archs: ClassVar[tuple[str, ...]] = ("llama", "gpt_neox")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16-mixed", "bf16")
@@ -341,7 +344,6 @@ class LitgptStack(Stack):
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False
     compiles: ClassVar[bool] = False
-    trains: ClassVar[str | None] = None  # memplan's trainer trains no litgpt model
     step_words: ClassVar[str] = ", litgpt's step"
 
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:

@@ -151,6 +151,9 @@ class TorchtuneStack(Stack):
     """torchtune's ``TransformerDecoder`` and its recipes' step: the hooks above at the walk's fixed points."""
 
     name: ClassVar[str] = "torchtune"
+    library: ClassVar[str | None] = "torchtune"
+    walks_sdpa_gqa_repeat: ClassVar[bool] = False
+    has_lora_dropout: ClassVar[bool] = True
     # what torchtune's single-device recipes take
     archs: ClassVar[tuple[str, ...]] = ("llama",)
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16")  # one dtype, no autocast
@@ -160,7 +163,6 @@ class TorchtuneStack(Stack):
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False
     compiles: ClassVar[bool] = False
-    trains: ClassVar[str | None] = None  # memplan's trainer trains no torchtune model
     step_words: ClassVar[str] = ", torchtune's step"
 
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:

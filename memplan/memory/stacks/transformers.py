@@ -622,6 +622,9 @@ class TransformersStack(Stack):
     """transformers' model and ``Trainer`` step, peft's adapters: the hooks above at the walk's fixed points."""
 
     name: ClassVar[str] = "transformers"
+    library: ClassVar[str | None] = "transformers"
+    walks_sdpa_gqa_repeat: ClassVar[bool] = False
+    has_lora_dropout: ClassVar[bool] = True
     archs: ClassVar[tuple[str, ...]] = TRANSFORMERS_ARCHS
     checkpointings: ClassVar[tuple[str, ...]] = ("none", "full")  # gradient_checkpointing_enable(): whole layers
     shardings: ClassVar[tuple[str, ...]] = ("none", "ddp")
@@ -629,14 +632,24 @@ class TransformersStack(Stack):
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False  # peft's adapters keep the out-of-place sum
     compiles: ClassVar[bool] = False
-    trains: ClassVar[str | None] = "transformers"  # a plan of this stack trains transformers' model class
-    step_words: ClassVar[str] = ", transformers' model and Trainer step (peft's LoRA)"
+    trains_hf_model: ClassVar[bool] = True  # a plan of this stack trains transformers' model class
+    step_words: ClassVar[str] = ", transformers' step"
+    dropout_words: ClassVar[str] = "peft dropout"
 
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:
         """The walk covers ``TRANSFORMERS_ARCHS`` only."""
         if spec.arch not in self.archs:
             raise InputError(f"--stack transformers: the walk covers the {', '.join(self.archs)} families, "
                              f"not {spec.arch!r}")
+
+    def check_walked(self, setup) -> None:
+        """transformers checkpoints whole layers; FSDP is walked for memplan's own step only."""
+        if setup.checkpointing == "selective":
+            raise InputError("--stack transformers: checkpointing 'selective' is memplan's own; transformers "
+                             "checkpoints whole layers (accepted: none, full)")
+        if setup.sharding == "fsdp":
+            raise InputError("--stack transformers: --sharding fsdp is walked for memplan's own step only "
+                             "(accepted: none, ddp)")
 
     def _check_qkv_parts(self, spec, setup) -> None:
         """q, k or v alone on a model whose attention is one fused matrix (gpt2's c_attn, gpt_neox's
