@@ -25,7 +25,7 @@ import torch
 from memplan.emit import hf_lora_modules
 from memplan.errors import InputError
 from memplan.setup import TrainSetup
-from trainer.stacks import StackModel, require
+from trainer.stacks import StackModel, converting_fake_parameters, require
 
 STACK = "transformers"
 LIBRARY = "transformers"
@@ -146,7 +146,6 @@ def _with_peft_lora(net, model_type: str, setup: TrainSetup, alpha: float, dropo
                              target_modules=lora_target_modules(model_type, setup.lora_targets),
                              fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores W transposed
                              task_type="CAUSAL_LM")
-    from trainer.stacks import converting_fake_parameters
 
     try:
         with converting_fake_parameters():
