@@ -14,6 +14,10 @@ model and runs its step on fake tensors (``memplan trace --stack``). ``REGISTRY`
 order the flags list them; the ``check_*`` functions below take a ``--stack`` name, look its stack up and
 ask it. The stacks import ``memplan.memory.terms`` and nothing else of the walk: the walk takes the stack
 object it is given.
+
+A new stack is one module here (a ``Stack`` subclass: its ``name``, ``library``, what its code takes, the
+hooks its library changes), its class in ``REGISTRY`` below, and its trainer twin ``trainer/stacks/<name>.py``
+(``LIBRARY``, ``build_model``, ``train_step``), which ``trainer.stacks`` finds by the name.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ MEMPLAN = Stack()
 
 
 def check_stack(stack: str, accepted: tuple[str, ...] = STACKS) -> str:
-    """``stack`` if it is one of ``accepted`` (the walk's stacks by default; ``trace`` takes more), else the
-    one-line InputError naming them."""
+    """``stack`` if it is one of ``accepted`` (the registry's stacks by default), else the one-line InputError
+    naming them."""
     if stack not in accepted:
         raise InputError(f"--stack: unknown {stack!r} (accepted: {', '.join(accepted)})")
     return stack
