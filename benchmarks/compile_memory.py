@@ -1,7 +1,7 @@
 """What torch.compile (inductor) does to the peak of a training step, on this CPU, with real tensors; for
 memplan's own step, against ``memplan trace --compile`` and ``estimate --compile``'s walk.
 
-For memplan's own model and step and for transformers' (``trainer/stacks/hf.py``), the same small
+For memplan's own model and step and for transformers' (``trainer/stacks/transformers.py``), the same small
 llama shape, eager and ``torch.compile``d, in fp32 and bf16-mixed, without and with full
 checkpointing. The peak of a step is the bytes live at its start (parameters, buffers, optimizer
 state, ``.grad``) plus the largest running sum of the CPU allocator's allocations and frees over one
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from memplan.model import ModelSpec  # noqa: E402
+from memplan.memory.stacks import stack_class  # noqa: E402
 from memplan.setup import TrainSetup  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def step_peak(stack: str, spec: ModelSpec, setup: TrainSetup, compiled: bool, se
 
     torch.manual_seed(seed)
     set_matmul_precision(setup.precision)
-    if stack == "memplan":
+    if not stack_class(stack).library:  # memplan's own model and step
         from trainer.model import build_model
         from trainer.step import train_step
 
@@ -71,7 +72,7 @@ def step_peak(stack: str, spec: ModelSpec, setup: TrainSetup, compiled: bool, se
             return [(ids, ids)]
     else:
         from trainer.stacks import StackModel
-        from trainer.stacks.hf import build_model, train_step
+        from trainer.stacks.transformers import build_model, train_step
 
         net = build_model(StackModel(spec=spec), setup)
 
@@ -110,7 +111,7 @@ def main() -> None:
                 compiled = step_peak(stack, spec, setup, True)
                 line = (f"{stack:12s} {precision:10s} {checkpointing:5s} {eager:>12,} {compiled:>12,} "
                         f"{(compiled - eager) / eager:>+7.1%}")
-                if stack == "memplan":
+                if not stack_class(stack).library:  # memplan's: its compiled trace and walk too
                     from memplan.memory import peak_memory
                     from trainer.compiled_trace import trace_compiled_step
 

@@ -61,7 +61,7 @@ from memplan.memory.compiled import compiled_modelled
 from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import CHECKPOINTINGS, TrainSetup
-from memplan.stacks import MEMPLAN, Stack
+from memplan.memory.stacks import MEMPLAN, Stack
 from memplan.timing import TimeBreakdown, compile_fusion, compile_seconds, step_time
 from memplan.units import format_bytes, format_count
 
@@ -334,7 +334,7 @@ class _Evaluator:
     def __init__(self, spec: ModelSpec, device: Device, speedup: float | None, epoch_tokens: int | None,
                  stack: Stack = MEMPLAN):
         self.spec, self.device, self.speedup, self.epoch_tokens = spec, device, speedup, epoch_tokens
-        self.stack = stack  # whose code runs the step: the walk's hooks (memplan.stacks)
+        self.stack = stack  # whose code runs the step: the walk's hooks (memplan.memory.stacks)
         self.models_compile = compile_fusion(device) is not None  # timing models compiled steps itself
         self._memory: dict[TrainSetup, MemoryBreakdown] = {}
         self._time: dict[TrainSetup, TimeBreakdown] = {}
@@ -344,7 +344,7 @@ class _Evaluator:
         return len(self._memory)
 
     def memory(self, setup: TrainSetup) -> MemoryBreakdown:
-        modelled = setup.compile and compiled_modelled(setup, self.stack.name) is None
+        modelled = setup.compile and compiled_modelled(setup, self.stack) is None
         key = setup.replace(compile=False) if setup.compile and not modelled else setup
         if key not in self._memory:
             self._memory[key] = memory_on(self.spec, key, self.device, self.stack)
@@ -446,7 +446,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
 
     ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
     ``precision``, if given, is the only precision tried (a finetune keeps its base run's); else
-    ``precision_candidates(device)``. ``stack``: whose code runs the step (``memplan.stacks``): every
+    ``precision_candidates(device)``. ``stack``: whose code runs the step (``memplan.memory.stacks``): every
     candidate's memory is walked with its hooks, over the checkpointing and sharding it has.
 
     ``global_batch_tokens`` or ``global_batch`` (sequences, all processes) fixes micro_batch ·

@@ -90,7 +90,7 @@ class Writer:
 
 HF_OPTIM = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw8bit": "adamw_bnb_8bit", "sgd": "sgd"}
 SGD_MOMENTUM = 0.9  # memplan's sgd (trainer.step.SGD_MOMENTUM): Trainer's "sgd" takes it in optim_args
-HF_DEFAULT_LORA_ALPHA = 16.0  # trainer/stacks/hf.py's DEFAULT_LORA_ALPHA
+HF_DEFAULT_LORA_ALPHA = 16.0  # trainer/stacks/transformers.py's DEFAULT_LORA_ALPHA
 HF_LORA_DROPOUT = 0.0  # peft's LoraConfig.lora_dropout default, as the walk assumes
 
 _TRAIN_PY = '''"""Train with transformers' Trainer on the plan memplan chose (memplan autotune --emit).
@@ -225,9 +225,9 @@ LIT_LORA_DROPOUT = 0.05  # finetune/lora.py's lora_dropout default
 
 def lit_model_config(spec, ctx: int) -> dict:
     """litgpt ``Config`` fields for memplan's shape (as ``trainer.stacks.litgpt.config_kwargs``)."""
-    from memplan.stacks import LIB_SETUPS
+    from memplan.memory.stacks.litgpt import LitgptStack
 
-    if spec.pos != "rope" or spec.arch not in LIB_SETUPS["litgpt"]["archs"]:
+    if spec.pos != "rope" or spec.arch not in LitgptStack.archs:
         raise InputError(f"--emit: litgpt's GPT builds rotary llama and gpt_neox shapes, not {spec.arch!r} with "
                          f"{spec.pos} positions (accepted: llama, gpt_neox shapes)")
     llama = spec.norm == "rmsnorm"

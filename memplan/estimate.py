@@ -8,7 +8,7 @@ from memplan.hardware import Device
 from memplan.memory import COLLECTIVES_OF_FAMILY, MemoryBreakdown, peak_memory, sdpa_gqa_repeats
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import MEMPLAN, Stack
+from memplan.memory.stacks import MEMPLAN, Stack, walked_for
 from memplan.timing import TimeBreakdown, step_time
 
 MAX_MICRO_BATCH = 1 << 20  # search bound for max_micro_batch
@@ -24,7 +24,7 @@ class Estimate:
     fits: bool  # peak_reserved ≤ the device's usable memory
     max_micro_batch: int  # largest micro-batch that fits with the rest held, 0 if none
     tokens: int | None = None  # tokens in one epoch, if given
-    stack: Stack = MEMPLAN  # whose training code the memory walk follows (memplan.stacks)
+    stack: Stack = MEMPLAN  # whose training code the memory walk follows (memplan.memory.stacks)
 
     def to_json(self) -> dict:
         """The JSON of ``memplan estimate`` (its keys are documented in docs/json.md)."""
@@ -43,13 +43,10 @@ class Estimate:
 def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device, stack: Stack = MEMPLAN) -> MemoryBreakdown:
     """peak_memory with the device family's runtime context, allocator reserve, attention kernels and
     collectives backend; on a CPU, also what glibc's heap keeps resident (``glibc_heap_retention_bytes``).
-    ``stack``: whose code runs the step (``memplan.stacks``), its dropout masks as the device makes them."""
-    if stack.name == "memplan" and setup.stack != "memplan":  # a plan that trains another stack's model class
-        from memplan.stacks import stack_of
-
-        stack = stack_of(setup.stack)
+    ``stack``: whose code runs the step (``memplan.memory.stacks``), its dropout masks as the device makes them."""
+    stack = walked_for(stack, setup)  # a plan that trains another stack's model class: that stack's hooks
     repeat = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
-    if stack.name != "memplan":
+    if not stack.walks_sdpa_gqa_repeat:
         repeat = False  # transformers passes enable_gqa to SDPA (no mask in an unpadded batch)
     stack = stack.on_cpu(device.family == "cpu")
     return peak_memory(spec, setup, device.runtime_context_bytes, device.allocator_overhead, repeat,

@@ -13,6 +13,7 @@ from pathlib import Path
 import tomli_w
 
 from memplan.errors import InputError
+from memplan.memory.stacks import DEFAULT, STACKS, shown
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 
@@ -58,7 +59,7 @@ class Plan:
     predicted: dict = field(default_factory=dict)  # peak_reserved, step_seconds, tokens_per_second, epoch_seconds
     verified: dict = field(default_factory=dict)  # what autotune --verify measured (peak_measured, tokens/s, ...)
     training: dict = field(default_factory=dict)  # lr, warmup, weight decay, betas, clip ([training], TRAINING_KEYS)
-    stack: str = "memplan"  # whose code the plan is for (memplan.stacks.STACKS: autotune --stack)
+    stack: str = "memplan"  # whose code the plan is for (memplan.memory.stacks.STACKS: autotune --stack)
 
     def contract_plan(self) -> dict:
         """The ``plan`` object of ``autotune --json`` (docs/json.md)."""
@@ -67,7 +68,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         data = {"version": PLAN_VERSION, "device": self.device, "budget_bytes": self.budget_bytes,
-                **({"stack": self.stack} if self.stack != "memplan" else {}),  # memplan's own: the file as it was
+                **({"stack": self.stack} if shown(self.stack) else {}),  # memplan's own: the file as it was
                 "model": {k: v for k, v in self.model.to_dict().items() if v is not None},
                 "setup": self.setup.to_dict(),
                 "predicted": {k: v for k, v in self.predicted.items() if v is not None}}
@@ -101,9 +102,7 @@ class Plan:
             setup = TrainSetup(**data["setup"])
         except TypeError as e:
             raise InputError(f"{where}: {e}") from None
-        stack = data.get("stack", "memplan")
-        from memplan.stacks import STACKS
-
+        stack = data.get("stack", DEFAULT)
         if stack not in STACKS:
             raise InputError(f"{where}: stack = {stack!r} is not one memplan plans for (accepted: {', '.join(STACKS)})")
         return cls(model=model, setup=setup, device=str(data.get("device", "")), stack=stack,

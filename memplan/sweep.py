@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from memplan.errors import InputError
 from memplan.estimate import Estimate, estimate, memory_on
-from memplan.stacks import MEMPLAN, Stack
+from memplan.memory.stacks import MEMPLAN, Stack
 from memplan.hardware import Device
 from memplan.model import ModelSpec
 from memplan.setup import ATTENTIONS, CHECKPOINTINGS, PRECISIONS, TrainSetup

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # a bundled resource: a path in a wheel or a checkout, a zip 
     from importlib.resources.abc import Traversable
 
 from memplan.errors import InputError
+from memplan.memory.stacks import shown
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 from memplan.units import choice_error
@@ -179,7 +180,7 @@ class ValidationRow:
                  "driver_used": self.driver_used, "measured_rss_delta": self.measured_rss_delta,
                  "peak_moment": self.peak_moment, "predicted_terms": self.predicted_terms,
                  "measured_terms": self.measured_terms, "seconds": self.seconds, "rank": self.rank,
-                 "stack": self.stack if self.stack != "memplan" else None,
+                 "stack": shown(self.stack),
                  "family": self.family, "predicted_context": self.predicted_context,
                  "predicted_allocator_reserve": self.predicted_allocator_reserve,
                  "reserved_error": self.reserved_error, "driver_peak": self.driver_peak,
@@ -222,7 +223,7 @@ def validation_json(device: str, rows: list[ValidationRow]) -> dict:
     out = {"device": device, "rows": [r.to_json() for r in rows], "median_abs_error": summary.median_abs_error,
            "max_abs_error": summary.max_abs_error, "trace_max_abs_error": summary.trace_max_abs_error}
     stacks = list(dict.fromkeys(r.stack for r in rows))
-    if stacks != ["memplan"]:  # --stack: the same figures for each stack's rows alone
+    if [shown(s) for s in stacks] != [None]:  # --stack: the same figures for each stack's rows alone
         out["stacks"] = {}
         for stack in stacks:
             part = summarize([r for r in rows if r.stack == stack])

@@ -23,7 +23,7 @@ from memplan.cli import app
 from memplan.memory import peak_memory
 from memplan.model import ModelSpec, from_hf_config
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 from runs_helper import one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,7 +38,7 @@ def _dropped(shape: dict, p: float) -> ModelSpec:
 
 
 def _walk(spec, setup, stack="memplan", accelerator=False, lora_dropout=None) -> int:
-    return peak_memory(spec, setup, stack=stack_of(stack, lora_dropout=lora_dropout,
+    return peak_memory(spec, setup, stack=stack_for(stack, lora_dropout=lora_dropout,
                                                    cpu=not accelerator)).peak_allocated
 
 
@@ -142,7 +142,7 @@ def test_dropout_0_costs_nothing_in_the_walk():
         for attention in ("eager", "sdpa"):
             for cpu in (False, True):
                 setup = TrainSetup(ctx=64, micro_batch=2, precision="bf16-mixed", attention=attention)
-                stack = stack_of("transformers", cpu=cpu)
+                stack = stack_for("transformers", cpu=cpu)
                 assert peak_memory(_dropped(shape, 0.0), setup, stack=stack) == \
                     peak_memory(ModelSpec(**shape), setup, stack=stack)
 

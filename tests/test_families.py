@@ -2,7 +2,7 @@
 
 memplan's own trainer builds llama, gpt2 and gpt_neox. The families here are counted by the
 analytic model (``memplan.model``: a head_dim of the config's own, one shared norm, phi's head
-bias, qwen3's q/k norms) and walked with the transformers stack's hooks (``memplan.stacks``).
+bias, qwen3's q/k norms) and walked with the transformers stack's hooks (``memplan.memory.stacks``).
 Their parameter counts are held to transformers' own model built from the same config on the meta
 device and to the published counts; their walk to the exact fake-tensor trace of transformers'
 step (``trainer.stacks.trace_stack``), within the bars of issue 15 (median 3%, worst 10%). Each
@@ -19,13 +19,13 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-import memplan.stacks as stacks
+import memplan.memory.stacks.transformers as stacks
 from memplan.cli import app
 from memplan.errors import InputError
 from memplan.memory import peak_memory
 from memplan.model import ModelSpec, from_hf_config, resolve
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 from runs_helper import one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -78,7 +78,7 @@ def _transformers_count(cfg: dict) -> tuple[int, int]:
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from trainer.stacks.hf import _quiet
+    from trainer.stacks.transformers import _quiet
 
     with _quiet(transformers), torch.device("meta"):
         net = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
@@ -114,9 +114,9 @@ VARIANTS = {
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_tiny_variants_count_as_transformers_builds_them(tmp_path, name):
-    """The config the trace builds (``trainer.stacks.hf.family_config``) read back by ``from_hf_config``
+    """The config the trace builds (``trainer.stacks.transformers.family_config``) read back by ``from_hf_config``
     is the same shape, and transformers' model of it has the spec's parameters and tensors."""
-    from trainer.stacks.hf import family_config
+    from trainer.stacks.transformers import family_config
 
     spec = ModelSpec(**VARIANTS[name])
     cfg = family_config(spec, 256)
@@ -136,7 +136,7 @@ def _trace(spec, setup) -> int:
 
 def _walk(spec, setup) -> int:
     """The walk as the trace runs it: transformers' step on the CPU."""
-    return peak_memory(spec, setup, stack=stack_of("transformers", cpu=True)).peak_allocated
+    return peak_memory(spec, setup, stack=stack_for("transformers", cpu=True)).peak_allocated
 
 
 def _error(spec, setup, traced=None) -> float:
@@ -231,7 +231,7 @@ def test_the_walk_meets_the_bars_for_every_family_under_peft_lora():
         from trainer.stacks import StackModel, trace_stack
 
         traced = trace_stack("transformers", StackModel(spec=spec), setup, lora_dropout=dropout).peak_allocated
-        walked = peak_memory(spec, setup, stack=stack_of("transformers", lora_dropout=dropout, cpu=True)).peak_allocated
+        walked = peak_memory(spec, setup, stack=stack_for("transformers", lora_dropout=dropout, cpu=True)).peak_allocated
         errors[name] = (walked - traced) / traced
     assert statistics.median(abs(e) for e in errors.values()) <= MEDIAN_BAR, errors
     assert max(abs(e) for e in errors.values()) <= WORST_BAR, errors
@@ -263,7 +263,7 @@ def test_estimate_of_a_family_config_follows_transformers_walk(tmp_path):
 
     setup = TrainSetup(ctx=2048, micro_batch=2)
     assert data["stack"] == "transformers" and data["model"]["params"] == spec.params == 2_506_172_416
-    expected = memory_on(spec, setup, resolve_device("a100-80gb", None), stack_of("transformers"))
+    expected = memory_on(spec, setup, resolve_device("a100-80gb", None), stack_for("transformers"))
     assert data["memory"]["peak_allocated"] == expected.peak_allocated
 
 
@@ -321,15 +321,15 @@ def test_autotune_plans_for_the_stack_each_plan_checked_against_estimate():
     plans = {}
     for name in ("memplan", "transformers"):
         result = autotune(AUTOTUNE_SPEC, dev, ctx=2048, global_batch=64, budget_bytes=budget, margin=0.0,
-                          stack=stack_of(name))
+                          stack=stack_for(name))
         assert result.plan is not None
         plans[name] = result.plan.setup
         assert "selective" not in result.space["checkpointing"] or name == "memplan"
     own, hf = plans["memplan"], plans["transformers"]
     assert own != hf
     assert memory_on(AUTOTUNE_SPEC, own, dev).peak_reserved <= budget
-    assert memory_on(AUTOTUNE_SPEC, hf, dev, stack_of("transformers")).peak_reserved <= budget
-    assert memory_on(AUTOTUNE_SPEC, own, dev, stack_of("transformers")).peak_reserved > budget
+    assert memory_on(AUTOTUNE_SPEC, hf, dev, stack_for("transformers")).peak_reserved <= budget
+    assert memory_on(AUTOTUNE_SPEC, own, dev, stack_for("transformers")).peak_reserved > budget
     assert hf.checkpointing != "selective"
 
 

@@ -166,7 +166,7 @@ def test_selective_checkpointing_with_lora_is_refused(tmp_path):
               "--ctx", "32", "--batch", "2", "--device", "cpu", "--lora-rank", "4", "--checkpointing", "selective"]
     for command in ("estimate", "trace"):  # the trace had failed with a traceback inside the recomputation
         one_line_error(CliRunner().invoke(app, [command, *single]), "--checkpointing selective", "none, full")
-    from memplan.stacks import check_lora_targets
+    from memplan.memory.stacks import check_lora_targets
 
     with pytest.raises(InputError, match="none, full"):  # what memplan finetune checks its plan with
         check_lora_targets("memplan", LLAMA, _setup("fp32", "selective", ALL))

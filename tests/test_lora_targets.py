@@ -23,13 +23,14 @@ from typer.testing import CliRunner
 
 import memplan.memory.lora as walk_lora
 import memplan.memory.terms as terms
-import memplan.stacks as stacks
+import memplan.memory.stacks.litgpt as litgpt_hooks
+import memplan.memory.stacks.transformers as stacks
 from memplan.cli import app
 from memplan.errors import InputError
 from memplan.memory import peak_memory
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 
 sys.path.insert(0, str(Path(__file__).parent))
 from runs_helper import one_line_error, tiny_corpus, tiny_run  # noqa: E402
@@ -54,7 +55,7 @@ def _trace(stack, shape, setup, dropout=None):
 
 
 def _walk(stack, shape, setup, dropout=None) -> int:
-    return peak_memory(ModelSpec(**shape), setup, stack=stack_of(stack, lora_dropout=dropout, cpu=True)).peak_allocated
+    return peak_memory(ModelSpec(**shape), setup, stack=stack_for(stack, lora_dropout=dropout, cpu=True)).peak_allocated
 
 
 def _error(stack, shape, setup, dropout=None) -> float:
@@ -300,7 +301,7 @@ def _trainable(stack, shape, setup) -> int:
 def _walked_adapter_params(stack, shape, setup) -> int:
     """The adapters' parameters as the walk holds them: memplan's, plus the stack's own beyond them."""
     spec = ModelSpec(**shape)
-    extra = stack_of(stack).lora_bytes_delta(spec, setup)
+    extra = stack_for(stack).lora_bytes_delta(spec, setup)
     per = 4 if stack == "transformers" else setup.param_bytes  # peft keeps its adapters fp32
     return (terms.lora_params(spec, setup) * setup.param_bytes + extra) // per
 
@@ -329,7 +330,7 @@ WIDE = {**LLAMA, "layers": 4, "hidden": 256, "ffn": 64, "vocab": 64, "kv_heads":
     # only the head trains: nothing below it saves anything, and no backward runs below it
     ("memplan", walk_lora, "head_adapter_forward", None, LLAMA, _lora("head", "fp32"), None, WORST_BAR),
     # transformers' checkpointing makes the blocks' input need a gradient even where only the head trains
-    ("transformers", stacks.Stack, "checkpointed_input_needs_grad", property(lambda self: False), LLAMA,
+    ("transformers", stacks.TransformersStack, "checkpointed_input_needs_grad", property(lambda self: False), LLAMA,
      _lora("head", "fp32", checkpointing="full"), None, WORST_BAR),
     # peft's lm_head adapter: lora_A keeps an fp32 cast of the bf16 final norm output
     ("transformers", stacks, "hf_lora_head_saved_bytes", lambda *a, **k: 0,
@@ -341,9 +342,9 @@ WIDE = {**LLAMA, "layers": 4, "hidden": 256, "ffn": 64, "vocab": 64, "kv_heads":
     ("transformers", stacks, "hf_lora_head_input_held_bytes", lambda *a, **k: 0, LLAMA, _lora("head", "fp32"), 0.05,
      0.04),
     # litgpt's LoRAQKVLinear for q and v: zero_pad's index_copy_ keeps the adapter's output
-    ("litgpt", stacks, "lit_qkv_zero_pad_saved_bytes", lambda *a: 0, LLAMA, _lora("q,v", "fp32"), None, 0.04),
+    ("litgpt", litgpt_hooks, "lit_qkv_zero_pad_saved_bytes", lambda *a: 0, LLAMA, _lora("q,v", "fp32"), None, 0.04),
     # litgpt's lm_head adapter: its dropout (finetune/lora.py's 0.05) keeps a mask of the final norm output
-    ("litgpt", stacks, "lib_lora_head_saved_bytes", lambda *a, **k: 0, {**WIDE, "layers": 2, "vocab": 512},
+    ("litgpt", litgpt_hooks, "lib_lora_head_saved_bytes", lambda *a, **k: 0, {**WIDE, "layers": 2, "vocab": 512},
      _lora("q,v,head", "fp32"), None, 0.02),
 ], ids=["memplan-slice-adapters-cast-their-input", "memplan-head-only-frozen-blocks",
         "peft-checkpointing-input-grads", "peft-head-input-cast", "peft-head-forward-transient", "peft-head-input-held", "litgpt-zero-pad-source", "litgpt-head-dropout-mask"])

@@ -47,7 +47,7 @@ def test_transformers_lora_under_checkpointing_frees_its_input_leaf_each_step():
     from memplan.model import ModelSpec
     from memplan.setup import TrainSetup
     from trainer.lora import frozen_params_tracked
-    from trainer.stacks import StackModel, hf
+    from trainer.stacks import StackModel, transformers as hf
 
     spec = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=320, tied=False)
     setup = TrainSetup(ctx=32, micro_batch=2, precision="fp32", checkpointing="full", lora_rank=4)

@@ -1,4 +1,4 @@
-"""qwen3 under ``--stack transformers``: the walk (memplan/stacks.py hooks) held to the exact trace of
+"""qwen3 under ``--stack transformers``: the walk (memplan/memory/stacks/transformers.py hooks) held to the exact trace of
 transformers' own model (trainer/stacks, ``trace_stack``), over precision × attention × checkpointing ×
 LoRA × tying, with the bars of tests/test_walk_stacks.py (median |error| ≤ 3%, worst ≤ 10%).
 
@@ -17,11 +17,11 @@ import statistics
 
 import pytest
 
-import memplan.stacks as stacks
+import memplan.memory.stacks.transformers as stacks
 from memplan.memory import peak_memory
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,7 +41,7 @@ def _trace(spec, setup, dropout=0.0) -> int:
 
 def _walk(spec, setup, dropout=0.0) -> int:
     """The walk as the trace runs it: transformers' step on the CPU."""
-    return peak_memory(spec, setup, stack=stack_of("transformers", lora_dropout=dropout, cpu=True)).peak_allocated
+    return peak_memory(spec, setup, stack=stack_for("transformers", lora_dropout=dropout, cpu=True)).peak_allocated
 
 
 def _error(spec, setup, dropout=0.0, traced=None) -> float:
@@ -67,7 +67,7 @@ def _without(monkeypatch, hook: str) -> None:
     """The walk with ``hook`` taken out: the function returning 0 (for ``Stack.qk_norm_saved_bytes``: the qk
     norms' saved tensors made where the block's other stack tensors are, after the MLP, as before it)."""
     if hook.startswith("Stack."):
-        monkeypatch.setattr(stacks.Stack, hook.split(".", 1)[1], lambda self, *a, **k: 0)
+        monkeypatch.setattr(stacks.TransformersStack, hook.split(".", 1)[1], lambda self, *a, **k: 0)
     else:
         monkeypatch.setattr(stacks, hook, lambda *a, **k: 0)
 

@@ -1,5 +1,5 @@
 """memplan estimate --stack litgpt | torchtune: the analytic walk with litgpt's and torchtune's hooks
-(memplan/stacks.py), held to the exact trace of the same step (trainer/stacks, ``trace_stack``).
+(memplan/memory/stacks/), held to the exact trace of the same step (trainer/stacks, ``trace_stack``).
 
 litgpt and torchtune each live in an environment of their own (pyproject.toml says why); each test
 skips where its library is not importable. As tests/test_walk_stacks.py does for transformers: each
@@ -18,12 +18,13 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-import memplan.stacks as stacks
+import memplan.memory.stacks.litgpt as litgpt_hooks
+import memplan.memory.stacks.torchtune as torchtune_hooks
 from memplan.cli import app
 from memplan.memory import peak_memory
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 from runs_helper import one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,13 +46,13 @@ def _trace(lib, spec, setup, dropout=None) -> int:
 
 def _walk(lib, spec, setup, dropout=None) -> int:
     """The walk as the trace runs it: the library's step on the CPU (dropout masks in the input's dtype)."""
-    return peak_memory(spec, setup, stack=stack_of(lib, lora_dropout=dropout, cpu=True)).peak_allocated
+    return peak_memory(spec, setup, stack=stack_for(lib, lora_dropout=dropout, cpu=True)).peak_allocated
 
 
 def _errors_with_and_without(monkeypatch, lib, hook, spec, setup, dropout, removed):
     traced = _trace(lib, spec, setup, dropout)
     with_hook = (_walk(lib, spec, setup, dropout) - traced) / traced
-    monkeypatch.setattr(stacks, hook, removed)
+    monkeypatch.setattr({"litgpt": litgpt_hooks, "torchtune": torchtune_hooks}[lib], hook, removed)
     without = (_walk(lib, spec, setup, dropout) - traced) / traced
     return with_hook, without
 
@@ -101,7 +102,7 @@ TT_CASES = [
     ("tt_lora_saved_bytes", LLAMA, _setup(precision="fp32", lora_rank=4), 0.05, _zero, WORST_BAR),
     ("tt_lora_bytes_delta", {**LLAMA, "vocab": 64, "hidden": 256, "ffn": 256},
      _setup(ctx=32, micro_batch=2, precision="fp32", lora_rank=64), 0.0, _zero, MEDIAN_BAR),
-    ("_lib_first_block_saved_bytes", LLAMA, _setup(precision="fp32", lora_rank=4), 0.05, _zero, MEDIAN_BAR),
+    ("lib_first_block_saved_bytes", LLAMA, _setup(precision="fp32", lora_rank=4), 0.05, _zero, MEDIAN_BAR),
 ]
 TT_IDS = ["rms-norm-fp32-copies", "unfused-qkv-expanded-kv", "chunked-loss-backward", "chunk-by-chunk-upcast",
           "rope-cache-per-lora-layer", "chunked-head-weight-grad-sums", "fused-adamw",
@@ -185,16 +186,16 @@ def test_the_walk_meets_the_bars_over_the_matrix(lib):
 # ---- torch-free: the hooks' choices, the CLI ----------------------------------------------------
 
 def test_the_libraries_default_dropouts():
-    assert stack_of("litgpt").lora_dropout == 0.05  # finetune/lora.py
-    assert stack_of("torchtune").lora_dropout == 0.0  # the recipes' configs
-    assert stack_of("transformers").lora_dropout == 0.0  # peft
+    assert stack_for("litgpt").lora_dropout == 0.05  # finetune/lora.py
+    assert stack_for("torchtune").lora_dropout == 0.0  # the recipes' configs
+    assert stack_for("transformers").lora_dropout == 0.0  # peft
 
 
 def test_litgpt_walks_a_tied_shape_untied():
     """litgpt's GPT has its own lm_head always: the tied shape's walk is the untied shape's."""
     tied, untied = ModelSpec(**{**LLAMA, "tied": True}), ModelSpec(**LLAMA)
     setup = _setup(precision="bf16-mixed")
-    walk = stack_of("litgpt", cpu=True)
+    walk = stack_for("litgpt", cpu=True)
     assert peak_memory(tied, setup, stack=walk).peak_allocated == peak_memory(untied, setup, stack=walk).peak_allocated
     assert peak_memory(tied, setup).peak_allocated < peak_memory(untied, setup).peak_allocated
 
@@ -213,7 +214,7 @@ def test_estimate_walks_the_library(lib, extra):
     data = json.loads(result.stdout)
     assert data["stack"] == lib
     setup = _setup(precision=extra[1], lora_rank=4 if "--lora-rank" in extra else 0)
-    walked = peak_memory(ModelSpec(**LLAMA), setup, stack=stack_of(lib, cpu=True)).peak_allocated
+    walked = peak_memory(ModelSpec(**LLAMA), setup, stack=stack_for(lib, cpu=True)).peak_allocated
     assert data["memory"]["peak_allocated"] == walked
 
 

@@ -18,11 +18,11 @@ import statistics
 import pytest
 
 import memplan.memory as memory
-import memplan.stacks as stacks
+import memplan.memory.stacks.transformers as stacks
 from memplan.memory import peak_memory
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,7 +42,7 @@ def _trace(stack, spec, setup, dropout=0.0) -> int:
 
 
 def _walk(stack, spec, setup, dropout=0.0) -> int:
-    return peak_memory(spec, setup, stack=stack_of(stack, lora_dropout=dropout, cpu=True)).peak_allocated
+    return peak_memory(spec, setup, stack=stack_for(stack, lora_dropout=dropout, cpu=True)).peak_allocated
 
 
 def _lora(precision, targets, **kw) -> TrainSetup:
@@ -65,7 +65,7 @@ def _lora(precision, targets, **kw) -> TrainSetup:
      _lora("bf16", "up"), 0.0, WORST_BAR),
     # peft's lora_A releases its fp32 input cast in its own backward, before the base's input gradient
     # (without the release: the walk's own order, the input freed with the block's saved tensors)
-    (stacks.Stack, "lora_input_release", "transformers", {**LLAMA, "ffn": 2048, "vocab": 64}, _lora("bf16", "down"),
+    (stacks.TransformersStack, "lora_input_release", "transformers", {**LLAMA, "ffn": 2048, "vocab": 64}, _lora("bf16", "down"),
      0.0, 0.08),
     # peft's o_proj lora_A saves its fp32 cast of SDPA's output beside SDPA's own saved output
     (stacks, "memplan_lora_input_bytes", "transformers", {**LLAMA, "layers": 6, "ffn": 64}, _lora("bf16", "proj"), 0.0,

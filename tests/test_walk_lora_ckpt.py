@@ -14,12 +14,12 @@ import statistics
 
 import pytest
 
-import memplan.stacks as stacks
+import memplan.memory.stacks.transformers as stacks
 from memplan.memory import peak_memory
 from memplan.memory.walk import walk_step
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 from test_walk_stacks import GPT2, LLAMA, MEDIAN_BAR, NEOX, WORST_BAR, _errors, _matrix, _trace, _walk
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -65,7 +65,7 @@ def test_transformers_saves_where_its_modules_run(monkeypatch, method, attention
     recomputation's peak."""
     setup = TrainSetup(precision="bf16", attention=attention, **FULL)
     with_hook, without = _with_and_without(
-        monkeypatch, lambda: monkeypatch.setattr(stacks.Stack, method, lambda *a, **k: 0), ModelSpec(**NEOX), setup,
+        monkeypatch, lambda: monkeypatch.setattr(stacks.TransformersStack, method, lambda *a, **k: 0), ModelSpec(**NEOX), setup,
         0.0)
     assert abs(with_hook) <= MEDIAN_BAR, with_hook
     assert abs(without) > 0.045 and abs(without) > 3 * abs(with_hook), (with_hook, without)
@@ -78,7 +78,7 @@ def test_transformers_rmsnorm_copies_are_saved_where_the_norms_run(monkeypatch):
     about 3%, is not modelled: the bf16 inputs the checkpoint and ``residual`` keep beside those copies.)"""
     setup = TrainSetup(precision="bf16", **FULL)
     with_hook, without = _with_and_without(
-        monkeypatch, lambda: monkeypatch.setattr(stacks.Stack, "norm_saved_bytes", lambda *a, **k: 0),
+        monkeypatch, lambda: monkeypatch.setattr(stacks.TransformersStack, "norm_saved_bytes", lambda *a, **k: 0),
         ModelSpec(**LLAMA), setup, 0.0)
     assert abs(with_hook) <= WORST_BAR / 2, with_hook
     assert abs(without) > abs(with_hook) + 0.01, (with_hook, without)
@@ -89,7 +89,7 @@ def test_the_walk_peaks_in_the_last_blocks_recomputation_as_the_trace_does():
     down_proj; the walk's peak is there too, and within 1% of the trace (before issue 15: −12.8%, at the
     last block's backward)."""
     spec, setup = ModelSpec(**LLAMA), TrainSetup(precision="bf16-mixed", **FULL)
-    stack = stack_of("transformers", lora_dropout=0.05, cpu=True)
+    stack = stack_for("transformers", lora_dropout=0.05, cpu=True)
     w = walk_step(spec, setup, stack=stack)
     marks = {m.name: m for m in w.marks}
     assert w.peak.phase == "backward"
@@ -100,14 +100,14 @@ def test_the_walk_peaks_in_the_last_blocks_recomputation_as_the_trace_does():
 
 def test_the_hooks_add_nothing_without_a_down_adapter_or_checkpointing():
     spec = ModelSpec(**LLAMA)
-    hf = stack_of("transformers", lora_dropout=0.05, cpu=True)
+    hf = stack_for("transformers", lora_dropout=0.05, cpu=True)
     for setup in (TrainSetup(precision="bf16-mixed", **{**FULL, "checkpointing": "none"}),
                   TrainSetup(precision="bf16-mixed", **FULL, lora_targets="qkv,proj,up")):
         assert hf.recompute_gradient_bytes(spec, setup) == hf.recompute_stop_bytes(spec, setup) == 0
         assert not hf.recompute_reaches_down_adapter(setup)
     setup = TrainSetup(precision="bf16-mixed", **FULL)
-    assert stack_of("memplan").recompute_stop_bytes(spec, setup) == 0
-    assert not stack_of("memplan").recompute_reaches_down_adapter(setup)
+    assert stack_for("memplan").recompute_stop_bytes(spec, setup) == 0
+    assert not stack_for("memplan").recompute_reaches_down_adapter(setup)
 
 
 def test_lora_under_checkpointing_meets_the_bars_a_fast_subset():
@@ -129,7 +129,7 @@ def test_the_ledger_balances_over_a_checkpointed_lora_step():
     its backward releases (``lora.adapter_recompute_stop``), and qkv's peft inputs are released once, by
     their own lora_A (``_block_backward``'s ``released``), not twice."""
     for name, spec, setup, dropout in _matrix(checkpointing=("full",), loras=("r4", "r4-dropout")):
-        w = walk_step(spec, setup, stack=stack_of("transformers", lora_dropout=dropout, cpu=True))
+        w = walk_step(spec, setup, stack=stack_for("transformers", lora_dropout=dropout, cpu=True))
         marks = {m.name: m.bytes for m in w.marks}
         start, end = marks["start of forward"], marks["end of backward"]
         assert (end["activations"], end["weights"], end["temporaries"]) == \

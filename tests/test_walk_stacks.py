@@ -1,5 +1,5 @@
 """memplan estimate --stack transformers: the analytic walk with transformers' and peft's hooks
-(memplan/stacks.py), held to the exact trace of the same step (trainer/stacks, ``trace_stack``).
+(memplan/memory/stacks/), held to the exact trace of the same step (trainer/stacks, ``trace_stack``).
 
 Each mechanism's test takes a config where that mechanism dominates: with its hook the walk is
 within the issue's median bar (3%) of the trace; with the hook taken out (the function returning
@@ -17,12 +17,12 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-import memplan.stacks as stacks
+import memplan.memory.stacks.transformers as stacks
 from memplan.cli import app
 from memplan.memory import fp32_logits_bytes, logits_bytes, peak_memory
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import stack_of
+from memplan.memory.stacks import stack_for
 from runs_helper import one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,7 +43,7 @@ def _trace(spec, setup, dropout=None) -> int:
 
 def _walk(spec, setup, dropout=None) -> int:
     """The walk as the trace runs it: transformers' step on the CPU (dropout noise in fp32)."""
-    return peak_memory(spec, setup, stack=stack_of("transformers", lora_dropout=dropout or 0.0, cpu=True)).peak_allocated
+    return peak_memory(spec, setup, stack=stack_for("transformers", lora_dropout=dropout or 0.0, cpu=True)).peak_allocated
 
 
 def _errors_with_and_without(monkeypatch, hook, spec, setup, dropout=None):
@@ -136,8 +136,8 @@ def test_loss_dtype_logits_takes_cross_entropy_in_the_logits_dtype():
     bytes in place of 4."""
     spec = ModelSpec(arch="llama", layers=1, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=32000, tied=False)
     setup = TrainSetup(ctx=256, micro_batch=2, precision="bf16-mixed")
-    fp32 = peak_memory(spec, setup, stack=stack_of("memplan", "fp32"))
-    own = peak_memory(spec, setup, stack=stack_of("memplan", "logits"))
+    fp32 = peak_memory(spec, setup, stack=stack_for("memplan", "fp32"))
+    own = peak_memory(spec, setup, stack=stack_for("memplan", "logits"))
     assert fp32.peak_moment == own.peak_moment == "backward: loss"
     # at the loss's backward: logits (bf16), log-probs, their gradient, the logits' gradient
     assert fp32.peak_allocated - own.peak_allocated == 3 * (fp32_logits_bytes(spec, setup) - logits_bytes(spec, setup))
@@ -151,7 +151,7 @@ def test_ddp_under_transformers_keeps_buckets_beside_the_gradients():
     peak plus N·p. (memplan's trainer makes .grad views into the buckets: N·p at most.)"""
     spec = ModelSpec(arch="gpt2", layers=2, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=8000, tied=True)
     setup = TrainSetup(ctx=16, micro_batch=1, precision="fp32", world_size=2, sharding="ddp")
-    hf = stack_of("transformers")
+    hf = stack_for("transformers")
     ddp = peak_memory(spec, setup, stack=hf)
     single = peak_memory(spec, setup.replace(world_size=1, sharding="none"), stack=hf)
     assert ddp.peak_moment == single.peak_moment == "optimizer step"
@@ -167,9 +167,9 @@ def test_ddp_under_transformers_keeps_buckets_beside_the_gradients():
 def test_stack_memplan_is_the_walk_without_a_stack(setup):
     spec = ModelSpec(**LLAMA)
     plain = peak_memory(spec, setup)
-    named = peak_memory(spec, setup, stack=stack_of("memplan"))
+    named = peak_memory(spec, setup, stack=stack_for("memplan"))
     assert (plain.peak_allocated, plain.peak_moment) == (named.peak_allocated, named.peak_moment)
-    assert peak_memory(spec, setup, stack=stack_of("transformers")).peak_allocated != plain.peak_allocated
+    assert peak_memory(spec, setup, stack=stack_for("transformers")).peak_allocated != plain.peak_allocated
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_estimate_json_names_its_stack_and_follows_it():
     spec = ModelSpec(**LLAMA)
     # estimate without --precision takes the device's best (the cpu profile's: fp32), as train and autotune do
     setup = TrainSetup(ctx=64, micro_batch=2, lora_rank=4, precision=hf["setup"]["precision"])
-    walked = peak_memory(spec, setup, stack=stack_of("transformers", lora_dropout=0.05, cpu=True)).peak_allocated
+    walked = peak_memory(spec, setup, stack=stack_for("transformers", lora_dropout=0.05, cpu=True)).peak_allocated
     assert hf["memory"]["peak_allocated"] == walked
 
 

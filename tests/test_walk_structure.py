@@ -45,7 +45,7 @@ if __name__ == "__main__":  # python tests/test_walk_structure.py --regenerate, 
 from memplan.memory import peak_memory_of_rank
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import Stack
+from memplan.memory.stacks import stack_for
 
 GOLDEN = Path(__file__).with_name("walk_golden.json")
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def _figures(config: dict) -> dict:
     """What the walk reports for one config: bytes by category at the peak, its phase and moment, the marks."""
     spec = ModelSpec(**FAMILIES[config["family"]])
     b = peak_memory_of_rank(spec, TrainSetup(**config["setup"]), config["rank"], gqa_repeat=config["gqa"],
-                            collectives=config["collectives"], stack=Stack(**config["stack"]))
+                            collectives=config["collectives"], stack=stack_for(**config["stack"]))
     return {**{k: getattr(b, k) for k in ("weights", "gradients", "optimizer", "activations", "logits",
                                           "temporaries", "peak_allocated", "peak_phase", "peak_moment")},
             "marks": {m.name: m.total for m in b.moments}}
@@ -208,8 +208,8 @@ def test_transformers_rmsnorm_backward_brings_the_walk_to_the_trace(monkeypatch,
     the exact trace with the hook and misses by more than 5% without it (−7.2% for bf16 ``--lora-targets proj``)."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    import memplan.stacks as stacks
-    from memplan.stacks import stack_of
+    import memplan.memory.stacks.transformers as stacks
+    from memplan.memory.stacks import stack_for
     from trainer.stacks import StackModel, trace_stack
 
     spec = ModelSpec(**_LLAMA_LORA)
@@ -217,7 +217,7 @@ def test_transformers_rmsnorm_backward_brings_the_walk_to_the_trace(monkeypatch,
     traced = trace_stack("transformers", StackModel(spec=spec), setup, lora_dropout=0.0).peak_allocated
 
     def error() -> float:
-        walked = peak_memory_of_rank(spec, setup, 0, stack=stack_of("transformers", lora_dropout=0.0, cpu=True))
+        walked = peak_memory_of_rank(spec, setup, 0, stack=stack_for("transformers", lora_dropout=0.0, cpu=True))
         return (walked.peak_allocated - traced) / traced
 
     with_hook = error()

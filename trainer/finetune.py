@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from memplan.errors import InputError
+from memplan.memory.stacks import stack_class
 from memplan.plan import Plan
 from trainer import checkpoint_format as ckpt
 from trainer.loop_eval import ppl as _ppl
@@ -332,7 +333,7 @@ def finetune_task(data: SFTData) -> TrainingTask:
     a resume (its checkpoint holds every weight), the ranks that receive rank 0's, the meta device."""
 
     def model(spec, setup, device, with_weights: bool) -> torch.nn.Module:
-        if setup.stack != "memplan":  # transformers' model class (trainer.hf_model), peft's adapters on it
+        if stack_class(setup.stack).trains_hf_model:  # transformers' model class (trainer.hf_model), peft's adapters
             return _hf_model(spec, setup, device, with_weights)
         built = build_model(spec, setup.attention, "none", param_dtype(setup.precision), device=device)
         if with_weights and data.base_weights is not None:  # imported (``base_of_hf``)
@@ -366,7 +367,7 @@ def finetune_task(data: SFTData) -> TrainingTask:
                              "packing": d.packing, "stats": d.stats,
                              "lora": ({"rank": setup.lora_rank, "alpha": d.lora_alpha,
                                        "targets": setup.lora_targets} if setup.lora_rank else None)},
-                **({"hf_config": d.hf_config} if setup.stack != "memplan" else {})}
+                **({"hf_config": d.hf_config} if stack_class(setup.stack).trains_hf_model else {})}
 
     return TrainingTask(kind="finetune", build_model=model, make_stream=stream,
                         evaluate=lambda m, setup, device, n: evaluate_sft(m, data, setup, device, n),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from memplan.errors import InputError
+from memplan.memory.stacks import stack_class
 
 FULL_FINETUNE_LR, LORA_LR = 3e-5, 2e-4  # --lr's defaults: every weight, adapters only
 
@@ -147,7 +148,7 @@ def _resolve_resume(req: FinetuneRequest, profile) -> ResolvedFinetune:
     sft = load_sft(req.data, tokenizer, tok, ctx=plan.setup.ctx, template=ft["template"], packing=ft["packing"],
                    base_checkpoint=Path(ft["base_checkpoint"]), base_run=Path(ft["base_run"]),
                    lora_alpha=float((ft.get("lora") or {}).get("alpha", req.lora_alpha)), base_hf=ft.get("base_hf"))
-    if plan.setup.stack != "memplan":  # transformers' model class, of the config.json the finetune recorded
+    if stack_class(plan.setup.stack).trains_hf_model:  # transformers' model class, of the config.json recorded
         from trainer import hf_model
 
         sft.hf_config = hf_model.run_config(meta, str(ref.path / ckpt.META_FILE))
@@ -201,7 +202,7 @@ def _base_and_data(req: FinetuneRequest, profile, say):
         check_one_row_fits(base_plan.model, ctx, req.precision or base_plan.setup.precision, profile, req.lora_rank)
         sft = load_sft(req.data, tokenizer, tok, ctx=ctx, template=req.template, packing=req.packing,
                        base_checkpoint=base_ckpt, base_run=Path(req.run), lora_alpha=req.lora_alpha)
-        if stack != "memplan":
+        if stack_class(stack).trains_hf_model:
             from trainer import checkpoint_format as ckpt
             from trainer import hf_model
 
@@ -241,19 +242,19 @@ def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: 
         if req.grad_accum is not None:
             raise InputError("--grad-accum goes with --batch; without --batch autotune picks both")
         from memplan.autotune import autotune
-        from memplan.stacks import stack_of
+        from memplan.memory.stacks import stack_for
 
         result = autotune(spec, profile, ctx=ctx, global_batch_tokens=req.global_batch_tokens or 8 * ctx,
                           budget_bytes=req.budget_bytes, lora_rank=req.lora_rank, lora_targets=req.lora_targets,
-                          precision=precision, world_size=world_size, stack=stack_of(stack))
+                          precision=precision, world_size=world_size, stack=stack_for(stack))
         if result.plan is None:
             raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}"
                              + (" with LoRA" if req.lora_rank else "") + "; try --lora-rank, a shorter --ctx or "
                              "--checkpointing full")
         setup = result.plan.setup.replace(stack=stack)
-        if stack != "memplan":  # memplan's compile is planned for its own model only
+        if not stack_class(stack).compiles:  # memplan's compile is planned for its own model only
             setup = setup.replace(compile=False)
-    from memplan.stacks import check_lora_targets
+    from memplan.memory.stacks import check_lora_targets
     from trainer.hf_model import check_stack_setup
 
     check_lora_targets(stack, spec, setup)  # what the stack's code adapts (a tied head, q/k/v under selective)

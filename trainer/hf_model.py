@@ -7,7 +7,7 @@ transformers`` asks for it for any family. Everything else is memplan's: the loo
 step (``trainer/step.py``: logits, fp32 cross-entropy, backward, clip, optimizer), checkpoints, evaluation,
 sampling, reports. The plan is walked as ``--stack transformers`` walks it (``TrainSetup.stack``).
 
-- The model: ``AutoModelForCausalLM.from_config`` of a config.json's contents (``trainer.stacks.hf.build_model``:
+- The model: ``AutoModelForCausalLM.from_config`` of a config.json's contents (``trainer.stacks.transformers.build_model``:
   attention, precision, checkpointing ``full``, peft's LoRA), never ``trust_remote_code``: a config with an
   ``auto_map`` is refused, and nothing from a checkpoint directory is imported or executed.
 - ``HFCausalLM`` wraps it as memplan's loop calls a model: ``model(ids)`` gives the logits; ``generate``'s
@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from memplan.errors import InputError
+from memplan.memory.stacks import stack_class
 from memplan.model import HF_MODEL_TYPES, STACK_ARCHS, ModelSpec
 
 STACK = "transformers"
@@ -44,7 +45,7 @@ def choose_stack(asked: str | None, spec: ModelSpec) -> tuple[str, str | None]:
 
     if asked is not None and asked not in TRAIN_STACKS:
         raise InputError(f"--stack: {asked!r} does not train here (accepted: {', '.join(TRAIN_STACKS)})")
-    if asked == "memplan" and not spec.memplan_builds:
+    if asked is not None and not stack_class(asked).trains_hf_model and not spec.memplan_builds:
         raise InputError(f"--stack memplan: memplan's own model does not build the {spec.arch} family (it builds "
                          f"{', '.join(HF_MODEL_TYPES)}); accepted for {spec.arch}: --stack transformers")
     if asked is not None:
@@ -57,7 +58,7 @@ def choose_stack(asked: str | None, spec: ModelSpec) -> tuple[str, str | None]:
 
 def check_stack_setup(setup, where: str = "--stack transformers") -> None:
     """What memplan's loop cannot yet do with transformers' model: FSDP2, torch.compile, selective checkpointing."""
-    if setup.stack != STACK:
+    if not stack_class(setup.stack).trains_hf_model:
         return
     if setup.sharding == "fsdp":
         raise InputError(f"{where}: --sharding fsdp is not wrapped for transformers' model class here; use "
@@ -91,7 +92,7 @@ def check_config(cfg, where: str) -> dict:
 def spec_hf_config(spec: ModelSpec, setup) -> dict:
     """The config.json contents of a fresh model of ``spec`` (``--arch``/``--model``) in transformers' class."""
     from trainer.stacks import StackModel
-    from trainer.stacks.hf import config_dict
+    from trainer.stacks.transformers import config_dict
 
     return config_dict(StackModel(spec=spec), setup)
 
@@ -172,7 +173,7 @@ def build(spec: ModelSpec, setup, device, hf_config: dict, weights=None, lora_al
     ``weights`` (HF-named tensors, checked already) loaded before peft's LoRA adapters (``setup.lora_rank``,
     unless ``lora`` is False) wrap it."""
     from trainer.stacks import StackModel
-    from trainer.stacks.hf import build_model
+    from trainer.stacks.transformers import build_model
 
     check_config(hf_config, "the run's config")
     check_stack_setup(setup.replace(stack=STACK), "--stack transformers")  # a plan file's too: no FSDP2, no compile
@@ -306,7 +307,7 @@ def checkpoint_stack(directory: Path, asked: str | None, flag: str = "--from") -
         check_config(cfg, f"{flag} {directory}")
     spec = from_hf_config(directory / "config.json", stack_families=True)
     stack, note = choose_stack(asked, spec)
-    if stack == STACK:
+    if stack_class(stack).trains_hf_model:
         cfg = read_config(directory, flag)
     return stack, spec, cfg, note
 

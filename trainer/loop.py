@@ -68,6 +68,7 @@ from typing import Callable
 import torch
 
 from memplan.errors import InputError
+from memplan.memory.stacks import stack_class
 from memplan.hardware import Device
 from memplan.plan import Plan
 from memplan.run_control import LIMITS, SEED_MAX
@@ -375,7 +376,7 @@ class Trainer:
         # ref None: again from step 0, from the weights it started from (a --from run's, checked unchanged)
         starting = starting_weights_again(r.meta, r.where, r.plan) if r.ref is None and r.meta.get("base_hf") \
             else None
-        if task is None and r.plan.setup.stack != "memplan":  # transformers' model of the config it recorded
+        if task is None and stack_class(r.plan.setup.stack).trains_hf_model:  # transformers' model, config recorded
             from trainer import hf_model
 
             task = pretraining(data, starting, hf_config=hf_model.run_config(r.meta, r.where))
@@ -776,7 +777,7 @@ def build_trained(trained: rundir.TrainedCheckpoint, device=None):
     """
     path, meta, plan = trained.path, trained.meta, trained.plan
     device = torch.device(device) if device is not None else torch.device("cpu")
-    if plan.setup.stack != "memplan":  # transformers' model class, rebuilt from the config.json it recorded
+    if stack_class(plan.setup.stack).trains_hf_model:  # transformers' model class, rebuilt from its config.json
         from trainer import hf_model
 
         return hf_model.trained(trained, plan, meta, device), trained.tokenizer(), meta

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memplan.errors import InputError
+from memplan.memory.stacks import stack_class
 
 QUICKSTART_MINUTES = 3.0  # `memplan train` alone trains this long
 QUICKSTART_CTX = 256  # the embedded corpus's documents are short; 256 tokens hold most of one
@@ -306,7 +307,7 @@ def _resolve_from(ui, from_: str, imported, prepared, profile, *, setup_flags, g
                                   max_tokens=overrides["max_tokens"], stack=stack)
     if launched > 1:
         the_plan = distributed.from_rank0(for_world(the_plan, launched, sharding, profile, ui))
-    if stack == "memplan":
+    if not stack_class(stack).trains_hf_model:
         starting = starting_from_hf(imported.path, spec, model_type=imported.model_type)
     else:  # transformers' model class: its tensors checked against the model config.json describes
         from trainer.task import starting_from_hf_stack
@@ -364,7 +365,7 @@ def memplan_plan(plan_path):
     from memplan.plan import Plan
 
     p = Plan.load(plan_path)
-    if p.stack != "memplan":
+    if stack_class(p.stack).library:
         raise InputError(f"--plan {plan_path}: a plan for --stack {p.stack}, whose own code trains it (`memplan "
                          f"autotune --stack {p.stack} --emit DIR` writes its config); memplan train takes plans "
                          "for its own trainer (accepted: a plan of `memplan autotune --stack memplan --out FILE`)")
@@ -658,10 +659,10 @@ def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, glob
             global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
     kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
               budget_bytes=parse_size(budget, "--budget") if budget else None, margin=margin, world_size=world_size)
-    if stack != "memplan":  # every candidate walked as transformers' model class runs (memplan.stacks)
-        from memplan.stacks import stack_of
+    if stack_class(stack).library:  # every candidate walked as transformers' model class runs (memplan.memory.stacks)
+        from memplan.memory.stacks import stack_for
 
-        kw["stack"] = stack_of(stack)
+        kw["stack"] = stack_for(stack)
     result = autotune(spec, profile, tokens=None, **kw)
     if result.plan is not None and result.plan.setup.compile:
         # torch.compile's compile time is a one-off: weigh it against the tokens this run will train (its limit,
@@ -674,7 +675,7 @@ def autotuned_plan(spec, ctx, prepared, profile, ui: "TrainUI", *, minutes, glob
     if result.plan is None:
         advice = "; ".join(getattr(result, "advice", None) or ["try a smaller model or a shorter --ctx"])
         raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}: {advice}")
-    if stack != "memplan":  # the plan trains that stack's model class, and is predicted as it runs
+    if stack_class(stack).library:  # the plan trains that stack's model class, and is predicted as it runs
         from memplan.prediction import predict
 
         setup = result.plan.setup.replace(stack=stack, compile=False)
@@ -922,7 +923,7 @@ def resolve_launch(spec: LaunchSpec, run_dir: str | Path, ui: TrainUI) -> Resolv
                              overrides=overrides, rates_note=spec.rates_note, sharding=spec.sharding)
     config = TrainConfig(**_checked_settings(spec.config, where, "config"))
     starting = None
-    if spec.starting is not None and plan.setup.stack != "memplan":  # transformers' class, of the config recorded
+    if spec.starting is not None and stack_class(plan.setup.stack).trains_hf_model:  # transformers' class
         from trainer import hf_model
         from trainer.task import starting_from_hf_stack
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from memplan.errors import InputError
+from memplan.memory.stacks import stack_class
 from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import TrainSetup
@@ -127,7 +128,7 @@ def starting_weights_again(meta: dict, where: str, plan: Plan) -> StartingWeight
     if not directory.is_dir():
         raise InputError(f"--resume: the run stopped before its first checkpoint and started from {directory}, "
                          "which is gone; start it again with --from")
-    if plan.setup.stack != "memplan":  # transformers' model class, of the config.json it recorded
+    if stack_class(plan.setup.stack).trains_hf_model:  # transformers' model class, of the config.json it recorded
         from trainer import hf_model
 
         return starting_from_hf_stack(directory, plan.model, plan.setup, hf_model.run_config(meta, where),
@@ -163,7 +164,7 @@ def pretraining(data, starting: StartingWeights | None = None, hf_config: dict |
         return cfg
 
     def model(spec: ModelSpec, setup: TrainSetup, device, with_weights: bool) -> torch.nn.Module:
-        if setup.stack == "transformers":
+        if stack_class(setup.stack).trains_hf_model:
             from trainer import hf_model
 
             weights = starting.load() if with_weights and starting is not None else None
@@ -179,7 +180,7 @@ def pretraining(data, starting: StartingWeights | None = None, hf_config: dict |
     def meta(setup: TrainSetup) -> dict:
         from trainer import hf_model
 
-        return {hf_model.META_KEY: built_from["config"]} if setup.stack == "transformers" else {}
+        return {hf_model.META_KEY: built_from["config"]} if stack_class(setup.stack).trains_hf_model else {}
 
     return TrainingTask(kind="train", build_model=model, make_stream=stream,
                         evaluate=lambda m, setup, device, n: evaluate(m, data, setup, device, n),

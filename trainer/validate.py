@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from memplan.errors import InputError
 from memplan.hardware import Device
+from memplan.memory.stacks import stack_class
 from memplan.memory import (COLLECTIVES_OF_FAMILY, ddp_bucket_bytes, fsdp_all_sharded_grad_bytes,
                             fsdp_optimizer_state_bytes, fsdp_sharded_weight_bytes, gradient_bytes, optimizer_state_bytes,
                             peak_memory, peak_memory_of_rank, rope_buffer_bytes, sdpa_gqa_repeats, weight_bytes)
@@ -38,10 +39,10 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
     t0 = time.perf_counter()
     family = devices.local_family()
     repeat = sdpa_gqa_repeats(config.spec, config.setup, device.flash_attention, family)
-    from memplan.stacks import stack_of
+    from memplan.memory.stacks import stack_for
 
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
-                            repeat, stack=stack_of("memplan", cpu=family == "cpu"))  # dropout masks as made here
+                            repeat, stack=stack_for("memplan", cpu=family == "cpu"))  # dropout masks as made here
     measured = measure_step(config.spec, config.setup, family)
     traced = trace_step(config.spec, config.setup, devices.fake_device(family)) if trace else None
     rss_delta = (measured.peak_rss - measured.baseline_rss) if measured.peak_rss is not None else None
@@ -71,13 +72,12 @@ def run_stack_config(config: MatrixConfig, device: Device, stack: str, trace: bo
     (``measure_stack``, MemTracker on real tensors) against the analytic walk and the stack's trace."""
     from trainer.stacks import StackModel, measure_stack, trace_stack
 
-    from memplan.stacks import STACKS as WALKED, stack_of
+    from memplan.memory.stacks import stack_for
 
     t0 = time.perf_counter()
     family = devices.local_family()
     model = StackModel(spec=config.spec)
-    # the walk with the stack's hooks where it has them (memplan/stacks.py), else memplan's own model's
-    hooks = stack_of(stack, cpu=family == "cpu") if stack in WALKED else stack_of("memplan")
+    hooks = stack_for(stack, cpu=family == "cpu")  # the walk with the stack's hooks (memplan.memory.stacks)
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
                             stack=hooks)
     if family == "cpu":
@@ -131,7 +131,7 @@ def stack_can_run(config: MatrixConfig, stack: str) -> str | None:
     (memplan's selective checkpointing, an optimizer it lacks) it refuses in one InputError line when
     ``run_stack_config`` builds it, and validate lists that config as not run with the library's reason."""
     setup = config.setup
-    if stack == "memplan":
+    if not stack_class(stack).library:  # memplan's own step runs every config
         return None
     if setup.world_size > 1:
         return "one process only"
@@ -336,20 +336,17 @@ def plan_validation(matrix: str | None, quick: bool, ranks: int, stacks: list[st
     return Validation(matrix=matrix, stacks=stacks, ranks=ranks, configs=configs,
                       # a config of another stack's model class (``stack = "transformers"``: qwen3, gemma, phi,
                       # stablelm, which memplan trains with transformers' class) is measured as that stack's step
-                      jobs=[(config, config.setup.stack if stack == "memplan" else stack)
+                      jobs=[(config, config.setup.stack if not stack_class(stack).library else stack)
                             for config, stack, why in whys if why is None],
                       skipped=[(config, stack, why) for config, stack, why in whys if why is not None])
 
 
 def _require_libraries(stacks: list[str]) -> None:
     """A stack whose library is not installed is refused in one line naming the extra (peft with transformers)."""
-    from trainer.stacks import require, require_stack
+    from trainer.stacks import require_stack
 
     for stack in stacks:
-        if stack != "memplan":
-            require_stack(stack)
-        if stack == "transformers":
-            require("peft", stack)
+        require_stack(stack, lora=True)
 
 
 def measure_validation(run: Validation, device: Device, trace: bool = True,
@@ -366,7 +363,7 @@ def measure_validation(run: Validation, device: Device, trace: bool = True,
         for i, (config, stack) in enumerate(run.jobs):
             if started is not None:
                 started(config, stack)
-            if stack == "memplan":
+            if not stack_class(stack).library:  # memplan's own step
                 rows.append(run_config(config, device, trace=trace))
             else:
                 try:

@@ -18,6 +18,7 @@ from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, Ff
                                  print_json)
 from memplan.cli.estimate import PlanStackOpt, stack_for_search
 from memplan.errors import EXIT_NOTHING_FITS, InputError
+from memplan.memory.stacks import shown
 from memplan.units import (GiB, at_least, format_bytes, format_count, format_seconds, parse_count, parse_float,
                            parse_size)
 
@@ -112,7 +113,7 @@ def print_result(result, top: int, rates_note: str | None = None) -> None:
         ("Device", f"{escape(device.name)} ({escape(device.title)}): {format_bytes(device.usable_bytes)} usable"),
         *([("Stack", f"{result._evaluator.stack.name}: every candidate's memory walked as that library's step "
                       "runs it (memplan estimate --stack)")]
-          if result._evaluator.stack.name != "memplan" else []),
+          if result._evaluator.stack.library else []),
         *([("Rates", f"[dim]{escape(rates_note.removeprefix('rates: '))}[/]")] if rates_note else []),
         ("Budget", f"{format_bytes(result.budget_bytes)}: the predicted peak must stay under "
                    f"{format_bytes(result.limit_bytes)} (margin {result.margin:.0%})"),
@@ -253,7 +254,7 @@ def autotune_command(
         _check_out(out)
     walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout))
     spec = walk.spec
-    if stack != "memplan" and verify:
+    if walk.stack.library and verify:
         raise InputError(f"--verify runs memplan's own trainer; a plan for --stack {stack} is one for that library's "
                          "step (accepted with --verify: --stack memplan)")
     if emit:  # the stack has a writer, DIR can be written, no file of it is replaced without --force
@@ -274,7 +275,7 @@ def autotune_command(
 
     verification = _verify_here(result, dev, n_threads, verify_steps, json) if verify else None
     final = verification.plan if verification is not None else result.plan
-    if final is not None and stack != "memplan":
+    if final is not None and shown(stack):
         final = dataclasses.replace(final, stack=stack)  # the plan records whose code it is for
     files = _render_emit(final, stack) if emit else None  # a setting the stack cannot express: nothing written
     if out:
@@ -282,7 +283,7 @@ def autotune_command(
     emitted = _write_emit(emit, final, stack, files, force, json) if emit else None
     if json:
         data = result.to_json(verification)
-        if stack != "memplan":  # memplan's own step: the JSON as it always was
+        if shown(stack):  # memplan's own step: the JSON as it always was
             data["stack"] = stack
         if emit:
             data["emitted"] = emitted

@@ -15,7 +15,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  WorldSizeOpt, local_device_from, print_json, setup_from,
                                  with_rates)
 from memplan.errors import InputError
-from memplan.units import format_bytes, format_count, format_seconds, parse_count, possessive
+from memplan.units import format_bytes, format_count, format_seconds, parse_count
 
 TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
@@ -88,7 +88,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
                   + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")
-                  + _stack_words(est.stack)),
+                  + est.stack.describe()),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                    f"{format_bytes(device.usable_bytes)} usable"),
     ])
@@ -100,7 +100,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
 
     from memplan.memory.compiled import compiled_modelled
 
-    why_not = compiled_modelled(setup, est.stack.name)
+    why_not = compiled_modelled(setup, est.stack)
     compiled_ok = why_not is None
 
     def memory_table(described: bool):
@@ -153,18 +153,6 @@ def print_estimate(est, rates_note: str | None = None) -> None:
 COMPILE_MEMORY_NOTE = ("--compile: the memory above is the eager step's; torch.compile's peak is not modelled here. "
                        "Measured on a CPU (inductor), it moved from -26% to +8% of the eager peak by stack, "
                        "precision and checkpointing (benchmarks/compile_memory.py): check it with a real step.")
-
-
-def _stack_words(stack) -> str:
-    """The Setup line's words for a stack other than memplan's own step, and a loss on the logits' dtype."""
-    words = ""
-    if stack.name == "transformers":
-        words += ", transformers' step" + (f" (peft dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
-    elif stack.name in ("litgpt", "torchtune"):
-        words += f", {possessive(stack.name)} step" + (f" (LoRA dropout {stack.lora_dropout:g})" if stack.lora_dropout else "")
-    if not stack.fp32_loss:
-        words += ", loss in the logits' dtype"
-    return words
 
 
 def print_levers(console, est) -> None:
@@ -259,43 +247,22 @@ class SearchStack:
     """A search's model and the walk's hooks for ``--stack`` (autotune, sweep)."""
 
     spec: object  # memplan.model.ModelSpec
-    stack: object  # memplan.stacks.Stack
+    stack: object  # memplan.memory.stacks.Stack
 
 
 def stack_for_search(stack: str, params, model, shape: tuple) -> SearchStack:
-    """``--stack`` of autotune and sweep, checked as estimate checks it (``memplan.stacks.check_stack``, then
+    """``--stack`` of autotune and sweep, checked as estimate checks it (``memplan.memory.stacks.check_stack``, then
     ``check_stack_builds`` for the model's family), with the model resolved as estimate resolves it (a
     config.json of phi, gemma, stablelm or qwen3 accepted, for --stack transformers)."""
     from memplan.model import resolve
-    from memplan.stacks import check_stack, check_stack_builds, stack_of
+    from memplan.memory.stacks import check_stack, check_stack_builds, stack_for
 
     check_stack(stack)
     arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout = shape
     spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
                    heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
     check_stack_builds(stack, spec)
-    return SearchStack(spec=spec, stack=stack_of(stack))
-
-
-def stack_from(stack: str, loss_dtype, lora_dropout, spec, setup):
-    """The walk's hooks (memplan.stacks) for --stack, --loss-dtype and --lora-dropout, or a one-line error:
-    a family the stack's code does not build (``check_stack_builds``: phi, gemma, stablelm, qwen3 under
-    --stack memplan), or a setting it does not have. estimate, autotune and sweep check alike."""
-    from memplan.stacks import check_stack_builds, check_stack_setup, stack_of
-
-    if lora_dropout is not None and (stack == "memplan" or not setup.lora_rank or not 0.0 <= lora_dropout < 1.0):
-        raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack transformers, litgpt "
-                         "or torchtune with --lora-rank (memplan's own adapters have no dropout)")
-    check_stack_builds(stack, spec)
-    if stack == "transformers":
-        if setup.checkpointing == "selective":
-            raise InputError("--stack transformers: checkpointing 'selective' is memplan's own; transformers "
-                             "checkpoints whole layers (accepted: none, full)")
-        if setup.sharding == "fsdp":
-            raise InputError("--stack transformers: --sharding fsdp is walked for memplan's own step only "
-                             "(accepted: none, ddp)")
-    check_stack_setup(stack, spec, setup)
-    return stack_of(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
+    return SearchStack(spec=spec, stack=stack_for(stack))
 
 
 
@@ -324,14 +291,14 @@ def estimate_command(
     from memplan.model import MEMPLAN_ARCHS, resolve
     from memplan.units import choice_error
 
-    from memplan.stacks import check_loss_dtype, check_stack
+    from memplan.memory.stacks import check_loss_dtype, check_stack, shown, stack_from_flags
 
     if mode not in MODES:
         raise choice_error("--mode", mode, list(MODES))
     check_stack(stack)
     if loss_dtype is not None:
         check_loss_dtype(loss_dtype)
-    for flag, value in (("--stack", None if stack == "memplan" else stack), ("--loss-dtype", loss_dtype),
+    for flag, value in (("--stack", shown(stack)), ("--loss-dtype", loss_dtype),
                         ("--lora-dropout", lora_dropout)):
         if value is not None and mode == "inference":
             raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
@@ -367,7 +334,7 @@ def estimate_command(
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
-    walk = stack_from(stack, loss_dtype, lora_dropout, spec, setup)
+    walk = stack_from_flags(stack, loss_dtype, lora_dropout, spec, setup)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
         from memplan.advice import levers
@@ -378,7 +345,7 @@ def estimate_command(
             from memplan.memory.compiled import compile_memory_json
 
             eager = estimate(spec, setup.replace(compile=False), dev, stack=walk).memory.peak_allocated
-            data["compile_memory"] = compile_memory_json(spec, setup, est.memory.peak_allocated, eager, walk.name)
+            data["compile_memory"] = compile_memory_json(spec, setup, est.memory.peak_allocated, eager, walk)
         print_json(with_rates(data, rates_note))
     else:
         print_estimate(est, rates_note)

@@ -147,14 +147,15 @@ def sweep_command(
         checkpointing=parse_choices(checkpointing, "--checkpointing", CHECKPOINTINGS),
         precision=parse_choices(precision, "--precision", PRECISIONS),
     )
-    from memplan.cli.estimate import stack_for_search, stack_from
+    from memplan.cli.estimate import stack_for_search
+    from memplan.memory.stacks import shown, stack_from_flags
 
     walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout))
     spec = walk.spec
     base = setup_from(str(axes.ctx[0]), str(axes.micro_batch[0]), grad_accum, axes.precision[0], axes.attention[0],
                       axes.checkpointing[0], optimizer, world_size, sharding, compile)
     for checkpointing in axes.checkpointing:  # every cell's setting, checked as estimate checks it
-        stack_from(stack, None, None, spec, base.replace(checkpointing=checkpointing))
+        stack_from_flags(stack, None, None, spec, base.replace(checkpointing=checkpointing))
     dev, rates_note = local_device_from(device, device_memory)
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
     if html is not None:  # before the sweep and before anything is printed
@@ -164,7 +165,7 @@ def sweep_command(
     sw = sweep(spec, base, dev, axes, n_tokens, stack=walk.stack)
     if json:
         data = sw.to_json()
-        if stack != "memplan":  # memplan's own step: the JSON as it always was
+        if shown(stack):  # memplan's own step: the JSON as it always was
             data["stack"] = stack
         print_json(with_rates(data, rates_note))
     else:

@@ -15,7 +15,7 @@ from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingO
                                  ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt, DropoutOpt,
                                  WorldSizeOpt, device_from, model_from, print_json, setup_from)
 from memplan.errors import InputError
-from memplan.stacks import STACKS as STACKS_WALKED
+from memplan.memory.stacks import STACKS as STACKS_WALKED, stack_class
 from memplan.units import format_bytes, parse_count
 
 TRACE_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
@@ -118,17 +118,18 @@ def trace_command(
     rank = parse_count(lora_rank, "--lora-rank") if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
-    if lora_dropout is not None and (stack == "memplan" or not rank or not 0.0 <= lora_dropout < 1.0):
+    if lora_dropout is not None and (not stack_class(stack).has_lora_dropout or not rank
+                                     or not 0.0 <= lora_dropout < 1.0):
         raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack "
                          "transformers|litgpt|torchtune with --lora-rank (memplan's own adapters have no dropout)")
-    if stack != "memplan":
+    if stack_class(stack).library:
         return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout),
                             device, device_memory, tokens, json, lora_dropout)
     from memplan.estimate import estimate
-    from memplan.stacks import check_stack_setup
+    from memplan.memory.stacks import check_stack_setup
 
     spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout)
-    check_stack_setup("memplan", spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
+    check_stack_setup(stack, spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
     if setup.sharding == "ddp":
         raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "
                          "single-process step plus its gradient buckets (`memplan estimate`), measured for real by "
@@ -167,14 +168,14 @@ def trace_command(
         check_trace_time(spec, setup, lambda s, st: trace_step(s, st, fake_device, accelerator=accelerator))
         traced = trace_step(spec, setup, fake_device, accelerator=accelerator)
     data = traced_json(est, traced)
-    data["stack"] = "memplan"
+    data["stack"] = stack
     if setup.compile:
         data["trace"]["compiled"] = {k: traced.terms.get(k, 0) for k in ("forward_saved", "forward_nodes",
                                                                          "backward_nodes")}
     if json:
         print_json(data)
         return
-    _print_trace(spec.describe(), setup, traced, data, est, dev, "memplan")
+    _print_trace(spec.describe(), setup, traced, data, est, dev, stack)
 
 
 def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory, tokens, json, lora_dropout) -> None:
@@ -210,7 +211,7 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
                                                                 fake_device, lora_dropout=lora_dropout))
     traced = trace_stack(stack, StackModel(spec=None if cfg is not None else spec, hf_config=cfg), setup,
                          fake_device, lora_dropout=lora_dropout, accelerator=accelerator)
-    from memplan.stacks import check_stack_builds, check_stack_setup, stack_of
+    from memplan.memory.stacks import check_stack_builds, check_stack_setup, stack_for
 
     if spec is not None:
         try:  # the walk of the same stack (estimate --stack S), where it covers the step
@@ -226,7 +227,7 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
         _print_trace(f"{cfg.get('model_type')} from {model} ({traced.params:,} parameters)", setup, traced, data,
                      None, dev, stack)
         return
-    walked = stack_of(stack, lora_dropout=lora_dropout)  # the walk of the same stack (estimate --stack S)
+    walked = stack_for(stack, lora_dropout=lora_dropout)  # the walk of the same stack (estimate --stack S)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walked)
     data = traced_json(est, traced)
     data["stack"] = stack
@@ -263,7 +264,7 @@ def _print_trace(described: str, setup, traced, data: dict, est, dev, stack: str
     if est is None:
         print_labelled(console, f"{fits}; memplan's analytic walk does not cover this family (the trace is exact "
                                 "for it)")
-    elif stack == "memplan":
+    elif not stack_class(stack).library:
         print_labelled(console, f"analytic estimate: {format_bytes(est.memory.peak_allocated)} "
                                 f"({data['trace']['analytic_error']:+.2%} against the trace); {fits}")
     else:

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli.app import app
+from memplan.memory.stacks import DEFAULT, shown, stack_class
 from memplan.reports.validate import decode_step_words, inference_page, validation_page
 from memplan.cli.options import DeviceMemoryOpt, DeviceOpt, JsonOpt, ThreadsOpt, print_json, threads_from, use_threads
 
@@ -56,7 +57,7 @@ def validate_command(
     from trainer.validate import parse_stacks
 
     stacks = parse_stacks(stack)
-    if stacks != ["memplan"] and (mode != "training" or world_size != "1"):
+    if any(stack_class(s).library for s in stacks) and (mode != "training" or world_size != "1"):
         raise InputError(f"--stack {stack}: other stacks are measured in one process, training "
                          "(accepted with them: --mode training --world-size 1)")
     if mode == "inference":
@@ -97,7 +98,7 @@ def validate_command(
 
         def started(config, which):
             progress.update(task, description=f"validating {config.name}"
-                                              + (f" ({which})" if which != "memplan" else ""))
+                                              + (f" ({which})" if shown(which) else ""))
 
         rows = measure_validation(run, dev, trace=not no_trace, started=started,
                                   done=lambda n: progress.update(task, completed=n))
@@ -127,12 +128,12 @@ def print_validation(console, run, rows, where: str) -> None:
         console.print(f"not run: {len(run.skipped)} config(s) a stack cannot take ("
                       + "; ".join(sorted({f'{t}: {why}' for _, t, why in run.skipped})) + ")", soft_wrap=True)
     several = len(run.stacks) > 1
-    if run.stacks != ["memplan"]:
+    if any(stack_class(s).library for s in run.stacks):
         _print_stacks_side_by_side(console, rows)
     for which in dict.fromkeys(r.stack for r in rows):
         part = summarize([r for r in rows if r.stack == which] if several else rows)
         if several:
-            from memplan.stacks import STACKS as WALKED
+            from memplan.memory.stacks import STACKS as WALKED
 
             walk = "the walk with its hooks" if which in WALKED else "memplan's own model's walk"
             console.print(f"[bold]{which}[/] ({walk} against the measured {which} step):")
@@ -203,13 +204,13 @@ def _print_stacks_side_by_side(console, rows) -> None:
         for t in stacks:
             if t not in peaks:
                 cells.append("-")
-            elif t != "memplan" and "memplan" in peaks:
-                cells.append(f"{format_bytes(peaks[t])} ({(peaks['memplan'] - peaks[t]) / peaks[t]:+.1%})")
+            elif shown(t) and DEFAULT in peaks:
+                cells.append(f"{format_bytes(peaks[t])} ({(peaks[DEFAULT] - peaks[t]) / peaks[t]:+.1%})")
             else:
                 cells.append(format_bytes(peaks[t]))
         table.add_row(name, *cells)
     console.print(table)
-    if "memplan" in stacks:
+    if DEFAULT in stacks:
         console.print("(in brackets: memplan's own peak against that stack's, (memplan − stack) / stack)")
 
 

@@ -6,7 +6,7 @@
   reduce-scatters;
 - ``memplan.memory.peak``: ``peak_memory`` / ``peak_memory_of_rank`` and the ``MemoryBreakdown`` they report.
 
-The stacks' hooks (transformers, litgpt, torchtune) are ``memplan.stacks.Stack``. Torch-free. Every name
+The stacks' hooks (transformers, litgpt, torchtune) are ``memplan.memory.stacks.Stack``. Torch-free. Every name
 callers use is re-exported here.
 """
 

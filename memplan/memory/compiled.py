@@ -17,17 +17,19 @@ head alone, or with FSDP the compiled step is not modelled here (``compiled_mode
 
 from __future__ import annotations
 
+from memplan.memory.stacks import MEMPLAN, Stack
 from memplan.memory.terms import act_bytes, mlp_inner_bytes, residual_bytes_per_element, tokens
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 
 
-def compiled_modelled(setup: TrainSetup, stack_name: str = "memplan") -> str | None:
-    """None where the compile hook models the compiled step; else why not (one line)."""
+def compiled_modelled(setup: TrainSetup, stack: Stack = MEMPLAN) -> str | None:
+    """None where the compile hook models the compiled step of ``stack``'s code (``Stack.compiles``); else why
+    not (one line)."""
     if not setup.compile:
         return "not compiled"
-    if stack_name != "memplan":
-        return f"--stack {stack_name}: the trainer compiles memplan's own model only"
+    if not stack.compiles:
+        return f"--stack {stack.name}: the trainer compiles memplan's own model only"
     if setup.world_size > 1:
         return "sharded steps are planned eager"
     if setup.lora_rank and not ({"up", "qkv", "proj"} & set(setup.lora)):
@@ -61,11 +63,11 @@ def compiled_first_residual_unsaved_bytes(spec: ModelSpec, setup: TrainSetup) ->
 
 
 def compile_memory_json(spec: ModelSpec, setup: TrainSetup, compiled_peak: int, eager_peak: int,
-                        stack_name: str = "memplan") -> dict:
+                        stack: Stack = MEMPLAN) -> dict:
     """``compile_memory`` of ``estimate --compile --json``: whether the compiled step is modelled, its peak and
     the eager step's (``peak_allocated``, bytes), and the terms the partitioner saves less, per block and for
     the first block; where it is not modelled, why (``memory`` is then the eager step's)."""
-    why = compiled_modelled(setup, stack_name)
+    why = compiled_modelled(setup, stack)
     if why is not None:
         return {"modelled": False, "why": why, "peak_allocated": eager_peak, "eager_peak_allocated": eager_peak}
     return {"modelled": True, "peak_allocated": compiled_peak, "eager_peak_allocated": eager_peak,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from memplan.memory.sharding import gradients_persist
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import MEMPLAN, Stack
+from memplan.memory.stacks import MEMPLAN, Stack
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
 

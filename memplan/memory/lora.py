@@ -3,7 +3,7 @@
 Each is a small function the one walk (``memplan.memory.walk``) calls where the tensors it names are made;
 ``trainer/lora.py`` is the code they follow (``LoRALinear``: the frozen base matmul, then
 ``lora_B(lora_A(x))·scale`` added to its output), and a stack's own adapters (peft's, litgpt's,
-torchtune's) come in through ``Stack``'s hooks (``memplan.stacks``). The closed-form LoRA terms (the
+torchtune's) come in through ``Stack``'s hooks (``memplan.memory.stacks``). The closed-form LoRA terms (the
 adapters' parameters, what they save, what the first block does not save) are in ``memplan.memory.terms``;
 they are looked up there when called, so a test can take one out.
 """
@@ -16,7 +16,7 @@ import memplan.memory.terms as terms
 from memplan.memory.terms import LOWP_WEIGHT_BYTES, act_bytes, lora_adapter_shapes, lora_matrix_params, tokens
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, TrainSetup
-from memplan.stacks import Stack
+from memplan.memory.stacks import Stack
 
 if TYPE_CHECKING:
     from memplan.memory.ledger import _StepWalk
@@ -134,7 +134,7 @@ def linear_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, matrix: st
     if needs_input_grad:
         w.alloc("temporaries", input_grad_bytes)  # the base's input gradient
         if adapted:  # ... summed with the adapter's (``input_gradient_sum_bytes``)
-            summed = terms.input_gradient_sum_bytes(w.stack.name, input_grad_bytes)
+            summed = terms.input_gradient_sum_bytes(w.stack.sums_input_gradient_in_place, input_grad_bytes)
             w.alloc("temporaries", summed)
             w.free("temporaries", input_grad_bytes + summed)
     w.free("activations", saved_input_bytes)

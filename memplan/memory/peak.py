@@ -10,7 +10,7 @@ from memplan.memory.terms import (activation_terms, glibc_heap_retention_bytes, 
 from memplan.memory.walk import Moment, walk_step
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
-from memplan.stacks import MEMPLAN, Stack
+from memplan.memory.stacks import MEMPLAN, Stack
 
 
 @dataclass(frozen=True)

@@ -108,13 +108,14 @@ def trainable_params(spec: ModelSpec, setup: TrainSetup) -> int:
     return lora_params(spec, setup) if setup.lora_rank else spec.params
 
 
-def input_gradient_sum_bytes(stack_name: str, input_grad_bytes: int) -> int:
+def input_gradient_sum_bytes(in_place: bool, input_grad_bytes: int) -> int:
     """The sum of a frozen matmul's input gradient and its adapter's (x feeds both the base matmul and lora_A),
     made by autograd's input buffer. memplan's ``LoRALinear`` (trainer/lora.py): the base's gradient is added
     into the adapter's in place (``InputBuffer::accumulate`` repurposes a buffer holding the only reference to
     its storage), making nothing; the FakeTensor traces show it. Other stacks' adapters (peft, litgpt,
-    torchtune) keep the out-of-place sum, n·in·a, their walks were checked with (not re-traced here)."""
-    return 0 if stack_name == "memplan" else input_grad_bytes
+    torchtune) keep the out-of-place sum, n·in·a, their walks were checked with (not re-traced here). ``in_place``:
+    the stack's adapters sum in place (``Stack.sums_input_gradient_in_place``)."""
+    return 0 if in_place else input_grad_bytes
 
 
 def lora_input_casts_bytes(spec: ModelSpec, setup: TrainSetup, matrix: str) -> int:

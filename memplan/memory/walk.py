@@ -13,7 +13,7 @@ The sequence is walked once, for every layout and every code: three kinds of hoo
 - the sharding hook (``memplan.memory.sharding``: ``Replicated`` for one process and DDP, ``FullyShard``
   for an FSDP2 rank): the persistent state, the all-gathers and reduce-scatters, where gradients live;
 - the LoRA hooks (``memplan.memory.lora``): the adapters' forward and backward, the frozen matmuls;
-- the stack's hooks (``memplan.stacks.Stack``): the tensors transformers', litgpt's or torchtune's
+- the stack's hooks (``memplan.memory.stacks.Stack``): the tensors transformers', litgpt's or torchtune's
   code saves beyond memplan's own.
 
 What a block's forward keeps is its checkpointing policy (``BlockPass``).
@@ -38,7 +38,7 @@ from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS,
                                   sdpa_output_bytes, sdpa_repeated_kv_bytes, stack_adapter_state_bytes, tokens)
 from memplan.model import ModelSpec
 from memplan.setup import FP32_BYTES, TrainSetup
-from memplan.stacks import MEMPLAN, Stack
+from memplan.memory.stacks import MEMPLAN, Stack
 
 def _norm_forward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup) -> int:
     """A norm's forward: its fp32 working buffers, its statistics and its output.
@@ -139,7 +139,7 @@ class _BlockForward:
     def norm(self) -> int:
         """A norm, its statistics kept if autograd's saved tensors are; its output's bytes."""
         out = _norm_forward(self.w, self.spec, self.setup)
-        if self.p.keeps_saved:  # the stack's norm saves its own (memplan.stacks): 0 for memplan
+        if self.p.keeps_saved:  # the stack's norm saves its own (memplan.memory.stacks): 0 for memplan
             self.w.alloc("activations", self.w.stack.norm_saved_bytes(self.spec, self.setup))
         self.drop(norm_stat_bytes(self.spec, self.setup), self.p.keeps_saved)
         return out
@@ -158,7 +158,7 @@ class _BlockForward:
         spec, setup, p, w = self.spec, self.setup, self.p, self.w
         w.where = "block forward: attention"
         qkv = self.normed_linear("qkv", qkv_output_bytes(spec, setup))
-        if p.keeps_saved:  # the stack's per-head q/k norms save their own (memplan.stacks): 0 for memplan
+        if p.keeps_saved:  # the stack's per-head q/k norms save their own (memplan.memory.stacks): 0 for memplan
             w.alloc("activations", w.stack.qk_norm_saved_bytes(spec, setup))
         q_rot = self.make(rotated_q_bytes(spec, setup))
         k_rot = self.make(rotated_k_bytes(spec, setup))
@@ -174,7 +174,7 @@ class _BlockForward:
             proj_in = self.sdpa_repeated(qkv, q_rot, k_rot)
         else:
             proj_in = self.sdpa(qkv, q_rot + k_rot)
-        if p.keeps_saved:  # the stack's attention saves its own (memplan.stacks): 0 for memplan
+        if p.keeps_saved:  # the stack's attention saves its own (memplan.memory.stacks): 0 for memplan
             w.alloc("activations", w.stack.attention_saved_bytes(spec, setup))
         w.where = "block forward: output projection"
         self.weight_copy("proj")
@@ -268,7 +268,7 @@ class _BlockForward:
         if spec.mlp == "swiglu":
             inner += self.make(mlp_inner_bytes(spec, setup))  # silu(gate)·up
         self.weight_copy("down")
-        if p.keeps_saved:  # the stack's own saved tensors beyond memplan's (memplan.stacks): 0 for memplan
+        if p.keeps_saved:  # the stack's own saved tensors beyond memplan's (memplan.memory.stacks): 0 for memplan
             made = sum(w.stack.adapter_saved_bytes(spec, setup, m) for m in setup.lora)  # made by the adapters
             made += w.stack.attention_saved_bytes(spec, setup) + 2 * w.stack.norm_saved_bytes(spec, setup)  # attention, norms
             made += w.stack.qk_norm_saved_bytes(spec, setup)  # the per-head q/k norms
@@ -611,7 +611,7 @@ class _Step:
             self.first_unsaved = lora.first_block_unsaved_bytes(spec, cs, gqa_repeat, stack)
             self.first_copies = lora.first_block_weight_copy_bytes(spec, cs)
         # torch.compile (memplan.memory.compiled): what inductor's partitioner saves less, where it is modelled
-        self.w.compiled = compiled.compiled_modelled(cs, stack.name) is None
+        self.w.compiled = compiled.compiled_modelled(cs, stack) is None
         self.first_residual = 0
         if self.w.compiled:
             self.stored -= compiled.compiled_silu_unsaved_bytes(spec, cs)
@@ -849,7 +849,7 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stac
     """Walk one steady-state step (its last micro-batch) of ``rank`` and return the walk with its peak.
 
     ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for grouped-query
-    attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its hooks (``memplan.stacks``)
+    attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its hooks (``memplan.memory.stacks``)
     add the tensors that code saves beyond memplan's own (FSDP2 is walked for memplan's own step only:
     ``Stack.shardings``). ``sharding``: the sharding hook (``sharding_hook``'s by default)."""
     if setup.sharding == "fsdp":

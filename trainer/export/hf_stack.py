@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memplan.errors import InputError
+from memplan.memory.stacks import DEFAULT, stack_class
 from trainer.export.common import MARKER, LoadedRun
 
 TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -21,7 +22,7 @@ TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat1
 
 def is_stack_run(run: LoadedRun) -> bool:
     """Whether the run trained transformers' model class (its plan's [setup] stack)."""
-    return ((run.meta.get("plan") or {}).get("setup") or {}).get("stack", "memplan") != "memplan"
+    return stack_class(((run.meta.get("plan") or {}).get("setup") or {}).get("stack", DEFAULT)).trains_hf_model
 
 
 def check_format(run: LoadedRun, fmt: str) -> None:

@@ -10,10 +10,10 @@ steps on real tensors, which is how the tests hold the trace to that).
 
 Stacks (``--stack``):
 
-- ``memplan``: memplan's own trainer (``trainer/model.py``, ``trainer/step.py``);
+- ``memplan``: memplan's own trainer (``trainer/model.py``, ``trainer/step.py``) (``trainer/stacks/memplan.py``);
 - ``transformers``: Hugging Face transformers' ``AutoModelForCausalLM.from_config``, its
   ``labels=`` loss, ``gradient_checkpointing_enable()``, and peft's ``LoraConfig`` /
-  ``get_peft_model`` for LoRA (``trainer/stacks/hf.py``);
+  ``get_peft_model`` for LoRA (``trainer/stacks/transformers.py``);
 - ``litgpt``: litgpt's ``GPT(Config(...))`` with Fabric's precision plugin, pretrain.py's step
   (``chunked_cross_entropy``, clipping) or, with LoRA, finetune/lora.py's (``litgpt.lora``,
   ``mark_only_lora_as_trainable``, the head in chunks) (``trainer/stacks/litgpt.py``);
@@ -25,6 +25,11 @@ The libraries are optional: ``pip install 'memplan[stacks]'`` (transformers, pef
 ``'memplan[litgpt]'``, ``'memplan[torchtune]'``, the last two each in an environment of its own
 (their pins conflict with transformers 5's and peft's: pyproject.toml says how); without one, a
 one-line error names its extra.
+
+Each module here is the trainer's twin of the planner's stack of the same name (``memplan.memory.stacks``,
+whose ``STACKS`` this package takes): ``build_model``, ``train_step`` (None: memplan's own step), optionally
+``make_optimizer``, ``as_on_real_tensors`` and ``quiet_import``, and ``LIBRARY``, the package it needs
+(None for memplan's own).
 """
 
 from __future__ import annotations
@@ -33,10 +38,9 @@ import contextlib
 from dataclasses import dataclass
 
 from memplan.errors import InputError
+from memplan.memory.stacks import STACKS, check_stack as check_planned_stack
 from memplan.units import possessive
 
-STACKS = ("memplan", "transformers", "litgpt", "torchtune")
-_MODULES = {"transformers": "hf", "litgpt": "litgpt", "torchtune": "torchtune"}  # trainer/stacks/<module>.py
 EXTRA = "pip install 'memplan[stacks]'"
 
 
@@ -51,9 +55,7 @@ class StackModel:
 
 def check_stack(stack: str) -> str:
     """``stack`` if a trace can take it (``STACKS``), else the one-line InputError naming them."""
-    from memplan import stacks
-
-    return stacks.check_stack(stack, STACKS)
+    return check_planned_stack(stack, STACKS)
 
 
 def require(module: str, stack: str, extra: str = EXTRA):
@@ -67,10 +69,10 @@ def require(module: str, stack: str, extra: str = EXTRA):
 
 
 def _stack_module(stack: str):
-    """trainer/stacks/<module>.py of a library's stack."""
+    """trainer/stacks/<stack>.py, the trainer's twin of the planner's stack."""
     import importlib
 
-    return importlib.import_module(f"trainer.stacks.{_MODULES[stack]}")
+    return importlib.import_module(f"trainer.stacks.{stack}")
 
 
 def _vocab(model: StackModel) -> int:
@@ -85,40 +87,36 @@ def _vocab(model: StackModel) -> int:
 def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
     """(the stack's model, its optimizer, its step function) for ``setup``; memplan's own step is None:
     ``trainer.measure._tracked_steps`` takes it by default."""
-    from trainer.lora import lora_for
-    from trainer.model import build_model
-    from trainer.step import make_optimizer, param_dtype
+    from trainer.step import make_optimizer
 
-    if stack == "memplan":
-        if model.spec is None:
-            raise InputError("--stack memplan: memplan's own model needs a shape it covers "
-                             "(--params, --arch … or a config.json of llama, mistral, qwen2, gpt2, gpt_neox)")
-        net = lora_for(build_model(model.spec, setup.attention, setup.checkpointing, param_dtype(setup.precision)),
-                       setup)
-        return net, make_optimizer(net, setup.optimizer), None
     module = _stack_module(stack)
     net = module.build_model(model, setup, lora_dropout=lora_dropout)
     own = getattr(module, "make_optimizer", None)  # the library's optimizer as its scripts make it
     return net, own(net, setup) if own else make_optimizer(net, setup.optimizer), module.train_step
 
 
-def require_stack(stack: str) -> None:
-    """The one-line InputError naming the extra to install when ``stack``'s library is missing."""
+def require_stack(stack: str, lora: bool = False) -> None:
+    """The one-line InputError naming the extra to install when ``stack``'s library is missing (with ``lora``,
+    also the library its adapters come from: ``LORA_LIBRARY``, peft for transformers)."""
     check_stack(stack)
-    if stack == "memplan":
-        return
     module = _stack_module(stack)
-    with getattr(module, "quiet_import", contextlib.nullcontext)():
+    _require_library(stack, module)
+    if lora and getattr(module, "LORA_LIBRARY", None):
+        require(module.LORA_LIBRARY, stack)
+
+
+def _require_library(stack: str, module) -> None:
+    """The one-line InputError naming the extra where ``module``'s library is missing (memplan's own needs none)."""
+    if module.LIBRARY is None:
+        return
+    with getattr(module, "quiet_import", contextlib.nullcontext)():  # missing: the one line, before any import
         require(module.LIBRARY, stack, getattr(module, "EXTRA", EXTRA))
 
 
 def _as_on_real_tensors(stack: str):
-    """The stack's code on fake tensors takes the path it takes on real ones (``hf.as_on_real_tensors``)."""
-    if stack == "memplan":
-        return contextlib.nullcontext()
+    """The stack's code on fake tensors takes the path it takes on real ones (``transformers.as_on_real_tensors``)."""
     module = _stack_module(stack)
-    with getattr(module, "quiet_import", contextlib.nullcontext)():  # missing: the one line, before any import
-        require(module.LIBRARY, stack, getattr(module, "EXTRA", EXTRA))
+    _require_library(stack, module)
     return module.as_on_real_tensors()
 
 

@@ -40,17 +40,18 @@ import contextlib
 import torch
 
 from memplan.errors import InputError
+from memplan.memory.stacks.litgpt import LitgptStack
 from memplan.setup import TrainSetup
-from trainer.stacks import StackModel, require
+from trainer.stacks import StackModel, converting_fake_parameters, require
 
 STACK = "litgpt"
 LIBRARY = "litgpt"
 EXTRA = "pip install 'memplan[litgpt]'"
 LORA_R_ALPHA = 16  # finetune/lora.py's lora_alpha default
-LORA_DEFAULT_DROPOUT = 0.05  # finetune/lora.py's lora_dropout default
+LORA_DEFAULT_DROPOUT = LitgptStack.lora_default_dropout  # finetune/lora.py's lora_dropout default (0.05)
 LM_HEAD_CHUNK = 128  # finetune/lora.py: model(input_ids, lm_head_chunk_size=128)
 PRETRAIN_MAX_NORM = 1.0  # pretrain.py's TrainArgs(max_norm=1.0)
-PRECISIONS = ("fp32", "tf32", "bf16-mixed", "bf16")
+PRECISIONS = LitgptStack.precisions  # the planner twin's: fp32, tf32, bf16-mixed, bf16
 
 
 def _lib():
@@ -131,7 +132,6 @@ def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None
         from litgpt.model import GPT
 
         config = Config(**kwargs)
-    from trainer.stacks import converting_fake_parameters
 
     plugin = precision_plugin(setup, torch.get_default_device().type)
     # fabric.setup converts the module (HalfPrecision: ``module.to(bf16)``); on fake tensors only

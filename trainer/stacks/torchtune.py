@@ -33,14 +33,15 @@ import contextlib
 import torch
 
 from memplan.errors import InputError
+from memplan.memory.stacks.torchtune import TorchtuneStack
 from memplan.setup import TrainSetup
-from trainer.stacks import StackModel, require
+from trainer.stacks import StackModel, converting_fake_parameters, require
 
 STACK = "torchtune"
 LIBRARY = "torchtune"
 EXTRA = "pip install 'memplan[torchtune]'"
-PRECISIONS = ("fp32", "tf32", "bf16")
-LORA_DEFAULT_DROPOUT = 0.0  # the recipes' configs: lora_dropout: 0.0
+PRECISIONS = TorchtuneStack.precisions  # the planner twin's: fp32, tf32, bf16
+LORA_DEFAULT_DROPOUT = TorchtuneStack.lora_default_dropout  # the recipes' configs: lora_dropout: 0.0
 IGNORE_INDEX = -100  # CEWithChunkedOutputLoss's ignore_index
 
 
@@ -104,8 +105,6 @@ def build_model(model: StackModel, setup: TrainSetup, lora_dropout: float | None
     from torchtune.models.llama3 import llama3, lora_llama3
     from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
-
-    from trainer.stacks import converting_fake_parameters
 
     spec = model.spec
     shape = dict(vocab_size=spec.vocab, num_layers=spec.layers, num_heads=spec.heads, num_kv_heads=spec.kv_heads,

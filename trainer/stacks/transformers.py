@@ -25,10 +25,11 @@ import torch
 from memplan.emit import hf_lora_modules
 from memplan.errors import InputError
 from memplan.setup import TrainSetup
-from trainer.stacks import StackModel, require
+from trainer.stacks import StackModel, converting_fake_parameters, require
 
 STACK = "transformers"
 LIBRARY = "transformers"
+LORA_LIBRARY = "peft"  # its LoRA: peft's LoraConfig and get_peft_model
 DEFAULT_LORA_ALPHA = 16.0
 PEFT_DEFAULT_DROPOUT = 0.0  # peft's LoraConfig.lora_dropout default
 
@@ -140,12 +141,11 @@ def lora_target_modules(model_type: str, targets: str) -> str:
 
 
 def _with_peft_lora(net, model_type: str, setup: TrainSetup, alpha: float, dropout: float):
-    peft = require("peft", STACK)
+    peft = require(LORA_LIBRARY, STACK)
     config = peft.LoraConfig(r=setup.lora_rank, lora_alpha=alpha, lora_dropout=dropout,
                              target_modules=lora_target_modules(model_type, setup.lora_targets),
                              fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores W transposed
                              task_type="CAUSAL_LM")
-    from trainer.stacks import converting_fake_parameters
 
     try:
         with converting_fake_parameters():
