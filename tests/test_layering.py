@@ -75,7 +75,7 @@ CLI_IMPORTERS = {"trainer.__main__": "the rank's entry point renders through mem
 def test_the_trainer_library_never_imports_the_command_line():
     """Flags are parsed into values by the CLI or by the planner's own parsers (``memplan.model.resolve``,
     ``memplan.setup.setup_from_flags``, ``memplan.hardware.device_from_flags``); the library that resolves and
-    runs a request imports no CLI module (trainer.request took three parsers and a file writer from it)."""
+    runs a request imports no CLI module (trainer.request, now trainer.train_run, took three parsers and a file writer from it)."""
     graph = _import_graph("trainer", "memplan")
     importers = {m: sorted(d for d in deps if d == "memplan.cli" or d.startswith("memplan.cli."))
                  for m, deps in graph.items() if m.startswith("trainer") and m not in CLI_IMPORTERS}
