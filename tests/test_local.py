@@ -242,7 +242,9 @@ def test_the_calibration_says_how_long_all_of_it_took(cache, tmp_path, monkeypat
         return child(*args, **kwargs)
 
     monkeypatch.setattr(train, "calibrate_in_child", slow_child)
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    from memplan import local_calibration
+
+    monkeypatch.setattr(local_calibration, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     _, note = train.local_calibration(load_profile("cpu"), train.TrainUI(), measure_now=True)
     assert "measured now in 38 s: 15 s of measurements × 2 attempts, the thread trial and torch's start-up" in note
 

@@ -546,10 +546,10 @@ def test_cli_prints_a_stopped_run_on_one_line_with_exit_1(tmp_path, corpus, monk
 def test_without_a_plan_train_picks_a_model_autotunes_it_and_trains_for_the_time_given(tmp_path, corpus, monkeypatch):
     """The quick start's path (what `memplan train` alone does, on this corpus and for 6 seconds): a model
     sized for the time, its setup from autotune, a time-limited schedule, a sample at the end."""
-    from trainer import train_run as train_cli
+    from memplan import local_calibration
 
     monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "cache"))  # this test's own calibration of the machine
-    monkeypatch.setattr(train_cli, "QUICKSTART_CALIBRATE_SECONDS", 4.0)
+    monkeypatch.setattr(local_calibration, "QUICKSTART_CALIBRATE_SECONDS", 4.0)
     run = tmp_path / "run"
     result = cli("--data", str(corpus), "--out", str(run), "--max-minutes", "0.1", "--sample-tokens", "4")
     assert result.exit_code == 0, result.output

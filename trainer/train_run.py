@@ -27,7 +27,6 @@ from pathlib import Path
 
 from memplan.errors import InputError
 
-from memplan.local_calibration import QUICKSTART_CALIBRATE_SECONDS
 from memplan.planning import (DEFAULT_CTX, QUICKSTART_CTX, QUICKSTART_LR, QUICKSTART_MINUTES, SetupAsked,
                               autotuned_plan, check_plan_device, check_vocab, for_world, memplan_plan,
                               plan_from_flags)
@@ -390,19 +389,21 @@ def set_threads(threads: int | None, profile) -> int:
 
 
 def calibrate_in_child(name: str, threads: int | None, ui: "TrainUI", again: bool = False):
-    """A calibration of QUICKSTART_CALIBRATE_SECONDS in a fresh process (``python -m trainer.calibrate``) that
+    """A calibration of ``memplan.local_calibration.QUICKSTART_CALIBRATE_SECONDS`` in a fresh process
+    (``python -m trainer.calibrate``) that
     loads the modules of memplan this process has loaded (for its runtime context), with a progress bar; returns it as a ``memplan.local.LocalCalibration`` read from a temporary file."""
     import json
     import subprocess
     import tempfile
 
     from memplan import local
+    from memplan import local_calibration as calibration
 
     tmp = Path(tempfile.mkstemp(prefix="memplan-calibration-", suffix=".toml")[1])
     # the baseline is measured in a process that loaded what this one (the training process) has of memplan:
     # its command line when `memplan train` runs it
     loaded = sorted(m for m in sys.modules if m == "memplan" or m.startswith("memplan."))
-    args = [sys.executable, "-m", "trainer.calibrate", str(QUICKSTART_CALIBRATE_SECONDS), str(tmp), name,
+    args = [sys.executable, "-m", "trainer.calibrate", str(calibration.QUICKSTART_CALIBRATE_SECONDS), str(tmp), name,
             str(threads or ""), ",".join(loaded)]
     what = "measuring this machine" + (" again" if again else "")
     env = dict(os.environ)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from memplan.cli.app import app
-from memplan.cli.options import SEED_MAX, ThreadsOpt, threads_from, use_threads
+from memplan.cli.options import SEED_MAX, CheckpointOpt, ThreadsOpt, threads_from, use_threads
 from memplan.errors import InputError
 from memplan.units import parse_float, parse_int
 
 _G = "Generation"
 RunOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="A run directory (`memplan train --out RUN` or `memplan finetune`).",
                                      show_default=False)]
-CheckpointOpt = Annotated[Optional[str], typer.Option(
-    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
 PromptOpt = Annotated[str, typer.Option("--prompt", metavar="TEXT", help="The text to continue (empty: start a new document).",
                                         show_default=False)]
 MaxNewOpt = Annotated[str, typer.Option("--max-new-tokens", metavar="N", help="Tokens to generate at most (end-of-text stops "

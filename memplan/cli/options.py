@@ -292,6 +292,12 @@ def with_groups(command):
     return run
 
 
+# ---- a trained run (eval, export, generate) --------------------------------------------------
+RunDirOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="The run directory (what `memplan train --out` wrote).",
+                                        show_default=False)]
+CheckpointOpt = Annotated[Optional[str], typer.Option(
+    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
+
 SEED_MAX = 2**32 - 1  # as trainer.loop.SEED_MAX (this module imports no torch)
 LIMITS = ("max_steps", "max_tokens", "max_minutes")  # as trainer.loop.LIMITS: the settings that decide when a run stops
 
@@ -340,14 +346,6 @@ def run_control_from(limits: LimitFlags, checks: CheckFlags) -> dict:
         prompts=tuple(checks.prompt) if checks.prompt else None, verify_data=checks.verify_data,
         max_nonfinite=count(checks.max_nonfinite, "--max-nonfinite"),
     )
-
-
-def model_from(params=None, model=None, arch=None, layers=None, hidden=None, heads=None, kv_heads=None,
-               ffn=None, vocab=None, tied=None, dropout=None):
-    from memplan.model import resolve
-
-    return resolve(params=params, model=model, arch=arch, layers=layers, hidden=hidden, heads=heads,
-                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
 
 
 def setup_from(ctx="1024", batch="1", grad_accum="1", precision="bf16-mixed", attention="sdpa",
