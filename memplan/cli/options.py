@@ -5,7 +5,7 @@ An option is one ``Annotated`` type (its flag, metavar, help and panel). A group
 options (``ModelFlags``, ``SetupFlags``, ...): a command takes a group as one parameter annotated with its
 class, and ``@with_groups`` spreads the group's fields into the signature typer reads (in their order) and
 calls the command with one group object per group. A command turns a group into what it plans with
-(``ModelFlags.spec``, ``SetupFlags.setup``, ``DeviceFlags.device``): values are parsed here (``8k``,
+(``ModelFlags.spec``, ``SetupFlags.setup``, ``DeviceFlags.profile``): values are parsed here (``8k``,
 ``4GiB``) and validated by the dataclasses, so every bad value surfaces as one ``InputError`` line.
 """
 
@@ -191,7 +191,9 @@ class SetupFlags(Flags):
 
     def setup(self, **kw):
         """The ``TrainSetup`` these options describe (``kw``: options replaced, e.g. a precision chosen)."""
-        return setup_from(**{**self.values(), **kw})
+        from memplan.setup import setup_from_flags
+
+        return setup_from_flags(**{**self.values(), **kw})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,15 +348,6 @@ def run_control_from(limits: LimitFlags, checks: CheckFlags) -> dict:
         prompts=tuple(checks.prompt) if checks.prompt else None, verify_data=checks.verify_data,
         max_nonfinite=count(checks.max_nonfinite, "--max-nonfinite"),
     )
-
-
-def setup_from(ctx="1024", batch="1", grad_accum="1", precision="bf16-mixed", attention="sdpa",
-               checkpointing="none", optimizer="adamw", world_size="1", sharding="none", compile=False):
-    from memplan.setup import setup_from_flags
-
-    return setup_from_flags(ctx=ctx, batch=batch, grad_accum=grad_accum, precision=precision, attention=attention,
-                            checkpointing=checkpointing, optimizer=optimizer, world_size=world_size,
-                            sharding=sharding, compile=compile)
 
 
 def device_from(device=None, device_memory=None):

@@ -16,7 +16,7 @@ from memplan.cli.app import app
 from memplan.cli.estimate import PlanStackOpt
 from memplan.cli.options import with_rates  # noqa: I001
 from memplan.cli.options import (CompileOpt, DeviceFlags, GradAccumOpt, JsonOpt, ModelFlags, OptimizerOpt,
-                                 ShardingOpt, WorldSizeOpt, print_json, setup_from, with_groups)
+                                 ShardingOpt, WorldSizeOpt, print_json, with_groups)
 from memplan.reports.sweep import (CHECKPOINTING_WORDS, fixed_words, format_ctx, gib_text, setup_words,  # noqa: F401
                                    sweep_page, variant_label, variant_words)
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
@@ -144,11 +144,12 @@ def sweep_command(
         precision=parse_choices(precision, "--precision", PRECISIONS),
     )
     from memplan.cli.estimate import stack_for_search, stack_from
+    from memplan.setup import setup_from_flags
 
     walk = stack_for_search(stack, model_flags)
     spec = walk.spec
-    base = setup_from(str(axes.ctx[0]), str(axes.micro_batch[0]), grad_accum, axes.precision[0], axes.attention[0],
-                      axes.checkpointing[0], optimizer, world_size, sharding, compile)
+    base = setup_from_flags(axes.ctx[0], axes.micro_batch[0], grad_accum, axes.precision[0], axes.attention[0],
+                            axes.checkpointing[0], optimizer, world_size, sharding, compile)
     for checkpointing in axes.checkpointing:  # every cell's setting, checked as estimate checks it
         stack_from(stack, None, None, spec, base.replace(checkpointing=checkpointing))
     dev, rates_note = device_flags.local_profile()
