@@ -146,7 +146,7 @@ def main() -> int:
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; cache {cache}", flush=True)
     rows = []
     if args.families_only:
-        prepared = subprocess.run([sys.executable, "-c", "from trainer.request import ensure_embedded_data; "
+        prepared = subprocess.run([sys.executable, "-c", "from trainer.train_run import ensure_embedded_data; "
                                    "ensure_embedded_data()"], capture_output=True, text=True, env=env, cwd=ROOT)
         if prepared.returncode != 0:
             sys.exit(f"preparing the embedded corpus failed: {prepared.stderr.strip()[-800:]}")

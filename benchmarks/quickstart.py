@@ -8,7 +8,7 @@ documentation). This benchmark trains, in this one process and one after the oth
   parameter (else the smallest), a global batch sized for 200 steps, ctx 256, learning rate 3e-3,
   the final sample from the first default prompt at temperature 0.8, top-k 40;
 - **new**: the quick start as it is now: the corpus prepared with ``DEFAULT_TOKENIZER_EMBEDDED``,
-  ``quickstart_model`` and the global batch, ctx and learning rate of ``trainer/request.py``,
+  ``quickstart_model`` and the global batch, ctx and learning rate of ``memplan/planning.py``,
   the final sample as ``memplan train`` prints it (``trainer.sample.final_sample``);
 
 each for ``--minutes`` (default 3) of training, with memplan's own calibration of this machine and
@@ -58,7 +58,7 @@ def old_choice(vocab: int, profile, minutes: float):
     the largest rung of hidden = 64·layers whose predicted tokens/s (micro-batch 8) trains on 20 tokens
     per parameter in ``minutes``, else the smallest rung; a global batch of ctx · 2^k tokens for about
     200 steps. Returns (spec, predicted tokens/s, global batch tokens)."""
-    from trainer.request import best_precision
+    from memplan.planning import best_precision
     from memplan.model import ModelSpec, _round_up
     from memplan.setup import TrainSetup
     from memplan.timing import step_time
@@ -158,7 +158,8 @@ def run(args, cache: str) -> int:
     from rich.console import Console
 
     from memplan.cli.train import RichUI
-    from trainer import request as qs
+    from memplan import planning as qs
+    from trainer.train_run import ensure_embedded_data, local_calibration, measured_matmul_rate
     from memplan.cli.options import device_from
     from trainer import data
     from trainer.data import PreparedData
@@ -167,7 +168,7 @@ def run(args, cache: str) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(stderr=True, highlight=False)
-    profile, rates = qs.local_calibration(device_from(None, None), RichUI(console), measure_now=True)
+    profile, rates = local_calibration(device_from(None, None), RichUI(console), measure_now=True)
     console.print(f"threads {torch.get_num_threads()}; {rates}; load {os.getloadavg()[0]:.2f}", soft_wrap=True)
 
     results = []
@@ -176,8 +177,8 @@ def run(args, cache: str) -> int:
         data.prepare(data.embedded_sources(), out, data.PrepareConfig(tokenizer=f"bpe:{OLD_VOCAB}"))
         prepared = PreparedData(out)
         spec, tps, gbt = old_choice(prepared.vocab_size, profile, args.minutes)
-        plan = qs.autotuned_plan(spec, OLD_CTX, prepared, profile, RichUI(console), minutes=args.minutes,
-                                  global_batch_tokens=gbt, budget=None, margin=0.1)
+        plan = qs.autotuned_plan(spec, OLD_CTX, prepared, profile, minutes=args.minutes, global_batch_tokens=gbt,
+                                 budget_bytes=None, margin=0.1, say=RichUI(console).say)
 
         def old_sample(trainer):
             prompt = trainer.sample_prompts()[0]
@@ -190,9 +191,10 @@ def run(args, cache: str) -> int:
         results.append(train_one("old", prepared, plan, OLD_LR, args.minutes, profile, Path(cache) / "run-old",
                                  old_sample))
     if args.only in (None, "new"):
-        prepared = PreparedData(qs.ensure_embedded_data(RichUI(console)))
-        plan = qs.autotuned_plan(None, qs.QUICKSTART_CTX, prepared, profile, RichUI(console), minutes=args.minutes,
-                                  global_batch_tokens=None, budget=None, margin=0.1)
+        prepared = PreparedData(ensure_embedded_data(RichUI(console)))
+        plan = qs.autotuned_plan(None, qs.QUICKSTART_CTX, prepared, profile, minutes=args.minutes,
+                                 global_batch_tokens=None, budget_bytes=None, margin=0.1, say=RichUI(console).say,
+                                 matmul_rate=measured_matmul_rate)
         results.append(train_one("new", prepared, plan, qs.QUICKSTART_LR, args.minutes, profile,
                                  Path(cache) / "run-new", final_sample))
 

@@ -412,7 +412,7 @@ def main(argv=None) -> dict:
         from rich.console import Console
 
         from memplan.cli.train import RichUI
-        from trainer.request import ensure_embedded_data
+        from trainer.train_run import ensure_embedded_data
 
         data_dir = ensure_embedded_data(RichUI(Console(stderr=True)))
     data = PreparedData(data_dir)

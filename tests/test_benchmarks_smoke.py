@@ -1,6 +1,6 @@
 """The benchmarks whose figures the README quotes still run against the code they measure: a benchmark is a
 script nothing else imports, so a renamed function breaks it silently (benchmarks/quickstart.py called
-``trainer.request._final_sample`` after it had moved to the CLI)."""
+``trainer.train_run._final_sample`` after it had moved to the CLI)."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def test_long_lines_wrap_at_80_columns_indented_under_their_label():
     from memplan.cli.fit import print_labelled
     from memplan.cli.train import RichUI
     from memplan.model import from_size
-    from trainer.request import quickstart_model_line
+    from memplan.planning import quickstart_model_line
 
     model = quickstart_model_line(from_size("22m").replace(vocab=4096), 4436.0, 2.5e10, True, 3.0)
     lines = _lines_at_80(lambda c: RichUI(c).say(model, soft_wrap=True))

@@ -285,15 +285,16 @@ def launch(*args: str, nproc: int = 2, via: str = "torchrun") -> subprocess.Pope
 def prepare(run: Path, corpus: Path, *, nproc: int, sharding: str, max_steps: int, save_every: int) -> Path:
     """RUN/launch.json of MODEL and QUIET's run for ``nproc`` processes, resolved and written through the library
     as `memplan train --nproc N` does before it starts the ranks (``trainer.launch.prepare_train``); returns RUN."""
-    from memplan.cli.options import run_control_from
+    from memplan.cli.options import CheckFlags, LimitFlags, run_control_from
+    from memplan.planning import SetupAsked
     from trainer.launch import prepare_train
-    from trainer.request import TrainRequest, TrainUI
+    from trainer.train_run import TrainRequest, TrainUI
 
     request = TrainRequest(
         data=str(corpus), out=str(run), model=dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128),
-        setup=dict(ctx="32", precision="fp32", batch="2", grad_accum="1"),
-        control=run_control_from(max_steps=str(max_steps), save_every=str(save_every), sample_tokens="0",
-                                 eval_batches="1", eval_every="10"),
+        setup=SetupAsked(ctx=32, precision="fp32", batch=2, grad_accum=1),
+        control=run_control_from(LimitFlags(max_steps=str(max_steps), save_every=str(save_every), eval_every="10"),
+                                 CheckFlags(sample_tokens="0", eval_batches="1")),
         hyper=dict(lr=3e-3, warmup_steps=None, min_lr_ratio=None, weight_decay=None, clip=None, seed=0),
         sharding=sharding, nproc=nproc)
     run_dir, _ = prepare_train(request, TrainUI(), [])

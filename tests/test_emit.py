@@ -246,13 +246,13 @@ def test_emit_into_a_file_is_refused(tmp_path):
 
 
 def test_a_plan_for_another_stack_is_not_trained_by_memplans_trainer(tmp_path):
-    from trainer.request import plan_from_flags
+    from memplan.planning import plan_from_flags
 
     path = tmp_path / "plan.toml"
     Plan(model=TINY_LLAMA, setup=TrainSetup(ctx=32), stack="torchtune").save(path)
     assert Plan.load(path).stack == "torchtune"
     with pytest.raises(InputError, match="a plan for --stack torchtune"):
-        plan_from_flags(str(path), None, None, None, None, None)
+        plan_from_flags(str(path), None, None, None, None)
     line = one_line_error(run_cli("train", "--plan", str(path), "--out", str(tmp_path / "run")))
     assert "a plan for --stack torchtune" in line and "--stack memplan --out FILE" in line
     assert not (tmp_path / "run").exists()

@@ -88,7 +88,7 @@ def test_nproc_resolves_the_finetune_once_and_each_rank_reads_it_from_the_run_di
     import torch.distributed.run
 
     from trainer.__main__ import entry
-    from trainer.finetune_request import read_launch_file
+    from trainer.finetune_run import read_launch_file
 
     run, sft = base
     calls = []

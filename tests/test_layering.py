@@ -75,7 +75,7 @@ CLI_IMPORTERS = {"trainer.__main__": "the rank's entry point renders through mem
 def test_the_trainer_library_never_imports_the_command_line():
     """Flags are parsed into values by the CLI or by the planner's own parsers (``memplan.model.resolve``,
     ``memplan.setup.setup_from_flags``, ``memplan.hardware.device_from_flags``); the library that resolves and
-    runs a request imports no CLI module (trainer.request took three parsers and a file writer from it)."""
+    runs a request imports no CLI module (trainer.request, now trainer.train_run, took three parsers and a file writer from it)."""
     graph = _import_graph("trainer", "memplan")
     importers = {m: sorted(d for d in deps if d == "memplan.cli" or d.startswith("memplan.cli."))
                  for m, deps in graph.items() if m.startswith("trainer") and m not in CLI_IMPORTERS}
@@ -105,3 +105,17 @@ def test_no_import_cycle_runs_across_the_planner_the_command_line_and_the_traine
     calibration imported the command line to measure what `memplan train` holds; its caller names it now)."""
     graph = _import_graph("trainer", "memplan")
     assert sorted(m for m in graph if _reaches(graph, m, m)) == []
+
+
+def test_the_planning_of_a_run_reaches_neither_the_trainer_nor_torch():
+    """memplan.planning (the quick start's model, a plan of flags, autotune's plan, the plan for N processes) and
+    memplan.local_calibration (the calibration cache) are the planner's: through every import, lazy ones included,
+    they reach no trainer or CLI module, and their own code imports no torch (what needs torch is passed in)."""
+    graph = _import_graph("trainer", "memplan")
+    for module in ("memplan.planning", "memplan.local_calibration"):
+        reached = {m for m in graph if _reaches(graph, module, m)}
+        assert sorted(m for m in reached if m.split(".")[0] == "trainer" or m.startswith("memplan.cli")) == []
+        tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert sorted(m for m in imported if m.split(".")[0] in ("torch", "trainer")) == [], module

@@ -204,7 +204,7 @@ def _fake_child(tmp_path, noises):
 
 def test_a_noisy_calibration_is_measured_again_and_never_cached(cache, tmp_path, monkeypatch):
 
-    from trainer import request as train
+    from trainer import train_run as train
 
     child, calls = _fake_child(tmp_path, [0.5, 0.3])
     monkeypatch.setattr(train, "calibrate_in_child", child)
@@ -232,7 +232,7 @@ def test_the_calibration_says_how_long_all_of_it_took(cache, tmp_path, monkeypat
     (the measurements alone). It says how long the whole of it took, and of what."""
     import types
 
-    from trainer import request as train
+    from trainer import train_run as train
 
     child, calls = _fake_child(tmp_path, [0.5, 0.05])
     clock = {"now": 1000.0}
@@ -242,7 +242,9 @@ def test_the_calibration_says_how_long_all_of_it_took(cache, tmp_path, monkeypat
         return child(*args, **kwargs)
 
     monkeypatch.setattr(train, "calibrate_in_child", slow_child)
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    from memplan import local_calibration
+
+    monkeypatch.setattr(local_calibration, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     _, note = train.local_calibration(load_profile("cpu"), train.TrainUI(), measure_now=True)
     assert "measured now in 38 s: 15 s of measurements × 2 attempts, the thread trial and torch's start-up" in note
 
@@ -258,7 +260,7 @@ def test_the_thread_trial_reports_its_progress_round_by_round():
 
 def test_a_steady_calibration_is_cached_with_its_thread_choice(cache, tmp_path, monkeypatch):
 
-    from trainer import request as train
+    from trainer import train_run as train
 
     child, calls = _fake_child(tmp_path, [0.5, 0.05])
     monkeypatch.setattr(train, "calibrate_in_child", child)
@@ -301,7 +303,7 @@ def test_train_predicts_with_the_share_of_a_core_measured_when_it_starts(cache, 
     from memplan.model import resolve
     from memplan.setup import TrainSetup
     from memplan.timing import step_time
-    from trainer import request as train
+    from trainer import train_run as train
 
     title, version = local.cpu_title(), local.torch_version()
     path = local.calibration_path("cpu", title, 1, version)
@@ -330,7 +332,7 @@ def test_an_unsteady_load_predicts_cpu_time_instead_of_scaling_by_one_probe(cach
     from memplan.model import resolve
     from memplan.prediction import predict
     from memplan.setup import TrainSetup
-    from trainer import request as train
+    from trainer import train_run as train
 
     title, version = local.cpu_title(), local.torch_version()
     path = local.calibration_path("cpu", title, 1, version)

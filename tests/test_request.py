@@ -1,4 +1,4 @@
-"""trainer.request: what `memplan train` runs is resolved in the library from a TrainRequest (flags as values),
+"""trainer.train_run: what `memplan train` runs is resolved in the library from a TrainRequest (flags as values),
 with no command line involved; the CLI only maps flags to the request and renders what the resolution says."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import json
 import pytest
 
 from memplan.errors import InputError
+from memplan.planning import SetupAsked
 from trainer import data
-from trainer.request import ResolvedTrain, TrainRequest, TrainUI, resolve_train
+from trainer.train_run import ResolvedTrain, TrainRequest, TrainUI, resolve_train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,7 +42,7 @@ def corpus(tmp_path_factory):
 def request(corpus, tmp_path, **changes) -> TrainRequest:
     base = dict(data=str(corpus), out=str(tmp_path / "run"), model=MODEL, control=CONTROL, hyper=HYPER,
                 device="cpu", margin=0.1,
-                setup=dict(ctx="64", batch="4", precision="fp32"))
+                setup=SetupAsked(ctx=64, batch=4, precision="fp32"))
     return TrainRequest(**{**base, **changes})
 
 
@@ -60,9 +61,9 @@ def test_a_request_with_its_setup_resolves_to_that_plan_and_writes_nothing(corpu
 
 def test_a_request_without_a_setup_is_autotuned_and_says_what_it_chose(corpus, tmp_path):
     ui = Recorder()
-    run = resolve_train(request(corpus, tmp_path, setup=dict(ctx="64")), ui)
+    run = resolve_train(request(corpus, tmp_path, setup=SetupAsked(ctx=64)), ui)
     assert run.plan.setup.ctx == 64 and run.plan.predicted["tokens_per_second"] > 0
-    given = resolve_train(request(corpus, tmp_path, setup=dict(ctx="64", batch="2")), ui)
+    given = resolve_train(request(corpus, tmp_path, setup=SetupAsked(ctx=64, batch=2)), ui)
     assert any("precision" in line for line in ui.lines)  # not given: the profile's best, said once
     assert given.plan.setup.micro_batch == 2
 
@@ -82,13 +83,13 @@ def test_every_plan_carries_the_same_prediction_table(corpus, tmp_path):
     from memplan.autotune import autotune
     from memplan.hardware import load_profile
     from memplan.prediction import predict
-    from trainer.request import for_world
+    from memplan.planning import for_world
 
     run = resolve_train(request(corpus, tmp_path), TrainUI())
     p = run.plan
     assert p.predicted == predict(p.model, p.setup, run.profile).plan_table()
     assert set(p.predicted) == {"peak_reserved", "step_seconds", "tokens_per_second", "peak_allocated", "peak_phase"}
-    two = for_world(p, 2, "ddp", run.profile, TrainUI())
+    two = for_world(p, 2, "ddp", run.profile)
     assert two.predicted == predict(two.model, two.setup, run.profile).plan_table()
     tuned = autotune(p.model, load_profile("cpu"), ctx=64, global_batch_tokens=256).plan
     assert set(tuned.predicted) == set(p.predicted)

@@ -262,7 +262,7 @@ def _memplan(*args):
 
 
 def test_nproc_resolves_the_run_once_and_starts_each_rank_with_the_run_directory_alone(corpus, tmp_path, launched):
-    from trainer.request import read_launch
+    from trainer.train_run import read_launch
 
     run = tmp_path / "run"
     result = _memplan("train", "--nproc", "2", "--data", str(corpus), "--out", str(run), *TINY, "--lr", "1e-3",
@@ -313,7 +313,7 @@ def _spec(corpus) -> dict:
     from memplan.plan import Plan
     from memplan.setup import TrainSetup
     from trainer.loop import TrainConfig
-    from trainer.request import LaunchSpec
+    from trainer.train_run import LaunchSpec
 
     plan = Plan(model=ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=300, tied=True),
                 setup=TrainSetup(ctx=32, micro_batch=2, precision="fp32", world_size=2, sharding="ddp"), device="cpu")
@@ -334,7 +334,7 @@ def _spec(corpus) -> dict:
     (lambda d: d.update(starting={"path": "x"}), "'starting'['model_type'] is null"),
 ])
 def test_a_tampered_launch_file_is_one_error_naming_it(corpus, tmp_path, change, needle):
-    from trainer.request import read_launch
+    from trainer.train_run import read_launch
 
     body = _spec(corpus)
     change(body)
@@ -355,7 +355,7 @@ def test_a_tampered_launch_file_is_one_error_naming_it(corpus, tmp_path, change,
     ({"plan": {"model": {"layers": "x"}}}, "launch.json: plan: --layers: 'x' must be a positive integer"),
 ])
 def test_a_launch_file_with_bad_settings_or_plan_is_refused_in_one_line(corpus, tmp_path, config, needle):
-    from trainer.request import TrainUI, read_launch, resolve_launch
+    from trainer.train_run import TrainUI, read_launch, resolve_launch
 
     body = _spec(corpus)
     if "plan" in config:
@@ -375,18 +375,18 @@ def test_a_launch_file_with_bad_settings_or_plan_is_refused_in_one_line(corpus, 
     (b"[1]", "not a memplan launch file"),
 ])
 def test_a_launch_file_that_is_not_json_or_too_large_is_one_error(tmp_path, monkeypatch, raw, needle):
-    from trainer import request
+    from trainer import train_run
 
     (tmp_path / "launch.json").write_bytes(raw)
     with pytest.raises(InputError, match=re.escape(needle)):
-        request.read_launch(tmp_path)
-    monkeypatch.setattr(request, "MAX_LAUNCH_BYTES", 10)
+        train_run.read_launch(tmp_path)
+    monkeypatch.setattr(train_run, "MAX_LAUNCH_BYTES", 10)
     (tmp_path / "launch.json").write_bytes(b" " * 11)
     with pytest.raises(InputError, match="larger than"):
-        request.read_launch(tmp_path)
+        train_run.read_launch(tmp_path)
     (tmp_path / "launch.json").unlink()
     with pytest.raises(InputError, match="missing"):
-        request.read_launch(tmp_path)
+        train_run.read_launch(tmp_path)
 
 
 def _ranks(*args: str, via: str):

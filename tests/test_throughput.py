@@ -222,13 +222,13 @@ def test_a_failed_compile_is_recorded_as_skipped_and_leaves_no_compile_figures(m
 
 
 def test_memplan_train_weighs_the_compile_time_against_the_run_it_plans():
-    from trainer.request import TrainUI, autotuned_plan
+    from memplan.planning import autotuned_plan
 
     device = _calibrated_cpu(eager=1.0, compiled=0.8, compile_s=30.0)
 
     def plan(**limits):
-        return autotuned_plan(SPEC, 256, None, device, TrainUI(), global_batch_tokens=2048,
-                               budget=None, margin=0.1, **{"minutes": None, **limits}).setup.compile
+        return autotuned_plan(SPEC, 256, None, device, global_batch_tokens=2048,
+                              budget_bytes=None, margin=0.1, **{"minutes": None, **limits}).setup.compile
 
     assert plan()  # no limit to weigh it against: the fastest step
     assert not plan(max_steps=3) and not plan(max_tokens=2048 * 3) and not plan(minutes=0.5)

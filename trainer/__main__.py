@@ -3,7 +3,7 @@
 ``memplan train --nproc N --out RUN ...`` resolves the run once (the plan for N processes, the settings, the
 data), writes it into RUN/launch.json (docs/run-directory.md) and starts ``torchrun --nproc-per-node N -m
 trainer RUN``; each rank reads that file, checked as any input is, and builds its trainer from it
-(``trainer.request.read_launch`` / ``resolve_launch``). ``memplan finetune --nproc N`` writes the file with kind
+(``trainer.train_run.read_launch`` / ``resolve_launch``). ``memplan finetune --nproc N`` writes the file with kind
 ``finetune`` and launches the same way. A launch that stopped before its run began can be started again the
 same way, e.g. with torchrun's own options: ``torchrun --nproc-per-node 2 -m trainer RUN``.
 
@@ -50,8 +50,8 @@ def run_prepared(run_dir: str) -> int:
 
     from memplan.cli.train import RichUI, trained
     from trainer import distributed
-    from trainer.finetune_request import read_launch_file
-    from trainer.request import LaunchSpec, resolve_launch, start_trainer
+    from trainer.finetune_run import read_launch_file
+    from trainer.train_run import LaunchSpec, resolve_launch, start_trainer
 
     spec = read_launch_file(run_dir)  # checked before the group is joined: every rank refuses it alike
     rank, launched, _ = distributed.env_world()
@@ -61,7 +61,7 @@ def run_prepared(run_dir: str) -> int:
             distributed.init()
         if not isinstance(spec, LaunchSpec):  # memplan finetune --nproc's
             from trainer import rundir
-            from trainer.finetune_request import resolve_finetune_launch, start_finetune
+            from trainer.finetune_run import resolve_finetune_launch, start_finetune
 
             ft = resolve_finetune_launch(spec, str(Path(run_dir) / rundir.LAUNCH_FILE), max(launched, 1))
             return trained(console, start_finetune(ft), Path(ft.request.out), what="finetuning",

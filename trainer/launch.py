@@ -29,11 +29,11 @@ def check_plan_world_size(plan_path: str | None, nproc: int) -> None:
 
 
 def prepare_train(request, ui, log: list[str]) -> tuple[Path, bool]:
-    """``memplan train --nproc N``'s run (``request``, a ``trainer.request.TrainRequest`` with ``nproc`` N)
+    """``memplan train --nproc N``'s run (``request``, a ``trainer.train_run.TrainRequest`` with ``nproc`` N)
     resolved once for N processes (the embedded corpus, the calibration, autotune and the rescaling,
     ``resolve_train``, speaking through ``ui``) and written into RUN/launch.json (``write_launch``). Returns
     RUN and whether this launch created it. An InputError, and nothing written, for bad input."""
-    from trainer.request import check_launch_target, launch_spec, resolve_train, write_launch
+    from trainer.train_run import check_launch_target, launch_spec, resolve_train, write_launch
 
     check_plan_world_size(request.plan, request.nproc)
     check_launch_target(request)
@@ -44,11 +44,11 @@ def prepare_train(request, ui, log: list[str]) -> tuple[Path, bool]:
 
 
 def prepare_finetune(request, say: Callable[[str], None]) -> tuple[Path, bool]:
-    """``memplan finetune --nproc N``'s finetune (a ``trainer.finetune_request.FinetuneRequest``) resolved once
+    """``memplan finetune --nproc N``'s finetune (a ``trainer.finetune_run.FinetuneRequest``) resolved once
     for N processes (its plan made for them) and written into RUN/launch.json with kind ``finetune``. Returns
     RUN and whether this launch created it."""
-    from trainer.finetune_request import FinetuneLaunch, resolve_finetune
-    from trainer.request import check_launch_target, write_launch
+    from trainer.finetune_run import FinetuneLaunch, resolve_finetune
+    from trainer.train_run import check_launch_target, write_launch
 
     check_launch_target(request)  # before the base and the data are read
     run_dir = Path(request.out)

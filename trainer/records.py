@@ -87,7 +87,7 @@ def field_values(cls, obj: dict, where: typing.Callable[[str], str], missing: ty
     """The values of dataclass ``cls``'s fields found in ``obj``, each checked against its annotated JSON type
     (``check_value``, naming ``where(field)``); a field absent from ``obj`` is left to its default where it has
     one and ``defaults`` allows, else it is the InputError ``missing(field)``. (Metrics records, and the launch
-    files of ``trainer.request`` and ``trainer.finetune_request``.)"""
+    files of ``trainer.train_run`` and ``trainer.finetune_run``.)"""
     hints = _hints(cls)
     values = {}
     for f in dataclasses.fields(cls):

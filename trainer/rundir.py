@@ -22,7 +22,7 @@ with. ``memplan generate``, ``eval``, ``export`` and ``finetune --run`` all star
 
 ``RUN/launch.json`` (``LAUNCH_FILE``) is what ``memplan train --nproc N`` resolved for its ranks (the plan, the
 settings, the data): written atomically before torchrun starts them, read by each (``python -m trainer RUN``)
-through ``read_launch``; ``trainer.request.LaunchSpec`` says what it holds.
+through ``read_launch``; ``trainer.train_run.LaunchSpec`` says what it holds.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ METRICS_FILE = "metrics.jsonl"  # one JSON object per line (docs/run-directory.m
 LOCK_FILE = ".lock"
 CHECKPOINT_DIR = "checkpoints"  # RUN/checkpoints/step-NNNNNNNN/ (trainer.checkpoint_format)
 TOKENIZER_FILE = "tokenizer.json"  # the tokenizer a checkpoint trained with, in the checkpoint
-LAUNCH_FILE = "launch.json"  # what `memplan train --nproc` asks of each rank (trainer.request.LaunchSpec)
+LAUNCH_FILE = "launch.json"  # what `memplan train --nproc` asks of each rank (trainer.train_run.LaunchSpec)
 PLAN_FILE = "plan.toml"  # the plan trained on (rewritten when an out-of-memory step halves the micro-batch)
 REPORT_FILE = "report.html"  # the run report (memplan.reports.run)
 NOT_A_RUN = (LOCK_FILE, LAUNCH_FILE)  # a directory holding only these holds no run yet

@@ -12,10 +12,8 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.fit import fits, print_fields
-from memplan.cli.options import (ArchOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, HeadsOpt, HiddenOpt, JsonOpt,
-                                 KvHeadsOpt, LayersOpt, ModelOpt, ParamsOpt, ThreadsOpt, TiedOpt, VocabOpt, DropoutOpt,
-                                 local_device_from, threads_from, with_rates,
-                                 print_json)
+from memplan.cli.options import (CtxOpt, DeviceFlags, JsonOpt, ModelFlags, ThreadsOpt, print_json, threads_from,
+                                 with_groups, with_rates)
 from memplan.cli.estimate import PlanStackOpt, stack_for_search
 from memplan.errors import EXIT_NOTHING_FITS, InputError
 from memplan.memory.stacks import shown
@@ -232,11 +230,9 @@ def print_verification(v) -> None:
 
 
 @app.command("autotune")
+@with_groups
 def autotune_command(
-    params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
-    hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
-    device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    model_flags: ModelFlags = None, device_flags: DeviceFlags = None,
     ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
     budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
     verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
@@ -252,7 +248,7 @@ def autotune_command(
     n_threads = threads_from(threads)
     if out:  # refused before any work: a plan computed (or verified) for nothing is lost time
         _check_out(out)
-    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout))
+    walk = stack_for_search(stack, model_flags)
     spec = walk.spec
     if walk.stack.library and verify:
         raise InputError(f"--verify runs memplan's own trainer; a plan for --stack {stack} is one for that library's "
@@ -261,7 +257,7 @@ def autotune_command(
         from memplan.emit import check_emit
 
         check_emit(emit, stack, lora=False, force=force)
-    dev, rates_note = local_device_from(device, device_memory, n_threads)
+    dev, rates_note = device_flags.local_profile(n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
         global_batch_tokens=parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else None,

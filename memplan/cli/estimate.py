@@ -9,10 +9,7 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.fit import print_described, print_fields
-from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
-                                 DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
-                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt, DropoutOpt,
-                                 WorldSizeOpt, local_device_from, print_json, setup_from,
+from memplan.cli.options import (DeviceFlags, JsonOpt, ModelFlags, PrecisionOpt, SetupFlags, print_json, with_groups,
                                  with_rates)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
@@ -250,34 +247,32 @@ class SearchStack:
     stack: object  # memplan.memory.stacks.Stack
 
 
-def stack_for_search(stack: str, params, model, shape: tuple) -> SearchStack:
+def stack_for_search(stack: str, model_flags) -> SearchStack:
     """``--stack`` of autotune and sweep, checked as estimate checks it (``memplan.memory.stacks.check_stack``, then
     ``check_stack_builds`` for the model's family), with the model resolved as estimate resolves it (a
-    config.json of phi, gemma, stablelm or qwen3 accepted, for --stack transformers)."""
-    from memplan.model import resolve
+    config.json of phi, gemma, stablelm or qwen3 accepted, for --stack transformers; ``model_flags``: a
+    ``memplan.cli.options.ModelFlags``)."""
     from memplan.memory.stacks import check_stack, check_stack_builds, stack_for
 
     check_stack(stack)
-    arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout = shape
-    spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
-                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
+    spec = model_flags.spec(stack_families=True)
     check_stack_builds(stack, spec)
     return SearchStack(spec=spec, stack=stack_for(stack))
 
 
 
-# not given: the device's best precision (memplan.hardware.Device.best_precision), as train and autotune take it
-EstPrecisionOpt = Annotated[Optional[str], PrecisionOpt.__metadata__[0]]
+@dataclass(frozen=True)
+class EstimateSetupFlags(SetupFlags):
+    """SETUP as estimate takes it: a precision not given is the device's best
+    (``memplan.hardware.Device.best_precision``), as train and autotune take it."""
+
+    precision: PrecisionOpt = None
+
 
 @app.command("estimate")
+@with_groups
 def estimate_command(
-    params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
-    hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
-    ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: EstPrecisionOpt = None,
-    attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
-    world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
-    device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    model_flags: ModelFlags = None, setup_flags: EstimateSetupFlags = None, device_flags: DeviceFlags = None,
     tokens: TokensOpt = None, json: JsonOpt = False, mode: ModeOpt = "training",
     weights_dtype: WeightsDtypeOpt = None, kv_dtype: KvDtypeOpt = None, prompt_tokens: PromptTokensOpt = None,
     sampling: SamplingOpt = "top-k", lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
@@ -288,7 +283,7 @@ def estimate_command(
     With --mode inference: the memory of generation (weights, KV cache, prefill and decode peaks), the
     largest context and batch that fit, and prefill and decode tokens/s."""
     from memplan.estimate import estimate
-    from memplan.model import MEMPLAN_ARCHS, resolve
+    from memplan.model import MEMPLAN_ARCHS
     from memplan.units import choice_error
 
     from memplan.memory.stacks import check_loss_dtype, check_stack, shown, stack_from_flags
@@ -302,17 +297,16 @@ def estimate_command(
                         ("--lora-dropout", lora_dropout)):
         if value is not None and mode == "inference":
             raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
-    spec = resolve(params=params, model=model, stack_families=True, arch=arch, layers=layers, hidden=hidden,
-                   heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
+    spec = model_flags.spec(stack_families=True)
     if mode == "inference":
         if not spec.memplan_builds:
             raise InputError(f"--mode inference: the {spec.arch} family is planned for training under --stack "
                              f"transformers only (accepted with --mode inference: {', '.join(MEMPLAN_ARCHS)})")
         from memplan.inference import InferenceSetup, estimate_inference
 
-        dev, rates_note = local_device_from(device, device_memory)
+        dev, rates_note = device_flags.local_profile()
         setup = InferenceSetup(
-            ctx=parse_count(ctx, "--ctx", binary=True), batch=parse_count(batch, "--batch"),
+            ctx=parse_count(setup_flags.ctx, "--ctx", binary=True), batch=parse_count(setup_flags.batch, "--batch"),
             prompt=parse_count(prompt_tokens, "--prompt-tokens", binary=True) if prompt_tokens else None,
             weights_dtype=weights_dtype or ("bf16" if dev.supports("bf16") else "fp32"),
             kv_dtype=kv_dtype, sampling=sampling)
@@ -326,11 +320,10 @@ def estimate_command(
                         ("--prompt-tokens", prompt_tokens)):
         if value is not None:
             raise InputError(f"{flag} applies to --mode inference only; accepted with --mode training: none")
-    dev, rates_note = local_device_from(device, device_memory)
+    dev, rates_note = device_flags.local_profile()
     # not given: the device's best, as train and autotune take it (memory and time of the same precision)
-    chosen = precision or dev.best_precision
-    setup = setup_from(ctx, batch, grad_accum, chosen, attention, checkpointing, optimizer, world_size, sharding,
-                       compile)
+    chosen = setup_flags.precision or dev.best_precision
+    setup = setup_flags.setup(precision=chosen)
     rank = int(parse_count(lora_rank, "--lora-rank")) if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
@@ -356,6 +349,6 @@ def estimate_command(
         units = resolved([("--tokens", tokens, est.tokens)])
         if units:  # 2b tokens is 2,000,000,000
             Console(highlight=False).print(f"[dim]note: {units}[/]")
-        if precision is None:
+        if setup_flags.precision is None:
             Console(highlight=False).print(f"[dim]note: precision {chosen}, {dev.name}'s best (--precision to "
                                            "choose)[/]")

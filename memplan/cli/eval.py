@@ -7,15 +7,11 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.cli.app import app
-from memplan.cli.options import JsonOpt, ThreadsOpt, threads_from, use_threads
+from memplan.cli.options import CheckpointOpt, JsonOpt, RunDirOpt, ThreadsOpt, threads_from, use_threads
 
-RunOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="The run directory (what `memplan train --out` wrote).",
-                                     show_default=False)]
 DataOpt = Annotated[Optional[str], typer.Option(
     "--data", metavar="DIR", help="A prepared corpus with the run's tokenizer (default: the one the run trained on).",
     show_default=False)]
-CheckpointOpt = Annotated[Optional[str], typer.Option(
-    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
 CtxOpt = Annotated[Optional[str], typer.Option("--ctx", metavar="N", help="Tokens per evaluation window (default: the run's "
                                                "context; 8192 or 8k).", show_default=False)]
 BatchOpt = Annotated[Optional[str], typer.Option("--batch", metavar="N", help="Windows per forward (default: the run's "
@@ -26,7 +22,7 @@ MaxBatchesOpt = Annotated[Optional[str], typer.Option(
 
 
 @app.command("eval")
-def eval_command(run: RunOpt, data: DataOpt = None, checkpoint: CheckpointOpt = None, ctx: CtxOpt = None,
+def eval_command(run: RunDirOpt, data: DataOpt = None, checkpoint: CheckpointOpt = None, ctx: CtxOpt = None,
                  batch: BatchOpt = None, max_batches: MaxBatchesOpt = None, json: JsonOpt = False,
                  threads: ThreadsOpt = None) -> None:
     """Held-out loss and perplexity of a run, per source and overall, on its own split or another corpus."""

@@ -3,30 +3,26 @@ ONNX Runtime."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from memplan.cli.app import app
-from memplan.cli.options import JsonOpt
+from memplan.cli.options import CheckpointOpt, JsonOpt, RunDirOpt
 
-RunOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="The run directory (what `memplan train --out` wrote).",
-                                     show_default=False)]
 FormatOpt = Annotated[str, typer.Option(
     "--format", metavar="FORMAT", help="hf (a transformers directory) | gguf (llama.cpp, LM Studio, Ollama) | onnx (ONNX Runtime).",
     show_default=False)]
 OutOpt = Annotated[str, typer.Option("--out", metavar="PATH", help="Where to write: a directory for hf, a file for gguf and onnx.",
                                      show_default=False)]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output (a file, or an earlier export).")]
-CheckpointOpt = Annotated[Optional[str], typer.Option(
-    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
 DtypeOpt = Annotated[str, typer.Option(
     "--dtype", metavar="DTYPE", help="auto (the weights' own) | float32 | float16 | bfloat16 | q8_0 (GGUF only: llama.cpp's 8-bit "
                     "blocks); GGUF keeps norms in float32; onnx writes float32.")]
 
 
 @app.command("export")
-def export_command(run: RunOpt, format: FormatOpt, out: OutOpt, force: ForceOpt = False,
+def export_command(run: RunDirOpt, format: FormatOpt, out: OutOpt, force: ForceOpt = False,
                    checkpoint: CheckpointOpt = None, dtype: DtypeOpt = "auto", json: JsonOpt = False) -> None:
     """Export a trained run: hf (transformers, no custom code), gguf (llama.cpp) or onnx (ONNX Runtime)."""
     from memplan.units import format_count

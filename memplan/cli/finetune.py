@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,11 +10,9 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.fit import print_fields
-from memplan.cli.options import (AttentionOpt, CheckpointingOpt, DeviceMemoryOpt, DeviceOpt, EvalBatchesOpt,
-                                 EvalEveryOpt, KeepOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, OptimizerOpt,
-                                 LogOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt, SeedOpt, ThreadsOpt, TokensOpt,
-                                 TrainStackOpt,
-                                 VerifyDataOpt, run_control_from, seed_from, threads_from)
+from memplan.cli.options import (AttentionOpt, CheckFlags, CheckpointingOpt, DeviceFlags, Flags, LimitFlags, LogOpt,
+                                 OptimizerOpt, SeedOpt, ThreadsOpt, TrainStackOpt, run_control_from, seed_from,
+                                 threads_from, with_groups)
 from memplan.errors import InputError
 
 RunOpt = Annotated[Optional[str], typer.Option("--run", metavar="RUN", help="The trained run to start from (its newest checkpoint).",
@@ -61,19 +60,45 @@ FtNprocOpt = Annotated[Optional[str], typer.Option(
                     "one process).", show_default=False)]
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraFlags(Flags):
+    """finetune's adapters: rank (0: every weight), scale, the matrices that get them."""
+
+    lora_rank: LoraRankOpt = 0
+    lora_alpha: LoraAlphaOpt = 16.0
+    lora_targets: LoraTargetsOpt = "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneSetupFlags(Flags):
+    """finetune's SETUP: a row's context, the micro-batch and accumulation (None: autotuned), the precision
+    (None: the base run's); attention, checkpointing and optimizer as every command takes them."""
+
+    ctx: FtCtxOpt = None
+    batch: FtBatchOpt = None
+    grad_accum: FtAccumOpt = None
+    precision: FtPrecisionOpt = None
+    attention: AttentionOpt = "sdpa"
+    checkpointing: CheckpointingOpt = "none"
+    optimizer: OptimizerOpt = "adamw"
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneAutotuneFlags(Flags):
+    """What finetune's autotune keeps (without --batch): the global batch and the budget."""
+
+    global_batch_tokens: GlobalBatchOpt = None
+    budget: BudgetOpt = None
+
+
 @app.command("finetune")
+@with_groups
 def finetune_command(
-    data: DataOpt, out: OutOpt, run: RunOpt = None, from_: FromOpt = None, lora_rank: LoraRankOpt = 0, lora_alpha: LoraAlphaOpt = 16.0,
-    lora_targets: LoraTargetsOpt = "all", template: TemplateOpt = "chat", packing: PackingOpt = "packed",
-    ctx: FtCtxOpt = None, batch: FtBatchOpt = None, grad_accum: FtAccumOpt = None, precision: FtPrecisionOpt = None,
-    attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
-    global_batch_tokens: GlobalBatchOpt = None, budget: BudgetOpt = None, lr: LrOpt = None,
-    max_steps: MaxStepsOpt = None, tokens: TokensOpt = None, max_minutes: MaxMinutesOpt = None,
-    save_every: SaveEveryOpt = None, eval_every: EvalEveryOpt = None, keep: KeepOpt = None,
-    eval_batches: EvalBatchesOpt = None, sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None,
-    max_nonfinite: MaxNonfiniteOpt = None, verify_data: VerifyDataOpt = None, seed: SeedOpt = None,
-    resume: ResumeOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    threads: ThreadsOpt = None, log: LogOpt = None, nproc: FtNprocOpt = None, stack: TrainStackOpt = None,
+    data: DataOpt, out: OutOpt, run: RunOpt = None, from_: FromOpt = None, lora: LoraFlags = None,
+    template: TemplateOpt = "chat", packing: PackingOpt = "packed", setup: FinetuneSetupFlags = None,
+    autotune: FinetuneAutotuneFlags = None, lr: LrOpt = None,
+    limits: LimitFlags = None, checks: CheckFlags = None, seed: SeedOpt = None, resume: ResumeOpt = False,
+    device: DeviceFlags = None, threads: ThreadsOpt = None, log: LogOpt = None, nproc: FtNprocOpt = None, stack: TrainStackOpt = None,
 ) -> None:
     """Finetune a trained run (--run) or a Hugging Face checkpoint (--from) on instructions (loss on the responses only), with LoRA or every weight; planned,
     checkpointed and resumable like `memplan train`."""
@@ -81,7 +106,7 @@ def finetune_command(
 
     from memplan.units import parse_count, parse_size
     from trainer import distributed
-    from trainer.finetune_request import FinetuneRequest, resolve_finetune, start_finetune
+    from trainer.finetune_run import FinetuneRequest, resolve_finetune, start_finetune
     from trainer.lora import parse_targets
     from trainer.loggers import check_loggers
 
@@ -91,19 +116,18 @@ def finetune_command(
     if n > 1 and launched > 1:
         raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
     request = FinetuneRequest(
-        data=data, out=out, run=run, from_=from_, lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_targets=",".join(parse_targets(lora_targets)), template=template, packing=packing,
-        ctx=parse_count(ctx, "--ctx", binary=True) if ctx else None,
-        batch=parse_count(batch, "--batch") if batch is not None else None,
-        grad_accum=parse_count(grad_accum, "--grad-accum") if grad_accum else None, precision=precision,
-        attention=attention, checkpointing=checkpointing, optimizer=optimizer,
-        global_batch_tokens=parse_count(global_batch_tokens, "--global-batch-tokens") if global_batch_tokens else None,
-        budget_bytes=parse_size(budget, "--budget") if budget else None, lr=lr,
-        control=run_control_from(max_steps=max_steps, tokens=tokens, max_minutes=max_minutes, save_every=save_every,
-                                 eval_every=eval_every, keep=keep, eval_batches=eval_batches,
-                                 sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
-                                 verify_data=verify_data),
-        seed=seed_from(seed), resume=resume, device=device, device_memory=device_memory,
+        data=data, out=out, run=run, from_=from_, lora_rank=lora.lora_rank, lora_alpha=lora.lora_alpha,
+        lora_targets=",".join(parse_targets(lora.lora_targets)), template=template, packing=packing,
+        ctx=parse_count(setup.ctx, "--ctx", binary=True) if setup.ctx else None,
+        batch=parse_count(setup.batch, "--batch") if setup.batch is not None else None,
+        grad_accum=parse_count(setup.grad_accum, "--grad-accum") if setup.grad_accum else None,
+        precision=setup.precision, attention=setup.attention, checkpointing=setup.checkpointing,
+        optimizer=setup.optimizer,
+        global_batch_tokens=(parse_count(autotune.global_batch_tokens, "--global-batch-tokens")
+                             if autotune.global_batch_tokens else None),
+        budget_bytes=parse_size(autotune.budget, "--budget") if autotune.budget else None, lr=lr,
+        control=run_control_from(limits, checks),
+        seed=seed_from(seed), resume=resume, device=device.device, device_memory=device.device_memory,
         threads=threads_from(threads), log=list(log or []), nproc=n, stack=stack)
     if launched > 1:  # a rank reads its finetune from RUN/launch.json, never flags
         raise InputError(f"this process is one of {launched} started by torchrun: `memplan finetune --nproc N` "

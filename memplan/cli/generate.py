@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from memplan.cli.app import app
-from memplan.cli.options import ThreadsOpt, threads_from, use_threads
+from memplan.cli.options import CheckpointOpt, ThreadsOpt, threads_from, use_threads
 from memplan.errors import InputError
 from memplan.run_control import SEED_MAX
 from memplan.units import parse_float, parse_int
@@ -16,8 +16,6 @@ from memplan.units import parse_float, parse_int
 _G = "Generation"
 RunOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="A run directory (`memplan train --out RUN` or `memplan finetune`).",
                                      show_default=False)]
-CheckpointOpt = Annotated[Optional[str], typer.Option(
-    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
 PromptOpt = Annotated[str, typer.Option("--prompt", metavar="TEXT", help="The text to continue (empty: start a new document).",
                                         show_default=False)]
 MaxNewOpt = Annotated[str, typer.Option("--max-new-tokens", metavar="N", help="Tokens to generate at most (end-of-text stops "

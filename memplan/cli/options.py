@@ -1,21 +1,29 @@
-"""The option groups (MODEL, SETUP, DEVICE; docs/cli.md), defined once and shared by every command.
+"""The options (docs/cli.md), each declared once here, and their groups (MODEL, SETUP, DEVICE, RUN), shared by
+every command that takes them.
 
-A command lists the options it takes in its signature with these ``Annotated`` types, then
-turns them into a ModelSpec / TrainSetup / Device with ``model_from`` / ``setup_from`` /
-``device_from``. Values are parsed here (``8k``, ``4GiB``) and validated by the dataclasses, so
-every bad value surfaces as one ``InputError`` line.
+An option is one ``Annotated`` type (its flag, metavar, help and panel). A group is a frozen dataclass of
+options (``ModelFlags``, ``SetupFlags``, ...): a command takes a group as one parameter annotated with its
+class, and ``@with_groups`` spreads the group's fields into the signature typer reads (in their order) and
+calls the command with one group object per group. A command turns a group into what it plans with
+(``ModelFlags.spec``, ``SetupFlags.setup``, ``DeviceFlags.profile``): values are parsed here (``8k``,
+``4GiB``) and validated by the dataclasses, so every bad value surfaces as one ``InputError`` line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
 import os
 import sys
+import typing
 from typing import Annotated, Optional
 
 import typer
 
 from memplan.errors import InputError
+from memplan.run_control import SEED_MAX  # the range the trainer checks too
 from memplan.units import parse_count, parse_size
 
 _M, _S, _D = "Model", "Setup", "Device"
@@ -128,7 +136,170 @@ LogOpt = Annotated[Optional[list[str]], typer.Option(
                   "repeatable. metrics.jsonl is always written. Needs `pip install 'memplan\\[logging]'`.",
     show_default=False, rich_help_panel=_R)]
 
-from memplan.run_control import SEED_MAX  # the range the trainer checks too
+
+# ---- groups ----------------------------------------------------------------------------------
+
+class Flags:
+    """A group of options: a frozen dataclass whose fields are annotated with the options above (in the order
+    ``--help`` lists them). ``@with_groups`` spreads it into a command's signature."""
+
+    def values(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def given(self) -> bool:
+        """Whether any option of the group was given (its default None means not given)."""
+        return any(v is not None for v in self.values().values())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlags(Flags):
+    """MODEL: a preset, a config.json, a size or an explicit shape (``memplan.model.resolve``)."""
+
+    params: ParamsOpt = None
+    model: ModelOpt = None
+    arch: ArchOpt = None
+    layers: LayersOpt = None
+    hidden: HiddenOpt = None
+    heads: HeadsOpt = None
+    kv_heads: KvHeadsOpt = None
+    ffn: FfnOpt = None
+    vocab: VocabOpt = None
+    tied: TiedOpt = None
+    dropout: DropoutOpt = None
+
+    def spec(self, **kw):
+        """The ``ModelSpec`` these options describe (``kw``: ``resolve``'s other arguments, or options replaced)."""
+        from memplan.model import resolve
+
+        return resolve(**{**self.values(), **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupFlags(Flags):
+    """SETUP of a command that plans one step as given (estimate, trace): every option with its default."""
+
+    ctx: CtxOpt = "1024"
+    batch: BatchOpt = "1"
+    grad_accum: GradAccumOpt = "1"
+    precision: PrecisionOpt = "bf16-mixed"
+    attention: AttentionOpt = "sdpa"
+    checkpointing: CheckpointingOpt = "none"
+    optimizer: OptimizerOpt = "adamw"
+    world_size: WorldSizeOpt = "1"
+    sharding: ShardingOpt = "none"
+    compile: CompileOpt = False
+
+    def setup(self, **kw):
+        """The ``TrainSetup`` these options describe (``kw``: options replaced, e.g. a precision chosen)."""
+        from memplan.setup import setup_from_flags
+
+        return setup_from_flags(**{**self.values(), **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSetupFlags(Flags):
+    """SETUP of a command that plans what is not given (train: autotune, a plan file or a checkpoint chooses the
+    rest): None where not given."""
+
+    ctx: CtxOpt = None
+    batch: BatchOpt = None
+    grad_accum: GradAccumOpt = None
+    precision: PrecisionOpt = None
+    attention: AttentionOpt = None
+    checkpointing: CheckpointingOpt = None
+    optimizer: OptimizerOpt = None
+    compile: CompileOpt = None
+
+    def asked(self):
+        """The options given, parsed (``memplan.planning.SetupAsked``: counts as ints)."""
+        from memplan.planning import SetupAsked
+
+        def count(value, what, binary=False):
+            return None if value is None else parse_count(value, what, binary=binary)
+
+        return SetupAsked(ctx=count(self.ctx, "--ctx", binary=True), batch=count(self.batch, "--batch"),
+                          grad_accum=count(self.grad_accum, "--grad-accum"), precision=self.precision,
+                          attention=self.attention, checkpointing=self.checkpointing, optimizer=self.optimizer,
+                          compile=self.compile)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFlags(Flags):
+    """DEVICE: a profile (name or TOML; None: this machine) and its memory, as given."""
+
+    device: DeviceOpt = None
+    device_memory: DeviceMemoryOpt = None
+
+    def profile(self):
+        """The ``Device`` as named (``device_from``), without this machine's calibration."""
+        return device_from(self.device, self.device_memory)
+
+    def local_profile(self, threads: int | None = None):
+        """``local_device_from``: (device, the line saying where its rates come from, or None)."""
+        return local_device_from(self.device, self.device_memory, threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitFlags(Flags):
+    """RUN (train, finetune): when a run stops, and how often it evaluates and saves."""
+
+    max_steps: MaxStepsOpt = None
+    tokens: TokensOpt = None
+    max_minutes: MaxMinutesOpt = None
+    save_every: SaveEveryOpt = None
+    eval_every: EvalEveryOpt = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckFlags(Flags):
+    """RUN (train, finetune): what an evaluation holds, the checkpoints kept, the checks of losses and data."""
+
+    keep: KeepOpt = None
+    eval_batches: EvalBatchesOpt = None
+    sample_tokens: SampleTokensOpt = None
+    prompt: PromptOpt = None
+    max_nonfinite: MaxNonfiniteOpt = None
+    verify_data: VerifyDataOpt = None
+
+
+def with_groups(command):
+    """``command`` as typer reads it: each parameter annotated with a ``Flags`` class is replaced, in its place,
+    by that group's options (keyword parameters, with their defaults), and the command is called with one group
+    object per group. A name taken twice (two groups, or a group and a parameter) is refused here."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    params, groups, seen = [], {}, set()
+    for name, p in inspect.signature(command).parameters.items():
+        ann = hints.get(name, p.annotation)
+        if isinstance(ann, type) and issubclass(ann, Flags):
+            fields = dataclasses.fields(ann)
+            groups[name] = (ann, [f.name for f in fields])
+            group_hints = typing.get_type_hints(ann, include_extras=True)
+            spread = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                        annotation=group_hints[f.name]) for f in fields]
+        else:
+            spread = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=ann)]
+        for q in spread:
+            if q.name in seen:
+                raise TypeError(f"{command.__name__}: the option parameter {q.name!r} is taken twice")
+            seen.add(q.name)
+        params += spread
+
+    @functools.wraps(command)
+    def run(**kw):
+        taken = {name: cls(**{n: kw.pop(n) for n in names}) for name, (cls, names) in groups.items()}
+        return command(**kw, **taken)
+
+    run.__signature__ = inspect.Signature(params)
+    run.__annotations__ = {q.name: q.annotation for q in params}
+    return run
+
+
+# ---- a trained run (eval, export, generate) --------------------------------------------------
+RunDirOpt = Annotated[str, typer.Option("--run", metavar="RUN", help="The run directory (what `memplan train --out` wrote).",
+                                        show_default=False)]
+CheckpointOpt = Annotated[Optional[str], typer.Option(
+    "--checkpoint", metavar="DIR", help="A checkpoint directory of the run (default: its newest).", show_default=False)]
 
 
 def seed_from(text: str | None) -> int | None:
@@ -160,40 +331,21 @@ def minutes_from(text: str | None, what: str = "--max-minutes") -> float | None:
     return value
 
 
-def run_control_from(*, max_steps=None, tokens=None, max_minutes=None, save_every=None, eval_every=None,
-                     keep=None, eval_batches=None, sample_tokens=None, prompt=None, max_nonfinite=None,
-                     verify_data=None) -> dict:
+def run_control_from(limits: LimitFlags, checks: CheckFlags) -> dict:
     """The run-control options as ``TrainConfig`` fields (None where not given), parsed the same way for
     ``train`` and ``finetune``; a resume replaces the run's settings with those that are not None."""
     def count(value, what, minimum=1):
         return None if value is None else parse_count(value, what, minimum=minimum)
 
     return dict(
-        max_steps=count(max_steps, "--max-steps"), max_tokens=count(tokens, "--tokens"),
-        max_minutes=minutes_from(max_minutes),
-        save_every=count(save_every, "--save-every"), eval_every=count(eval_every, "--eval-every"),
-        eval_batches=count(eval_batches, "--eval-batches"), keep=count(keep, "--keep"),
-        sample_tokens=count(sample_tokens, "--sample-tokens", minimum=0),
-        prompts=tuple(prompt) if prompt else None, verify_data=verify_data,
-        max_nonfinite=count(max_nonfinite, "--max-nonfinite"),
+        max_steps=count(limits.max_steps, "--max-steps"), max_tokens=count(limits.tokens, "--tokens"),
+        max_minutes=minutes_from(limits.max_minutes),
+        save_every=count(limits.save_every, "--save-every"), eval_every=count(limits.eval_every, "--eval-every"),
+        eval_batches=count(checks.eval_batches, "--eval-batches"), keep=count(checks.keep, "--keep"),
+        sample_tokens=count(checks.sample_tokens, "--sample-tokens", minimum=0),
+        prompts=tuple(checks.prompt) if checks.prompt else None, verify_data=checks.verify_data,
+        max_nonfinite=count(checks.max_nonfinite, "--max-nonfinite"),
     )
-
-
-def model_from(params=None, model=None, arch=None, layers=None, hidden=None, heads=None, kv_heads=None,
-               ffn=None, vocab=None, tied=None, dropout=None):
-    from memplan.model import resolve
-
-    return resolve(params=params, model=model, arch=arch, layers=layers, hidden=hidden, heads=heads,
-                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout)
-
-
-def setup_from(ctx="1024", batch="1", grad_accum="1", precision="bf16-mixed", attention="sdpa",
-               checkpointing="none", optimizer="adamw", world_size="1", sharding="none", compile=False):
-    from memplan.setup import setup_from_flags
-
-    return setup_from_flags(ctx=ctx, batch=batch, grad_accum=grad_accum, precision=precision, attention=attention,
-                            checkpointing=checkpointing, optimizer=optimizer, world_size=world_size,
-                            sharding=sharding, compile=compile)
 
 
 def device_from(device=None, device_memory=None):

@@ -14,11 +14,9 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.estimate import PlanStackOpt
-from memplan.cli.options import local_device_from, with_rates  # noqa: I001
-from memplan.cli.options import (ArchOpt, CompileOpt, DeviceMemoryOpt, DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt,
-                                 HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, OptimizerOpt, ParamsOpt,
-                                 ShardingOpt, TiedOpt, VocabOpt, DropoutOpt, WorldSizeOpt, print_json,
-                                 setup_from)
+from memplan.cli.options import with_rates  # noqa: I001
+from memplan.cli.options import (CompileOpt, DeviceFlags, GradAccumOpt, JsonOpt, ModelFlags, OptimizerOpt,
+                                 ShardingOpt, WorldSizeOpt, print_json, with_groups)
 from memplan.reports.sweep import (CHECKPOINTING_WORDS, fixed_words, format_ctx, gib_text, setup_words,  # noqa: F401
                                    sweep_page, variant_label, variant_words)
 from memplan.units import format_bytes, format_count, format_seconds, parse_count
@@ -124,15 +122,13 @@ def print_sweep(sw, rates_note: str | None = None) -> None:
 # ---- the command ---------------------------------------------------------------------------
 
 @app.command("sweep")
+@with_groups
 def sweep_command(
-    params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
-    hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
+    model_flags: ModelFlags = None,
     ctx: CtxListOpt = ..., batch: BatchListOpt = "1", attention: AttentionListOpt = "sdpa",
     checkpointing: CheckpointingListOpt = "none", precision: PrecisionListOpt = "bf16-mixed",
     grad_accum: GradAccumOpt = "1", optimizer: OptimizerOpt = "adamw", world_size: WorldSizeOpt = "1",
-    sharding: ShardingOpt = "none", compile: CompileOpt = False,
-    device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    sharding: ShardingOpt = "none", compile: CompileOpt = False, device_flags: DeviceFlags = None,
     tokens: TokensOpt = None, html: HtmlOpt = None, json: JsonOpt = False, stack: PlanStackOpt = "memplan",
 ) -> None:
     """Estimate a grid of settings (lists of contexts, micro-batches, attention, checkpointing, precision):
@@ -149,14 +145,15 @@ def sweep_command(
     )
     from memplan.cli.estimate import stack_for_search
     from memplan.memory.stacks import shown, stack_from_flags
+    from memplan.setup import setup_from_flags
 
-    walk = stack_for_search(stack, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout))
+    walk = stack_for_search(stack, model_flags)
     spec = walk.spec
-    base = setup_from(str(axes.ctx[0]), str(axes.micro_batch[0]), grad_accum, axes.precision[0], axes.attention[0],
-                      axes.checkpointing[0], optimizer, world_size, sharding, compile)
+    base = setup_from_flags(axes.ctx[0], axes.micro_batch[0], grad_accum, axes.precision[0], axes.attention[0],
+                            axes.checkpointing[0], optimizer, world_size, sharding, compile)
     for checkpointing in axes.checkpointing:  # every cell's setting, checked as estimate checks it
         stack_from_flags(stack, None, None, spec, base.replace(checkpointing=checkpointing))
-    dev, rates_note = local_device_from(device, device_memory)
+    dev, rates_note = device_flags.local_profile()
     n_tokens = parse_count(tokens, "--tokens") if tokens else None
     if html is not None:  # before the sweep and before anything is printed
         from memplan.reports.page import check_report_path

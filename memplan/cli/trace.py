@@ -10,10 +10,7 @@ import typer
 from memplan.cli.app import app
 from memplan.cli.fit import print_labelled
 from memplan.cli.estimate import LoraRankOpt, LoraTargetsOpt, TokensOpt
-from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CompileOpt, CtxOpt, DeviceMemoryOpt,
-                                 DeviceOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, JsonOpt, KvHeadsOpt, LayersOpt,
-                                 ModelOpt, OptimizerOpt, ParamsOpt, PrecisionOpt, ShardingOpt, TiedOpt, VocabOpt, DropoutOpt,
-                                 WorldSizeOpt, device_from, model_from, print_json, setup_from)
+from memplan.cli.options import DeviceFlags, JsonOpt, ModelFlags, SetupFlags, print_json, with_groups
 from memplan.errors import InputError
 from memplan.memory.stacks import STACKS as STACKS_WALKED, stack_class
 from memplan.units import format_bytes, parse_count
@@ -89,14 +86,9 @@ def stack_json(stack: str, cfg: dict, setup, dev, traced, params: int | None) ->
 
 
 @app.command("trace")
+@with_groups
 def trace_command(
-    params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
-    hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
-    ctx: CtxOpt = "1024", batch: BatchOpt = "1", grad_accum: GradAccumOpt = "1", precision: PrecisionOpt = "bf16-mixed",
-    attention: AttentionOpt = "sdpa", checkpointing: CheckpointingOpt = "none", optimizer: OptimizerOpt = "adamw",
-    world_size: WorldSizeOpt = "1", sharding: ShardingOpt = "none", compile: CompileOpt = False,
-    device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    model_flags: ModelFlags = None, setup_flags: SetupFlags = None, device_flags: DeviceFlags = None,
     tokens: TokensOpt = None, json: JsonOpt = False, stack: StackOpt = "memplan",
     lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
     lora_dropout: LoraDropoutOpt = None,
@@ -113,8 +105,7 @@ def trace_command(
     from trainer.stacks import check_stack
 
     check_stack(stack)
-    setup = setup_from(ctx, batch, grad_accum, precision, attention, checkpointing, optimizer, world_size, sharding,
-                       compile)
+    setup = setup_flags.setup()
     rank = parse_count(lora_rank, "--lora-rank") if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
@@ -123,12 +114,11 @@ def trace_command(
         raise InputError(f"--lora-dropout {lora_dropout}: a probability in [0, 1) for --stack "
                          "transformers|litgpt|torchtune with --lora-rank (memplan's own adapters have no dropout)")
     if stack_class(stack).library:
-        return _trace_stack(stack, setup, params, model, (arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout),
-                            device, device_memory, tokens, json, lora_dropout)
+        return _trace_stack(stack, setup, model_flags, device_flags, tokens, json, lora_dropout)
     from memplan.estimate import estimate
     from memplan.memory.stacks import check_stack_setup
 
-    spec = model_from(params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, dropout)
+    spec = model_flags.spec()
     check_stack_setup(stack, spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
     if setup.sharding == "ddp":
         raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "
@@ -137,7 +127,7 @@ def trace_command(
     if setup.optimizer == "adamw8bit":
         raise InputError("trace cannot run bitsandbytes' 8-bit optimizer on fake tensors; accepted: adamw, "
                          "adamw-fused, sgd")
-    dev = device_from(device, device_memory)
+    dev = device_flags.profile()
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None)
 
     import dataclasses
@@ -178,7 +168,7 @@ def trace_command(
     _print_trace(spec.describe(), setup, traced, data, est, dev, stack)
 
 
-def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory, tokens, json, lora_dropout) -> None:
+def _trace_stack(stack, setup, model_flags, device_flags, tokens, json, lora_dropout) -> None:
     """``trace --stack S`` for another library's code (trainer/stacks)."""
     import torch
 
@@ -191,16 +181,17 @@ def _trace_stack(stack, setup, params, model, shape_flags, device, device_memory
     if setup.world_size > 1:
         raise InputError(f"trace --stack {stack}: one process only (--world-size 1); sharded steps are traced "
                          "for memplan's own trainer")
-    dev = device_from(device, device_memory)
+    dev = device_flags.profile()
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
     accelerator = dev.family in ("cuda", "rocm") and fake_device == "cpu"  # dropout as CUDA's kernels run it
+    model = model_flags.model
     cfg = read_hf_config(model) if model else None
     spec = None
-    if cfg is not None and any(v is not None for v in shape_flags):
+    if cfg is not None and any(v is not None for k, v in model_flags.values().items() if k not in ("params", "model")):
         raise InputError(f"--model {model}: with --stack {stack} the config.json is the model; edit it rather than "
                          "passing shape flags (--arch, --layers, ...)")
     try:
-        spec = model_from(params, model, *shape_flags)
+        spec = model_flags.spec()
     except InputError:
         if cfg is None:
             raise  # not a config file: the shape itself is wrong

@@ -11,6 +11,7 @@ progress with rich, and prints the summary. torch is imported only inside the co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -21,13 +22,9 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.fit import print_hanging, print_labelled
-from memplan.cli.options import (ArchOpt, AttentionOpt, BatchOpt, CheckpointingOpt, CtxOpt, DeviceMemoryOpt, DeviceOpt,
-                                 EvalBatchesOpt, EvalEveryOpt, FfnOpt, GradAccumOpt, HeadsOpt, HiddenOpt, KeepOpt,
-                                 KvHeadsOpt, LayersOpt, MaxMinutesOpt, MaxNonfiniteOpt, MaxStepsOpt, ModelOpt,
-                                 OptimizerOpt, ParamsOpt, PrecisionOpt, PromptOpt, SampleTokensOpt, SaveEveryOpt,
-                                 LogOpt, SeedOpt, ThreadsOpt, TiedOpt, DropoutOpt, TokensOpt, TrainStackOpt,
-                                 VerifyDataOpt, VocabOpt,
-                                 run_control_from, seed_from, threads_from)
+from memplan.cli.options import (CheckFlags, DeviceFlags, Flags, LimitFlags, LogOpt, ModelFlags, PlanSetupFlags,
+                                 SeedOpt, ThreadsOpt, TrainStackOpt, run_control_from, seed_from, threads_from,
+                                 with_groups)
 from memplan.errors import InputError
 from memplan.run_control import LIMITS
 
@@ -50,8 +47,6 @@ FromOpt = Annotated[Optional[str], typer.Option(
                    "local Hugging Face cache, else fetched). --data must be prepared with its tokenizer "
                    "(`memplan prepare --tokenizer SAME`); the learning rate defaults to 1e-4.", show_default=False,
     rich_help_panel=_R)]
-CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
-                                                    show_default=False, rich_help_panel="Setup")]
 NprocOpt = Annotated[Optional[str], typer.Option(
     "--nproc", metavar="N", help="Train in N processes (torchrun: one per GPU, else N CPU processes over gloo) with DDP or "
                     "FSDP2; each rank runs --batch × --grad-accum per step (the plan's, for --plan).",
@@ -82,31 +77,44 @@ MarginOpt = Annotated[str, typer.Option("--margin", metavar="F", help="Share of 
                                         rich_help_panel=_A)]
 
 
+@dataclasses.dataclass(frozen=True)
+class HyperFlags(Flags):
+    """train's hyper-parameters (None: the plan's [training], else TrainConfig's defaults)."""
+
+    lr: LrOpt = None
+    warmup: WarmupOpt = None
+    min_lr_ratio: MinLrOpt = None
+    weight_decay: WeightDecayOpt = None
+    clip: ClipOpt = None
+
+    def parsed(self, seed: str | None) -> dict:
+        """As ``TrainConfig`` fields (with ``--seed``), each checked: one InputError line naming the option."""
+        from memplan.units import parse_count
+
+        return dict(lr=_number(self.lr, "--lr", positive=True),
+                    warmup_steps=None if self.warmup is None else parse_count(self.warmup, "--warmup", minimum=0),
+                    min_lr_ratio=_number(self.min_lr_ratio, "--min-lr-ratio"),
+                    weight_decay=_number(self.weight_decay, "--weight-decay"), clip=_number(self.clip, "--clip"),
+                    seed=seed_from(seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class AutotuneFlags(Flags):
+    """What train's autotune keeps (without --plan or a setup): the global batch, the budget and its margin."""
+
+    global_batch_tokens: GlobalBatchTokensOpt = None
+    budget: BudgetOpt = None
+    margin: MarginOpt = "0.1"
+
+
 @app.command("train")
+@with_groups
 def train_command(
-    plan: PlanOpt = None, data: DataOpt = None, out: OutOpt = None, from_: FromOpt = None,
-    max_steps: MaxStepsOpt = None, tokens: TokensOpt = None, max_minutes: MaxMinutesOpt = None,
-    save_every: SaveEveryOpt = None, eval_every: EvalEveryOpt = None, seed: SeedOpt = None,
-    resume: ResumeOpt = False, report: ReportOpt = False,
-    params: ParamsOpt = None, model: ModelOpt = None, arch: ArchOpt = None, layers: LayersOpt = None,
-    hidden: HiddenOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None, ffn: FfnOpt = None,
-    vocab: VocabOpt = None, tied: TiedOpt = None, dropout: DropoutOpt = None,
-    ctx: Annotated[Optional[str], CtxOpt.__metadata__[0]] = None,
-    batch: Annotated[Optional[str], BatchOpt.__metadata__[0]] = None,
-    grad_accum: Annotated[Optional[str], GradAccumOpt.__metadata__[0]] = None,
-    precision: Annotated[Optional[str], PrecisionOpt.__metadata__[0]] = None,
-    attention: Annotated[Optional[str], AttentionOpt.__metadata__[0]] = None,
-    checkpointing: Annotated[Optional[str], CheckpointingOpt.__metadata__[0]] = None,
-    optimizer: Annotated[Optional[str], OptimizerOpt.__metadata__[0]] = None,
-    compile: CompileOpt = None,
-    device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
-    lr: LrOpt = None, warmup: WarmupOpt = None, min_lr_ratio: MinLrOpt = None, weight_decay: WeightDecayOpt = None,
-    clip: ClipOpt = None, keep: KeepOpt = None, eval_batches: EvalBatchesOpt = None,
-    sample_tokens: SampleTokensOpt = None, prompt: PromptOpt = None, max_nonfinite: MaxNonfiniteOpt = None,
-    verify_data: VerifyDataOpt = None,
-    global_batch_tokens: GlobalBatchTokensOpt = None, budget: BudgetOpt = None, margin: MarginOpt = "0.1",
-    nproc: NprocOpt = None, sharding: TrainShardingOpt = None, threads: ThreadsOpt = None, log: LogOpt = None,
-    stack: TrainStackOpt = None,
+    plan: PlanOpt = None, data: DataOpt = None, out: OutOpt = None, from_: FromOpt = None, limits: LimitFlags = None,
+    seed: SeedOpt = None, resume: ResumeOpt = False, report: ReportOpt = False, model: ModelFlags = None,
+    setup: PlanSetupFlags = None, device: DeviceFlags = None, hyper: HyperFlags = None, checks: CheckFlags = None,
+    autotune: AutotuneFlags = None, nproc: NprocOpt = None, sharding: TrainShardingOpt = None,
+    threads: ThreadsOpt = None, log: LogOpt = None, stack: TrainStackOpt = None,
 ) -> None:
     """Train a model on a plan and measure it against memplan's predictions; alone, a short run on the embedded corpus."""
     from rich.console import Console
@@ -128,68 +136,29 @@ def train_command(
     _, launched, _ = distributed.env_world()
     if n > 1 and launched > 1:
         raise InputError(f"--nproc {n}: this process is already one of {launched} started by torchrun; drop --nproc")
-
-    def request(nproc: int = 1):
-        return _request(plan=plan, data=data, out=out, max_steps=max_steps, tokens=tokens, max_minutes=max_minutes,
-                        save_every=save_every, eval_every=eval_every, seed=seed, resume=resume, params=params,
-                        model=model, arch=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                        ffn=ffn, vocab=vocab, tied=tied, dropout=dropout, ctx=ctx, batch=batch, grad_accum=grad_accum,
-                        precision=precision, attention=attention, checkpointing=checkpointing, optimizer=optimizer,
-                        compile=compile, device=device, device_memory=device_memory, lr=lr, warmup=warmup,
-                        min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, clip=clip, keep=keep,
-                        eval_batches=eval_batches, sample_tokens=sample_tokens, prompt=prompt,
-                        max_nonfinite=max_nonfinite, verify_data=verify_data,
-                        global_batch_tokens=global_batch_tokens, budget=budget, margin=margin, sharding=sharding,
-                        threads=n_threads, from_=from_, nproc=nproc, stack=stack)
-
     if launched > 1:  # a rank reads its run from RUN/launch.json, never flags
         raise InputError(f"this process is one of {launched} started by torchrun: `memplan train --nproc N` starts "
                          "its ranks itself, each `python -m trainer RUN` reading the run it resolved")
-    if n > 1:
-        return _launch(request(n), check_loggers(log), console)
-    if sharding is not None:
+    if n == 1 and sharding is not None:
         raise InputError(f"--sharding {sharding}: needs several processes; add --nproc N")
-    from trainer.request import resolve_train
-
-    _train(console, resolve_train(request(), RichUI(console)), log=log)
-
-
-def _request(*, plan, data, out, max_steps, tokens, max_minutes, save_every, eval_every, seed, resume,
-             params, model, arch, layers, hidden, heads, kv_heads, ffn, vocab, tied, ctx, batch, grad_accum,
-             dropout=None,
-             precision, attention, checkpointing, optimizer, compile, device, device_memory, lr, warmup,
-             min_lr_ratio, weight_decay, clip, keep, eval_batches, sample_tokens, prompt, max_nonfinite,
-             verify_data, global_batch_tokens, budget, margin, sharding, threads=None, from_=None, nproc=1,
-             stack=None):
-    """The flags as a ``trainer.request.TrainRequest`` (``nproc``: to be resolved for that many processes)."""
-    from memplan.units import parse_count
-    from trainer.request import TrainRequest
-
-    def count(value, what, minimum=1):
-        return None if value is None else parse_count(value, what, minimum=minimum)
+    from memplan.units import parse_size
+    from trainer.train_run import TrainRequest, resolve_train
 
     request = TrainRequest(
-        plan=plan, data=data, out=out, from_=from_, resume=resume,
-        model=dict(params=params, model=model, arch=arch, layers=layers, hidden=hidden, heads=heads,
-                   kv_heads=kv_heads, ffn=ffn, vocab=vocab, tied=tied, dropout=dropout),
-        setup=dict(ctx=ctx, batch=batch, grad_accum=grad_accum, precision=precision, attention=attention,
-                   checkpointing=checkpointing, optimizer=optimizer, compile=compile),
-        control=run_control_from(max_steps=max_steps, tokens=tokens, max_minutes=max_minutes, save_every=save_every,
-                                 eval_every=eval_every, keep=keep, eval_batches=eval_batches,
-                                 sample_tokens=sample_tokens, prompt=prompt, max_nonfinite=max_nonfinite,
-                                 verify_data=verify_data),
-        hyper=dict(lr=_number(lr, "--lr", positive=True), warmup_steps=count(warmup, "--warmup", minimum=0),
-                   min_lr_ratio=_number(min_lr_ratio, "--min-lr-ratio"),
-                   weight_decay=_number(weight_decay, "--weight-decay"), clip=_number(clip, "--clip"),
-                   seed=seed_from(seed)),
-        device=device, device_memory=device_memory, threads=threads, sharding=sharding,
-        global_batch_tokens=count(global_batch_tokens, "--global-batch-tokens"), budget=budget,
-        margin=_number(margin, "--margin"), nproc=nproc, stack=stack)
-    return request
+        plan=plan, data=data, out=out, from_=from_, resume=resume, model=model.values(), setup=setup.asked(),
+        control=run_control_from(limits, checks), hyper=hyper.parsed(seed), device=device.device,
+        device_memory=device.device_memory, threads=n_threads, sharding=sharding,
+        global_batch_tokens=(None if autotune.global_batch_tokens is None else
+                             parse_count(autotune.global_batch_tokens, "--global-batch-tokens")),
+        budget_bytes=parse_size(autotune.budget, "--budget") if autotune.budget else None,
+        margin=_number(autotune.margin, "--margin"), nproc=n, stack=stack)
+    if n > 1:
+        return _launch(request, check_loggers(log), console)
+    _train(console, resolve_train(request, RichUI(console)), log=log)
 
 
 class RichUI:
-    """``trainer.request.TrainUI`` rendered with rich on ``console``: lines, the calibration's progress bar,
+    """``trainer.train_run.TrainUI`` rendered with rich on ``console``: lines, the calibration's progress bar,
     the embedded corpus's preparation bars."""
 
     def __init__(self, console):
@@ -247,8 +216,8 @@ def _number(text: str | None, what: str, positive: bool = False) -> float | None
 # =================================================================================================
 
 def _train(console, run, log: list[str] | None = None) -> None:
-    """Train the resolved run (``trainer.request.ResolvedTrain``): a new one, or one resumed."""
-    from trainer.request import start_trainer
+    """Train the resolved run (``trainer.train_run.ResolvedTrain``): a new one, or one resumed."""
+    from trainer.train_run import start_trainer
 
     run_trainer(console, start_trainer(run), run.run_dir, rates_note=run.rates_note, log=log)
 

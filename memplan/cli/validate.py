@@ -11,7 +11,7 @@ import typer
 from memplan.cli.app import app
 from memplan.memory.stacks import DEFAULT, shown, stack_class
 from memplan.reports.validate import decode_step_words, inference_page, validation_page
-from memplan.cli.options import DeviceMemoryOpt, DeviceOpt, JsonOpt, ThreadsOpt, print_json, threads_from, use_threads
+from memplan.cli.options import DeviceFlags, JsonOpt, ThreadsOpt, print_json, threads_from, use_threads, with_groups
 
 MatrixOpt = Annotated[Optional[str], typer.Option(
     "--matrix", metavar="NAME|FILE", help="A bundled matrix name or a matrix TOML file (default: default; with --world-size > 1: "
@@ -35,9 +35,10 @@ ModeOpt = Annotated[str, typer.Option(
 
 
 @app.command("validate")
+@with_groups
 def validate_command(
     matrix: MatrixOpt = None, quick: QuickOpt = False, json: JsonOpt = False, html: HtmlOpt = None,
-    no_trace: NoTraceOpt = False, device: DeviceOpt = None, device_memory: DeviceMemoryOpt = None,
+    no_trace: NoTraceOpt = False, device: DeviceFlags = None,
     world_size: RanksOpt = "1", mode: ModeOpt = "training", threads: ThreadsOpt = None, stack: StacksOpt = "memplan",
 ) -> None:
     """Predict, trace and really measure each config of a matrix on this device; print the errors and the bars.
@@ -64,12 +65,11 @@ def validate_command(
         use_threads(threads)
         if world_size != "1":
             raise InputError("--mode inference measures one process; accepted with it: --world-size 1")
-        return validate_inference(matrix or "default", quick, json, html, device, device_memory)
+        return validate_inference(matrix or "default", quick, json, html, device.device, device.device_memory)
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from memplan.cli.options import device_from
     from memplan.units import parse_count
     from memplan.validate import summarize, validation_json
     from trainer.validate import measure_validation, plan_validation
@@ -82,7 +82,7 @@ def validate_command(
         from memplan.reports.page import check_report_path
 
         check_report_path(html, "--html", "validate.html")
-    dev = device_from(device, device_memory)
+    dev = device.profile()
     use_threads(threads)
 
     console = Console(stderr=json)

@@ -1,4 +1,4 @@
-"""``memplan finetune`` as a request resolved in the library, as ``trainer.request`` does for ``memplan train``.
+"""``memplan finetune`` as a request resolved in the library, as ``trainer.train_run`` does for ``memplan train``.
 
 A ``FinetuneRequest`` holds what the command line asked, already parsed. ``resolve_finetune`` turns it into
 the run that will train: the base (a memplan run or a Hugging Face checkpoint), the instruction data, the
@@ -105,7 +105,7 @@ def resolve_finetune(req: FinetuneRequest, *, world_size: int = 1, plan=None,
                          "exactly one")
     if req.lora_rank < 0:
         raise InputError(f"--lora-rank: {req.lora_rank} must be 0 (full finetune) or a positive integer")
-    from trainer.request import profile_for
+    from trainer.train_run import profile_for
 
     profile, _ = profile_for(req.device, req.device_memory, req.threads, None, measure_now=False)
     if req.resume:
@@ -208,7 +208,7 @@ def _base_and_data(req: FinetuneRequest, profile, say):
 
             sft.hf_config = hf_model.run_config(ckpt.verify_checkpoint(base_ckpt), str(base_ckpt))
         return sft, base_plan.model, req.precision or base_plan.setup.precision, stack
-    from trainer.request import best_precision
+    from memplan.planning import best_precision
 
     imported = base_of_hf(req.from_, stack=req.stack)
     ctx = req.ctx or min(imported.max_ctx, 2048)
@@ -297,7 +297,7 @@ def start_finetune(run: ResolvedFinetune):
 @dataclass(frozen=True)
 class FinetuneLaunch:
     """RUN/launch.json of ``memplan finetune --nproc N``: the request, and the plan made for N processes (None
-    for a resume: the checkpoint's). ``resume`` is the request's, for ``trainer.request.write_launch``."""
+    for a resume: the checkpoint's). ``resume`` is the request's, for ``trainer.train_run.write_launch``."""
 
     request: FinetuneRequest
     plan: dict | None
@@ -307,7 +307,7 @@ class FinetuneLaunch:
         return self.request.resume
 
     def to_json(self) -> dict:
-        from trainer.request import LAUNCH_FORMAT, LAUNCH_VERSION
+        from trainer.train_run import LAUNCH_FORMAT, LAUNCH_VERSION
 
         return {"format": LAUNCH_FORMAT, "version": LAUNCH_VERSION, "kind": "finetune",
                 "request": self.request.to_json(), "plan": self.plan}
@@ -336,8 +336,8 @@ def resolve_finetune_launch(launch: FinetuneLaunch, where: str, world_size: int)
 
 def read_launch_file(run_dir: str | Path):
     """RUN/launch.json as its kind reads it: a ``FinetuneLaunch`` (kind ``finetune``) or a
-    ``trainer.request.LaunchSpec`` (``memplan train --nproc``'s); an InputError naming the file otherwise."""
-    from trainer.request import LAUNCH_FORMAT, LAUNCH_VERSION, LaunchSpec, read_launch_object
+    ``trainer.train_run.LaunchSpec`` (``memplan train --nproc``'s); an InputError naming the file otherwise."""
+    from trainer.train_run import LAUNCH_FORMAT, LAUNCH_VERSION, LaunchSpec, read_launch_object
 
     obj, path = read_launch_object(run_dir)
     if isinstance(obj, dict) and obj.get("format") == LAUNCH_FORMAT and obj.get("version") == LAUNCH_VERSION \
