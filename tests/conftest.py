@@ -8,6 +8,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The tests by kind: tests/unit (the planner and the trainer's units), tests/walk (the memory walk: the golden
+# figures, the walk against traces, the stacks), tests/runs (training, slow, distributed, browser, install). The
+# fast tier is the folders `python -m pytest tests/unit tests/walk`. This directory holds the helpers all three
+# share (runs_helper.py, this conftest); the folders' test modules also import each other's helpers by module
+# name (test_hf_import's checkpoints, test_families' shapes), whichever folders pytest is given.
+KINDS = ("unit", "walk", "runs")
+sys.path[:0] = [str(ROOT / "tests"), *(str(ROOT / "tests" / kind) for kind in KINDS)]
+
 
 def run_memplan(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`memplan ARGS` as a separate process (as a user runs it), from this checkout."""
