@@ -175,13 +175,6 @@ def test_the_walk_meets_the_bars_a_fast_subset(lib):
     _assert_bars(_errors(lib, _matrix(lib, kv_heads=(2,), tied=(False,))))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lib", ["litgpt", "torchtune"])
-def test_the_walk_meets_the_bars_over_the_matrix(lib):
-    """Precisions × checkpointing × LoRA (none, rank 4 with dropout 0 and 0.05) × tied/untied × kv 2/4."""
-    _assert_bars(_errors(lib, _matrix(lib)))
-
-
 # ---- torch-free: the hooks' choices, the CLI ----------------------------------------------------
 
 def test_the_libraries_default_dropouts():

@@ -128,12 +128,6 @@ def test_lora_targets_meet_the_bars_without_checkpointing_llama():
     _assert_bars(_errors(_matrix(checkpointing=("none",), families=("llama",), dropouts=(0.0,))))
 
 
-@pytest.mark.slow
-def test_lora_targets_meet_the_bars_without_checkpointing():
-    """llama, gpt2, gpt_neox × every target subset × precisions × dropout 0 and 0.05."""
-    _assert_bars(_errors(_matrix(checkpointing=("none",))))
-
-
 if __name__ == "__main__":  # the table: python tests/walk/test_walk_lora.py
     import torch
 
