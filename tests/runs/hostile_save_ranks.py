@@ -1,7 +1,9 @@
 """One rank of tests/runs/test_hostile_ranks.py (run under torchrun, gloo): a tiny DDP model's checkpoint saved
-through ``trainer.checkpoints.CheckpointManager`` with a failure planted in one rank's part of the save.
-Each rank writes what it ended with, one line, to OUT/rank{R}.txt, and exits 0 (so that torchrun's agent ends
-no rank early: the test reads whether every rank came out of the save, and with what)."""
+through ``trainer.checkpoints.CheckpointManager`` with a failure planted in one rank's part of the save, once
+for each fault asked (comma-separated: one launch of torchrun for them all), each into a run of its own,
+OUT/FAULT/run. Each rank writes what each save ended with, one line, to OUT/FAULT/rank{R}.txt, and exits 0 (so
+that torchrun's agent ends no rank early: the test reads whether every rank came out of each save, and with
+what)."""
 
 from __future__ import annotations
 
@@ -19,33 +21,39 @@ class Tok:
     kind = "tiktoken"  # no tokenizer.json to write
 
 
-def main(out: str, fault: str, failing: int) -> None:
+def main(out: str, faults: str, failing: int) -> None:
     ctx = distributed.init("cpu")
-    run = Path(out) / "run"
     model = torch.nn.Linear(4, 4)
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(wrapped.parameters())
+    for fault in faults.split(","):
+        save_with(Path(out) / fault, fault, failing, ctx, model, wrapped, optimizer)
+    distributed.shutdown()
+
+
+def save_with(out: Path, fault: str, failing: int, ctx, model, wrapped, optimizer) -> None:
+    from trainer.checkpoints import CheckpointManager
+
+    out.mkdir(parents=True, exist_ok=True)
+    owner, name = {"prepare": (ckpt, "clean_leftovers"),  # rank 0's part before the shards
+                   "finish": (ckpt, "save_checkpoint"),  # rank 0's part after them
+                   }.get(fault, (distributed, "save_sharded"))  # every rank's part
+    original = getattr(owner, name)
     if ctx.rank == failing:
         def broken(*args, **kwargs):
             raise OSError(5, f"planted failure in {fault}")
 
-        if fault == "prepare":
-            ckpt.clean_leftovers = broken  # rank 0's part before the shards
-        elif fault == "finish":
-            ckpt.save_checkpoint = broken  # rank 0's part after them
-        else:
-            distributed.save_sharded = broken  # every rank's part
-    from trainer.checkpoints import CheckpointManager
-
-    manager = CheckpointManager(run, keep=1, dist=ctx)
+        setattr(owner, name, broken)
+    manager = CheckpointManager(out / "run", keep=1, dist=ctx)
     try:
         manager.save(1, model=model, wrapped=wrapped, optimizer=optimizer, state=lambda: {"step": 1},
                      meta=lambda: {"step": 1}, tokenizer=Tok(), tied=False, sharding="ddp")
         line = "saved"
     except Exception as e:
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
-    (Path(out) / f"rank{ctx.rank}.txt").write_text(line + "\n")
-    distributed.shutdown()
+    finally:
+        setattr(owner, name, original)
+    (out / f"rank{ctx.rank}.txt").write_text(line + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A failure in one rank's part of a distributed checkpoint save (issue 29, item 5a) ends every rank with one
 line naming the failed rank and its cause, instead of leaving the others waiting in a collective: two processes
-under torchrun over gloo (tests/runs/hostile_save_ranks.py), each writing how its save ended."""
+under torchrun over gloo (tests/runs/hostile_save_ranks.py), each writing how its save ended. One launch
+saves once per fault, each into a run of its own (a torchrun launch is most of the test's time)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def save_with_a_failure(tmp_path: Path, fault: str, failing: int) -> dict[int, str]:
+FAULTS = ("prepare", "finish")
+FAILING = 0
+
+
+def save_with_failures(out: Path, faults: tuple[str, ...], failing: int) -> tuple[dict[str, dict[int, str]], str]:
+    """Each fault's save, one after the other in the same two ranks (one launch of torchrun): fault -> rank ->
+    the line that rank's save ended with; and the end of torchrun's output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "runs" / "hostile_save_ranks.py"), str(tmp_path), fault, str(failing)]
+           str(ROOT / "tests" / "runs" / "hostile_save_ranks.py"), str(out), ",".join(faults), str(failing)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     try:
@@ -31,20 +38,27 @@ def save_with_a_failure(tmp_path: Path, fault: str, failing: int) -> dict[int, s
             child.kill()
         proc.kill()
         output, _ = proc.communicate()
-        pytest.fail(f"a rank still waited after 120 s (the save never ended): {output[-2000:]}")
-    lines = {r: (tmp_path / f"rank{r}.txt").read_text().strip() for r in range(2)
-             if (tmp_path / f"rank{r}.txt").exists()}
-    assert set(lines) == {0, 1}, (lines, output[-2000:])
-    return lines
+        pytest.fail(f"a rank still waited after 120 s (a save never ended): {output[-2000:]}")
+    lines = {fault: {r: (out / fault / f"rank{r}.txt").read_text().strip() for r in range(2)
+                     if (out / fault / f"rank{r}.txt").exists()} for fault in faults}
+    return lines, output[-2000:]
 
 
-@pytest.mark.parametrize("fault, failing", [("prepare", 0), ("finish", 0)])
-def test_a_rank_failing_in_a_save_ends_every_rank_naming_it(tmp_path, fault, failing):
-    lines = save_with_a_failure(tmp_path, fault, failing)
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    out = tmp_path_factory.mktemp("saves")
+    return out, *save_with_failures(out, FAULTS, FAILING)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_rank_failing_in_a_save_ends_every_rank_naming_it(saves, fault):
+    out, ended, output = saves
+    lines = ended[fault]
+    assert set(lines) == {0, 1}, (lines, output)
     for rank, line in lines.items():
         assert line.startswith("RankFailed: checkpoint step 1: "), line
-        assert f"rank {failing} failed: OSError: [Errno 5] planted failure in {fault}" in line, line
-    assert not (tmp_path / "run" / "checkpoints" / ckpt_name()).exists()
+        assert f"rank {FAILING} failed: OSError: [Errno 5] planted failure in {fault}" in line, line
+    assert not (out / fault / "run" / "checkpoints" / ckpt_name()).exists()
 
 
 def ckpt_name() -> str:
