@@ -13,6 +13,10 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: runs_helper, run as a script
 
 import pytest
 from typer.testing import CliRunner
