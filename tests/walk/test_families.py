@@ -133,9 +133,9 @@ def test_tiny_variants_count_as_transformers_builds_them(tmp_path, name):
 
 def _trace(spec, setup) -> int:
     pytest.importorskip("transformers")
-    from trainer.stacks import StackModel, trace_stack
+    from runs_helper import traced_peak
 
-    return trace_stack("transformers", StackModel(spec=spec), setup).peak_allocated
+    return traced_peak("transformers", spec, setup)
 
 
 def _walk(spec, setup) -> int:

@@ -47,10 +47,10 @@ def _lora(targets, precision="bf16-mixed", **kw) -> TrainSetup:
                          "lora_targets": targets, **kw})
 
 
-def _trace(stack, shape, setup, dropout=None):
-    from trainer.stacks import StackModel, trace_stack
+def _trace(stack, shape, setup, dropout=None) -> int:
+    from runs_helper import traced_peak
 
-    return trace_stack(stack, StackModel(spec=ModelSpec(**shape)), setup, lora_dropout=dropout)
+    return traced_peak(stack, ModelSpec(**shape), setup, lora_dropout=dropout)
 
 
 def _walk(stack, shape, setup, dropout=None) -> int:
@@ -58,7 +58,7 @@ def _walk(stack, shape, setup, dropout=None) -> int:
 
 
 def _error(stack, shape, setup, dropout=None) -> float:
-    traced = _trace(stack, shape, setup, dropout).peak_allocated
+    traced = _trace(stack, shape, setup, dropout)
     return (_walk(stack, shape, setup, dropout) - traced) / traced
 
 

@@ -34,9 +34,9 @@ STEP = dict(ctx=256, micro_batch=8)
 def _trace(spec, setup, dropout=0.0) -> int:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from trainer.stacks import StackModel, trace_stack
+    from runs_helper import traced_peak
 
-    return trace_stack("transformers", StackModel(spec=spec), setup, lora_dropout=dropout).peak_allocated
+    return traced_peak("transformers", spec, setup, lora_dropout=dropout)
 
 
 def _walk(spec, setup, dropout=0.0) -> int:

@@ -42,9 +42,9 @@ def _setup(**kw) -> TrainSetup:
 
 def _trace(lib, spec, setup, dropout=None) -> int:
     pytest.importorskip(lib)
-    from trainer.stacks import StackModel, trace_stack
+    from runs_helper import traced_peak
 
-    return trace_stack(lib, StackModel(spec=spec), setup, lora_dropout=dropout).peak_allocated
+    return traced_peak(lib, spec, setup, lora_dropout=dropout)
 
 
 def _walk(lib, spec, setup, dropout=None) -> int:

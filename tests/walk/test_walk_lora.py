@@ -36,9 +36,9 @@ TARGETS = ("qkv", "proj", "up", "down", "up,down", "qkv,proj,up,down")
 def _trace(stack, spec, setup, dropout=0.0) -> int:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from trainer.stacks import StackModel, trace_stack
+    from runs_helper import traced_peak
 
-    return trace_stack(stack, StackModel(spec=spec), setup, lora_dropout=dropout).peak_allocated
+    return traced_peak(stack, spec, setup, lora_dropout=dropout)
 
 
 def _walk(stack, spec, setup, dropout=0.0) -> int:

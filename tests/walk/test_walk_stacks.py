@@ -40,9 +40,9 @@ NEOX = dict(arch="gpt_neox", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, 
 def _trace(spec, setup, dropout=None) -> int:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from trainer.stacks import StackModel, trace_stack
+    from runs_helper import traced_peak
 
-    return trace_stack("transformers", StackModel(spec=spec), setup, lora_dropout=dropout).peak_allocated
+    return traced_peak("transformers", spec, setup, lora_dropout=dropout)
 
 
 def _walk(spec, setup, dropout=None) -> int:
