@@ -8,7 +8,7 @@ state, ``.grad``) plus the largest running sum of the CPU allocator's allocation
 steady-state step (after two warm-up steps, the first of which compiles), read from
 ``torch.profiler``'s memory events (``profile_memory=True``): they see inductor's own buffers, which
 a TorchDispatchMode (``MemTracker``) does not. On the eager step this method agrees with
-``MemTracker`` to within a few KiB (``tests/test_families.py``, slow).
+``MemTracker`` to within a few KiB (``tests/walk/test_families.py``, slow).
 
     python benchmarks/compile_memory.py [--arch llama] [--stacks memplan,transformers]
 """

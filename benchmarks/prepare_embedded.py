@@ -3,7 +3,7 @@
 The quick start (`memplan train` with no arguments) prepares the embedded corpus, then trains for about three
 minutes, so preparing it must take well under a minute on a laptop-class machine. Times the whole process
 (start-up, the two sources, the 4,096-token BPE, the shards) in a fresh directory each run; prints the median.
-Bar: median under 60 s. (tests/test_data.py checks what the corpus holds, not how fast it is made.)
+Bar: median under 60 s. (tests/unit/test_data.py checks what the corpus holds, not how fast it is made.)
 
     PYTHONPATH=$PWD python benchmarks/prepare_embedded.py [--runs 3]
 """

@@ -2,7 +2,7 @@
 
     python docs/screenshot.py /tmp/validate.html docs/validate.png
 
-Each PAGE is opened at a laptop's viewport (1366×768) and checked as tests/test_browser.py checks
+Each PAGE is opened at a laptop's viewport (1366×768) and checked as tests/runs/test_browser.py checks
 every report (no console errors, nothing fetched from outside the file, every plot drawn, nothing
 blank); only a page that passes is saved, as a whole-page PNG scaled to 1025 px wide. The README's
 pictures come from real runs (`memplan validate --html`, a `memplan train` run's report.html), not

@@ -429,7 +429,7 @@ def decode_flops(spec: ModelSpec, setup: InferenceSetup, ctx: int | None = None)
 # Dispatched aten ops of one single-token decode step of trainer/generate.py's ``forward_cached``
 # (TorchDispatchMode, torch 2.13, no grad, SDPA; views included), per block and outside the blocks
 # (embedding, final norm, head, positions): (fp32, bf16/fp16 weights, whose norms upcast). GQA and tied
-# heads change nothing. tests/test_inference.py recounts them.
+# heads change nothing. tests/unit/test_inference.py recounts them.
 DECODE_LAYER_DISPATCHES = {"llama": (71, 75), "gpt2": (37, 37), "gpt_neox": (59, 59)}
 DECODE_BASE_DISPATCHES = {"llama": (25, 30), "gpt2": (9, 10), "gpt_neox": (20, 23)}
 # A dispatch without autograd costs a fraction of the training step's calibrated one (which carries the

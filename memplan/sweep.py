@@ -11,7 +11,7 @@ Speed: ``estimate`` searches for the largest micro-batch that fits (a dozen memo
 that answer does not depend on the micro-batch the setup asks for. So each row is estimated once
 with ``estimate`` and its other micro-batches reuse the row's ``max_micro_batch``, with their own
 memory walk and step time (``memory_on``, ``step_time``): the same numbers ``estimate`` gives,
-which tests/test_sweep.py checks cell by cell, at a fraction of the cost.
+which tests/unit/test_sweep.py checks cell by cell, at a fraction of the cost.
 """
 
 from __future__ import annotations

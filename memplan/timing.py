@@ -89,7 +89,7 @@ DATA_DISPATCHES_PER_MICRO_BATCH = 4  # two tensors made from the loader's arrays
 
 # ---- dispatch counts of the reference model (TorchDispatchMode over trainer/model.py, torch 2.13) -------------
 # Per block, forward and backward, fp32, SDPA, no checkpointing, multi-head attention; views included.
-# tests/test_timing.py recounts them on a real step.
+# tests/unit/test_timing.py recounts them on a real step.
 LAYER_DISPATCHES = {"llama": (66, 113), "gpt2": (32, 68), "gpt_neox": (54, 88)}
 EAGER_DISPATCHES = (19, 20)  # the explicit score path instead of one SDPA call
 EAGER_GQA_DISPATCHES = (6, 5)  # repeat_interleave of k and v for grouped-query attention

@@ -8,6 +8,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The tests by kind: tests/unit (the planner and the trainer's units), tests/walk (the memory walk: the golden
+# figures, the walk against traces, the stacks), tests/runs (training, slow, distributed, browser, install). The
+# fast tier is the folders `python -m pytest tests/unit tests/walk`, and a test marked slow belongs in tests/runs
+# (pytest_collection_modifyitems refuses one elsewhere). This directory holds the helpers all three share
+# (runs_helper.py, this conftest); the folders' test modules also import each other's helpers by module name
+# (test_hf_import's checkpoints, test_families' shapes), whichever folders pytest is given.
+KINDS = ("unit", "walk", "runs")
+sys.path[:0] = [str(ROOT / "tests"), *(str(ROOT / "tests" / kind) for kind in KINDS)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked slow outside tests/runs would sit in the fast tier: refused, naming each."""
+    runs = ROOT / "tests" / "runs"
+    misplaced = [item.nodeid for item in items
+                 if item.get_closest_marker("slow") and runs not in Path(item.path).resolve().parents]
+    if misplaced:
+        raise pytest.UsageError("tests marked slow outside tests/runs/ (the fast tier is tests/unit and "
+                                "tests/walk): " + ", ".join(misplaced))
+
 
 def run_memplan(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`memplan ARGS` as a separate process (as a user runs it), from this checkout."""

@@ -64,6 +64,22 @@ def tiny_run(run_dir: Path, corpus: Path, arch: str = "llama", steps: int = 40, 
     return run_dir
 
 
+_TRACED: dict[tuple, int] = {}
+
+
+def traced_peak(stack: str, spec: ModelSpec, setup: TrainSetup, lora_dropout: float | None = None) -> int:
+    """``trainer.stacks.trace_stack``'s peak for ``stack``'s step of ``spec`` under ``setup``, traced once per
+    test session: a trace runs on fake tensors, a function of these arguments alone, and the walk's tests hold
+    the same steps to it from several tests (each fast subset in tests/walk is part of its slow matrix in
+    tests/runs/test_walk_matrices.py, the hooks' cases are cells of the matrices)."""
+    key = (stack, repr(spec), repr(setup), lora_dropout)
+    if key not in _TRACED:
+        from trainer.stacks import StackModel, trace_stack
+
+        _TRACED[key] = trace_stack(stack, StackModel(spec=spec), setup, lora_dropout=lora_dropout).peak_allocated
+    return _TRACED[key]
+
+
 def one_line_error(result, *needles):
     """A CLI result that failed as bad input must: exit 2, one line on stderr, holding every needle."""
     assert result.exit_code == 2, (result.exit_code, result.output)

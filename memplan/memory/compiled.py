@@ -4,7 +4,7 @@ The trainer compiles the whole model (trainer/loop.py); the loss and the optimiz
 partitioner (``min_cut_rematerialization_partition``) chooses what the forward saves for backward; its fusion
 makes one kernel of a pointwise chain, whose intermediates are never materialised. ``memplan trace --compile``
 (trainer/compiled_trace.py) traces both on fake tensors; the terms below are what that trace showed, each
-checked against it (tests/test_compiled.py), and the trace against a real compiled step's allocator peak
+checked against it (tests/walk/test_compiled.py), and the trace against a real compiled step's allocator peak
 (benchmarks/compile_memory.py).
 
 Modelled: memplan's own step, one process, without checkpointing; with LoRA where an adapter on up, qkv or proj

@@ -1,0 +1,34 @@
+"""CI runs the README's own set-up commands (.ci/readme_commands.py), so the two cannot drift apart."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _commands_module():
+    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_runs_the_readme_commands():
+    quickstart, tests = _commands_module().setup_commands((ROOT / "README.md").read_text())
+    assert "pip install" in quickstart and " -e " not in quickstart and quickstart.endswith("memplan train")
+    assert "pytest" in tests
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "readme_commands.py 1" in ci and "readme_commands.py 2" in ci
+    assert quickstart not in ci and tests not in ci  # read from the README, never copied into CI
+
+
+@pytest.mark.parametrize("readme", [
+    "# x\n## Set up\n```bash\npip install . && memplan train\n```\n## Commands\n",
+    "# x\n## Set up\n```bash\na\nb\n```\n```bash\nc\n```\n## Commands\n",
+    "# x\n## Install\n```bash\na\n```\n```bash\nb\n```\n",
+])
+def test_a_readme_without_two_one_line_commands_is_refused(readme):
+    with pytest.raises(SystemExit):
+        _commands_module().setup_commands(readme)
