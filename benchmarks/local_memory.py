@@ -23,6 +23,7 @@ transformers' model class and of peft a CPU process keeps resident) are the buil
 here, in a process of its own), so the families plan with what this machine measured.
 
     python benchmarks/local_memory.py [--cache DIR] [--keep DIR] [--quick-minutes M] [--families-only] [--calibrate]
+                                      [--family NAME ...]
 """
 
 from __future__ import annotations
@@ -160,7 +161,12 @@ def main() -> int:
                     help="only the run per family (the embedded corpus prepared first, no quick start)")
     ap.add_argument("--calibrate", action="store_true",
                     help="with --families-only: calibrate this machine into the cache first, as the quick start does")
+    ap.add_argument("--family", action="append", metavar="NAME",
+                    help="only this family's run (repeatable; the names of FAMILIES, e.g. qwen3, 'llama rope llama3')")
     args = ap.parse_args()
+    if args.family and not set(args.family) <= set(family_configs()):
+        ap.error(f"--family: {', '.join(sorted(set(args.family) - set(family_configs())))} is not one of "
+                 f"{', '.join(family_configs())}")
     if args.calibrate and not args.families_only:
         ap.error("--calibrate goes with --families-only (the quick start calibrates a fresh cache itself)")
     cache = Path(args.cache or tempfile.mkdtemp(prefix="memplan-cache-"))
@@ -189,6 +195,8 @@ def main() -> int:
         rows.append(("train", "quick start", run_figures(runs / "quickstart")))
     data = next((cache / "data").iterdir())
     for name, (config, extra) in family_configs().items():
+        if args.family and name not in args.family:
+            continue
         out = runs / ("family_" + name.replace(" ", "_"))
         path = out.parent / f"{out.name}.config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
