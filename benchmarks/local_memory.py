@@ -16,7 +16,14 @@ predicted within ±10% of measured for every config, judged apart for the plans 
 start and the verify trials: the bar of the quick start's promise) and for `train` given a model and
 setup.
 
-    python benchmarks/local_memory.py [--cache DIR] [--keep DIR] [--quick-minutes M] [--families-only]
+With --families-only in a fresh cache nothing calibrates this machine: the families plan on the bundled cpu
+profile, whose runtime context and model code (memplan.memory.terms.model_code_resident_bytes, the code of
+transformers' model class and of peft a CPU process keeps resident) are the build machine's measurements;
+--calibrate first calibrates the cache as the quick start does (its runtime context and model code measured
+here, in a process of its own), so the families plan with what this machine measured.
+
+    python benchmarks/local_memory.py [--cache DIR] [--keep DIR] [--quick-minutes M] [--families-only] [--calibrate]
+                                      [--family NAME ...]
 """
 
 from __future__ import annotations
@@ -100,6 +107,19 @@ VERIFY = [
 ]
 
 
+# --calibrate: the quick start's calibration of this machine (trainer.request.local_calibration), cached; one line
+CALIBRATE = """
+import memplan.cli
+from memplan.hardware import device_from_flags
+from trainer.request import TrainUI, local_calibration
+
+profile, note = local_calibration(device_from_flags(None, None), TrainUI(), measure_now=True)
+mib = lambda b: "default" if b is None else f"{b / 2**20:.1f} MiB"
+print(f"{note}; runtime context {profile.runtime_context_bytes / 2**20:.1f} MiB, transformers' code "
+      f"{mib(profile.transformers_code_bytes)}, peft's {mib(profile.peft_code_bytes)}")
+"""
+
+
 def memplan(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT)
@@ -139,7 +159,16 @@ def main() -> int:
                     help="stop the quick start after this many minutes (default: its own three)")
     ap.add_argument("--families-only", action="store_true",
                     help="only the run per family (the embedded corpus prepared first, no quick start)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="with --families-only: calibrate this machine into the cache first, as the quick start does")
+    ap.add_argument("--family", action="append", metavar="NAME",
+                    help="only this family's run (repeatable; the names of FAMILIES, e.g. qwen3, 'llama rope llama3')")
     args = ap.parse_args()
+    if args.family and not set(args.family) <= set(family_configs()):
+        ap.error(f"--family: {', '.join(sorted(set(args.family) - set(family_configs())))} is not one of "
+                 f"{', '.join(family_configs())}")
+    if args.calibrate and not args.families_only:
+        ap.error("--calibrate goes with --families-only (the quick start calibrates a fresh cache itself)")
     cache = Path(args.cache or tempfile.mkdtemp(prefix="memplan-cache-"))
     runs = Path(args.keep or tempfile.mkdtemp(prefix="memplan-runs-"))
     env = env_for(cache)
@@ -150,6 +179,12 @@ def main() -> int:
                                    "ensure_embedded_data()"], capture_output=True, text=True, env=env, cwd=ROOT)
         if prepared.returncode != 0:
             sys.exit(f"preparing the embedded corpus failed: {prepared.stderr.strip()[-800:]}")
+        if args.calibrate:  # from a process that loaded memplan's command line, as `memplan train`'s has
+            measured = subprocess.run([sys.executable, "-c", CALIBRATE], capture_output=True, text=True, env=env,
+                                      cwd=ROOT)
+            if measured.returncode != 0:
+                sys.exit(f"calibrating this machine failed: {measured.stderr.strip()[-800:]}")
+            print(measured.stdout.strip(), flush=True)
     else:
         limit = ["--max-minutes", f"{args.quick_minutes:g}"] if args.quick_minutes else []
         quick = memplan("train", "--out", str(runs / "quickstart"), *limit, env=env)
@@ -160,6 +195,8 @@ def main() -> int:
         rows.append(("train", "quick start", run_figures(runs / "quickstart")))
     data = next((cache / "data").iterdir())
     for name, (config, extra) in family_configs().items():
+        if args.family and name not in args.family:
+            continue
         out = runs / ("family_" + name.replace(" ", "_"))
         path = out.parent / f"{out.name}.config.json"
         path.parent.mkdir(parents=True, exist_ok=True)

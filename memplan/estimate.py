@@ -32,7 +32,7 @@ class Estimate:
             "model": self.model.to_json(),
             "setup": self.setup.to_json(),
             "device": self.device.to_json(),
-            "memory": self.memory.to_json(),
+            "memory": {**self.memory.to_json(), "runtime_terms": dict(self.memory.runtime_terms)},
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
             "time": self.time.to_json(),
@@ -42,7 +42,8 @@ class Estimate:
 
 def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device, stack: Stack = MEMPLAN) -> MemoryBreakdown:
     """peak_memory with the device family's runtime context, allocator reserve, attention kernels and
-    collectives backend; on a CPU, also what glibc's heap keeps resident (``glibc_heap_retention_bytes``).
+    collectives backend; on a CPU, also what glibc's heap keeps resident (``glibc_heap_retention_bytes``) and
+    what transformers' model code does (``model_code_resident_bytes``, the device's measured figures).
     ``stack``: whose code runs the step (``memplan.memory.stacks``), its dropout masks as the device makes them."""
     stack = walked_for(stack, setup)  # a plan that trains another stack's model class: that stack's hooks
     repeat = sdpa_gqa_repeats(spec, setup, device.flash_attention, device.family)
@@ -50,7 +51,8 @@ def memory_on(spec: ModelSpec, setup: TrainSetup, device: Device, stack: Stack =
         repeat = False  # transformers passes enable_gqa to SDPA (no mask in an unpadded batch)
     stack = stack.on_cpu(device.family == "cpu")
     return peak_memory(spec, setup, device.runtime_context_bytes, device.allocator_overhead, repeat,
-                       COLLECTIVES_OF_FAMILY[device.family], heap_retention=device.family == "cpu", stack=stack)
+                       COLLECTIVES_OF_FAMILY[device.family], heap_retention=device.family == "cpu", stack=stack,
+                       code_bytes=(device.transformers_code_bytes, device.peft_code_bytes))
 
 
 def fits_on(spec: ModelSpec, setup: TrainSetup, device: Device, budget: int | None = None,

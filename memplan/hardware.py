@@ -30,6 +30,10 @@ unit their key names)::
     context_bytes = 400000000         # runtime context outside the allocator (CUDA context, ...)
     allocator_overhead = 0.05         # caching-allocator reserve beyond allocated, as a fraction
     source = "..."
+    # optional, CPU (written by memplan calibrate): what transformers' model code, and peft's, keep resident
+    # in a training process (memplan.memory.terms.model_code_resident_bytes; default: its measured figures)
+    # transformers_code_bytes = 46137344
+    # peft_code_bytes = 11744051
 
 Optional tables: ``[kernels]`` (``flash_attention = true`` where SDPA's flash kernel runs: it is
 the only CUDA/ROCm backend that takes grouped-query K/V without repeating them, so the planner
@@ -131,6 +135,10 @@ class Device:
     runtime_context_bytes: int  # memory outside the allocator: CUDA/HIP context, libraries
     allocator_overhead: float  # reserved beyond allocated by the caching allocator, as a fraction
     flash_attention: bool = False  # SDPA's flash kernel runs here (it alone takes grouped-query K/V unrepeated)
+    # CPU: what transformers' model code (peft's) keeps resident in a training process, as measured here
+    # ([runtime] transformers_code_bytes / peft_code_bytes); None: memplan.memory.terms' default
+    transformers_code_bytes: int | None = None
+    peft_code_bytes: int | None = None
     match: tuple[str, ...] = ()  # substrings of the driver's name that identify this device
     interconnect: dict = field(default_factory=dict)  # bandwidth_bytes_per_second, kind, latency_seconds
     calibrated: dict = field(default_factory=dict)  # rates measured by memplan calibrate
@@ -288,12 +296,19 @@ def device_from_toml(data: dict, path: str = "<toml>") -> Device:
         runtime_context_bytes=int(_number(runtime, "context_bytes", "runtime.", path)),
         allocator_overhead=float(_number(runtime, "allocator_overhead", "runtime.", path)),
         flash_attention=flash,
+        transformers_code_bytes=_optional_int(runtime, "transformers_code_bytes", path),
+        peft_code_bytes=_optional_int(runtime, "peft_code_bytes", path),
         match=tuple(match),
         interconnect=interconnect,
         calibrated=_calibrated(data, path),
         sources=sources,
         path=path,
     )
+
+
+def _optional_int(runtime: dict, key: str, path: str) -> int | None:
+    """An optional non-negative byte count of ``[runtime]`` (None where the profile has none)."""
+    return int(_number(runtime, key, "runtime.", path)) if key in runtime else None
 
 
 _CALIBRATED_NUMBERS = ("threads", "seconds", "noise", "launch_overhead_seconds", "copy_bytes_per_second",

@@ -19,8 +19,11 @@ profile file, keeps its own figures: that is how one plans for a device one does
 
 What the calibration replaces in the profile: the ``[calibrated]`` rates and the runtime context
 (``runtime_context_bytes``: the resident memory of a process with torch and memplan's trainer loaded
-and warmed up, before any model exists; ``trainer/calibrate.py`` measures it). The allocator overhead
-stays the profile's.
+and warmed up, before any model exists; ``trainer/calibrate.py`` measures it), and on a CPU what
+transformers' model code and peft's keep resident on top of it (``[runtime] transformers_code_bytes``,
+``peft_code_bytes``: ``memplan.memory.terms.model_code_resident_bytes``; a calibration written before they
+were measured lacks them and loads as before, the plan taking the terms' measured defaults). The allocator
+overhead stays the profile's.
 
 Nothing here imports torch: torch's version comes from the installed distribution's metadata and the
 device's name from the OS, NVML or ROCm SMI (as ``memplan.hardware`` detects the device).
@@ -144,6 +147,18 @@ class LocalCalibration:
     path: Path
     calibrated: dict  # the profile's [calibrated] table
     runtime_context_bytes: int  # the profile's [runtime] context_bytes: what a process here holds
+    # [runtime] transformers_code_bytes / peft_code_bytes: what transformers' model code and peft's keep resident
+    # in a training process here (``trainer.calibrate.model_code_bytes``, CPU). None in a calibration from
+    # before they were measured: the plan then takes memplan.memory.terms' default (measured on the build
+    # machine), until the next calibration measures them
+    transformers_code_bytes: int | None = None
+    peft_code_bytes: int | None = None
+
+    @property
+    def memory(self) -> dict:
+        """What it measured of memory, as ``Device`` fields (timing does not change them)."""
+        return {"runtime_context_bytes": self.runtime_context_bytes,
+                "transformers_code_bytes": self.transformers_code_bytes, "peft_code_bytes": self.peft_code_bytes}
 
     @property
     def threads(self) -> int:
@@ -158,8 +173,8 @@ class LocalCalibration:
         return self.noise <= NOISY
 
     def applied(self, profile: Device) -> Device:
-        """``profile`` with this machine's measured rates and runtime context."""
-        return profile.replace(calibrated=self.calibrated, runtime_context_bytes=self.runtime_context_bytes)
+        """``profile`` with this machine's measured rates and runtime memory."""
+        return profile.replace(calibrated=self.calibrated, **self.memory)
 
     def note(self) -> str:
         """One line: where the rates come from."""
@@ -248,7 +263,9 @@ def read_calibration(path: Path) -> LocalCalibration | None:
         return None
     if not device.calibrated:
         return None
-    return LocalCalibration(path=path, calibrated=device.calibrated, runtime_context_bytes=device.runtime_context_bytes)
+    return LocalCalibration(path=path, calibrated=device.calibrated, runtime_context_bytes=device.runtime_context_bytes,
+                            transformers_code_bytes=device.transformers_code_bytes,
+                            peft_code_bytes=device.peft_code_bytes)
 
 
 def chosen_threads(family: str, title: str | None = None, version: str | None = None) -> int | None:
@@ -303,7 +320,7 @@ def context_only(profile: Device, noisy: LocalCalibration) -> tuple[Device, str]
     """``profile`` with the runtime context a noisy calibration measured (memory does not depend on timing),
     its rates left nominal, and the one line that says so."""
     when = str(noisy.calibrated.get("date", ""))[:10]
-    return (profile.replace(runtime_context_bytes=noisy.runtime_context_bytes),
+    return (profile.replace(**noisy.memory),
             f"rates: profile peak × achievable fraction, nominal (this machine's calibration of {when} spread "
             f"{noisy.noise:.0%}, too noisy for rates; its measured runtime memory is used)")
 

@@ -19,13 +19,19 @@ sys.path[:0] = [str(ROOT / "tests"), *(str(ROOT / "tests" / kind) for kind in KI
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test marked slow outside tests/runs would sit in the fast tier: refused, naming each."""
+    """A test marked slow outside tests/runs would sit in the fast tier, and a test outside the three folders
+    in no tier: each refused, naming them."""
     runs = ROOT / "tests" / "runs"
     misplaced = [item.nodeid for item in items
                  if item.get_closest_marker("slow") and runs not in Path(item.path).resolve().parents]
     if misplaced:
         raise pytest.UsageError("tests marked slow outside tests/runs/ (the fast tier is tests/unit and "
                                 "tests/walk): " + ", ".join(misplaced))
+    loose = sorted({item.nodeid.split("::")[0] for item in items
+                    if Path(item.path).resolve().parent.name not in KINDS})
+    if loose:
+        raise pytest.UsageError(f"test files outside tests/{{{','.join(KINDS)}}}/ (the tests sit by kind): "
+                                + ", ".join(loose))
 
 
 def run_memplan(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:

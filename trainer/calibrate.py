@@ -22,6 +22,8 @@ device torch would train on, with the thread count it is given:
 - **optimizer**: clip_grad_norm_ + optimizer.step() + zero_grad() as ``train_step`` runs them, for
   foreach and fused AdamW and for SGD, as seconds per parameter plus seconds per parameter tensor.
 - **device memory**: total and usable from torch, nvidia-ml-py, pyrsmi or psutil.
+- **model code** (CPU only): what transformers' model code, and peft's, keep resident in a training process
+  beyond memplan's own (``model_code_bytes``), a term of the plan where the process's memory is the device's.
 - **torch.compile** (``compile=True``, ``memplan calibrate --compile``; outside the time budget, since one
   compile takes tens of seconds): a reference training step (``COMPILE_REFERENCE``) eager and compiled,
   interleaved, and the compile's one-off wall time (the first compiled step less a compiled step).
@@ -91,6 +93,10 @@ class Calibration:
     memory_usable_bytes: int = 0
     memory_source: str = ""
     runtime_context_bytes: int = 0
+    # CPU: what transformers' model code and peft's keep resident in a training process (model_code_bytes);
+    # None: not measured here (not a CPU, transformers not installed, or already loaded in this process)
+    transformers_code_bytes: int | None = None
+    peft_code_bytes: int | None = None
     bandwidth_bytes_per_second: float = 0.0  # large copy: bytes read + written per second
     elementwise: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[operand bytes, B/s]]
     launch_overhead_seconds: float = 0.0  # per dispatched aten op (forward + backward of a tiny block)
@@ -162,6 +168,55 @@ def process_baseline_bytes(loaded: Sequence[str] = ()) -> int:
             del model, opt, batch
     devices.trim_heap()
     return devices.current_rss()
+
+
+MODEL_CODE_ARCH = "llama"  # the family whose transformers class model_code_bytes runs (each measured 43.7-44.4 MiB)
+
+
+def model_code_bytes() -> tuple[int | None, int | None]:
+    """CPU: (what transformers' model code keeps resident in a training process beyond memplan's own, what
+    peft's adds for LoRA), as ``memplan.memory.terms.model_code_resident_bytes`` adds them to the plan.
+
+    Run after ``process_baseline_bytes`` in the same fresh process: its resident set then holds the runtime
+    context, memplan's model already run. Each figure is the growth of the trimmed resident set from
+    importing the code (``trainer.hf_model``; peft), building a tiny model of transformers' class
+    (MODEL_CODE_ARCH; with rank-4 LoRA adapters for peft) and running two of memplan's training steps on it
+    (sdpa: eager attention's steps added under 0.1 MiB; the kernels' own code the context has loaded), then its garbage collected and the heap trimmed: what stays resident while it trains
+    beyond the context (not the import's growth from a bare process, most of which the context holds). (None,
+    None) where it cannot be told apart: transformers not installed, or already imported in this process."""
+    import importlib.util
+    import sys
+
+    if "transformers" in sys.modules or "peft" in sys.modules:
+        return None, None
+    if importlib.util.find_spec("transformers") is None:  # found without importing it: all of it is measured
+        return None, None
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+    from trainer.step import make_optimizer, train_step
+
+    def run(lora_rank: int) -> None:
+        import trainer.hf_model as hf
+
+        tiny = ModelSpec(arch=MODEL_CODE_ARCH, layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, tied=True)
+        setup = TrainSetup(ctx=16, micro_batch=1, precision="fp32", attention="sdpa", optimizer="adamw",
+                           lora_rank=lora_rank).replace(stack="transformers")
+        model = hf.build(tiny, setup, "cpu", hf.spec_hf_config(tiny, setup))
+        opt = make_optimizer(model, "adamw")
+        batch = [(torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16)))]
+        for _ in range(2):
+            train_step(model, opt, batch, setup, "cpu")
+        del model, opt, batch
+        devices.trim_heap()  # garbage collected, the C heap's free pages given back
+
+    devices.trim_heap()
+    before = devices.current_rss()
+    run(0)
+    with_transformers = devices.current_rss()
+    if importlib.util.find_spec("peft") is None:
+        return max(0, with_transformers - before), None
+    run(4)
+    return max(0, with_transformers - before), max(0, devices.current_rss() - with_transformers)
 
 
 # ---- threads -------------------------------------------------------------------------------
@@ -776,6 +831,10 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
                       torch_version=torch.__version__, started=_dt.datetime.now().isoformat(timespec="seconds"),
                       memory_total_bytes=total, memory_usable_bytes=usable, memory_source=source,
                       runtime_context_bytes=runtime_context_bytes(family, loaded), thread_seconds=thread_seconds)
+    if family == "cpu":  # the process's resident memory is what a CPU run measures: the model code's counts
+        if progress is not None:
+            progress("model code", 0.0)
+        cal.transformers_code_bytes, cal.peft_code_bytes = model_code_bytes()
     plan = seconds * PLANNED_SHARE  # measurements overrun their shares a little (the smallest cases always run)
     timer = _Clock(device, deadline=0.0, clock=clock)  # budgets run on the measuring clock: CPU time with cpu
     t0 = timer.now()
@@ -869,6 +928,9 @@ def merge_calibrations(cals: list[Calibration]) -> Calibration:
     out.seconds = sum(c.seconds for c in cals)
     for name in ("memory_total_bytes", "memory_usable_bytes", "runtime_context_bytes"):
         setattr(out, name, int(med([getattr(c, name) for c in cals])))
+    for name in ("transformers_code_bytes", "peft_code_bytes"):
+        value = med([getattr(c, name) for c in cals])
+        setattr(out, name, None if value is None else int(value))
     out.memory_source = first.memory_source
     for name in ("bandwidth_bytes_per_second", "launch_overhead_seconds", "first_touch_bytes_per_second", "noise"):
         setattr(out, name, med([getattr(c, name) for c in cals]))
@@ -943,6 +1005,9 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
     runtime = {"context_bytes": int(cal.runtime_context_bytes),
                "allocator_overhead": float(base.allocator_overhead) if base is not None else 0.0,
                "source": where + ("; allocator_overhead from " + base.name if base is not None else "")}
+    for key in ("transformers_code_bytes", "peft_code_bytes"):  # CPU, where measured (model_code_bytes)
+        if getattr(cal, key) is not None:
+            runtime[key] = int(getattr(cal, key))
     calibrated = {
         "date": cal.started,
         "torch": cal.torch_version,

@@ -641,6 +641,36 @@ def mapped_logits_high_water_bytes(spec: ModelSpec, setup: TrainSetup, rest_high
     return max(0, rest_high + logits_high - peak_total)
 
 
+# What transformers' model code (and peft's, for LoRA) keeps resident in a CPU training process at its steps,
+# when the calibration did not measure it (a bundled profile, or a calibration from before it measured this):
+# measured here by trainer.calibrate.model_code_bytes on this project's build machine (AMD EPYC, 2 cores, Linux,
+# Python 3.11, torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2): 43.7 MiB (llama, qwen3), 44.0 (gemma),
+# 44.1 (stablelm), 44.4 (phi) over the same process with memplan's own model; peft 11.2 MiB more (qwen3, rank 4).
+TRANSFORMERS_CODE_BYTES = 46_137_344  # 44.0 MiB
+PEFT_CODE_BYTES = 11_744_051  # 11.2 MiB
+
+
+def model_code_resident_bytes(lora: bool, transformers_bytes: int | None = None,
+                              peft_bytes: int | None = None) -> int:
+    """CPU (the process's resident memory is the peak): what transformers' model code keeps resident beyond
+    the runtime context when its model class trains, ``C_transformers + [LoRA] C_peft`` (the transformers
+    stack's ``model_code_bytes`` hook; memplan's own code is in the context:
+    ``trainer.calibrate.process_baseline_bytes`` runs memplan's model).
+
+    C is the growth of a trimmed process's resident set from importing transformers' modelling code (peft's,
+    with LoRA), building a tiny model of its class and running its training steps: the module objects,
+    code and tables that stay live while it trains, over a process that already holds the runtime context
+    (its command line loaded, memplan's model run). Not the import's growth from a bare process: most of
+    what transformers imports (torch.distributed, torch._dynamo, sympy: 110 MiB from ``import trainer.loop``
+    alone) the context already holds, and only 44 MiB is new. ``transformers_bytes``/``peft_bytes``: this machine's measurement
+    (``memplan calibrate``, a profile's ``[runtime] transformers_code_bytes``/``peft_code_bytes``); None:
+    TRANSFORMERS_CODE_BYTES / PEFT_CODE_BYTES, measured on this project's build machine."""
+    code = TRANSFORMERS_CODE_BYTES if transformers_bytes is None else int(transformers_bytes)
+    if lora:
+        code += PEFT_CODE_BYTES if peft_bytes is None else int(peft_bytes)
+    return code
+
+
 def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_overhead: float) -> int:
     """What the device's monitor shows beyond live tensors: the caching allocator's reserve
     (allocator_overhead × peak_allocated) and the runtime context (CUDA/HIP context, libraries)."""

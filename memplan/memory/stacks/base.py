@@ -246,6 +246,12 @@ class Stack:
         """Scratch of a stack's own optimizer loop at the optimizer step (beyond the walked optimizer's)."""
         return 0
 
+    def model_code_bytes(self, setup, transformers_bytes: int | None = None, peft_bytes: int | None = None) -> int:
+        """CPU: what the stack's model code keeps resident in the training process beyond the runtime context
+        (memplan's own code is in the context). ``transformers_bytes``/``peft_bytes``: the device's measured
+        figures, None for the default."""
+        return 0
+
     def walked_setup(self, setup):
         """The step the stack's code takes for ``setup`` (its own optimizer)."""
         return setup

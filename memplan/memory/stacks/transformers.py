@@ -14,7 +14,7 @@ from typing import ClassVar
 from memplan.errors import InputError
 from memplan.memory.stacks.base import FP32, HALF, MASK, Stack, _a, _n, _r
 from memplan.memory.terms import (lora_adapter_shapes, lora_input_casts_bytes, lora_params, lora_tensors,
-                                  norm_output_bytes, norm_stat_bytes)
+                                  model_code_resident_bytes, norm_output_bytes, norm_stat_bytes)
 from memplan.setup import LORA_TARGET_NAMES, QKV_PARTS
 
 TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox", "phi", "gemma", "stablelm", "qwen3")  # the families the hooks walk
@@ -650,6 +650,10 @@ class TransformersStack(Stack):
         if setup.sharding == "fsdp":
             raise InputError("--stack transformers: --sharding fsdp is walked for memplan's own step only "
                              "(accepted: none, ddp)")
+
+    def model_code_bytes(self, setup, transformers_bytes: int | None = None, peft_bytes: int | None = None) -> int:
+        """transformers' model code, and peft's with LoRA (``model_code_resident_bytes``)."""
+        return model_code_resident_bytes(setup.lora_rank > 0, transformers_bytes, peft_bytes)
 
     def _check_qkv_parts(self, spec, setup) -> None:
         """q, k or v alone on a model whose attention is one fused matrix (gpt2's c_attn, gpt_neox's
