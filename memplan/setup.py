@@ -142,7 +142,7 @@ class TrainSetup:
         """The fields as plan.toml's [setup] holds them; ``stack`` only where it is not memplan's own (a plan
         of memplan's model reads as it always did)."""
         data = dataclasses.asdict(self)
-        if data["stack"] == "memplan":
+        if data["stack"] == TrainSetup.stack:  # the field's default: memplan's own model
             del data["stack"]
         return data
 
