@@ -77,6 +77,8 @@ def test_json_cells_match_memplan_estimate_json():
                                        "--tokens", "1b", "--json"])
         assert one.exit_code == 0, one.output
         expected = json.loads(one.stdout)
+        terms = expected["memory"].pop("runtime_terms")  # estimate's only (docs/json.md): runtime by term
+        assert sum(terms.values()) == expected["memory"]["runtime"]
         assert {k: cell[k] for k in ESTIMATE_KEYS} == {k: expected[k] for k in ESTIMATE_KEYS}
         assert grid["model"] == expected["model"] and grid["device"] == expected["device"]
 
