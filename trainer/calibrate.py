@@ -107,6 +107,8 @@ class Calibration:
     cpu_share: float | None = None  # one thread, --clock cpu: CPU time / wall time over the calibration
     # torch.compile of COMPILE_REFERENCE's step: its shape, eager_seconds, compiled_seconds, compile_seconds
     compile: dict = field(default_factory=dict)
+    # torch.compile's one-off: fixed_seconds, seconds_per_op (measure_compile_cost), the clock and what was timed
+    compile_cost: dict = field(default_factory=dict)
 
     def matmul_tflops(self) -> dict[str, float]:
         """Best net forward rate per dtype over the measured shapes (the device's achievable matmul rate)."""
@@ -720,6 +722,110 @@ def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS)
     torch._dynamo.reset()
 
 
+# measure_compile_cost's three compiles, each a Llama step (fp32, SDPA, foreach AdamW, one micro-batch of 2 × 64
+# tokens at vocab 512): a first one-block model (the process's first compile: imports, compile workers and its
+# kernels' builds: the fixed part), then three blocks and one block in a warm process, each at its own width so
+# that no kernel is built already: their difference is the cost of two blocks' ops.
+COMPILE_COST_MODELS = ({"layers": 1, "hidden": 64, "heads": 2, "ffn": 176},
+                       {"layers": 3, "hidden": 96, "heads": 2, "ffn": 256},
+                       {"layers": 1, "hidden": 128, "heads": 2, "ffn": 352})
+COMPILE_COST_SHAPE = {"vocab": 512, "ctx": 64, "micro_batch": 2}
+
+
+def compile_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended: with inductor's ``compile_threads = 1``
+    its C++ builds run as such children (g++), so this counts the whole compile, whatever else holds the cores."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def compile_one_off(spec, setup, device: torch.device, steps: int = 3) -> dict:
+    """torch.compile's one-off for the trainer's model and step (``build_model``, ``torch.compile`` of the whole
+    model as trainer/loop.py does, ``train_step``), as the trainer sees it: the first compiled step less the median
+    of ``steps`` steady ones. Returns ``wall_seconds`` (perf_counter), ``cpu_seconds`` (``compile_cpu_seconds``,
+    with inductor's builds in this process's children: ``compile_threads = 1`` while it runs), ``graphs`` (dynamo's
+    distinct graphs after the first step) and ``recompiles`` (graphs compiled by the steady steps)."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, train_step
+
+    gen = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(spec.vocab, (setup.micro_batch, setup.ctx), generator=gen).to(device),
+              torch.randint(spec.vocab, (setup.micro_batch, setup.ctx), generator=gen).to(device))]
+    torch.manual_seed(0)
+    model = build_model(spec, setup.attention, setup.checkpointing, torch.float32, device=device)
+    optimizer = make_optimizer(model, setup.optimizer)
+    compiled = torch.compile(model)
+    sync = devices.synchronizer(device)
+
+    def step() -> tuple[float, float]:
+        sync()
+        w0, c0 = time.perf_counter(), compile_cpu_seconds()
+        train_step(compiled, optimizer, batch * setup.grad_accum, setup, device.type, check_finite=False)
+        sync()
+        return time.perf_counter() - w0, compile_cpu_seconds() - c0
+
+    with inductor_config.patch(compile_threads=1):
+        before = counters["stats"]["unique_graphs"]
+        first_wall, first_cpu = step()
+        graphs = counters["stats"]["unique_graphs"] - before
+        steady = [step() for _ in range(steps)]
+    recompiles = counters["stats"]["unique_graphs"] - before - graphs
+    del compiled, optimizer, model
+    torch._dynamo.reset()
+    return {"wall_seconds": max(0.0, first_wall - statistics.median(w for w, _ in steady)),
+            "cpu_seconds": max(0.0, first_cpu - statistics.median(c for _, c in steady)),
+            "graphs": graphs, "recompiles": recompiles}
+
+
+def fit_compile_cost(first: float, deep: float, shallow: float, ops: tuple[int, int, int]) -> dict:
+    """``compile_cost`` from measure_compile_cost's three compile times (seconds) and their models' ops
+    (``memplan.timing.compiled_graph_ops``): seconds per op c = (deep − shallow) / (ops_deep − ops_shallow), both in a
+    warm process; fixed seconds F = first − c · ops_first, the first compile of the process (never below 0)."""
+    per_op = max(0.0, (deep - shallow) / (ops[1] - ops[2]))
+    return {"fixed_seconds": max(0.0, first - per_op * ops[0]), "seconds_per_op": per_op}
+
+
+def measure_compile_cost(cal: Calibration, device: torch.device | None = None) -> None:
+    """``cal.compile_cost``: torch.compile's fixed seconds and seconds per op of the compiled graph on this machine
+    (``fit_compile_cost`` over COMPILE_COST_MODELS, each timed by ``compile_one_off``), in a temporary inductor cache
+    (a run's first compile finds none of its kernels built). CPU seconds on a CPU (the compile's own work, which the
+    other processes on a shared machine do not lengthen), wall seconds on a GPU. Run before any other compile in
+    the process. A compile that fails is recorded in ``cal.skipped``, and nothing else."""
+    import tempfile
+
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+    from memplan.timing import compiled_graph_ops
+
+    device = device or torch.device("cpu")
+    key = "cpu_seconds" if device.type == "cpu" else "wall_seconds"
+    setup = TrainSetup(ctx=COMPILE_COST_SHAPE["ctx"], micro_batch=COMPILE_COST_SHAPE["micro_batch"],
+                       precision="fp32", attention="sdpa", optimizer="adamw")
+    specs = [ModelSpec(arch="llama", layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["heads"],
+                       ffn=m["ffn"], vocab=COMPILE_COST_SHAPE["vocab"], tied=True) for m in COMPILE_COST_MODELS]
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        with tempfile.TemporaryDirectory(prefix="memplan-compile-") as cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+            times = [compile_one_off(spec, setup, device)[key] for spec in specs]
+    except Exception as e:  # inductor needs a C++ compiler on a CPU, Triton on a GPU
+        cal.skipped.append(f"torch.compile cost: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+        return
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+    ops = tuple(compiled_graph_ops(spec, setup) for spec in specs)
+    cal.compile_cost = {**fit_compile_cost(*times, ops), "clock": key.split("_")[0],
+                        "seconds": [round(t, 3) for t in times], "ops": list(ops)}
+
+
 def matmul_dtypes(family: str) -> list[str]:
     """Every dtype memplan plans that runs here: fp32, tf32 (NVIDIA Ampere+), bf16, fp16."""
     dtypes = ["fp32"]
@@ -832,6 +938,7 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         if compile:
             report("torch.compile", 0.99)
             timer.deadline = math.inf
+            measure_compile_cost(cal, timer.device)  # the process's first compile: before measure_compile's
             measure_compile(timer, cal)
         report("done", 1.0)
     finally:
@@ -975,6 +1082,8 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
         calibrated["compile_speedup"] = c["eager_seconds"] / c["compiled_seconds"]
         calibrated["compile_seconds"] = c["compile_seconds"]
         calibrated["compile_reference"] = dict(c)
+    if cal.compile_cost:  # memplan.timing.compile_cost: the one-off from the compiled graph's ops
+        calibrated["compile_cost"] = dict(cal.compile_cost)
     reader = {"cuda": "nvml", "rocm": "rocm-smi", "mps": "mps", "cpu": "psutil"}[cal.family]
     return {
         "name": name,
