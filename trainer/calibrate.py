@@ -26,7 +26,10 @@ device torch would train on, with the thread count it is given:
   compile takes tens of seconds): a reference training step (``COMPILE_REFERENCE``) eager and compiled,
   interleaved, and the compile's one-off wall time (the first compiled step less a compiled step).
   ``memplan.timing`` turns it into the share of the fusible work (elementwise kernels, the loss, dispatch)
-  that compiling saves, and scales the compile time with the model.
+  that compiling saves. The compile time itself (``measure_compile_cost``): a one-block and a three-block model,
+  each compiled in a fresh process with an empty inductor cache, give the fixed seconds and the seconds per op of
+  the compiled graph (``[calibrated] compile_cost``), from which ``memplan.timing.compile_seconds`` predicts any
+  model's compile.
 
 Measured times are turned into *net* kernel rates: the dispatch overhead (dispatched ops × launch
 overhead) and the first-touch cost of fresh outputs are subtracted, because memplan's model adds
@@ -722,13 +725,11 @@ def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS)
     torch._dynamo.reset()
 
 
-# measure_compile_cost's three compiles, each a Llama step (fp32, SDPA, foreach AdamW, one micro-batch of 2 × 64
-# tokens at vocab 512): a first one-block model (the process's first compile: imports, compile workers and its
-# kernels' builds: the fixed part), then three blocks and one block in a warm process, each at its own width so
-# that no kernel is built already: their difference is the cost of two blocks' ops.
+# measure_compile_cost's two compiles, each a Llama step (fp32, SDPA, foreach AdamW, one micro-batch of 2 × 64
+# tokens at vocab 512) compiled in a fresh process with an empty inductor cache, as a run's first step compiles:
+# one block and three blocks; their difference is the cost of two blocks' ops, the rest the fixed part.
 COMPILE_COST_MODELS = ({"layers": 1, "hidden": 64, "heads": 2, "ffn": 176},
-                       {"layers": 3, "hidden": 96, "heads": 2, "ffn": 256},
-                       {"layers": 1, "hidden": 128, "heads": 2, "ffn": 352})
+                       {"layers": 3, "hidden": 64, "heads": 2, "ffn": 176})
 COMPILE_COST_SHAPE = {"vocab": 512, "ctx": 64, "micro_batch": 2}
 
 
@@ -782,45 +783,73 @@ def compile_one_off(spec, setup, device: torch.device, steps: int = 3) -> dict:
             "graphs": graphs, "recompiles": recompiles}
 
 
-def fit_compile_cost(first: float, deep: float, shallow: float, ops: tuple[int, int, int]) -> dict:
-    """``compile_cost`` from measure_compile_cost's three compile times (seconds) and their models' ops
-    (``memplan.timing.compiled_graph_ops``): seconds per op c = (deep − shallow) / (ops_deep − ops_shallow), both in a
-    warm process; fixed seconds F = first − c · ops_first, the first compile of the process (never below 0)."""
-    per_op = max(0.0, (deep - shallow) / (ops[1] - ops[2]))
-    return {"fixed_seconds": max(0.0, first - per_op * ops[0]), "seconds_per_op": per_op}
+def fit_compile_cost(small: float, large: float, ops: tuple[int, int]) -> dict:
+    """``compile_cost`` from measure_compile_cost's two compile times (seconds, each a fresh process's first compile)
+    and their models' ops (``memplan.timing.compiled_graph_ops``): seconds per op c = (large − small) /
+    (ops_large − ops_small), fixed seconds F = small − c · ops_small (neither below 0)."""
+    per_op = max(0.0, (large - small) / (ops[1] - ops[0]))
+    return {"fixed_seconds": max(0.0, small - per_op * ops[0]), "seconds_per_op": per_op}
 
 
-def measure_compile_cost(cal: Calibration, device: torch.device | None = None) -> None:
-    """``cal.compile_cost``: torch.compile's fixed seconds and seconds per op of the compiled graph on this machine
-    (``fit_compile_cost`` over COMPILE_COST_MODELS, each timed by ``compile_one_off``), in a temporary inductor cache
-    (a run's first compile finds none of its kernels built). CPU seconds on a CPU (the compile's own work, which the
-    other processes on a shared machine do not lengthen), wall seconds on a GPU. Run before any other compile in
-    the process. A compile that fails is recorded in ``cal.skipped``, and nothing else."""
-    import tempfile
-
+def _compile_cost_specs():
     from memplan.model import ModelSpec
     from memplan.setup import TrainSetup
-    from memplan.timing import compiled_graph_ops
 
-    device = device or torch.device("cpu")
-    key = "cpu_seconds" if device.type == "cpu" else "wall_seconds"
     setup = TrainSetup(ctx=COMPILE_COST_SHAPE["ctx"], micro_batch=COMPILE_COST_SHAPE["micro_batch"],
                        precision="fp32", attention="sdpa", optimizer="adamw")
     specs = [ModelSpec(arch="llama", layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["heads"],
                        ffn=m["ffn"], vocab=COMPILE_COST_SHAPE["vocab"], tied=True) for m in COMPILE_COST_MODELS]
-    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return specs, setup
+
+
+def compile_cost_worker(index: int, device_type: str = "cpu") -> dict:
+    """``compile_one_off`` of COMPILE_COST_MODELS[index], in this process (measure_compile_cost runs it in a fresh
+    one: ``python -m trainer.calibrate --compile-cost-worker INDEX DEVICE``)."""
+    specs, setup = _compile_cost_specs()
+    torch.set_num_threads(1)
+    return compile_one_off(specs[index], setup, torch.device(device_type))
+
+
+def _fresh_process_compile(index: int, device_type: str) -> dict:
+    """``compile_cost_worker(index)`` in a fresh Python process with an empty inductor cache."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory(prefix="memplan-compile-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        out = subprocess.run([sys.executable, "-m", "trainer.calibrate", "--compile-cost-worker", str(index),
+                              device_type], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        raise RuntimeError(last)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_compile_cost(cal: Calibration, device: torch.device | None = None, fresh_processes: bool = True) -> None:
+    """``cal.compile_cost``: torch.compile's fixed seconds and seconds per op of the compiled graph on this machine
+    (``fit_compile_cost`` over COMPILE_COST_MODELS, each timed by ``compile_one_off`` in a fresh process with an
+    empty inductor cache, as a run's first compile; ``fresh_processes=False`` compiles in this process, for tests).
+    CPU seconds on a CPU (the compile's own work, which other processes on a shared machine do not lengthen),
+    wall seconds on a GPU. A compile that fails is recorded in ``cal.skipped``, and nothing else."""
+    from memplan.timing import compiled_graph_ops
+
+    device = device or torch.device("cpu")
+    key = "cpu_seconds" if device.type == "cpu" else "wall_seconds"
+    specs, setup = _compile_cost_specs()
     try:
-        with tempfile.TemporaryDirectory(prefix="memplan-compile-") as cache:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-            times = [compile_one_off(spec, setup, device)[key] for spec in specs]
+        if fresh_processes:
+            found = [_fresh_process_compile(i, device.type) for i in range(len(specs))]
+        else:
+            found = [compile_one_off(spec, setup, device) for spec in specs]
     except Exception as e:  # inductor needs a C++ compiler on a CPU, Triton on a GPU
         cal.skipped.append(f"torch.compile cost: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
         return
-    finally:
-        if saved is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+    times = [f[key] for f in found]
     ops = tuple(compiled_graph_ops(spec, setup) for spec in specs)
     cal.compile_cost = {**fit_compile_cost(*times, ops), "clock": key.split("_")[0],
                         "seconds": [round(t, 3) for t in times], "ops": list(ops)}
@@ -938,7 +967,7 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         if compile:
             report("torch.compile", 0.99)
             timer.deadline = math.inf
-            measure_compile_cost(cal, timer.device)  # the process's first compile: before measure_compile's
+            measure_compile_cost(cal, timer.device)  # each compile in a fresh process of its own
             measure_compile(timer, cal)
         report("done", 1.0)
     finally:
@@ -1139,6 +1168,9 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--compile-cost-worker":  # measure_compile_cost's fresh process: one compile, as JSON
+        print(json.dumps(compile_cost_worker(int(args[1]), args[2] if len(args) > 2 else "cpu")), flush=True)
+        return
     seconds, out, name = float(args[0]), args[1], args[2]
     threads = int(args[3]) if len(args) > 3 and args[3] else None
     loaded = [m for m in args[4].split(",") if m] if len(args) > 4 else []
