@@ -15,7 +15,8 @@ The search space, for one model at one context length on one device:
 - optimizer: AdamW with the foreach implementation (``adamw``) or the fused kernel (``adamw-fused``);
 - ``torch.compile``, only where the profile's ``[calibrated] compile_speedup`` says it helps (> 1). With
   ``memplan calibrate --compile``'s reference step in the profile, ``memplan.timing`` models each compiled
-  setup (the fusible work sped up as calibrated) and its one-off compile time; with ``tokens`` (one epoch)
+  setup (the fusible work sped up as calibrated) and its one-off compile time (``memplan.timing.compile_seconds``:
+  a fixed part plus seconds per op of the compiled graph, calibrated or the defaults); with ``tokens`` (one epoch)
   the ranking is by epoch time, compile included, so compile is taken only where it pays back its compile
   time over the run; without, by step time, with a note of how many steps it takes to pay back. A profile
   with ``compile_speedup`` alone divides the eager step by it (and adds ``compile_seconds`` if given).
