@@ -1013,7 +1013,7 @@ def compile_cost(device: Device) -> tuple[float, float, str]:
     - ``[calibrated] compile_cost`` (``memplan calibrate --compile``, trainer/calibrate.py ``measure_compile_cost``):
       this machine's fixed seconds and seconds per op;
     - else a ``compile_reference`` from an older calibration: the default seconds per op, and the fixed part
-      that makes the reference's measured compile time come out (its compile time − per op × its ops);
+      that makes the reference's measured compile time come out (its compile time − ``compile_graph_seconds``);
     - else DEFAULT_COMPILE_FIXED_SECONDS and DEFAULT_COMPILE_SECONDS_PER_OP (this repo's build machine)."""
     cost = device.calibrated.get("compile_cost")
     if isinstance(cost, dict):
@@ -1024,7 +1024,8 @@ def compile_cost(device: Device) -> tuple[float, float, str]:
     if found is not None:
         ref, setup, m = found
         per_op = DEFAULT_COMPILE_SECONDS_PER_OP
-        return max(0.0, m["compile_seconds"] - per_op * compiled_graph_ops(ref, setup)), per_op, "calibrated reference"
+        graph = compile_graph_seconds(compiled_graph_ops(ref, setup), per_op, trainer_recompiles(ref, setup))
+        return max(0.0, m["compile_seconds"] - graph), per_op, "calibrated reference"
     return DEFAULT_COMPILE_FIXED_SECONDS, DEFAULT_COMPILE_SECONDS_PER_OP, "default"
 
 
@@ -1035,12 +1036,14 @@ def compile_graph_seconds(ops: int, per_op: float, recompiles: int = 0) -> float
     return (1 + recompiles) * ops * per_op
 
 
-def trainer_recompiles(setup: TrainSetup) -> int:
-    """Recompiles the trainer triggers after its first step: 0. Every micro-batch has one shape (the loader
-    yields full (micro_batch, ctx) windows), gradient accumulation reruns the same graph, and evaluation runs the
-    uncompiled model (trainer/loop.py's ``Evaluation`` gets ``self.model``, not the compiled ``step_model``);
-    benchmarks/compile_time.py checks dynamo compiled no graph after the first step."""
-    return 0
+def trainer_recompiles(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Recompiles the trainer triggers after its first step: 1 for a rotary model, else 0. trainer/model.py makes
+    its rotary tables on the first forward (``Transformer.rope`` registers ``rope_cos``), so the second step fails
+    dynamo's guard ``not hasattr(self, 'rope_cos')`` and the whole graph is compiled again (``TORCH_LOGS=recompiles``
+    shows it). Nothing else recompiles: every micro-batch has one shape (the loader yields full (micro_batch, ctx)
+    windows), gradient accumulation reruns the same graph, and evaluation runs the uncompiled model
+    (trainer/loop.py's ``Evaluation`` gets ``self.model``, not the compiled ``step_model``)."""
+    return 1 if spec.pos == "rope" else 0
 
 
 def compile_seconds(spec: ModelSpec, device: Device, setup: TrainSetup | None = None,
@@ -1053,7 +1056,7 @@ def compile_seconds(spec: ModelSpec, device: Device, setup: TrainSetup | None = 
     A profile whose ``[calibrated]`` gives ``compile_seconds`` alone, without a reference or a compile_cost, gets
     that figure as is. Measured against benchmarks/compile_time.py (cold inductor cache, as a run's first compile)."""
     setup = setup or TrainSetup(ctx=256, micro_batch=1, precision="fp32", attention="sdpa")
-    recompiles = trainer_recompiles(setup) if recompiles is None else recompiles
+    recompiles = trainer_recompiles(spec, setup) if recompiles is None else recompiles
     value = device.calibrated.get("compile_seconds")
     if ("compile_cost" not in device.calibrated and compile_reference(device) is None
             and isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
@@ -1067,10 +1070,10 @@ def compile_seconds_words(spec: ModelSpec, device: Device, setup: TrainSetup) ->
     """Where ``compile_seconds`` comes from, in a few words: "25 s + 1,220 ops × 5.0 ms, calibrated"."""
     fixed, per_op, source = compile_cost(device)
     ops = compiled_graph_ops(spec, compute_setup(setup))
-    recompiles = trainer_recompiles(setup)
+    recompiles = trainer_recompiles(spec, setup)
     if abs(fixed + compile_graph_seconds(ops, per_op, recompiles) - compile_seconds(spec, device, setup)) > 1e-9:
         return "the profile's calibrated compile_seconds"
-    graphs = f" × {1 + recompiles} graphs" if recompiles else ""
+    graphs = f" × {1 + recompiles} compiles" if recompiles else ""
     return f"{fixed:.0f} s + {ops:,} ops{graphs} × {per_op * 1e3:.1f} ms, {source}"
 
 

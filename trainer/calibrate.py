@@ -744,10 +744,12 @@ def compile_cpu_seconds() -> float:
 
 def compile_one_off(spec, setup, device: torch.device, steps: int = 3) -> dict:
     """torch.compile's one-off for the trainer's model and step (``build_model``, ``torch.compile`` of the whole
-    model as trainer/loop.py does, ``train_step``), as the trainer sees it: the first compiled step less the median
-    of ``steps`` steady ones. Returns ``wall_seconds`` (perf_counter), ``cpu_seconds`` (``compile_cpu_seconds``,
-    with inductor's builds in this process's children: ``compile_threads = 1`` while it runs), ``graphs`` (dynamo's
-    distinct graphs after the first step) and ``recompiles`` (graphs compiled by the steady steps)."""
+    model as trainer/loop.py does, ``train_step``), as a run pays it: the first two compiled steps (the second
+    recompiles a rotary model: ``memplan.timing.trainer_recompiles``) less two steady ones (the median of ``steps``
+    after them). Returns ``wall_seconds`` (perf_counter), ``cpu_seconds`` (``compile_cpu_seconds``, with inductor's
+    builds in this process's children: ``compile_threads = 1`` while it runs), ``first_cpu_seconds`` (the first
+    step's part alone), ``graphs`` (dynamo's distinct graphs after the first step) and ``recompiles`` (graphs
+    compiled by the second step; ``late_recompiles``: by the steady steps after it)."""
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
@@ -772,23 +774,28 @@ def compile_one_off(spec, setup, device: torch.device, steps: int = 3) -> dict:
 
     with inductor_config.patch(compile_threads=1):
         before = counters["stats"]["unique_graphs"]
-        first_wall, first_cpu = step()
+        first = step()
         graphs = counters["stats"]["unique_graphs"] - before
+        second = step()
+        recompiles = counters["stats"]["unique_graphs"] - before - graphs
         steady = [step() for _ in range(steps)]
-    recompiles = counters["stats"]["unique_graphs"] - before - graphs
+    late = counters["stats"]["unique_graphs"] - before - graphs - recompiles
     del compiled, optimizer, model
     torch._dynamo.reset()
-    return {"wall_seconds": max(0.0, first_wall - statistics.median(w for w, _ in steady)),
-            "cpu_seconds": max(0.0, first_cpu - statistics.median(c for _, c in steady)),
-            "graphs": graphs, "recompiles": recompiles}
+    wall, cpu = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
+    return {"wall_seconds": max(0.0, first[0] + second[0] - 2 * wall),
+            "cpu_seconds": max(0.0, first[1] + second[1] - 2 * cpu),
+            "first_cpu_seconds": max(0.0, first[1] - cpu),
+            "graphs": graphs, "recompiles": recompiles, "late_recompiles": late}
 
 
-def fit_compile_cost(small: float, large: float, ops: tuple[int, int]) -> dict:
-    """``compile_cost`` from measure_compile_cost's two compile times (seconds, each a fresh process's first compile)
-    and their models' ops (``memplan.timing.compiled_graph_ops``): seconds per op c = (large − small) /
-    (ops_large − ops_small), fixed seconds F = small − c · ops_small (neither below 0)."""
-    per_op = max(0.0, (large - small) / (ops[1] - ops[0]))
-    return {"fixed_seconds": max(0.0, small - per_op * ops[0]), "seconds_per_op": per_op}
+def fit_compile_cost(small: float, large: float, ops: tuple[int, int], compiles: int = 1) -> dict:
+    """``compile_cost`` from measure_compile_cost's two one-off times (seconds, each a fresh process's) and their
+    models' ops (``memplan.timing.compiled_graph_ops``), each graph compiled ``compiles`` times (1 + the trainer's
+    recompiles): seconds per op c = (large − small) / (compiles · (ops_large − ops_small)), fixed seconds
+    F = small − compiles · c · ops_small (neither below 0), so that ``memplan.timing.compile_seconds`` gives both back."""
+    per_op = max(0.0, (large - small) / (compiles * (ops[1] - ops[0])))
+    return {"fixed_seconds": max(0.0, small - compiles * per_op * ops[0]), "seconds_per_op": per_op}
 
 
 def _compile_cost_specs():
@@ -836,7 +843,7 @@ def measure_compile_cost(cal: Calibration, device: torch.device | None = None, f
     empty inductor cache, as a run's first compile; ``fresh_processes=False`` compiles in this process, for tests).
     CPU seconds on a CPU (the compile's own work, which other processes on a shared machine do not lengthen),
     wall seconds on a GPU. A compile that fails is recorded in ``cal.skipped``, and nothing else."""
-    from memplan.timing import compiled_graph_ops
+    from memplan.timing import compiled_graph_ops, trainer_recompiles
 
     device = device or torch.device("cpu")
     key = "cpu_seconds" if device.type == "cpu" else "wall_seconds"
@@ -856,7 +863,8 @@ def measure_compile_cost(cal: Calibration, device: torch.device | None = None, f
         return
     times = [f[key] for f in found]
     ops = tuple(compiled_graph_ops(spec, setup) for spec in specs)
-    cal.compile_cost = {**fit_compile_cost(*times, ops), "clock": key.split("_")[0],
+    compiles = 1 + trainer_recompiles(specs[0], setup)
+    cal.compile_cost = {**fit_compile_cost(*times, ops, compiles), "clock": key.split("_")[0],
                         "seconds": [round(t, 3) for t in times], "ops": list(ops)}
 
 
