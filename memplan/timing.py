@@ -124,16 +124,17 @@ SGD_FOREACH_PASSES = 8  # weight decay add 3, momentum mul+add 3 (buf = buf·m +
 CLIP_PASSES = 3  # the foreach norm reads every gradient; the scale reads and writes it
 FUSIBLE_KINDS = ("elementwise", "transcendental", "module")  # what torch.compile fuses (with the loss and dispatch)
 COMPILE_FUSION_BOUNDS = (0.5, 20.0)  # the fusible speedup a calibration can give, at most this slower / faster
-# torch.compile's one-off where calibration did not measure it (``[calibrated] compile_cost``): F + ops · c
-# (``compile_seconds``). A least-squares fit over four first compiles of memplan's Llama step (fp32, SDPA, ctx 256,
-# micro-batch 4, vocab 4096), each in a fresh process with an empty inductor cache, in CPU seconds of the process
-# and its C++ builds (inductor's compile_threads = 1), on this repo's build machine (AMD EPYC Zen 3 KVM guest,
-# torch 2.13.0+cpu, g++ 12): 1 block at width 128, 255 ops: 30.3 s; 2 at 128, 448 ops: 35.4 s; 6 at 384, 1,220
-# ops: 48.1 s; 10 at 640, 1,992 ops: 59.2 s. Every point within 4% of 27 s + 16 ms per op. The fixed part is
-# mostly the process's first compile (inductor's imports) and the C++ builds of the graph's kernels; a GPU builds
-# Triton kernels instead and its host does the same per-op work: there these figures are an estimate, unmeasured.
-DEFAULT_COMPILE_FIXED_SECONDS = 27.0
-DEFAULT_COMPILE_SECONDS_PER_OP = 0.016
+# torch.compile's one-off where calibration did not measure it (``[calibrated] compile_cost``): F + 2 · ops · c
+# for a rotary model (``compile_seconds``; its graph is compiled twice, ``trainer_recompiles``). A least-squares fit
+# over benchmarks/compile_time.py's three one-offs of memplan's Llama step (fp32, SDPA, ctx 256, micro-batch 4, vocab
+# 4096; each in a fresh process with an empty inductor cache; CPU seconds of the process and its C++ builds, with
+# inductor's compile_threads = 1) on this repo's build machine (AMD EPYC Zen 3 KVM guest, torch 2.13.0+cpu, g++ 12):
+# 2 blocks, 412 ops: 39.2 s; 6 blocks, 1,128 ops: 59.3 s; 10 blocks, 1,844 ops: 74.0 s; each within 3% of
+# 30 s + 2 × 12 ms per op. (The first compile alone: 32.1, 44.2, 52.5 s.) The fixed part is mostly the process's
+# first compile (inductor's imports) and the C++ builds of the graph's distinct kernels; a GPU builds Triton
+# kernels instead and its host does the same per-op work: there these figures are an estimate, unmeasured.
+DEFAULT_COMPILE_FIXED_SECONDS = 30.0
+DEFAULT_COMPILE_SECONDS_PER_OP = 0.012
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------

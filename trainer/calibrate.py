@@ -26,7 +26,7 @@ device torch would train on, with the thread count it is given:
   compile takes tens of seconds): a reference training step (``COMPILE_REFERENCE``) eager and compiled,
   interleaved, and the compile's one-off wall time (the first compiled step less a compiled step).
   ``memplan.timing`` turns it into the share of the fusible work (elementwise kernels, the loss, dispatch)
-  that compiling saves. The compile time itself (``measure_compile_cost``): a one-block and a three-block model,
+  that compiling saves. The compile time itself (``measure_compile_cost``): a three-block and a five-block model,
   each compiled in a fresh process with an empty inductor cache, give the fixed seconds and the seconds per op of
   the compiled graph (``[calibrated] compile_cost``), from which ``memplan.timing.compile_seconds`` predicts any
   model's compile.
@@ -727,9 +727,12 @@ def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS)
 
 # measure_compile_cost's two compiles, each a Llama step (fp32, SDPA, foreach AdamW, one micro-batch of 2 × 64
 # tokens at vocab 512) compiled in a fresh process with an empty inductor cache, as a run's first step compiles:
-# one block and three blocks; their difference is the cost of two blocks' ops, the rest the fixed part.
-COMPILE_COST_MODELS = ({"layers": 1, "hidden": 64, "heads": 2, "ffn": 176},
-                       {"layers": 3, "hidden": 64, "heads": 2, "ffn": 176})
+# three blocks and five; their difference is the cost of two blocks' ops, the rest the fixed part. Not one block:
+# the first and the last block fuse with the embedding and the final norm into kernels of their own, and a third
+# block adds the middle one's, so one to three blocks adds kernels to build as well as ops (a run here: 40.7 ms
+# per op, against 24 ms between the 2- and 10-block models of benchmarks/compile_time.py).
+COMPILE_COST_MODELS = ({"layers": 3, "hidden": 64, "heads": 2, "ffn": 176},
+                       {"layers": 5, "hidden": 64, "heads": 2, "ffn": 176})
 COMPILE_COST_SHAPE = {"vocab": 512, "ctx": 64, "micro_batch": 2}
 
 
