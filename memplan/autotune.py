@@ -15,7 +15,8 @@ The search space, for one model at one context length on one device:
 - optimizer: AdamW with the foreach implementation (``adamw``) or the fused kernel (``adamw-fused``);
 - ``torch.compile``, only where the profile's ``[calibrated] compile_speedup`` says it helps (> 1). With
   ``memplan calibrate --compile``'s reference step in the profile, ``memplan.timing`` models each compiled
-  setup (the fusible work sped up as calibrated) and its one-off compile time; with ``tokens`` (one epoch)
+  setup (the fusible work sped up as calibrated) and its one-off compile time (``memplan.timing.compile_seconds``:
+  a fixed part plus seconds per op of the compiled graph, calibrated or the defaults); with ``tokens`` (one epoch)
   the ranking is by epoch time, compile included, so compile is taken only where it pays back its compile
   time over the run; without, by step time, with a note of how many steps it takes to pay back. A profile
   with ``compile_speedup`` alone divides the eager step by it (and adds ``compile_seconds`` if given).
@@ -62,7 +63,7 @@ from memplan.model import ModelSpec
 from memplan.plan import Plan
 from memplan.setup import CHECKPOINTINGS, TrainSetup
 from memplan.memory.stacks import MEMPLAN, Stack
-from memplan.timing import TimeBreakdown, compile_fusion, compile_seconds, step_time
+from memplan.timing import TimeBreakdown, compile_fusion, compile_seconds, compile_seconds_words, step_time
 from memplan.units import format_bytes, format_count
 
 DEFAULT_MARGIN = 0.1  # share of the budget kept free for what the model does not see
@@ -365,8 +366,9 @@ class _Evaluator:
         return seconds
 
     def one_off(self, setup: TrainSetup) -> float:
-        """Seconds spent once per run before the steps: torch.compile's compile time (0 for an eager step)."""
-        return compile_seconds(self.spec, self.device) if setup.compile else 0.0
+        """Seconds spent once per run before the steps: torch.compile's compile time (0 for an eager step),
+        from the compiled graph's ops (``memplan.timing.compile_seconds``)."""
+        return compile_seconds(self.spec, self.device, setup) if setup.compile else 0.0
 
     def tokens_per_second(self, setup: TrainSetup) -> float:
         """Steady-state tokens per second (the step's)."""
@@ -562,8 +564,8 @@ def _compile_note(chosen: TrainSetup, ev: _Evaluator) -> str:
     payback = math.ceil(one_off / saved) if one_off else 0
     run = (f"a run of {ev.epoch_tokens:,} tokens ({math.ceil(ev.epoch_tokens / chosen.tokens_per_step):,} steps)"
            if ev.epoch_tokens else None)
-    what = (f"torch.compile: steps {gain:.1%} faster, ~{one_off:.0f} s to compile once, paid back after "
-            f"{payback:,} steps")
+    what = (f"torch.compile: steps {gain:.1%} faster, ~{one_off:.0f} s to compile once "
+            f"({compile_seconds_words(ev.spec, ev.device, compiled)}), paid back after {payback:,} steps")
     lower = ev.memory(eager).peak_allocated - ev.memory(compiled).peak_allocated
     if lower > 0:  # inductor's partitioner saves less (memplan.memory.compiled)
         what += f"; its peak {format_bytes(lower)} lower"

@@ -45,7 +45,9 @@ together, as on MI300X, ``source``) and ``[calibrated]`` (rates measured by ``me
 one (e.g. 1.25): ``memplan autotune`` proposes torch.compile only where it is present and above 1;
 ``compile_seconds``, the one-off compile time; and ``[calibrated.compile_reference]`` (written by
 ``memplan calibrate --compile``: the reference step's shape and its measured ``eager_seconds``,
-``compiled_seconds`` and ``compile_seconds``), from which ``memplan.timing`` models every compiled setup.
+``compiled_seconds`` and ``compile_seconds``), from which ``memplan.timing`` models every compiled setup; and
+``[calibrated.compile_cost]`` (``fixed_seconds`` and ``seconds_per_op`` of the compiled graph, from which
+``memplan.timing.compile_seconds`` predicts the one-off compile time of any model).
 Every table's ``source`` ends up in ``Device.sources``. A bundled profile's ``source`` is its own evidence:
 for each origin, the document (repository and file, URL, issue or pull request) and the figure it states,
 ``; ``-separated, so the profile needs nothing outside it. ``--device PATH`` loads any file of this schema.

@@ -36,8 +36,10 @@ measurement (``[calibrated] compile_reference``: a reference step eager and comp
 time): compiling fuses the elementwise kernels, the loss and the dispatches around them (the *fusible* work)
 and leaves the matmuls, attention and the optimizer as they are, so the fusible seconds of a compiled step are
 the eager ones over the speedup that makes the reference's prediction match its measurement
-(``compile_fusion``). The compile itself is a one-off (``compile_seconds``, scaled from the reference by the
-number of layers): not in the step time, in the epoch time.
+(``compile_fusion``). The compile itself is a one-off (``compile_seconds``): a fixed part F (the process's
+first compile, its distinct kernels' builds) plus c seconds per op of the compiled graph (``compiled_graph_ops``:
+ops per layer × layers + the rest), F and c as ``memplan calibrate --compile`` measured them
+(``[calibrated] compile_cost``) or the build machine's defaults; not in the step time, in the epoch time.
 
 Rates come from the device profile. A profile written by ``memplan calibrate`` carries measured
 rates (``[calibrated]``, see ``memplan/hardware.py``); a bundled profile has only vendor peaks,
@@ -122,6 +124,17 @@ SGD_FOREACH_PASSES = 8  # weight decay add 3, momentum mul+add 3 (buf = buf·m +
 CLIP_PASSES = 3  # the foreach norm reads every gradient; the scale reads and writes it
 FUSIBLE_KINDS = ("elementwise", "transcendental", "module")  # what torch.compile fuses (with the loss and dispatch)
 COMPILE_FUSION_BOUNDS = (0.5, 20.0)  # the fusible speedup a calibration can give, at most this slower / faster
+# torch.compile's one-off where calibration did not measure it (``[calibrated] compile_cost``): F + 2 · ops · c
+# for a rotary model (``compile_seconds``; its graph is compiled twice, ``trainer_recompiles``). A least-squares fit
+# over benchmarks/compile_time.py's three one-offs of memplan's Llama step (fp32, SDPA, ctx 256, micro-batch 4, vocab
+# 4096; each in a fresh process with an empty inductor cache; CPU seconds of the process and its C++ builds, with
+# inductor's compile_threads = 1) on this repo's build machine (AMD EPYC Zen 3 KVM guest, torch 2.13.0+cpu, g++ 12):
+# 2 blocks, 412 ops: 39.2 s; 6 blocks, 1,128 ops: 59.3 s; 10 blocks, 1,844 ops: 74.0 s; each within 3% of
+# 30 s + 2 × 12 ms per op. (The first compile alone: 32.1, 44.2, 52.5 s.) The fixed part is mostly the process's
+# first compile (inductor's imports) and the C++ builds of the graph's distinct kernels; a GPU builds Triton
+# kernels instead and its host does the same per-op work: there these figures are an estimate, unmeasured.
+DEFAULT_COMPILE_FIXED_SECONDS = 30.0
+DEFAULT_COMPILE_SECONDS_PER_OP = 0.012
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -986,16 +999,83 @@ def compile_fusion(device: Device) -> float | None:
     return min(high, max(low, fusible / (fusible - saved)))
 
 
-def compile_seconds(spec: ModelSpec, device: Device) -> float:
-    """torch.compile's one-off for this model: the reference's measured compile time × (layers + 1) /
-    (its layers + 1) (dynamo traces and inductor compiles every block, the + 1 the embedding, head and loss;
-    an estimate); a profile without the reference may give ``[calibrated] compile_seconds`` as is; else 0."""
+def compiled_graph_ops(spec: ModelSpec, setup: TrainSetup, repeat_kv: bool = False) -> int:
+    """Ops of the graph ``torch.compile`` builds of the trainer's model (trainer/loop.py compiles the whole model):
+    L · layer_dispatches + base_dispatches, one micro-batch's forward and backward (recomputation included under
+    checkpointing), counted as the eager step dispatches them. The graph is compiled once and run by every
+    micro-batch, so ``grad_accum`` does not multiply it; the loss and the optimizer stay eager, but the count keeps
+    them (``base_dispatches``), as calibration counts its own model, so the per-op cost absorbs them alike."""
+    return spec.layers * layer_dispatches(spec, setup, repeat_kv) + base_dispatches(spec, setup)
+
+
+def compile_cost(device: Device) -> tuple[float, float, str]:
+    """(fixed seconds, seconds per op, where they come from) of torch.compile's one-off on ``device``.
+
+    - ``[calibrated] compile_cost`` (``memplan calibrate --compile``, trainer/calibrate.py ``measure_compile_cost``):
+      this machine's fixed seconds and seconds per op;
+    - else a ``compile_reference`` from an older calibration: the default seconds per op, and the fixed part
+      that makes the reference's measured compile time come out (its compile time − ``compile_graph_seconds``);
+    - else DEFAULT_COMPILE_FIXED_SECONDS and DEFAULT_COMPILE_SECONDS_PER_OP (this repo's build machine)."""
+    cost = device.calibrated.get("compile_cost")
+    if isinstance(cost, dict):
+        fixed, per_op = cost.get("fixed_seconds"), cost.get("seconds_per_op")
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in (fixed, per_op)):
+            return float(fixed), float(per_op), "calibrated"
     found = compile_reference(device)
     if found is not None:
-        ref, _, m = found
-        return m["compile_seconds"] * (spec.layers + 1) / (ref.layers + 1)
+        ref, setup, m = found
+        per_op = DEFAULT_COMPILE_SECONDS_PER_OP
+        graph = compile_graph_seconds(compiled_graph_ops(ref, setup), per_op, trainer_recompiles(ref, setup))
+        return max(0.0, m["compile_seconds"] - graph), per_op, "calibrated reference"
+    return DEFAULT_COMPILE_FIXED_SECONDS, DEFAULT_COMPILE_SECONDS_PER_OP, "default"
+
+
+def compile_graph_seconds(ops: int, per_op: float, recompiles: int = 0) -> float:
+    """The part that grows with the graph: (1 + recompiles) · ops · c, where c is the seconds per op (dynamo's
+    trace, AOTAutograd's joint graph and partition, inductor's lowering, scheduling and code of every node); a
+    recompile (a new input shape or grad mode) traces and lowers the whole graph again."""
+    return (1 + recompiles) * ops * per_op
+
+
+def trainer_recompiles(spec: ModelSpec, setup: TrainSetup) -> int:
+    """Recompiles the trainer triggers after its first step: 1 for a rotary model, else 0. trainer/model.py makes
+    its rotary tables on the first forward (``Transformer.rope`` registers ``rope_cos``), so the second step fails
+    dynamo's guard ``not hasattr(self, 'rope_cos')`` and the whole graph is compiled again (``TORCH_LOGS=recompiles``
+    shows it). Nothing else recompiles: every micro-batch has one shape (the loader yields full (micro_batch, ctx)
+    windows), gradient accumulation reruns the same graph, and evaluation runs the uncompiled model
+    (trainer/loop.py's ``Evaluation`` gets ``self.model``, not the compiled ``step_model``)."""
+    return 1 if spec.pos == "rope" else 0
+
+
+def compile_seconds(spec: ModelSpec, device: Device, setup: TrainSetup | None = None,
+                    recompiles: int | None = None) -> float:
+    """torch.compile's one-off for this model: F + (1 + recompiles) · ops · c (``compile_graph_seconds``), F the
+    part that does not grow with the graph (dynamo's and inductor's first use in the process, their compile workers,
+    the C++ / Triton builds of the graph's distinct kernels, which repeat block after block so their number does not
+    grow with the layers), with ops = ``compiled_graph_ops`` of ``setup`` (default: fp32, SDPA, no
+    checkpointing), F and c from ``compile_cost`` and the recompiles the trainer triggers (``trainer_recompiles``).
+    A profile whose ``[calibrated]`` gives ``compile_seconds`` alone, without a reference or a compile_cost, gets
+    that figure as is. Measured against benchmarks/compile_time.py (cold inductor cache, as a run's first compile)."""
+    setup = setup or TrainSetup(ctx=256, micro_batch=1, precision="fp32", attention="sdpa")
+    recompiles = trainer_recompiles(spec, setup) if recompiles is None else recompiles
     value = device.calibrated.get("compile_seconds")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0.0
+    if ("compile_cost" not in device.calibrated and compile_reference(device) is None
+            and isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+        return float(value)
+    fixed, per_op, _ = compile_cost(device)
+    ops = compiled_graph_ops(spec, compute_setup(setup))
+    return fixed + compile_graph_seconds(ops, per_op, recompiles)
+
+
+def compile_seconds_words(spec: ModelSpec, device: Device, setup: TrainSetup) -> str:
+    """Where ``compile_seconds`` comes from, in a few words: "25 s + 1,220 ops × 5.0 ms, calibrated"."""
+    fixed, per_op, source = compile_cost(device)
+    ops = compiled_graph_ops(spec, compute_setup(setup))
+    recompiles = trainer_recompiles(spec, setup)
+    if abs(fixed + compile_graph_seconds(ops, per_op, recompiles) - compile_seconds(spec, device, setup)) > 1e-9:
+        return "the profile's calibrated compile_seconds"
+    graphs = f" × {1 + recompiles} compiles" if recompiles else ""
+    return f"{fixed:.0f} s + {ops:,} ops{graphs} × {per_op * 1e3:.1f} ms, {source}"
 
 
 def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: int | None = None) -> TimeBreakdown:
@@ -1079,14 +1159,15 @@ def step_time(spec: ModelSpec, setup: TrainSetup, device: Device, epoch_tokens: 
     if rates.matmul_dtype(setup.compute_dtype) != setup.compute_dtype:
         notes.append(f"{device.name} has no fast native {setup.compute_dtype}; the time below uses its fp32 rate "
                      "(see `memplan autotune` for the precision it runs best)")
-    one_off = compile_seconds(spec, device) if setup.compile else 0.0
+    one_off = compile_seconds(spec, device, setup) if setup.compile else 0.0
     if setup.compile and fusion is not None:
         notes.append(f"torch.compile modelled from the calibrated reference step: elementwise kernels, the loss and "
                      f"dispatch at 1/{fusion:.2f} of their eager time; compiling takes ~{one_off:.0f} s once "
-                     "(in epoch_seconds, not in the step)")
+                     f"({compile_seconds_words(spec, device, setup)}; in epoch_seconds, not in the step)")
     elif setup.compile:
         notes.append("torch.compile is not modelled: the prediction is for eager PyTorch (compile fuses elementwise "
-                     "kernels and is usually faster; `memplan calibrate --compile` measures it)")
+                     "kernels and is usually faster; `memplan calibrate --compile` measures it); compiling takes "
+                     f"~{one_off:.0f} s once ({compile_seconds_words(spec, device, setup)}; in epoch_seconds)")
     measured = [d for d in (setup.compute_dtype,) if d in device.calibrated.get("matmul", {})]
     source = (f"calibrated {str(device.calibrated.get('date', ''))[:10]}, "
               f"{device.calibrated.get('threads', '?')} thread(s)" if rates.calibrated and measured else

@@ -28,7 +28,10 @@ device torch would train on, with the thread count it is given:
   compile takes tens of seconds): a reference training step (``COMPILE_REFERENCE``) eager and compiled,
   interleaved, and the compile's one-off wall time (the first compiled step less a compiled step).
   ``memplan.timing`` turns it into the share of the fusible work (elementwise kernels, the loss, dispatch)
-  that compiling saves, and scales the compile time with the model.
+  that compiling saves. The compile time itself (``measure_compile_cost``): a three-block and a five-block model,
+  each compiled in a fresh process with an empty inductor cache, give the fixed seconds and the seconds per op of
+  the compiled graph (``[calibrated] compile_cost``), from which ``memplan.timing.compile_seconds`` predicts any
+  model's compile.
 
 Measured times are turned into *net* kernel rates: the dispatch overhead (dispatched ops × launch
 overhead) and the first-touch cost of fresh outputs are subtracted, because memplan's model adds
@@ -113,6 +116,8 @@ class Calibration:
     cpu_share: float | None = None  # one thread, --clock cpu: CPU time / wall time over the calibration
     # torch.compile of COMPILE_REFERENCE's step: its shape, eager_seconds, compiled_seconds, compile_seconds
     compile: dict = field(default_factory=dict)
+    # torch.compile's one-off: fixed_seconds, seconds_per_op (measure_compile_cost), the clock and what was timed
+    compile_cost: dict = field(default_factory=dict)
 
     def matmul_tflops(self) -> dict[str, float]:
         """Best net forward rate per dtype over the measured shapes (the device's achievable matmul rate)."""
@@ -775,6 +780,152 @@ def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS)
     torch._dynamo.reset()
 
 
+# measure_compile_cost's two compiles, each a Llama step (fp32, SDPA, foreach AdamW, one micro-batch of 2 × 64
+# tokens at vocab 512) compiled in a fresh process with an empty inductor cache, as a run's first step compiles:
+# three blocks and five; their difference is the cost of two blocks' ops, the rest the fixed part. Not one block:
+# the first and the last block fuse with the embedding and the final norm into kernels of their own, and a third
+# block adds the middle one's, so one to three blocks adds kernels to build as well as ops (a run here: 40.7 ms
+# per op, against 24 ms between the 2- and 10-block models of benchmarks/compile_time.py).
+COMPILE_COST_MODELS = ({"layers": 3, "hidden": 64, "heads": 2, "ffn": 176},
+                       {"layers": 5, "hidden": 64, "heads": 2, "ffn": 176})
+COMPILE_COST_SHAPE = {"vocab": 512, "ctx": 64, "micro_batch": 2}
+
+
+def compile_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended: with inductor's ``compile_threads = 1``
+    its C++ builds run as such children (g++), so this counts the whole compile, whatever else holds the cores."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def compile_one_off(spec, setup, device: torch.device, steps: int = 3) -> dict:
+    """torch.compile's one-off for the trainer's model and step (``build_model``, ``torch.compile`` of the whole
+    model as trainer/loop.py does, ``train_step``), as a run pays it: the first two compiled steps (the second
+    recompiles a rotary model: ``memplan.timing.trainer_recompiles``) less two steady ones (the median of ``steps``
+    after them). Returns ``wall_seconds`` (perf_counter), ``cpu_seconds`` (``compile_cpu_seconds``, with inductor's
+    builds in this process's children: ``compile_threads = 1`` while it runs), ``first_cpu_seconds`` (the first
+    step's part alone), ``graphs`` (dynamo's distinct graphs after the first step) and ``recompiles`` (graphs
+    compiled by the second step; ``late_recompiles``: by the steady steps after it)."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, train_step
+
+    gen = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(spec.vocab, (setup.micro_batch, setup.ctx), generator=gen).to(device),
+              torch.randint(spec.vocab, (setup.micro_batch, setup.ctx), generator=gen).to(device))]
+    torch.manual_seed(0)
+    model = build_model(spec, setup.attention, setup.checkpointing, torch.float32, device=device)
+    optimizer = make_optimizer(model, setup.optimizer)
+    compiled = torch.compile(model)
+    sync = devices.synchronizer(device)
+
+    def step() -> tuple[float, float]:
+        sync()
+        w0, c0 = time.perf_counter(), compile_cpu_seconds()
+        train_step(compiled, optimizer, batch * setup.grad_accum, setup, device.type, check_finite=False)
+        sync()
+        return time.perf_counter() - w0, compile_cpu_seconds() - c0
+
+    with inductor_config.patch(compile_threads=1):
+        before = counters["stats"]["unique_graphs"]
+        first = step()
+        graphs = counters["stats"]["unique_graphs"] - before
+        second = step()
+        recompiles = counters["stats"]["unique_graphs"] - before - graphs
+        steady = [step() for _ in range(steps)]
+    late = counters["stats"]["unique_graphs"] - before - graphs - recompiles
+    del compiled, optimizer, model
+    torch._dynamo.reset()
+    wall, cpu = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
+    return {"wall_seconds": max(0.0, first[0] + second[0] - 2 * wall),
+            "cpu_seconds": max(0.0, first[1] + second[1] - 2 * cpu),
+            "first_cpu_seconds": max(0.0, first[1] - cpu),
+            "graphs": graphs, "recompiles": recompiles, "late_recompiles": late}
+
+
+def fit_compile_cost(small: float, large: float, ops: tuple[int, int], compiles: int = 1) -> dict:
+    """``compile_cost`` from measure_compile_cost's two one-off times (seconds, each a fresh process's) and their
+    models' ops (``memplan.timing.compiled_graph_ops``), each graph compiled ``compiles`` times (1 + the trainer's
+    recompiles): seconds per op c = (large − small) / (compiles · (ops_large − ops_small)), fixed seconds
+    F = small − compiles · c · ops_small (neither below 0), so that ``memplan.timing.compile_seconds`` gives both back."""
+    per_op = max(0.0, (large - small) / (compiles * (ops[1] - ops[0])))
+    return {"fixed_seconds": max(0.0, small - compiles * per_op * ops[0]), "seconds_per_op": per_op}
+
+
+def _compile_cost_specs():
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+
+    setup = TrainSetup(ctx=COMPILE_COST_SHAPE["ctx"], micro_batch=COMPILE_COST_SHAPE["micro_batch"],
+                       precision="fp32", attention="sdpa", optimizer="adamw")
+    specs = [ModelSpec(arch="llama", layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["heads"],
+                       ffn=m["ffn"], vocab=COMPILE_COST_SHAPE["vocab"], tied=True) for m in COMPILE_COST_MODELS]
+    return specs, setup
+
+
+def compile_cost_worker(index: int, device_type: str = "cpu") -> dict:
+    """``compile_one_off`` of COMPILE_COST_MODELS[index], in this process (measure_compile_cost runs it in a fresh
+    one: ``python -m trainer.calibrate --compile-cost-worker INDEX DEVICE``)."""
+    specs, setup = _compile_cost_specs()
+    torch.set_num_threads(1)
+    return compile_one_off(specs[index], setup, torch.device(device_type))
+
+
+def _fresh_process_compile(index: int, device_type: str) -> dict:
+    """``compile_cost_worker(index)`` in a fresh Python process with an empty inductor cache."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory(prefix="memplan-compile-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        out = subprocess.run([sys.executable, "-m", "trainer.calibrate", "--compile-cost-worker", str(index),
+                              device_type], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        raise RuntimeError(last)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_compile_cost(cal: Calibration, device: torch.device | None = None, fresh_processes: bool = True) -> None:
+    """``cal.compile_cost``: torch.compile's fixed seconds and seconds per op of the compiled graph on this machine
+    (``fit_compile_cost`` over COMPILE_COST_MODELS, each timed by ``compile_one_off`` in a fresh process with an
+    empty inductor cache, as a run's first compile; ``fresh_processes=False`` compiles in this process, for tests).
+    CPU seconds on a CPU (the compile's own work, which other processes on a shared machine do not lengthen),
+    wall seconds on a GPU. A compile that fails is recorded in ``cal.skipped``, and nothing else."""
+    from memplan.timing import compiled_graph_ops, trainer_recompiles
+
+    device = device or torch.device("cpu")
+    key = "cpu_seconds" if device.type == "cpu" else "wall_seconds"
+    specs, setup = _compile_cost_specs()
+    try:
+        if fresh_processes and key == "cpu_seconds":  # CPU seconds: the two processes may share the cores
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(specs)) as pool:
+                found = list(pool.map(lambda i: _fresh_process_compile(i, device.type), range(len(specs))))
+        elif fresh_processes:
+            found = [_fresh_process_compile(i, device.type) for i in range(len(specs))]
+        else:
+            found = [compile_one_off(spec, setup, device) for spec in specs]
+    except Exception as e:  # inductor needs a C++ compiler on a CPU, Triton on a GPU
+        cal.skipped.append(f"torch.compile cost: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+        return
+    times = [f[key] for f in found]
+    ops = tuple(compiled_graph_ops(spec, setup) for spec in specs)
+    compiles = 1 + trainer_recompiles(specs[0], setup)
+    cal.compile_cost = {**fit_compile_cost(*times, ops, compiles), "clock": key.split("_")[0],
+                        "seconds": [round(t, 3) for t in times], "ops": list(ops)}
+
+
 def matmul_dtypes(family: str) -> list[str]:
     """Every dtype memplan plans that runs here: fp32, tf32 (NVIDIA Ampere+), bf16, fp16."""
     dtypes = ["fp32"]
@@ -891,6 +1042,7 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
         if compile:
             report("torch.compile", 0.99)
             timer.deadline = math.inf
+            measure_compile_cost(cal, timer.device)  # each compile in a fresh process of its own
             measure_compile(timer, cal)
         report("done", 1.0)
     finally:
@@ -1040,6 +1192,8 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
         calibrated["compile_speedup"] = c["eager_seconds"] / c["compiled_seconds"]
         calibrated["compile_seconds"] = c["compile_seconds"]
         calibrated["compile_reference"] = dict(c)
+    if cal.compile_cost:  # memplan.timing.compile_cost: the one-off from the compiled graph's ops
+        calibrated["compile_cost"] = dict(cal.compile_cost)
     reader = {"cuda": "nvml", "rocm": "rocm-smi", "mps": "mps", "cpu": "psutil"}[cal.family]
     return {
         "name": name,
@@ -1095,6 +1249,9 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--compile-cost-worker":  # measure_compile_cost's fresh process: one compile, as JSON
+        print(json.dumps(compile_cost_worker(int(args[1]), args[2] if len(args) > 2 else "cpu")), flush=True)
+        return
     seconds, out, name = float(args[0]), args[1], args[2]
     threads = int(args[3]) if len(args) > 3 and args[3] else None
     loaded = [m for m in args[4].split(",") if m] if len(args) > 4 else []
