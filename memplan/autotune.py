@@ -61,15 +61,16 @@ from memplan.memory import MemoryBreakdown
 from memplan.memory.compiled import compiled_modelled
 from memplan.model import ModelSpec
 from memplan.plan import Plan
-from memplan.setup import CHECKPOINTINGS, TrainSetup
+from memplan.setup import CHECKPOINTINGS, PRECISIONS, TrainSetup
 from memplan.memory.stacks import MEMPLAN, Stack
 from memplan.timing import TimeBreakdown, compile_fusion, compile_seconds, compile_seconds_words, step_time
-from memplan.units import format_bytes, format_count
+from memplan.units import format_bytes, format_count, possessive
 
 DEFAULT_MARGIN = 0.1  # share of the budget kept free for what the model does not see
 ATTENTIONS = ("sdpa", "eager")
 SHARDINGS = ("ddp", "fsdp")  # searched when there is more than one device
 OPTIMIZERS = ("adamw-fused", "adamw")  # fused first: it wins the tie with foreach (same time, less memory)
+LOSSY_OPTIMIZERS = ("adamw8bit",)  # change the update itself: ranked after every exact plan
 TIE_DIGITS = 9  # predicted tokens/s equal to this many significant digits are a tie
 
 # Default global batch in tokens when none is given, by parameter count (a demanding user wants the
@@ -115,9 +116,19 @@ def device_ref(device: Device) -> str:
     return str(Path(device.path).resolve())
 
 
-def _stack_precisions(precisions: tuple[str, ...], stack) -> tuple[str, ...]:
-    """The precisions of ``precisions`` the stack's code trains in (torchtune: no autocast), else the one-line
-    error naming those it takes."""
+MIXED_HALF = {"bf16-mixed": "bf16"}  # a mixed precision and the pure one a stack without autocast trains in instead
+
+
+def _stack_precisions(precisions: tuple[str, ...], stack, device: Device | None = None) -> tuple[str, ...]:
+    """The precisions of ``precisions`` the stack's code trains in, else the one-line error naming those it takes.
+
+    ``device`` given (the search's candidates, not a precision asked for): a mixed precision the stack's code has
+    no autocast for is replaced by the pure half precision it trains in instead, where the stack takes it and the
+    device runs it natively (torchtune's recipes: ``dtype: bf16``, no fp32 master weights)."""
+    if device is not None:
+        precisions = tuple(dict.fromkeys(
+            MIXED_HALF[p] if p not in stack.precisions and MIXED_HALF.get(p) in stack.precisions
+            and device.supports(MIXED_HALF[p]) else p for p in precisions))
     kept = tuple(p for p in precisions if p in stack.precisions)
     if not kept:
         raise InputError(f"--stack {stack.name}: --precision {', '.join(precisions)} is not one its code takes "
@@ -149,6 +160,53 @@ def compile_speedup(device: Device) -> float | None:
         raise InputError(f"profile {device.path or device.name}: calibrated.compile_speedup = {value!r}; "
                          "expected a number > 0 (eager step time / compiled step time)")
     return float(value)
+
+
+def _pinned(flag: str, value: str, searched: tuple[str, ...], known: tuple[str, ...], stack: Stack) -> tuple[str, ...]:
+    """``(value,)`` where the stack's code takes it, else the one-line error naming what it takes."""
+    if value not in known:
+        raise InputError(f"{flag}: unknown {value!r} (accepted: {', '.join(known)})")
+    if value not in searched:
+        raise InputError(f"--stack {stack.name}: {flag} {value} is not one that {possessive(stack.name)} code takes "
+                         f"(accepted: {', '.join(searched)})")
+    return (value,)
+
+
+def search_axes(stack: Stack, device: Device, world_size: int = 1, lora_rank: int = 0,
+                precision: str | None = None, checkpointing: str | None = None) -> dict[str, tuple]:
+    """What autotune searches for ``stack`` on ``device``, each axis taken from the stack object's own attributes:
+
+    - sharding: with ``world_size`` > 1, DDP then FSDP where the stack's walk covers them (``Stack.shardings``);
+    - precision: ``precision`` alone, else ``precision_candidates(device)`` as the stack trains them
+      (``Stack.precisions``; a mixed precision it has no autocast for becomes its pure half precision);
+    - checkpointing: ``Stack.checkpointings`` (with LoRA: selective only where ``Stack.lora_with_selective``), or
+      ``checkpointing`` alone;
+    - attention: ``Stack.attentions``; optimizer: ``Stack.searched_optimizers`` (8-bit on CUDA devices only);
+    - compile: where ``Stack.compiles`` (and the profile's speedup says it helps: ``autotune``).
+
+    A value asked for (``precision``, ``checkpointing``) that the stack's code does not take, or more devices
+    than one where its walk has no DDP or FSDP, is the one-line InputError naming what it takes."""
+    if world_size > 1:
+        shardings = tuple(s for s in SHARDINGS if s in stack.shardings)
+        if not shardings:
+            raise InputError(f"--stack {stack.name}: --world-size {world_size} needs DDP or FSDP, and the walk of "
+                             f"{possessive(stack.name)} step covers one device only (accepted: --world-size 1)")
+    else:
+        shardings = ("none",)
+    checkpointings = tuple(c for c in CHECKPOINTINGS if c in stack.checkpointings)
+    if lora_rank and not stack.lora_with_selective:
+        checkpointings = tuple(c for c in checkpointings if c != "selective")  # Stack.check_lora_targets
+    if checkpointing is not None:
+        checkpointings = _pinned("--checkpointing", checkpointing, checkpointings, CHECKPOINTINGS, stack)
+    if precision is not None:
+        _pinned("--precision", precision, tuple(p for p in PRECISIONS if p in stack.precisions), PRECISIONS, stack)
+    precisions = (_stack_precisions((precision,), stack) if precision
+                  else _stack_precisions(precision_candidates(device), stack, device))
+    optimizers = tuple(o for o in stack.searched_optimizers
+                       if o not in LOSSY_OPTIMIZERS or device.family == "cuda")
+    return {"sharding": shardings, "precision": precisions, "checkpointing": checkpointings,
+            "attention": tuple(a for a in ATTENTIONS if a in stack.attentions),  # litgpt, torchtune: sdpa only
+            "optimizer": optimizers}
 
 
 # ---- results -------------------------------------------------------------------------------
@@ -385,8 +443,10 @@ class _Evaluator:
         return self.memory(setup).peak_reserved
 
     def rank_key(self, s: TrainSetup) -> tuple:
-        """The objective's order: fastest first; on a tie, no checkpointing, then less memory."""
-        return (-_sig(self.rate(s)), s.checkpointing != "none", self.peak(s), s.attention != "sdpa",
+        """The objective's order: exact AdamW before 8-bit (which changes the training, so is taken only where
+        nothing exact fits), then fastest first; on a tie, no checkpointing, then less memory."""
+        return (s.optimizer in LOSSY_OPTIMIZERS, -_sig(self.rate(s)), s.checkpointing != "none", self.peak(s),
+                s.attention != "sdpa",
                 s.optimizer != "adamw-fused", s.precision, s.compile)
 
     def predicted(self, setup: TrainSetup) -> dict:
@@ -443,13 +503,14 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
              global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
              tokens: int | None = None, world_size: int = 1, lora_rank: int = 0,
              lora_targets: str = "qkv,proj,up,down", precision: str | None = None,
-             stack: Stack = MEMPLAN) -> AutotuneResult:
+             checkpointing: str | None = None, stack: Stack = MEMPLAN) -> AutotuneResult:
     """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
 
     ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
     ``precision``, if given, is the only precision tried (a finetune keeps its base run's); else
-    ``precision_candidates(device)``. ``stack``: whose code runs the step (``memplan.memory.stacks``): every
-    candidate's memory is walked with its hooks, over the checkpointing and sharding it has.
+    ``precision_candidates(device)``; ``checkpointing``, if given, likewise. ``stack``: whose code runs the step
+    (``memplan.memory.stacks``): the axes are the stack's own (``search_axes``), every candidate is one its
+    checks accept, its memory is walked with its hooks, and the advice when nothing fits is walked on it too.
 
     ``global_batch_tokens`` or ``global_batch`` (sequences, all processes) fixes micro_batch ·
     grad_accum · ctx · world_size; with neither, ``default_global_batch_tokens(spec)``. ``budget_bytes``
@@ -470,26 +531,36 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
         notes.append("torch.compile not considered: the profile has no [calibrated] compile_speedup")
     elif speedup <= 1:
         notes.append(f"torch.compile not considered: the profile's compile_speedup is {speedup:g} (no gain)")
-    precisions = (precision,) if precision else precision_candidates(device)
+    elif not stack.compiles:
+        compiles = (False,)
+        notes.append(f"torch.compile not considered: its memory is planned for memplan's own model only, not "
+                     f"{possessive(stack.name)} step")
     ev = _Evaluator(spec, device, speedup, tokens, stack)
-    shardings = tuple(s for s in SHARDINGS if s in stack.shardings) if world_size > 1 else ("none",)
-    checkpointings = tuple(c for c in CHECKPOINTINGS if c in stack.checkpointings)
-    if lora_rank:
-        checkpointings = tuple(c for c in checkpointings if c != "selective")  # stacks.check_lora_targets
-    attentions = tuple(a for a in ATTENTIONS if a in stack.attentions)  # litgpt, torchtune: sdpa only
-    precisions = _stack_precisions(precisions, stack)
+    axes = search_axes(stack, device, world_size, lora_rank, precision, checkpointing)
+    shardings, precisions = axes["sharding"], axes["precision"]
+    checkpointings, attentions, optimizers = axes["checkpointing"], axes["attention"], axes["optimizer"]
     sizes = divisors(per)
     accumulating = sizes[:-1]  # micro-batches that leave grad_accum ≥ 2
 
     configs: list[ConfigSearch] = []
     best_points: list[TrainSetup] = []  # the fastest fitting micro-batch of each configuration
     rejected_points: list[TrainSetup] = []  # the next micro-batch up, which does not fit
+    refused: InputError | None = None  # the first configuration the stack's checks refuse
     for sharding, precision, checkpointing, attention, optimizer, compiled in itertools.product(
-            shardings, precisions, checkpointings, attentions, OPTIMIZERS, compiles):
+            shardings, precisions, checkpointings, attentions, optimizers, compiles):
+        if sharding == "fsdp" and optimizer in LOSSY_OPTIMIZERS:
+            continue  # bitsandbytes' 8-bit states do not run under FSDP2 (TrainSetup refuses it)
         base = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=1, precision=precision,
                           attention=attention, checkpointing=checkpointing, optimizer=optimizer,
                           world_size=world_size, sharding=sharding, compile=compiled,
                           lora_rank=lora_rank, lora_targets=lora_targets)
+        try:  # only setups the stack's code runs (its LoRA targets, its families, ...)
+            stack.check_walked(base)
+            stack.check_lora_targets(spec, base)
+            stack.check_setup(spec, base)
+        except InputError as error:
+            refused = refused or error
+            continue
 
         def at(m: int, base=base) -> TrainSetup:
             return base.replace(micro_batch=m, grad_accum=per // m)
@@ -512,6 +583,8 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
         if not whole_fits:  # the first micro-batch that does not fit
             rejected_points.append(at(accumulating[hi]) if hi < len(accumulating) else at(per))
 
+    if not configs and refused is not None:  # the stack runs none of them: the first reason, in one line
+        raise refused
     best_points.sort(key=ev.rank_key)
     rejected_points.sort(key=lambda s: (-ev.tokens_per_second(s), ev.peak(s)))
     result_kw = dict(model=spec, device=device, ctx=ctx, world_size=world_size, budget_bytes=budget, margin=margin,
@@ -520,7 +593,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
                      default_global_batch=default, exact_global_batch=exact, tokens=tokens,
                      configs=tuple(configs), _evaluator=ev,
                      space={"micro_batch": sizes, "checkpointing": list(checkpointings), "attention": list(attentions),
-                            "precision": list(precisions), "optimizer": list(OPTIMIZERS),
+                            "precision": list(precisions), "optimizer": list(optimizers),
                             "compile": list(compiles), "sharding": list(shardings)})
 
     def plan_of(s: TrainSetup) -> Plan:
@@ -542,7 +615,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     else:
         best_tps = None
         advice = _advice(spec, device, ctx, per, world_size, budget, budget_bytes is not None, margin, limit,
-                         precisions, ev)
+                         precisions, ev, axes)
     for s in rejected_points:
         candidates.append(Candidate(plan=plan_of(s), predicted=ev.predicted(s), fits=False,
                                     why=_reject_why(s, ev, limit, budget, margin, best_tps)))
@@ -626,34 +699,43 @@ def _reject_why(s: TrainSetup, ev: _Evaluator, limit: int, budget: int, margin: 
 def _lightest(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, precisions,
               memory: Callable[[TrainSetup], MemoryBreakdown] | None = None,
               checkpointings=CHECKPOINTINGS, attentions=ATTENTIONS,
-              optimizers=OPTIMIZERS, shardings=None) -> tuple[TrainSetup, MemoryBreakdown]:
+              optimizers=OPTIMIZERS, shardings=None, stack: Stack = MEMPLAN) -> tuple[TrainSetup, MemoryBreakdown]:
     """The setup with the least predicted memory: micro-batch 1 (accumulating the rest), and of the
-    configurations the one whose walk is lowest (usually full checkpointing, SDPA, fused AdamW)."""
+    configurations the one whose walk is lowest (usually full checkpointing, SDPA, fused AdamW); walked on
+    ``stack`` where no ``memory`` is given."""
     best = None
     if shardings is None:
         shardings = SHARDINGS if world_size > 1 else ("none",)
     for sharding, precision, checkpointing, attention, optimizer in itertools.product(
             shardings, precisions, checkpointings, attentions, optimizers):
+        if sharding == "fsdp" and optimizer in LOSSY_OPTIMIZERS:
+            continue
         s = TrainSetup(ctx=ctx, micro_batch=1, grad_accum=per, precision=precision, attention=attention,
                        checkpointing=checkpointing, optimizer=optimizer, world_size=world_size, sharding=sharding)
-        mem = memory(s) if memory is not None else memory_on(spec, s, device)
+        mem = memory(s) if memory is not None else memory_on(spec, s, device, stack)
         if best is None or mem.peak_reserved < best[1].peak_reserved:
             best = (s, mem)
     return best
 
 
 def _advice(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, budget: int, budget_given: bool,
-            margin: float, limit: int, precisions, ev: _Evaluator) -> list[str]:
+            margin: float, limit: int, precisions, ev: _Evaluator, axes: dict | None = None) -> list[str]:
     """What would fit when nothing does: more devices (first, and said to be the only way when neither a
-    shorter context nor fewer layers fit), a shorter context, a smaller model, more memory."""
-    lightest, mem = _lightest(spec, device, ctx, per, world_size, precisions, ev.memory)
+    shorter context nor fewer layers fit), a shorter context, a smaller model, more memory. Every alternative is
+    walked on the search's stack (``ev.stack``) over the axes it searched (``axes``: ``search_axes``), so only
+    setups that stack's code takes are offered."""
+    stack = ev.stack
+    axes = axes or search_axes(stack, device, world_size, precision=precisions[0] if len(precisions) == 1 else None)
+    kinds = dict(checkpointings=axes["checkpointing"], attentions=axes["attention"], optimizers=axes["optimizer"])
+    lightest, mem = _lightest(spec, device, ctx, per, world_size, precisions, ev.memory, shardings=axes["sharding"],
+                              **kinds)
     light = (f"the lightest plan (micro-batch 1, checkpointing {lightest.checkpointing}, {lightest.attention}, "
              f"{lightest.precision}, {lightest.optimizer}) needs {format_bytes(mem.peak_reserved)}, "
              f"{format_bytes(mem.peak_reserved - limit)} over the limit of {format_bytes(limit)}")
     advice = [f"nothing fits: {light}"]
 
     def fits_with(s: TrainSetup, model: ModelSpec = spec) -> int:
-        return memory_on(model, s, device).peak_reserved
+        return memory_on(model, s, device, stack).peak_reserved
 
     # a shorter context (same global batch in sequences is meaningless across contexts: micro-batch 1)
     step = ADVICE_CTX_STEP if ctx > ADVICE_CTX_STEP else 1
@@ -696,25 +778,27 @@ def _advice(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int
     if budget_given and budget < device.usable_bytes:
         advice.append(f"more memory: a --budget of at least {format_bytes(need_budget)} "
                       f"({device.name} has {format_bytes(device.usable_bytes)} usable)")
-    advice.append(_bigger_devices(spec, device, ctx, per, world_size, margin, need_budget))
+    advice.append(_bigger_devices(spec, device, ctx, per, world_size, margin, need_budget, stack, axes))
 
     # more devices: FSDP over k devices like this one, planned rank by rank (memplan.memory's FSDP walk)
     advice.insert(1, _more_devices(spec, device, ctx, per * world_size, world_size, precisions, limit,
                                    only=not any(a.startswith(("a shorter context:", "a smaller model: the same"))
-                                                for a in advice)))
+                                                for a in advice), stack=stack, kinds=kinds))
     return advice
 
 
 def fsdp_devices_needed(spec: ModelSpec, device: Device, ctx: int, global_sequences: int, precisions,
-                        limit: int, start: int = 2) -> tuple[int | None, TrainSetup, MemoryBreakdown]:
+                        limit: int, start: int = 2, stack: Stack = MEMPLAN,
+                        kinds: dict | None = None) -> tuple[int | None, TrainSetup, MemoryBreakdown]:
     """The fewest devices like ``device`` (from ``start`` up to FSDP_MAX_DEVICES) over which FSDP's
     lightest plan (micro-batch 1, the lightest checkpointing, attention, precision and optimizer)
     fits ``limit`` per device: (k or None, that plan, its memory). Per-device memory falls as k
     grows (the sharded state shrinks; the gathered layers and the activations stay), so k is
-    found by bisection."""
+    found by bisection. ``stack``: whose step is walked; ``kinds``: its checkpointings, attentions and
+    optimizers (``_lightest``'s keywords; memplan's own by default)."""
     def lightest(k: int) -> tuple[TrainSetup, MemoryBreakdown]:
         per = max(1, round(global_sequences / k))
-        return _lightest(spec, device, ctx, per, k, precisions, shardings=("fsdp",))
+        return _lightest(spec, device, ctx, per, k, precisions, shardings=("fsdp",), stack=stack, **(kinds or {}))
 
     top = lightest(FSDP_MAX_DEVICES)
     if top[1].peak_reserved > limit:
@@ -732,10 +816,15 @@ def fsdp_devices_needed(spec: ModelSpec, device: Device, ctx: int, global_sequen
 
 
 def _more_devices(spec: ModelSpec, device: Device, ctx: int, global_sequences: int, world_size: int, precisions,
-                  limit: int, only: bool) -> str:
-    """The advice on more devices: how many, with FSDP, make the lightest plan fit per device."""
+                  limit: int, only: bool, stack: Stack = MEMPLAN, kinds: dict | None = None) -> str:
+    """The advice on more devices: how many, with FSDP, make the lightest plan fit per device; where the walk of
+    ``stack`` has no FSDP, that more devices do not lower the memory per device."""
+    if "fsdp" not in stack.shardings:
+        return (f"more devices do not help with --stack {stack.name}: the walk of {possessive(stack.name)} step "
+                f"covers sharding {', '.join(stack.shardings)}, and no FSDP to shard the weights, gradients and "
+                "optimizer state (DDP keeps them whole on every device)")
     k, setup, mem = fsdp_devices_needed(spec, device, ctx, global_sequences, precisions, limit,
-                                        start=max(2, world_size + 1))
+                                        start=max(2, world_size + 1), stack=stack, kinds=kinds)
     if k is None:
         return (f"more devices do not help at this context: FSDP over {FSDP_MAX_DEVICES} devices like this one "
                 f"still needs {format_bytes(mem.peak_reserved)} per device (activations and the gathered layers "
@@ -748,16 +837,23 @@ def _more_devices(spec: ModelSpec, device: Device, ctx: int, global_sequences: i
 
 
 def _bigger_devices(spec: ModelSpec, device: Device, ctx: int, per: int, world_size: int, margin: float,
-                    need_budget: int) -> str:
-    """The bundled profiles on which the lightest plan of the space fits, smallest first."""
+                    need_budget: int, stack: Stack = MEMPLAN, axes: dict | None = None) -> str:
+    """The bundled profiles on which the lightest plan of the space fits, smallest first, walked on ``stack``
+    over its ``axes`` (``search_axes``: its most recomputing checkpointing, its first attention and optimizer)."""
     from memplan.hardware import all_profiles
 
+    axes = axes or search_axes(stack, device, world_size)
     fitting = []
     for other in all_profiles():
         if other.family == "cpu" or other.name == device.name:
             continue
-        lightest, mem = _lightest(spec, other, ctx, per, world_size, precision_candidates(other),
-                                  checkpointings=("full",), attentions=("sdpa",), optimizers=("adamw-fused",))
+        try:
+            precisions = _stack_precisions(precision_candidates(other), stack, other)
+        except InputError:  # the stack trains in no precision this device runs
+            continue
+        lightest, mem = _lightest(spec, other, ctx, per, world_size, precisions,
+                                  checkpointings=axes["checkpointing"][-1:], attentions=axes["attention"][:1],
+                                  optimizers=axes["optimizer"][:1], shardings=axes["sharding"], stack=stack)
         if mem.peak_reserved <= other.usable_bytes * (1 - margin):
             fitting.append(other)
     fitting.sort(key=lambda d: d.usable_bytes)

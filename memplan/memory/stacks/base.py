@@ -62,6 +62,10 @@ class Stack:
     sums_input_gradient_in_place: ClassVar[bool] = True
     # the trainer's compile is planned for memplan's own model only (memory.compiled.compiled_modelled)
     compiles: ClassVar[bool] = True
+    # the optimizers ``memplan autotune`` tries for the stack, fused first (it wins the tie with foreach: same time,
+    # less memory): memplan's own keeps exact AdamW; a stack whose config names bitsandbytes' 8-bit AdamW adds
+    # ``adamw8bit`` (tried on CUDA devices, and chosen only where no exact AdamW plan fits)
+    searched_optimizers: ClassVar[tuple[str, ...]] = ("adamw-fused", "adamw")
     # a plan for this stack trains transformers' model class (trainer.hf_model), not memplan's own
     trains_hf_model: ClassVar[bool] = False
     # memplan's SDPA repeats K and V where the kernel takes no grouped heads (memory.sdpa_gqa_repeats); the

@@ -163,6 +163,8 @@ class TorchtuneStack(Stack):
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False
     compiles: ClassVar[bool] = False
+    # its single-device full-finetune configs take bitsandbytes' 8-bit AdamW (optimizer._component_: PagedAdamW8bit)
+    searched_optimizers: ClassVar[tuple[str, ...]] = ("adamw-fused", "adamw", "adamw8bit")
     step_words: ClassVar[str] = ", torchtune's step"
 
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:

@@ -632,6 +632,7 @@ class TransformersStack(Stack):
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False  # peft's adapters keep the out-of-place sum
     compiles: ClassVar[bool] = False
+    searched_optimizers: ClassVar[tuple[str, ...]] = ("adamw-fused", "adamw", "adamw8bit")  # optim="adamw_bnb_8bit"
     trains_hf_model: ClassVar[bool] = True  # a plan of this stack trains transformers' model class
     step_words: ClassVar[str] = ", transformers' step"
     dropout_words: ClassVar[str] = "peft dropout"
