@@ -4,14 +4,21 @@ A suggestion must change something: a lever already at its lightest setting (che
 when it is already full, bf16 when the setup is already pure bf16) is not offered. Each lever is
 pulled alone, the rest of the setup held, at micro-batch 1 (the lightest); its predicted peak says
 what it gives, and whether that fits. ``memplan autotune`` combines them.
+
+Each lever is walked on the stack whose step is estimated (``memplan estimate --stack``: the same stack object's
+hooks), and only a change that stack's code takes is offered: its checkpointings, precisions, optimizers and
+shardings (the stack's attributes), and a setup its checks accept (``Stack.check_walked``, ``check_lora_targets``,
+``check_setup``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan.errors import InputError
 from memplan.estimate import max_micro_batch, memory_on
 from memplan.hardware import Device
+from memplan.memory.stacks import MEMPLAN, Stack
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 
@@ -59,19 +66,36 @@ def _smallest(fits, lo: int, hi: int) -> int | None:
     return lo
 
 
-def levers(spec: ModelSpec, setup: TrainSetup, device: Device) -> list[Lever]:
+def _takes(stack: Stack, spec: ModelSpec, setup: TrainSetup) -> bool:
+    """Whether ``stack``'s code runs ``setup`` for ``spec``: what it has (its attributes) and its checks."""
+    if (setup.checkpointing not in stack.checkpointings or setup.precision not in stack.precisions
+            or setup.optimizer not in stack.optimizers or setup.sharding not in stack.shardings):
+        return False
+    try:
+        stack.check_walked(setup)
+        stack.check_lora_targets(spec, setup)
+        stack.check_setup(spec, setup)
+    except InputError:
+        return False
+    return True
+
+
+def levers(spec: ModelSpec, setup: TrainSetup, device: Device, stack: Stack = MEMPLAN) -> list[Lever]:
     """Every lever not already pulled, each alone at micro-batch 1, lightest first: checkpointing,
     lower precision, an 8-bit optimizer, a shorter context, FSDP over (more) devices, fewer layers,
-    LoRA. A lever that does not lower the peak is left out."""
+    LoRA. A lever that does not lower the peak is left out, and so is one ``stack``'s code does not take;
+    each is walked on ``stack``."""
     usable = device.usable_bytes
     base = setup.replace(micro_batch=1)
-    base_peak = memory_on(spec, base, device).peak_reserved
+    base_peak = memory_on(spec, base, device, stack).peak_reserved
     out: list[Lever] = []
 
     def add(change: str, what: str, s: TrainSetup, model: ModelSpec = spec) -> None:
-        peak = memory_on(model, s, device).peak_reserved
+        if not _takes(stack, model, s):
+            return
+        peak = memory_on(model, s, device, stack).peak_reserved
         if peak < base_peak:
-            out.append(Lever(change, what, peak, peak <= usable, max_micro_batch(model, s, device)))
+            out.append(Lever(change, what, peak, peak <= usable, max_micro_batch(model, s, device, stack=stack)))
 
     order = ("none", "selective", "full")
     for level in order[order.index(setup.checkpointing) + 1:]:
@@ -85,21 +109,21 @@ def levers(spec: ModelSpec, setup: TrainSetup, device: Device) -> list[Lever]:
         add("--optimizer adamw8bit", "8-bit AdamW states (bitsandbytes)", base.replace(optimizer="adamw8bit"))
     if setup.ctx > 1:
         step = CTX_STEP if setup.ctx > CTX_STEP else 1
-        n = _largest(lambda k: memory_on(spec, base.replace(ctx=k * step), device).peak_reserved <= usable,
+        n = _largest(lambda k: memory_on(spec, base.replace(ctx=k * step), device, stack).peak_reserved <= usable,
                      1, (setup.ctx - 1) // step)
         if n >= 1:
             add(f"--ctx {n * step}", "the longest shorter context that fits", base.replace(ctx=n * step))
     fsdp = base if base.optimizer != "adamw8bit" else base.replace(optimizer="adamw-fused")
     first = setup.world_size + 1 if setup.sharding == "fsdp" else max(2, setup.world_size)
-    if first <= MAX_DEVICES:
+    if first <= MAX_DEVICES and "fsdp" in stack.shardings:
         k = _smallest(lambda w: memory_on(spec, fsdp.replace(world_size=w, sharding="fsdp"),
-                                          device).peak_reserved <= usable, first, MAX_DEVICES)
+                                          device, stack).peak_reserved <= usable, first, MAX_DEVICES)
         w = k if k is not None else MAX_DEVICES
         add(f"--world-size {w} --sharding fsdp", f"shard weights, gradients and states over {w} devices"
             + ("" if k is not None else " (the most considered; fewer do not fit either)"),
             fsdp.replace(world_size=w, sharding="fsdp"))
     if spec.layers > 1:
-        n = _largest(lambda k: memory_on(spec.replace(layers=k), base, device).peak_reserved <= usable,
+        n = _largest(lambda k: memory_on(spec.replace(layers=k), base, device, stack).peak_reserved <= usable,
                      1, spec.layers - 1)
         layers = max(n, 1)
         small = spec.replace(layers=layers)

@@ -56,6 +56,13 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Replace files --emit wo
 WorldSizeOpt = Annotated[str, typer.Option(
     "--world-size", metavar="N", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
                          "both tried.", rich_help_panel=_A)]
+AutoCheckpointingOpt = Annotated[Optional[str], typer.Option(
+    "--checkpointing", metavar="CHECKPOINTING", help="Search this checkpointing only (none | selective | full, as the "
+    "--stack's code offers it); default: every one the stack has.", rich_help_panel=_A, show_default=False)]
+AutoPrecisionOpt = Annotated[Optional[str], typer.Option(
+    "--precision", metavar="PRECISION", help="Search this precision only (fp32 | tf32 | bf16-mixed | fp16-mixed | "
+    "bf16, as the --stack's code trains it); default: the device's fast and full precisions.", rich_help_panel=_A,
+    show_default=False)]
 TopOpt = Annotated[int, typer.Option("--top", metavar="N", help="Rows of each table (fitting candidates, rejected ones); 1 or more.",
                                      rich_help_panel=_A, callback=at_least(1))]
 
@@ -65,6 +72,7 @@ def _parse_margin(text: str) -> float:
 
 
 _OPT_SHORT = {"adamw-fused": "fused", "adamw": "foreach"}
+_OPT_WORDS = {**_OPT_SHORT, "adamw8bit": "8-bit"}  # the Searched line's names
 
 
 def _merged(candidates):
@@ -122,7 +130,7 @@ def print_result(result, top: int, rates_note: str | None = None) -> None:
     space = result.space
     console.print(f"[dim]Searched micro-batches {_short(space['micro_batch'])} × checkpointing "
                   f"{'/'.join(space['checkpointing'])} × attention {'/'.join(space['attention'])} × precision "
-                  f"{'/'.join(space['precision'])} × AdamW fused/foreach × compile "
+                  f"{'/'.join(space['precision'])} × AdamW {'/'.join(_OPT_WORDS.get(o, o) for o in space['optimizer'])} × compile "
                   f"{'/'.join('yes' if c else 'no' for c in space['compile'])}: {result.evaluated} memory walks in "
                   f"{format_seconds(result.search_seconds)}[/]")
 
@@ -237,7 +245,7 @@ def autotune_command(
     budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
     verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
     json: JsonOpt = False, threads: ThreadsOpt = None, stack: PlanStackOpt = "memplan", emit: EmitOpt = None,
-    force: ForceOpt = False,
+    force: ForceOpt = False, checkpointing: AutoCheckpointingOpt = None, precision: AutoPrecisionOpt = None,
 ) -> None:
     """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
     plan that fits the memory budget at the global batch asked; --verify runs it for real."""
@@ -264,7 +272,8 @@ def autotune_command(
         global_batch=parse_count(global_batch, "--global-batch") if global_batch else None,
         budget_bytes=parse_size(budget, "--budget") if budget else None, margin=_parse_margin(margin),
         tokens=parse_count(tokens, "--tokens") if tokens else None,
-        world_size=parse_count(world_size, "--world-size"), stack=walk.stack)
+        world_size=parse_count(world_size, "--world-size"), stack=walk.stack, checkpointing=checkpointing,
+        precision=precision)
     if not json:
         print_result(result, top, rates_note)
         _print_units(result, global_batch_tokens, tokens)

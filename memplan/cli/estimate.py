@@ -163,7 +163,7 @@ def print_levers(console, est) -> None:
 
     one = est.memory.peak_reserved if est.setup.micro_batch == 1 else None
     head = "[red]No micro-batch fits[/]" + (f": even micro-batch 1 needs {format_bytes(one)}" if one else "")
-    found = levers(est.model, est.setup, est.device)
+    found = levers(est.model, est.setup, est.device, est.stack)
     if not found:
         console.print(head + "; no lever of the setup lowers it: a smaller model or a device with more memory.")
         return
@@ -337,7 +337,7 @@ def estimate_command(
     if json:
         from memplan.advice import levers
 
-        advice = [lever.to_json() for lever in levers(spec, setup, dev)] if not est.max_micro_batch else []
+        advice = [lever.to_json() for lever in levers(spec, setup, dev, walk)] if not est.max_micro_batch else []
         data = {**est.to_json(), "advice": advice}
         if setup.compile:  # the compiled step's figures, or why memory is the eager step's
             from memplan.memory.compiled import compile_memory_json

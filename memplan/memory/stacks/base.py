@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from memplan.errors import InputError
-from memplan.setup import CHECKPOINTINGS, LORA_TARGET_NAMES, PRECISIONS, SHARDINGS
+from memplan.setup import CHECKPOINTINGS, LORA_TARGET_NAMES, OPTIMIZERS, PRECISIONS, SHARDINGS
 from memplan.units import possessive
 
 LOSS_DTYPES = ("fp32", "logits")
@@ -62,6 +62,8 @@ class Stack:
     sums_input_gradient_in_place: ClassVar[bool] = True
     # the trainer's compile is planned for memplan's own model only (memory.compiled.compiled_modelled)
     compiles: ClassVar[bool] = True
+    # the optimizers the stack's code takes (``--optimizer``: what estimate's levers may offer)
+    optimizers: ClassVar[tuple[str, ...]] = OPTIMIZERS
     # the optimizers ``memplan autotune`` tries for the stack, fused first (it wins the tie with foreach: same time,
     # less memory): memplan's own keeps exact AdamW; a stack whose config names bitsandbytes' 8-bit AdamW adds
     # ``adamw8bit`` (tried on CUDA devices, and chosen only where no exact AdamW plan fits)

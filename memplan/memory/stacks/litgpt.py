@@ -344,6 +344,8 @@ class LitgptStack(Stack):
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False
     compiles: ClassVar[bool] = False
+    # its scripts' optimizer: torch's AdamW, foreach or fused (no bitsandbytes states; memplan.emit writes these)
+    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-fused")
     step_words: ClassVar[str] = ", litgpt's step"
 
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:
