@@ -125,18 +125,18 @@ CLIP_PASSES = 3  # the foreach norm reads every gradient; the scale reads and wr
 FUSIBLE_KINDS = ("elementwise", "transcendental", "module")  # what torch.compile fuses (with the loss and dispatch)
 COMPILE_FUSION_BOUNDS = (0.5, 20.0)  # the fusible speedup a calibration can give, at most this slower / faster
 # torch.compile's one-off where calibration did not measure it (``[calibrated] compile_cost``): F + ops · c
-# (``compile_seconds``; the graph is compiled once, ``trainer_recompiles``). Fitted when the trainer still compiled a
-# rotary model's graph twice (F + 2 · ops · c; the figures below); without that recompile the same F and c predict
-# the first compile alone (the figures in brackets), within 9%. A least-squares fit
-# over benchmarks/compile_time.py's three one-offs of memplan's Llama step (fp32, SDPA, ctx 256, micro-batch 4, vocab
+# (``compile_seconds``; the graph is compiled once, ``trainer_recompiles``). A least-squares fit over
+# benchmarks/compile_time.py's three one-offs of memplan's Llama step (fp32, SDPA, ctx 256, micro-batch 4, vocab
 # 4096; each in a fresh process with an empty inductor cache; CPU seconds of the process and its C++ builds, with
 # inductor's compile_threads = 1) on this repo's build machine (AMD EPYC Zen 3 KVM guest, torch 2.13.0+cpu, g++ 12):
-# 2 blocks, 412 ops: 39.2 s; 6 blocks, 1,128 ops: 59.3 s; 10 blocks, 1,844 ops: 74.0 s; each within 3% of
-# 30 s + 2 × 12 ms per op. (The first compile alone: 32.1, 44.2, 52.5 s.) The fixed part is mostly the process's
-# first compile (inductor's imports) and the C++ builds of the graph's distinct kernels; a GPU builds Triton
-# kernels instead and its host does the same per-op work: there these figures are an estimate, unmeasured.
-DEFAULT_COMPILE_FIXED_SECONDS = 30.0
-DEFAULT_COMPILE_SECONDS_PER_OP = 0.012
+# 2 blocks, 412 ops: 37.0 s; 6 blocks, 1,128 ops: 49.7 s; 10 blocks, 1,844 ops: 59.4 s; each within 2% of
+# 31 s + 16 ms per op (the same run's calibration: 31.1 s + 16.15 ms). Before the trainer stopped recompiling a
+# rotary model's graph at its second step, the one-offs were 38.3, 57.1 and 72.4 s, fitted as 30 s + 2 × 12 ms per
+# op. The fixed part is mostly the process's first compile (inductor's imports) and the C++ builds of the graph's
+# distinct kernels; a GPU builds Triton kernels instead and its host does the same per-op work: there these figures
+# are an estimate, unmeasured.
+DEFAULT_COMPILE_FIXED_SECONDS = 31.0
+DEFAULT_COMPILE_SECONDS_PER_OP = 0.016
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
