@@ -4,7 +4,7 @@ prediction (``compile_seconds``: a fixed part plus seconds per op of the compile
 Each size is compiled in a fresh process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``): the
 compile a run's first step pays. The one-off is measured as the trainer's figures take it (benchmarks/
 train_throughput.py's ``compile_seconds_measured``): the first compiled step less a steady one, by
-``trainer.calibrate.compile_one_off`` (the second step too: it recompiles a rotary model), in wall seconds and in CPU seconds (the process and its C++ builds, with
+``trainer.calibrate.compile_one_off`` (the second step too: a recompile there would be the run's), in wall seconds and in CPU seconds (the process and its C++ builds, with
 inductor's ``compile_threads = 1``). CPU seconds are what the bar judges: on a shared machine other processes
 stretch the wall time by however much of the cores they take, not the compile's work. The prediction uses a
 calibration taken in the same run (``trainer.calibrate.measure_compile_cost``, its own fresh process and cache)
@@ -130,7 +130,7 @@ def main() -> int:
         print(f"{size:>5} {spec.layers:>6} {ops:>5} {m['cpu_seconds']:>14.1f} {m['first_cpu_seconds']:>7.1f} "
               f"{m['wall_seconds']:>7.1f} {predicted:>11.1f} {row['ratio']:>6.2f} {default:>9.1f} "
               f"{row['default_ratio']:>6.2f} {m['recompiles']:>4} ({row['predicted_recompiles']})")
-    print("measured: the first two steps less two steady ones (the second recompiles a rotary model); (first): the "
+    print("measured: the first two steps less two steady ones (a recompile would be in the second); (first): the "
           "first step's part; recompiles: measured (predicted)")
     if args.json:
         Path(args.json).write_text(json.dumps({"compile_cost": measured_cost["compile_cost"], "rows": rows,

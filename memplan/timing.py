@@ -124,17 +124,19 @@ SGD_FOREACH_PASSES = 8  # weight decay add 3, momentum mul+add 3 (buf = buf·m +
 CLIP_PASSES = 3  # the foreach norm reads every gradient; the scale reads and writes it
 FUSIBLE_KINDS = ("elementwise", "transcendental", "module")  # what torch.compile fuses (with the loss and dispatch)
 COMPILE_FUSION_BOUNDS = (0.5, 20.0)  # the fusible speedup a calibration can give, at most this slower / faster
-# torch.compile's one-off where calibration did not measure it (``[calibrated] compile_cost``): F + 2 · ops · c
-# for a rotary model (``compile_seconds``; its graph is compiled twice, ``trainer_recompiles``). A least-squares fit
-# over benchmarks/compile_time.py's three one-offs of memplan's Llama step (fp32, SDPA, ctx 256, micro-batch 4, vocab
+# torch.compile's one-off where calibration did not measure it (``[calibrated] compile_cost``): F + ops · c
+# (``compile_seconds``; the graph is compiled once, ``trainer_recompiles``). A least-squares fit over
+# benchmarks/compile_time.py's three one-offs of memplan's Llama step (fp32, SDPA, ctx 256, micro-batch 4, vocab
 # 4096; each in a fresh process with an empty inductor cache; CPU seconds of the process and its C++ builds, with
 # inductor's compile_threads = 1) on this repo's build machine (AMD EPYC Zen 3 KVM guest, torch 2.13.0+cpu, g++ 12):
-# 2 blocks, 412 ops: 39.2 s; 6 blocks, 1,128 ops: 59.3 s; 10 blocks, 1,844 ops: 74.0 s; each within 3% of
-# 30 s + 2 × 12 ms per op. (The first compile alone: 32.1, 44.2, 52.5 s.) The fixed part is mostly the process's
-# first compile (inductor's imports) and the C++ builds of the graph's distinct kernels; a GPU builds Triton
-# kernels instead and its host does the same per-op work: there these figures are an estimate, unmeasured.
-DEFAULT_COMPILE_FIXED_SECONDS = 30.0
-DEFAULT_COMPILE_SECONDS_PER_OP = 0.012
+# 2 blocks, 412 ops: 37.0 s; 6 blocks, 1,128 ops: 49.7 s; 10 blocks, 1,844 ops: 59.4 s; each within 2% of
+# 31 s + 16 ms per op (the same run's calibration: 31.1 s + 16.15 ms). Before the trainer stopped recompiling a
+# rotary model's graph at its second step, the one-offs were 38.3, 57.1 and 72.4 s, fitted as 30 s + 2 × 12 ms per
+# op. The fixed part is mostly the process's first compile (inductor's imports) and the C++ builds of the graph's
+# distinct kernels; a GPU builds Triton kernels instead and its host does the same per-op work: there these figures
+# are an estimate, unmeasured.
+DEFAULT_COMPILE_FIXED_SECONDS = 31.0
+DEFAULT_COMPILE_SECONDS_PER_OP = 0.016
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -1038,13 +1040,16 @@ def compile_graph_seconds(ops: int, per_op: float, recompiles: int = 0) -> float
 
 
 def trainer_recompiles(spec: ModelSpec, setup: TrainSetup) -> int:
-    """Recompiles the trainer triggers after its first step: 1 for a rotary model, else 0. trainer/model.py makes
-    its rotary tables on the first forward (``Transformer.rope`` registers ``rope_cos``), so the second step fails
-    dynamo's guard ``not hasattr(self, 'rope_cos')`` and the whole graph is compiled again (``TORCH_LOGS=recompiles``
-    shows it). Nothing else recompiles: every micro-batch has one shape (the loader yields full (micro_batch, ctx)
-    windows), gradient accumulation reruns the same graph, and evaluation runs the uncompiled model
-    (trainer/loop.py's ``Evaluation`` gets ``self.model``, not the compiled ``step_model``)."""
-    return 1 if spec.pos == "rope" else 0
+    """Recompiles the trainer triggers after its first step: 0, for every model memplan's trainer builds. Its graph
+    has one set of guards that later steps pass: every micro-batch has one shape (the loader yields full
+    (micro_batch, ctx) windows), gradient accumulation reruns the same graph, evaluation runs the uncompiled model
+    (trainer/loop.py's ``Evaluation`` gets ``self.model``, not the compiled ``step_model``), and a rotary model's
+    cos and sin tables are computed in the compiled graph (``Transformer.rope``), not registered on the module by
+    the first forward, which failed dynamo's guard ``not hasattr(self, 'rope_cos')`` at the second step and
+    compiled the whole graph again (``TORCH_LOGS=recompiles`` showed it; tests/runs/test_compile_recompiles.py
+    checks there is none now). ``compile_seconds`` takes a count that is not zero (a path that does recompile:
+    a new input shape or grad mode) as ``recompiles``."""
+    return 0
 
 
 def compile_seconds(spec: ModelSpec, device: Device, setup: TrainSetup | None = None,

@@ -802,9 +802,9 @@ def compile_cpu_seconds() -> float:
 
 def compile_one_off(spec, setup, device: torch.device, steps: int = 3) -> dict:
     """torch.compile's one-off for the trainer's model and step (``build_model``, ``torch.compile`` of the whole
-    model as trainer/loop.py does, ``train_step``), as a run pays it: the first two compiled steps (the second
-    recompiles a rotary model: ``memplan.timing.trainer_recompiles``) less two steady ones (the median of ``steps``
-    after them). Returns ``wall_seconds`` (perf_counter), ``cpu_seconds`` (``compile_cpu_seconds``, with inductor's
+    model as trainer/loop.py does, ``train_step``), as a run pays it: the first two compiled steps (a recompile at
+    the second would be part of it; ``memplan.timing.trainer_recompiles`` models none, and without one the second
+    adds a steady step's time, which the subtraction takes back) less two steady ones (the median of ``steps`` after them). Returns ``wall_seconds`` (perf_counter), ``cpu_seconds`` (``compile_cpu_seconds``, with inductor's
     builds in this process's children: ``compile_threads = 1`` while it runs), ``first_cpu_seconds`` (the first
     step's part alone), ``graphs`` (dynamo's distinct graphs after the first step) and ``recompiles`` (graphs
     compiled by the second step; ``late_recompiles``: by the steady steps after it)."""

@@ -358,10 +358,18 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def rope(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos and sin tables for T positions, kept as non-persistent buffers (grown on demand)."""
+        """cos and sin tables for T positions, kept as non-persistent buffers (grown on demand) by an eager forward.
+
+        Under torch.compile they are computed in the graph and not kept, whatever buffers an eager forward left:
+        registering one inside a compiled forward changes the module, so dynamo's guard on it (``not hasattr(self,
+        'rope_cos')``) fails at the next call and the whole graph is compiled again. The graph computes them with
+        the same ops as the eager path (and as the first compiled step did when it registered them), once per
+        forward: (T, rotary_dim/2) cos and sin, negligible beside a block."""
         if self.spec.pos != "rope":
             return None
         spec = self.spec
+        if torch.compiler.is_compiling():
+            return rotary_tables(spec.rotary_dim, T, spec.rope_theta, device, spec.rope_scaling, spec.max_positions)
         # a dynamic scaling's tables depend on the sequence's length once it is beyond max_positions
         length = T if spec.rope_type == "dynamic" and T > spec.max_positions else None
         cos = getattr(self, "rope_cos", None)
