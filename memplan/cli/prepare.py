@@ -196,4 +196,5 @@ def _print_summary(result, config, seconds: float) -> None:
             out.print(f"[yellow]note:[/] source {s.name!r} has {plural(s.documents, 'document')}: nothing held out for it")
         if s.skipped_files:
             out.print(f"[yellow]warning:[/] source {s.name!r}: skipped {len(s.skipped_files)} file(s) that are not "
-                      f"text: " + "; ".join(f"{p} ({why})" for p, why in s.skipped_files))
+                      f"text: " + "; ".join(f"{p} ({why})" for p, why in s.skipped_files),
+                      soft_wrap=True)  # whole lines: a path folded at the terminal's width cannot be copied
