@@ -47,6 +47,7 @@ def autotune_emit(tmp_path, stack: str, *extra: str):
 # ---- transformers ----------------------------------------------------------------------------------------
 
 def test_transformers_emit_loads_in_training_arguments_and_the_plan_records_the_stack(tmp_path):
+    pytest.importorskip("transformers")  # in the test extra; not in litgpt's or torchtune's environment
     from transformers import TrainingArguments
 
     result, out, emitted = autotune_emit(tmp_path, "transformers")
@@ -70,6 +71,8 @@ def test_transformers_emit_loads_in_training_arguments_and_the_plan_records_the_
 def test_transformers_lora_config_and_train_py_train_a_tiny_model(tmp_path):
     """The emitted LoraConfig adapts the modules memplan planned, and train.py builds the model, the
     arguments and the Trainer from the files and takes an optimizer step."""
+    pytest.importorskip("transformers")  # in the test extra; not in litgpt's or torchtune's environment
+    pytest.importorskip("peft")
     import torch
     import transformers
     from peft import LoraConfig
