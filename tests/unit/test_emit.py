@@ -154,6 +154,7 @@ def test_litgpt_lora_yaml_is_finetune_loras():
     assert "max_norm" not in cfg["train"] and cfg["checkpoint_dir"] == "checkpoints/tiny"
 
 
+@pytest.mark.libs
 def test_litgpt_yaml_loads_in_litgpts_config_classes():
     pytest.importorskip("litgpt", reason="litgpt is not installed (pip install 'memplan[litgpt]')")
     from litgpt import Config
@@ -192,6 +193,7 @@ def test_torchtune_lora_and_distributed_recipes():
     assert (model["lora_rank"], model["lora_alpha"]) == (4, 8.0)
 
 
+@pytest.mark.libs
 def test_torchtune_yaml_loads_in_torchtunes_config():
     pytest.importorskip("torchtune", reason="torchtune is not installed (pip install 'memplan[torchtune]')")
     from omegaconf import OmegaConf

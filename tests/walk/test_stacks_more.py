@@ -26,7 +26,7 @@ from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 from runs_helper import one_line_error
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.libs]  # litgpt's and torchtune's
 
 LLAMA = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=320, tied=False)
 TIED = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=320, tied=True)
