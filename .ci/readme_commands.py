@@ -6,6 +6,8 @@ tests. CI runs what this prints, so the README and CI cannot drift apart.
 
     python3 .ci/readme_commands.py 1    # the quick-start command
     python3 .ci/readme_commands.py 2    # the test command
+    python3 .ci/readme_commands.py litgpt      # the Tests section's command for litgpt's environment
+    python3 .ci/readme_commands.py torchtune   # and torchtune's
 """
 
 import re
@@ -25,9 +27,24 @@ def setup_commands(readme: str) -> list[str]:
     return commands
 
 
+LIBRARIES = ("litgpt", "torchtune")
+
+
+def library_command(readme: str, library: str) -> str:
+    """The "## Tests" section's one-line command that builds LIBRARY's environment and runs its tests."""
+    match = re.search(r"^## Tests\n(.*?)(?=^## |\Z)", readme, re.S | re.M)
+    if not match:
+        raise SystemExit("README.md has no '## Tests' section")
+    lines = [line.strip() for block in re.findall(r"^```\n(.*?)^```", match.group(1), re.S | re.M)
+             for line in block.splitlines() if line.startswith(f"python3 -m venv .venv-{library} ")]
+    if len(lines) != 1:
+        raise SystemExit(f"README.md's Tests section must hold one command for .venv-{library}, found {lines!r}")
+    return lines[0]
+
+
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else ""
-    if which not in ("1", "2"):
-        raise SystemExit("usage: readme_commands.py 1|2")
+    if which not in ("1", "2", *LIBRARIES):
+        raise SystemExit("usage: readme_commands.py 1|2|" + "|".join(LIBRARIES))
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    print(setup_commands(readme)[int(which) - 1])
+    print(library_command(readme, which) if which in LIBRARIES else setup_commands(readme)[int(which) - 1])

@@ -141,6 +141,7 @@ def test_transformers_q_k_v_alone_and_head_meet_the_bars_with_dropout_and_checkp
     assert max(abs(e) for e in errors.values()) < 0.01, errors
 
 
+@pytest.mark.libs
 def test_litgpt_q_k_v_alone_and_head_meet_the_bars_over_grouped_and_full_heads():
     llama = lora_targets.LLAMA
     errors = lora_targets._grid("litgpt", ("q,v", "q", "k", "head", "q,v,head", "v,proj,up,down,head"),
@@ -149,6 +150,7 @@ def test_litgpt_q_k_v_alone_and_head_meet_the_bars_over_grouped_and_full_heads()
     assert max(abs(e) for e in errors.values()) < 0.01, errors
 
 
+@pytest.mark.libs
 def test_torchtune_q_k_v_alone_and_head_meet_the_bars_with_checkpointing():
     llama = lora_targets.LLAMA
     errors = lora_targets._grid("torchtune", ("q,v", "q", "q,v,head", "k,proj,up,down,head"), ("fp32", "bf16"),
@@ -178,6 +180,7 @@ def test_qwen3_meets_the_bars_over_the_matrix():
 
 # ---- tests/walk/test_walk_libs.py ---------------------------------------------------------------
 
+@pytest.mark.libs
 @pytest.mark.parametrize("lib", ["litgpt", "torchtune"])
 def test_the_libraries_walks_meet_the_bars_over_the_matrix(lib):
     """Precisions × checkpointing × LoRA (none, rank 4 with dropout 0 and 0.05) × tied/untied × kv 2/4."""

@@ -32,3 +32,22 @@ def test_ci_runs_the_readme_commands():
 def test_a_readme_without_two_one_line_commands_is_refused(readme):
     with pytest.raises(SystemExit):
         _commands_module().setup_commands(readme)
+
+
+@pytest.mark.parametrize("library", ["litgpt", "torchtune"])
+def test_ci_builds_each_librarys_environment_from_its_extra_by_the_readmes_command(library):
+    command = _commands_module().library_command((ROOT / "README.md").read_text(), library)
+    assert f"-e '.[{library}]'" in command and f".venv-{library}/bin/python -m pytest" in command
+    assert '-m "libs and not slow"' in command  # the library's tests, marked in one way (pyproject's markers)
+    assert "transformers" not in command and "[test]" not in command  # an environment of its own
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "readme_commands.py\" \"$lib\"" in ci and "for lib in litgpt torchtune" in ci
+    assert command not in ci
+
+
+def test_a_readme_without_one_command_for_a_library_is_refused():
+    readme = "# x\n## Tests\n```\npython3 -m venv .venv-litgpt && a\npython3 -m venv .venv-litgpt && b\n```\n"
+    with pytest.raises(SystemExit):
+        _commands_module().library_command(readme, "litgpt")
+    with pytest.raises(SystemExit):
+        _commands_module().library_command(readme, "torchtune")

@@ -47,6 +47,7 @@ def autotune_emit(tmp_path, stack: str, *extra: str):
 # ---- transformers ----------------------------------------------------------------------------------------
 
 def test_transformers_emit_loads_in_training_arguments_and_the_plan_records_the_stack(tmp_path):
+    pytest.importorskip("transformers")  # in the test extra; not in litgpt's or torchtune's environment
     from transformers import TrainingArguments
 
     result, out, emitted = autotune_emit(tmp_path, "transformers")
@@ -70,6 +71,8 @@ def test_transformers_emit_loads_in_training_arguments_and_the_plan_records_the_
 def test_transformers_lora_config_and_train_py_train_a_tiny_model(tmp_path):
     """The emitted LoraConfig adapts the modules memplan planned, and train.py builds the model, the
     arguments and the Trainer from the files and takes an optimizer step."""
+    pytest.importorskip("transformers")  # in the test extra; not in litgpt's or torchtune's environment
+    pytest.importorskip("peft")
     import torch
     import transformers
     from peft import LoraConfig
@@ -151,6 +154,7 @@ def test_litgpt_lora_yaml_is_finetune_loras():
     assert "max_norm" not in cfg["train"] and cfg["checkpoint_dir"] == "checkpoints/tiny"
 
 
+@pytest.mark.libs
 def test_litgpt_yaml_loads_in_litgpts_config_classes():
     pytest.importorskip("litgpt", reason="litgpt is not installed (pip install 'memplan[litgpt]')")
     from litgpt import Config
@@ -189,6 +193,7 @@ def test_torchtune_lora_and_distributed_recipes():
     assert (model["lora_rank"], model["lora_alpha"]) == (4, 8.0)
 
 
+@pytest.mark.libs
 def test_torchtune_yaml_loads_in_torchtunes_config():
     pytest.importorskip("torchtune", reason="torchtune is not installed (pip install 'memplan[torchtune]')")
     from omegaconf import OmegaConf

@@ -236,12 +236,14 @@ def test_transformers_q_v_and_head_meet_the_bars():
     assert max(abs(e) for e in errors.values()) < 0.01, errors
 
 
+@pytest.mark.libs
 def test_litgpt_q_v_and_head_meet_the_bars():
     errors = _grid("litgpt", ("q,v", "q,v,head"), ("fp32", "bf16-mixed", "bf16"))
     _assert_bars(errors)
     assert max(abs(e) for e in errors.values()) < 0.01, errors
 
 
+@pytest.mark.libs
 def test_torchtune_q_v_and_head_meet_the_bars():
     errors = _grid("torchtune", ("q,v", "q,v,head"), ("fp32", "bf16"))
     _assert_bars(errors)
@@ -265,7 +267,8 @@ def _walked_adapter_params(stack, shape, setup) -> int:
     return (terms.lora_params(spec, setup) * setup.param_bytes + extra) // per
 
 
-@pytest.mark.parametrize("stack", ["memplan", "transformers", "litgpt", "torchtune"])
+@pytest.mark.parametrize("stack", ["memplan", "transformers", pytest.param("litgpt", marks=pytest.mark.libs),
+                                   pytest.param("torchtune", marks=pytest.mark.libs)])
 @pytest.mark.parametrize("targets", ["q,v", "k", "q,v,head", "v,proj,up,down,head"])
 def test_the_walked_adapters_are_the_librarys_trainable_parameters(stack, targets):
     _needs(stack) if stack != "memplan" else None
@@ -301,10 +304,11 @@ WIDE = {**LLAMA, "layers": 4, "hidden": 256, "ffn": 64, "vocab": 64, "kv_heads":
     ("transformers", stacks, "hf_lora_head_input_held_bytes", lambda *a, **k: 0, LLAMA, _lora("head", "fp32"), 0.05,
      0.04),
     # litgpt's LoRAQKVLinear for q and v: zero_pad's index_copy_ keeps the adapter's output
-    ("litgpt", litgpt_hooks, "lit_qkv_zero_pad_saved_bytes", lambda *a: 0, LLAMA, _lora("q,v", "fp32"), None, 0.04),
+    pytest.param("litgpt", litgpt_hooks, "lit_qkv_zero_pad_saved_bytes", lambda *a: 0, LLAMA, _lora("q,v", "fp32"),
+                 None, 0.04, marks=pytest.mark.libs),
     # litgpt's lm_head adapter: its dropout (finetune/lora.py's 0.05) keeps a mask of the final norm output
-    ("litgpt", litgpt_hooks, "lib_lora_head_saved_bytes", lambda *a, **k: 0, {**WIDE, "layers": 2, "vocab": 512},
-     _lora("q,v,head", "fp32"), None, 0.02),
+    pytest.param("litgpt", litgpt_hooks, "lib_lora_head_saved_bytes", lambda *a, **k: 0,
+                 {**WIDE, "layers": 2, "vocab": 512}, _lora("q,v,head", "fp32"), None, 0.02, marks=pytest.mark.libs),
 ], ids=["memplan-slice-adapters-cast-their-input", "memplan-head-only-frozen-blocks",
         "peft-checkpointing-input-grads", "peft-head-input-cast", "peft-head-forward-transient", "peft-head-input-held", "litgpt-zero-pad-source", "litgpt-head-dropout-mask"])
 def test_each_mechanism_brings_the_walk_to_the_trace_and_its_absence_misses_it(monkeypatch, stack, module, term,

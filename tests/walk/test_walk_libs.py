@@ -31,7 +31,7 @@ from memplan.setup import TrainSetup
 from memplan.memory.stacks import stack_for
 from runs_helper import one_line_error
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.libs]  # litgpt's and torchtune's
 
 MEDIAN_BAR, WORST_BAR = 0.03, 0.10
 LLAMA = dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=320, tied=False)
