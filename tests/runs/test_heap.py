@@ -33,11 +33,13 @@ def batch():
     return [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
 for _ in range(3):
     train_step(model, optimizer, batch(), setup, "cpu")
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
+faults = []
+for _ in range(11):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     train_step(model, optimizer, batch(), setup, "cpu")
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
-"""
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sorted(faults)[len(faults) // 2])  # the median step: the heap's faults recur every step, the kernel's own
+"""                                       # (NUMA hinting, reclaim on a loaded machine) fall on some steps only
 
 
 def _faults_per_step(mode: str) -> float:
@@ -52,6 +54,8 @@ def _faults_per_step(mode: str) -> float:
 @pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc only")
 def test_steps_with_the_heap_kept_fault_no_pages_back_in():
     """The loss's fp32 (n, V) tensors (16 MiB here) are freed at the heap's top every step: with glibc's
-    defaults thousands of pages are faulted in again per step, with the heap kept almost none."""
+    defaults thousands of pages are faulted in again per step, with the heap kept almost none (the median step
+    of 11: a mean over steps took in faults the kernel made on some steps only, 877 a step once under xdist's
+    load against 3,815 with the defaults)."""
     default, kept = _faults_per_step("default"), _faults_per_step("keep")
     assert default > 1000 and kept < default / 10, (default, kept)
