@@ -710,10 +710,13 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint now (atomically), keep the newest ``keep``, refresh the report."""
         t0 = time.perf_counter()
+        # The train lines up to this step reach the disk before the checkpoint is renamed into place: a kill
+        # between the two must not leave a checkpoint whose steps metrics.jsonl never recorded (a resume starts
+        # after it, so those lines would be lost for good).
+        self.log.flush(sync=True)
         path = self.checkpoints.save(self.step, model=self.model, wrapped=self.wrapped, optimizer=self.optimizer,
                                      state=self.state, meta=self.meta, tokenizer=self.tokenizer,
                                      tied=self.plan.model.tied, sharding=self.setup.sharding)
-        self.log.flush(sync=True)
         self.log.emit(records.CheckpointEvent(step=self.step, path=str(path), seconds=time.perf_counter() - t0))
         if self.report.refresh_due():
             self._write_report(wait=False)

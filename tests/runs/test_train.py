@@ -319,6 +319,27 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, corpus
     assert sorted(losses(run)) == [1, 2, 3, 4, 5]
 
 
+def test_a_checkpoint_appears_only_after_the_train_lines_of_its_steps_are_on_disk(tmp_path, corpus, monkeypatch):
+    """A kill between a checkpoint's rename and the flush of metrics.jsonl used to leave checkpoint step-8 beside
+    train lines up to step 4 (train lines are flushed at most once a second): the resumed run started at step 9
+    and steps 5 to 8 were missing from metrics.jsonl for good. The lines now reach the disk first."""
+    from trainer import checkpoint_format as ckpt
+
+    real, seen = ckpt.save_checkpoint, []
+
+    def save_reading_the_file(directory, step, *args, **kwargs):
+        on_disk = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        seen.append((step, max((l["step"] for l in on_disk if l.get("kind") == "train"), default=0)))
+        return real(directory, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_reading_the_file)
+    run = tmp_path / "run"
+    result = cli("--data", str(corpus), "--out", str(run), *TINY, "--batch", "2", "--max-steps", "8",
+                 "--save-every", "4", "--eval-every", "1000", "--sample-tokens", "0")
+    assert result.exit_code == 0, result.output
+    assert seen == [(4, 4), (8, 8)]
+
+
 @pytest.mark.slow  # it trains (two tiny steps)
 def test_a_second_signal_stops_at_once_and_is_recorded_in_metrics(tmp_path, corpus, monkeypatch):
     """Issue 28: a second SIGTERM during a (long) step stops the process at once; before it exits, a ``signal``
