@@ -9,8 +9,8 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.fit import print_labelled
-from memplan.cli.estimate import LoraRankOpt, LoraTargetsOpt, TokensOpt
-from memplan.cli.options import DeviceFlags, JsonOpt, ModelFlags, SetupFlags, print_json, with_groups
+from memplan.cli.estimate import EstimateSetupFlags, LoraRankOpt, LoraTargetsOpt, TokensOpt
+from memplan.cli.options import DeviceFlags, JsonOpt, ModelFlags, print_json, with_groups
 from memplan.errors import InputError
 from memplan.memory.stacks import STACKS as STACKS_WALKED, stack_class
 from memplan.units import format_bytes, parse_count
@@ -88,7 +88,7 @@ def stack_json(stack: str, cfg: dict, setup, dev, traced, params: int | None) ->
 @app.command("trace")
 @with_groups
 def trace_command(
-    model_flags: ModelFlags = None, setup_flags: SetupFlags = None, device_flags: DeviceFlags = None,
+    model_flags: ModelFlags = None, setup_flags: EstimateSetupFlags = None, device_flags: DeviceFlags = None,
     tokens: TokensOpt = None, json: JsonOpt = False, stack: StackOpt = "memplan",
     lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
     lora_dropout: LoraDropoutOpt = None,
@@ -105,7 +105,8 @@ def trace_command(
     from trainer.stacks import check_stack
 
     check_stack(stack)
-    setup = setup_flags.setup()
+    # not given: the device's best, as estimate takes it (the trace and the walk it is compared with are one step)
+    setup = setup_flags.setup(precision=setup_flags.precision or device_flags.profile().best_precision)
     rank = parse_count(lora_rank, "--lora-rank") if lora_rank not in ("0", "") else 0
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)

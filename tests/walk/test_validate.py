@@ -83,6 +83,19 @@ def test_trace_gives_the_contract_json_with_the_exact_peak(memplan_cli):
     assert abs(data["trace"]["analytic_error"]) < 0.01
 
 
+def test_trace_without_a_precision_takes_the_devices_best_as_estimate_does(memplan_cli):
+    """A GTX 1650 has no bf16: estimate plans fp32 there when --precision is not given. trace used to trace
+    bf16-mixed, so its comparison line set a bf16 trace against an fp32 walk; both now take the device's best."""
+    args = ["--params", "2m", "--vocab", "4096", "--ctx", "64", "--batch", "2", "--json"]
+    for device, best in (("gtx-1650", "fp32"), ("rtx-4090", "bf16-mixed")):
+        traced = memplan_cli("trace", *args, "--device", device)
+        estimated = memplan_cli("estimate", *args, "--device", device)
+        assert traced.returncode == 0 and estimated.returncode == 0, traced.stderr + estimated.stderr
+        traced, estimated = json.loads(traced.stdout), json.loads(estimated.stdout)
+        assert traced["setup"]["precision"] == estimated["setup"]["precision"] == best
+        assert traced["trace"]["analytic_peak_allocated"] == estimated["memory"]["peak_allocated"]
+
+
 def test_trace_traces_a_1b_model_at_8k_without_allocating_it():
     """1B parameters at 8k context is ~30 GiB at its peak; the trace allocates none of it."""
     import resource
