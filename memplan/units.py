@@ -140,6 +140,16 @@ def format_count(n: float) -> str:
     return f"{int(n)}"
 
 
+def format_flop(n: float) -> str:
+    """``56.14 TFLOP``, ``144.96 GFLOP``: a count of floating-point operations with its SI prefix (G, not the
+    ``B`` that ``format_count`` gives a billion parameters) and a space before the unit."""
+    n = float(n)
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}FLOP"
+    return f"{n:.0f} FLOP"
+
+
 NOT_MEASURED = "not measured"
 
 

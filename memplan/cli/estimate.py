@@ -12,7 +12,7 @@ from memplan.cli.fit import print_described, print_fields
 from memplan.cli.options import (DeviceFlags, JsonOpt, ModelFlags, PrecisionOpt, SetupFlags, print_json, with_groups,
                                  with_rates)
 from memplan.errors import InputError
-from memplan.units import format_bytes, format_count, format_seconds, parse_count
+from memplan.units import format_bytes, format_count, format_flop, format_seconds, parse_count
 
 TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", show_default=False)]
@@ -138,7 +138,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
     print_time_table(console, t, caption=not rates_note)
     if rates_note:  # this machine's calibration or the nominal figures: one line, in place of the caption
         console.print(f"[dim]{escape(rates_note)}[/]")
-    line = (f"{format_count(t.flops_per_step)}FLOP per step, {t.tokens_per_second:,.0f} tokens/s, "
+    line = (f"{format_flop(t.flops_per_step)} per step, {t.tokens_per_second:,.0f} tokens/s, "
             f"MFU {t.mfu:.0%}")
     c = t.communication
     if c is not None and c.link is not None:

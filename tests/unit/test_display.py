@@ -397,3 +397,21 @@ def test_counts_and_possessives_read_as_english(tmp_path):
     (tmp_path / "one.txt").write_text("too short")
     out = CliRunner().invoke(app, ["prepare", "--input", str(tmp_path / "one.txt"), "--out", str(tmp_path / "p")])
     assert out.exit_code == 2 and "1 document read" in out.stderr, out.output
+
+
+def test_a_count_of_flops_takes_its_si_prefix_and_a_space():
+    """estimate's time line printed "826.63BFLOP per step": a billion parameters' B on a count of operations."""
+    from memplan.units import format_flop
+    assert format_flop(826.63e9) == "826.63 GFLOP"
+    assert format_flop(56.14e12) == "56.14 TFLOP"
+    assert format_flop(3.2e15) == "3.20 PFLOP"
+    assert format_flop(512) == "512 FLOP"
+
+
+def test_estimates_time_line_gives_the_flops_of_a_step_in_si_units():
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    out = CliRunner().invoke(app, ["estimate", "--params", "1.1b", "--ctx", "2k", "--batch", "4",
+                                   "--device", "rtx-4090"], env={"COLUMNS": "200"}).output
+    assert " TFLOP per step" in out and "BFLOP" not in out
