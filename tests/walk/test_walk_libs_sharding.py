@@ -112,3 +112,43 @@ def test_the_ranks_wrap_litgpt_as_fabrics_ddp_strategy_does(tmp_path):
         assert ours.find_unused_parameters == fabrics.find_unused_parameters
     finally:
         dist.destroy_process_group()
+
+
+SMALL = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=320, tied=False)
+RANKS_TABLE = [  # (name, spec, setup): the configs of docs/commands/estimate.md's figures, two ranks each
+    ("small fp32", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),
+    ("small bf16-mixed", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="bf16-mixed")),
+    ("small bf16", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="bf16")),
+    ("small fp32, 2 micro-batches", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32", grad_accum=2)),
+    ("small fp32, LoRA rank 4", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32", lora_rank=4)),
+    ("heavy fp32", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32")),
+    ("heavy bf16", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16")),
+    ("heavy bf16-mixed", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16-mixed")),
+    ("heavy fp32, 2 micro-batches", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32", grad_accum=2)),
+    ("heavy bf16-mixed, 2 micro-batches, LoRA 8", LLAMA,
+     TrainSetup(ctx=16, micro_batch=1, precision="bf16-mixed", grad_accum=2, lora_rank=8)),
+]
+
+
+def _ranks_table() -> None:
+    """Each config on two real gloo ranks of litgpt's DDP step against the walk (gloo), and the ranks' excess over
+    one device's real step against the walk's excess over its single-device walk."""
+    from trainer.stacks import StackModel, measure_stack
+    from trainer.stacks.ranks import measure_stack_ranks
+
+    lit = stack_for("litgpt", cpu=True)
+    for name, spec, one in RANKS_TABLE:
+        ddp = one.replace(world_size=2, sharding="ddp")
+        ranks = max(m.peak_allocated for m in measure_stack_ranks("litgpt", StackModel(spec=spec), ddp))
+        single = measure_stack("litgpt", StackModel(spec=spec), one).peak_allocated
+        walked = peak_memory(spec, ddp, stack=lit, collectives="gloo").peak_allocated
+        walked_one = peak_memory(spec, one, stack=lit).peak_allocated
+        print(f"{name:42s} ranks {ranks:>11,} walk {walked:>11,} {(walked - ranks) / ranks:+.2%}   DDP's excess: "
+              f"measured {ranks - single:,}, walked {walked - walked_one:,}", flush=True)
+
+
+if __name__ == "__main__":  # the walk against two real ranks: python tests/walk/test_walk_libs_sharding.py
+    import torch
+
+    torch.set_num_threads(1)
+    _ranks_table()
