@@ -210,7 +210,7 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
     """The model as ``fabric.setup`` wraps it under ``Fabric(strategy="ddp")``: ``DDPStrategy.setup_module``'s
     ``DistributedDataParallel(module=module, device_ids=None)`` on the CPU, PyTorch's defaults otherwise
     (``gradient_as_bucket_view=False``, ``broadcast_buffers=True``) (lightning/fabric/strategies/ddp.py).
-    Only DDP: litgpt's scripts shard with FSDP1, which the walk does not follow."""
+    Only DDP: litgpt's own FSDP layouts (``lit_check_sharding``) are not walked."""
     from torch.nn.parallel import DistributedDataParallel
 
     if setup.sharding != "ddp":
