@@ -19,6 +19,7 @@ import test_families as families
 import test_lora_targets as lora_targets
 import test_walk_families as walk_families
 import test_walk_libs as walk_libs
+import test_walk_libs_sharding as walk_libs_sharding
 import test_walk_lora as walk_lora
 import test_walk_stacks as walk_stacks
 from typer.testing import CliRunner
@@ -185,6 +186,35 @@ def test_qwen3_meets_the_bars_over_the_matrix():
 def test_the_libraries_walks_meet_the_bars_over_the_matrix(lib):
     """Precisions × checkpointing × LoRA (none, rank 4 with dropout 0 and 0.05) × tied/untied × kv 2/4."""
     walk_libs._assert_bars(walk_libs._errors(lib, walk_libs._matrix(lib)))
+
+
+# ---- tests/walk/test_walk_libs_sharding.py ------------------------------------------------------
+
+@pytest.mark.libs
+@pytest.mark.distributed
+def test_litgpts_ddp_walk_is_two_real_gloo_ranks_of_its_step():
+    """litgpt's model and step wrapped as Fabric's DDPStrategy wraps it, two gloo ranks on the CPU, two micro-batches
+    (the first under ``no_sync``): each rank's MemTracker peak is the walk's within the trace bar (1%); with
+    ``.grad`` taken as views into the buckets (memplan's own DDP) the walk misses it by more than the worst bar."""
+    pytest.importorskip("litgpt")
+    from trainer.stacks import StackModel
+    from trainer.stacks.ranks import measure_stack_ranks
+
+    spec, setup = walk_libs_sharding.LLAMA, walk_libs_sharding.DDP.replace(grad_accum=2)
+    ranks = [m.peak_allocated for m in measure_stack_ranks("litgpt", StackModel(spec=spec), setup)]
+    lit = stack_for("litgpt", cpu=True)
+    walked = peak_memory(spec, setup, stack=lit, collectives="gloo").peak_allocated
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+    assert abs(walked - ranks[0]) / ranks[0] <= 0.01, (walked, ranks)
+    as_views = peak_memory(spec, setup, stack=_with_bucket_views(lit), collectives="gloo").peak_allocated
+    assert abs(as_views - ranks[0]) / ranks[0] > 0.10, (as_views, ranks)
+
+
+def _with_bucket_views(stack):
+    """``stack`` with memplan's own DDP: ``.grad`` views into the buckets."""
+    class Views(type(stack)):
+        ddp_gradient_as_bucket_view = True
+    return Views(loss_dtype=stack.loss_dtype, lora_dropout=stack.lora_dropout, cpu=stack.cpu)
 
 
 # ---- tests/walk/test_walk_lora.py ---------------------------------------------------------------

@@ -171,7 +171,7 @@ def test_the_memplan_levers_and_the_stack_ones_differ_where_hooks_matter():
     (["--stack", "litgpt", "--checkpointing", "full"], ["--stack litgpt", "--checkpointing full", "accepted: none"]),
     (["--stack", "torchtune", "--checkpointing", "selective"], ["--checkpointing selective", "accepted: none, full"]),
     (["--stack", "torchtune", "--precision", "bf16-mixed"], ["--precision bf16-mixed", "fp32, tf32, bf16"]),
-    (["--stack", "litgpt", "--world-size", "2"], ["--world-size 2", "accepted: --world-size 1"]),
+    (["--stack", "torchtune", "--world-size", "2"], ["--world-size 2", "accepted: --world-size 1"]),
     (["--checkpointing", "sometimes"], ["--checkpointing", "none, selective, full"]),
 ])
 def test_a_setting_the_stack_cannot_express_is_one_line(args, needles):

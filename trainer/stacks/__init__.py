@@ -26,6 +26,10 @@ The libraries are optional: ``pip install 'memplan[stacks]'`` (transformers, pef
 (their pins conflict with transformers 5's and peft's: pyproject.toml says how); without one, a
 one-line error names its extra.
 
+``trainer/stacks/ranks.py`` (``measure_stack_ranks``) runs a stack's step on several real gloo ranks, wrapped as
+the library's own distributed code wraps it (litgpt: Fabric's DDP, its module's ``wrap_ranks``): what the walk
+of ``--sharding ddp`` is held to, since DDP's reducer cannot run on fake tensors.
+
 Each module here is the trainer's twin of the planner's stack of the same name (``memplan.memory.stacks``,
 whose ``STACKS`` this package takes): ``build_model``, ``train_step`` (None: memplan's own step), optionally
 ``make_optimizer``, ``as_on_real_tensors`` and ``quiet_import``, and ``LIBRARY``, the package it needs

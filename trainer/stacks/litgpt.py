@@ -180,20 +180,44 @@ def train_step(model, optimizer, micro_batches, setup: TrainSetup, device_type: 
     for i, (ids, targets) in enumerate(micro_batches):
         if before_forward is not None:
             before_forward(i)
-        logits = _fabric_forward(model, plugin, ids, LM_HEAD_CHUNK if setup.lora_rank else 0)
-        if setup.lora_rank:
-            logits[-1] = logits[-1][..., :-1, :]
-            loss = chunked_cross_entropy(logits, targets[..., 1:])
-        else:
-            loss = chunked_cross_entropy(logits, targets)
-        if after_forward is not None:
-            after_forward(i)
-        (loss / n).backward()  # fabric.backward
+        with _no_backward_sync(model, i < n - 1):
+            logits = _fabric_forward(model, plugin, ids, LM_HEAD_CHUNK if setup.lora_rank else 0)
+            if setup.lora_rank:
+                logits[-1] = logits[-1][..., :-1, :]
+                loss = chunked_cross_entropy(logits, targets[..., 1:])
+            else:
+                loss = chunked_cross_entropy(logits, targets)
+            if after_forward is not None:
+                after_forward(i)
+            (loss / n).backward()  # fabric.backward
     # the scripts keep ``logits`` and ``loss`` (locals of their loop) through the optimizer step
     if not setup.lora_rank:  # fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
         torch.nn.utils.clip_grad_norm_(model.parameters(), PRETRAIN_MAX_NORM, error_if_nonfinite=False)
     optimizer.step()
     optimizer.zero_grad()
+
+
+def _no_backward_sync(model, accumulating: bool):
+    """``with fabric.no_backward_sync(model, enabled=is_accumulating)`` (pretrain.py, finetune/lora.py): under
+    Fabric's DDP, ``model.no_sync()`` for every micro-batch but the last (``_DDPBackwardSyncControl``); nothing
+    on one device."""
+    if accumulating and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
+    """The model as ``fabric.setup`` wraps it under ``Fabric(strategy="ddp")``: ``DDPStrategy.setup_module``'s
+    ``DistributedDataParallel(module=module, device_ids=None)`` on the CPU, PyTorch's defaults otherwise
+    (``gradient_as_bucket_view=False``, ``broadcast_buffers=True``) (lightning/fabric/strategies/ddp.py).
+    Only DDP: litgpt's own FSDP layouts (``lit_check_sharding``) are not walked."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if setup.sharding != "ddp":
+        raise InputError(f"--stack litgpt: --sharding {setup.sharding} is not run on ranks here (accepted: ddp)")
+    wrapped = DistributedDataParallel(module=net, device_ids=None)
+    wrapped._memplan_precision = net._memplan_precision  # the step reads the plugin off the model it is given
+    return wrapped
 
 
 @contextlib.contextmanager

@@ -325,6 +325,27 @@ def lit_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
             + lit_qkv_zero_pad_saved_bytes(spec, setup))
 
 
+def lit_check_sharding(setup) -> None:
+    """The one-line InputError for ``--sharding fsdp``: litgpt shards in two ways of its own, neither the
+    walk's FSDP2 hook (``memory.sharding.FullyShard``: memplan's step, one group per block and the root).
+    pretrain.py: ``FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full",
+    sharding_strategy="HYBRID_SHARD")``, FSDP1's flat parameters, sharded within a node and replicated across
+    nodes; finetune/lora.py: ``ModelParallelStrategy(parallelize_fn=parallelize_fn)``, FSDP2 over every
+    trainable ``nn.Linear``, every ``Block`` and its ``checkpoint_wrapper`` (each block checkpointed), then the
+    root."""
+    if setup.sharding == "fsdp":
+        raise InputError("--stack litgpt: --sharding fsdp: litgpt shards with its own FSDP layouts (pretrain: FSDP1 "
+                         "HYBRID_SHARD; finetune_lora: FSDP2 per Linear with checkpointed blocks), which the walk "
+                         "does not follow (accepted: none, ddp)")
+
+
+def lit_ddp_gradient_as_bucket_view() -> bool:
+    """Fabric's ``DDPStrategy.setup_module``: ``DistributedDataParallel(module=module, device_ids=device_ids,
+    **self._ddp_kwargs)`` (lightning/fabric/strategies/ddp.py), no kwargs unless the user passes them, so
+    PyTorch's default ``gradient_as_bucket_view=False``: the buckets are a second gradient-sized buffer
+    beside ``.grad`` (``memory.sharding.ddp_separate_bucket_bytes``), as under transformers' Trainer."""
+    return False
+
 
 class LitgptStack(Stack):
     """litgpt's ``GPT`` and its scripts' step: the hooks above at the walk's fixed points."""
@@ -338,7 +359,7 @@ class LitgptStack(Stack):
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16-mixed", "bf16")
     attentions: ClassVar[tuple[str, ...]] = ("sdpa",)
     checkpointings: ClassVar[tuple[str, ...]] = ("none",)
-    shardings: ClassVar[tuple[str, ...]] = ("none",)
+    shardings: ClassVar[tuple[str, ...]] = ("none", "ddp")  # Fabric's DDPStrategy (lit_check_sharding)
     lora_default_dropout: ClassVar[float] = 0.05  # finetune/lora.py's lora_dropout
     adapts_tied_head: ClassVar[bool] = True  # litgpt's GPT has its own lm_head (lit_walked_spec)
     lora_with_selective: ClassVar[bool] = True
@@ -351,8 +372,15 @@ class LitgptStack(Stack):
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:
         """litgpt's families are checked with the rest of its setup (``check_setup``)."""
 
+    def check_walked(self, setup) -> None:
+        lit_check_sharding(setup)
+
     def check_setup(self, spec, setup) -> None:
         check_lib_setup(self, spec, setup)
+
+    @property
+    def ddp_gradient_as_bucket_view(self) -> bool:
+        return lit_ddp_gradient_as_bucket_view()
 
     def block_saved_bytes(self, spec, setup) -> int:
         return lit_block_saved_bytes(spec, setup, self.lora_dropout, self.cpu)

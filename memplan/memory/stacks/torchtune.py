@@ -147,6 +147,20 @@ def tt_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
 
 
 
+def tt_check_sharding(setup) -> None:
+    """The one-line InputError for several devices: torchtune's distributed recipes (full_finetune_distributed,
+    lora_finetune_distributed) shard with FSDP2 through ``training.shard_model`` (``fully_shard`` of every
+    ``TransformerSelfAttentionLayer``, under LoRA also of the frozen base and adapters alike, then the root;
+    parameters in the recipe's one dtype, no ``MixedPrecisionPolicy``) and have no DDP. The walk's FSDP2 hook
+    (``memory.sharding.FullyShard``) follows memplan's own step only, whose blocks save other tensors."""
+    if setup.sharding == "ddp":
+        raise InputError("--stack torchtune: --sharding ddp: torchtune's distributed recipes have no DDP, they "
+                         "shard with FSDP2 (accepted: none)")
+    if setup.sharding == "fsdp":
+        raise InputError("--stack torchtune: --sharding fsdp: torchtune's recipes shard with FSDP2 through "
+                         "training.shard_model, which the walk follows for memplan's own step only (accepted: none)")
+
+
 class TorchtuneStack(Stack):
     """torchtune's ``TransformerDecoder`` and its recipes' step: the hooks above at the walk's fixed points."""
 
@@ -169,6 +183,9 @@ class TorchtuneStack(Stack):
 
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:
         """torchtune's families are checked with the rest of its setup (``check_setup``)."""
+
+    def check_walked(self, setup) -> None:
+        tt_check_sharding(setup)
 
     def check_setup(self, spec, setup) -> None:
         """``check_lib_setup``'s, and torchtune's ``lora_llama3`` needs an attention module among
