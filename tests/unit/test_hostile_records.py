@@ -120,13 +120,13 @@ def read_all(docs) -> list:
 
 
 def test_long_jsonl_records_read_in_pieces_are_exactly_what_json_loads_gives(tmp_path):
-    """Hundreds of random records, read with pieces and blocks of a few characters, so that escapes, surrogate
+    """Two hundred random records, read with pieces and blocks of a few characters, so that escapes, surrogate
     pairs and the cuts between pieces fall on every boundary: each text is json.loads's, cut as split_text cuts."""
     import random
 
     rng = random.Random(29)
     path = tmp_path / "r.jsonl"
-    for _ in range(300):
+    for _ in range(200):
         limit, block = rng.choice([8, 13, 40]), rng.choice([3, 5, 7, 16, 64])
         lines = random_records(rng, limit)
         path.write_text("\n".join(lines) + rng.choice(["", "\n", "\r\n"]), encoding="utf-8")
@@ -146,7 +146,7 @@ def test_malformed_long_jsonl_records_are_refused_as_json_loads_refuses_them(tmp
 
     rng = random.Random(5)
     path = tmp_path / "r.jsonl"
-    for _ in range(400):
+    for _ in range(300):
         limit, block = rng.choice([8, 20]), rng.choice([3, 7, 64])
         line = json.dumps({"id": 5, "text": 'ab\\"c\u00e9\U0001F600' * rng.randint(2, 6),
                            "m": [1, {"t": "x"}, None], "z": "q" * rng.choice([1, 30])})
