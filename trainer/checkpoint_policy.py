@@ -119,8 +119,11 @@ class CheckpointManager:
         that fails stops every rank with one line naming it and its cause, and a rank that hangs is named
         by rank 0 once the timeout has passed, instead of leaving the others waiting for ever."""
         directory = self.directory
-        tmp = distributed.from_rank0(ckpt.temporary_dir(directory, step), save=True)
         what = f"checkpoint step {step}"
+        try:
+            tmp = distributed.from_rank0(ckpt.temporary_dir(directory, step), save=True)
+        except Exception as e:  # a rank that never came to the save: the timeout passed
+            raise distributed.unanswered(what, e) from None
 
         def part(work: Callable[[], object], everywhere: bool = True):
             result = error = None

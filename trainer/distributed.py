@@ -339,8 +339,8 @@ def settle(what: str, error: BaseException | None) -> None:
     """Every rank's outcome of the part ``what`` of a save, exchanged (a barrier that carries errors): where
     one rank failed, every rank stops with one line naming it and its cause (``RankFailed``; the failing
     rank raises its own error, so a full disk stays ``DiskFull``). A rank that does not come within
-    ``save_timeout()`` (hung, or dead) is named by rank 0 (gloo's ``monitored_barrier``); the others say they
-    heard from no rank 0. In a single process, ``error`` is raised as it is."""
+    ``save_timeout()`` (hung, or dead) is named by rank 0 (gloo's ``monitored_barrier``); the others say that
+    rank 0 did not answer (``unanswered``). In a single process, ``error`` is raised as it is."""
     from memplan.fsutil import no_space
     from trainer.stopping import RankFailed, TrainingStopped
 
@@ -358,16 +358,7 @@ def settle(what: str, error: BaseException | None) -> None:
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
         dist.all_gather_object(outcomes, mine, group=group)
     except Exception as e:  # gloo's timeout, or a peer that closed its connection (it exited)
-        also = f"; rank {mine[0]}: {mine[1]}" if mine else ""
-        late = _late_ranks(e)
-        if late:
-            ranks = ", ".join(map(str, late))
-            raise RankFailed(f"{what}: rank{'s' if len(late) > 1 else ''} {ranks} did not answer within "
-                             f"{_seconds(timeout)} (hung, or died){also}") from None
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's source file and line
-        raise RankFailed(f"{what}: rank {me} got no answer from rank 0 (gloo: {first}; the timeout is "
-                         f"{_seconds(timeout)}); another rank failed or hung{also}") from None
+        raise unanswered(what, e, mine) from None
     if mine is not None and mine[0] == me:  # its own error, where it is one line already (a full disk: DiskFull)
         if isinstance(own, TrainingStopped) or no_space(own) is not None:
             raise own
@@ -380,6 +371,25 @@ def settle(what: str, error: BaseException | None) -> None:
                                                                   if more else ""))
     if error is not None:
         raise error
+
+
+def unanswered(what: str, e: BaseException, mine: tuple[int, str] | None = None) -> Exception:
+    """The ``RankFailed`` line for an exchange of a save that ended in gloo's error ``e`` (its timeout, or a peer
+    that closed its connection): on rank 0 after ``monitored_barrier``, naming the ranks that did not come;
+    elsewhere, that rank 0 did not answer. ``mine``: this rank's own failure, (rank, cause), added to it."""
+    from trainer.stopping import RankFailed
+
+    timeout, me = save_timeout(), dist.get_rank()
+    also = f"; rank {mine[0]}: {mine[1]}" if mine else ""
+    late = _late_ranks(e)
+    if late:
+        ranks = ", ".join(map(str, late))
+        return RankFailed(f"{what}: rank{'s' if len(late) > 1 else ''} {ranks} did not answer within "
+                          f"{_seconds(timeout)} (hung, or died){also}")
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's source file and line
+    return RankFailed(f"{what}: rank {me} got no answer from rank 0 (gloo: {first}; the timeout is "
+                      f"{_seconds(timeout)}); another rank failed or hung{also}")
 
 
 def failed_rank(error: BaseException, me: int) -> tuple[int, BaseException]:
