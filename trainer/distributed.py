@@ -388,7 +388,8 @@ def unanswered(what: str, e: BaseException, mine: tuple[int, str] | None = None)
                           f"{_seconds(timeout)} (hung, or died){also}")
     first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's source file and line
-    return RankFailed(f"{what}: rank {me} got no answer from rank 0 (gloo: {first}; the timeout is "
+    peers = "rank 0" if me != 0 else "the other ranks"
+    return RankFailed(f"{what}: rank {me} got no answer from {peers} (gloo: {first}; the timeout is "
                       f"{_seconds(timeout)}); another rank failed or hung{also}")
 
 
