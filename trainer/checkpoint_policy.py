@@ -111,40 +111,54 @@ class CheckpointManager:
                           tied: bool, sharding: str) -> Path:
         """Every rank writes its shards of the model and optimizer (torch.distributed.checkpoint) into
         the checkpoint's temporary directory; rank 0 adds the whole weights (gathered: what generate and
-        export read), the rest of the state, the meta, and renames it into place."""
+        export read), the rest of the state, the meta, and renames it into place.
+
+        Each part (rank 0's preparation, the sharded state, DCP's writes, the whole weights, rank 0's finish)
+        ends with every rank's outcome exchanged (``trainer.distributed.settle``), and every exchange of the
+        save, DCP's own included, goes over a gloo group that times out (``$MEMPLAN_SAVE_TIMEOUT``): a rank
+        that fails stops every rank with one line naming it and its cause, and a rank that hangs is named
+        by rank 0 once the timeout has passed, instead of leaving the others waiting for ever."""
         directory = self.directory
-        tmp = distributed.from_rank0(ckpt.temporary_dir(directory, step))
         what = f"checkpoint step {step}"
-        error = None
-        if self.dist.is_main:
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                ckpt.clean_leftovers(directory)
-                (tmp / distributed.SHARDED_DIR).mkdir(parents=True)
-            except Exception as e:
-                error = e
-        distributed.settle(what, error)  # each part ends with every rank's outcome: one failure stops all
-        error = weights = None
         try:
-            distributed.save_sharded(tmp / distributed.SHARDED_DIR, wrapped, optimizer)
-            weights = distributed.full_weights(wrapped)
-        except Exception as e:
-            error = e
-        distributed.settle(what, error)
-        path, error = directory / ckpt.checkpoint_name(step), None
-        if self.dist.is_main:
-            try:
-                weights = {ckpt.canonical_name(k): v.contiguous() for k, v in weights.items()
-                           if not (tied and k == "head.weight")}  # tied: stored once, as the model's
-                state = {k: v for k, v in state().items() if k != "optimizer"}
-                meta = {**meta(), "distributed": {"world_size": self.dist.world_size, "sharding": sharding,
-                                                "sharded": distributed.SHARDED_DIR}}
-                path = ckpt.save_checkpoint(directory, step, None, state, meta, keep=self.keep,
-                                            extra_files=extra, weights=weights, tmp=tmp)
-            except Exception as e:
-                error = e
-        distributed.settle(what, error)
-        return path
+            tmp = distributed.from_rank0(ckpt.temporary_dir(directory, step), save=True)
+        except Exception as e:  # a rank that never came to the save: the timeout passed
+            raise distributed.unanswered(what, e) from None
+
+        def part(work: Callable[[], object], everywhere: bool = True):
+            result = error = None
+            if everywhere or self.dist.is_main:
+                try:
+                    result = work()
+                except BaseException as e:  # DCP's CheckpointException is a BaseException
+                    if not isinstance(e, Exception) and getattr(e, "failures", None) is None:
+                        raise  # KeyboardInterrupt, SystemExit
+                    error = e
+            distributed.settle(what, error)  # one failure stops all
+            return result
+
+        def prepare():
+            directory.mkdir(parents=True, exist_ok=True)
+            ckpt.clean_leftovers(directory)
+            (tmp / distributed.SHARDED_DIR).mkdir(parents=True)
+
+        part(prepare, everywhere=False)
+        sharded = part(lambda: distributed.sharded_state(wrapped, optimizer))
+        part(lambda: distributed.write_sharded(tmp / distributed.SHARDED_DIR, sharded))
+        sharded = None  # its references to the shards go
+        weights = part(lambda: distributed.full_weights(wrapped))
+
+        def finish() -> Path:
+            whole = {ckpt.canonical_name(k): v.contiguous() for k, v in weights.items()
+                     if not (tied and k == "head.weight")}  # tied: stored once, as the model's
+            kept = {k: v for k, v in state().items() if k != "optimizer"}
+            described = {**meta(), "distributed": {"world_size": self.dist.world_size, "sharding": sharding,
+                                                   "sharded": distributed.SHARDED_DIR}}
+            return ckpt.save_checkpoint(directory, step, None, kept, described, keep=self.keep,
+                                        extra_files=extra, weights=whole, tmp=tmp)
+
+        path = part(finish, everywhere=False)
+        return path if self.dist.is_main else directory / ckpt.checkpoint_name(step)
 
     def load(self, path: Path, *, model: torch.nn.Module, wrapped: torch.nn.Module, optimizer, device,
              plain: Callable[[], tuple[torch.nn.Module, object]]) -> tuple[dict, dict]:

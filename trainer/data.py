@@ -550,32 +550,57 @@ def _nonblank(texts: Iterable[str]) -> Iterator[str]:
     return (t for t in texts if t.strip())
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator["str | LongDocument"]:
-    """One JSON object per line; the document is its ``text_field``. Blank lines are skipped."""
+def _read_jsonl(path: Path, text_field: str, *, limit: int = DOC_CHUNK_CHARS,
+                block: int = DOC_CHUNK_CHARS) -> Iterator["str | LongDocument"]:
+    """One JSON object per line (lines end at ``\\n``, ``\\r\\n`` or ``\\r``); the document is its ``text_field``. Blank lines are
+    skipped. A line longer than ``limit`` characters is never held whole: its text comes in pieces as a long
+    .txt document's does (``trainer.json_pieces``), the file read ``block`` characters at a time."""
+    from trainer import json_pieces
+
+    def record_of(text: str, lineno: int) -> dict:
+        try:
+            record = json.loads(text)
+        except ValueError as e:
+            raise InputError(f"{path}:{lineno}: not a JSON object ({e.msg}); a .jsonl file holds one "
+                             "JSON object per line") from None
+        if not isinstance(record, dict) or text_field not in record:
+            fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+            raise InputError(f"{path}:{lineno}: no {text_field!r} field (has: {fields}); name the text "
+                             "field with --text-field")
+        return record
+
+    def value_of(record: dict, lineno: int) -> str:
+        value = record[text_field]
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise InputError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, not text; "
+                             "name the text field with --text-field")
+        return value
+
+    def short(line: str, lineno: int) -> "str | LongDocument":
+        return as_document(value_of(record_of(line, lineno), lineno), limit)
+
+    def long_end(skeleton: str, lineno: int) -> str:
+        return value_of(record_of(skeleton, lineno), lineno)
+
+    def error(lineno: int, msg: str) -> None:
+        raise InputError(f"{path}:{lineno}: not a JSON object ({msg}); a .jsonl file holds one JSON object per "
+                         "line")
+
     with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise InputError(f"{path}:{lineno}: not a JSON object ({e.msg}); a .jsonl file holds one "
-                                 "JSON object per line") from None
-            if not isinstance(record, dict) or text_field not in record:
-                fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-                raise InputError(f"{path}:{lineno}: no {text_field!r} field (has: {fields}); name the text "
-                                 "field with --text-field")
-            value = record[text_field]
-            if value is None:
-                value = ""
-            if not isinstance(value, str):
-                raise InputError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, not text; "
-                                 "name the text field with --text-field")
-            del line, record  # the record's text alone is held while its pieces are read
-            yield as_document(value)
+        yield from json_pieces.jsonl_records(f, text_field=text_field, limit=limit, block=block,
+                                             cut_point=cut_point, long_document=LongDocument, on_short=short,
+                                             on_long=long_end, on_error=error)
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator["str | LongDocument"]:
+def _read_parquet(path: Path, text_field: str, *, limit: int = DOC_CHUNK_CHARS,
+                  block: int = DOC_CHUNK_CHARS) -> Iterator["str | LongDocument"]:
+    """The ``text_field`` column of a parquet file, a value at a time; a value longer than ``limit`` characters
+    comes in pieces decoded from arrow's buffer ``block`` bytes at a time (``trainer.json_pieces``), never as one
+    Python string (pyarrow still holds its row group's column as it read it)."""
+    from trainer import json_pieces
+
     pq = _pyarrow_parquet(path)
     try:
         pf = pq.ParquetFile(path)
@@ -586,10 +611,11 @@ def _read_parquet(path: Path, text_field: str) -> Iterator["str | LongDocument"]
         raise InputError(f"{path}: no {text_field!r} column (has: {', '.join(names)}); name the text "
                          "column with --text-field")
     for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            if value is not None and not isinstance(value, str):
+        for value in json_pieces.parquet_values(batch.column(0), limit=limit, block=block, cut_point=cut_point,
+                                                long_document=LongDocument):
+            if value is not None and not isinstance(value, (str, LongDocument)):
                 raise InputError(f"{path}: column {text_field!r} is not text; name the text column with --text-field")
-            yield as_document(value or "")
+            yield value if isinstance(value, LongDocument) else as_document(value or "", limit)
 
 
 def _pyarrow_parquet(path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 from typing import Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ def init(family: str | None = None) -> DistContext:
     device = devices.torch_device(family, local_rank) if family in ("cuda", "rocm") else torch.device("cpu")
     backend = BACKENDS[family]
     if world_size > 1 and not dist.is_initialized():
+        save_timeout()  # a bad $MEMPLAN_SAVE_TIMEOUT is refused now, not at the first checkpoint
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=TIMEOUT,
@@ -300,24 +302,45 @@ def barrier() -> None:
         dist.barrier()
 
 
-SAVE_TIMEOUT = TIMEOUT  # the longest a rank waits for the others at each step of a checkpoint save
+SAVE_TIMEOUT_ENV = "MEMPLAN_SAVE_TIMEOUT"  # seconds; the longest a rank waits for the others at each part of a save
 _save_group = None
 
 
-def _outcome_group():
-    """A gloo group of every rank (made once, by every rank at its first save) whose collectives time out
-    after ``SAVE_TIMEOUT``: the outcomes ``settle`` exchanges are small CPU objects, whatever the backend."""
+def save_timeout() -> datetime.timedelta:
+    """How long a rank waits for the others in each collective of a checkpoint save, and at the exchange that
+    ends each part of it: ``$MEMPLAN_SAVE_TIMEOUT`` seconds, else the process group's ``TIMEOUT`` (10 minutes).
+    An InputError where the variable is not a positive number of seconds."""
+    raw = os.environ.get(SAVE_TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 7 * 24 * 3600:  # also refuses nan and inf
+        raise InputError(f"environment variable {SAVE_TIMEOUT_ENV}={raw!r}: give the seconds a rank waits for the "
+                         "others at each part of a checkpoint save, a number above 0 and at most 604800 (a week)")
+    return datetime.timedelta(seconds=seconds)
+
+
+def save_group():
+    """A gloo group of every rank (made once, by every rank at its first save) whose collectives time out after
+    ``save_timeout()``: the save's own exchanges (``settle``, ``from_rank0(..., save=True)``) and DCP's (plans
+    and write results: small CPU objects, whatever the backend) go through it. None in a single process."""
     global _save_group
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
     if _save_group is None:
-        _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
+        _save_group = dist.new_group(backend="gloo", timeout=save_timeout())
     return _save_group
 
 
 def settle(what: str, error: BaseException | None) -> None:
     """Every rank's outcome of the part ``what`` of a save, exchanged (a barrier that carries errors): where
     one rank failed, every rank stops with one line naming it and its cause (``RankFailed``; the failing
-    rank raises its own error, so a full disk stays ``DiskFull``); a rank that never answers ends the others
-    after ``SAVE_TIMEOUT``. In a single process, ``error`` is raised as it is."""
+    rank raises its own error, so a full disk stays ``DiskFull``). A rank that does not come within
+    ``save_timeout()`` (hung, or dead) is named by rank 0 (gloo's ``monitored_barrier``); the others say that
+    rank 0 did not answer (``unanswered``). In a single process, ``error`` is raised as it is."""
     from memplan.fsutil import no_space
     from trainer.stopping import RankFailed, TrainingStopped
 
@@ -325,39 +348,92 @@ def settle(what: str, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    mine = None
+    group, timeout, me = save_group(), save_timeout(), dist.get_rank()
+    mine = own = None
     if error is not None:
-        text = " ".join(str(error).split())[:300]
-        mine = text if isinstance(error, TrainingStopped) else f"{type(error).__name__}: {text}"
+        rank, own = failed_rank(error, me)
+        mine = (rank, cause_of(own))
     outcomes: list = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(outcomes, mine, group=_outcome_group())
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        dist.all_gather_object(outcomes, mine, group=group)
     except Exception as e:  # gloo's timeout, or a peer that closed its connection (it exited)
-        if error is not None:
-            raise error
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
-        raise RankFailed(f"{what}: rank {dist.get_rank()} heard from no other rank within {SAVE_TIMEOUT} "
-                         f"({first}); another rank failed or hung") from None
-    failed = [(rank, cause) for rank, cause in enumerate(outcomes) if cause]
-    if error is not None:  # its own error where it is one line already (a full disk becomes DiskFull)
-        if isinstance(error, TrainingStopped) or no_space(error) is not None:
-            raise error
-        raise RankFailed(f"{what}: rank {dist.get_rank()} failed: {mine}") from error
+        raise unanswered(what, e, mine) from None
+    if mine is not None and mine[0] == me:  # its own error, where it is one line already (a full disk: DiskFull)
+        if isinstance(own, TrainingStopped) or no_space(own) is not None:
+            raise own
+        raise RankFailed(f"{what}: rank {me} failed: {mine[1]}") from None
+    failed = sorted({tuple(o) for o in outcomes if o})  # DCP's failures arrive from every rank: once each
     if failed:
         rank, cause = failed[0]
-        raise RankFailed(f"{what}: rank {rank} failed: {cause}" + (f" (and {len(failed) - 1} more rank"
-                                                                  f"{'s' if len(failed) > 2 else ''})"
-                                                                  if len(failed) > 1 else ""))
+        more = len({r for r, _ in failed}) - 1
+        raise RankFailed(f"{what}: rank {rank} failed: {cause}" + (f" (and {more} more rank{'s' if more > 1 else ''})"
+                                                                  if more else ""))
+    if error is not None:
+        raise error
 
 
-def from_rank0(obj):
+def unanswered(what: str, e: BaseException, mine: tuple[int, str] | None = None) -> Exception:
+    """The ``RankFailed`` line for an exchange of a save that ended in gloo's error ``e`` (its timeout, or a peer
+    that closed its connection): on rank 0 after ``monitored_barrier``, naming the ranks that did not come;
+    elsewhere, that rank 0 did not answer. ``mine``: this rank's own failure, (rank, cause), added to it."""
+    from trainer.stopping import RankFailed
+
+    timeout, me = save_timeout(), dist.get_rank()
+    also = f"; rank {mine[0]}: {mine[1]}" if mine else ""
+    late = _late_ranks(e)
+    if late:
+        ranks = ", ".join(map(str, late))
+        return RankFailed(f"{what}: rank{'s' if len(late) > 1 else ''} {ranks} did not answer within "
+                          f"{_seconds(timeout)} (hung, or died){also}")
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's source file and line
+    peers = "rank 0" if me != 0 else "the other ranks"
+    return RankFailed(f"{what}: rank {me} got no answer from {peers} (gloo: {first}; the timeout is "
+                      f"{_seconds(timeout)}); another rank failed or hung{also}")
+
+
+def failed_rank(error: BaseException, me: int) -> tuple[int, BaseException]:
+    """The rank an error happened in, and the error there. DCP raises the same ``CheckpointException`` in every
+    rank, naming the ranks whose part failed (``failures``: rank -> (exception, traceback)): this rank's own
+    where it is one of them, else the lowest; any other error is this rank's."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = me if me in failures else min(failures)
+        item = failures[rank]
+        exc = item[0] if isinstance(item, tuple) else item
+        return rank, exc if isinstance(exc, BaseException) else error
+    return me, error
+
+
+def cause_of(error: BaseException) -> str:
+    """What went wrong, in one line of at most 300 characters: the message of a ``TrainingStopped``, else the
+    exception's type and message."""
+    from trainer.stopping import TrainingStopped
+
+    text = " ".join(str(error).split())[:300]
+    return text if isinstance(error, TrainingStopped) else f"{type(error).__name__}: {text}"
+
+
+def _late_ranks(e: BaseException) -> list[int]:
+    """The ranks gloo's ``monitored_barrier`` says did not come (rank 0 only), else []."""
+    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+    return [int(r) for r in re.findall(r"\d+", m.group(1))] if m else []
+
+
+def _seconds(t: datetime.timedelta) -> str:
+    return f"{t.total_seconds():g} s (${SAVE_TIMEOUT_ENV})"
+
+
+def from_rank0(obj, save: bool = False):
     """Rank 0's ``obj`` in every rank (itself in a single process): for what must be the same
     everywhere but is decided by time or measurement (a plan autotuned on a timed matmul, a run
-    directory named by the clock, when a time-limited run stops)."""
+    directory named by the clock, when a time-limited run stops). ``save``: in a checkpoint save, over
+    ``save_group()`` (its timeout)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=save_group() if save else None)
     return box[0]
 
 
@@ -444,16 +520,30 @@ def _single_process_quiet():
         yield
 
 
-def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Model and optimizer through ``torch.distributed.checkpoint`` into ``directory``: every rank
-    writes its own shards (no rank gathers the optimizer), under the parameters' names, so any
-    world size and sharding (or one process) can load them."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The model's and optimizer's state as DCP saves it: every rank's own shards, under the parameters' names
+    (no collective for DDP or FSDP2's sharded state)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = dcp_state.get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def write_sharded(directory, state: dict) -> None:
+    """``sharded_state``'s state through ``torch.distributed.checkpoint`` into ``directory``: every rank writes
+    its own shards (no rank gathers the optimizer), so any world size and sharding (or one process) can load
+    them. DCP's exchanges (plans, write results) go over ``save_group()``, with its timeout; a rank's failure
+    comes out of every rank as DCP's ``CheckpointException``, naming it."""
+    import torch.distributed.checkpoint as dcp
+
     with _single_process_quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+        dcp.save(state, checkpoint_id=str(directory), process_group=save_group())
+
+
+def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer through ``torch.distributed.checkpoint`` into ``directory`` (``sharded_state``, then
+    ``write_sharded``)."""
+    write_sharded(directory, sharded_state(model, optimizer))
 
 
 def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -557,9 +647,10 @@ def _checked_planner():
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """Every parameter whole, on rank 0's CPU (None on the other ranks); all ranks must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint import state_dict as dcp_state
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = dcp_state.get_model_state_dict(model, options=options)
     return full if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 

@@ -1,61 +1,85 @@
 """One rank of tests/runs/test_hostile_ranks.py (run under torchrun, gloo): a tiny DDP model's checkpoint saved
-through ``trainer.checkpoint_policy.CheckpointManager`` with a failure planted in one rank's part of the save, once
+through ``trainer.checkpoint_policy.CheckpointManager`` with a fault planted in one rank's part of the save, once
 for each fault asked (comma-separated: one launch of torchrun for them all), each into a run of its own,
-OUT/FAULT/run. Each rank writes what each save ended with, one line, to OUT/FAULT/rank{R}.txt, and exits 0 (so
-that torchrun's agent ends no rank early: the test reads whether every rank came out of each save, and with
-what)."""
+OUT/FAULT/run. Each rank writes what each save ended with, one line, to OUT/FAULT/rank{R}.txt, and the seconds it
+took to OUT/FAULT/rank{R}.seconds, and exits 0 (so that torchrun's agent ends no rank early: the test reads
+whether every rank came out of each save, and with what).
+
+The faults (each in the rank given, FAILING, except ``hang``): ``prepare`` and ``finish``, rank 0's parts before and
+after the shards; ``state``, the sharded state dict; ``write``, DCP's write of the shards; ``weights``, the whole
+weights gathered; ``hang``: rank 1 stops in its sharded state for HANG seconds (longer than the save's timeout,
+$MEMPLAN_SAVE_TIMEOUT) and then goes on; it must come last, as the ranks' exchanges are out of step after it.
+The faults are planted where the trainer looks the functions up at each save, in torch's own modules or in
+the trainer's, so the same faults apply to any version of trainer/."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint.filesystem as dcp_files
+import torch.distributed.checkpoint.state_dict as dcp_state
 
 from trainer import checkpoint_format as ckpt
 from trainer import distributed
+
+HANG_RANK = 1
 
 
 class Tok:
     kind = "tiktoken"  # no tokenizer.json to write
 
 
-def main(out: str, faults: str, failing: int) -> None:
+def main(out: str, faults: str, failing: int, hang_seconds: float) -> None:
     ctx = distributed.init("cpu")
     model = torch.nn.Linear(4, 4)
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(wrapped.parameters())
     for fault in faults.split(","):
-        save_with(Path(out) / fault, fault, failing, ctx, model, wrapped, optimizer)
+        save_with(Path(out) / fault, fault, failing, hang_seconds, ctx, model, wrapped, optimizer)
     distributed.shutdown()
 
 
-def save_with(out: Path, fault: str, failing: int, ctx, model, wrapped, optimizer) -> None:
+def save_with(out: Path, fault: str, failing: int, hang_seconds: float, ctx, model, wrapped, optimizer) -> None:
     from trainer.checkpoint_policy import CheckpointManager
 
     out.mkdir(parents=True, exist_ok=True)
     owner, name = {"prepare": (ckpt, "clean_leftovers"),  # rank 0's part before the shards
+                   "state": (dcp_state, "get_state_dict"),  # every rank's sharded state
+                   "write": (dcp_files.FileSystemWriter, "write_data"),  # every rank's shards, written by DCP
+                   "weights": (dcp_state, "get_model_state_dict"),  # the whole weights, gathered
                    "finish": (ckpt, "save_checkpoint"),  # rank 0's part after them
-                   }.get(fault, (distributed, "save_sharded"))  # every rank's part
+                   "hang": (dcp_state, "get_state_dict"),
+                   }[fault]
     original = getattr(owner, name)
-    if ctx.rank == failing:
+    if fault == "hang" and ctx.rank == HANG_RANK:
+        def slow(*args, **kwargs):
+            time.sleep(hang_seconds)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, slow)
+    elif fault != "hang" and ctx.rank == failing:
         def broken(*args, **kwargs):
             raise OSError(5, f"planted failure in {fault}")
 
         setattr(owner, name, broken)
     manager = CheckpointManager(out / "run", keep=1, dist=ctx)
+    t0 = time.monotonic()
     try:
         manager.save(1, model=model, wrapped=wrapped, optimizer=optimizer, state=lambda: {"step": 1},
                      meta=lambda: {"step": 1}, tokenizer=Tok(), tied=False, sharding="ddp")
         line = "saved"
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
     finally:
         setattr(owner, name, original)
+    (out / f"rank{ctx.rank}.seconds").write_text(f"{time.monotonic() - t0:.1f}\n")
     (out / f"rank{ctx.rank}.txt").write_text(line + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     os._exit(0)

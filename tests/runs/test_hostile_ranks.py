@@ -1,7 +1,8 @@
 """A failure in one rank's part of a distributed checkpoint save (issue 29, item 5a) ends every rank with one
-line naming the failed rank and its cause, instead of leaving the others waiting in a collective: two processes
-under torchrun over gloo (tests/runs/hostile_save_ranks.py), each writing how its save ended. One launch
-saves once per fault, each into a run of its own (a torchrun launch is most of the test's time)."""
+line naming the failed rank and its cause, instead of leaving the others waiting in a collective; a rank that
+hangs is named once the save's timeout ($MEMPLAN_SAVE_TIMEOUT, a few seconds here) has passed. Two processes
+under torchrun over gloo (tests/runs/hostile_save_ranks.py), each writing how its save ended. One launch saves
+once per fault, each into a run of its own (a torchrun launch is most of the test's time); the hang comes last."""
 
 from __future__ import annotations
 
@@ -16,21 +17,26 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-FAULTS = ("prepare", "finish")
+FAULTS = ("prepare", "state", "write", "weights", "finish")
 FAILING = 0
+HANGING = 1  # tests/runs/hostile_save_ranks.py's HANG_RANK
+SAVE_TIMEOUT = 6  # seconds: long enough for a loaded machine's two ranks to meet at each part of a save
+HANG = SAVE_TIMEOUT + 5  # the hung rank's sleep: past the others' timeout, then it goes on and finds them gone
+LAUNCH_LIMIT = 100  # seconds; before the timeout, a rank failing in the state or hanging left the others waiting
 
 
-def save_with_failures(out: Path, faults: tuple[str, ...], failing: int) -> tuple[dict[str, dict[int, str]], str]:
+def save_with_failures(out: Path, faults: tuple[str, ...], failing: int) -> tuple[dict, dict, str]:
     """Each fault's save, one after the other in the same two ranks (one launch of torchrun): fault -> rank ->
-    the line that rank's save ended with; and the end of torchrun's output."""
+    the line that rank's save ended with, fault -> rank -> its seconds; and the end of torchrun's output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "MEMPLAN_SAVE_TIMEOUT": str(SAVE_TIMEOUT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "runs" / "hostile_save_ranks.py"), str(out), ",".join(faults), str(failing)]
+           str(ROOT / "tests" / "runs" / "hostile_save_ranks.py"), str(out), ",".join(faults), str(failing),
+           str(HANG)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=120)
+        output, _ = proc.communicate(timeout=LAUNCH_LIMIT)
     except subprocess.TimeoutExpired:
         import psutil
 
@@ -38,27 +44,43 @@ def save_with_failures(out: Path, faults: tuple[str, ...], failing: int) -> tupl
             child.kill()
         proc.kill()
         output, _ = proc.communicate()
-        pytest.fail(f"a rank still waited after 120 s (a save never ended): {output[-2000:]}")
-    lines = {fault: {r: (out / fault / f"rank{r}.txt").read_text().strip() for r in range(2)
-                     if (out / fault / f"rank{r}.txt").exists()} for fault in faults}
-    return lines, output[-2000:]
+        ended = {f: sorted(p.name for p in (out / f).glob("rank*.txt")) for f in faults if (out / f).is_dir()}
+        pytest.fail(f"a rank still waited after {LAUNCH_LIMIT} s (a save never ended; saves ended: {ended}): "
+                    f"{output[-2000:]}")
+
+    def read(fault: str, suffix: str) -> dict[int, str]:
+        return {r: (out / fault / f"rank{r}.{suffix}").read_text().strip() for r in range(2)
+                if (out / fault / f"rank{r}.{suffix}").exists()}
+
+    return ({f: read(f, "txt") for f in faults}, {f: read(f, "seconds") for f in faults}, output[-2000:])
 
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
     out = tmp_path_factory.mktemp("saves")
-    return out, *save_with_failures(out, FAULTS, FAILING)
+    return out, *save_with_failures(out, FAULTS + ("hang",), FAILING)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_rank_failing_in_a_save_ends_every_rank_naming_it(saves, fault):
-    out, ended, output = saves
+    out, ended, seconds, output = saves
     lines = ended[fault]
     assert set(lines) == {0, 1}, (lines, output)
     for rank, line in lines.items():
         assert line.startswith("RankFailed: checkpoint step 1: "), line
         assert f"rank {FAILING} failed: OSError: [Errno 5] planted failure in {fault}" in line, line
     assert not (out / fault / "run" / "checkpoints" / ckpt_name()).exists()
+
+
+def test_a_rank_that_hangs_in_a_save_is_named_once_the_timeout_passes(saves):
+    out, ended, seconds, output = saves
+    lines = ended["hang"]
+    assert set(lines) == {0, 1}, (lines, output)
+    assert lines[0] == (f"RankFailed: checkpoint step 1: rank {HANGING} did not answer within {SAVE_TIMEOUT} s "
+                        "($MEMPLAN_SAVE_TIMEOUT) (hung, or died)"), lines[0]
+    assert float(seconds["hang"][0]) < HANG, seconds  # it did not wait for the hung rank
+    assert lines[1].startswith("RankFailed: checkpoint step 1: "), lines[1]  # which found the others gone
+    assert not (out / "hang" / "run" / "checkpoints" / ckpt_name()).exists()
 
 
 def ckpt_name() -> str:

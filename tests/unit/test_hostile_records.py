@@ -54,3 +54,162 @@ def test_pieces_of_text_cut_where_split_text_does_without_copying_the_rest():
     text = long_text(10 * 1000)
     for limit in (1, 7, 100, 1000, 20000):
         assert list(data.pieces_of_text(text, limit)) == list(data.split_text(text, limit))
+
+
+# A long record is not parsed whole either (issue 29, item 5b): its text is decoded from the file (.jsonl) or from
+# arrow's buffer (.parquet) in pieces, so what is held at once is a few pieces, whatever the record's size.
+
+BIG = 4_000_000  # characters: a record whose whole parse would hold several copies of 4 MB
+# bytes: the bound on what reading it may hold at once (2 MiB): the file's block, the stretch decoded from it and
+# the pieces it is cut into, each of at most about DOC_CHUNK_CHARS characters, at up to 4 bytes a character
+FEW_PIECES = 32 * data.DOC_CHUNK_CHARS
+
+
+def peak_reading(docs) -> tuple[int, int]:
+    """(characters read, peak bytes Python allocated while reading them) over every document of ``docs``."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        size = 0
+        for doc in docs:
+            size += sum(map(len, doc)) if isinstance(doc, data.LongDocument) else len(doc)
+        return size, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_long_jsonl_record_costs_a_few_pieces_of_memory_not_its_size(tmp_path):
+    text = long_text(BIG) + " caf\u00e9 \U0001F600"  # newlines and non-ASCII, escaped in the file
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"id": 1, "text": text, "source": "x"}) + "\n", encoding="utf-8")
+    del text
+    size, peak = peak_reading(data._read_jsonl(path, "text"))
+    assert size > BIG
+    assert peak < FEW_PIECES, f"{peak:,} bytes held reading a record of {size:,} characters"
+
+
+def test_a_long_parquet_value_costs_a_few_pieces_of_python_memory_not_its_size(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"text": ["short", long_text(BIG) + " caf\u00e9"]}), path)
+    size, peak = peak_reading(data._read_parquet(path, "text"))  # arrow's own buffers are not Python's
+    assert size > BIG
+    assert peak < FEW_PIECES, f"{peak:,} bytes held reading a value of {size:,} characters"
+
+
+ALPHABET = ["a", " ", "\n", '"', "\\", "/", "\t", "\x01", "\u00e9", "\u2028", "\U0001F600", "\ud83d", "\ude00", "word "]
+
+
+def random_records(rng, limit: int) -> list[str]:
+    """Lines of .jsonl whose text mixes every kind of escape (lone and paired surrogates, which json.dumps writes
+    as \\uXXXX, control characters, quotes, backslashes), other fields before and after it, short and long."""
+    lines = []
+    for _ in range(rng.randint(1, 4)):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.choice([0, 3, limit, 3 * limit, 20 * limit])))
+        other = {"id": rng.randint(0, 10 ** 6), "meta": {"a": [1, 2.5, None, True, "x" * rng.choice([0, 3 * limit])]}}
+        record = {**other, "text": text} if rng.random() < 0.5 else {"text": text, **other}
+        lines.append(json.dumps(record, ensure_ascii=rng.random() < 0.5).replace("\ud83d", "\\ud83d")
+                     .replace("\ude00", "\\ude00"))  # a lone surrogate cannot be written as UTF-8
+    return lines
+
+
+def read_all(docs) -> list:
+    return [list(d) if isinstance(d, data.LongDocument) else d for d in docs]
+
+
+def test_long_jsonl_records_read_in_pieces_are_exactly_what_json_loads_gives(tmp_path):
+    """Two hundred random records, read with pieces and blocks of a few characters, so that escapes, surrogate
+    pairs and the cuts between pieces fall on every boundary: each text is json.loads's, cut as split_text cuts."""
+    import random
+
+    rng = random.Random(29)
+    path = tmp_path / "r.jsonl"
+    for _ in range(200):
+        limit, block = rng.choice([8, 13, 40]), rng.choice([3, 5, 7, 16, 64])
+        lines = random_records(rng, limit)
+        path.write_text("\n".join(lines) + rng.choice(["", "\n", "\r\n"]), encoding="utf-8")
+        expected = []
+        for line in lines:
+            text = json.loads(line)["text"]
+            expected.append(text if len(text) <= limit else list(data.split_text(text, limit)))
+        assert read_all(data._read_jsonl(path, "text", limit=limit, block=block)) == expected, (limit, block, lines)
+
+
+def test_malformed_long_jsonl_records_are_refused_as_json_loads_refuses_them(tmp_path):
+    """A long record damaged anywhere (a character dropped, added, or the line cut short) is refused in one line
+    exactly where json.loads refuses the whole line, and read as json.loads reads it where that accepts it."""
+    import random
+
+    from memplan.errors import InputError
+
+    rng = random.Random(5)
+    path = tmp_path / "r.jsonl"
+    for _ in range(300):
+        limit, block = rng.choice([8, 20]), rng.choice([3, 7, 64])
+        line = json.dumps({"id": 5, "text": 'ab\\"c\u00e9\U0001F600' * rng.randint(2, 6),
+                           "m": [1, {"t": "x"}, None], "z": "q" * rng.choice([1, 30])})
+        for _ in range(rng.randint(1, 2)):
+            i = rng.randrange(len(line) + 1)
+            edit = rng.random()
+            line = (line[:i] + line[i + 1:] if edit < 0.4 else line[:i] if edit > 0.8
+                    else line[:i] + rng.choice('{}[]",:\\ a1tnu\x01') + line[i:])
+        path.write_text(line + "\n", encoding="utf-8")
+        try:
+            record = json.loads(line) if line.strip() else {"text": None}
+            ok = isinstance(record, dict) and isinstance(record.get("text", 0), (str, type(None)))
+        except ValueError:
+            ok = False
+        if ok:
+            assert ["".join(d) if isinstance(d, data.LongDocument) else d
+                    for d in data._read_jsonl(path, "text", limit=limit, block=block)] == (
+                       [record["text"] or ""] if line.strip() else []), line
+        else:
+            with pytest.raises(InputError) as e:
+                read_all(data._read_jsonl(path, "text", limit=limit, block=block))
+            assert str(e.value).startswith(f"{path}:1: ") and "\n" not in str(e.value), line
+
+
+def test_a_long_record_with_its_text_field_twice_is_refused_in_one_line(tmp_path):
+    """json.loads keeps the second value; a long record's first has been read by then: refused, not guessed."""
+    from memplan.errors import InputError
+
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"text": "%s", "text": "again"}\n' % ("a " * 50), encoding="utf-8")
+    with pytest.raises(InputError, match=r"r.jsonl:1: not a JSON object \(the field 'text' appears twice"):
+        read_all(data._read_jsonl(path, "text", limit=20, block=8))
+    path.write_text('{"text": "a", "text": "again"}\n', encoding="utf-8")  # a short one: json.loads's reading
+    assert read_all(data._read_jsonl(path, "text", limit=60)) == ["again"]
+
+
+def test_a_long_record_without_its_text_field_or_with_another_type_is_refused_as_a_short_one(tmp_path):
+    from memplan.errors import InputError
+
+    path = tmp_path / "r.jsonl"
+    for record, message in (({"body": "x " * 50, "id": 1}, r"no 'text' field \(has: body, id\)"),
+                            ({"text": list(range(40))}, r"field 'text' is list, not text"),
+                            ([1] * 40, r"not a JSON object \(a long line that starts with '\['")):
+        path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+        with pytest.raises(InputError, match=r"r.jsonl:1: " + message):
+            read_all(data._read_jsonl(path, "text", limit=20, block=8))
+    path.write_text(json.dumps({"text": None, "pad": "y" * 100}) + "\n" + " " * 100 + "\n", encoding="utf-8")
+    assert read_all(data._read_jsonl(path, "text", limit=20, block=8)) == [""]  # null is empty; blank lines skipped
+
+
+def test_long_parquet_values_read_in_pieces_are_exactly_arrows(tmp_path):
+    """Values decoded a few bytes at a time (multi-byte characters split between blocks), nulls and short values
+    among them, from string and large_string columns: each is arrow's value, cut as split_text cuts."""
+    import random
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rng = random.Random(3)
+    path = tmp_path / "r.parquet"
+    letters = [c for c in ALPHABET if c not in ("\ud83d", "\ude00")]  # arrow holds UTF-8: no lone surrogates
+    for kind in (pa.string(), pa.large_string()):
+        values = ["".join(rng.choice(letters) for _ in range(rng.choice([0, 5, 30, 200]))) if rng.random() > 0.1
+                  else None for _ in range(60)]
+        pq.write_table(pa.table({"text": pa.array(values, type=kind)}), path)
+        got = read_all(data._read_parquet(path, "text", limit=24, block=5))
+        assert got == [(v or "") if len(v or "") <= 24 else list(data.split_text(v, 24)) for v in values]

@@ -855,3 +855,36 @@ def test_the_run_log_hands_every_line_on_and_flushes_train_lines_in_batches_and_
     quiet = rundir.RunLog(writing, active=False)  # a rank other than 0
     quiet.on_event(pytest.fail)
     quiet.emit(train(1))
+
+
+def test_the_save_timeout_is_read_from_the_environment_and_a_bad_one_refused_in_one_line(monkeypatch):
+    """$MEMPLAN_SAVE_TIMEOUT: the seconds each exchange of a distributed checkpoint save waits (issue 29, item 5a;
+    tests/runs/test_hostile_ranks.py runs it); not a positive number of seconds: one line naming it."""
+    import datetime
+
+    from trainer import distributed
+
+    monkeypatch.delenv("MEMPLAN_SAVE_TIMEOUT", raising=False)
+    assert distributed.save_timeout() == distributed.TIMEOUT == datetime.timedelta(minutes=10)
+    monkeypatch.setenv("MEMPLAN_SAVE_TIMEOUT", "2.5")
+    assert distributed.save_timeout() == datetime.timedelta(seconds=2.5)
+    for bad in ("0", "-3", "nan", "inf", "ten", "1e9"):
+        monkeypatch.setenv("MEMPLAN_SAVE_TIMEOUT", bad)
+        with pytest.raises(InputError, match=r"^environment variable MEMPLAN_SAVE_TIMEOUT=.*: give the seconds"):
+            distributed.save_timeout()
+
+
+def test_a_dcp_failure_is_named_by_the_rank_it_happened_in():
+    """DCP raises the same CheckpointException in every rank: settle names the rank whose part failed, with that
+    rank's own error, not each rank that relays it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer import distributed
+
+    relayed = CheckpointException("save", {1: (OSError(28, "No space left on device"), None)})
+    assert distributed.failed_rank(relayed, 0)[0] == 1
+    rank, error = distributed.failed_rank(relayed, 1)
+    assert rank == 1 and isinstance(error, OSError)
+    assert distributed.cause_of(error) == "OSError: [Errno 28] No space left on device"
+    plain = ValueError("bad\nthing")
+    assert distributed.failed_rank(plain, 3) == (3, plain) and distributed.cause_of(plain) == "ValueError: bad thing"
