@@ -100,6 +100,18 @@ def test_the_library_code_term_is_in_the_cpu_plan_only(stack):
     assert "model_code" not in gpu.runtime_terms
 
 
+@pytest.mark.parametrize("stack,words", [("litgpt", "litgpt's and lightning's code"),
+                                         ("torchtune", "torchtune's and torchao's code")])
+def test_estimates_table_names_whose_code_the_term_holds(stack, words, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "cache"))
+    done = CliRunner().invoke(app, ["estimate", "--arch", "llama", "--layers", "1", "--hidden", "128", "--heads", "4",
+                                    "--ffn", "384", "--vocab", "4096", "--device", "cpu", "--ctx", "128", "--batch",
+                                    "8", "--precision", "fp32", "--stack", stack])
+    assert done.exit_code == 0, done.output
+    assert "of it, model code" in done.stdout and words in " ".join(done.stdout.split())
+    assert "transformers'" not in done.stdout
+
+
 # ---- litgpt's and torchtune's trials, for real, in their own environments ----------------------------------
 
 @pytest.mark.libs
