@@ -224,6 +224,40 @@ def model_code_bytes() -> tuple[int | None, int | None]:
     return max(0, with_transformers - before), max(0, devices.current_rss() - with_transformers)
 
 
+def library_code_bytes(stack: str) -> int | None:
+    """CPU: what ``stack``'s library keeps resident in a training process beyond memplan's own, as the plan's
+    ``model_code`` term adds it (``memplan.memory.terms.library_code_resident_bytes``): the growth of the
+    trimmed resident set from two steps of the library's own code on a tiny llama (``trainer.stacks.trial_steps``,
+    as ``autotune --verify`` runs it: litgpt's GPT and its scripts' step, torchtune's builders and its recipes'
+    step, transformers' ``Trainer``), the library imported there, then its garbage collected and the heap
+    trimmed.
+
+    Run after ``process_baseline_bytes`` in the same fresh process (its resident set then holds the runtime
+    context, memplan's model already run). None where it cannot be told apart: the library not installed, or
+    already imported in this process."""
+    import importlib.util
+    import sys
+
+    from trainer.stacks import TRIAL_IMPORTS, StackModel, trial_steps
+
+    modules = TRIAL_IMPORTS[stack]
+    if any(m in sys.modules for m in modules) or any(importlib.util.find_spec(m) is None for m in modules):
+        return None
+    from memplan.emit import render
+    from memplan.model import ModelSpec
+    from memplan.plan import Plan
+    from memplan.setup import TrainSetup
+
+    tiny = ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, tied=False)
+    setup = TrainSetup(ctx=16, micro_batch=1, precision="fp32", attention="sdpa", optimizer="adamw")
+    emitted = render(Plan(model=tiny, setup=setup), stack) if stack == "transformers" else None
+    devices.trim_heap()
+    before = devices.current_rss()
+    trial_steps(stack, StackModel(spec=tiny), setup, setup, 2, torch.device("cpu"), emitted=emitted)
+    devices.trim_heap()  # garbage collected, the C heap's free pages given back
+    return max(0, devices.current_rss() - before)
+
+
 # ---- threads -------------------------------------------------------------------------------
 
 THREAD_TRIAL_REPEATS = 7  # timed steps per thread count, interleaved (a burst of load hits every count alike)

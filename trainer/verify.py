@@ -9,7 +9,14 @@ is a new interpreter. A process per trial matters twice:
 - each measurement starts clean: no caching allocator holding an earlier trial's blocks, no pages
   resident from it.
 
-A trial builds the trainer's model (``trainer.model.build_model``) and runs ``steps`` real steps of
+For ``autotune --stack transformers|litgpt|torchtune`` a trial runs that library's own code instead
+(``trainer.stacks.trial_steps``): transformers' ``Trainer`` with the ``TrainingArguments`` (and peft
+``LoraConfig``) that ``--emit`` writes for the plan, litgpt's ``GPT`` and its scripts' step, torchtune's
+builders and its recipes' step (the twins ``trainer/stacks/*.py`` that ``memplan trace`` runs on fake
+tensors), measured as below. The library is imported in the trial after its CPU baseline, so its code's
+resident memory is in the growth, as the plan's ``model_code`` term predicts it.
+
+A trial of memplan's own stack builds the trainer's model (``trainer.model.build_model``) and runs ``steps`` real steps of
 ``trainer.step.train_step`` with the plan's micro-batch, checkpointing, attention, precision
 (``fp16-mixed`` with a ``GradScaler``), optimizer and ``torch.compile``. A step runs at most
 ``max_micro_batches`` of the plan's micro-batches: with accumulation every gradient is held from
@@ -117,17 +124,46 @@ def _warm_up(spec: ModelSpec, setup: TrainSetup, device: str, steps: int = 2) ->
     gc.collect()
 
 
-def run_trial(request: dict) -> dict:
-    """Run one trial in this process (which should be fresh) and return what it measured, as JSON data.
-
-    ``request``: model (ModelSpec fields), setup (TrainSetup fields), steps, max_micro_batches,
-    context_bytes (the profile's runtime context, added on CPU and MPS), seed.
-    """
+def _memplan_steps(spec: ModelSpec, setup: TrainSetup, run_setup: TrainSetup, steps: int, device, seed: int,
+                   on_step: Callable[[float], None]) -> None:
+    """``steps`` steps of memplan's own trainer (``trainer.step.train_step``), ``on_step(seconds)`` after each."""
     import torch
 
     from trainer.model import build_model
     from trainer.step import make_optimizer, param_dtype, set_matmul_precision, train_step
 
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
+    optimizer = make_optimizer(model, setup.optimizer)
+    if setup.compile:
+        model = torch.compile(model)
+    scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16-mixed" else None
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sync = devices.synchronizer(device)
+
+    def ids():
+        return torch.randint(0, spec.vocab, (setup.micro_batch, setup.ctx), device=device, generator=gen)
+
+    # every micro-batch's inputs exist for the whole step, as in the trainer; the step runs the first few
+    batches = [(ids(), ids()) for _ in range(setup.grad_accum)]
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        train_step(model, optimizer, batches[:run_setup.grad_accum], run_setup, device.type, scaler=scaler)
+        sync()
+        on_step(time.perf_counter() - t0)
+
+
+def run_trial(request: dict) -> dict:
+    """Run one trial in this process (which should be fresh) and return what it measured, as JSON data.
+
+    ``request``: model (ModelSpec fields), setup (TrainSetup fields), steps, max_micro_batches,
+    context_bytes (the profile's runtime context, added on CPU and MPS), seed; stack (default memplan: memplan's
+    own trainer; another runs that library's code, ``trainer.stacks.trial_steps``) and, for transformers,
+    emitted (``autotune --emit``'s files, by name: the trial's ``TrainingArguments``). The library is imported
+    here, after the CPU baseline: its code's resident memory is in the growth, as the plan's ``model_code``
+    term predicts it.
+    """
     spec = ModelSpec(**request["model"])
     setup = TrainSetup(**request["setup"])
     steps = int(request["steps"])
@@ -152,31 +188,26 @@ def run_trial(request: dict) -> dict:
     mps_peak = 0
     sync = devices.synchronizer(device)
 
+    stack = request.get("stack", "memplan")
+
+    def on_step(seconds: float) -> None:
+        nonlocal mps_peak
+        out["step_seconds"].append(seconds)
+        out["steps_run"] += 1
+        if family == "mps":
+            mps_peak = max(mps_peak, devices.mps_memory()[1])
+
     try:
         seed = int(request.get("seed", 0))
-        torch.manual_seed(seed)
-        set_matmul_precision(setup.precision)
-        model = build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision), device=device)
-        optimizer = make_optimizer(model, setup.optimizer)
-        if setup.compile:
-            model = torch.compile(model)
-        scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16-mixed" else None
-        gen = torch.Generator(device=device).manual_seed(seed)
+        if stack == "memplan":
+            _memplan_steps(spec, setup, run_setup, steps, device, seed, on_step)
+        else:  # the library's own code: its model and step, or (transformers) its Trainer
+            from trainer.stacks import StackModel, trial_steps
 
-        def ids():
-            return torch.randint(0, spec.vocab, (setup.micro_batch, setup.ctx), device=device, generator=gen)
-
-        # every micro-batch's inputs exist for the whole step, as in the trainer; the step runs the first few
-        batches = [(ids(), ids()) for _ in range(setup.grad_accum)]
-        for _ in range(steps):
-            out["steps_run"] += 1
-            t0 = time.perf_counter()
-            train_step(model, optimizer, batches[:run_accum], run_setup, device.type, scaler=scaler)
-            sync()
-            out["step_seconds"].append(time.perf_counter() - t0)
-            if family == "mps":
-                mps_peak = max(mps_peak, devices.mps_memory()[1])
+            trial_steps(stack, StackModel(spec=spec), setup, run_setup, steps, device, seed=seed,
+                        emitted=request.get("emitted"), on_step=on_step)
     except Exception as e:  # noqa: BLE001 - every failure is reported; OOMs are told apart
+        out["steps_run"] += 1  # the step that failed (or the model's build)
         out["status"] = "oom" if is_out_of_memory(e) else "error"
         out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500]
 
@@ -200,6 +231,10 @@ def run_trial(request: dict) -> dict:
         out["peak_allocated"] = devices.mps_memory()[0]
         out["peak_bytes"] = mps_peak + int(request["context_bytes"])
         out["method"] = "largest torch.mps.driver_allocated_memory after a step + profile runtime context"
+    if stack != "memplan":
+        from trainer.stacks import TRIAL_CODE
+
+        out["method"] = f"{TRIAL_CODE[stack]}; {out['method']}"
     return out
 
 
@@ -311,12 +346,14 @@ class TrialRunner:
         return f"; stderr: {lines[-1][:300]}" if lines else ""
 
     def run(self, spec: ModelSpec, setup: TrainSetup, *, steps: int = DEFAULT_STEPS,
-            max_micro_batches: int = DEFAULT_MAX_MICRO_BATCHES, context_bytes: int = 0, seed: int = 0) -> TrialResult:
-        """One trial of ``setup`` in a fresh process."""
+            max_micro_batches: int = DEFAULT_MAX_MICRO_BATCHES, context_bytes: int = 0, seed: int = 0,
+            stack: str = "memplan", emitted: dict[str, str] | None = None) -> TrialResult:
+        """One trial of ``setup`` in a fresh process, of ``stack``'s code (``emitted``: transformers' arguments)."""
         if self.family is None:
             raise RuntimeError("TrialRunner.run outside `with TrialRunner() as runner:`")
         request = {"model": spec.to_dict(), "setup": setup.to_dict(), "steps": steps,
-                   "max_micro_batches": max_micro_batches, "context_bytes": context_bytes, "seed": seed}
+                   "max_micro_batches": max_micro_batches, "context_bytes": context_bytes, "seed": seed,
+                   "stack": stack, "emitted": emitted}
         if self.fork:
             self._server.stdin.write(json.dumps(request) + "\n")
             self._server.stdin.flush()
@@ -469,10 +506,23 @@ def _trial_tokens_per_second(result, setup: TrainSetup, max_micro_batches: int) 
     return result._evaluator.tokens_per_second(trial)
 
 
+def trial_config(plan: Plan, stack: str) -> dict[str, str] | None:
+    """What a trial of ``stack`` runs the plan with: for transformers, ``autotune --emit``'s files (its
+    ``TrainingArguments``, peft's ``LoraConfig``), rendered as ``--emit`` writes them; None for the others,
+    whose trial takes the plan's setup."""
+    if stack != "transformers":
+        return None
+    from memplan.emit import render
+
+    return render(plan, stack)
+
+
 def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAULT_MAX_MICRO_BATCHES,
            max_plans: int = DEFAULT_MAX_PLANS, runner: TrialRunner | None = None, seed: int = 0,
            on_attempt: Callable[[Attempt], None] | None = None) -> Verification:
     """Run the chosen plan of an ``AutotuneResult`` for real; step down the ranking until one fits the budget.
+    The trials run the code of the result's stack (``autotune --stack``): memplan's own trainer, or that
+    library's (``trainer.stacks.trial_steps``), which must be installed (``trainer.stacks.require_installed``).
 
     Raises InputError when the result is for a device of another family than this machine's (the
     trial would measure the wrong thing) or when there is nothing to verify.
@@ -487,6 +537,11 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
                              f"{result.device.name} ({result.device.family}); plan for the local device "
                              f"(omit --device) or drop --verify")
 
+    stack = result._evaluator.stack.name
+    if stack != "memplan":
+        from trainer.stacks import require_installed
+
+        require_installed(stack, lora=bool(result.plan.setup.lora_rank))
     own = runner is None
     if own:
         from memplan.hardware import detect_local
@@ -512,7 +567,7 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
                 skipped += 1
                 continue
             trial = runner.run(result.model, cand.setup, steps=steps, max_micro_batches=max_micro_batches,
-                               context_bytes=context, seed=seed)
+                               context_bytes=context, seed=seed, stack=stack, emitted=trial_config(cand.plan, stack))
             if trial.status == "ok":
                 outcome = "fits" if trial.peak_bytes <= budget else "over budget"
             else:

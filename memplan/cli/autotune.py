@@ -39,8 +39,8 @@ TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", rich_help_panel=_A,
     show_default=False)]
 VerifyOpt = Annotated[bool, typer.Option(
-    "--verify", help="Run a few real steps of the chosen plan on this machine; step down while the measured peak "
-                     "exceeds the budget or runs out of memory.", rich_help_panel=_A)]
+    "--verify", help="Run a few real steps of the chosen plan on this machine, in the --stack's own code; step down "
+                     "while the measured peak exceeds the budget or runs out of memory.", rich_help_panel=_A)]
 VerifyStepsOpt = Annotated[int, typer.Option(
     "--verify-steps", metavar="N", help="Real steps per trial under --verify (the first is a warm-up); 2 or more.",
     rich_help_panel=_A, callback=at_least(2))]
@@ -258,9 +258,10 @@ def autotune_command(
         _check_out(out)
     walk = stack_for_search(stack, model_flags)
     spec = walk.spec
-    if walk.stack.library and verify:
-        raise InputError(f"--verify runs memplan's own trainer; a plan for --stack {stack} is one for that library's "
-                         "step (accepted with --verify: --stack memplan)")
+    if walk.stack.library and verify:  # the trials run that library's code: installed, or one line naming its extra
+        from trainer.stacks import require_installed
+
+        require_installed(stack)
     if emit:  # the stack has a writer, DIR can be written, no file of it is replaced without --force
         from memplan.emit import check_emit
 

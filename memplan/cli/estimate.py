@@ -107,20 +107,21 @@ def print_estimate(est, rates_note: str | None = None) -> None:
         table.add_column("bytes", justify="right", no_wrap=True)
         table.add_column("share", justify="right", no_wrap=True)
         table.add_column("what it holds" if described else "", style="dim", no_wrap=not described)
-        code = mem.runtime_terms.get("model_code", 0)  # a CPU's process holds transformers' model code
+        code = mem.runtime_terms.get("model_code", 0)  # a CPU's process holds the library's model code
+        code_what = _CODE_HELP.get(est.stack.library, _CODE_HELP["transformers"])
         for key in ("weights", "gradients", "optimizer", "activations", "logits", "temporaries", "runtime"):
             value = getattr(mem, key)
             table.add_row(key, format_bytes(value), f"{value / mem.peak_reserved:.0%}", helps[key] if described else "")
         if code:
             table.add_row("  of it, model code", format_bytes(code), f"{code / mem.peak_reserved:.0%}",
-                          "transformers' (peft's) code kept resident" if described else "")
+                          code_what if described else "")
         table.add_section()
         table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors" if described else "")
         table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]"
                       + (" [yellow](eager)[/]" if setup.compile and not compiled_ok else ""), "",
                       f"{verdict} in {format_bytes(device.usable_bytes)}")
         return table, [(k, helps[k]) for k in helps] + [("peak allocated", "live tensors")] + (
-            [("model code", "transformers' (peft's) code kept resident")] if code else [])
+            [("model code", code_what)] if code else [])
 
     print_described(console, memory_table)
     if setup.compile and not compiled_ok:
@@ -250,6 +251,12 @@ class SearchStack:
 
     spec: object  # memplan.model.ModelSpec
     stack: object  # memplan.memory.stacks.Stack
+
+
+# estimate's table: whose code the CPU plan's model_code term keeps resident (memplan.memory.terms), by library
+_CODE_HELP = {"transformers": "transformers' (peft's) code kept resident",
+              "litgpt": "litgpt's and lightning's code kept resident",
+              "torchtune": "torchtune's and torchao's code kept resident"}
 
 
 def stack_for_search(stack: str, model_flags) -> SearchStack:

@@ -671,6 +671,25 @@ def model_code_resident_bytes(lora: bool, transformers_bytes: int | None = None,
     return code
 
 
+# What litgpt's and torchtune's code keeps resident in a CPU training process at its steps, likewise beyond the
+# runtime context: measured by trainer.calibrate.library_code_bytes on the same machine (Python 3.11, torch
+# 2.13.0+cpu), each in the environment of its extra: litgpt 0.5.13 with lightning 2.6.6, torchtune 0.6.1 with
+# torchao 0.14.1. No calibration measures them per machine (they live in environments of their own).
+LIBRARY_CODE_BYTES = {"litgpt": 23_216_128,  # 22.1 MiB
+                      "torchtune": 162_725_888}  # 155.2 MiB
+
+
+def library_code_resident_bytes(library: str) -> int:
+    """CPU: what ``library``'s code (litgpt with lightning, torchtune with torchao) keeps resident beyond the
+    runtime context when its own model and step train, ``C_library`` (the litgpt and torchtune stacks'
+    ``model_code_bytes`` hook, as ``model_code_resident_bytes`` is transformers').
+
+    C is the growth of a trimmed process's resident set, over one that holds the runtime context (memplan's
+    model run), from two steps of the library's own code on a tiny llama, the library imported there: its
+    module objects, code and tables (``trainer.calibrate.library_code_bytes``; LIBRARY_CODE_BYTES)."""
+    return LIBRARY_CODE_BYTES[library]
+
+
 def runtime_bytes(peak_allocated: int, runtime_context_bytes: int, allocator_overhead: float) -> int:
     """What the device's monitor shows beyond live tensors: the caching allocator's reserve
     (allocator_overhead × peak_allocated) and the runtime context (CUDA/HIP context, libraries)."""

@@ -473,7 +473,8 @@ def test_verify_tries_and_writes_the_plan_it_printed_when_micro_batches_tie_on_s
         def __exit__(self, *exc):
             return False
 
-        def run(self, model, setup, *, steps, max_micro_batches, context_bytes, seed):
+        def run(self, model, setup, *, steps, max_micro_batches, context_bytes, seed, stack="memplan", emitted=None):
+            assert (stack, emitted) == ("memplan", None)  # memplan's own trainer: no library's config
             return TrialResult(setup=setup, status="ok", peak_bytes=1, tokens_per_second=1000.0, steps_run=steps,
                                micro_batches=min(setup.grad_accum, max_micro_batches))
 

@@ -17,7 +17,7 @@ from memplan.cli import app
 from memplan.compat import tomllib
 from memplan.estimate import estimate
 from memplan.hardware import detect_local, load_profile
-from memplan.memory import PEFT_CODE_BYTES, TRANSFORMERS_CODE_BYTES, model_code_resident_bytes
+from memplan.memory import LIBRARY_CODE_BYTES, PEFT_CODE_BYTES, TRANSFORMERS_CODE_BYTES, model_code_resident_bytes
 from memplan.memory.stacks import stack_for
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
@@ -44,8 +44,9 @@ def test_the_term_is_transformers_code_and_peft_for_lora_and_nothing_for_memplan
     assert model_code_resident_bytes(lora=False, transformers_bytes=0) == 0  # measured: nothing
     lora = SETUP.replace(lora_rank=4)
     assert stack_for("transformers").model_code_bytes(lora, 30 * MiB, 5 * MiB) == 35 * MiB
-    for name in ("memplan", "litgpt", "torchtune"):  # their code is memplan's (in the context) or not in its process
-        assert stack_for(name).model_code_bytes(lora, 30 * MiB, 5 * MiB) == 0
+    assert stack_for("memplan").model_code_bytes(lora, 30 * MiB, 5 * MiB) == 0  # memplan's code: in the context
+    for name in ("litgpt", "torchtune"):  # their own library's code (library_code_resident_bytes), not transformers'
+        assert stack_for(name).model_code_bytes(lora, 30 * MiB, 5 * MiB) == LIBRARY_CODE_BYTES[name] > 0
 
 
 @pytest.mark.parametrize("spec", [SPEC, QWEN3], ids=["llama", "qwen3"])

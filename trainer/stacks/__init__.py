@@ -46,6 +46,14 @@ from memplan.memory.stacks import STACKS, check_stack as check_planned_stack
 from memplan.units import possessive
 
 EXTRA = "pip install 'memplan[stacks]'"
+# the extra that installs each stack's library (its twin's EXTRA), and what a trial of its step imports besides
+EXTRAS = {"transformers": EXTRA, "litgpt": "pip install 'memplan[litgpt]'",
+          "torchtune": "pip install 'memplan[torchtune]'"}
+# what a trial of each stack runs (``trial_steps``), as ``autotune --verify`` names it
+TRIAL_CODE = {"transformers": "transformers' Trainer with the emitted TrainingArguments",
+              "litgpt": "litgpt's GPT and its scripts' step", "torchtune": "torchtune's builders and its recipes' step"}
+TRIAL_IMPORTS = {"transformers": ("transformers", "accelerate"),  # Trainer runs on accelerate's Accelerator
+                 "litgpt": ("litgpt", "lightning"), "torchtune": ("torchtune", "torchao")}
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,62 @@ def require(module: str, stack: str, extra: str = EXTRA):
         return importlib.import_module(module)
     except ImportError:
         raise InputError(f"--stack {stack}: needs the {module} package; install it with {extra}") from None
+
+
+def require_installed(stack: str, lora: bool = False) -> None:
+    """Torch-free (nothing imported): the one-line InputError naming the extra to install where a package a trial
+    of ``stack``'s step imports (``TRIAL_IMPORTS``; with ``lora``, peft for transformers) is not installed."""
+    import importlib.util
+
+    check_stack(stack)
+    needed = TRIAL_IMPORTS.get(stack, ()) + (("peft",) if lora and stack == "transformers" else ())
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InputError(f"--stack {stack}: needs the {', '.join(missing)} package{'s' if len(missing) > 1 else ''}; "
+                         f"install {'them' if len(missing) > 1 else 'it'} with {EXTRAS[stack]}")
+
+
+def trial_steps(stack: str, model: StackModel, setup, run_setup, steps: int, device, seed: int = 0,
+                emitted: dict | None = None, on_step=None) -> None:
+    """``steps`` real optimizer steps of ``stack``'s own code on ``device`` (``autotune --verify``), each of
+    ``run_setup``'s micro-batches (``setup``'s, capped); ``on_step(seconds)`` after each.
+
+    A stack whose twin has ``trial_steps`` runs its own (transformers: ``Trainer`` with the ``emitted``
+    ``TrainingArguments``); the others run their twin's model, optimizer and step, as ``trace_stack``
+    does, on real tensors: litgpt's ``GPT`` and its scripts' step, torchtune's builders and its recipes'.
+    Every micro-batch's inputs of the plan's step exist for the whole step, as in memplan's own trial."""
+    import time
+
+    import torch
+
+    from trainer import device as devices
+    from trainer.step import set_matmul_precision
+
+    check_stack(stack)
+    module = _stack_module(stack)
+    _require_library(stack, module)
+    own = getattr(module, "trial_steps", None)
+    if own is not None:
+        own(model, setup, run_setup, steps, device, seed=seed, emitted=emitted or {}, on_step=on_step)
+        return
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    with torch.device(device):
+        net, optimizer, step = _built(stack, model, setup, None)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    vocab = _vocab(model)
+
+    def ids():
+        return torch.randint(0, vocab, (setup.micro_batch, setup.ctx), device=device, generator=gen)
+
+    batches = [(ids(), ids()) for _ in range(setup.grad_accum)]
+    sync = devices.synchronizer(device)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step(net, optimizer, batches[:run_setup.grad_accum], run_setup, device.type)
+        sync()
+        if on_step is not None:
+            on_step(time.perf_counter() - t0)
 
 
 def _stack_module(stack: str):

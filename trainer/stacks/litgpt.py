@@ -42,11 +42,11 @@ import torch
 from memplan.errors import InputError
 from memplan.memory.stacks.litgpt import LitgptStack
 from memplan.setup import TrainSetup
-from trainer.stacks import StackModel, converting_fake_parameters, require
+from trainer.stacks import EXTRAS, StackModel, converting_fake_parameters, require
 
 STACK = "litgpt"
 LIBRARY = "litgpt"
-EXTRA = "pip install 'memplan[litgpt]'"
+EXTRA = EXTRAS[STACK]
 LORA_R_ALPHA = 16  # finetune/lora.py's lora_alpha default
 LORA_DEFAULT_DROPOUT = LitgptStack.lora_default_dropout  # finetune/lora.py's lora_dropout default (0.05)
 LM_HEAD_CHUNK = 128  # finetune/lora.py: model(input_ids, lm_head_chunk_size=128)

@@ -35,11 +35,11 @@ import torch
 from memplan.errors import InputError
 from memplan.memory.stacks.torchtune import TorchtuneStack
 from memplan.setup import TrainSetup
-from trainer.stacks import StackModel, converting_fake_parameters, require
+from trainer.stacks import EXTRAS, StackModel, converting_fake_parameters, require
 
 STACK = "torchtune"
 LIBRARY = "torchtune"
-EXTRA = "pip install 'memplan[torchtune]'"
+EXTRA = EXTRAS[STACK]
 PRECISIONS = TorchtuneStack.precisions  # the planner twin's: fp32, tf32, bf16
 LORA_DEFAULT_DROPOUT = TorchtuneStack.lora_default_dropout  # the recipes' configs: lora_dropout: 0.0
 IGNORE_INDEX = -100  # CEWithChunkedOutputLoss's ignore_index

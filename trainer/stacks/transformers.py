@@ -204,3 +204,63 @@ def as_on_real_tensors():
         yield
     finally:
         import_utils.is_fake_tensor, masking_utils.find_packed_sequence_indices = saved
+
+
+def trial_steps(model: StackModel, setup: TrainSetup, run_setup: TrainSetup, steps: int, device, seed: int = 0,
+                emitted: dict | None = None, on_step=None) -> None:
+    """``steps`` optimizer steps of ``transformers.Trainer`` itself (``autotune --verify --stack transformers``),
+    with the ``TrainingArguments`` ``autotune --emit`` writes for the plan (``emitted``: its files, by name;
+    peft's ``LoraConfig`` from ``lora_config.json`` where LoRA is planned); ``on_step(seconds)`` after each
+    step, its seconds from ``on_step_begin`` to ``on_step_end``.
+
+    The model is built as the emitted ``train.py`` builds it, from the config instead of weights: the dtype
+    (bf16 for pure bf16), ``attn_implementation``, ``use_cache=False``, then peft's adapters; checkpointing
+    is the arguments' ``gradient_checkpointing``, which ``Trainer`` applies. The arguments are the emitted ones
+    but for what a trial must change: ``output_dir`` (a temporary directory), ``max_steps``,
+    ``gradient_accumulation_steps`` (``run_setup``'s: the plan's, capped), no checkpoint saved, no progress
+    bar, ``seed``. The data: ``micro_batch × accumulation × steps`` random windows of ``ctx`` tokens, each its
+    own labels, in memory (``default_data_collator``), as ``train.py``'s ``text_dataset`` makes them."""
+    import json
+    import tempfile
+    import time
+
+    transformers = require("transformers", STACK)
+    from trainer import device as devices
+
+    emitted = emitted or {}
+    if "training_args.json" not in emitted:
+        raise InputError("--verify --stack transformers: the trial needs the emitted training_args.json")
+    kwargs = json.loads(emitted["training_args.json"])
+    lora = json.loads(emitted["lora_config.json"]) if "lora_config.json" in emitted else None
+    net = build_model(model, setup.replace(checkpointing="none", lora_rank=0))  # Trainer checkpoints, peft adapts
+    if lora is not None:
+        peft = require(LORA_LIBRARY, STACK)
+        with _quiet(transformers):
+            net = peft.get_peft_model(net, peft.LoraConfig(**lora))
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config_dict(model, setup)["vocab_size"]
+    dataset = []
+    for _ in range(setup.micro_batch * run_setup.grad_accum * steps):
+        ids = torch.randint(0, vocab, (setup.ctx,), generator=gen)
+        dataset.append({"input_ids": ids, "labels": ids})
+    sync = devices.synchronizer(device)
+
+    class Timer(transformers.TrainerCallback):
+        started = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            if on_step is not None:
+                on_step(time.perf_counter() - self.started)
+
+    with tempfile.TemporaryDirectory(prefix="memplan-verify-") as out, _quiet(transformers):
+        kwargs.update(output_dir=out, max_steps=steps, gradient_accumulation_steps=run_setup.grad_accum,
+                      save_strategy="no", disable_tqdm=True, seed=seed, use_cpu=device.type == "cpu")
+        args = transformers.TrainingArguments(**kwargs)
+        trainer = transformers.Trainer(model=net, args=args, train_dataset=dataset,
+                                       data_collator=transformers.default_data_collator, callbacks=[Timer()])
+        trainer.train()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from memplan.errors import InputError
+from memplan.memory.terms import LIBRARY_CODE_BYTES, library_code_resident_bytes
 from memplan.setup import CHECKPOINTINGS, LORA_TARGET_NAMES, OPTIMIZERS, PRECISIONS, SHARDINGS
 from memplan.units import possessive
 
@@ -254,9 +255,10 @@ class Stack:
 
     def model_code_bytes(self, setup, transformers_bytes: int | None = None, peft_bytes: int | None = None) -> int:
         """CPU: what the stack's model code keeps resident in the training process beyond the runtime context
-        (memplan's own code is in the context). ``transformers_bytes``/``peft_bytes``: the device's measured
-        figures, None for the default."""
-        return 0
+        (memplan's own code is in the context; litgpt's and torchtune's: ``library_code_resident_bytes``,
+        transformers' overrides it). ``transformers_bytes``/``peft_bytes``: the device's measured figures, None
+        for the default."""
+        return library_code_resident_bytes(self.library) if self.library in LIBRARY_CODE_BYTES else 0
 
     def walked_setup(self, setup):
         """The step the stack's code takes for ``setup`` (its own optimizer)."""
