@@ -746,8 +746,8 @@ COMPILE_STEPS = 6  # timed steps of each (eager, compiled), alternating
 
 def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS) -> None:
     """``cal.compile``: COMPILE_REFERENCE's training step (``train_step``) eager and ``torch.compile``d, median
-    seconds of ``steps`` of each (alternating, by the calibration's clock; their minimum by CPU time, ``repeats_figure``) and the compile's one-off: the wall
-    time of the first compiled step less a compiled step (compiling runs in worker processes too, which a
+    seconds of ``steps`` of each (alternating, by the calibration's clock; their minimum by CPU time,
+    ``repeats_figure``) and the compile's one-off: the wall time of the first compiled step less a compiled step (compiling runs in worker processes too, which a
     CPU-time clock would not see). A compile that fails (no C compiler for inductor on a CPU, ...) is recorded
     in ``cal.skipped``, and nothing else."""
     from memplan.model import ModelSpec
