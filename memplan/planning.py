@@ -160,8 +160,10 @@ def quickstart_model(vocab: int, profile, minutes: float, ctx: int, matmul_rate:
     trains on at least QUICKSTART_TOKENS_PER_PARAM × params tokens within ``minutes`` (tokens/s at
     micro-batch 8, with the local matmul rate: the profile's calibrated one, else one measured now by
     ``matmul_rate``, FLOP/s),
-    else the ladder's smallest rung. Returns (spec, predicted tokens/s, matmul FLOP/s, whether a rung
-    met the rule)."""
+    else the ladder's smallest rung. Tokens/s are a free core's (``free_core``): the share of a core other
+    processes left the run when it started moves its wall time, not the model or the global batch it trains
+    (issue 28: 62% of a core probed halved the prediction, and with it the batch, to 256 tokens). Returns (spec,
+    predicted tokens/s, matmul FLOP/s, whether a rung met the rule)."""
     from memplan.model import ModelSpec, _round_up
     from memplan.setup import TrainSetup
     from memplan.timing import step_time
@@ -172,6 +174,7 @@ def quickstart_model(vocab: int, profile, minutes: float, ctx: int, matmul_rate:
         rate = matmul_rate()
         rated = profile.replace(calibrated={**profile.calibrated, "matmul_tflops": {
             **profile.calibrated.get("matmul_tflops", {}), "fp32": rate / 1e12}})
+    rated = free_core(rated)  # the plan is this machine's, not the load's of the second it starts in
     chosen, met = None, False
     for layers in QUICKSTART_LAYERS:
         hidden = 64 * layers
@@ -187,8 +190,28 @@ def quickstart_model(vocab: int, profile, minutes: float, ctx: int, matmul_rate:
     return chosen[0], chosen[1], rate, met
 
 
-def quickstart_model_line(spec, tps: float, rate: float, met: bool, minutes: float) -> str:
-    """What the quick start says of its model choice: the rule it applied and the tokens predicted."""
+def free_core(profile):
+    """``profile`` without the share of a core measured when the run started (``calibrated.cpu_share``, which
+    ``memplan.timing.contention_seconds`` turns into the time others hold the core): an idle core's step time.
+    A one-thread calibration by CPU time measures an idle core's rates whatever the load, so this is the figure
+    a loaded machine does not move."""
+    if "cpu_share" not in profile.calibrated:
+        return profile
+    return profile.replace(calibrated={k: v for k, v in profile.calibrated.items() if k != "cpu_share"})
+
+
+def quickstart_global_batch(tps: float, minutes: float, ctx: int) -> int:
+    """The quick start's global batch in tokens: ``ctx`` times the largest power of two that leaves
+    QUICKSTART_MIN_STEPS or more steps at ``tps`` tokens/s (``quickstart_model``'s, a free core's) in
+    ``minutes``; at least one sequence, at most 2^19 tokens."""
+    steps_tokens = tps * minutes * 60 / QUICKSTART_MIN_STEPS
+    return max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
+
+
+def quickstart_model_line(spec, tps: float, rate: float, met: bool, minutes: float,
+                          share: float | None = None) -> str:
+    """What the quick start says of its model choice: the rule it applied and the tokens predicted (``tps``, a free
+    core's; ``share``: the share of the core the run was found to get, which its own prediction counts)."""
     from memplan.units import format_count
 
     tokens = tps * minutes * 60
@@ -197,7 +220,8 @@ def quickstart_model_line(spec, tps: float, rate: float, met: bool, minutes: flo
            f"{QUICKSTART_TOKENS_PER_PARAM:g} tokens per parameter in that time)")
     return (f"Model for a {minutes:g}-minute run: [bold]{spec.describe()}[/] — {why}: ~{format_count(tokens)} "
             f"tokens ({tokens / spec.params:.1f} per parameter) at ~{format_count(tps)} tokens/s predicted "
-            f"(local matmul measured at {rate / 1e9:,.0f} GFLOP/s)")
+            + (f"on a free core, {share:.0%} of which is free now " if share and share < 1 else "")
+            + f"(local matmul measured at {rate / 1e9:,.0f} GFLOP/s)")
 
 
 def for_world(plan, world_size: int, sharding: str | None, profile, *, say: Callable = _silent,
@@ -239,10 +263,10 @@ def autotuned_plan(spec, ctx, prepared, profile, *, minutes, global_batch_tokens
     if spec is None:
         minutes = minutes or QUICKSTART_MINUTES  # with a step or token limit instead, size it for the default
         spec, tps, rate, met = quickstart_model(prepared.vocab_size, profile, minutes, ctx, matmul_rate)
-        say(quickstart_model_line(spec, tps, rate, met, minutes), soft_wrap=True)
-        if global_batch_tokens is None:  # small steps, so the run gets QUICKSTART_MIN_STEPS or more
-            steps_tokens = tps * minutes * 60 / QUICKSTART_MIN_STEPS
-            global_batch_tokens = max(ctx, min(1 << 19, ctx * 2 ** max(0, int(math.log2(max(1, steps_tokens / ctx))))))
+        say(quickstart_model_line(spec, tps, rate, met, minutes, share=profile.calibrated.get("cpu_share")),
+            soft_wrap=True)
+        if global_batch_tokens is None:  # small steps, so the run gets QUICKSTART_MIN_STEPS or more on a free core
+            global_batch_tokens = quickstart_global_batch(tps, minutes, ctx)
     kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
               budget_bytes=budget_bytes, margin=margin, world_size=world_size)
     if stack_class(stack).library:  # every candidate walked as transformers' model class runs (memplan.memory.stacks)

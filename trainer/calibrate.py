@@ -322,11 +322,26 @@ def clock_function(clock: str) -> Callable[[], float]:
     return time.perf_counter if clock == "wall" else time.process_time
 
 
+def repeats_figure(times: Sequence[float], clock: str) -> float:
+    """One figure for repeated timings of the same work. By CPU time (``clock`` cpu) their minimum: the
+    process's CPU time is only ever inflated by what else runs (caches and the core's other hardware thread
+    taken, pages reclaimed), never deflated, so the least of the repeats is the nearest to the work's own cost,
+    where a loaded machine moves their median by tens of percent (issue 28: a quick start under load predicted
+    half the tokens/s it then trained at). By wall time their median, since a wall-time figure is meant to
+    include the device's ordinary variation (a GPU's clocks, a CPU's turbo)."""
+    if not times:
+        raise ValueError("no timings")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock {clock!r} is not one of {', '.join(CLOCKS)}")
+    return min(times) if clock == "cpu" else statistics.median(times)
+
+
 class _Clock:
     """Times callables on the device, keeping a budget and the spread of every measurement."""
 
     def __init__(self, device: torch.device, deadline: float, clock: str = "wall"):
         self.device, self.sync, self.deadline = device, devices.synchronizer(device), deadline
+        self.clock = clock
         self.now = clock_function(clock)
         self.spreads: list[float] = []
         self.tick: Callable[[], None] = lambda: None  # called after every measurement (progress)
@@ -336,7 +351,8 @@ class _Clock:
 
     def time(self, fn: Callable[[], object], setup: Callable[[], object] | None = None,
              min_seconds: float = MIN_REPEAT_SECONDS, max_repeats: int = MAX_REPEATS) -> float:
-        """Median seconds of one call of ``fn`` (``setup`` runs untimed before each), after one warm-up."""
+        """Seconds of one call of ``fn`` (``setup`` runs untimed before each), after one warm-up: the median of the
+        repeats, or their minimum by CPU time (``repeats_figure``)."""
         times: list[float] = []
         start = self.now()
         for i in range(max_repeats + 1):
@@ -356,18 +372,20 @@ class _Clock:
         return self._median(times)
 
     def _median(self, times: list[float]) -> float:
+        """The figure of ``times`` for this clock (``repeats_figure``), their spread (IQR / median) recorded."""
         self.tick()
         med = statistics.median(times)
         if len(times) >= 4:
             q = statistics.quantiles(times, n=4)
             self.spreads.append((q[2] - q[0]) / med if med > 0 else 0.0)
-        return med
+        return repeats_figure(times, self.clock)
 
     def time_forward_backward(self, forward: Callable[[int], object], backward: Callable[[], object],
                               min_seconds: float = MIN_REPEAT_SECONDS,
                               max_repeats: int = MAX_REPEATS) -> tuple[float, float]:
-        """Median seconds of ``forward(i)`` and of the ``backward()`` that follows it, alternating as in a
-        training step (``i`` picks which copy of the inputs to use), after one warm-up pair."""
+        """Seconds of ``forward(i)`` and of the ``backward()`` that follows it (``_median``: the median of the
+        repeats, their minimum by CPU time), alternating as in a training step (``i`` picks which copy of the
+        inputs to use), after one warm-up pair."""
         fwd, bwd = [], []
         start = self.now()
         for i in range(max_repeats + 1):
@@ -762,8 +780,8 @@ COMPILE_STEPS = 6  # timed steps of each (eager, compiled), alternating
 
 def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS) -> None:
     """``cal.compile``: COMPILE_REFERENCE's training step (``train_step``) eager and ``torch.compile``d, median
-    seconds of ``steps`` of each (alternating, by the calibration's clock) and the compile's one-off: the wall
-    time of the first compiled step less a compiled step (compiling runs in worker processes too, which a
+    seconds of ``steps`` of each (alternating, by the calibration's clock; their minimum by CPU time,
+    ``repeats_figure``) and the compile's one-off: the wall time of the first compiled step less a compiled step (compiling runs in worker processes too, which a
     CPU-time clock would not see). A compile that fails (no C compiler for inductor on a CPU, ...) is recorded
     in ``cal.skipped``, and nothing else."""
     from memplan.model import ModelSpec
@@ -807,7 +825,8 @@ def measure_compile(clock: _Clock, cal: Calibration, steps: int = COMPILE_STEPS)
         e_times.append(step(eager, eager_opt))
         c_times.append(step(compiled, compiled_opt))
         c_wall.append(step(compiled, compiled_opt, now=time.perf_counter))
-    cal.compile = {**r, "eager_seconds": statistics.median(e_times), "compiled_seconds": statistics.median(c_times),
+    cal.compile = {**r, "eager_seconds": repeats_figure(e_times, clock.clock),
+                   "compiled_seconds": repeats_figure(c_times, clock.clock),
                    "compile_seconds": max(0.0, first - statistics.median(c_wall))}
     clock.tick()
     del compiled, compiled_opt

@@ -284,7 +284,7 @@ def _error_line(console, text: str) -> None:
 
 
 def _print_plan(trainer, console) -> None:
-    from memplan.units import format_bytes, format_count, format_seconds
+    from memplan.units import format_bytes, format_count
 
     p, s = trainer.plan, trainer.plan.setup
     pred = trainer.predicted
@@ -301,7 +301,7 @@ def _print_plan(trainer, console) -> None:
                   f"({trainer.profile.name} profile)")
     print_hanging(console, "  predicted: ", f"peak {format_bytes(pred.peak_reserved)} "
                   f"({format_bytes(pred.peak_allocated)} live tensors), {pred.tokens_per_second:,.0f} tokens/s, "
-                  f"{format_seconds(pred.step_seconds)} a step, MFU {pred.mfu:.1%}")
+                  f"{_step_clock(pred.step_seconds)} a step, MFU {pred.mfu:.1%}")
     print_hanging(console, "  ETA: ", predicted_eta_text(trainer))
     if trainer.base_hf:  # memplan train --from: where the weights came from
         b = trainer.base_hf
@@ -359,7 +359,7 @@ def predicted_eta_text(trainer) -> str:
             return f"{_clock(seconds)} for {steps:,} step{'s' if steps != 1 else ''} ({why}) at the predicted step time"
     if step_seconds > limit:
         return (f"{_clock(limit)} (--max-minutes {c.max_minutes:g}); one step is predicted to take "
-                f"{_clock(step_seconds)}, longer than the time limit")
+                f"{_step_clock(step_seconds)}, longer than the time limit")
     return f"{_clock(limit)} (--max-minutes {c.max_minutes:g}): about {int(limit // step_seconds):,} steps at the " \
            "predicted step time"
 
@@ -401,6 +401,18 @@ def _clock(seconds: float) -> str:
     seconds = max(0, int(seconds))
     h, rest = divmod(seconds, 3600)
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _step_clock(seconds: float) -> str:
+    """A step's time, as the header and the live line give it, in one form whatever its length: ``210 ms`` and
+    ``4.2 s`` under a minute, then the clock the ETA and the limit use, ``30:31`` (issue 28: the step time read
+    "30.5 min" beside an ETA of "30:31", and the line during a step "predicted 0:00 a step" for 210 ms)."""
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return _clock(seconds)
 
 
 def progress_count(step: int, total: int | None, total_fixed: bool, elapsed: float | None = None,
@@ -522,8 +534,8 @@ class _ProgressView:
         if waited < STEP_TICK_SECONDS:
             return
         step = self.trainer.step + 1
-        text = (f"step {step:,} running for {_clock(waited)} (predicted {_clock(self.trainer.predicted.step_seconds)}"
-                " a step)")
+        text = (f"step {step:,} running for {_step_clock(waited)} (predicted "
+                f"{_step_clock(self.trainer.predicted.step_seconds)} a step)")
         if self.live:
             if self.task is None:
                 self.task = self.progress.add_task("train", total=None, count=f"step {step:,}", status=text)

@@ -228,3 +228,54 @@ def test_the_step_time_benchmark_runs_on_a_calibrated_profile(profile, tmp_path)
     assert row["predicted_seconds"] > 0 and row["static_predicted_seconds"] > 0
     assert row["error"] == pytest.approx((row["predicted_seconds"] - row["measured_seconds"]) / row["measured_seconds"])
     assert "Predicted vs measured" in out_html.read_text()
+
+
+class _ScriptedTime:
+    """A clock that advances only when the timed call runs, by the next of ``durations`` (seconds)."""
+
+    def __init__(self, durations):
+        self.t, self.durations = 0.0, list(durations)
+
+    def now(self) -> float:
+        return self.t
+
+    def work(self) -> None:
+        self.t += self.durations.pop(0)
+
+
+@pytest.mark.parametrize("clock,expected", [("cpu", 0.10), ("wall", 0.15)])
+def test_repeats_by_cpu_time_take_their_minimum_and_by_wall_time_their_median(clock, expected):
+    """Issue 28: the same work timed five times after a warm-up, two of the repeats slowed by another
+    process. By CPU time (which interference only ever inflates) the figure is the least of them; by wall
+    time the median, as before."""
+    pytest.importorskip("torch")
+    import math
+
+    import torch
+
+    from trainer.calibrate import _Clock
+
+    script = _ScriptedTime([1.0, 0.10, 0.30, 0.12, 0.15, 0.40])
+    timer = _Clock(torch.device("cpu"), deadline=math.inf, clock=clock)
+    timer.now = script.now
+    seconds = timer.time(script.work, min_seconds=100.0, max_repeats=5)
+    assert not script.durations  # all five repeats were timed
+    assert seconds == pytest.approx(expected)
+    assert timer.spreads and timer.spreads[0] > 0.5  # the spread is still the repeats' IQR over their median
+
+
+def test_forward_and_backward_by_cpu_time_take_their_minimum():
+    pytest.importorskip("torch")
+    import math
+
+    import torch
+
+    from trainer.calibrate import _Clock
+
+    # warm-up pair, then (forward, backward) pairs; the second and fourth slowed by interference
+    script = _ScriptedTime([1.0, 1.0, 0.10, 0.20, 0.35, 0.70, 0.11, 0.21, 0.30, 0.50])
+    timer = _Clock(torch.device("cpu"), deadline=math.inf, clock="cpu")
+    timer.now = script.now
+    fwd, bwd = timer.time_forward_backward(lambda i: script.work(), script.work, min_seconds=100.0, max_repeats=4)
+    assert not script.durations
+    assert (fwd, bwd) == (pytest.approx(0.10), pytest.approx(0.20))

@@ -75,10 +75,12 @@ def test_the_eta_counts_down_in_one_unit():
     assert ["ETA 2:06" in shown[0], "ETA 1:48" in shown[1], "ETA 0:00" in shown[2]] == [True] * 3, shown
 
 
-def test_the_live_line_runs_during_a_long_step(monkeypatch):
+@pytest.mark.parametrize("predicted,shown", [(1831.0, "30:31"), (4.2, "4.2 s"), (0.21, "210 ms")])
+def test_the_live_line_runs_during_a_long_step(monkeypatch, predicted, shown):
     """Issue 28: a plan for a faster device takes half an hour a step here, and nothing moved before the
     first step ended. The view counts the time of the step under way against its prediction, on a terminal
-    (redrawn) and on a pipe (a line every PIPE_STEP_TICK_SECONDS)."""
+    (redrawn) and on a pipe (a line every PIPE_STEP_TICK_SECONDS), both in the step time's one form
+    (``_step_clock``: a 210 ms step read "predicted 0:00 a step")."""
     import time
 
     import memplan.cli.train as train_cli
@@ -87,7 +89,7 @@ def test_the_live_line_runs_during_a_long_step(monkeypatch):
     monkeypatch.setattr(train_cli, "PIPE_STEP_TICK_SECONDS", 0.05)
     trainer = SimpleNamespace(config=SimpleNamespace(max_minutes=None), elapsed_seconds=0.0, step=0,
                               schedule=SimpleNamespace(fixed=True),
-                              predicted=SimpleNamespace(peak_reserved=GiB, step_seconds=1831.0))
+                              predicted=SimpleNamespace(peak_reserved=GiB, step_seconds=predicted))
     for terminal in (True, False):
         out = io.StringIO()
         view = _ProgressView(Console(file=out, force_terminal=terminal, width=80, color_system=None), trainer)
@@ -96,7 +98,36 @@ def test_the_live_line_runs_during_a_long_step(monkeypatch):
             rendered = io.StringIO()
             Console(file=rendered, width=80, color_system=None).print(view.progress.get_renderable())
         text = rendered.getvalue() if terminal else out.getvalue()
-        assert re.search(r"step 1 running for 0:00 \(predicted 30:31 a step\)", text), (terminal, text)
+        assert re.search(rf"step 1 running for \d+ ms \(predicted {shown} a step\)", text), (terminal, text)
+
+
+def test_a_step_time_reads_in_one_form_at_any_length():
+    """Issue 28 item 6: times in the header and the live line switched units ("2.1 min", then "108.0 s"). A step
+    time is milliseconds or seconds under a minute and the ETA's clock from a minute on."""
+    from memplan.cli.train import _step_clock
+
+    assert [_step_clock(s) for s in (0.0, 0.21, 0.9994, 1.0, 4.2, 59.94, 60.0, 108.0, 126.0, 1831.0, 7384.0)] == [
+        "0 ms", "210 ms", "999 ms", "1.0 s", "4.2 s", "59.9 s", "1:00", "1:48", "2:06", "30:31", "2:03:04"]
+
+
+def test_the_plan_header_gives_the_step_time_as_the_eta_gives_time():
+    """Issue 28: the header read "30.5 min a step" beside "ETA: 30:31 ..."; both are now the clock."""
+    from memplan.cli.train import _print_plan
+    from memplan.model import from_size
+    from memplan.setup import TrainSetup
+
+    setup = TrainSetup(ctx=256, micro_batch=4, precision="fp32")
+    trainer = SimpleNamespace(
+        run_dir="runs/x", plan=SimpleNamespace(model=from_size("1m"), setup=setup), step=0, tokens=0,
+        data=SimpleNamespace(path="data/x", train_tokens=1_000_000, source_names=["a"]),
+        device=SimpleNamespace(type="cpu"), profile=SimpleNamespace(name="cpu", family="cpu"), base_hf=None,
+        predicted=SimpleNamespace(peak_reserved=GiB, peak_allocated=GiB // 2, tokens_per_second=72.0,
+                                  step_seconds=1831.0, mfu=0.01),
+        config=SimpleNamespace(max_steps=10, max_tokens=None, max_minutes=None), replaced_limits=None)
+    out = io.StringIO()
+    _print_plan(trainer, Console(file=out, width=200, color_system=None))
+    text = " ".join(out.getvalue().split())
+    assert "30:31 a step" in text and "ETA: 5:05:10 for 10 steps" in text, text
 
 
 def test_the_plan_header_gives_the_step_time_and_the_eta_before_the_first_step():

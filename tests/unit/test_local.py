@@ -365,6 +365,38 @@ def test_an_unsteady_load_predicts_cpu_time_instead_of_scaling_by_one_probe(cach
     assert "cpu_share" not in profile.calibrated and "the calibration's timings spread 24%" in note, note
 
 
+def test_the_quick_starts_model_and_global_batch_do_not_move_with_the_load_when_it_starts(cache):
+    """Issue 28: the global batch was sized from the prediction with the share of a core probed at the start in
+    it, so a run that started at 62% of a core trained 256 tokens a step instead of 1,024. The model and the
+    batch are now sized on a free core's tokens/s; the run's own prediction still counts the share."""
+    from types import SimpleNamespace
+
+    from memplan.planning import QUICKSTART_MIN_STEPS, autotuned_plan
+
+    idle = load_profile("cpu").replace(calibrated=tomllib.loads(calibration_text(matmul_tflops=0.2))["calibrated"])
+    loaded = idle.replace(calibrated={**idle.calibrated, "cpu_share": 0.5})
+    said = []
+
+    def plan(profile):
+        return autotuned_plan(None, 256, SimpleNamespace(vocab_size=4096), profile, minutes=3.0,
+                              global_batch_tokens=None, budget_bytes=None, margin=0.1,
+                              say=lambda text, soft_wrap=False: said.append(text))
+
+    free, busy = plan(idle), plan(loaded)
+    assert busy.model == free.model
+    assert busy.setup.tokens_per_step == free.setup.tokens_per_step
+    assert busy.predicted["tokens_per_second"] < 0.6 * free.predicted["tokens_per_second"]  # the run's own: wall
+    # the model line gives the free core's tokens/s both times, and says so where the core was shared
+    assert said[1] == said[0].replace(" (local matmul", " on a free core, 50% of which is free now (local matmul")
+    # the rule itself: the largest power of two of sequences leaving QUICKSTART_MIN_STEPS steps or more
+    from memplan.planning import quickstart_global_batch
+
+    for tps in (2225.0, 4436.0, 8533.4, 20_000.0):
+        tokens = quickstart_global_batch(tps, 3.0, 256)
+        assert tps * 180 / tokens >= QUICKSTART_MIN_STEPS > tps * 180 / (2 * tokens) or tokens == 256
+    assert [quickstart_global_batch(t, 3.0, 256) for t in (2225.0, 4436.0, 8533.4)] == [256, 512, 1024]
+
+
 def test_steady_figures_give_tokens_per_second_of_cpu_time():
     from trainer.records import TrainLine, steady_figures
 
