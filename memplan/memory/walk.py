@@ -641,7 +641,7 @@ class _Step:
             self.first_unsaved = lora.first_block_unsaved_bytes(spec, cs, gqa_repeat, stack)
             self.first_copies = lora.first_block_weight_copy_bytes(spec, cs)
         # torch.compile (memplan.memory.compiled): what inductor's partitioner saves less, where it is modelled
-        self.w.compiled = compiled.compiled_modelled(cs, stack) is None
+        self.w.compiled = compiled.compiled_modelled(spec, cs, stack) is None
         self.first_residual = 0
         if self.w.compiled:
             self.stored -= compiled.compiled_silu_unsaved_bytes(spec, cs)
