@@ -125,7 +125,7 @@ VERIFY = [
 CALIBRATE = """
 import memplan.cli
 from memplan.hardware import device_from_flags
-from trainer.request import TrainUI, local_calibration
+from trainer.train_run import TrainUI, local_calibration
 
 profile, note = local_calibration(device_from_flags(None, None), TrainUI(), measure_now=True)
 mib = lambda b: "default" if b is None else f"{b / 2**20:.1f} MiB"
