@@ -60,7 +60,8 @@ TRAIN = [
 ]
 # --compiled-only: `memplan train --compile` with a given model and setup, the compiled step planned by the walk's
 # compile hook (memplan.memory.compiled): without checkpointing, under full checkpointing, and LoRA-free eager
-# attention. Each runs for TRAIN_MINUTES after its compile (the trainer logs memory from step 2 on).
+# attention. Each runs COMPILED_STEPS steps, not minutes: its compile (a minute or more here) would take a timed
+# run's whole time, and the trainer logs memory from step 2 on.
 COMPILED = [
     ("2x128 ctx256 b4 sdpa compiled", ["--layers", "2", "--hidden", "128", "--heads", "2", "--ffn", "384", "--ctx",
                                        "256", "--batch", "4", "--compile"]),
@@ -69,6 +70,7 @@ COMPILED = [
     ("4x256 ctx256 b8 eager compiled", ["--layers", "4", "--hidden", "256", "--heads", "4", "--ffn", "768", "--ctx",
                                         "256", "--batch", "8", "--attention", "eager", "--compile"]),
 ]
+COMPILED_STEPS = 30
 # Each `train` config runs this long: its heap settles over tens of steps (2x128 ctx256 b4: 410 MiB measured at
 # step 2, 463 MiB from step 14 on, 465 MiB at step 400), and the trainer samples memory once a second after the
 # first two steps, so a run of a few steps measured only the unsettled step 2 (the +12.0% this row once showed).
@@ -228,8 +230,8 @@ def main() -> int:
         rows.append(("family", name, run_figures(out)))
     for name, flags in (COMPILED if args.compiled_only else [] if args.families_only else TRAIN):
         out = runs / name.replace(" ", "_")
-        r = memplan("train", "--data", str(data), "--out", str(out), *flags, "--max-minutes", f"{TRAIN_MINUTES:g}",
-                    "--sample-tokens", "0", env=env)
+        limit = ["--max-steps", str(COMPILED_STEPS)] if args.compiled_only else ["--max-minutes", f"{TRAIN_MINUTES:g}"]
+        r = memplan("train", "--data", str(data), "--out", str(out), *flags, *limit, "--sample-tokens", "0", env=env)
         if r.returncode != 0:
             sys.exit(f"{name}: {r.stderr.strip()[-800:]}")
         rows.append(("train", name, run_figures(out)))
