@@ -41,15 +41,9 @@ def _live_at_start(model, optimizer) -> int:
 
 def _allocator_peak(step) -> int:
     """The largest running sum of the CPU allocator's allocations and frees while ``step()`` runs."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    from trainer.measure import allocator_peak
+
+    return allocator_peak(step)
 
 
 def step_peak(stack: str, spec: ModelSpec, setup: TrainSetup, compiled: bool, seed: int = 0) -> int:

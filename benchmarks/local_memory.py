@@ -23,7 +23,10 @@ transformers' model class and of peft a CPU process keeps resident) are the buil
 here, in a process of its own), so the families plan with what this machine measured.
 
     python benchmarks/local_memory.py [--cache DIR] [--keep DIR] [--quick-minutes M] [--families-only] [--calibrate]
-                                      [--family NAME ...]
+                                      [--family NAME ...] [--compiled-only]
+
+With --compiled-only, only COMPILED: `memplan train --compile` with a given model and setup, each against its
+plan (the compiled step's walk where memplan.memory.compiled models it).
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ TRAIN = [
     ("8x512 ctx256 b4 selective", ["--layers", "8", "--hidden", "512", "--heads", "8", "--ffn", "1536", "--ctx",
                                    "256", "--batch", "4", "--checkpointing", "selective"]),
 ]
+# --compiled-only: `memplan train --compile` with a given model and setup, the compiled step planned by the walk's
+# compile hook (memplan.memory.compiled): without checkpointing, under full checkpointing, and LoRA-free eager
+# attention. Each runs COMPILED_STEPS steps, not minutes: its compile (a minute or more here) would take a timed
+# run's whole time, and the trainer logs memory from step 2 on.
+COMPILED = [
+    ("2x128 ctx256 b4 sdpa compiled", ["--layers", "2", "--hidden", "128", "--heads", "2", "--ffn", "384", "--ctx",
+                                       "256", "--batch", "4", "--compile"]),
+    ("4x256 ctx512 b4 full-ckpt compiled", ["--layers", "4", "--hidden", "256", "--heads", "4", "--ffn", "768",
+                                            "--ctx", "512", "--batch", "4", "--checkpointing", "full", "--compile"]),
+    ("4x256 ctx256 b8 eager compiled", ["--layers", "4", "--hidden", "256", "--heads", "4", "--ffn", "768", "--ctx",
+                                        "256", "--batch", "8", "--attention", "eager", "--compile"]),
+]
+COMPILED_STEPS = 30
 # Each `train` config runs this long: its heap settles over tens of steps (2x128 ctx256 b4: 410 MiB measured at
 # step 2, 463 MiB from step 14 on, 465 MiB at step 400), and the trainer samples memory once a second after the
 # first two steps, so a run of a few steps measured only the unsettled step 2 (the +12.0% this row once showed).
@@ -111,7 +127,7 @@ VERIFY = [
 CALIBRATE = """
 import memplan.cli
 from memplan.hardware import device_from_flags
-from trainer.request import TrainUI, local_calibration
+from trainer.train_run import TrainUI, local_calibration
 
 profile, note = local_calibration(device_from_flags(None, None), TrainUI(), measure_now=True)
 mib = lambda b: "default" if b is None else f"{b / 2**20:.1f} MiB"
@@ -159,6 +175,8 @@ def main() -> int:
                     help="stop the quick start after this many minutes (default: its own three)")
     ap.add_argument("--families-only", action="store_true",
                     help="only the run per family (the embedded corpus prepared first, no quick start)")
+    ap.add_argument("--compiled-only", action="store_true",
+                    help="only the torch.compile'd `train` configs (COMPILED; the embedded corpus prepared first)")
     ap.add_argument("--calibrate", action="store_true",
                     help="with --families-only: calibrate this machine into the cache first, as the quick start does")
     ap.add_argument("--family", action="append", metavar="NAME",
@@ -167,14 +185,17 @@ def main() -> int:
     if args.family and not set(args.family) <= set(family_configs()):
         ap.error(f"--family: {', '.join(sorted(set(args.family) - set(family_configs())))} is not one of "
                  f"{', '.join(family_configs())}")
-    if args.calibrate and not args.families_only:
-        ap.error("--calibrate goes with --families-only (the quick start calibrates a fresh cache itself)")
+    if args.calibrate and not (args.families_only or args.compiled_only):
+        ap.error("--calibrate goes with --families-only or --compiled-only (the quick start calibrates a fresh cache "
+                 "itself)")
     cache = Path(args.cache or tempfile.mkdtemp(prefix="memplan-cache-"))
     runs = Path(args.keep or tempfile.mkdtemp(prefix="memplan-runs-"))
     env = env_for(cache)
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; cache {cache}", flush=True)
     rows = []
-    if args.families_only:
+    if args.compiled_only and (args.families_only or args.family):
+        ap.error("--compiled-only runs the compiled configs alone (not with --families-only or --family)")
+    if args.families_only or args.compiled_only:
         prepared = subprocess.run([sys.executable, "-c", "from trainer.train_run import ensure_embedded_data; "
                                    "ensure_embedded_data()"], capture_output=True, text=True, env=env, cwd=ROOT)
         if prepared.returncode != 0:
@@ -194,7 +215,7 @@ def main() -> int:
         print(rates, flush=True)
         rows.append(("train", "quick start", run_figures(runs / "quickstart")))
     data = next((cache / "data").iterdir())
-    for name, (config, extra) in family_configs().items():
+    for name, (config, extra) in ({} if args.compiled_only else family_configs()).items():
         if args.family and name not in args.family:
             continue
         out = runs / ("family_" + name.replace(" ", "_"))
@@ -207,14 +228,14 @@ def main() -> int:
         if r.returncode != 0:
             sys.exit(f"family {name}: {r.stderr.strip()[-800:]}")
         rows.append(("family", name, run_figures(out)))
-    for name, flags in ([] if args.families_only else TRAIN):
+    for name, flags in (COMPILED if args.compiled_only else [] if args.families_only else TRAIN):
         out = runs / name.replace(" ", "_")
-        r = memplan("train", "--data", str(data), "--out", str(out), *flags, "--max-minutes", f"{TRAIN_MINUTES:g}",
-                    "--sample-tokens", "0", env=env)
+        limit = ["--max-steps", str(COMPILED_STEPS)] if args.compiled_only else ["--max-minutes", f"{TRAIN_MINUTES:g}"]
+        r = memplan("train", "--data", str(data), "--out", str(out), *flags, *limit, "--sample-tokens", "0", env=env)
         if r.returncode != 0:
             sys.exit(f"{name}: {r.stderr.strip()[-800:]}")
         rows.append(("train", name, run_figures(out)))
-    for name, flags in ([] if args.families_only else VERIFY):
+    for name, flags in ([] if args.families_only or args.compiled_only else VERIFY):
         r = memplan("autotune", *flags, "--vocab", "4096", "--verify", "--json", env=env)
         if r.returncode != 0:
             sys.exit(f"{name}: {r.stderr.strip()[-800:]}")

@@ -403,7 +403,7 @@ class _Evaluator:
         return len(self._memory)
 
     def memory(self, setup: TrainSetup) -> MemoryBreakdown:
-        modelled = setup.compile and compiled_modelled(setup, self.stack) is None
+        modelled = setup.compile and compiled_modelled(self.spec, setup, self.stack) is None
         key = setup.replace(compile=False) if setup.compile and not modelled else setup
         if key not in self._memory:
             self._memory[key] = memory_on(self.spec, key, self.device, self.stack)

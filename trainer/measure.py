@@ -489,6 +489,50 @@ def measure_step_mps(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepM
     return _mps_step(model, optimizer, lambda: _random_batches(spec, setup, dev), setup)
 
 
+def allocator_peak(step: Callable[[], object]) -> int:
+    """The largest running sum of the CPU allocator's allocations and frees while ``step()`` runs, read from
+    ``torch.profiler``'s memory events (``profile_memory=True``): they see a compiled step's own buffers (inductor's
+    generated code allocates outside any dispatch mode), which MemTracker does not."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def measure_compiled_step(spec: ModelSpec, setup: TrainSetup, seed: int = 0) -> StepMemory:
+    """The peak of a real steady-state ``torch.compile``d step of memplan's model on the CPU, as the trainer takes
+    it (the model compiled, the loss and optimizer eager): the bytes live at the step's start (parameters, buffers,
+    ``.grad``, optimizer state) plus the allocator's peak over the step (``allocator_peak``), after two warm-up
+    steps (the first compiles, the second makes the optimizer's state)."""
+    torch.manual_seed(seed)
+    set_matmul_precision(setup.precision)
+    model = lora_for(build_model(spec, setup.attention, setup.checkpointing, param_dtype(setup.precision)), setup)
+    optimizer = make_optimizer(model, setup.optimizer)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)  # shares the model's parameters with the optimizer
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        for _ in range(2):
+            train_step(compiled, optimizer, _random_batches(spec, setup, "cpu", gen), setup, "cpu", check_finite=False)
+        gc.collect()
+        batches = _random_batches(spec, setup, "cpu", gen)
+        live = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+        live += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        start = _tensor_bytes(live)
+        t0 = time.perf_counter()
+        peak = allocator_peak(lambda: train_step(compiled, optimizer, batches, setup, "cpu", check_finite=False))
+        elapsed = time.perf_counter() - t0
+    finally:
+        torch._dynamo.reset()
+    return StepMemory(peak_allocated=start + peak, step_seconds=elapsed,
+                      method="torch.compile'd step (cpu): live at its start + torch.profiler's allocator peak")
+
+
 def measure_step(spec: ModelSpec, setup: TrainSetup, family: str, seed: int = 0) -> StepMemory:
     """Measure a real steady-state step on the local device of ``family`` (cuda, rocm, mps, cpu)."""
     if family in ("cuda", "rocm"):

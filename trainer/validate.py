@@ -43,8 +43,11 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
 
     predicted = peak_memory(config.spec, config.setup, device.runtime_context_bytes, device.allocator_overhead,
                             repeat, stack=stack_for("memplan", cpu=family == "cpu"))  # dropout masks as made here
-    measured = measure_step(config.spec, config.setup, family)
-    traced = trace_step(config.spec, config.setup, devices.fake_device(family)) if trace else None
+    if config.setup.compile:  # the compiled step, measured and traced as torch.compile runs it
+        measured, traced = _compiled_step(config, family, trace)
+    else:
+        measured = measure_step(config.spec, config.setup, family)
+        traced = trace_step(config.spec, config.setup, devices.fake_device(family)) if trace else None
     rss_delta = (measured.peak_rss - measured.baseline_rss) if measured.peak_rss is not None else None
     return ValidationRow(
         name=config.name, spec=config.spec, setup=config.setup,
@@ -55,6 +58,24 @@ def run_config(config: MatrixConfig, device: Device, trace: bool = True) -> Vali
         peak_moment=predicted.peak_moment, predicted_terms=predicted_terms(config), measured_terms=measured.terms,
         seconds=time.perf_counter() - t0, **_reserve_fields(device, measured, family),
     )
+
+
+def _compiled_step(config: MatrixConfig, family: str, trace: bool):
+    """A ``compile = true`` config: a real compiled step's peak on this CPU (``measure_compiled_step``) and the
+    compiled trace (``trace_compiled_step``: inductor's partitioner on fake tensors). One line where this machine
+    cannot compile or is not the CPU."""
+    from trainer.compile_guard import compile_unavailable
+    from trainer.compiled_trace import trace_compiled_step
+    from trainer.measure import measure_compiled_step
+
+    if family != "cpu":
+        raise InputError(f"{config.name}: compiled configs (compile = true) are measured on the CPU only; "
+                         f"this device is {family}")
+    why = compile_unavailable("cpu")
+    if why:
+        raise InputError(f"{config.name}: compile = true, but {why}")
+    traced = trace_compiled_step(config.spec, config.setup) if trace else None
+    return measure_compiled_step(config.spec, config.setup), traced
 
 
 def _reserve_fields(device: Device, measured, family: str) -> dict:

@@ -97,7 +97,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
 
     from memplan.memory.compiled import compiled_modelled
 
-    why_not = compiled_modelled(setup, est.stack)
+    why_not = compiled_modelled(spec, setup, est.stack)
     compiled_ok = why_not is None
 
     def memory_table(described: bool):

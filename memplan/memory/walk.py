@@ -263,6 +263,11 @@ class _BlockForward:
         spec, setup, p, w = self.spec, self.setup, self.p, self.w
         w.where = "block forward: MLP"
         up = self.normed_linear("up", mlp_up_bytes(spec, setup))
+        if w.compiled:  # compiled under full checkpointing: silu's fp32 chain (memplan.memory.compiled)
+            gate32 = self.make(compiled.compiled_gate_fp32_bytes(spec, setup))
+            w.alloc("temporaries", compiled.compiled_silu_fp32_transient_bytes(spec, setup))
+            w.free("temporaries", compiled.compiled_silu_fp32_transient_bytes(spec, setup))
+            self.drop(gate32, p.recomputes)  # the recomputation keeps it for silu's backward
         fused = compiled.compiled_silu_unsaved_bytes(spec, setup) if w.compiled and p.keeps_saved else 0
         inner = self.make(mlp_inner_bytes(spec, setup) - fused)  # silu(gate) (compiled: fused away), or gelu(up)
         if spec.mlp == "swiglu":
@@ -459,6 +464,28 @@ def _math_attention_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, d
     w.free("temporaries", fp32_grads)
 
 
+def _compiled_silu_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, gate32: int) -> None:
+    """SwiGLU's backward in the compiled step's backward graph under full checkpointing with a 16-bit branch,
+    from the down matmul's input gradient dh (n·F·a, live) to the fused gate|up gradient (live), op by op as the
+    partitioned graph runs it: dh·silu(g) (up's gradient) and dh·up; silu's output gradient cast to fp32; then
+    sigmoid(g) and the product beside the fp32 gate (``compiled.compiled_gate_fp32_bytes``, made by the
+    recomputation) — the step's peak; silu's input gradient cast back and concatenated with up's."""
+    inner, up = mlp_inner_bytes(spec, setup), mlp_up_bytes(spec, setup)
+    chain = compiled.compiled_silu_fp32_transient_bytes(spec, setup)
+    w.alloc("temporaries", 2 * inner)  # dh·silu(g), dh·up
+    w.free("temporaries", inner)  # dh
+    w.free("activations", inner)  # silu(g), 16-bit
+    w.alloc("temporaries", gate32)  # dh·up cast to fp32
+    w.free("temporaries", inner)  # dh·up, 16-bit
+    w.free("activations", up)  # gate|up: its last reader is done
+    w.alloc("temporaries", chain)  # sigmoid(g) and the product
+    w.free("temporaries", gate32 + chain)
+    w.free("activations", gate32)  # the fp32 gate, read last by silu's backward
+    w.alloc("temporaries", inner)  # silu's input gradient, cast back
+    w.alloc("temporaries", up)  # concatenated with up's: the fused gradient
+    w.free("temporaries", 2 * inner)
+
+
 def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int,
                     gqa_repeat: bool = False, first: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
@@ -480,7 +507,10 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     # down: input gradient n·F·a
     _linear_backward(w, spec, setup, m["down"], _resid_dropout_backward(w, spec, setup, g_branch if branch_cast else 0), inner, inner,
                      input_cast=False, matrix="down")
-    if spec.mlp == "swiglu":
+    gate32 = compiled.compiled_gate_fp32_bytes(spec, setup) if w.compiled else 0
+    if gate32:  # compiled under full checkpointing, 16-bit: silu's backward through fp32 buffers
+        _compiled_silu_backward(w, spec, setup, gate32)
+    elif spec.mlp == "swiglu":
         recomputed = compiled.compiled_silu_unsaved_bytes(spec, setup) if w.compiled else 0
         w.alloc("temporaries", recomputed)  # compiled: silu(gate) recomputed from the saved gate
         w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
@@ -611,12 +641,12 @@ class _Step:
             self.first_unsaved = lora.first_block_unsaved_bytes(spec, cs, gqa_repeat, stack)
             self.first_copies = lora.first_block_weight_copy_bytes(spec, cs)
         # torch.compile (memplan.memory.compiled): what inductor's partitioner saves less, where it is modelled
-        self.w.compiled = compiled.compiled_modelled(cs, stack) is None
+        self.w.compiled = compiled.compiled_modelled(spec, cs, stack) is None
         self.first_residual = 0
         if self.w.compiled:
             self.stored -= compiled.compiled_silu_unsaved_bytes(spec, cs)
             self.first_residual = compiled.compiled_first_residual_unsaved_bytes(spec, cs)
-            self.first_unsaved += self.first_residual
+            self.first_unsaved += self.first_residual - compiled.compiled_first_silu_unsaved_bytes(spec, cs)
 
     def persistent_state(self) -> None:
         """Weights, buffers, optimizer state, gradients that outlive the step, and the step's inputs."""

@@ -54,6 +54,21 @@ def test_the_compiled_trace_is_the_compiled_walk():
             and traced_compiled["backward_nodes"] > traced_compiled["forward_nodes"] > 0)
 
 
+@pytest.mark.parametrize("change", [{"checkpointing": "full"},
+                                    {"lora_rank": 8, "lora_targets": "down"}])
+def test_the_compiled_walk_is_the_compiled_trace_under_checkpointing_and_lora_on_down(change):
+    """Full checkpointing (silu's fp32 chain in the recomputation) and LoRA on down alone, bf16-mixed: the walk's
+    compile hook within 3% of the compiled trace, where the eager walk is not (it missed it by −9.9% and +5.6%)."""
+    from trainer.compiled_trace import trace_compiled_step
+
+    setup = TrainSetup(ctx=128, micro_batch=4, precision="bf16-mixed", compile=True, **change)
+    traced = trace_compiled_step(compiled.LLAMA, setup).peak_allocated
+    walked = peak_memory(compiled.LLAMA, setup).peak_allocated
+    eager = peak_memory(compiled.LLAMA, setup.replace(compile=False)).peak_allocated
+    assert abs(walked - traced) / traced < 0.03, (walked, traced)
+    assert abs(eager - traced) / traced > 0.03, (eager, traced)
+
+
 # ---- tests/walk/test_families.py ----------------------------------------------------------------
 
 def test_the_walk_meets_the_bars_over_every_family_precision_attention_and_checkpointing():

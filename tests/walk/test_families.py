@@ -393,14 +393,14 @@ def test_estimate_compile_gives_the_compiled_steps_memory():
 
 def test_estimate_compile_says_where_the_memory_is_the_eager_steps():
     runner = CliRunner()
-    args = ["estimate", "--params", "22m", "--ctx", "256", "--device", "cpu", "--checkpointing", "full"]
+    args = ["estimate", "--params", "22m", "--ctx", "256", "--device", "cpu", "--checkpointing", "selective"]
     text = runner.invoke(app, [*args, "--compile"], env={"COLUMNS": "200"})
     title, table = text.stdout.split("┏", 1)
     assert "of the eager step: torch.compile's peak is not" in title  # the table's title
     assert "(eager)" in table.split("peak reserved")[1].splitlines()[0]  # beside the number
     compiled = json.loads(runner.invoke(app, [*args, "--compile", "--json"]).stdout)
     eager = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
-    assert compiled["compile_memory"]["modelled"] is False and "checkpointing full" in compiled["compile_memory"]["why"]
+    assert compiled["compile_memory"]["modelled"] is False and "checkpointing selective" in compiled["compile_memory"]["why"]
     assert compiled["memory"] == eager["memory"]  # the eager step's number, said to be so
 
 

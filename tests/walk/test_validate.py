@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from memplan.model import ModelSpec
+from memplan.setup import TrainSetup
 from memplan.validate import load_matrix
 
 
@@ -110,3 +112,39 @@ def test_trace_traces_a_1b_model_at_8k_without_allocating_it():
     assert traced.peak_allocated > 20 * 2**30
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 8 * 2**30
     assert abs(peak_memory(spec, setup).peak_allocated - traced.peak_allocated) / traced.peak_allocated < 0.01
+
+
+# ---- compiled configs (memplan/matrices/compiled.toml) ------------------------------------------
+
+def test_the_compiled_matrix_covers_precisions_attention_checkpointing_and_lora():
+    from memplan.validate import load_matrix
+
+    configs = load_matrix("compiled")
+    assert configs and all(c.setup.compile for c in configs)
+    assert {c.setup.precision for c in configs} == {"fp32", "bf16-mixed"}
+    assert {c.setup.attention for c in configs} == {"sdpa", "eager"}
+    assert {c.setup.checkpointing for c in configs} == {"none", "full"}
+    assert {c.setup.lora_targets if c.setup.lora_rank else "" for c in configs} == {"", "qkv,proj", "down"}
+
+
+def test_a_compiled_rows_bar_is_the_walk_against_the_compiled_trace():
+    """A compiled row: the walk held to the compiled trace (3%); the compiled trace, an upper bound on inductor's
+    transients, is not held to the 1% trace bar against the real step, and its error against that step is shown."""
+    from memplan.validate import COMPILED_TRACE_BAR, ValidationRow, summarize, validation_json
+
+    spec = ModelSpec(arch="llama", layers=2, hidden=128, heads=4, kv_heads=2, ffn=512, vocab=512, tied=False)
+    eager = ValidationRow(name="eager", spec=spec, setup=TrainSetup(ctx=128), predicted_allocated=101,
+                          measured_allocated=100, trace_allocated=100)
+    compiled = ValidationRow(name="compiled", spec=spec, setup=TrainSetup(ctx=128, compile=True),
+                             predicted_allocated=102, measured_allocated=90, trace_allocated=100)
+    summary = summarize([eager, compiled])
+    assert summary.trace_max_abs_error == 0.0  # the eager row's only
+    assert summary.compiled_walk_trace_max_abs_error == pytest.approx(0.02)
+    bars = {what: (value, bar, met) for what, value, bar, met in summary.bars()}
+    assert bars["compiled walk against the compiled trace, worst |error|"] == (pytest.approx(0.02), COMPILED_TRACE_BAR, True)
+    assert not bars["analytic worst |error|"][2]  # the real step's miss is reported, not hidden
+    data = validation_json("cpu", [eager, compiled])
+    assert data["compiled_walk_trace_max_abs_error"] == pytest.approx(0.02)
+    assert data["rows"][1]["compiled_walk_trace_error"] == pytest.approx(0.02)
+    assert "compiled_walk_trace_error" not in data["rows"][0]
+    assert "compiled_walk_trace_max_abs_error" not in validation_json("cpu", [eager])
