@@ -433,12 +433,18 @@ def first_block_frozen_weight_copy_bytes(spec: ModelSpec, setup: TrainSetup) -> 
     matmul saves it, for its input's gradient; in the first block a matmul's input needs none
     until an adapter has run before it. qkv's copy is never kept there; proj's unless qkv trains;
     up's unless qkv or proj trains; down's unless one of qkv, proj, up trains: Σ weights·2 over
-    those matrices. 0 without autocast."""
+    those matrices. In a parallel block (gpt_neox's ``use_parallel_residual``, phi's shared norm) the MLP
+    reads the frozen block input, not the attention's output: up's copy is never kept there, and down's
+    unless up trains (Phi-2, bf16-mixed, LoRA on every matrix: fc1's copy, 10240 × 2560 × 2 = 52.4 MB,
+    was counted). 0 without autocast."""
     if not setup.lora_rank or setup.checkpointing != "none" or not setup.mixed:
         return 0
     out, m = 0, _layer_matrices(spec)
     for i, matrix in enumerate(LORA_MATRICES):
-        if not any(before in setup.lora for before in LORA_MATRICES[:i]):
+        earlier = LORA_MATRICES[:i]
+        if spec.parallel_residual and matrix in ("up", "down"):
+            earlier = [before for before in earlier if before == "up"]
+        if not any(before in setup.lora for before in earlier):
             out += m[matrix] * LOWP_WEIGHT_BYTES
     return out
 

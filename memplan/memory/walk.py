@@ -698,6 +698,7 @@ class _Step:
         w.alloc("activations", stack.final_norm_saved_bytes(spec, cs))
         if cs.mixed:
             w.alloc("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+            w.alloc("weights", stack.head_weight_casts_bytes(spec, cs))  # a frozen head in chunks: one per chunk
         w.alloc("logits", logits_bytes(spec, cs))
         self.head_input_held = lora.head_input_held(w, spec, cs)
         self.head_adapter = self.lora and lora.head_adapter_forward(w, spec, cs)  # its A saves head_in
@@ -715,12 +716,16 @@ class _Step:
         self.upcast = stack.fp32_loss and self.a != FP32_BYTES
         if self.upcast:
             w.alloc("logits", fp32_logits_bytes(spec, cs))  # logits.float()
+        converted = self.upcast and stack.upcasts_output  # the model returned the fp32 copy: its own logits go
+        if converted:
+            w.free("logits", logits_bytes(spec, cs))
         w.alloc("logits", stack.chunked_upcast_bytes(spec, cs))  # a loss upcasting chunk by chunk (≤ 0)
         w.alloc("logits", self.loss)  # log-softmax, saved
         w.free("logits", stack.chunked_upcast_bytes(spec, cs))
         if self.upcast:
             w.free("logits", fp32_logits_bytes(spec, cs))
-        w.free("logits", logits_bytes(spec, cs))  # `del logits`: log_softmax saved its output only
+        if not converted:
+            w.free("logits", logits_bytes(spec, cs))  # `del logits`: log_softmax saved its output only
         w.alloc("logits", stack.held_logits_bytes(spec, cs))  # logits a stack's loop keeps to the step's end
         w.free("activations", getattr(self, "head_input_held", 0))  # the model's forward has returned
         w.mark("end of forward")
@@ -735,7 +740,10 @@ class _Step:
         w.alloc("logits", loss)  # gradient of the logits (fp32 when upcast)
         w.free("logits", 2 * loss)
         w.free("logits", stack.chunked_loss_backward_bytes(spec, cs))
-        if self.upcast:
+        if self.upcast and stack.logits_grad_chunks(spec, cs) > 1:  # each chunk cast back on its own: the
+            w.free("logits", fp32_logits_bytes(spec, cs))  # whole fp32 gradient and its cast never live at once
+            w.alloc("logits", logits_bytes(spec, cs))
+        elif self.upcast:
             w.alloc("logits", logits_bytes(spec, cs))
             w.free("logits", fp32_logits_bytes(spec, cs))
 
@@ -758,7 +766,7 @@ class _Step:
             w.free("activations", self.head_in)
         w.free("logits", logits_bytes(spec, cs) if a != FP32_BYTES else fp32_logits_bytes(spec, cs))
         if cs.mixed:
-            w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES)
+            w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES + stack.head_weight_casts_bytes(spec, cs))
             w.alloc("temporaries", n * spec.hidden * FP32_BYTES)  # the norm output's cast, backward
             w.free("temporaries", n * spec.hidden * a)
             w.alloc("temporaries", head_grad * FP32_BYTES)

@@ -66,6 +66,31 @@ def test_families_memplan_does_not_walk_are_traced_exactly_with_peft_lora_and_dr
     assert traced.peak_allocated == measured.peak_allocated
 
 
+@pytest.mark.parametrize("ctx", [32, 64], ids=["within-max-positions", "beyond-max-positions"])
+def test_dynamic_ntk_rope_is_traced_exactly(ctx):
+    """rope_scaling dynamic: transformers' rotary reads ``max(position_ids) + 1`` at every forward
+    (``dynamic_rope_update``), which a fake tensor cannot answer (the trace raised DataDependentOutputException);
+    ``for_fake_tensors`` settles it with the trace's length, as the first real forward does, within and beyond
+    max_position_embeddings (32)."""
+    from trainer.stacks import StackModel
+
+    cfg = {"model_type": "llama", **BASE, "max_position_embeddings": 32,
+           "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    traced, measured = _both(StackModel(hf_config=cfg), TrainSetup(ctx=ctx, micro_batch=2, precision="fp32"))
+    assert traced.peak_allocated == measured.peak_allocated
+
+
+def test_trace_stack_of_a_dynamic_ntk_config_answers(tmp_path):
+    """``memplan trace --stack transformers --model config.json`` with dynamic NTK RoPE prints its peak."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", **BASE, "max_position_embeddings": 32,
+                                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    result = CliRunner().invoke(app, ["trace", "--stack", "transformers", "--model", str(path), "--ctx", "64",
+                                      "--batch", "2", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["memory"]["peak_allocated"] > 0
+
+
 def test_without_the_eager_paths_a_trace_keeps_a_mask_transformers_does_not_keep(monkeypatch):
     """Take away ``as_on_real_tensors`` and transformers reads the fake tensors as a graph being
     traced: it builds an explicit mask (and cannot tell packed sequences apart), so the trace is

@@ -84,10 +84,12 @@ LIT_CASES = [
      0.0, _zero, MEDIAN_BAR),
     ("lit_optimizer_scratch_bytes", {**LLAMA, "layers": 1, "kv_heads": 4, "ffn": 256, "vocab": 256, "tied": True},
      _setup(ctx=32, micro_batch=1, precision="fp32"), None, _zero, WORST_BAR),
+    ("lit_head_weight_casts_bytes", {**LLAMA, "vocab": 8000}, _setup(ctx=2048, micro_batch=1, precision="bf16-mixed",
+                                                                    lora_rank=4), 0.0, _zero, MEDIAN_BAR),
 ]
 LIT_IDS = ["rmsnorm-fp32-copies", "repeated-kv-and-reshape-copy", "logits-held-to-the-step-end",
            "chunked-loss-frees-log-probs", "no-tied-head", "lora-dropout-mask-and-output", "lora-qkv-3r-and-fc1-fc2",
-           "for-loop-adamw-on-the-cpu"]
+           "for-loop-adamw-on-the-cpu", "chunked-head-casts-its-weight-per-chunk"]
 
 TT_CASES = [
     ("tt_norm_saved_bytes", LLAMA, _setup(precision="bf16"), None, _zero, WORST_BAR),
@@ -130,6 +132,22 @@ def test_litgpt_autocast_casts_the_mlp_input_twice(monkeypatch):
                                                   _setup(precision="bf16-mixed"), None, _zero)
     assert abs(with_hook) <= 0.001, with_hook
     assert abs(without) > 0.02, without
+
+
+@pytest.mark.parametrize("removed", ["upcasts_output", "logits_grad_chunks"])
+def test_litgpt_lora_never_holds_the_bf16_logits_beside_their_fp32_copy(monkeypatch, removed):
+    """finetune/lora.py under bf16, the head in 16 chunks (ctx 2048): Fabric's ``convert_output`` frees the
+    model's bf16 logits before the loss (``upcasts_output``), and each chunk's gradient is cast back on its own
+    (``logits_grad_chunks``). Each moment alone, taken back to the whole logits, puts the walk 16% over."""
+    from memplan.memory.stacks.litgpt import LitgptStack
+
+    spec, setup = ModelSpec(**{**LLAMA, "vocab": 8000}), _setup(ctx=2048, micro_batch=1, precision="bf16", lora_rank=4)
+    traced = _trace("litgpt", spec, setup, 0.0)
+    with_hooks = (_walk("litgpt", spec, setup, 0.0) - traced) / traced
+    monkeypatch.setattr(LitgptStack, removed, False if removed == "upcasts_output" else (lambda self, spec, setup: 1))
+    without = (_walk("litgpt", spec, setup, 0.0) - traced) / traced
+    assert abs(with_hooks) <= 0.01, with_hooks
+    assert without > WORST_BAR, without
 
 
 def test_litgpt_rotary_tables_cover_the_whole_head(monkeypatch):

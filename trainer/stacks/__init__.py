@@ -32,7 +32,8 @@ of ``--sharding ddp`` is held to, since DDP's reducer cannot run on fake tensors
 
 Each module here is the trainer's twin of the planner's stack of the same name (``memplan.memory.stacks``,
 whose ``STACKS`` this package takes): ``build_model``, ``train_step`` (None: memplan's own step), optionally
-``make_optimizer``, ``as_on_real_tensors`` and ``quiet_import``, and ``LIBRARY``, the package it needs
+``make_optimizer``, ``as_on_real_tensors``, ``for_fake_tensors`` (the built model made to trace: transformers'
+dynamic NTK RoPE) and ``quiet_import``, and ``LIBRARY``, the package it needs
 (None for memplan's own).
 """
 
@@ -207,6 +208,9 @@ def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device), _as_on_real_tensors(stack), \
             (AcceleratorDropout() if accelerator else contextlib.nullcontext()):
         net, optimizer, step = _built(stack, model, setup, lora_dropout)
+        for_fake_tensors = getattr(_stack_module(stack), "for_fake_tensors", None)
+        if for_fake_tensors is not None:  # what the model's code reads of a value, settled before it runs
+            for_fake_tensors(net, setup)
         total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, device),
                                               torch.device(device).type, step_fn=step)
     return with_untraced_inputs(

@@ -264,3 +264,44 @@ def trial_steps(model: StackModel, setup: TrainSetup, run_setup: TrainSetup, ste
         trainer = transformers.Trainer(model=net, args=args, train_dataset=dataset,
                                        data_collator=transformers.default_data_collator, callbacks=[Timer()])
         trainer.train()
+
+
+def for_fake_tensors(net: torch.nn.Module, setup: TrainSetup) -> None:
+    """Within a trace, the model's rotary embeddings with dynamic NTK scaling (``rope_type`` "dynamic") make
+    the tensors their forward makes on real tensors without reading a value.
+
+    ``dynamic_rope_update`` (transformers/modeling_rope_utils.py) wraps each rotary embedding's forward:
+    ``seq_len = torch.max(position_ids) + 1``; ``if seq_len > max_seq_len_cached`` it recomputes
+    ``inv_freq`` for that length (``ROPE_INIT_FUNCTIONS["dynamic"]`` with the tensor ``seq_len``), registers
+    it as the buffer and keeps ``seq_len`` as ``max_seq_len_cached``; ``if seq_len < original_max_seq_len``
+    after growth it restores the original. A fake tensor has no value for the ``if``s (the trace raised
+    DataDependentOutputException). The trace's micro-batches are single unpacked windows (positions
+    0..ctx-1, made by the model), so ``seq_len`` is ``ctx`` at every forward: each forward here makes
+    ``seq_len`` as the library does and takes the branches that ``ctx`` takes (growth at the first forward
+    past max_position_embeddings, then nothing), then runs the unwrapped forward (``__wrapped__``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for module in net.modules():
+        rope_type = getattr(module, "rope_type", None)
+        forward = getattr(type(module).forward, "__wrapped__", None)
+        if isinstance(rope_type, str) and "dynamic" in rope_type and forward is not None:
+            module.forward = _dynamic_forward(module, forward, ROPE_INIT_FUNCTIONS[rope_type], setup.ctx)
+
+
+def _dynamic_forward(module, forward, rope_init_fn, ctx: int):
+    """``module``'s forward as ``dynamic_rope_update`` runs it for positions 0..ctx-1 (``for_fake_tensors``)."""
+    cached = [int(module.max_seq_len_cached)]  # the length the module's inv_freq is for
+
+    def run(x, position_ids, *args, **kwargs):
+        seq_len = torch.max(position_ids) + 1  # dynamic_frequency_update's; its value is ctx
+        if ctx > cached[0]:  # growth
+            inv_freq, module.attention_scaling = rope_init_fn(module.config, x.device, seq_len=seq_len)
+            module.register_buffer("inv_freq", inv_freq, persistent=False)
+            module.max_seq_len_cached, cached[0] = seq_len, ctx
+        if ctx < module.original_max_seq_len < cached[0]:  # reset (not reached: every forward is ctx long)
+            module.register_buffer("inv_freq", module.original_inv_freq.to(x.device), persistent=False)
+            module.max_seq_len_cached, cached[0] = module.original_max_seq_len, module.original_max_seq_len
+        del seq_len
+        return forward(module, x, position_ids, *args, **kwargs)
+
+    return run

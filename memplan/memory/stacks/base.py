@@ -74,6 +74,9 @@ class Stack:
     # memplan's SDPA repeats K and V where the kernel takes no grouped heads (memory.sdpa_gqa_repeats); the
     # libraries' own layouts are their hooks' (transformers passes enable_gqa to SDPA)
     walks_sdpa_gqa_repeat: ClassVar[bool] = True
+    # the model's forward returns its logits converted to fp32 (Fabric's ``convert_output``): the low-precision
+    # logits are freed before the loss reads the fp32 copy, which the loop keeps (``held_logits_bytes``)
+    upcasts_output: ClassVar[bool] = False
     # the adapters have a dropout (--lora-dropout): memplan's own have none
     has_lora_dropout: ClassVar[bool] = False
     # estimate's Setup line: the step walked (", transformers' step"; "" for memplan's own) and its dropout's name
@@ -224,6 +227,16 @@ class Stack:
     def final_norm_saved_bytes(self, spec, setup) -> int:
         """Bytes the final norm saves beyond memplan's."""
         return 0
+
+    def head_weight_casts_bytes(self, spec, setup) -> int:
+        """Autocast's copies of the LM head's weight beyond the walk's one, made in the head's forward and
+        saved to its backward (a frozen head run in chunks: one per chunk)."""
+        return 0
+
+    def logits_grad_chunks(self, spec, setup) -> int:
+        """How many pieces the logits' gradient comes in, each cast back to the logits' dtype as its own
+        backward reaches it (a head run in chunks); 1: the whole gradient, cast back at once."""
+        return 1
 
     def held_logits_bytes(self, spec, setup) -> int:
         """Logits the stack's loop keeps alive from the LM head's backward to the end of the step."""

@@ -94,11 +94,39 @@ def lit_held_logits_bytes(spec, setup) -> int:
     ``fabric.backward(loss / ...)`` (litgpt/pretrain.py, fit; finetune/lora.py likewise): the local
     ``logits``, fp32 after Fabric's ``convert_output`` (``_FabricModule.forward``) under every
     precision, lives until the next forward returns; memplan's step ``del``s them once the loss has
-    saved its log-probabilities."""
+    saved its log-probabilities. Under bf16 that fp32 copy is made inside the forward and the model's own
+    bf16 logits are freed when it returns, before the loss runs (``upcasts_output``): at the loss's forward
+    the fp32 logits and the log-probabilities are alive (8 bytes a logit), not the bf16 logits beside them."""
     return _n(setup) * spec.vocab * FP32
 
 
 LIT_LOSS_CHUNK = 128  # chunked_cross_entropy(chunk_size=128); finetune/lora.py's lm_head_chunk_size=128
+
+
+def lit_head_chunks(setup) -> int:
+    """How many pieces finetune/lora.py's head runs in: ``x.split(lm_head_chunk_size, dim=1)`` with
+    ``lm_head_chunk_size=128``, k = ⌈T/128⌉ (1 without LoRA: pretrain.py runs the head whole).
+
+    The logits' gradient comes in those pieces too: ``torch.cat(loss_chunks)``'s backward gives each
+    chunk's ``cross_entropy`` its share, whose gradient (B·128·V·4) the chunk's ``.to(float32)``
+    (Fabric's ``convert_output``) casts back to bf16 (B·128·V·2) and the chunk's ``lm_head`` backward
+    consumes: the whole fp32 gradient of the logits and its whole bf16 cast are never alive at once
+    (``Stack.logits_grad_chunks``)."""
+    return -(-setup.ctx // LIT_LOSS_CHUNK) if setup.lora_rank else 1
+
+
+def lit_head_weight_casts_bytes(spec, setup) -> int:
+    """The bf16 copies of the LM head's weight that litgpt's chunked head makes under autocast beyond the
+    walk's one: (k − 1)·V·H·2, k = ``lit_head_chunks``.
+
+    ``[clamp_head(self.lm_head(x_i)) for x_i in x.split(lm_head_chunk_size, dim=1)]`` (litgpt/model.py,
+    GPT.forward, with LoRA's ``lm_head_chunk_size=128``): each chunk's ``F.linear`` casts the fp32 weight to
+    bf16 anew (autocast caches the cast of a leaf that requires a gradient only, ``cached_cast``; under LoRA
+    the head is frozen), and saves its copy for the chunk's input gradient until that chunk's backward, V·H·2
+    each. 0 without autocast, without LoRA (one head matmul, its weight's cast cached) and for T ≤ 128."""
+    if not setup.mixed:
+        return 0
+    return (lit_head_chunks(setup) - 1) * spec.vocab * spec.hidden * HALF
 
 
 def lit_chunked_loss_backward_bytes(spec, setup) -> int:
@@ -115,7 +143,7 @@ def lit_chunked_loss_backward_bytes(spec, setup) -> int:
     gradients, −2·n·V·4·(1 − 1/k)."""
     full = _n(setup) * spec.vocab * FP32
     if setup.lora_rank:
-        k = -(-setup.ctx // LIT_LOSS_CHUNK)
+        k = lit_head_chunks(setup)
         return -2 * full * (k - 1) // k
     return -full if _n(setup) > LIT_LOSS_CHUNK else 0
 
@@ -361,6 +389,7 @@ class LitgptStack(Stack):
     checkpointings: ClassVar[tuple[str, ...]] = ("none",)
     shardings: ClassVar[tuple[str, ...]] = ("none", "ddp")  # Fabric's DDPStrategy (lit_check_sharding)
     lora_default_dropout: ClassVar[float] = 0.05  # finetune/lora.py's lora_dropout
+    upcasts_output: ClassVar[bool] = True  # Fabric's convert_output: the fp32 logits, the bf16 ones freed
     adapts_tied_head: ClassVar[bool] = True  # litgpt's GPT has its own lm_head (lit_walked_spec)
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False
@@ -393,6 +422,12 @@ class LitgptStack(Stack):
 
     def held_logits_bytes(self, spec, setup) -> int:
         return lit_held_logits_bytes(spec, setup)
+
+    def head_weight_casts_bytes(self, spec, setup) -> int:
+        return lit_head_weight_casts_bytes(spec, setup)
+
+    def logits_grad_chunks(self, spec, setup) -> int:
+        return lit_head_chunks(setup)
 
     def chunked_loss_backward_bytes(self, spec, setup) -> int:
         return lit_chunked_loss_backward_bytes(spec, setup)
