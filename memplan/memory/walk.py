@@ -486,6 +486,32 @@ def _compiled_silu_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, ga
     w.free("temporaries", 2 * inner)
 
 
+def _mlp_activation_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, inner: int) -> None:
+    """The MLP's activation backward, between down's and up's: from the gradient of the activation's output
+    (``inner`` bytes) to the gradient of up's output, releasing what the activation saved (silu(gate) and
+    gate|up for SwiGLU; gelu's input otherwise)."""
+    gate32 = compiled.compiled_gate_fp32_bytes(spec, setup) if w.compiled else 0
+    if gate32:  # compiled under full checkpointing, 16-bit: silu's backward through fp32 buffers
+        _compiled_silu_backward(w, spec, setup, gate32)
+    elif spec.mlp == "swiglu":
+        recomputed = compiled.compiled_silu_unsaved_bytes(spec, setup) if w.compiled else 0
+        w.alloc("temporaries", recomputed)  # compiled: silu(gate) recomputed from the saved gate
+        w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
+        w.free("temporaries", inner)  # the product's gradient
+        w.free("activations", inner - recomputed)  # silu(gate)
+        w.free("temporaries", recomputed)
+        w.alloc("temporaries", inner)  # silu's input gradient
+        w.free("temporaries", inner)
+        w.free("activations", mlp_up_bytes(spec, setup))  # gate|up released
+        w.alloc("temporaries", mlp_up_bytes(spec, setup))  # the fused gradient
+        w.free("temporaries", 2 * inner)
+    else:
+        scratch = w.stack.mlp_backward_scratch_bytes(spec, setup)  # a stack's activation in Python ops: 0 for memplan
+        w.alloc("temporaries", inner + scratch)  # gelu's input gradient
+        w.free("temporaries", inner + scratch)
+        w.free("activations", mlp_up_bytes(spec, setup))
+
+
 def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes: int,
                     gqa_repeat: bool = False, first: bool = False) -> int:
     """One block's backward, op by op, from the gradient of its output (``grad_bytes``, live)
@@ -507,26 +533,7 @@ def _block_backward(w: _StepWalk, spec: ModelSpec, setup: TrainSetup, grad_bytes
     # down: input gradient n·F·a
     _linear_backward(w, spec, setup, m["down"], _resid_dropout_backward(w, spec, setup, g_branch if branch_cast else 0), inner, inner,
                      input_cast=False, matrix="down")
-    gate32 = compiled.compiled_gate_fp32_bytes(spec, setup) if w.compiled else 0
-    if gate32:  # compiled under full checkpointing, 16-bit: silu's backward through fp32 buffers
-        _compiled_silu_backward(w, spec, setup, gate32)
-    elif spec.mlp == "swiglu":
-        recomputed = compiled.compiled_silu_unsaved_bytes(spec, setup) if w.compiled else 0
-        w.alloc("temporaries", recomputed)  # compiled: silu(gate) recomputed from the saved gate
-        w.alloc("temporaries", 2 * inner)  # gradients of silu(gate) and of up
-        w.free("temporaries", inner)  # the product's gradient
-        w.free("activations", inner - recomputed)  # silu(gate)
-        w.free("temporaries", recomputed)
-        w.alloc("temporaries", inner)  # silu's input gradient
-        w.free("temporaries", inner)
-        w.free("activations", mlp_up_bytes(spec, setup))  # gate|up released
-        w.alloc("temporaries", mlp_up_bytes(spec, setup))  # the fused gradient
-        w.free("temporaries", 2 * inner)
-    else:
-        scratch = w.stack.mlp_backward_scratch_bytes(spec, setup)  # a stack's activation in Python ops: 0 for memplan
-        w.alloc("temporaries", inner + scratch)  # gelu's input gradient
-        w.free("temporaries", inner + scratch)
-        w.free("activations", mlp_up_bytes(spec, setup))
+    _mlp_activation_backward(w, spec, setup, inner)
     _linear_backward(w, spec, setup, m["up"], mlp_up_bytes(spec, setup), norm_output_bytes(spec, setup),
                      n * hidden * a, input_cast=setup.mixed, matrix="up")
     w.where = "block backward: norm"
