@@ -54,8 +54,13 @@ def _faults_per_step(mode: str) -> float:
 @pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc only")
 def test_steps_with_the_heap_kept_fault_no_pages_back_in():
     """The loss's fp32 (n, V) tensors (16 MiB here) are freed at the heap's top every step: with glibc's
-    defaults thousands of pages are faulted in again per step, with the heap kept almost none (the median step
-    of 11: a mean over steps took in faults the kernel made on some steps only, 877 a step once under xdist's
-    load against 3,815 with the defaults)."""
+    defaults pages are faulted in again per step, with the heap kept none (the median step of 11: a mean over
+    steps took in faults the kernel made on some steps only, 877 a step once under xdist's load against 3,815
+    with the defaults).
+
+    The claim is the kept heap's: at most 16 pages a step. How many the defaults fault depends on what else the
+    process's history left above the freed tensors (an allocation there pins the top, which glibc then cannot
+    trim): 8,000 to 12,000 a step here, 256 once in CI's clone. So the defaults are held only to fault clearly
+    more than the kept heap, which shows the step does free its top."""
     default, kept = _faults_per_step("default"), _faults_per_step("keep")
-    assert default > 1000 and kept < default / 10, (default, kept)
+    assert kept <= 16 and default > 10 * max(kept, 1), (default, kept)
