@@ -17,12 +17,14 @@ COLLECTIVES_OF_FAMILY = {"cuda": "nccl", "rocm": "nccl", "cpu": "gloo", "mps": "
 # ---- data parallel: DDP's buckets -------------------------------------------------------
 
 def ddp_bucket_bytes(spec: ModelSpec, setup: TrainSetup) -> int:
-    """DDP's gradient buckets, N·p: one flat tensor per bucket in the gradients' dtype, made
-    when DDP wraps the model and kept for the whole run. With ``gradient_as_bucket_view`` (and
-    ``zero_grad(set_to_none=False)``) every ``.grad`` is a view into them, so under DDP the
-    gradients exist for the whole step, all-reduced in place; each new weight gradient of a
-    backward is a temporary that is added into its view and freed, as under accumulation."""
-    return spec.params * setup.param_bytes
+    """DDP's gradient buckets, T·p (T = trainable_params: all N, under LoRA the adapters only, since
+    ``Reducer`` buckets only the parameters that require a gradient): one flat tensor per bucket in the
+    gradients' dtype, made when DDP wraps the model and kept for the whole run. With
+    ``gradient_as_bucket_view`` (and ``zero_grad(set_to_none=False)``) every ``.grad`` is a view into
+    them, so under DDP the gradients exist for the whole step, all-reduced in place; each new weight
+    gradient of a backward is a temporary that is added into its view and freed, as under accumulation.
+    The step's all-reduce moves the same bytes (``memplan.comm``)."""
+    return trainable_params(spec, setup) * setup.param_bytes
 
 
 def ddp_separate_bucket_bytes(spec: ModelSpec, setup: TrainSetup, extra_gradient_bytes: int = 0) -> int:
