@@ -369,9 +369,9 @@ class _Clock:
                 break
             if i >= 1 and spent > 4 * min_seconds and self.now() > self.deadline:
                 break
-        return self._median(times)
+        return self._figure(times)
 
-    def _median(self, times: list[float]) -> float:
+    def _figure(self, times: list[float]) -> float:
         """The figure of ``times`` for this clock (``repeats_figure``), their spread (IQR / median) recorded."""
         self.tick()
         med = statistics.median(times)
@@ -383,7 +383,7 @@ class _Clock:
     def time_forward_backward(self, forward: Callable[[int], object], backward: Callable[[], object],
                               min_seconds: float = MIN_REPEAT_SECONDS,
                               max_repeats: int = MAX_REPEATS) -> tuple[float, float]:
-        """Seconds of ``forward(i)`` and of the ``backward()`` that follows it (``_median``: the median of the
+        """Seconds of ``forward(i)`` and of the ``backward()`` that follows it (``_figure``: the median of the
         repeats, their minimum by CPU time), alternating as in a training step (``i`` picks which copy of the
         inputs to use), after one warm-up pair."""
         fwd, bwd = [], []
@@ -405,7 +405,7 @@ class _Clock:
             if i >= 3 or (i >= 2 and spent > 3 * max(min_seconds, 0.1)):
                 if spent >= min_seconds or self.now() > self.deadline:
                     break
-        return self._median(fwd), self._median(bwd)
+        return self._figure(fwd), self._figure(bwd)
 
 
 class _Net:
