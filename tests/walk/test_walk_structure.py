@@ -23,7 +23,9 @@ inputs, released once by their lora_A's backward where they were released twice 
 backward 1,120,352 → 1,136,736, the end of the backward 759,392 → 792,160) and no peak; and again for the sum
 of a frozen matmul's input gradient with its adapter's, made in place by autograd's input buffer
 for memplan's own adapters (``terms.input_gradient_sum_bytes``), which moved one LoRA peak off the MLP's
-backward: gpt_neox up,down 1,473,072 → 1,451,056 (the trace with adamw: 1,450,044). A refactoring must leave it
+backward: gpt_neox up,down 1,473,072 → 1,451,056 (the trace with adamw: 1,450,044); and again for DDP's
+buckets under LoRA, which hold the adapters' gradients only (``sharding.ddp_bucket_bytes``, T·p), which moved the
+gpt2 DDP LoRA config alone: gradients 641,280 → 12,288, peak 2,011,160 → 1,382,168. A refactoring must leave it
 unchanged. A deliberate change of a formula moves some of these figures: regenerate the file with the same
 command, in the commit that changes the formula, and say there which configs moved and why.
 """
