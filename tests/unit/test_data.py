@@ -309,10 +309,19 @@ def test_directory_is_one_source_read_recursively_in_path_order(tmp_path):
 
 
 class FakeDatasets:
-    """Stands in for the `datasets` package: load_dataset(name, split, streaming) over fixed records."""
+    """Stands in for the `datasets` package: load_dataset(name, split, streaming) over fixed records, and a
+    load_dataset_builder whose split has no data files (as a cache of arrow files has none): read through
+    load_dataset."""
 
     def __init__(self, records=None, error=None):
         self.records, self.error, self.calls = records, error, []
+
+    def load_dataset_builder(self, name):
+        from types import SimpleNamespace
+
+        if self.error:
+            raise self.error
+        return SimpleNamespace(config=SimpleNamespace(data_files={}))
 
     def load_dataset(self, name, split, streaming):
         self.calls.append((name, split, streaming))
