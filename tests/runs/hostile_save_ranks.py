@@ -10,8 +10,9 @@ after the shards; ``state``, the sharded state dict; ``write``, DCP's write of t
 weights gathered; ``hang``: rank 1 stops in its sharded state for HANG seconds (longer than the save's timeout,
 $MEMPLAN_SAVE_TIMEOUT) and then goes on; ``gather``: rank 1 stops for HANG seconds inside the gather of the whole
 weights, before its second tensor's all-gather (``DTensor.redistribute``, which FSDP2's full state dict and
-``DTensor.full_tensor`` both call), and then goes on. A hang must come last, as the ranks' exchanges are out of
-step after it. With a fifth argument ``fsdp`` the model is FSDP2's (two linear layers, ``fully_shard``), whose
+``DTensor.full_tensor`` both call), and then goes on; ``none``: nothing planted (rank 0 also writes the whole
+weights as torch's own full state dict gathers them, OUT/none/expected.pt). A hang must come last, as the ranks' exchanges are out of
+step after it. With a fifth argument ``fsdp`` the model is FSDP2's (two linear layers of 7 and 3 rows, ``fully_shard``), whose
 whole weights are all-gathered; else DDP's.
 The faults are planted where the trainer looks the functions up at each save, in torch's own modules or in
 the trainer's, so the same faults apply to any version of trainer/."""
@@ -43,7 +44,7 @@ def main(out: str, faults: str, failing: int, hang_seconds: float, sharding: str
     if sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        model = wrapped = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)))
+        model = wrapped = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Linear(7, 3)))
     else:
         model = torch.nn.Linear(4, 4)
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -65,6 +66,7 @@ def save_with(out: Path, fault: str, failing: int, hang_seconds: float, ctx, mod
                    "finish": (ckpt, "save_checkpoint"),  # rank 0's part after them
                    "hang": (dcp_state, "get_state_dict"),
                    "gather": (DTensor, "redistribute"),  # each tensor's all-gather of the whole weights
+                   "none": (ckpt, "save_checkpoint"),  # nothing planted: the weights saved, and FSDP2's own gather
                    }[fault]
     original = getattr(owner, name)
     calls = []
@@ -76,7 +78,7 @@ def save_with(out: Path, fault: str, failing: int, hang_seconds: float, ctx, mod
             return original(*args, **kwargs)
 
         setattr(owner, name, slow)
-    elif fault not in ("hang", "gather") and ctx.rank == failing:
+    elif fault not in ("hang", "gather", "none") and ctx.rank == failing:
         def broken(*args, **kwargs):
             raise OSError(5, f"planted failure in {fault}")
 
@@ -91,6 +93,10 @@ def save_with(out: Path, fault: str, failing: int, hang_seconds: float, ctx, mod
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
     finally:
         setattr(owner, name, original)
+    if fault == "none":  # the whole weights as torch's full state dict gathers them, to compare with the saved
+        expected = distributed.full_weights(wrapped)
+        if ctx.rank == 0:
+            torch.save({ckpt.canonical_name(k): v for k, v in expected.items()}, out / "expected.pt")
     (out / f"rank{ctx.rank}.seconds").write_text(f"{time.monotonic() - t0:.1f}\n")
     (out / f"rank{ctx.rank}.txt").write_text(line + "\n")
 

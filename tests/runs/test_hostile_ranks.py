@@ -91,7 +91,21 @@ def test_a_rank_that_hangs_in_a_save_is_named_once_the_timeout_passes(saves):
 @pytest.fixture(scope="module")
 def fsdp_saves(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp-saves")
-    return out, *save_with_failures(out, ("weights", "gather"), FAILING, "fsdp")
+    return out, *save_with_failures(out, ("none", "weights", "gather"), FAILING, "fsdp")
+
+
+def test_an_fsdp_save_holds_the_whole_weights_torchs_full_state_dict_gathers(fsdp_saves):
+    """The gather over the save's group (shards of 7 and 3 rows over two ranks: uneven) is exactly FSDP2's."""
+    import torch
+
+    from trainer.checkpoint_format import read_weights
+
+    out, ended, seconds, output = fsdp_saves
+    assert ended["none"] == {0: "saved", 1: "saved"}, (ended["none"], output)
+    saved = read_weights(out / "none" / "run" / "checkpoints" / ckpt_name() / "model.safetensors")
+    expected = torch.load(out / "none" / "expected.pt")
+    assert sorted(saved) == sorted(expected) and len(saved) == 4, (sorted(saved), sorted(expected))
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
 
 
 def test_an_fsdp_rank_failing_before_the_gather_ends_every_rank_naming_it(fsdp_saves):
