@@ -296,3 +296,26 @@ def test_a_long_hf_record_costs_a_few_pieces_of_memory_not_its_size(tmp_path, ki
     size, peak = peak_reading(data._read_hf(name, "train", "text"))
     assert size > BIG
     assert peak < FEW_PIECES, f"{peak:,} bytes held reading a record of {size:,} characters"
+
+
+def test_text_lines_read_in_pieces_are_the_lines_datasets_text_builder_gives(tmp_path):
+    """Random text files (\\n, \\r\\n, a lone \\r, U+2028, empty and long lines, with or without a last newline)
+    read with pieces and blocks of a few characters: each line is what datasets' text builder makes a record of
+    (the file read with universal newlines, StringIO's readlines, the "\\n" stripped), a long one cut as split_text
+    cuts."""
+    import io
+    import random
+
+    rng = random.Random(11)
+    path = tmp_path / "t.txt"
+    letters = ["a", " ", "\n", "\r\n", "\r", "\u2028", "\u00e9", "word ", "\n\n"]
+    for _ in range(200):
+        limit, block = rng.choice([4, 9, 30]), rng.choice([2, 3, 7, 64])
+        text = "".join(rng.choice(letters) for _ in range(rng.choice([0, 5, 40, 200])))
+        path.write_text(text, encoding="utf-8", newline="")
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in io.StringIO(f.read()).readlines()]
+        opened = lambda: open(path, encoding="utf-8", errors="replace")  # noqa: E731
+        got = read_all(data._read_text_lines(str(path), "text", limit=limit, block=block, opened=opened))
+        assert got == [line if len(line) <= limit else list(data.split_text(line, limit)) for line in lines], \
+            (limit, block, text)
