@@ -675,7 +675,8 @@ def gather_whole(shards: dict, what: str) -> dict[str, torch.Tensor] | None:
     or dies during the gather ends the others with one ``RankFailed`` line instead of leaving them in FSDP2's
     all-gather for the training group's 10 minutes. Each rank marks every all-gather it has ended (done, or
     failed) in the process group's store, so that rank 0 names the ranks that had not ended the one that failed
-    ``GATHER_GRACE_S`` after it. Any other tensor is this rank's own copy."""
+    ``GATHER_GRACE_S`` after it. A rank out of memory there says so itself (the others name it as not
+    answering). Any other tensor is this rank's own copy."""
     from torch.distributed.tensor import DTensor
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -683,24 +684,37 @@ def gather_whole(shards: dict, what: str) -> dict[str, torch.Tensor] | None:
     global _gathers
     _gathers += 1
     me, key = dist.get_rank(), f"{GATHER_KEY}{_gathers}/"
-    mesh = None
     store = _default_store()
     full = {}
     for i, (name, value) in enumerate(shards.items()):
         if isinstance(value, DTensor):
-            if mesh is None:
-                from torch.distributed.device_mesh import DeviceMesh
-
-                mesh = DeviceMesh.from_group(save_group(), "cpu")
             try:
-                value = _whole_on(mesh, value)
-            except Exception as e:  # gloo's timeout, or a peer that closed its connection (it exited)
+                value = _whole_on(_save_mesh(), value)
+            except Exception as e:
                 _mark(store, f"{key}{me}", i)
+                if isinstance(e, (MemoryError, torch.OutOfMemoryError)):  # its own failure: the others time out
+                    from trainer.stopping import RankFailed
+
+                    raise RankFailed(f"{what}: rank {me} failed: {cause_of(e)}") from None
+                # gloo's timeout or a peer gone (a RuntimeError through functional collectives, not a DistError)
                 raise _gather_unanswered(what, e, store, key, i) from None
             _mark(store, f"{key}{me}", i)
         if me == 0:
             full[name] = value.detach().cpu()
     return full if me == 0 else None
+
+
+_save_mesh_made = None
+
+
+def _save_mesh():
+    """A one-dimensional CPU device mesh of ``save_group()`` (made once)."""
+    global _save_mesh_made
+    if _save_mesh_made is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        _save_mesh_made = DeviceMesh.from_group(save_group(), "cpu")
+    return _save_mesh_made
 
 
 def _whole_on(mesh, value) -> torch.Tensor:
