@@ -1,5 +1,6 @@
 """Peak memory of `memplan prepare` for one huge document with no newline against the same text as many
-documents (issue 14, item 17), and as one .jsonl or .parquet record (issue 29, item 5b).
+documents (issue 14, item 17), and as one .jsonl or .parquet record or one record of an hf: dataset (a local
+folder holding the .jsonl file) (issue 29, item 5b).
 
 Writes SIZE megabytes of generated prose (words and numbers, single spaces, no newline) as one .txt
 document, and the same text cut into documents of ~1,400 characters separated by <|endoftext|>;
@@ -15,7 +16,9 @@ text as one .jsonl record and as one .parquet value is prepared too: a record is
 ``--read-only`` measures the reading alone, in a child process per format: the growth of its peak resident
 memory (VmHWM, reset through /proc/self/clear_refs once the modules are imported) while it reads every piece
 of the one document through ``trainer.data``'s reader, and for .parquet pyarrow's own allocations (its memory
-pool's peak), which the reading cannot avoid: the row group's column as arrow read it.
+pool's peak), which the reading cannot avoid: the row group's column as arrow read it. The hf: record is read
+twice: through ``trainer.data._read_hf`` (in pieces) and through ``datasets.load_dataset(streaming=True)``
+(``_read_hf_records``: whole, as every hf: record was read before).
 
     python benchmarks/prepare_memory.py [--size-mb 50] [--keep DIR] [--read-only]
 """
@@ -79,7 +82,15 @@ def status(key):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))
 
 path = Path(sys.argv[1])
-reader = {".txt": data._read_txt, ".jsonl": data._read_jsonl, ".parquet": data._read_parquet}[path.suffix]
+if path.is_dir():  # an hf: folder dataset: read here (in pieces), or, with "whole", through datasets.load_dataset
+    import datasets
+    datasets.load_dataset_builder(str(path))  # its modules imported: not the reading's cost
+    if sys.argv[2:] == ["whole"]:
+        reader = lambda p, field: data._read_hf_records(datasets, str(p), "train", field)
+    else:
+        reader = lambda p, field: data._read_hf(str(p), "train", field)
+else:
+    reader = {".txt": data._read_txt, ".jsonl": data._read_jsonl, ".parquet": data._read_parquet}[path.suffix]
 base = status("VmRSS")
 try:
     with open("/proc/self/clear_refs", "w") as f:
@@ -93,10 +104,11 @@ print(f"READ {chars} {status('VmHWM') - base} {pyarrow.default_memory_pool().max
 """
 
 
-def peak_of_reading(src: Path) -> tuple[int, int, int]:
+def peak_of_reading(src: Path, *extra: str) -> tuple[int, int, int]:
     """(characters read, growth of the peak RSS in KiB, pyarrow's pool's peak in bytes) of reading ``src``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src)], env=env, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), *extra], env=env, capture_output=True,
+                          text=True)
     if done.returncode != 0:
         raise SystemExit(f"reading {src} failed ({done.returncode}): {done.stderr[-2000:]}")
     _, chars, kib, arrow = next(line for line in done.stdout.splitlines() if line.startswith("READ ")).split()
@@ -104,9 +116,10 @@ def peak_of_reading(src: Path) -> tuple[int, int, int]:
 
 
 def peak_of_prepare(src: Path, out: Path) -> tuple[int, float]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _CHILD, "prepare", "--input", str(src), "--out", str(out),
+    source = f"hf:{src}" if src.is_dir() else str(src)
+    done = subprocess.run([sys.executable, "-c", _CHILD, "prepare", "--input", source, "--out", str(out),
                            "--workers", "1", "--tokenizer", "bpe:4096", "--force"],
                           env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
@@ -142,14 +155,19 @@ def main() -> None:
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"text": [text]}), table)
+        folder = root / "hf-one"  # and as the one record of an hf: dataset, a local folder of one .jsonl file
+        (folder / "data").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(record, folder / "data" / "train.jsonl")
         del text, words
         from trainer.data import DOC_CHUNK_CHARS
 
         if args.read_only:
             print(f"reading one document of {os.path.getsize(one):,} characters, pieces of {DOC_CHUNK_CHARS:,}: "
                   "growth of the peak RSS while reading (pyarrow's own pool's peak apart)")
-            for name, src in (("one .txt document", one), ("one .jsonl record", record), ("one .parquet value", table)):
-                chars, kib, arrow = peak_of_reading(src)
+            for name, src, *extra in (("one .txt document", one), ("one .jsonl record", record),
+                                      ("one .parquet value", table), ("one hf: record", folder),
+                                      ("hf: via load_dataset", folder, "whole")):
+                chars, kib, arrow = peak_of_reading(src, *extra)
                 beyond = f"; pyarrow's pool {arrow / 2**20:.1f} MiB, beyond it {kib / 1024 - arrow / 2**20:+.1f} MiB" \
                     if arrow else ""
                 print(f"  {name:>18}: {chars:,} characters, peak RSS +{kib / 1024:.1f} MiB{beyond}")
@@ -158,7 +176,7 @@ def main() -> None:
               f"{os.path.getsize(one):,} with no newline; pieces of {DOC_CHUNK_CHARS:,} characters")
         rows = []
         for name, src in (("one document", one), (f"{len(docs):,} documents", many), ("one .jsonl record", record),
-                          ("one .parquet value", table)):
+                          ("one .parquet value", table), ("one hf: record", folder)):
             kib, seconds = peak_of_prepare(src, root / f"out-{src.stem}-{src.suffix[1:]}")
             rows.append((name, kib, seconds))
             print(f"  {name:>18}: peak RSS {kib / 1024:8.1f} MiB  ({seconds:.1f} s)")

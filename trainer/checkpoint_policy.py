@@ -113,10 +113,11 @@ class CheckpointManager:
         the checkpoint's temporary directory; rank 0 adds the whole weights (gathered: what generate and
         export read), the rest of the state, the meta, and renames it into place.
 
-        Each part (rank 0's preparation, the sharded state, DCP's writes, the whole weights, rank 0's finish)
-        ends with every rank's outcome exchanged (``trainer.distributed.settle``), and every exchange of the
-        save, DCP's own included, goes over a gloo group that times out (``$MEMPLAN_SAVE_TIMEOUT``): a rank
-        that fails stops every rank with one line naming it and its cause, and a rank that hangs is named
+        Each part (rank 0's preparation, the sharded state, DCP's writes, the model's shards for the whole
+        weights, rank 0's finish) ends with every rank's outcome exchanged (``trainer.distributed.settle``), and
+        every exchange of the save, DCP's own and the whole weights' all-gather (``distributed.gather_whole``)
+        included, goes over a gloo group that times out (``$MEMPLAN_SAVE_TIMEOUT``): a rank that fails stops
+        every rank with one line naming it and its cause, and a rank that hangs is named
         by rank 0 once the timeout has passed, instead of leaving the others waiting for ever."""
         directory = self.directory
         what = f"checkpoint step {step}"
@@ -146,7 +147,9 @@ class CheckpointManager:
         sharded = part(lambda: distributed.sharded_state(wrapped, optimizer))
         part(lambda: distributed.write_sharded(tmp / distributed.SHARDED_DIR, sharded))
         sharded = None  # its references to the shards go
-        weights = part(lambda: distributed.full_weights(wrapped))
+        shards = part(lambda: distributed.model_shards(wrapped))  # every rank here before the gather
+        weights = distributed.gather_whole(shards, what)  # whole on rank 0, over the save group: it times out
+        shards = None
 
         def finish() -> Path:
             whole = {ckpt.canonical_name(k): v.contiguous() for k, v in weights.items()

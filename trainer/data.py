@@ -44,6 +44,7 @@ torch, lazily, where batches become tensors.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import json
 import math
@@ -466,9 +467,10 @@ class Source:
     hf_split: str = "train"
 
     def documents(self, workers: int = 1, *, on_skip: Callable[[Path, str], None] | None = None,
-                  chunk_chars: int = 0) -> Iterator["str | LongDocument"]:
+                  chunk_chars: int = 0, on_note: Callable[[str], None] | None = None) -> Iterator["str | LongDocument"]:
         """Raw documents; a .txt file that is not text (``binary_reason``) is skipped, and ``on_skip(path,
-        reason)`` told. A file that vanishes or cannot be read is an ``InputError`` naming it."""
+        reason)`` told. A file that vanishes or cannot be read is an ``InputError`` naming it. ``on_note``: told,
+        one line, where an ``hf:`` dataset's records arrive whole (``_read_hf``)."""
         if self.kind == "files":
             for path in self.paths:
                 try:
@@ -486,7 +488,7 @@ class Source:
                     raise InputError(f"--input {path}: cannot read it while preparing ({why}); check the file and "
                                      "run prepare again") from None
         elif self.kind == "hf":
-            yield from _read_hf(self.origin, self.hf_split, self.text_field)
+            yield from _read_hf(self.origin, self.hf_split, self.text_field, on_note=on_note)
         elif self.kind == "pydoc":
             yield from _pydoc_topics()
         elif self.kind == "stdlib-docstrings":
@@ -551,10 +553,12 @@ def _nonblank(texts: Iterable[str]) -> Iterator[str]:
 
 
 def _read_jsonl(path: Path, text_field: str, *, limit: int = DOC_CHUNK_CHARS,
-                block: int = DOC_CHUNK_CHARS) -> Iterator["str | LongDocument"]:
+                block: int = DOC_CHUNK_CHARS, opened: Callable[[], object] | None = None
+                ) -> Iterator["str | LongDocument"]:
     """One JSON object per line (lines end at ``\\n``, ``\\r\\n`` or ``\\r``); the document is its ``text_field``. Blank lines are
     skipped. A line longer than ``limit`` characters is never held whole: its text comes in pieces as a long
-    .txt document's does (``trainer.json_pieces``), the file read ``block`` characters at a time."""
+    .txt document's does (``trainer.json_pieces``), the file read ``block`` characters at a time. ``opened``:
+    the file opened as text (a context manager), where it is not a local path (an ``hf:`` dataset's)."""
     from trainer import json_pieces
 
     def record_of(text: str, lineno: int) -> dict:
@@ -588,22 +592,29 @@ def _read_jsonl(path: Path, text_field: str, *, limit: int = DOC_CHUNK_CHARS,
         raise InputError(f"{path}:{lineno}: not a JSON object ({msg}); a .jsonl file holds one JSON object per "
                          "line")
 
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with (opened() if opened else open(path, encoding="utf-8", errors="replace")) as f:
         yield from json_pieces.jsonl_records(f, text_field=text_field, limit=limit, block=block,
                                              cut_point=cut_point, long_document=LongDocument, on_short=short,
                                              on_long=long_end, on_error=error)
 
 
 def _read_parquet(path: Path, text_field: str, *, limit: int = DOC_CHUNK_CHARS,
-                  block: int = DOC_CHUNK_CHARS) -> Iterator["str | LongDocument"]:
+                  block: int = DOC_CHUNK_CHARS, opened: Callable[[], object] | None = None
+                  ) -> Iterator["str | LongDocument"]:
     """The ``text_field`` column of a parquet file, a value at a time; a value longer than ``limit`` characters
     comes in pieces decoded from arrow's buffer ``block`` bytes at a time (``trainer.json_pieces``), never as one
-    Python string (pyarrow still holds its row group's column as it read it)."""
+    Python string (pyarrow still holds its row group's column as it read it). ``opened``: the file opened as
+    bytes (a context manager), where it is not a local path (an ``hf:`` dataset's)."""
+    pq = _pyarrow_parquet(path)
+    with (opened() if opened else contextlib.nullcontext(path)) as f:
+        yield from _parquet_values(pq, f, path, text_field, limit, block)
+
+
+def _parquet_values(pq, f, path, text_field: str, limit: int, block: int) -> Iterator["str | LongDocument"]:
     from trainer import json_pieces
 
-    pq = _pyarrow_parquet(path)
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(f)
     except Exception as e:
         raise InputError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
     names = pf.schema_arrow.names
@@ -629,8 +640,97 @@ def _pyarrow_parquet(path):
 _READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
-def _read_hf(name: str, split: str, text_field: str) -> Iterator[str]:
+def _read_hf(name: str, split: str, text_field: str, *, limit: int = DOC_CHUNK_CHARS, block: int = DOC_CHUNK_CHARS,
+             on_note: Callable[[str], None] | None = None) -> Iterator["str | LongDocument"]:
+    """The records of the dataset ``name``'s ``split``, their ``text_field`` each. The `datasets` library finds the
+    split's files (``load_dataset_builder``: a local directory of data files or a Hub dataset); where they are
+    .jsonl, .parquet or .txt files its json, parquet or text builder reads with its default options, they are
+    read here (``_read_jsonl``, ``_read_parquet``, ``json_pieces.text_lines``), opened through `datasets`' own
+    file opening (Hub files stream), so a record longer than ``limit`` characters comes in pieces and is never
+    held whole. Any other split (.json, .csv, compressed files, builder options, a cache of arrow files) goes
+    through ``datasets.load_dataset(..., streaming=True)``, whose records arrive whole; ``on_note`` is told."""
     datasets = _datasets_module(name)
+    try:
+        files = _hf_split_files(datasets, name, split, text_field)
+    except InputError:
+        raise
+    except Exception as e:
+        raise _hf_unloadable(name, e) from None
+    if isinstance(files, str):
+        if files and on_note is not None:
+            on_note(f"hf:{name}: {files}; its records come whole from the datasets library, not in pieces "
+                    "(a long record costs its size several times over)")
+        yield from _read_hf_records(datasets, name, split, text_field)
+        return
+    for url, reader, opened in files:
+        try:
+            yield from reader(url, text_field, limit=limit, block=block, opened=opened)
+        except InputError as e:
+            raise InputError(f"hf:{name}: {e}") from None
+        except Exception as e:
+            raise _hf_unloadable(name, e) from None
+
+
+def _read_text_lines(path: str, text_field: str, *, limit: int, block: int,
+                     opened: Callable[[], object]) -> Iterator["str | LongDocument"]:
+    """Each line of a text file, one record each, as `datasets`' text builder reads it (``json_pieces.text_lines``)."""
+    from trainer import json_pieces
+
+    with opened() as f:
+        yield from json_pieces.text_lines(f, limit=limit, block=block, cut_point=cut_point,
+                                          long_document=LongDocument)
+
+
+# The `datasets` builders whose files memplan reads itself: builder -> (the file ending read, the reader, the
+# builder's options that must be at their defaults for it to read what the builder would).
+_HF_READ_HERE = {"json": (".jsonl", _read_jsonl, {"field": None, "features": None, "encoding": "utf-8"}),
+                 "parquet": (".parquet", _read_parquet, {"features": None, "columns": None, "filters": None}),
+                 "text": (".txt", _read_text_lines, {"features": None, "sample_by": "line", "keep_linebreaks": False,
+                                                     "encoding": "utf-8"})}
+
+
+def _hf_split_files(datasets, name: str, split: str, text_field: str):
+    """[(file, reader, opener)] for the split's files where ``_HF_READ_HERE`` reads them all, else a str that says
+    why not (the split then goes through ``datasets.load_dataset``; "": no files to say it of)."""
+    builder = datasets.load_dataset_builder(name)
+    kind = type(builder).__module__.rsplit(".", 1)[-1]
+    data_files = getattr(builder.config, "data_files", None) or {}
+    files = next((list(v) for k, v in data_files.items() if str(k) == split), None)
+    if not files:
+        return ""  # no such split here (load_dataset says so), or no data files: a cache of arrow files
+    if kind not in _HF_READ_HERE:
+        return f"split {split!r} is read by datasets' {kind} builder"
+    ending, reader, defaults = _HF_READ_HERE[kind]
+    changed = [k for k, v in defaults.items() if getattr(builder.config, k, v) != v]
+    other = next((f for f in files if not str(f).lower().endswith(ending)), None)
+    if changed or other is not None:
+        return (f"split {split!r}'s file {str(other).rsplit('/', 1)[-1]!r} is not {ending}" if other is not None
+                else f"its {kind} builder sets {', '.join(changed)}")
+    if kind == "text" and text_field != "text":
+        raise InputError(f"hf:{name}: no {text_field!r} field (has: text); name the text field with --text-field")
+    from datasets.download.download_config import DownloadConfig
+
+    config = DownloadConfig(token=builder.token, storage_options=builder.storage_options)
+    binary = kind == "parquet"
+    return [(str(f), reader, _hf_opener(datasets, str(f), config, binary)) for f in files]
+
+
+def _hf_opener(datasets, url: str, config, binary: bool) -> Callable[[], object]:
+    """A function that opens the data file ``url`` (a local path, or a Hub or http URL that streams) through
+    `datasets`' own ``xopen``: as bytes, or as UTF-8 text with universal newlines (as its builders read it)."""
+    import io
+
+    from datasets.utils.file_utils import xopen
+
+    def opened():
+        f = xopen(url, "rb", download_config=config)
+        return f if binary else io.TextIOWrapper(f, encoding="utf-8", errors="replace")
+
+    return opened
+
+
+def _read_hf_records(datasets, name: str, split: str, text_field: str) -> Iterator["str | LongDocument"]:
+    """The split's records through ``datasets.load_dataset(..., streaming=True)``: each arrives whole."""
     try:
         ds = datasets.load_dataset(name, split=split, streaming=True)
         for i, record in enumerate(ds):
@@ -642,8 +742,12 @@ def _read_hf(name: str, split: str, text_field: str) -> Iterator[str]:
     except InputError:
         raise
     except Exception as e:
-        raise InputError(f"hf:{name}: could not load the dataset ({type(e).__name__}: {_first_line(e)}); "
-                         "it needs a network or a populated HF_DATASETS_CACHE") from None
+        raise _hf_unloadable(name, e) from None
+
+
+def _hf_unloadable(name: str, e: BaseException) -> InputError:
+    return InputError(f"hf:{name}: could not load the dataset ({type(e).__name__}: {_first_line(e)}); "
+                      "it needs a network or a populated HF_DATASETS_CACHE")
 
 
 def _datasets_module(name: str):
@@ -1059,7 +1163,7 @@ def prepare(sources: Sequence[Source], out: str | Path, config: PrepareConfig = 
         for line in remove_stale_temp_dirs(out):
             notes(line)
         check_out_dir(out, force)  # again, under the lock: another prepare may have filled it meanwhile
-        return _prepare_locked(sources, out, config, spec, progress)
+        return _prepare_locked(sources, out, config, spec, progress, notes)
 
 
 def stale_temp_dirs(out: Path) -> list[Path]:
@@ -1101,7 +1205,8 @@ def prepare_lock(out: Path):
                      "it to end, or choose another --out")
 
 
-def _prepare_locked(sources, out: Path, config: PrepareConfig, spec, progress: Progress) -> PrepareResult:
+def _prepare_locked(sources, out: Path, config: PrepareConfig, spec, progress: Progress,
+                    notes: Callable[[str], None]) -> PrepareResult:
     from memplan.fsutil import temp_dir_beside
 
     tmp = temp_dir_beside(out, "prepare")  # created exclusively under an unpredictable name
@@ -1110,7 +1215,7 @@ def _prepare_locked(sources, out: Path, config: PrepareConfig, spec, progress: P
         staging = tmp / "staging"
         staging.mkdir()
         t0 = time.perf_counter()
-        stats, lengths = _read_clean_dedupe(sources, staging, config, progress)
+        stats, lengths = _read_clean_dedupe(sources, staging, config, progress, notes)
         seconds["read"] = time.perf_counter() - t0
         for s, doc_lengths in zip(stats, lengths):
             k, c, s.val_split = val_split_point(doc_lengths, config.val_fraction)
@@ -1149,8 +1254,8 @@ def _stage_line(text: str, starts_document: bool) -> bytes:
     return (("" if starts_document else "+") + json.dumps(text, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: Progress
-                       ) -> tuple[list[SourceStats], list]:
+def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: Progress,
+                       notes: Callable[[str], None] = lambda line: None) -> tuple[list[SourceStats], list]:
     """Stage every kept document of every source (``staging/NNN.jsonl``, pieces of at most about
     ``config.chunk_chars``); return the statistics and each source's document lengths in characters."""
     from array import array
@@ -1167,7 +1272,7 @@ def _read_clean_dedupe(sources, staging: Path, config: PrepareConfig, progress: 
             stats.skipped_files.append([str(path), reason])
 
         with open(staging / f"{index:03d}.jsonl", "wb") as f:
-            for raw in source.documents(config.workers, on_skip=skipped, chunk_chars=limit):
+            for raw in source.documents(config.workers, on_skip=skipped, chunk_chars=limit, on_note=notes):
                 seen += 1
                 if seen % 1000 == 0:
                     progress("read", seen, None)

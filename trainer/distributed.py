@@ -646,12 +646,129 @@ def _checked_planner():
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """Every parameter whole, on rank 0's CPU (None on the other ranks); all ranks must call it."""
+    """Every parameter whole, on rank 0's CPU (None on the other ranks); all ranks must call it (in a save:
+    ``model_shards`` then ``gather_whole``, whose collectives time out)."""
     from torch.distributed.checkpoint import state_dict as dcp_state
 
     options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = dcp_state.get_model_state_dict(model, options=options)
     return full if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+def model_shards(model: torch.nn.Module) -> dict:
+    """The model's state as this rank holds it, under the parameters' names: FSDP2's shards (DTensors), DDP's
+    whole tensors (no collective)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+
+    return dcp_state.get_model_state_dict(model)
+
+
+GATHER_KEY = "memplan/save/gathered/"  # + save/rank: the last all-gather of the whole weights that rank ended
+GATHER_GRACE_S = 2.0  # seconds rank 0 gives the others to end an all-gather that timed out, before naming them
+_gathers = 0  # gather_whole's calls in this process: every rank makes the same calls, so the count names a save
+
+
+def gather_whole(shards: dict, what: str) -> dict[str, torch.Tensor] | None:
+    """``model_shards``' tensors whole on rank 0's CPU (None on the other ranks). A DTensor's shards are
+    all-gathered on the CPU over ``save_group()`` (``DTensor.full_tensor`` on a device mesh of that group), not
+    over the training process group: each collective times out after ``save_timeout()``, so a rank that hangs
+    or dies during the gather ends the others with one ``RankFailed`` line instead of leaving them in FSDP2's
+    all-gather for the training group's 10 minutes. Each rank marks every all-gather it has ended (done, or
+    failed) in the process group's store, so that rank 0 names the ranks that had not ended the one that failed
+    ``GATHER_GRACE_S`` after it. A rank out of memory there says so itself (the others name it as not
+    answering). Any other tensor is this rank's own copy."""
+    from torch.distributed.tensor import DTensor
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in shards.items()}
+    global _gathers
+    _gathers += 1
+    me, key = dist.get_rank(), f"{GATHER_KEY}{_gathers}/"
+    store = _default_store()
+    full = {}
+    for i, (name, value) in enumerate(shards.items()):
+        if isinstance(value, DTensor):
+            try:
+                value = _whole_on(_save_mesh(), value)
+            except Exception as e:
+                _mark(store, f"{key}{me}", i)
+                if isinstance(e, (MemoryError, torch.OutOfMemoryError)):  # its own failure: the others time out
+                    from trainer.stopping import RankFailed
+
+                    raise RankFailed(f"{what}: rank {me} failed: {cause_of(e)}") from None
+                # gloo's timeout or a peer gone (a RuntimeError through functional collectives, not a DistError)
+                raise _gather_unanswered(what, e, store, key, i) from None
+            _mark(store, f"{key}{me}", i)
+        if me == 0:
+            full[name] = value.detach().cpu()
+    return full if me == 0 else None
+
+
+_save_mesh_made = None
+
+
+def _save_mesh():
+    """A one-dimensional CPU device mesh of ``save_group()`` (made once)."""
+    global _save_mesh_made
+    if _save_mesh_made is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        _save_mesh_made = DeviceMesh.from_group(save_group(), "cpu")
+    return _save_mesh_made
+
+
+def _whole_on(mesh, value) -> torch.Tensor:
+    """The DTensor ``value`` whole, its shards all-gathered (on the CPU) over ``mesh``: a mesh of the save group
+    where ``value``'s own is one dimension over every rank in order (FSDP2's), else over its own mesh."""
+    from torch.distributed.tensor import DTensor
+
+    own = value.device_mesh
+    if own.ndim != 1 or own.mesh.flatten().tolist() != list(range(dist.get_world_size())):
+        return value.full_tensor()
+    local = value.to_local().detach().cpu()
+    return DTensor.from_local(local, mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride()).full_tensor()
+
+
+def _default_store():
+    """The process group's key-value store (torchrun's), or None where torch has none to give."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _mark(store, key: str, at: int) -> None:
+    if store is not None:
+        try:
+            store.set(key, str(at))
+        except Exception:  # the store is rank 0's: gone with it; the collective's own error says so
+            pass
+
+
+def _gather_unanswered(what: str, e: BaseException, store, key: str, at: int) -> Exception:
+    """The ``RankFailed`` line for the gather's all-gather ``at`` that ended in gloo's error ``e``: on rank 0, the
+    ranks that have not ended it ``GATHER_GRACE_S`` later (the others' ended with the same error meanwhile), else
+    ``unanswered``'s line (elsewhere, or where the store cannot tell)."""
+    import time
+
+    from trainer.stopping import RankFailed
+
+    late = []
+    if store is not None and dist.get_rank() == 0:
+        time.sleep(min(GATHER_GRACE_S, save_timeout().total_seconds() / 4))
+        for rank in range(1, dist.get_world_size()):
+            try:
+                ended = int(store.get(f"{key}{rank}").decode()) if store.check([f"{key}{rank}"]) else -1
+            except Exception:
+                ended = -1
+            if ended < at:
+                late.append(rank)
+    if not late:
+        return unanswered(what, e)
+    ranks = ", ".join(map(str, late))
+    return RankFailed(f"{what}: rank{'s' if len(late) > 1 else ''} {ranks} did not answer within "
+                      f"{_seconds(save_timeout())} (hung, or died)")
 
 
 def load_single_process_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plain_model,

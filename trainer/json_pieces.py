@@ -1,4 +1,5 @@
-"""Records of .jsonl and .parquet files read in pieces: a record longer than a piece is never held whole.
+"""Records of .jsonl, .parquet and line-per-record .txt files read in pieces: a record longer than a piece is
+never held whole.
 
 ``jsonl_records`` reads a .jsonl file in blocks (opened with universal newlines, as before: ``\\r\\n`` and a lone
 ``\\r`` arrive as ``\\n``) and splits it into lines on ``\\n``. A line of at most ``limit`` characters is parsed by ``json.loads``
@@ -11,6 +12,9 @@ value replaced by ``""``, and any other string longer than ``limit`` by ``""``) 
 end of the line, so a malformed long record is refused as a short one is. A text field that appears twice
 at the top level of a long record is refused (its first value would already have been read). ijson cannot
 do this: it gives a string only whole (ICRAR/ijson#162).
+
+``text_lines`` gives the lines of a text file as the ``datasets`` library's text builder makes them records
+(``hf:`` datasets of .txt files), a long line in pieces.
 
 ``parquet_values`` gives a string column's values, a long one as pieces decoded from arrow's buffer a
 block of bytes at a time, instead of one Python string per value (``to_pylist``/``as_py``).
@@ -366,6 +370,50 @@ def _decode(raw: str) -> str:
         return json.loads('"' + raw + '"')
     except ValueError as e:
         raise RecordError(getattr(e, "msg", str(e))) from None
+
+
+# =================================================================================================
+# lines of text (the `datasets` library's text builder: one record per line)
+# =================================================================================================
+
+def text_lines(f, *, limit: int, block: int, cut_point, long_document) -> Iterator[object]:
+    """Each line of the open text file ``f`` without its ``\\n`` (a line that is empty too, and the last one
+    where no newline ends it), as the ``datasets`` text builder gives them (``sample_by="line"``: the file read
+    with universal newlines, split on ``\\n`` alone): a str of at most ``limit`` characters, or, longer, a
+    ``long_document`` of pieces read ``block`` characters at a time (read it before asking for the next line)."""
+    r = _Reader(f, block)
+    while True:
+        nl = r.buf.find("\n", r.pos)
+        while nl < 0 and len(r.buf) - r.pos <= limit and r.more():
+            nl = r.buf.find("\n", r.pos)
+        if nl >= 0 and nl - r.pos <= limit:
+            line, r.pos = r.buf[r.pos:nl], nl + 1
+            yield line
+        elif nl < 0 and len(r.buf) - r.pos <= limit:  # the end of the file
+            if r.pos < len(r.buf):
+                yield r.buf[r.pos:]
+            return
+        else:
+            rest = _rest_of_line(r)
+            yield document(pieces(rest, limit, cut_point), limit, long_document)
+            for _ in rest:  # whatever the caller left unread
+                pass
+
+
+def _rest_of_line(r: _Reader) -> Iterator[str]:
+    """The characters of ``r`` up to the next ``\\n`` (taken, not given) or the end of the file, a stretch at a time."""
+    while True:
+        nl = r.buf.find("\n", r.pos)
+        if nl >= 0:
+            stretch, r.pos = r.buf[r.pos:nl], nl + 1
+            if stretch:
+                yield stretch
+            return
+        stretch, r.pos = r.buf[r.pos:], len(r.buf)
+        if stretch:
+            yield stretch
+        if not r.more():
+            return
 
 
 # =================================================================================================

@@ -25,14 +25,15 @@ HANG = SAVE_TIMEOUT + 5  # the hung rank's sleep: past the others' timeout, then
 LAUNCH_LIMIT = 100  # seconds; before the timeout, a rank failing in the state or hanging left the others waiting
 
 
-def save_with_failures(out: Path, faults: tuple[str, ...], failing: int) -> tuple[dict, dict, str]:
+def save_with_failures(out: Path, faults: tuple[str, ...], failing: int, sharding: str = "ddp"
+                       ) -> tuple[dict, dict, str]:
     """Each fault's save, one after the other in the same two ranks (one launch of torchrun): fault -> rank ->
     the line that rank's save ended with, fault -> rank -> its seconds; and the end of torchrun's output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "MEMPLAN_SAVE_TIMEOUT": str(SAVE_TIMEOUT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "tests" / "runs" / "hostile_save_ranks.py"), str(out), ",".join(faults), str(failing),
-           str(HANG)]
+           str(HANG), sharding]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     try:
@@ -81,6 +82,50 @@ def test_a_rank_that_hangs_in_a_save_is_named_once_the_timeout_passes(saves):
     assert float(seconds["hang"][0]) < HANG, seconds  # it did not wait for the hung rank
     assert lines[1].startswith("RankFailed: checkpoint step 1: "), lines[1]  # which found the others gone
     assert not (out / "hang" / "run" / "checkpoints" / ckpt_name()).exists()
+
+
+# FSDP2 (issue 29, item 5a's last part): the whole weights are all-gathered from every rank's shards, which ran on
+# the training process group (10 minutes) before: a rank failing just before the gather, or hanging inside it,
+# left the others in FSDP2's all-gather.
+
+@pytest.fixture(scope="module")
+def fsdp_saves(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp-saves")
+    return out, *save_with_failures(out, ("none", "weights", "gather"), FAILING, "fsdp")
+
+
+def test_an_fsdp_save_holds_the_whole_weights_torchs_full_state_dict_gathers(fsdp_saves):
+    """The gather over the save's group (shards of 7 and 3 rows over two ranks: uneven) is exactly FSDP2's."""
+    import torch
+
+    from trainer.checkpoint_format import read_weights
+
+    out, ended, seconds, output = fsdp_saves
+    assert ended["none"] == {0: "saved", 1: "saved"}, (ended["none"], output)
+    saved = read_weights(out / "none" / "run" / "checkpoints" / ckpt_name() / "model.safetensors")
+    expected = torch.load(out / "none" / "expected.pt")
+    assert sorted(saved) == sorted(expected) and len(saved) == 4, (sorted(saved), sorted(expected))
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
+
+
+def test_an_fsdp_rank_failing_before_the_gather_ends_every_rank_naming_it(fsdp_saves):
+    out, ended, seconds, output = fsdp_saves
+    lines = ended["weights"]
+    assert set(lines) == {0, 1}, (lines, output)
+    for rank, line in lines.items():
+        assert line == f"RankFailed: checkpoint step 1: rank {FAILING} failed: OSError: [Errno 5] planted failure " \
+                       "in weights", line
+
+
+def test_an_fsdp_rank_that_hangs_inside_the_gather_is_named_once_the_timeout_passes(fsdp_saves):
+    out, ended, seconds, output = fsdp_saves
+    lines = ended["gather"]
+    assert set(lines) == {0, 1}, (lines, output)
+    assert lines[0] == (f"RankFailed: checkpoint step 1: rank {HANGING} did not answer within {SAVE_TIMEOUT} s "
+                        "($MEMPLAN_SAVE_TIMEOUT) (hung, or died)"), lines[0]
+    assert float(seconds["gather"][0]) < HANG, seconds  # it did not wait for the hung rank
+    assert lines[1].startswith("RankFailed: checkpoint step 1: "), lines[1]  # which found the others gone
+    assert not (out / "gather" / "run" / "checkpoints" / ckpt_name()).exists()
 
 
 def ckpt_name() -> str:

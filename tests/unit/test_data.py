@@ -309,10 +309,19 @@ def test_directory_is_one_source_read_recursively_in_path_order(tmp_path):
 
 
 class FakeDatasets:
-    """Stands in for the `datasets` package: load_dataset(name, split, streaming) over fixed records."""
+    """Stands in for the `datasets` package: load_dataset(name, split, streaming) over fixed records, and a
+    load_dataset_builder whose split has no data files (as a cache of arrow files has none): read through
+    load_dataset."""
 
     def __init__(self, records=None, error=None):
         self.records, self.error, self.calls = records, error, []
+
+    def load_dataset_builder(self, name):
+        from types import SimpleNamespace
+
+        if self.error:
+            raise self.error
+        return SimpleNamespace(config=SimpleNamespace(data_files={}))
 
     def load_dataset(self, name, split, streaming):
         self.calls.append((name, split, streaming))
@@ -336,6 +345,30 @@ def test_hf_dataset_that_cannot_be_loaded(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", FakeDatasets(error=ConnectionError("no route to host\nmore")))
     assert_one_line_error(run("-i", "hf:someone/Thing", "--out", str(tmp_path / "o")),
                           "hf:someone/Thing", "ConnectionError", "network")
+
+
+def test_hf_folder_dataset_prepares_as_its_jsonl_file_and_another_format_says_its_records_arrive_whole(
+        tmp_path, monkeypatch):
+    """A local folder dataset (hf:DIR) of .jsonl is read by memplan's own reader: the same shards as the file
+    itself; one of .csv goes through datasets.load_dataset, and prepare says so in a note."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = [sentence(i) for i in range(40)]
+    (tmp_path / "j" / "data").mkdir(parents=True)
+    write_jsonl(tmp_path / "j" / "data" / "train.jsonl", texts)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "train.csv").write_text("text\n" + "".join(f'"{t}"\n' for t in texts), encoding="utf-8")
+    outs = {}
+    for name, src in (("file", str(tmp_path / "j" / "data" / "train.jsonl")), ("hf", f"hf:{tmp_path / 'j'}"),
+                      ("csv", f"hf:{tmp_path / 'c'}")):
+        res = run("-i", src, "--out", str(tmp_path / name), "--tokenizer", "bpe:300")
+        assert res.exit_code == 0, res.output
+        outs[name] = res.output
+    assert "csv builder" not in outs["hf"]
+    assert "csv builder" in outs["csv"] and "records come whole" in outs["csv"], outs["csv"]
+    for split in ("train", "val"):
+        assert shard_tokens(tmp_path / "hf", split).tolist() == shard_tokens(tmp_path / "file", split).tolist()
+        assert shard_tokens(tmp_path / "csv", split).tolist() == shard_tokens(tmp_path / "file", split).tolist()
 
 
 def test_sources_with_the_same_stem_get_distinct_names(tmp_path):

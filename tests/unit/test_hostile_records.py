@@ -213,3 +213,109 @@ def test_long_parquet_values_read_in_pieces_are_exactly_arrows(tmp_path):
         pq.write_table(pa.table({"text": pa.array(values, type=kind)}), path)
         got = read_all(data._read_parquet(path, "text", limit=24, block=5))
         assert got == [(v or "") if len(v or "") <= 24 else list(data.split_text(v, 24)) for v in values]
+
+
+# hf: datasets (issue 29, item 5b): the `datasets` library finds the split's files; .jsonl, .parquet and .txt files
+# are read by the readers above, so a long record streams as it does from a local file. Local folder datasets
+# (nothing can come from the Hub in tests).
+
+def hf_folder(root, kind: str, texts: list) -> str:
+    """A local folder dataset of one train file of ``kind`` holding ``texts`` (one record each)."""
+    folder = root / kind
+    (folder / "data").mkdir(parents=True)
+    path = folder / "data" / f"train-00000-of-00001.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)),
+                        encoding="utf-8")
+    elif kind == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        pytest.importorskip("pyarrow.parquet").write_table(pa.table({"text": texts, "id": list(range(len(texts)))}),
+                                                           path)
+    else:
+        path.write_text("\n".join(texts), encoding="utf-8", newline="")
+    return str(folder)
+
+
+def records_of_load_dataset(name: str, field: str = "text") -> list:
+    """What datasets.load_dataset(streaming=True) gives: the path hf: inputs took before."""
+    datasets = pytest.importorskip("datasets")
+    return read_all(data._read_hf_records(datasets, name, "train", field))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
+def test_hf_folder_records_read_here_are_what_load_dataset_gives(tmp_path, kind, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = ["a b", "", "caf\u00e9 \U0001F600 x", "line\u2028sep\u0085end", "z" * 300, "tab\there", "last one"]
+    if kind != "txt":
+        texts[2] += "\r\ny\rz"
+        texts.insert(1, None)
+    name = hf_folder(tmp_path, kind, texts)
+    notes = []
+    got = read_all(data._read_hf(name, "train", "text", on_note=notes.append))
+    assert got == records_of_load_dataset(name) and not notes
+    assert got == [t or "" for t in texts]
+    cut = read_all(data._read_hf(name, "train", "text", limit=40, block=7))
+    assert cut == [(t or "") if len(t or "") <= 40 else list(data.split_text(t, 40)) for t in texts]
+
+
+def test_hf_folder_of_another_format_goes_through_load_dataset_with_a_note(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "train.csv").write_text("text,id\nhello there,1\n", encoding="utf-8")
+    notes = []
+    assert read_all(data._read_hf(str(tmp_path / "c"), "train", "text", on_note=notes.append)) == ["hello there"]
+    assert len(notes) == 1 and "csv builder" in notes[0] and "whole" in notes[0], notes
+
+
+def test_hf_folder_errors_stay_one_line(tmp_path, monkeypatch):
+    from memplan.errors import InputError
+
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for kind, message in (("jsonl", r"no 'body' field \(has: id, text\)"), ("parquet", r"no 'body' column"),
+                          ("txt", r"no 'body' field \(has: text\)")):
+        name = hf_folder(tmp_path, kind, ["one", "two"])
+        with pytest.raises(InputError, match=rf"^hf:{name}: .*{message}.*--text-field$"):
+            read_all(data._read_hf(name, "train", "body"))
+    with pytest.raises(InputError, match=r"^hf:.*: could not load the dataset \(.*validation.*\); it needs"):
+        read_all(data._read_hf(name, "validation", "text"))
+    with pytest.raises(InputError, match=r"^hf:.*nowhere: could not load the dataset"):
+        read_all(data._read_hf(str(tmp_path / "nowhere"), "train", "text"))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
+def test_a_long_hf_record_costs_a_few_pieces_of_memory_not_its_size(tmp_path, kind, monkeypatch):
+    """One record of 4 MB in a local folder dataset: read in pieces, whatever the format. The datasets library's
+    resolution of the split's files is counted too (it is imported first: its modules are not the record's)."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = hf_folder(tmp_path, kind, ["short", long_text(BIG).replace("\n", " ") + " caf\u00e9"])  # one line
+    datasets.load_dataset_builder(name)  # its modules imported and its caches made: not the record's cost
+    size, peak = peak_reading(data._read_hf(name, "train", "text"))
+    assert size > BIG
+    assert peak < FEW_PIECES, f"{peak:,} bytes held reading a record of {size:,} characters"
+
+
+def test_text_lines_read_in_pieces_are_the_lines_datasets_text_builder_gives(tmp_path):
+    """Random text files (\\n, \\r\\n, a lone \\r, U+2028, empty and long lines, with or without a last newline)
+    read with pieces and blocks of a few characters: each line is what datasets' text builder makes a record of
+    (the file read with universal newlines, StringIO's readlines, the "\\n" stripped), a long one cut as split_text
+    cuts."""
+    import io
+    import random
+
+    rng = random.Random(11)
+    path = tmp_path / "t.txt"
+    letters = ["a", " ", "\n", "\r\n", "\r", "\u2028", "\u00e9", "word ", "\n\n"]
+    for _ in range(200):
+        limit, block = rng.choice([4, 9, 30]), rng.choice([2, 3, 7, 64])
+        text = "".join(rng.choice(letters) for _ in range(rng.choice([0, 5, 40, 200])))
+        path.write_text(text, encoding="utf-8", newline="")
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in io.StringIO(f.read()).readlines()]
+        opened = lambda: open(path, encoding="utf-8", errors="replace")  # noqa: E731
+        got = read_all(data._read_text_lines(str(path), "text", limit=limit, block=block, opened=opened))
+        assert got == [line if len(line) <= limit else list(data.split_text(line, limit)) for line in lines], \
+            (limit, block, text)
