@@ -392,7 +392,8 @@ class _Evaluator:
 
     A compiled step's memory is its own where ``memplan.memory.compiled`` models it (inductor's partitioner
     saves less, which can let a larger micro-batch fit); elsewhere it is planned with the eager step's, and
-    the walks are shared between the two.
+    the walks are shared between the two (not on a CPU, whose process also holds the compiled code:
+    ``compiled_code_resident_bytes``).
     """
 
     def __init__(self, spec: ModelSpec, device: Device, speedup: float | None, epoch_tokens: int | None,
@@ -409,7 +410,9 @@ class _Evaluator:
 
     def memory(self, setup: TrainSetup) -> MemoryBreakdown:
         modelled = setup.compile and compiled_modelled(self.spec, setup, self.stack) is None
-        key = setup.replace(compile=False) if setup.compile and not modelled else setup
+        # unmodelled, the compiled step's walk is the eager one's; a CPU process also holds the compiled code
+        shared = setup.compile and not modelled and self.device.family != "cpu"
+        key = setup.replace(compile=False) if shared else setup
         if key not in self._memory:
             self._memory[key] = memory_on(self.spec, key, self.device, self.stack)
         return self._memory[key]

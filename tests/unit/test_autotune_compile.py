@@ -106,3 +106,17 @@ def test_the_cli_takes_max_steps_and_refuses_it_with_tokens_in_one_line():
     assert data["run_steps"] == 50 and data["compile"]["why"]
     r = runner.invoke(app, ["autotune", "--params", "1m", "--ctx", "128", "--max-steps", "50", "--tokens", "1m"])
     assert r.exit_code == 2 and "not both" in r.output and "Traceback" not in r.output
+
+
+def test_on_a_cpu_a_compiled_plan_holds_the_compiled_code_where_its_walk_is_the_eager_one_s():
+    # selective checkpointing: the compiled step's walk is not modelled (memplan.memory.compiled), so it is the
+    # eager step's; the process still holds inductor's modules and the compiled code, which the plan counts
+    from memplan.memory import compiled_code_resident_bytes
+    from memplan.setup import TrainSetup
+
+    result = autotune(llama(6), cpu_compiling(), steps=100_000, **KW)
+    setup = TrainSetup(ctx=256, micro_batch=8, precision="fp32", checkpointing="selective")
+    ev = result._evaluator
+    compiled, eager = ev.memory(setup.replace(compile=True)), ev.memory(setup)
+    assert compiled.runtime_terms["compiled_code"] == compiled_code_resident_bytes(6)
+    assert compiled.peak_reserved - eager.peak_reserved == compiled_code_resident_bytes(6)
