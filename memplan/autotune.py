@@ -20,7 +20,8 @@ The search space, for one model at one context length on one device:
   the ranking is by epoch time, compile included, so compile is taken only where it pays back its compile
   time over the run; without, by step time, with a note of how many steps it takes to pay back. A profile
   with ``compile_speedup`` alone divides the eager step by it (and adds ``compile_seconds`` if given).
-  The memory of a compiled step is taken as that of the eager one (compile usually saves some);
+  The memory of a compiled step is its own where ``memplan.memory.compiled`` models it (else the eager one's);
+  the run's length is ``tokens`` or ``steps``, and ``CompileChoice`` says why compile was taken or not;
 - with ``world_size`` > 1 (that many devices like this one): DDP or FSDP2 over all of them
   (``memplan.memory`` plans each rank's memory; FSDP shards weights, gradients and optimizer state).
 
@@ -296,7 +297,9 @@ class AutotuneResult:
     space: dict = field(default_factory=dict)  # the options searched
     search_seconds: float = 0.0  # wall time of the analytic search
     evaluated: int = 0  # setups whose memory was walked
-    tokens: int | None = None  # tokens in one epoch (--tokens), for epoch_seconds
+    tokens: int | None = None  # tokens in one epoch (--tokens, or --max-steps × the global batch), for epoch_seconds
+    run_steps: int | None = None  # the run's optimizer steps (--max-steps, or --tokens over the global batch)
+    compile: CompileChoice | None = None  # whether torch.compile was taken, and why
     configs: tuple[ConfigSearch, ...] = ()
     _evaluator: "_Evaluator | None" = field(default=None, repr=False, compare=False)
 
@@ -362,6 +365,8 @@ class AutotuneResult:
             "space": dict(self.space),
             "search_seconds": self.search_seconds,
             "evaluated": self.evaluated,
+            "run_steps": self.run_steps,
+            "compile": self.compile.to_json() if self.compile is not None else None,
         }
 
 
@@ -387,7 +392,8 @@ class _Evaluator:
 
     A compiled step's memory is its own where ``memplan.memory.compiled`` models it (inductor's partitioner
     saves less, which can let a larger micro-batch fit); elsewhere it is planned with the eager step's, and
-    the walks are shared between the two.
+    the walks are shared between the two (not on a CPU, whose process also holds the compiled code:
+    ``compiled_code_resident_bytes``).
     """
 
     def __init__(self, spec: ModelSpec, device: Device, speedup: float | None, epoch_tokens: int | None,
@@ -404,7 +410,9 @@ class _Evaluator:
 
     def memory(self, setup: TrainSetup) -> MemoryBreakdown:
         modelled = setup.compile and compiled_modelled(self.spec, setup, self.stack) is None
-        key = setup.replace(compile=False) if setup.compile and not modelled else setup
+        # unmodelled, the compiled step's walk is the eager one's; a CPU process also holds the compiled code
+        shared = setup.compile and not modelled and self.device.family != "cpu"
+        key = setup.replace(compile=False) if shared else setup
         if key not in self._memory:
             self._memory[key] = memory_on(self.spec, key, self.device, self.stack)
         return self._memory[key]
@@ -484,14 +492,16 @@ def _global_batch(spec: ModelSpec, ctx: int, world_size: int, global_batch_token
 
 
 def _validate(spec: ModelSpec, ctx: int, global_batch_tokens, global_batch, budget_bytes, margin, tokens,
-              world_size) -> None:
+              world_size, steps=None) -> None:
     for name, value in (("--ctx", ctx), ("--world-size", world_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{name}: {value!r} must be a positive integer")
     if global_batch_tokens is not None and global_batch is not None:
         raise InputError("give --global-batch-tokens N or --global-batch N (sequences), not both")
+    if tokens is not None and steps is not None:
+        raise InputError("give the run's length as --tokens N or --max-steps N (optimizer steps), not both")
     for name, value in (("--global-batch-tokens", global_batch_tokens), ("--global-batch", global_batch),
-                        ("--budget", budget_bytes), ("--tokens", tokens)):
+                        ("--budget", budget_bytes), ("--tokens", tokens), ("--max-steps", steps)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InputError(f"{name}: {value!r} must be a positive integer")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -503,7 +513,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
              global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
              tokens: int | None = None, world_size: int = 1, lora_rank: int = 0,
              lora_targets: str = "qkv,proj,up,down", precision: str | None = None,
-             checkpointing: str | None = None, stack: Stack = MEMPLAN) -> AutotuneResult:
+             checkpointing: str | None = None, stack: Stack = MEMPLAN, steps: int | None = None) -> AutotuneResult:
     """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
 
     ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
@@ -514,10 +524,12 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
 
     ``global_batch_tokens`` or ``global_batch`` (sequences, all processes) fixes micro_batch ·
     grad_accum · ctx · world_size; with neither, ``default_global_batch_tokens(spec)``. ``budget_bytes``
-    defaults to the device's usable memory. ``tokens`` (one epoch) gives epoch_seconds.
+    defaults to the device's usable memory. ``tokens`` (one epoch) gives epoch_seconds; ``steps`` (optimizer
+    steps, instead of ``tokens``) is a run of ``steps`` global batches. Either is the run's length that
+    torch.compile's one-off compile time is weighed against (``CompileChoice``).
     """
     started = time.perf_counter()
-    _validate(spec, ctx, global_batch_tokens, global_batch, budget_bytes, margin, tokens, world_size)
+    _validate(spec, ctx, global_batch_tokens, global_batch, budget_bytes, margin, tokens, world_size, steps)
     budget = device.usable_bytes if budget_bytes is None else budget_bytes
     limit = int(budget * (1 - margin))
     per, requested, default, exact, notes = _global_batch(spec, ctx, world_size, global_batch_tokens, global_batch)
@@ -525,16 +537,14 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
         notes.append(f"--budget {format_bytes(budget_bytes)} is more than {device.name}'s usable memory "
                      f"({format_bytes(device.usable_bytes)}); planning for the budget as given")
 
+    step_tokens = per * world_size * ctx
+    if steps is not None:
+        tokens = steps * step_tokens
+    run_steps = math.ceil(tokens / step_tokens) if tokens else None
     speedup = compile_speedup(device)
-    compiles = (False, True) if speedup and speedup > 1 else (False,)
-    if speedup is None:
-        notes.append("torch.compile not considered: the profile has no [calibrated] compile_speedup")
-    elif speedup <= 1:
-        notes.append(f"torch.compile not considered: the profile's compile_speedup is {speedup:g} (no gain)")
-    elif not stack.compiles:
-        compiles = (False,)
-        notes.append(f"torch.compile not considered: its memory is planned for memplan's own model only, not "
-                     f"{possessive(stack.name)} step")
+    compiles, not_considered = _compile_axis(speedup, stack)
+    if not_considered:
+        notes.append(not_considered)
     ev = _Evaluator(spec, device, speedup, tokens, stack)
     axes = search_axes(stack, device, world_size, lora_rank, precision, checkpointing)
     shardings, precisions = axes["sharding"], axes["precision"]
@@ -603,8 +613,13 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     candidates: list[Candidate] = []
     advice: list[str] = []
     chosen = best_points[0] if best_points else None
-    if chosen is not None and True in compiles:
-        notes.append(_compile_note(chosen, ev))
+    if not_considered:
+        choice = CompileChoice(False, False, not_considered, run_steps=run_steps)
+    elif chosen is None:
+        choice = CompileChoice(True, False, "torch.compile not taken: nothing fits the budget", run_steps=run_steps)
+    else:
+        choice = compile_choice(best_points, ev, run_steps)
+        notes.append(choice.why)
     if chosen is not None:
         best_tps, best_peak = ev.tokens_per_second(chosen), ev.peak(chosen)
         candidates.append(Candidate(plan=plan_of(chosen), predicted=ev.predicted(chosen), fits=True,
@@ -621,30 +636,94 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
                                     why=_reject_why(s, ev, limit, budget, margin, best_tps)))
     return AutotuneResult(plan=candidates[0].plan if chosen is not None else None, candidates=candidates,
                           advice=advice, notes=notes, search_seconds=time.perf_counter() - started,
-                          evaluated=ev.walks, **result_kw)
+                          evaluated=ev.walks, run_steps=run_steps, compile=choice, **result_kw)
 
 
 # ---- why -----------------------------------------------------------------------------------
 
-def _compile_note(chosen: TrainSetup, ev: _Evaluator) -> str:
-    """Whether torch.compile pays on the chosen configuration: its step gain, its one-off, the steps to pay back."""
-    eager, compiled = chosen.replace(compile=False), chosen.replace(compile=True)
-    saved = ev.seconds(eager) - ev.seconds(compiled)
+def _compile_axis(speedup: float | None, stack: Stack) -> tuple[tuple[bool, ...], str | None]:
+    """(the compile values searched, why compile is not considered, None where it is)."""
+    if speedup is None:
+        return (False,), "torch.compile not considered: the profile has no [calibrated] compile_speedup"
+    if speedup <= 1:
+        return (False,), f"torch.compile not considered: the profile's compile_speedup is {speedup:g} (no gain)"
+    if not stack.compiles:
+        return (False,), (f"torch.compile not considered: its memory is planned for memplan's own model only, not "
+                          f"{possessive(stack.name)} step")
+    return (False, True), None
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """Why torch.compile was taken or not: the best compiled and the best eager plan that fit, compared on the run.
+
+    The two can differ in micro-batch (the compiled step's memory is its own, ``memplan.memory.compiled``, so a
+    larger one can fit). The compiled plan pays back its one-off compile time after ``payback_steps`` steps
+    (``ceil(compile_seconds / (eager step − compiled step))``); with a run length (``--tokens``, ``--max-steps``)
+    it is taken when the run's steps reach that (the search ranks by run time, compile included), without one by
+    step time alone."""
+
+    considered: bool  # the search tried compiled setups
+    taken: bool  # the chosen plan is compiled
+    why: str  # the sentence the plan prints and the JSON carries
+    compile_seconds: float | None = None  # the one-off (memplan.timing.compile_seconds) of the best compiled plan
+    compile_words: str | None = None  # how that figure was made (F + ops × c, calibrated or the defaults)
+    eager_step_seconds: float | None = None  # the best eager plan's step
+    compiled_step_seconds: float | None = None  # the best compiled plan's step
+    eager_micro_batch: int | None = None
+    compiled_micro_batch: int | None = None
+    peak_lower_bytes: int | None = None  # how much lower the compiled plan's peak_reserved is (negative: higher)
+    payback_steps: int | None = None  # steps after which the compile is paid back; None: never (no faster step)
+    run_steps: int | None = None  # the run's optimizer steps (--tokens / --max-steps), None: not given
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def compile_choice(best_points: list[TrainSetup], ev: _Evaluator, run_steps: int | None) -> CompileChoice:
+    """The CompileChoice of a search whose configurations' best fitting points are ``best_points`` (in the
+    objective's order, the chosen first)."""
+    eager = next((s for s in best_points if not s.compile), None)
+    compiled = next((s for s in best_points if s.compile), None)
+    taken = bool(best_points) and best_points[0].compile
+    if compiled is None:
+        return CompileChoice(True, False, "torch.compile not taken: no compiled plan fits the budget",
+                             run_steps=run_steps)
     one_off = ev.one_off(compiled)
-    gain = ev.seconds(eager) / ev.seconds(compiled) - 1
+    figures = dict(compile_seconds=one_off, compile_words=compile_seconds_words(ev.spec, ev.device, compiled),
+                   compiled_step_seconds=ev.seconds(compiled), compiled_micro_batch=compiled.micro_batch,
+                   run_steps=run_steps)
+    if eager is None:
+        return CompileChoice(True, True, f"torch.compile taken: only a compiled plan fits the budget (its "
+                             f"micro-batch {compiled.micro_batch}); its {one_off:.0f} s compile is spent once",
+                             **figures)
+    saved = ev.seconds(eager) - ev.seconds(compiled)
+    lower = ev.peak(eager) - ev.peak(compiled)
+    figures.update(eager_step_seconds=ev.seconds(eager), eager_micro_batch=eager.micro_batch, peak_lower_bytes=lower)
+    memory = ""
+    if compiled.micro_batch > eager.micro_batch:
+        memory = (f"; the compiled step's memory fits micro-batch {compiled.micro_batch} where the eager step's fits "
+                  f"{eager.micro_batch}")
+    elif lower:  # the same micro-batch: inductor's partitioner saves less; a CPU process holds inductor's code
+        memory = f"; its peak {format_bytes(abs(lower))} {'lower' if lower > 0 else 'higher'}"
+    head = "torch.compile taken" if taken else "torch.compile not taken"
     if saved <= 0:
-        return f"torch.compile not taken: its step is predicted {-gain:.1%} slower on this configuration"
+        gain = ev.seconds(compiled) / ev.seconds(eager) - 1
+        return CompileChoice(True, taken, f"{head}: its step is predicted {gain:.1%} slower than the eager plan's"
+                             + memory, **figures)
     payback = math.ceil(one_off / saved) if one_off else 0
-    run = (f"a run of {ev.epoch_tokens:,} tokens ({math.ceil(ev.epoch_tokens / chosen.tokens_per_step):,} steps)"
-           if ev.epoch_tokens else None)
-    what = (f"torch.compile: steps {gain:.1%} faster, ~{one_off:.0f} s to compile once "
-            f"({compile_seconds_words(ev.spec, ev.device, compiled)}), paid back after {payback:,} steps")
-    lower = ev.memory(eager).peak_allocated - ev.memory(compiled).peak_allocated
-    if lower > 0:  # inductor's partitioner saves less (memplan.memory.compiled)
-        what += f"; its peak {format_bytes(lower)} lower"
-    if run is None:
-        return what + ("; taken (no --tokens to weigh the compile time against)" if chosen.compile else "")
-    return what + (f"; taken for {run}" if chosen.compile else f"; not taken for {run}")
+    speed = f"steps {ev.seconds(eager) / ev.seconds(compiled) - 1:.1%} faster"
+    cost = f"{one_off:.0f} s compile ({figures['compile_words']})"
+    if run_steps is None:
+        why = (f"{head}: {speed}; compile pays back its {cost} after {payback:,} steps"
+               + ("; no --tokens or --max-steps to weigh it against the run's length" if taken else ""))
+    elif taken:
+        why = f"{head}: {speed}; compile pays back its {cost} after {payback:,} steps; the run is {run_steps:,} steps"
+    else:
+        why = (f"{head}: the {cost} is not paid back within the run's {run_steps:,} steps ({speed}, it takes "
+               f"{payback:,})")
+    return CompileChoice(True, taken, why + memory, payback_steps=payback, **figures)
+
 
 def _describe(s: TrainSetup) -> str:
     parts = [f"micro-batch {s.micro_batch} × {s.grad_accum}", f"checkpointing {s.checkpointing}", s.attention,

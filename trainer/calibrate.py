@@ -258,6 +258,47 @@ def library_code_bytes(stack: str) -> int | None:
     return max(0, devices.current_rss() - before)
 
 
+def compiled_code_bytes(layers: int, checkpointing: str = "none") -> tuple[int, int] | None:
+    """CPU: what torch.compile keeps resident in a training process beyond the runtime context, as the plan's
+    ``compiled_code`` term adds it (``memplan.memory.terms.compiled_code_resident_bytes``): (the growth of the
+    trimmed resident set from importing inductor, ``torch._inductor.compile_fx``; the growth from compiling a
+    tiny llama of ``layers`` blocks, ``checkpointing`` as given, and running three of memplan's training steps
+    through it, the model then freed and the heap trimmed). The second holds the modules the compile imports on
+    first use (its code generators, the partitioner), the FX graphs and the generated Python and C++ kernels'
+    code (the loaded .so files) that stay resident while the compiled model trains.
+
+    Run after ``process_baseline_bytes`` in the same fresh process, with an empty inductor cache
+    (``TORCHINDUCTOR_CACHE_DIR``): a run's first compile of its graph generates the code, a cached one only loads it
+    (about 12 MiB less here). None where it cannot be told apart: inductor already imported in this process."""
+    import sys
+
+    from memplan.model import ModelSpec
+    from memplan.setup import TrainSetup
+    from trainer.model import build_model
+    from trainer.step import make_optimizer, train_step
+
+    if "torch._inductor.compile_fx" in sys.modules:
+        return None
+    devices.trim_heap()
+    before = devices.current_rss()
+    import torch._inductor.compile_fx  # noqa: F401
+
+    devices.trim_heap()
+    imported = devices.current_rss()
+    tiny = ModelSpec(arch="llama", layers=layers, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, tied=True)
+    setup = TrainSetup(ctx=16, micro_batch=1, precision="fp32", attention="sdpa", optimizer="adamw",
+                       checkpointing=checkpointing)
+    model = build_model(tiny, "sdpa", checkpointing)
+    compiled = torch.compile(model)
+    opt = make_optimizer(model, "adamw")
+    batch = [(torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16)))]
+    for _ in range(3):
+        train_step(compiled, opt, batch, setup, "cpu")
+    del model, compiled, opt, batch
+    devices.trim_heap()
+    return max(0, imported - before), max(0, devices.current_rss() - imported)
+
+
 # ---- threads -------------------------------------------------------------------------------
 
 THREAD_TRIAL_REPEATS = 7  # timed steps per thread count, interleaved (a burst of load hits every count alike)

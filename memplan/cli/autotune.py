@@ -38,6 +38,10 @@ MarginOpt = Annotated[str, typer.Option(
 TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", metavar="N", help="Tokens in one epoch (e.g. 2b): prints the time it takes.", rich_help_panel=_A,
     show_default=False)]
+RunStepsOpt = Annotated[Optional[str], typer.Option(
+    "--max-steps", metavar="N", help="The run's length in optimizer steps (instead of --tokens): torch.compile's "
+                                     "one-off compile time is weighed against it.", rich_help_panel=_A,
+    show_default=False)]
 VerifyOpt = Annotated[bool, typer.Option(
     "--verify", help="Run a few real steps of the chosen plan on this machine, in the --stack's own code; step down "
                      "while the measured peak exceeds the budget or runs out of memory.", rich_help_panel=_A)]
@@ -152,7 +156,8 @@ def print_result(result, top: int, rates_note: str | None = None) -> None:
         line = (f"  predicted peak {format_bytes(p['peak_reserved'])} of {format_bytes(result.limit_bytes)}, "
                 f"{p['tokens_per_second']:,.0f} tokens/s, {format_seconds(p['step_seconds'])} per step")
         if p.get("epoch_seconds") is not None:
-            line += f"; {format_count(result.tokens)} tokens take [bold]{format_seconds(p['epoch_seconds'])}[/]"
+            line += (f"; {format_count(result.tokens)} tokens ({result.run_steps:,} steps) take "
+                     f"[bold]{format_seconds(p['epoch_seconds'])}[/]")
         console.print(line)
         console.print(f"  [dim]{escape(chosen.why)}[/]")
     elif result.advice:
@@ -242,8 +247,8 @@ def print_verification(v) -> None:
 def autotune_command(
     model_flags: ModelFlags = None, device_flags: DeviceFlags = None,
     ctx: CtxOpt = "1024", global_batch_tokens: GlobalBatchTokensOpt = None, global_batch: GlobalBatchOpt = None,
-    budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, world_size: WorldSizeOpt = "1",
-    verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
+    budget: BudgetOpt = None, margin: MarginOpt = "0.1", tokens: TokensOpt = None, max_steps: RunStepsOpt = None,
+    world_size: WorldSizeOpt = "1", verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
     json: JsonOpt = False, threads: ThreadsOpt = None, stack: PlanStackOpt = "memplan", emit: EmitOpt = None,
     force: ForceOpt = False, checkpointing: AutoCheckpointingOpt = None, precision: AutoPrecisionOpt = None,
 ) -> None:
@@ -273,6 +278,7 @@ def autotune_command(
         global_batch=parse_count(global_batch, "--global-batch") if global_batch else None,
         budget_bytes=parse_size(budget, "--budget") if budget else None, margin=_parse_margin(margin),
         tokens=parse_count(tokens, "--tokens") if tokens else None,
+        steps=parse_count(max_steps, "--max-steps") if max_steps else None,
         world_size=parse_count(world_size, "--world-size"), stack=walk.stack, checkpointing=checkpointing,
         precision=precision)
     if not json:

@@ -115,13 +115,18 @@ def print_estimate(est, rates_note: str | None = None) -> None:
         if code:
             table.add_row("  of it, model code", format_bytes(code), f"{code / mem.peak_reserved:.0%}",
                           code_what if described else "")
+        compiled_code = mem.runtime_terms.get("compiled_code", 0)  # a CPU's process holds inductor and the kernels
+        if compiled_code:
+            table.add_row("  of it, compiled code", format_bytes(compiled_code),
+                          f"{compiled_code / mem.peak_reserved:.0%}", _COMPILED_CODE_HELP if described else "")
         table.add_section()
         table.add_row("peak allocated", format_bytes(mem.peak_allocated), "", "live tensors" if described else "")
         table.add_row("[bold]peak reserved[/]", f"[bold]{format_bytes(mem.peak_reserved)}[/]"
                       + (" [yellow](eager)[/]" if setup.compile and not compiled_ok else ""), "",
                       f"{verdict} in {format_bytes(device.usable_bytes)}")
         return table, [(k, helps[k]) for k in helps] + [("peak allocated", "live tensors")] + (
-            [("model code", code_what)] if code else [])
+            [("model code", code_what)] if code else []) + (
+            [("compiled code", _COMPILED_CODE_HELP)] if compiled_code else [])
 
     print_described(console, memory_table)
     if setup.compile and not compiled_ok:
@@ -254,6 +259,7 @@ class SearchStack:
 
 
 # estimate's table: whose code the CPU plan's model_code term keeps resident (memplan.memory.terms), by library
+_COMPILED_CODE_HELP = "inductor's modules and the compiled graph's code kept resident"
 _CODE_HELP = {"transformers": "transformers' (peft's) code kept resident",
               "litgpt": "litgpt's and lightning's code kept resident",
               "torchtune": "torchtune's and torchao's code kept resident"}

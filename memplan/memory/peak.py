@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.memory.sharding import COLLECTIVES
-from memplan.memory.terms import (activation_terms, glibc_heap_retention_bytes, mapped_logits_high_water_bytes,
-                                  runtime_bytes)
+from memplan.memory.terms import (activation_terms, compiled_code_resident_bytes, glibc_heap_retention_bytes,
+                                  mapped_logits_high_water_bytes, runtime_bytes)
 from memplan.memory.walk import Moment, walk_step
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
@@ -30,8 +30,8 @@ class MemoryBreakdown:
     peak_moment: str  # where in the step, e.g. "block backward: MLP"
     moments: tuple[Moment, ...] = field(default=())
     terms: dict[str, int] = field(default_factory=dict)
-    # the named parts of ``runtime``: context, allocator_reserve; on a CPU heap_retention, mapped_logits and,
-    # for transformers' model class, model_code (``peak_memory_of_rank``)
+    # the named parts of ``runtime``: context, allocator_reserve; on a CPU heap_retention, mapped_logits,
+    # model_code (a library's model class) and compiled_code (torch.compile) (``peak_memory_of_rank``)
     runtime_terms: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -63,8 +63,9 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
     ``collectives``: the process group's backend, nccl (NVIDIA, and RCCL on ROCm) or gloo (CPU),
     which (under FSDP) allocates differently (``gloo_reduce_scatter_copy_bytes``). ``heap_retention``
     (a CPU: the process's resident memory is the peak) adds ``glibc_heap_retention_bytes``,
-    ``mapped_logits_high_water_bytes`` and the stack's ``model_code_bytes`` (transformers' model class; ``code_bytes``:
-    the device's measured transformers and peft figures, None for the default) to the runtime."""
+    ``mapped_logits_high_water_bytes``, the stack's ``model_code_bytes`` (transformers' model class; ``code_bytes``:
+    the device's measured transformers and peft figures, None for the default) and, under torch.compile,
+    ``compiled_code_resident_bytes`` (inductor's modules and the compiled graph's code) to the runtime."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
     w = walk_step(spec, setup, gqa_repeat, stack, rank, collectives)  # FSDP: the FullyShard hook, memplan's step
@@ -78,7 +79,8 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
             parts["mapped_logits"] = mapped_logits_high_water_bytes(spec, setup, w.rest_high, w.logits_high,
                                                                     peak.total)
         parts["model_code"] = stack.model_code_bytes(setup, *code_bytes)
-        runtime += parts["heap_retention"] + parts["mapped_logits"] + parts["model_code"]
+        parts["compiled_code"] = compiled_code_resident_bytes(spec.layers) if setup.compile else 0
+        runtime += parts["heap_retention"] + parts["mapped_logits"] + parts["model_code"] + parts["compiled_code"]
     return MemoryBreakdown(**peak.bytes, runtime=runtime, peak_allocated=peak.total,
                            peak_reserved=peak.total + runtime, peak_phase=peak.phase, peak_moment=peak.name,
                            moments=tuple(w.marks), terms=activation_terms(spec, setup), runtime_terms=parts)

@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 import memplan.memory.stacks.transformers as stacks
 from memplan.cli import app
 from memplan.errors import InputError
-from memplan.memory import peak_memory
-from memplan.model import ModelSpec, from_hf_config, resolve
+from memplan.memory import compiled_code_resident_bytes, peak_memory
+from memplan.model import ModelSpec, from_hf_config, from_size, resolve
 from memplan.setup import TrainSetup
 from memplan.memory.stacks import stack_for
 from runs_helper import one_line_error
@@ -434,7 +434,13 @@ def test_estimate_compile_says_where_the_memory_is_the_eager_steps():
     compiled = json.loads(runner.invoke(app, [*args, "--compile", "--json"]).stdout)
     eager = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
     assert compiled["compile_memory"]["modelled"] is False and "checkpointing selective" in compiled["compile_memory"]["why"]
-    assert compiled["memory"] == eager["memory"]  # the eager step's number, said to be so
+    # the eager step's live tensors, said to be so; the CPU process also holds what compiling keeps resident
+    code = compiled["memory"]["runtime_terms"].pop("compiled_code")
+    assert code == compiled_code_resident_bytes(from_size("22m").layers) and eager["memory"]["runtime_terms"].pop(
+        "compiled_code") == 0
+    assert compiled["memory"]["runtime_terms"] == eager["memory"]["runtime_terms"]
+    assert compiled["memory"]["peak_reserved"] - code == eager["memory"]["peak_reserved"]
+    assert compiled["memory"]["peak_allocated"] == eager["memory"]["peak_allocated"]
 
 
 def _compile_memory():
