@@ -373,7 +373,10 @@ class FullyShard(Replicated):
         self.spec, self.setup, self.rank = spec, setup, rank
         self.compute_setup = fsdp_compute_setup(setup)
         self.accum = False  # the walked micro-batch makes unsharded gradients; the sharded ones are added into
-        self.block_gradients_persist = gradients_persist(setup)  # (grad_accum > 1: the matmuls' gradients add in)
+        # each micro-batch's unsharded gradients are new: FSDP2's post-backward takes every unsharded ``.grad``
+        # for its reduce-scatter and sets it to None (``FSDPParamGroup.post_backward``), so a matmul's weight
+        # gradient is allocated as ``.grad`` in every micro-batch, never added into one
+        self.block_gradients_persist = False
         self.first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
         self.c = fsdp_gather_bytes(setup)
         self.lora_outside_blocks = lora_freezes_root(setup)

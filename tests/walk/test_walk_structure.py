@@ -23,7 +23,12 @@ inputs, released once by their lora_A's backward where they were released twice 
 backward 1,120,352 → 1,136,736, the end of the backward 759,392 → 792,160) and no peak; and again for the sum
 of a frozen matmul's input gradient with its adapter's, made in place by autograd's input buffer
 for memplan's own adapters (``terms.input_gradient_sum_bytes``), which moved one LoRA peak off the MLP's
-backward: gpt_neox up,down 1,473,072 → 1,451,056 (the trace with adamw: 1,450,044). A refactoring must leave it
+backward: gpt_neox up,down 1,473,072 → 1,451,056 (the trace with adamw: 1,450,044); and again for FSDP2's
+unsharded gradients under accumulation, new in every micro-batch (its post-backward sets each ``.grad`` to None
+after the reduce-scatter; ``FullyShard.block_gradients_persist``), where the walk had added the matmuls'
+gradients into ``.grad`` and then freed them at the reduce-scatter unallocated: the gpt2 FSDP rank-1 config with
+2 micro-batches 1,284,000 → 1,382,304 (its trace: 1,382,700), its end of backward now its start of forward
+(643,488, was 348,576). A refactoring must leave it
 unchanged. A deliberate change of a formula moves some of these figures: regenerate the file with the same
 command, in the commit that changes the formula, and say there which configs moved and why.
 """
