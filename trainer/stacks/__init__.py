@@ -153,13 +153,17 @@ def _vocab(model: StackModel) -> int:
     return vocab
 
 
-def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
+def _built(stack: str, model: StackModel, setup, lora_dropout: float | None, wrap=None):
     """(the stack's model, its optimizer, its step function) for ``setup``; memplan's own step is None:
-    ``trainer.measure._tracked_steps`` takes it by default."""
+    ``trainer.measure._tracked_steps`` takes it by default. ``wrap`` (a stack's ``wrap_ranks``), where given,
+    wraps the model before its optimizer is made, as the library's distributed code does (FSDP2's sharded
+    parameters are new tensors: the optimizer must be given them)."""
     from trainer.step import make_optimizer
 
     module = _stack_module(stack)
     net = module.build_model(model, setup, lora_dropout=lora_dropout)
+    if wrap is not None:
+        net = wrap(net, setup)
     own = getattr(module, "make_optimizer", None)  # the library's optimizer as its scripts make it
     return net, own(net, setup) if own else make_optimizer(net, setup.optimizer), module.train_step
 
