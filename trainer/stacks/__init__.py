@@ -27,8 +27,9 @@ The libraries are optional: ``pip install 'memplan[stacks]'`` (transformers, pef
 one-line error names its extra.
 
 ``trainer/stacks/ranks.py`` (``measure_stack_ranks``) runs a stack's step on several real gloo ranks, wrapped as
-the library's own distributed code wraps it (litgpt: Fabric's DDP, its module's ``wrap_ranks``): what the walk
-of ``--sharding ddp`` is held to, since DDP's reducer cannot run on fake tensors.
+the library's own distributed code wraps it (its module's ``wrap_ranks``: litgpt, Fabric's DDP; torchtune, its
+distributed recipes' ``training.shard_model``): what the walk of litgpt's ``--sharding ddp`` (DDP's reducer
+cannot run on fake tensors) and torchtune's ``--sharding fsdp`` is held to.
 
 Each module here is the trainer's twin of the planner's stack of the same name (``memplan.memory.stacks``,
 whose ``STACKS`` this package takes): ``build_model``, ``train_step`` (None: memplan's own step), optionally
