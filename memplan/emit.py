@@ -85,6 +85,10 @@ class Writer:
     def render(self, plan) -> dict[str, str]:
         raise NotImplementedError
 
+    def check_world_size(self, world_size: int) -> None:
+        """The one-line InputError, before any search, where the stack's config cannot run ``world_size`` devices
+        the way the walk plans them; nothing by default."""
+
 
 # ---- transformers ------------------------------------------------------------------------------------------
 
@@ -247,6 +251,16 @@ class LitgptWriter(Writer):
 
     stack = "litgpt"
 
+    def check_world_size(self, world_size: int) -> None:
+        """litgpt's YAML has ``devices`` but no strategy: its scripts pick one themselves, FSDP whenever devices > 1
+        (pretrain.py and finetune/full.py: ``FSDPStrategy(auto_wrap_policy={Block}, ...)``; finetune/lora.py:
+        ``ModelParallelStrategy``), which the walk does not follow (``lit_check_sharding``), and the DDP the walk
+        plans for several devices cannot be written."""
+        if world_size > 1:
+            raise InputError(f"--emit with --stack litgpt: --world-size {world_size}: litgpt's scripts run several "
+                             "devices only under their own FSDP (devices > 1 picks FSDPStrategy; the YAML has no "
+                             "strategy key for the DDP the walk plans); accepted: --world-size 1")
+
     def names(self, lora: bool) -> tuple[str, ...]:
         return ("litgpt.yaml",)
 
@@ -382,6 +396,8 @@ class TorchtuneWriter(Writer):
                 "compile": s.compile, "optimizer": optimizer, "tokenizer": {"max_seq_len": s.ctx}}
         if "clip" in t:
             data["clip_grad_norm"] = t["clip"]
+        if s.world_size > 1:  # the FSDP2 layout the walk follows (tt_fsdp_root_reshards_after_forward)
+            data.update(fsdp_reshard_after_forward=True, fsdp_cpu_offload=False, custom_sharded_layers=None)
         return recipe, data
 
     def render(self, plan) -> dict[str, str]:
@@ -408,14 +424,16 @@ def writer_for(stack: str) -> Writer:
     return writer
 
 
-def check_emit(directory: str | Path, stack: str, lora: bool, force: bool) -> Path:
-    """``--emit DIR`` checked before any work: the stack has a writer, DIR is a directory (or can be made in
-    an existing, writable one), and none of the files it would write exists unless ``force``."""
+def check_emit(directory: str | Path, stack: str, lora: bool, force: bool, world_size: int = 1) -> Path:
+    """``--emit DIR`` checked before any work: the stack has a writer that can run ``world_size`` devices as
+    planned (``Writer.check_world_size``), DIR is a directory (or can be made in an existing, writable one), and
+    none of the files it would write exists unless ``force``."""
     import os
 
     from memplan.fsutil import check_target
 
     writer = writer_for(stack)
+    writer.check_world_size(world_size)
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise InputError(f"--emit: {str(directory)!r} is a file; give a directory (created if absent)")

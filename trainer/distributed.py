@@ -242,8 +242,15 @@ def trace_rank_step(spec, setup: TrainSetup, rank: int = 0, device: str = "cpu")
         dist.destroy_process_group()
 
 
-def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, out_dir: str) -> None:
-    """One rank of ``measure_ranks``: every config in turn, its StepMemory pickled to out_dir."""
+def _own_rank_memory(spec, setup: TrainSetup):
+    """``measure_ranks``' default measure: memplan's own step in this rank, on the CPU (``_rank_step_memory``)."""
+    return _rank_step_memory(spec, setup, torch.device("cpu"))
+
+
+def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, out_dir: str,
+                    measure=_own_rank_memory) -> None:
+    """One rank of ``measure_ranks``: every config in turn (``measure(*config)``), its StepMemory pickled to
+    out_dir."""
     import gc
     import pickle
 
@@ -252,8 +259,8 @@ def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, 
                             timeout=TIMEOUT)
     try:
         results = []
-        for spec, setup in configs:
-            results.append(_rank_step_memory(spec, setup, torch.device("cpu")))
+        for config in configs:
+            results.append(measure(*config))
             gc.collect()
             if rank == 0:  # one byte per config done: the parent's progress counter reads the file's size
                 with open(os.path.join(out_dir, "progress"), "ab") as f:
@@ -264,11 +271,13 @@ def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, 
         dist.destroy_process_group()
 
 
-def measure_ranks(configs: list, world_size: int, progress=None) -> list[list]:
+def measure_ranks(configs: list, world_size: int, progress=None, measure=_own_rank_memory) -> list[list]:
     """Measure each (spec, setup) for real on the CPU in ``world_size`` gloo processes started
     here; returns, per config, every rank's StepMemory (MemTracker's peak in that rank).
     ``progress(done)``, where given, is called with the number of configs rank 0 has finished
-    while the processes run (twice a second) and once at the end."""
+    while the processes run (twice a second) and once at the end. ``measure(model, setup)``, a
+    picklable function run in each rank, measures a config there (another stack's step:
+    ``trainer.stacks.ranks``); memplan's own step by default."""
     import pickle
     import tempfile
 
@@ -278,7 +287,8 @@ def measure_ranks(configs: list, world_size: int, progress=None) -> list[list]:
         if setup.world_size != world_size:
             raise InputError(f"--world-size {world_size}: a config asks for world size {setup.world_size}")
     with tempfile.TemporaryDirectory(prefix="memplan-ranks-") as tmp:
-        context = mp.start_processes(_measure_worker, args=(world_size, os.path.join(tmp, "store"), configs, tmp),
+        context = mp.start_processes(_measure_worker, args=(world_size, os.path.join(tmp, "store"), configs, tmp,
+                                                            measure),
                                      nprocs=world_size, join=False, start_method="spawn")
         done_file = os.path.join(tmp, "progress")
         while not context.join(timeout=0.5):  # raises, as join=True would, when a rank fails

@@ -270,7 +270,7 @@ def autotune_command(
     if emit:  # the stack has a writer, DIR can be written, no file of it is replaced without --force
         from memplan.emit import check_emit
 
-        check_emit(emit, stack, lora=False, force=force)
+        check_emit(emit, stack, lora=False, force=force, world_size=parse_count(world_size, "--world-size"))
     dev, rates_note = device_flags.local_profile(n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),

@@ -68,7 +68,7 @@ def peak_memory_of_rank(spec: ModelSpec, setup: TrainSetup, rank: int, runtime_c
     ``compiled_code_resident_bytes`` (inductor's modules and the compiled graph's code) to the runtime."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives {collectives!r} is not one of {COLLECTIVES}")
-    w = walk_step(spec, setup, gqa_repeat, stack, rank, collectives)  # FSDP: the FullyShard hook, memplan's step
+    w = walk_step(spec, setup, gqa_repeat, stack, rank, collectives)  # FSDP: the FullyShard hook (memplan's step, or torchtune's)
     peak = w.peak
     runtime = runtime_bytes(peak.total, runtime_context_bytes, allocator_overhead)
     parts = {"context": int(runtime_context_bytes), "allocator_reserve": runtime - int(runtime_context_bytes)}

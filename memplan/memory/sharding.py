@@ -271,6 +271,10 @@ class Replicated:
         """Every parameter, whole (``terms.weight_bytes``)."""
         return weight_bytes(self.spec, self.setup)
 
+    def stack_adapter_bytes(self, extra_adapters: int) -> int:
+        """This process's copy of a stack's adapters beyond memplan's (``Stack.lora_bytes_delta``): all of them."""
+        return extra_adapters
+
     def optimizer_state_bytes(self) -> int:
         """The optimizer state of every parameter (``terms.optimizer_state_bytes``)."""
         return optimizer_state_bytes(self.spec, self.setup)
@@ -371,11 +375,15 @@ class FullyShard(Replicated):
     ends = 2
     lora_outside_blocks = False
 
-    def __init__(self, spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl") -> None:
+    def __init__(self, spec: ModelSpec, setup: TrainSetup, rank: int = 0, collectives: str = "nccl",
+                 stack=None) -> None:
         self.spec, self.setup, self.rank = spec, setup, rank
         self.compute_setup = fsdp_compute_setup(setup)
         self.accum = False  # the walked micro-batch makes unsharded gradients; the sharded ones are added into
-        self.block_gradients_persist = gradients_persist(setup)  # (grad_accum > 1: the matmuls' gradients add in)
+        # each micro-batch's unsharded gradients are new: FSDP2's post-backward takes every unsharded ``.grad``
+        # for its reduce-scatter and sets it to None (``FSDPParamGroup.post_backward``), so a matmul's weight
+        # gradient is allocated as ``.grad`` in every micro-batch, never added into one
+        self.block_gradients_persist = False
         self.first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
         self.c = fsdp_gather_bytes(setup)
         self.lora_outside_blocks = lora_freezes_root(setup)
@@ -386,10 +394,27 @@ class FullyShard(Replicated):
         self.sharded_grad = {g: fsdp_sharded_grad_bytes(spec, setup, g) for g in groups}
         self.gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, setup, g, collectives) for g in groups}
         self.held = 0  # the reduce-scatter input FSDP2 keeps in flight
+        # another stack's FSDP2 (``Stack.fsdp_root_reshards_after_forward``, its extra adapters in each block)
+        self.root_reshards = bool(stack is not None and stack.fsdp_root_reshards_after_forward)
+        extra = stack.lora_bytes_delta(spec, self.compute_setup) if stack is not None else 0
+        self.extra_block = fsdp_stack_adapter_block_numel(spec, setup, extra)
+        self.extra_grad = self.extra_block * self.c  # their unsharded gradients
+        self.extra_shard = -(-self.extra_block // setup.world_size)  # ceil(e/W)
+        if self.extra_block:  # gathered, packed and reduce-scattered with the block
+            self.gathered["block"] += setup.world_size * self.extra_shard * self.c
+            self.rs_input["block"] += setup.world_size * self.extra_shard * fsdp_reduce_bytes(setup)
+            self.sharded_grad["block"] += self.extra_shard * fsdp_reduce_bytes(setup)
+            self.gloo_copy["block"] = gloo_reduce_scatter_copy_bytes(spec, setup, "block", collectives) and \
+                self.rs_input["block"]
 
     def weight_bytes(self) -> int:
         """This rank's sharded parameters, padded (``fsdp_sharded_weight_bytes``)."""
         return fsdp_sharded_weight_bytes(self.spec, self.setup)
+
+    def stack_adapter_bytes(self, extra_adapters: int) -> int:
+        """This rank's shard of a stack's adapters beyond memplan's: L·ceil(e/W)·p, e = a block's
+        (``fsdp_stack_adapter_block_numel``), sharded with the block they are in."""
+        return self.spec.layers * self.extra_shard * self.setup.param_bytes if extra_adapters else 0
 
     def optimizer_state_bytes(self) -> int:
         """The optimizer state of this rank's shards (``fsdp_optimizer_state_bytes``)."""
@@ -398,7 +423,7 @@ class FullyShard(Replicated):
     def persistent_gradients(self, w, extra_adapters: int) -> None:
         """The sharded gradients of the earlier micro-batches (``fsdp_all_sharded_grad_bytes``)."""
         if not self.first_micro:
-            w.alloc("gradients", fsdp_all_sharded_grad_bytes(self.spec, self.setup))
+            w.alloc("gradients", self.spec.layers * self.sharded_grad["block"] + self.sharded_grad["root"])
 
     def _all_gather(self, w, group: str) -> None:
         """A group's all-gather: the copy-in (the shard cast to param_dtype), the output buffer."""
@@ -438,11 +463,20 @@ class FullyShard(Replicated):
         w.free("weights", self.gathered["block"])
 
     def after_head_forward(self, w) -> None:
-        """The root's forward ends: the last all-gather output released."""
+        """The root's forward ends: the last all-gather output released; where the root reshards after forward
+        (``root_reshards``), its unsharded parameters freed too."""
         w.free("temporaries", self.gathered["block"])
+        if self.root_reshards:
+            w.free("weights", self.gathered["root"])
 
     def before_head_backward(self, w) -> None:
-        """The loss's gradient reaching the logits all-gathers the last block (prefetch)."""
+        """The loss's gradient reaching the logits: where the root resharded after forward, its pre-backward
+        all-gathers it again and copies it out (in the backward the output is released at once); then the
+        last block's all-gather (prefetch)."""
+        if self.root_reshards:
+            w.where = "backward: root all-gather"
+            self._all_gather(w, "root")
+            self._copy_out(w, "root")
         w.where = "backward: last block's all-gather (prefetch)"
         self._all_gather(w, "block")
 
@@ -486,8 +520,9 @@ class FullyShard(Replicated):
         spec = self.spec
         vectors = spec.layer_params - sum(_layer_matrices(spec).values())  # a block's norms and biases
         w.alloc("gradients", frozen_vector_grad_bytes(self.setup, vectors * self.c))
+        w.alloc("gradients", self.extra_grad)  # a stack's extra adapters' unsharded gradients
         w.where = f"backward: the {which} block's reduce-scatter"
-        self._reduce_scatter(w, "block", unsharded_grad_numel(spec, self.setup, "block") * self.c)
+        self._reduce_scatter(w, "block", unsharded_grad_numel(spec, self.setup, "block") * self.c + self.extra_grad)
 
     def middle_gradients(self, w, middle: int, per_block: int) -> None:
         """Each block in between leaves its sharded gradients (pad(block)·g; added into under accumulation)."""
@@ -507,6 +542,15 @@ class FullyShard(Replicated):
     def optimizer_temporary_bytes(self) -> int:
         """The optimizer's scratch over this rank's shards (``fsdp_optimizer_temporary_bytes``)."""
         return fsdp_optimizer_temporary_bytes(self.spec, self.setup, self.rank)
+
+
+def fsdp_stack_adapter_block_numel(spec: ModelSpec, setup: TrainSetup, extra_adapter_bytes: int) -> int:
+    """e: the elements of one block's adapters beyond memplan's that a stack makes (``Stack.lora_bytes_delta``,
+    L·e·p: torchtune's separate q_proj, k_proj, v_proj, w1, w3 adapters, each its own ``lora_a``). They are
+    parameters of the block's module, so FSDP2 shards them (ceil(e/W) each rank), all-gathers them with the
+    block (W·ceil(e/W)·c more in its all-gather), and reduce-scatters their gradients (e·c unsharded, then
+    W·ceil(e/W)·g packed and ceil(e/W)·g sharded). (Taken as one tensor: a tensor's rows pad on their own.)"""
+    return extra_adapter_bytes // (spec.layers * setup.param_bytes)
 
 
 def frozen_vector_grad_bytes(setup: TrainSetup, vector_grad_bytes: int) -> int:

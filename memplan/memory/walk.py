@@ -661,8 +661,9 @@ class _Step:
         w.alloc("weights", self.sh.weight_bytes() + rope_buffer_bytes(spec, cs), "start of step")
         w.alloc("weights", stack.buffer_bytes_delta(spec, cs))  # a stack's own rotary tables
         w.alloc("optimizer", self.sh.optimizer_state_bytes())
-        w.alloc("weights", self.extra_adapters)
-        w.alloc("optimizer", stack_adapter_state_bytes(cs, self.extra_adapters, stack.lora_tensors_delta(spec, cs)))
+        extra = self.sh.stack_adapter_bytes(self.extra_adapters)  # (an FSDP2 rank's: its shard)
+        w.alloc("weights", extra)
+        w.alloc("optimizer", stack_adapter_state_bytes(cs, extra, stack.lora_tensors_delta(spec, cs)))
         self.sh.persistent_gradients(w, self.extra_adapters)
         w.alloc("activations", input_bytes(spec, self.setup))
         w.mark("start of forward")
@@ -885,7 +886,7 @@ def sharding_hook(spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN, ra
                   collectives: str = "nccl") -> Replicated:
     """The sharding hook of ``setup``'s step: ``FullyShard`` of ``rank`` under FSDP, else ``Replicated``."""
     if setup.sharding == "fsdp":
-        return FullyShard(spec, setup, rank, collectives)
+        return FullyShard(spec, setup, rank, collectives, stack)
     return Replicated(spec, setup, stack)
 
 
@@ -895,9 +896,9 @@ def walk_step(spec: ModelSpec, setup: TrainSetup, gqa_repeat: bool = False, stac
 
     ``gqa_repeat``: SDPA gets K/V repeated to every head (a device without a flash kernel for grouped-query
     attention; see ``sdpa_gqa_repeats``). ``stack``: whose code runs the step; its hooks (``memplan.memory.stacks``)
-    add the tensors that code saves beyond memplan's own (FSDP2 is walked for memplan's own step only:
-    ``Stack.shardings``). ``sharding``: the sharding hook (``sharding_hook``'s by default)."""
-    if setup.sharding == "fsdp":
+    add the tensors that code saves beyond memplan's own (FSDP2 with a stack whose ``Stack.shardings`` have it,
+    memplan's and torchtune's; another's is walked as memplan's step). ``sharding``: the sharding hook (``sharding_hook``'s by default)."""
+    if setup.sharding == "fsdp" and "fsdp" not in stack.shardings:
         stack = MEMPLAN
     spec, setup = stack.walked_spec(spec), stack.walked_setup(setup)  # as the stack's code builds and steps
     step = _Step(spec, setup, gqa_repeat, stack, sharding or sharding_hook(spec, setup, stack, rank, collectives))

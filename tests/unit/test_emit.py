@@ -191,6 +191,9 @@ def test_torchtune_lora_and_distributed_recipes():
     assert model["lora_attn_modules"] == ["q_proj", "k_proj", "v_proj", "output_proj"]
     assert model["apply_lora_to_mlp"] is True and model["apply_lora_to_output"] is True
     assert (model["lora_rank"], model["lora_alpha"]) == (4, 8.0)
+    data = yaml.safe_load(text)  # the FSDP2 layout the walk follows (tt_fsdp_root_reshards_after_forward)
+    assert (data["fsdp_reshard_after_forward"], data["fsdp_cpu_offload"], data["custom_sharded_layers"]) == \
+        (True, False, None)
 
 
 @pytest.mark.libs

@@ -1,9 +1,12 @@
 """litgpt and torchtune over several devices: what ``--sharding`` each stack's walk follows.
 
 litgpt under Fabric's DDP (``Fabric(strategy="ddp")``: ``DistributedDataParallel`` with PyTorch's defaults) keeps
-its buckets beside ``.grad`` (``gradient_as_bucket_view=False``), as transformers' Trainer does; litgpt's own
-FSDP layouts and torchtune's distributed recipes are refused in one line naming why. The walk against two real
-gloo ranks of litgpt's DDP step is in tests/runs/test_walk_matrices.py (it spawns processes).
+its buckets beside ``.grad`` (``gradient_as_bucket_view=False``), as transformers' Trainer does; torchtune's
+distributed recipes shard with FSDP2 through ``training.shard_model``, memplan's own layout but for the root, which
+reshards after forward. litgpt's own FSDP layouts and torchtune's DDP (it has none) are refused in one line naming
+why. The walk against two real gloo ranks of each (litgpt's DDP step, torchtune's FSDP2 step) is in
+tests/runs/test_walk_matrices.py (it spawns processes); ``python tests/walk/test_walk_libs_sharding.py litgpt``
+(or ``torchtune``, in that library's environment) prints the whole table.
 """
 
 from __future__ import annotations
@@ -71,10 +74,8 @@ def test_estimate_plans_litgpts_ddp_row():
 @pytest.mark.parametrize("args,needles", [
     (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp"],
      ["--sharding fsdp", "FSDP1 HYBRID_SHARD", "FSDP2 per Linear", "accepted: none, ddp"]),
-    (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp"],
-     ["--sharding fsdp", "shard_model", "accepted: none"]),
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "ddp"],
-     ["--sharding ddp", "no DDP", "accepted: none"]),
+     ["--sharding ddp", "no DDP", "accepted: none, fsdp"]),
 ])
 def test_a_sharding_the_walk_does_not_follow_is_one_line_naming_why(args, needles):
     done = CliRunner().invoke(app, ["estimate", *BASE[:-2], "--precision", "bf16", *args])
@@ -89,6 +90,108 @@ def test_autotune_searches_ddp_for_litgpt_over_several_devices():
     assert done.exit_code == 0, done.output
     data = json.loads(done.stdout)
     assert data["plan"]["sharding"] == "ddp" and data["plan"]["world_size"] == 2
+
+
+FSDP = DDP.replace(sharding="fsdp")
+
+
+def test_torchtunes_root_reshards_after_forward_where_memplans_keeps_its_parameters():
+    """torchtune's shard_model gives the root ``reshard_after_forward=True``: at the end of the forward its
+    unsharded parameters (embedding, final norm, head: W·pad(root)·p) are gone, where memplan's own root keeps
+    them until its backward ends; the rest of the layout is memplan's (the same shards at the step's start)."""
+    from memplan.memory.sharding import fsdp_unsharded_bytes
+    from memplan.memory.walk import walk_step
+
+    def at(walk, name):
+        return next(m for m in walk.marks if m.name == name).bytes["weights"]
+
+    tune = stack_for("torchtune")
+    tt, ours = walk_step(LLAMA, FSDP, stack=tune), walk_step(LLAMA, FSDP)
+    assert at(tt, "start of forward") - tune.buffer_bytes_delta(LLAMA, FSDP) == at(ours, "start of forward")
+    root = fsdp_unsharded_bytes(LLAMA, FSDP, "root")
+    assert at(ours, "end of forward") - at(ours, "start of forward") - root == \
+        at(tt, "end of forward") - at(tt, "start of forward") == 0
+
+
+def test_torchtunes_extra_adapters_are_sharded_with_their_blocks():
+    """Under LoRA torchtune's separate q_proj, k_proj, v_proj, w1, w3 adapters (``tt_lora_bytes_delta``) are
+    parameters of their layer: each rank holds its shard, 1/W of them, and the state of that shard only."""
+    from memplan.memory.sharding import fsdp_optimizer_state_bytes, fsdp_sharded_weight_bytes
+    from memplan.memory.stacks.torchtune import tt_lora_bytes_delta
+    from memplan.memory.terms import rope_buffer_bytes
+    from memplan.memory.walk import walk_step
+
+    setup = FSDP.replace(lora_rank=8, lora_targets="qkv,proj,up,down")
+    extra = tt_lora_bytes_delta(LLAMA, setup)
+    tune = stack_for("torchtune")
+    start = walk_step(LLAMA, setup, stack=tune).marks[0].bytes
+    buffers = tune.buffer_bytes_delta(LLAMA, setup) + rope_buffer_bytes(LLAMA, setup)
+    assert extra > 0
+    assert start["weights"] - fsdp_sharded_weight_bytes(LLAMA, setup) - buffers == extra // 2
+    tensors = tune.lora_tensors_delta(LLAMA, setup)
+    assert start["optimizer"] - fsdp_optimizer_state_bytes(LLAMA, setup) == 2 * (extra // 2) + 4 * tensors
+
+
+def test_estimate_plans_torchtunes_fsdp():
+    """``estimate --stack torchtune --world-size 2 --sharding fsdp``, refused before, is walked: each rank holds
+    half the weights and the optimizer state of one device."""
+    args = [*BASE[:-2], "--precision", "bf16", "--stack", "torchtune", "--json"]
+    one = CliRunner().invoke(app, ["estimate", *args])
+    two = CliRunner().invoke(app, ["estimate", *args, "--world-size", "2", "--sharding", "fsdp"])
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    one, two = json.loads(one.stdout)["memory"], json.loads(two.stdout)["memory"]
+    assert two["optimizer"] < 0.51 * one["optimizer"]
+    assert two["peak_allocated"] < one["peak_allocated"]
+
+
+def test_autotune_searches_fsdp_for_torchtune_and_emits_its_distributed_recipe(tmp_path):
+    """``autotune --stack torchtune --world-size 2`` considers FSDP (torchtune's only layout over several devices),
+    and ``--emit`` names the distributed recipe, how to launch it, and the FSDP2 settings the walk assumed."""
+    h100 = load_profile("h100-sxm")
+    assert search_axes(stack_for("torchtune"), h100, world_size=2)["sharding"] == ("fsdp",)
+    done = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "h100-sxm", "--ctx", "1024",
+                                    "--stack", "torchtune", "--world-size", "2", "--json", "--emit",
+                                    str(tmp_path / "out")])
+    assert done.exit_code == 0, done.output
+    data = json.loads(done.stdout)
+    assert data["plan"]["sharding"] == "fsdp" and data["plan"]["world_size"] == 2
+    text = (tmp_path / "out" / "torchtune.yaml").read_text()
+    recipe = "lora_finetune_distributed" if data["plan"].get("lora_rank") else "full_finetune_distributed"
+    assert f"recipe: {recipe}" in text and f"tune run --nproc_per_node 2 {recipe}" in text
+    assert "fsdp_reshard_after_forward: true" in text and "fsdp_cpu_offload: false" in text
+
+
+def test_autotune_emit_for_litgpt_over_several_devices_is_refused_before_the_search(tmp_path):
+    """litgpt's YAML cannot ask for the DDP the walk plans (its scripts pick FSDP whenever devices > 1): one line,
+    before any search (nothing is printed but the error, nothing written)."""
+    done = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "h100-sxm", "--ctx", "1024",
+                                    "--stack", "litgpt", "--world-size", "2", "--emit", str(tmp_path / "out")])
+    one_line_error(done, "--emit", "--world-size 2", "FSDPStrategy", "accepted: --world-size 1")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.libs
+def test_the_ranks_shard_torchtune_as_its_distributed_recipes_do(tmp_path):
+    """``wrap_ranks`` is the recipes' ``training.shard_model`` call: every layer and the root are FSDP2 modules whose
+    parameters are sharded DTensors, and after a forward the root's are resharded as the layers' are (the
+    root was given reshard_after_forward=True; fully_shard's default would have kept them unsharded)."""
+    pytest.importorskip("torchtune")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.stacks import StackModel
+    from trainer.stacks.torchtune import build_model, wrap_ranks
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        net = wrap_ranks(build_model(StackModel(spec=SMALL), TrainSetup(ctx=16, precision="fp32")), FSDP)
+        sharded = [m for m in net.modules() if isinstance(m, FSDPModule)]
+        assert len(sharded) == SMALL.layers + 1 and sharded[0] is net
+        net(tokens=torch.randint(0, SMALL.vocab, (1, 16)))
+        assert all(type(p).__name__ == "DTensor" for p in net.parameters())  # every group resharded
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.libs
@@ -130,25 +233,43 @@ RANKS_TABLE = [  # (name, spec, setup): the configs of docs/commands/estimate.md
 ]
 
 
-def _ranks_table() -> None:
-    """Each config on two real gloo ranks of litgpt's DDP step against the walk (gloo), and the ranks' excess over
-    one device's real step against the walk's excess over its single-device walk."""
+FSDP_TABLE = [  # (name, spec, setup): torchtune's FSDP2 over two ranks (fp32, bf16, LoRA, checkpointing)
+    ("small fp32", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),
+    ("small bf16", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="bf16")),
+    ("small fp32, LoRA rank 4", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32", lora_rank=4)),
+    ("small fp32, full checkpointing", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32",
+                                                          checkpointing="full")),
+    ("heavy fp32", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32")),
+    ("heavy bf16", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16")),
+    ("heavy bf16, LoRA 8, full checkpointing", LLAMA,
+     TrainSetup(ctx=16, micro_batch=1, precision="bf16", lora_rank=8, checkpointing="full")),
+    ("heavy fp32, 2 micro-batches", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32", grad_accum=2)),
+]
+TABLES = {"litgpt": ("ddp", RANKS_TABLE), "torchtune": ("fsdp", FSDP_TABLE)}
+
+
+def _ranks_table(lib: str) -> None:
+    """Each config on two real gloo ranks of ``lib``'s distributed step (litgpt: DDP; torchtune: FSDP2) against
+    the walk (gloo); one device's real step against its walk, whose error the ranks' carry; and the ranks' peak
+    over one device's (DDP's excess; FSDP2's saving, negative) measured and walked."""
     from trainer.stacks import StackModel, measure_stack
     from trainer.stacks.ranks import measure_stack_ranks
 
-    lit = stack_for("litgpt", cpu=True)
-    for name, spec, one in RANKS_TABLE:
-        ddp = one.replace(world_size=2, sharding="ddp")
-        ranks = max(m.peak_allocated for m in measure_stack_ranks("litgpt", StackModel(spec=spec), ddp))
-        single = measure_stack("litgpt", StackModel(spec=spec), one).peak_allocated
-        walked = peak_memory(spec, ddp, stack=lit, collectives="gloo").peak_allocated
-        walked_one = peak_memory(spec, one, stack=lit).peak_allocated
-        print(f"{name:42s} ranks {ranks:>11,} walk {walked:>11,} {(walked - ranks) / ranks:+.2%}   DDP's excess: "
-              f"measured {ranks - single:,}, walked {walked - walked_one:,}", flush=True)
+    sharding, table = TABLES[lib]
+    stack = stack_for(lib, cpu=True)
+    for name, spec, one in table:
+        many = one.replace(world_size=2, sharding=sharding)
+        ranks = max(m.peak_allocated for m in measure_stack_ranks(lib, StackModel(spec=spec), many))
+        single = measure_stack(lib, StackModel(spec=spec), one).peak_allocated
+        walked = peak_memory(spec, many, stack=stack, collectives="gloo").peak_allocated
+        walked_one = peak_memory(spec, one, stack=stack).peak_allocated
+        print(f"{name:42s} ranks {ranks:>11,} walk {walked:>11,} {(walked - ranks) / ranks:+.2%}   one device: "
+              f"{(walked_one - single) / single:+.2%}; the ranks' excess over it: measured {ranks - single:,}, "
+              f"walked {walked - walked_one:,}", flush=True)
 
 
-if __name__ == "__main__":  # the walk against two real ranks: python tests/walk/test_walk_libs_sharding.py
+if __name__ == "__main__":  # the walk against two real ranks: python tests/walk/test_walk_libs_sharding.py litgpt
     import torch
 
     torch.set_num_threads(1)
-    _ranks_table()
+    _ranks_table(sys.argv[1] if len(sys.argv) > 1 else "litgpt")

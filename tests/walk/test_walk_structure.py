@@ -25,7 +25,12 @@ of a frozen matmul's input gradient with its adapter's, made in place by autogra
 for memplan's own adapters (``terms.input_gradient_sum_bytes``), which moved one LoRA peak off the MLP's
 backward: gpt_neox up,down 1,473,072 → 1,451,056 (the trace with adamw: 1,450,044); and again for DDP's
 buckets under LoRA, which hold the adapters' gradients only (``sharding.ddp_bucket_bytes``, T·p), which moved the
-gpt2 DDP LoRA config alone: gradients 641,280 → 12,288, peak 2,011,160 → 1,382,168. A refactoring must leave it
+gpt2 DDP LoRA config alone: gradients 641,280 → 12,288, peak 2,011,160 → 1,382,168; and again for FSDP2's
+unsharded gradients under accumulation, new in every micro-batch (its post-backward sets each ``.grad`` to None
+after the reduce-scatter; ``FullyShard.block_gradients_persist``), where the walk had added the matmuls'
+gradients into ``.grad`` and then freed them at the reduce-scatter unallocated: the gpt2 FSDP rank-1 config with
+2 micro-batches 1,284,000 → 1,382,304 (its trace: 1,382,700), its end of backward now its start of forward
+(643,488, was 348,576). A refactoring must leave it
 unchanged. A deliberate change of a formula moves some of these figures: regenerate the file with the same
 command, in the commit that changes the formula, and say there which configs moved and why.
 """

@@ -27,8 +27,9 @@ The libraries are optional: ``pip install 'memplan[stacks]'`` (transformers, pef
 one-line error names its extra.
 
 ``trainer/stacks/ranks.py`` (``measure_stack_ranks``) runs a stack's step on several real gloo ranks, wrapped as
-the library's own distributed code wraps it (litgpt: Fabric's DDP, its module's ``wrap_ranks``): what the walk
-of ``--sharding ddp`` is held to, since DDP's reducer cannot run on fake tensors.
+the library's own distributed code wraps it (its module's ``wrap_ranks``: litgpt, Fabric's DDP; torchtune, its
+distributed recipes' ``training.shard_model``): what the walk of litgpt's ``--sharding ddp`` (DDP's reducer
+cannot run on fake tensors) and torchtune's ``--sharding fsdp`` is held to.
 
 Each module here is the trainer's twin of the planner's stack of the same name (``memplan.memory.stacks``,
 whose ``STACKS`` this package takes): ``build_model``, ``train_step`` (None: memplan's own step), optionally
@@ -153,13 +154,17 @@ def _vocab(model: StackModel) -> int:
     return vocab
 
 
-def _built(stack: str, model: StackModel, setup, lora_dropout: float | None):
+def _built(stack: str, model: StackModel, setup, lora_dropout: float | None, wrap=None):
     """(the stack's model, its optimizer, its step function) for ``setup``; memplan's own step is None:
-    ``trainer.measure._tracked_steps`` takes it by default."""
+    ``trainer.measure._tracked_steps`` takes it by default. ``wrap`` (a stack's ``wrap_ranks``), where given,
+    wraps the model before its optimizer is made, as the library's distributed code does (FSDP2's sharded
+    parameters are new tensors: the optimizer must be given them)."""
     from trainer.step import make_optimizer
 
     module = _stack_module(stack)
     net = module.build_model(model, setup, lora_dropout=lora_dropout)
+    if wrap is not None:
+        net = wrap(net, setup)
     own = getattr(module, "make_optimizer", None)  # the library's optimizer as its scripts make it
     return net, own(net, setup) if own else make_optimizer(net, setup.optimizer), module.train_step
 

@@ -174,9 +174,42 @@ def train_step(model, optimizer, micro_batches, setup: TrainSetup, device_type: 
         if after_forward is not None:
             after_forward(i)
         current_loss.backward()
-    training.scale_grads(model, 1 / num_tokens)
+    world = _world_size()
+    if world > 1:  # the distributed recipes: the tokens and loss of every rank, FSDP2's mean over ranks undone
+        import torch.distributed as dist
+
+        dist.all_reduce(num_tokens)
+        dist.all_reduce(running_loss)
+    training.scale_grads(model, world / num_tokens)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _world_size() -> int:
+    """The ranks of the process group the step runs in (1 outside one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
+    """The model as torchtune's distributed recipes (full_finetune_distributed, lora_finetune_distributed) shard it:
+    ``training.shard_model(model, shard_conditions=[partial(training.get_shard_conditions,
+    names_to_match=custom_sharded_layers)], cpu_offload=False, reshard_after_forward=True)``, the configs' defaults
+    (``custom_sharded_layers`` unset, ``fsdp_cpu_offload: False``, ``fsdp_reshard_after_forward: True``):
+    ``fully_shard`` of every ``layers.i`` (its checkpoint wrapper under activation checkpointing), then of the
+    root, no ``MixedPrecisionPolicy`` (the recipe's one dtype). torchtune has no DDP."""
+    import functools
+
+    from torchtune import training
+
+    if setup.sharding != "fsdp":
+        raise InputError(f"--stack torchtune: --sharding {setup.sharding}: torchtune's distributed recipes shard "
+                         "with FSDP2 (accepted: fsdp)")
+    with quiet_import():
+        training.shard_model(net, [functools.partial(training.get_shard_conditions, names_to_match=None)],
+                             cpu_offload=False, reshard_after_forward=True)
+    return net
 
 
 @contextlib.contextmanager

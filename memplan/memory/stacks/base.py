@@ -53,7 +53,11 @@ class Stack:
     precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     attentions: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
     checkpointings: ClassVar[tuple[str, ...]] = CHECKPOINTINGS
-    shardings: ClassVar[tuple[str, ...]] = SHARDINGS  # FSDP is walked for memplan's own step only
+    shardings: ClassVar[tuple[str, ...]] = SHARDINGS  # FSDP: memplan's own step, and torchtune's
+    # FSDP2's root given reshard_after_forward=True by the stack's code (torchtune's shard_model): unlike
+    # fully_shard's default (None: the root keeps its parameters from forward to backward), the root reshards
+    # when its forward ends and all-gathers again at its pre-backward (``memory.sharding.FullyShard``)
+    fsdp_root_reshards_after_forward: ClassVar[bool] = False
     lora_default_dropout: ClassVar[float] = 0.0  # the stack's own LoRA dropout (peft's and torchtune's configs: 0.0)
     # memplan's trainer and torchtune's ``lora_llama3_2`` do not adapt a head tied to the token embedding
     adapts_tied_head: ClassVar[bool] = False

@@ -148,17 +148,28 @@ def tt_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
 
 
 def tt_check_sharding(setup) -> None:
-    """The one-line InputError for several devices: torchtune's distributed recipes (full_finetune_distributed,
-    lora_finetune_distributed) shard with FSDP2 through ``training.shard_model`` (``fully_shard`` of every
-    ``TransformerSelfAttentionLayer``, under LoRA also of the frozen base and adapters alike, then the root;
-    parameters in the recipe's one dtype, no ``MixedPrecisionPolicy``) and have no DDP. The walk's FSDP2 hook
-    (``memory.sharding.FullyShard``) follows memplan's own step only, whose blocks save other tensors."""
+    """The one-line InputError for ``--sharding ddp``: torchtune's distributed recipes (full_finetune_distributed,
+    lora_finetune_distributed) have no DDP; they shard with FSDP2 (``tt_fsdp_root_reshards_after_forward``)."""
     if setup.sharding == "ddp":
         raise InputError("--stack torchtune: --sharding ddp: torchtune's distributed recipes have no DDP, they "
-                         "shard with FSDP2 (accepted: none)")
-    if setup.sharding == "fsdp":
-        raise InputError("--stack torchtune: --sharding fsdp: torchtune's recipes shard with FSDP2 through "
-                         "training.shard_model, which the walk follows for memplan's own step only (accepted: none)")
+                         "shard with FSDP2 (accepted: none, fsdp)")
+
+
+def tt_fsdp_root_reshards_after_forward() -> bool:
+    """torchtune's FSDP2 layout, walked by memplan's FSDP2 hook (``memory.sharding.FullyShard``) but for its root.
+
+    The recipes call ``training.shard_model(model, shard_conditions=[get_shard_conditions], cpu_offload=False,
+    reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True))`` (torchtune/training/_distributed.py):
+    ``fully_shard(m, reshard_after_forward=True)`` on every ``layers.i`` (a ``TransformerSelfAttentionLayer``, or
+    its checkpoint wrapper), under LoRA the frozen base and the adapters alike (``set_trainable_params`` first),
+    then on the root (embedding, final norm, untied head), no ``MixedPrecisionPolicy`` (the recipe's one dtype;
+    ``custom_sharded_layers`` unset, as the small models' configs leave it), as memplan's own layout. But the
+    root is given ``reshard_after_forward=True`` explicitly, where memplan's trainer leaves fully_shard's
+    default (None), under which FSDP2 keeps the root unsharded from forward to backward
+    (``FSDPState._lazy_init``: only ``_auto_reshard_after_forward`` clears the root's ``post_forward_mesh_info``):
+    torchtune's root frees its unsharded parameters, W·pad(root)·p, when its forward ends, and its pre-backward
+    all-gathers them again."""
+    return True
 
 
 class TorchtuneStack(Stack):
@@ -173,7 +184,8 @@ class TorchtuneStack(Stack):
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16")  # one dtype, no autocast
     attentions: ClassVar[tuple[str, ...]] = ("sdpa",)
     checkpointings: ClassVar[tuple[str, ...]] = ("none", "full")
-    shardings: ClassVar[tuple[str, ...]] = ("none",)
+    shardings: ClassVar[tuple[str, ...]] = ("none", "fsdp")  # FSDP2 through training.shard_model
+    fsdp_root_reshards_after_forward: ClassVar[bool] = tt_fsdp_root_reshards_after_forward()
     lora_with_selective: ClassVar[bool] = True
     sums_input_gradient_in_place: ClassVar[bool] = False
     compiles: ClassVar[bool] = False
