@@ -38,7 +38,7 @@ FLOPs at that peak term by term, from memplan's own step-time breakdown (``mempl
 the measured step.
 
     PYTHONPATH=$PWD python benchmarks/train_throughput.py [--sizes 1m,12m,50m] [--rounds 5] [--steps 3]
-        [--threads N] [--device CAL.toml] [--json]
+        [--threads N] [--device CAL.toml] [--optimizer O] [--compile yes|no] [--micro-batch M] [--json]
 
 Goals: the trainer's overhead under 1% of the bare step at 12m; memplan's default plan ≥ 1.1× transformers'
 tokens/s at every size (1.2× hoped for), against the compiled transformers loop as well. On CUDA and ROCm the same script runs unchanged (it syncs the device
@@ -291,6 +291,8 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
     spec = ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn,
                      vocab=data.vocab_size, tied=True)
     overrides = {k: v for k, v in (("optimizer", args.optimizer), ("compile", args.compile)) if v is not None}
+    if args.micro_batch:
+        overrides.update(micro_batch=args.micro_batch, grad_accum=args.batch // args.micro_batch)
     run_tokens = args.run_steps * args.batch * args.ctx if args.run_steps else None
     plan, notes = default_plan(spec, args.ctx, args.batch, profile, overrides, run_tokens)
     setup = plan.setup
@@ -411,12 +413,18 @@ def main(argv=None) -> dict:
                         "same --threads)")
     p.add_argument("--optimizer", default=None, help="override the plan's optimizer (an ablation)")
     p.add_argument("--compile", default=None, choices=("yes", "no"), help="override the plan's compile (an ablation)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="override the plan's micro-batch, accumulating to --batch (an ablation; a divisor of --batch)")
     p.add_argument("--hf-optimizer", default="default", choices=("default", "foreach", "fused"),
                    help="transformers' loop's AdamW: torch's default implementation (single-tensor on a CPU, what a "
                         "plain loop gets), or foreach / fused (a stronger baseline)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     args.compile = None if args.compile is None else args.compile == "yes"
+    if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
+        print(f"--micro-batch: {args.micro_batch} does not divide --batch {args.batch} "
+              f"(accepted: {', '.join(str(d) for d in range(1, args.batch + 1) if args.batch % d == 0)})", file=sys.stderr)
+        raise SystemExit(2)
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
