@@ -48,3 +48,14 @@ def test_the_compiled_transformers_loop_steps_the_compiled_model_and_matches_the
     # the same weights and batches: the compiled step's losses are the eager loop's, to float rounding
     for e, c in losses:
         assert c == pytest.approx(e, rel=1e-4)
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("train_throughput", None)
+    import train_throughput as tt
+
+    with pytest.raises(SystemExit) as e:
+        tt.main(["--sizes", "1m", "--micro-batch", "3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "--micro-batch: 3 does not divide --batch 8 (accepted: 1, 2, 4, 8)\n"
