@@ -1,8 +1,9 @@
 """Training throughput of memplan's trainer: its bookkeeping over the bare step, and its default plan against a
-plain Hugging Face transformers loop, at three model sizes, interleaved in one process.
+plain Hugging Face transformers loop, eager and under ``torch.compile``, at three model sizes, interleaved in one
+process.
 
 For each size (``--sizes``, default ``1m,12m,50m``: Llama shapes of 0.95M, 12.2M and 52.2M parameters on the
-embedded corpus's 4096-token vocabulary, tied embeddings, micro-batch 8 × ctx 256, fp32, SDPA) three loops train
+embedded corpus's 4096-token vocabulary, tied embeddings, micro-batch 8 × ctx 256, fp32, SDPA) four loops train
 the same model on the same seeded TrainStream batches:
 
 - ``bare``: ``trainer.step.train_step`` in a loop (the step ``memplan train`` runs, and ``float(loss)``), on
@@ -13,14 +14,18 @@ the same model on the same seeded TrainStream batches:
   console written to /dev/null, its refresh thread running as it does for a user);
 - ``transformers``: ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (random weights, nothing downloaded,
   ``use_cache=False``, SDPA) in the plain loop a transformers user writes: forward, ``labels=`` loss, backward,
-  ``clip_grad_norm_(1.0)``, torch AdamW (its default implementation), ``zero_grad``.
+  ``clip_grad_norm_(1.0)``, torch AdamW (its default implementation), ``zero_grad``;
+- ``transformers_compiled``: the same model, weights and loop with ``model = torch.compile(model)`` as a
+  transformers user writes it (default mode, inductor): the model's forward, its ``labels=`` loss included, and
+  through AOTAutograd its backward are compiled; gradient clipping, AdamW and ``zero_grad`` run eager, as they do
+  in memplan's compiled step (which compiles the model to its logits, its fp32 loss eager).
 
 memplan's default plan is the one ``memplan autotune`` picks for the config (``--device``'s profile, fp32, the
 global batch of the other two): with a ``memplan calibrate --compile`` profile it compiles the step where the
 calibrated speedup pays back its compile time over the run, and takes fused AdamW where calibration timed it
 faster. Each loop's first ``--warmup`` steps are not timed (torch.compile compiles in the first; its time is
-reported as the one-off it is). Then ``--rounds`` rounds of ``--steps`` steps per loop, the order of the three
-rotating every round, so load from other processes on a shared machine falls on all alike. Figures are medians
+reported as the one-off it is, for memplan's step and for transformers' compiled one alike). Then ``--rounds``
+rounds of ``--steps`` steps per loop, the order of the four rotating every round, so load from other processes on a shared machine falls on all alike. Figures are medians
 and ratios within this one run: the trainer's overhead is the median over rounds of (trainer ÷ bare step time) −
 1, and, measured directly without the step's noise, the median time ``advance()`` spends outside its timed step
 over the median step. Each step is timed by wall clock and by this process's CPU time (which also counts the
@@ -33,10 +38,10 @@ FLOPs at that peak term by term, from memplan's own step-time breakdown (``mempl
 the measured step.
 
     PYTHONPATH=$PWD python benchmarks/train_throughput.py [--sizes 1m,12m,50m] [--rounds 5] [--steps 3]
-        [--threads N] [--device CAL.toml] [--json]
+        [--threads N] [--device CAL.toml] [--optimizer O] [--compile yes|no] [--micro-batch M] [--json]
 
 Goals: the trainer's overhead under 1% of the bare step at 12m; memplan's default plan ≥ 1.1× transformers'
-tokens/s at every size (1.2× hoped for). On CUDA and ROCm the same script runs unchanged (it syncs the device
+tokens/s at every size (1.2× hoped for), against the compiled transformers loop as well. On CUDA and ROCm the same script runs unchanged (it syncs the device
 before reading the clock); it prints nanoGPT's published GPT-2 124M figure beside it only where the device is
 the one that figure was measured on.
 """
@@ -71,7 +76,7 @@ from trainer.loop import TrainConfig, Trainer  # noqa: E402
 from trainer.step import param_groups, train_step  # noqa: E402
 
 MATMUL_SIDE = 1024
-LOOPS = ("bare", "trainer", "transformers")
+LOOPS = ("bare", "trainer", "transformers", "transformers_compiled")
 SIZES = {  # name -> (layers, hidden, heads, ffn): Llama shapes at vocab 4096, tied
     "1m": (2, 128, 4, 384),
     "12m": (6, 384, 6, 1024),
@@ -104,13 +109,15 @@ def hf_model(spec: ModelSpec, ctx: int, device):
 
 
 class HFLoop:
-    """The plain PyTorch loop a transformers user writes (``labels=``: transformers' own shifted loss)."""
+    """The plain PyTorch loop a transformers user writes (``labels=``: transformers' own shifted loss); with
+    ``compiled``, stepping ``torch.compile(model)`` (``self.step_model``), the rest of the loop unchanged."""
 
     def __init__(self, spec: ModelSpec, setup: TrainSetup, data: PreparedData, seed: int, device,
-                 optimizer: str = "default"):
+                 optimizer: str = "default", compiled: bool = False):
         torch.manual_seed(seed)
         self.device = device
         self.model = hf_model(spec, setup.ctx, device)
+        self.step_model = torch.compile(self.model) if compiled else self.model
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer]
         self.optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=LR, betas=(0.9, 0.95), **impl)
         self.stream = TrainStream(data, batch=setup.micro_batch * setup.grad_accum, ctx=setup.ctx, seed=seed)
@@ -119,7 +126,7 @@ class HFLoop:
         x, y = (t.to(self.device) for t in next(self.stream))
         # labels= with the targets already shifted (shift_labels=): transformers' own loss over the same ctx
         # predictions as memplan's step (labels=x alone would shift them and drop the last)
-        loss = self.model(input_ids=x, labels=y, shift_labels=y).loss
+        loss = self.step_model(input_ids=x, labels=y, shift_labels=y).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -284,6 +291,8 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
     spec = ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn,
                      vocab=data.vocab_size, tied=True)
     overrides = {k: v for k, v in (("optimizer", args.optimizer), ("compile", args.compile)) if v is not None}
+    if args.micro_batch:
+        overrides.update(micro_batch=args.micro_batch, grad_accum=args.batch // args.micro_batch)
     run_tokens = args.run_steps * args.batch * args.ctx if args.run_steps else None
     plan, notes = default_plan(spec, args.ctx, args.batch, profile, overrides, run_tokens)
     setup = plan.setup
@@ -295,11 +304,12 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
         loops["trainer"] = TrainerLoop(Path(tmp) / "run", plan, data, seed, profile, device)
         loops["bare"] = BareLoop(loops["trainer"].trainer, data, seed, device)
         loops["transformers"] = HFLoop(spec, setup, data, seed, device, args.hf_optimizer)
+        loops["transformers_compiled"] = HFLoop(spec, setup, data, seed, device, args.hf_optimizer, compiled=True)
         n = {k: sum(p.numel() for p in (v.trainer.model if k == "trainer" else v.model).parameters())
              for k, v in loops.items()}
         assert len(set(n.values())) == 1 and n["bare"] == spec.params, (n, spec.params)
         first_loss = {}
-        for k in ("trainer", "bare", "transformers"):  # warm-up, not timed: the trainer's first step compiles
+        for k in ("trainer", "bare", "transformers", "transformers_compiled"):  # warm-up, not timed: compiles
             loop = loops[k]
             for i in range(args.warmup):
                 _sync(device)
@@ -327,6 +337,8 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
     cpu_overhead_rounds = [t / b - 1 for t, b in zip(cpu_rounds["trainer"], cpu_rounds["bare"])]
     speed_rounds = [h / t for h, t in zip(rounds["transformers"], rounds["trainer"])]
     cpu_speed_rounds = [h / t for h, t in zip(cpu_rounds["transformers"], cpu_rounds["trainer"])]
+    cspeed_rounds = [h / t for h, t in zip(rounds["transformers_compiled"], rounds["trainer"])]
+    cpu_cspeed_rounds = [h / t for h, t in zip(cpu_rounds["transformers_compiled"], cpu_rounds["trainer"])]
     step_in_trainer = statistics.median(line.step_seconds for line in lines)
     flops = model_flops(spec, setup)
     cal_rate = profile.calibrated.get("matmul_tflops", {}).get("fp32", 0) * 1e12
@@ -346,6 +358,10 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
         "first_loss": first_loss,
         "first_step_seconds": first_seconds,
         "compile_seconds_measured": compile_one_off if setup.compile else None,
+        "compile_seconds_measured_transformers": first_seconds["transformers_compiled"]
+        - med["transformers_compiled"],
+        "transformers_compiled": "torch.compile(model) (default mode, inductor): forward with its labels= loss, "
+                                 "and its backward; clipping, AdamW and zero_grad eager",
         "load_average": {"before": load_before, "after": load_after},
         "median_step_seconds": med,
         "median_step_cpu_seconds": cpu_med,
@@ -362,6 +378,10 @@ def run_size(name: str, shape: tuple, data: PreparedData, args, profile, device)
         "speedup_vs_transformers_cpu": statistics.median(cpu_speed_rounds),
         "speedup_rounds": speed_rounds,
         "speedup_rounds_cpu": cpu_speed_rounds,
+        "speedup_vs_transformers_compiled": statistics.median(cspeed_rounds),
+        "speedup_vs_transformers_compiled_cpu": statistics.median(cpu_cspeed_rounds),
+        "speedup_rounds_compiled": cspeed_rounds,
+        "speedup_rounds_compiled_cpu": cpu_cspeed_rounds,
         "trainer_overhead_rounds_cpu": cpu_overhead_rounds,
         "model_flops_per_step": flops,
         "peak_flops": peak, "peak_source": peak_source, "peak_clock": clock,
@@ -393,12 +413,18 @@ def main(argv=None) -> dict:
                         "same --threads)")
     p.add_argument("--optimizer", default=None, help="override the plan's optimizer (an ablation)")
     p.add_argument("--compile", default=None, choices=("yes", "no"), help="override the plan's compile (an ablation)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="override the plan's micro-batch, accumulating to --batch (an ablation; a divisor of --batch)")
     p.add_argument("--hf-optimizer", default="default", choices=("default", "foreach", "fused"),
                    help="transformers' loop's AdamW: torch's default implementation (single-tensor on a CPU, what a "
                         "plain loop gets), or foreach / fused (a stronger baseline)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     args.compile = None if args.compile is None else args.compile == "yes"
+    if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
+        print(f"--micro-batch: {args.micro_batch} does not divide --batch {args.batch} "
+              f"(accepted: {', '.join(str(d) for d in range(1, args.batch + 1) if args.batch % d == 0)})", file=sys.stderr)
+        raise SystemExit(2)
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -459,17 +485,20 @@ def _print(out: dict) -> None:
         t, m = r["tokens_per_second"], r["mfu"]
         for note in r["autotune_notes"]:
             print(f"   autotune: {note}")
-        print(f"   transformers: LlamaForCausalLM, labels= loss, {r['transformers_optimizer']}, clip 1.0")
-        print(f"   {'':13}{'bare':>12}{'trainer':>12}{'transformers':>14}")
+        print(f"   transformers: LlamaForCausalLM, labels= loss, {r['transformers_optimizer']}, clip 1.0; "
+              f"compiled: {r['transformers_compiled']}")
+        cols = (("bare", 12), ("trainer", 12), ("transformers", 14), ("transformers_compiled", 12))
+        print(f"   {'':13}{'bare':>12}{'trainer':>12}{'transformers':>14}{'compiled':>12}")
         c = r["tokens_per_cpu_second"]
-        print(f"   {'tokens/s':13}{t['bare']:>12,.0f}{t['trainer']:>12,.0f}{t['transformers']:>14,.0f}   (wall clock)")
-        print(f"   {'tokens/cpu-s':13}{c['bare']:>12,.0f}{c['trainer']:>12,.0f}{c['transformers']:>14,.0f}"
-              "   (this process's CPU time: the steady figure with one thread on a shared machine)")
-        print(f"   {'MFU':13}{m['bare']:>12.1%}{m['trainer']:>12.1%}{m['transformers']:>14.1%}"
-              f"   of {r['peak_flops'] / 1e9:,.1f} GFLOP/s ({r['peak_source']})")
-        print(f"   {'first step':13}" + "".join(f"{r['first_step_seconds'][k]:>{w}.2f}" for k, w in
-                                                  (("bare", 12), ("trainer", 12), ("transformers", 14))) + " s"
-              + (f"   (compile one-off ≈ {r['compile_seconds_measured']:.1f} s)" if r["plan"]["compile"] else ""))
+        print(f"   {'tokens/s':13}" + "".join(f"{t[k]:>{w},.0f}" for k, w in cols) + "   (wall clock)")
+        print(f"   {'tokens/cpu-s':13}" + "".join(f"{c[k]:>{w},.0f}" for k, w in cols)
+              + "   (this process's CPU time: the steady figure with one thread on a shared machine)")
+        print(f"   {'MFU':13}" + "".join(f"{m[k]:>{w}.1%}" for k, w in cols)
+              + f"   of {r['peak_flops'] / 1e9:,.1f} GFLOP/s ({r['peak_source']})")
+        print(f"   {'first step':13}" + "".join(f"{r['first_step_seconds'][k]:>{w}.2f}" for k, w in cols) + " s"
+              + "   (compile one-off ≈ " + (f"{r['compile_seconds_measured']:.1f} s memplan, " if r["plan"]["compile"]
+                                            else "")
+              + f"{r['compile_seconds_measured_transformers']:.1f} s transformers)")
         print(f"   trainer overhead over the bare step: {r['trainer_overhead']:+.2%} wall, "
               f"{r['trainer_overhead_cpu']:+.2%} CPU time (median of per-round ratios; rounds, wall: "
               + ", ".join(f"{x:+.1%}" for x in r["trainer_overhead_rounds"]) + "; CPU: "
@@ -481,6 +510,10 @@ def _print(out: dict) -> None:
               f"{r['speedup_vs_transformers_cpu']:.3f}× CPU time (goal ≥ 1.1×; rounds, wall: "
               + ", ".join(f"{x:.3f}" for x in r["speedup_rounds"]) + "; CPU: "
               + ", ".join(f"{x:.3f}" for x in r["speedup_rounds_cpu"]) + ")")
+        print(f"   memplan's plan vs compiled transformers: {r['speedup_vs_transformers_compiled']:.3f}× wall, "
+              f"{r['speedup_vs_transformers_compiled_cpu']:.3f}× CPU time (goal ≥ 1.1×; rounds, wall: "
+              + ", ".join(f"{x:.3f}" for x in r["speedup_rounds_compiled"]) + "; CPU: "
+              + ", ".join(f"{x:.3f}" for x in r["speedup_rounds_compiled_cpu"]) + ")")
         g = r["gap"]
         print(f"   where the trainer's step goes (MFU {g['mfu']:.1%}; {g['note']}; predicted "
               f"{g['predicted_step_seconds']:.3f} s, measured ×{g['scale']:.2f}):")
