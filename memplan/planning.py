@@ -280,6 +280,8 @@ def autotuned_plan(spec, ctx, prepared, profile, *, minutes, global_batch_tokens
                            int(p["tokens_per_second"] * minutes * 60) if minutes else None) if t]
         if run:
             result = autotune(spec, profile, tokens=min(run), **kw)
+    if result.compile is not None and result.compile.considered:  # taken or not, and why (autotune's own note)
+        say(result.compile.why, soft_wrap=True)
     if result.plan is None:
         advice = "; ".join(getattr(result, "advice", None) or ["try a smaller model or a shorter --ctx"])
         raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}: {advice}")

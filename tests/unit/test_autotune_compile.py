@@ -120,3 +120,31 @@ def test_on_a_cpu_a_compiled_plan_holds_the_compiled_code_where_its_walk_is_the_
     compiled, eager = ev.memory(setup.replace(compile=True)), ev.memory(setup)
     assert compiled.runtime_terms["compiled_code"] == compiled_code_resident_bytes(6)
     assert compiled.peak_reserved - eager.peak_reserved == compiled_code_resident_bytes(6)
+
+
+def test_trains_own_plan_says_why_compile_was_taken_or_not_for_its_run():
+    """`memplan train` plans through memplan.planning.autotuned_plan, which weighs the compile against the run's own
+    limit (--max-steps, --max-tokens, --max-minutes): it prints the same reason autotune's plan gives."""
+    from types import SimpleNamespace
+
+    from memplan.planning import autotuned_plan
+
+    def plan(**limit):
+        said = []
+        p = autotuned_plan(llama(6), 256, SimpleNamespace(vocab_size=4096), cpu_compiling(), global_batch_tokens=8 * 256,
+                           budget_bytes=None, margin=0.1, say=lambda text, soft_wrap=False: said.append(text), **limit)
+        return p, [line for line in said if "torch.compile" in line]
+
+    short, short_said = plan(minutes=None, max_steps=3)
+    long, long_said = plan(minutes=None, max_steps=100_000)
+    assert not short.setup.compile and long.setup.compile
+    assert len(short_said) == 1 and short_said[0].startswith("torch.compile not taken: ") and \
+        "is not paid back within the run's 3 steps" in short_said[0]
+    assert len(long_said) == 1 and long_said[0].startswith("torch.compile taken: ") and \
+        "the run is 100,000 steps" in long_said[0]
+    # a profile without a calibrated compile does not consider it, and says nothing of it
+    plain_said = []
+    autotuned_plan(llama(6), 256, SimpleNamespace(vocab_size=4096), load_profile("cpu"), minutes=None,
+                   global_batch_tokens=8 * 256, budget_bytes=None, margin=0.1, max_steps=3,
+                   say=lambda text, soft_wrap=False: plain_said.append(text))
+    assert not [line for line in plain_said if "compile" in line]
