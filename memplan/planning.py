@@ -270,7 +270,7 @@ def autotuned_plan(spec, ctx, prepared, profile, *, minutes, global_batch_tokens
     kw = dict(ctx=ctx, global_batch_tokens=global_batch_tokens,
               budget_bytes=budget_bytes, margin=margin, world_size=world_size)
     if stack_class(stack).library:  # every candidate walked as transformers' model class runs (memplan.memory.stacks)
-        kw["stack"] = stack_for(stack)
+        kw["stack"] = stack_for(stack, own_loop=True)  # memplan's loop trains it
     result = autotune(spec, profile, tokens=None, **kw)
     if result.plan is not None and result.plan.setup.compile:
         # torch.compile's compile time is a one-off: weigh it against the tokens this run will train (its limit,

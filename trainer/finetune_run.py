@@ -246,7 +246,7 @@ def _plan(req: FinetuneRequest, spec, sft, profile, precision: str, world_size: 
 
         result = autotune(spec, profile, ctx=ctx, global_batch_tokens=req.global_batch_tokens or 8 * ctx,
                           budget_bytes=req.budget_bytes, lora_rank=req.lora_rank, lora_targets=req.lora_targets,
-                          precision=precision, world_size=world_size, stack=stack_for(stack))
+                          precision=precision, world_size=world_size, stack=stack_for(stack, own_loop=True))
         if result.plan is None:
             raise InputError(f"nothing fits {profile.name} for {spec.describe()} at ctx {ctx}"
                              + (" with LoRA" if req.lora_rank else "") + "; try --lora-rank, a shorter --ctx or "

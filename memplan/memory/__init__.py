@@ -30,6 +30,7 @@ from memplan.memory.terms import (INDEX_BYTES, MASK_BYTES, ADAMW_STATES_PER_PARA
                                   activation_terms, GLIBC_MMAP_THRESHOLD_MAX, largest_transient_bytes,
                                   glibc_heap_retention_bytes, mapped_logits_high_water_bytes, runtime_bytes,
                                   TRANSFORMERS_CODE_BYTES, PEFT_CODE_BYTES, model_code_resident_bytes,
+                                  DATASETS_CODE_BYTES, trainer_datasets_resident_bytes,
                                   LIBRARY_CODE_BYTES, library_code_resident_bytes, COMPILE_IMPORT_BYTES,
                                   COMPILE_GRAPH_BYTES, COMPILE_LAYER_BYTES, compiled_code_resident_bytes,
                                   sdpa_gqa_repeats, _matrix_shapes)
@@ -59,7 +60,7 @@ __all__ = ['INDEX_BYTES', 'MASK_BYTES', 'ADAMW_STATES_PER_PARAM', 'SGD_STATES_PE
            'logits_bytes', 'fp32_logits_bytes', 'head_weight_grad_bytes', 'stack_adapter_state_bytes',
            'activation_terms', 'GLIBC_MMAP_THRESHOLD_MAX', 'largest_transient_bytes', 'glibc_heap_retention_bytes',
            'mapped_logits_high_water_bytes', 'runtime_bytes', 'TRANSFORMERS_CODE_BYTES', 'PEFT_CODE_BYTES',
-           'model_code_resident_bytes', 'LIBRARY_CODE_BYTES', 'library_code_resident_bytes',
+           'model_code_resident_bytes', 'DATASETS_CODE_BYTES', 'trainer_datasets_resident_bytes', 'LIBRARY_CODE_BYTES', 'library_code_resident_bytes',
            'COMPILE_IMPORT_BYTES', 'COMPILE_GRAPH_BYTES', 'COMPILE_LAYER_BYTES', 'compiled_code_resident_bytes', 'sdpa_gqa_repeats', '_matrix_shapes', 'COLLECTIVES', 'COLLECTIVES_OF_FAMILY',
            'ddp_bucket_bytes', 'ddp_separate_bucket_bytes', 'gradients_persist', 'param_shapes', 'shard_rows',
            'padded_shard_numel', 'local_shard_numel', 'fsdp_gather_bytes', 'fsdp_reduce_bytes', 'fsdp_group_numel',

@@ -677,6 +677,24 @@ def model_code_resident_bytes(lora: bool, transformers_bytes: int | None = None,
     return code
 
 
+# What the ``datasets`` package keeps resident in a process that runs transformers' ``Trainer``
+# (``transformers.trainer`` imports it, and with it pandas and pyarrow, whenever it is installed): measured on the
+# build machine (Python 3.11, torch 2.13.0+cpu, transformers 5, datasets 5.2.0) as
+# trainer.calibrate.library_code_bytes("transformers") (the Trainer's two steps on a tiny llama) in fresh
+# processes with and without datasets installed, 145,502,208 − 58,478,592.
+DATASETS_CODE_BYTES = 87_023_616  # 83.0 MiB
+
+
+def trainer_datasets_resident_bytes(installed: bool) -> int:
+    """CPU: what transformers' ``Trainer`` step keeps resident beyond its model's code (``model_code_resident_bytes``)
+    because the ``datasets`` package is installed, ``[installed] C_datasets``: ``transformers.trainer`` imports
+    datasets (its ``is_datasets_available()``), and datasets pandas and pyarrow, whether or not the run reads a
+    dataset. Without datasets the Trainer's own modules and accelerate's add nothing the verify trials see beyond
+    the model code (``autotune --stack transformers --verify``: 0.97 of the plan before this term, as with it).
+    ``installed``: where the plan is made (``memplan.memory.stacks.transformers.datasets_installed``)."""
+    return DATASETS_CODE_BYTES if installed else 0
+
+
 # What litgpt's and torchtune's code keeps resident in a CPU training process at its steps, likewise beyond the
 # runtime context: measured by trainer.calibrate.library_code_bytes on the same machine (Python 3.11, torch
 # 2.13.0+cpu), each in the environment of its extra: litgpt 0.5.13 with lightning 2.6.6, torchtune 0.6.1 with

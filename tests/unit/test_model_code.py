@@ -43,7 +43,8 @@ def test_the_term_is_transformers_code_and_peft_for_lora_and_nothing_for_memplan
     assert model_code_resident_bytes(lora=True, transformers_bytes=30 * MiB, peft_bytes=5 * MiB) == 35 * MiB
     assert model_code_resident_bytes(lora=False, transformers_bytes=0) == 0  # measured: nothing
     lora = SETUP.replace(lora_rank=4)
-    assert stack_for("transformers").model_code_bytes(lora, 30 * MiB, 5 * MiB) == 35 * MiB
+    # memplan's loop training transformers' model class (memplan train --stack transformers: walked_for)
+    assert stack_for("transformers", own_loop=True).model_code_bytes(lora, 30 * MiB, 5 * MiB) == 35 * MiB
     assert stack_for("memplan").model_code_bytes(lora, 30 * MiB, 5 * MiB) == 0  # memplan's code: in the context
     for name in ("litgpt", "torchtune"):  # their own library's code (library_code_resident_bytes), not transformers'
         assert stack_for(name).model_code_bytes(lora, 30 * MiB, 5 * MiB) == LIBRARY_CODE_BYTES[name] > 0
@@ -68,6 +69,30 @@ def test_added_for_transformers_class_on_the_cpu_profile_only(spec):
                                                                       - own.runtime_terms["allocator_reserve"])
 
 
+@pytest.mark.parametrize("installed", [False, True], ids=["without-datasets", "with-datasets"])
+def test_transformers_own_trainer_adds_what_datasets_keeps_resident_where_it_is_installed(installed, monkeypatch):
+    """transformers.trainer imports datasets (and pandas, pyarrow) whenever it is installed: autotune --stack
+    transformers --verify of the Trainer measured 1.14x its plan with datasets installed and without the term
+    (tests/runs/test_verify_stacks_run.py); memplan's own loop training the model class imports no Trainer."""
+    import memplan.memory.stacks.transformers as hf_stack
+    from memplan.memory import DATASETS_CODE_BYTES
+    from memplan.memory.stacks import walked_for
+
+    monkeypatch.setattr(hf_stack, "datasets_installed", lambda: installed)
+    extra = DATASETS_CODE_BYTES if installed else 0
+    assert 80 * MiB < DATASETS_CODE_BYTES < 90 * MiB
+    trainer = stack_for("transformers")  # estimate/autotune --stack transformers: the library's own Trainer step
+    assert not trainer.own_loop and trainer.model_code_bytes(SETUP) == TRANSFORMERS_CODE_BYTES + extra
+    # memplan train --stack transformers: memplan's loop (walked_for), and its autotune search (own_loop)
+    own = walked_for(stack_for("memplan"), SETUP.replace(stack="transformers"))
+    assert own.own_loop and own.model_code_bytes(SETUP) == TRANSFORMERS_CODE_BYTES
+    cpu = load_profile("cpu")
+    planned = estimate(SPEC, SETUP, cpu, stack=trainer).memory
+    assert planned.runtime_terms["model_code"] == TRANSFORMERS_CODE_BYTES + extra
+    assert memory(SPEC, SETUP.replace(stack="transformers"), cpu).runtime_terms["model_code"] == TRANSFORMERS_CODE_BYTES
+    assert "model_code" not in estimate(SPEC, SETUP, load_profile("rtx-4090"), stack=trainer).memory.runtime_terms
+
+
 def test_the_devices_measured_figures_replace_the_default():
     measured = load_profile("cpu").replace(transformers_code_bytes=30 * MiB, peft_code_bytes=5 * MiB)
     assert memory(SPEC, SETUP.replace(stack="transformers"), measured).runtime_terms["model_code"] == 30 * MiB
@@ -76,6 +101,9 @@ def test_the_devices_measured_figures_replace_the_default():
 
 
 def test_estimate_shows_the_term_in_its_json_and_its_table(tmp_path, monkeypatch):
+    import memplan.memory.stacks.transformers as hf_stack
+
+    monkeypatch.setattr(hf_stack, "datasets_installed", lambda: False)  # the Trainer's datasets: the test above
     monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "cache"))
     runner = CliRunner()
     own = json.loads(runner.invoke(app, [*ESTIMATE, "--device", "cpu"]).stdout)["memory"]
@@ -133,6 +161,9 @@ def test_an_old_calibration_without_the_model_code_loads_and_the_default_applies
 def test_a_cached_calibration_sets_the_local_estimates_model_code(tmp_path, monkeypatch):
     if detect_local().family != "cpu":
         pytest.skip("the local device is a GPU: its calibration records no model code")
+    import memplan.memory.stacks.transformers as hf_stack
+
+    monkeypatch.setattr(hf_stack, "datasets_installed", lambda: False)  # the Trainer's datasets: tested above
     monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "cache"))
     title, version = local.cpu_title(), local.torch_version()
     path = local.calibration_path("cpu", title, 1, version)

@@ -83,15 +83,17 @@ def check_loss_dtype(loss_dtype: str) -> str:
 
 
 def stack_for(name: str = DEFAULT, loss_dtype: str | None = None, lora_dropout: float | None = None,
-              cpu: bool = False) -> Stack:
+              cpu: bool = False, own_loop: bool = False) -> Stack:
     """The hooks of stack ``name``; ``loss_dtype`` None: what the stack's own loss does (fp32 for all);
-    ``lora_dropout`` None: the stack's own default (``Stack.lora_default_dropout``)."""
+    ``lora_dropout`` None: the stack's own default (``Stack.lora_default_dropout``); ``own_loop``: memplan's loop
+    trains the stack's model class, not the library's own (``Stack.own_loop``)."""
     cls = stack_class(name)
     if lora_dropout is None:
         lora_dropout = cls.lora_default_dropout
     if not 0.0 <= lora_dropout < 1.0:
         raise InputError(f"--lora-dropout: {lora_dropout} must be in [0, 1)")
-    return cls(loss_dtype=check_loss_dtype(loss_dtype or "fp32"), lora_dropout=lora_dropout, cpu=cpu)
+    return cls(loss_dtype=check_loss_dtype(loss_dtype or "fp32"), lora_dropout=lora_dropout, cpu=cpu,
+               own_loop=own_loop)
 
 
 def stack_from_flags(stack: str, loss_dtype: str | None, lora_dropout: float | None, spec, setup) -> Stack:
@@ -112,7 +114,7 @@ def walked_for(stack: Stack, setup) -> Stack:
     """The hooks the walk follows for ``setup``: ``stack``, or where that is memplan's own step and the plan
     trains another stack's model class (``TrainSetup.stack``: transformers'), that stack's."""
     if type(stack) is Stack and setup.stack != Stack.name:
-        return stack_for(setup.stack)
+        return stack_for(setup.stack, own_loop=True)
     return stack
 
 

@@ -90,6 +90,9 @@ class Stack:
     loss_dtype: str = "fp32"  # LOSS_DTYPES
     lora_dropout: float = 0.0  # the adapters' dropout (peft's LoraConfig.lora_dropout, ...)
     cpu: bool = False  # the step runs on the CPU (dropout's mask in the input's dtype)
+    # memplan's own loop trains the stack's model class (``memplan train --stack transformers``, ``walked_for``):
+    # the library's own training loop (transformers' ``Trainer``) and what it imports are not in the process
+    own_loop: bool = False
 
     def describe(self) -> str:
         """estimate's Setup words for the step walked: "" for memplan's own, else the library's step and its

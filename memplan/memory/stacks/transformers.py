@@ -9,12 +9,15 @@ transformers (or peft) that makes it; ``TransformersStack`` calls them at the wa
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import ClassVar
 
 from memplan.errors import InputError
 from memplan.memory.stacks.base import FP32, HALF, MASK, Stack, _a, _n, _r
 from memplan.memory.terms import (lora_adapter_shapes, lora_input_casts_bytes, lora_params, lora_tensors,
-                                  model_code_resident_bytes, norm_output_bytes, norm_stat_bytes)
+                                  model_code_resident_bytes, norm_output_bytes, norm_stat_bytes,
+                                  trainer_datasets_resident_bytes)
 from memplan.setup import LORA_TARGET_NAMES, QKV_PARTS
 
 TRANSFORMERS_ARCHS = ("llama", "gpt2", "gpt_neox", "phi", "gemma", "stablelm", "qwen3")  # the families the hooks walk
@@ -627,6 +630,13 @@ def hf_lora_input_cast_transient_bytes(spec, setup, matrix: str, dropout: float)
 
 
 
+@functools.lru_cache(maxsize=None)
+def datasets_installed() -> bool:
+    """Whether the ``datasets`` package is installed where the plan is made (found, not imported), which
+    ``transformers.trainer`` then imports (``trainer_datasets_resident_bytes``)."""
+    return importlib.util.find_spec("datasets") is not None
+
+
 class TransformersStack(Stack):
     """transformers' model and ``Trainer`` step, peft's adapters: the hooks above at the walk's fixed points."""
 
@@ -662,8 +672,12 @@ class TransformersStack(Stack):
                              "(accepted: none, ddp)")
 
     def model_code_bytes(self, setup, transformers_bytes: int | None = None, peft_bytes: int | None = None) -> int:
-        """transformers' model code, and peft's with LoRA (``model_code_resident_bytes``)."""
-        return model_code_resident_bytes(setup.lora_rank > 0, transformers_bytes, peft_bytes)
+        """transformers' model code, and peft's with LoRA (``model_code_resident_bytes``); and where the plan is for
+        transformers' own ``Trainer`` rather than memplan's loop training its model class (``own_loop``), what the
+        Trainer imports besides (``trainer_datasets_resident_bytes``: ``datasets``, with pandas and pyarrow, where it
+        is installed)."""
+        code = model_code_resident_bytes(setup.lora_rank > 0, transformers_bytes, peft_bytes)
+        return code if self.own_loop else code + trainer_datasets_resident_bytes(datasets_installed())
 
     def _check_qkv_parts(self, spec, setup) -> None:
         """q, k or v alone on a model whose attention is one fused matrix (gpt2's c_attn, gpt_neox's
