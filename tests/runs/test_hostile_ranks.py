@@ -73,15 +73,21 @@ def test_a_rank_failing_in_a_save_ends_every_rank_naming_it(saves, fault):
     assert not (out / fault / "run" / "checkpoints" / ckpt_name()).exists()
 
 
-def test_a_rank_that_hangs_in_a_save_is_named_once_the_timeout_passes(saves):
+def assert_hung_rank_named(saves, fault: str) -> None:
+    """The save that ``fault`` hung: rank 0 names the hung rank once $MEMPLAN_SAVE_TIMEOUT has passed, without
+    waiting out the hang; the hung rank, going on, finds the others gone; no checkpoint is left."""
     out, ended, seconds, output = saves
-    lines = ended["hang"]
+    lines = ended[fault]
     assert set(lines) == {0, 1}, (lines, output)
     assert lines[0] == (f"RankFailed: checkpoint step 1: rank {HANGING} did not answer within {SAVE_TIMEOUT} s "
                         "($MEMPLAN_SAVE_TIMEOUT) (hung, or died)"), lines[0]
-    assert float(seconds["hang"][0]) < HANG, seconds  # it did not wait for the hung rank
+    assert float(seconds[fault][0]) < HANG, seconds  # it did not wait for the hung rank
     assert lines[1].startswith("RankFailed: checkpoint step 1: "), lines[1]  # which found the others gone
-    assert not (out / "hang" / "run" / "checkpoints" / ckpt_name()).exists()
+    assert not (out / fault / "run" / "checkpoints" / ckpt_name()).exists()
+
+
+def test_a_rank_that_hangs_in_a_save_is_named_once_the_timeout_passes(saves):
+    assert_hung_rank_named(saves, "hang")
 
 
 # FSDP2 (issue 29, item 5a's last part): the whole weights are all-gathered from every rank's shards, which ran on
@@ -118,14 +124,7 @@ def test_an_fsdp_rank_failing_before_the_gather_ends_every_rank_naming_it(fsdp_s
 
 
 def test_an_fsdp_rank_that_hangs_inside_the_gather_is_named_once_the_timeout_passes(fsdp_saves):
-    out, ended, seconds, output = fsdp_saves
-    lines = ended["gather"]
-    assert set(lines) == {0, 1}, (lines, output)
-    assert lines[0] == (f"RankFailed: checkpoint step 1: rank {HANGING} did not answer within {SAVE_TIMEOUT} s "
-                        "($MEMPLAN_SAVE_TIMEOUT) (hung, or died)"), lines[0]
-    assert float(seconds["gather"][0]) < HANG, seconds  # it did not wait for the hung rank
-    assert lines[1].startswith("RankFailed: checkpoint step 1: "), lines[1]  # which found the others gone
-    assert not (out / "gather" / "run" / "checkpoints" / ckpt_name()).exists()
+    assert_hung_rank_named(fsdp_saves, "gather")
 
 
 def ckpt_name() -> str:
