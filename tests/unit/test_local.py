@@ -371,7 +371,7 @@ def test_the_quick_starts_model_and_global_batch_do_not_move_with_the_load_when_
     batch are now sized on a free core's tokens/s; the run's own prediction still counts the share."""
     from types import SimpleNamespace
 
-    from memplan.planning import QUICKSTART_MIN_STEPS, autotuned_plan
+    from memplan.planning import QUICKSTART_STEPS, autotuned_plan
 
     idle = load_profile("cpu").replace(calibrated=tomllib.loads(calibration_text(matmul_tflops=0.2))["calibrated"])
     loaded = idle.replace(calibrated={**idle.calibrated, "cpu_share": 0.5})
@@ -388,13 +388,29 @@ def test_the_quick_starts_model_and_global_batch_do_not_move_with_the_load_when_
     assert busy.predicted["tokens_per_second"] < 0.6 * free.predicted["tokens_per_second"]  # the run's own: wall
     # the model line gives the free core's tokens/s both times, and says so where the core was shared
     assert said[1] == said[0].replace(" (local matmul", " on a free core, 50% of which is free now (local matmul")
-    # the rule itself: the largest power of two of sequences leaving QUICKSTART_MIN_STEPS steps or more
+    # the rule itself: the power of two of sequences nearest QUICKSTART_STEPS steps, so between /√2 and ·√2 of them
     from memplan.planning import quickstart_global_batch
 
-    for tps in (2225.0, 4436.0, 8533.4, 20_000.0):
+    for tps in (2225.0, 4436.0, 6100.0, 8533.4, 12_000.0, 20_000.0, 90_000.0):
         tokens = quickstart_global_batch(tps, 3.0, 256)
-        assert tps * 180 / tokens >= QUICKSTART_MIN_STEPS > tps * 180 / (2 * tokens) or tokens == 256
-    assert [quickstart_global_batch(t, 3.0, 256) for t in (2225.0, 4436.0, 8533.4)] == [256, 512, 1024]
+        assert QUICKSTART_STEPS / 2 ** 0.5 <= tps * 180 / tokens < QUICKSTART_STEPS * 2 ** 0.5
+    # the band of 1,024 tokens (4 sequences of 256) is 6,034-12,068 tokens/s: every prediction this 2-core machine's
+    # quick starts made (6.5K-9.6K) trains the same batch, where "the largest power of two leaving >= 1,500 steps"
+    # put an edge at 8,533 and trained 512 or 1,024 from one run to the next
+    edges = (2225.0, 6000.0, 6100.0, 6500.0, 8500.0, 8600.0, 9600.0, 12_000.0, 12_200.0)
+    assert [quickstart_global_batch(t, 3.0, 256) for t in edges] == [256, 512] + [1024] * 6 + [2048]
+
+
+def test_the_model_line_names_a_shared_core_only_where_some_of_it_is_taken():
+    """A share that prints as 100% is a free core: the line said "on a free core, 100% of which is free now"."""
+    from memplan.model import ModelSpec
+    from memplan.planning import quickstart_model_line
+
+    spec = ModelSpec(arch="llama", layers=2, hidden=128, heads=2, kv_heads=2, ffn=512, vocab=4096, tied=True)
+    free = quickstart_model_line(spec, 6600.0, 9e10, False, 3.0)
+    assert quickstart_model_line(spec, 6600.0, 9e10, False, 3.0, share=0.996) == free
+    assert "on a free core, 98% of which is free now" in quickstart_model_line(spec, 6600.0, 9e10, False, 3.0,
+                                                                                 share=0.98)
 
 
 def test_steady_figures_give_tokens_per_second_of_cpu_time():
