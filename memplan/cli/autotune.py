@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -222,6 +223,15 @@ def print_attempt(attempt) -> None:
                     f"{speed} tokens/s (predicted {attempt.predicted_trial_tokens_per_second:,.0f}), "
                     f"{t.steps_run} steps → [{color}]{attempt.outcome}[/]"
                     + (f" [dim]{escape(t.error)}[/]" if t.error else ""))
+    s = attempt.plan.setup
+    predicted_step = (s.micro_batch * s.ctx * t.micro_batches * s.world_size / attempt.predicted_trial_tokens_per_second
+                      if attempt.predicted_trial_tokens_per_second else None)
+    for r in t.ranks:  # a trial on several ranks: each against the walk's per-rank prediction
+        timed = list(r.get("step_seconds") or ())[1:] or list(r.get("step_seconds") or ())  # after the warm-up
+        median = f"median step {format_seconds(statistics.median(timed))}" if timed else "no step"
+        Console().print(f"    rank {r['rank']}: peak {format_bytes(r['peak_bytes'])} (predicted "
+                        f"{format_bytes(p['peak_reserved'])}), {median}"
+                        + (f" (predicted {format_seconds(predicted_step)})" if predicted_step else ""))
 
 
 def print_verification(v) -> None:
@@ -353,11 +363,6 @@ def _print_units(result, global_batch_tokens: str | None, tokens: str | None) ->
 
 def _verify_here(result, dev, n_threads: int | None, steps: int, json: bool):
     """--verify: the plan's trials run on this machine (None when nothing fits: there is nothing to run)."""
-    if result.world_size > 1:
-        raise InputError("--verify runs trial steps in one process on this machine; a plan for --world-size "
-                         f"{result.world_size} is checked rank by rank with `memplan validate --world-size "
-                         f"{result.world_size}` or trained with `torchrun --nproc-per-node {result.world_size} -m "
-                         "trainer --plan PLAN`")
     if result.plan is None:
         print(f"memplan: --verify skipped: nothing fits, so there is no plan to run (exit {EXIT_NOTHING_FITS})",
               file=sys.stderr)
@@ -367,7 +372,13 @@ def _verify_here(result, dev, n_threads: int | None, steps: int, json: bool):
 
     # the trials run with the threads the rates were measured with (else the count calibration chose)
     n = n_threads or int(dev.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
-    if not json:
+    if not json and result.world_size > 1:
+        from trainer.verify import rank_threads
+
+        per = rank_threads(n, result.world_size)
+        print(f"Verifying on {result.world_size} ranks of this machine ({steps} steps per trial; on a CPU, "
+              f"{per} thread{'s' if per != 1 else ''} each)...", flush=True)
+    elif not json:
         print(f"Verifying on this machine ({steps} steps per trial"
               + (f", {n} thread{'s' if n != 1 else ''}" if n else "") + ")...", flush=True)
     started = time.perf_counter()
