@@ -39,6 +39,7 @@ import time
 from memplan.errors import InputError
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
+from memplan.units import possessive
 from trainer.verify import DEFAULT_MAX_MICRO_BATCHES, DEFAULT_STEPS, TrialResult, _repo_env, is_out_of_memory
 
 TIMEOUT_S = 600.0  # the longest a trial on several ranks may take, start to end (the process group's TIMEOUT too)
@@ -47,9 +48,11 @@ REFUSED = "refused"  # the key of the ranks process's answer when the trial cann
 
 # ---- in each rank -------------------------------------------------------------------------
 
-def _warm_up_rank(spec: ModelSpec, setup: TrainSetup, stack: str, wrap, device) -> None:
-    """Steps of a tiny model of the plan's configuration, wrapped for its sharding with the other ranks: loads the
-    code of every kernel and of the wrapper (DDP's reducer, FSDP2's hooks) before the baseline (CPU)."""
+def _warm_up_rank(spec: ModelSpec, setup: TrainSetup, device) -> None:
+    """Steps of a tiny model of the plan's configuration, memplan's own wrapped for its sharding with the other
+    ranks: loads the code of every kernel and of torch's wrappers (DDP's reducer, FSDP2's hooks) before the
+    baseline (CPU). Never another stack's library: imported after the baseline, its code's resident memory is in
+    the growth, as the plan's ``model_code`` term predicts it (``run_trial`` likewise)."""
     import gc
 
     from trainer.verify import WARMUP_CTX
@@ -58,7 +61,7 @@ def _warm_up_rank(spec: ModelSpec, setup: TrainSetup, stack: str, wrap, device) 
                         vocab=64, name="warm-up")
     warm = setup.replace(ctx=min(setup.ctx, WARMUP_CTX), micro_batch=1, grad_accum=min(2, setup.grad_accum),
                          compile=False)
-    for _ in _steps(tiny, warm, warm, 2, stack, wrap, device, seed=0):
+    for _ in _steps(tiny, warm, warm, 2, "memplan", None, device, seed=0):
         pass
     gc.collect()
 
@@ -122,7 +125,8 @@ def _wrapper(stack: str):
 
     wrap = getattr(_stack_module(stack), "wrap_ranks", None)
     if wrap is None:
-        raise InputError(f"--verify --world-size: --stack {stack}'s code is not run on several ranks here "
+        raise InputError(f"--verify --world-size: --stack {stack}: {possessive(stack)} code is not run on several "
+                         "ranks here "
                          f"(accepted: --stack {', '.join(ranked_stacks())})")
     return wrap
 
@@ -151,12 +155,11 @@ def rank_trial(spec: ModelSpec, setup: TrainSetup, request: dict) -> dict:
     run_setup = setup.replace(grad_accum=min(setup.grad_accum, int(request["max_micro_batches"])))
     out = {"rank": rank, "status": "ok", "steps_run": 0, "micro_batches": run_setup.grad_accum, "error": "",
            "peak_bytes": None, "peak_allocated": None, "peak_rss": None, "baseline_rss": None, "step_seconds": []}
-    wrap = _wrapper(stack)
     baseline = 0
     if cuda:
         devices.reset_allocator_peaks(device)
     else:
-        _warm_up_rank(spec, setup, stack, wrap, device)
+        _warm_up_rank(spec, setup, device)
         devices.trim_heap()
         devices.keep_heap_resident()
         baseline = out["baseline_rss"] = devices.current_rss()
@@ -169,7 +172,7 @@ def rank_trial(spec: ModelSpec, setup: TrainSetup, request: dict) -> dict:
             devices.trim_heap()
             out["hwm_reset"] = devices.reset_peak_rss()
 
-    for seconds in _steps(spec, setup, run_setup, int(request["steps"]), stack, wrap, device,
+    for seconds in _steps(spec, setup, run_setup, int(request["steps"]), stack, _wrapper(stack), device,
                           int(request.get("seed", 0)), built):
         out["step_seconds"].append(seconds)
         out["steps_run"] += 1

@@ -60,7 +60,11 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Replace files --emit wo
                                         rich_help_panel=_A)]
 WorldSizeOpt = Annotated[str, typer.Option(
     "--world-size", metavar="N", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
-                         "both tried.", rich_help_panel=_A)]
+                         "both tried (--sharding: one); --verify runs the plan on that many ranks here.",
+    rich_help_panel=_A)]
+AutoShardingOpt = Annotated[Optional[str], typer.Option(
+    "--sharding", metavar="SHARDING", help="With --world-size N: search this sharding only (ddp | fsdp, as the "
+    "--stack's walk covers it); default: both.", rich_help_panel=_A, show_default=False)]
 AutoCheckpointingOpt = Annotated[Optional[str], typer.Option(
     "--checkpointing", metavar="CHECKPOINTING", help="Search this checkpointing only (none | selective | full, as the "
     "--stack's code offers it); default: every one the stack has.", rich_help_panel=_A, show_default=False)]
@@ -261,6 +265,7 @@ def autotune_command(
     world_size: WorldSizeOpt = "1", verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
     json: JsonOpt = False, threads: ThreadsOpt = None, stack: PlanStackOpt = "memplan", emit: EmitOpt = None,
     force: ForceOpt = False, checkpointing: AutoCheckpointingOpt = None, precision: AutoPrecisionOpt = None,
+    sharding: AutoShardingOpt = None,
 ) -> None:
     """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
     plan that fits the memory budget at the global batch asked; --verify runs it for real."""
@@ -290,7 +295,7 @@ def autotune_command(
         tokens=parse_count(tokens, "--tokens") if tokens else None,
         steps=parse_count(max_steps, "--max-steps") if max_steps else None,
         world_size=parse_count(world_size, "--world-size"), stack=walk.stack, checkpointing=checkpointing,
-        precision=precision)
+        precision=precision, sharding=sharding)
     if not json:
         print_result(result, top, rates_note)
         _print_units(result, global_batch_tokens, tokens)
