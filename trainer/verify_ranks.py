@@ -23,7 +23,9 @@ against the walk's per-rank prediction; its tokens/s are the global batch's toke
 step, a step lasting as long as its slowest rank.
 
 Each trial's ranks run under a ``python -m trainer.verify_ranks`` process of their own (the CLI never imports torch),
-killed with every rank after ``timeout_s``: a rank that hangs ends the trial as an error, never verify.
+killed with every rank after ``timeout_s`` (``TIMEOUT_S``, 30 minutes); a collective that waits longer than the
+process group's timeout (``trainer.distributed.TIMEOUT``, 10 minutes, as ``memplan validate``'s ranks) fails in its
+rank first. A rank that hangs ends the trial as an error, never verify.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from memplan.setup import TrainSetup
 from memplan.units import possessive
 from trainer.verify import DEFAULT_MAX_MICRO_BATCHES, DEFAULT_STEPS, TrialResult, _repo_env, is_out_of_memory
 
-TIMEOUT_S = 600.0  # the longest a trial on several ranks may take, start to end (the process group's TIMEOUT too)
+TIMEOUT_S = 1800.0  # the longest a trial on several ranks may take, start to end, before it and its ranks are killed
 REFUSED = "refused"  # the key of the ranks process's answer when the trial cannot run here (an InputError)
 
 
@@ -232,13 +234,14 @@ def run_ranks(request: dict) -> dict:
     import datetime
     import functools
 
-    from trainer.distributed import measure_ranks
+    from trainer.distributed import TIMEOUT, measure_ranks
 
     spec, setup = ModelSpec(**request["model"]), TrainSetup(**request["setup"])
     family, backend = _backend(setup.world_size)
     _wrapper(request.get("stack", "memplan"))  # refused before any rank starts
     measure = functools.partial(rank_trial, request=request)
-    timeout = datetime.timedelta(seconds=float(request.get("timeout_s", TIMEOUT_S)))
+    # a collective waits at most the process group's TIMEOUT (10 minutes, measure_ranks' own), or the trial's whole time
+    timeout = min(TIMEOUT, datetime.timedelta(seconds=float(request.get("timeout_s", TIMEOUT_S))))
     try:
         ranks = measure_ranks([(spec, setup)], setup.world_size, measure=measure, backend=backend, timeout=timeout)[0]
     except Exception as e:  # noqa: BLE001 - a rank's error or death is the trial's outcome
@@ -317,7 +320,7 @@ class RankTrialRunner:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the ranks' process and every rank it spawned (one session)
             proc.communicate()
-            return {"status": "error", "error": f"the ranks did not finish within {timeout_s:g} s (a rank hung); "
+            return {"status": "error", "error": f"the ranks did not finish within {timeout_s:g} s (a rank hung?); "
                                                 "they were killed"}
         lines = stdout.strip().splitlines()
         answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
