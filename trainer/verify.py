@@ -623,23 +623,10 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
             runner.close()
 
 
-def rank_threads(threads: int | None, world_size: int) -> int:
-    """Torch threads in each of ``world_size`` ranks sharing this machine's cores: ``threads`` (else all the
-    cores), at most the cores over the ranks (more would have the ranks' OpenMP pools spin against each other)."""
-    cores = os.cpu_count() or 1
-    return max(1, min(threads or cores, cores // world_size))
-
-
 def verify_here(result, *, steps: int = DEFAULT_STEPS, threads: int | None = None, on_attempt=None):
     """``verify`` on this machine with ``threads`` torch threads in the trial processes (their
-    ``OMP_NUM_THREADS``; None: the trial processes' default). A plan for several devices runs each trial on
-    that many real ranks (``trainer.verify_ranks``)."""
-    if result.world_size > 1:
-        from trainer.verify_ranks import RankTrialRunner
-
-        env = {"OMP_NUM_THREADS": str(rank_threads(threads, result.world_size))}
-        with RankTrialRunner(stack=result._evaluator.stack.name, env=env) as runner:
-            return verify(result, steps=steps, runner=runner, on_attempt=on_attempt)
+    ``OMP_NUM_THREADS``; None: the trial processes' default). A plan for several devices:
+    ``trainer.verify_ranks.verify_on_ranks``."""
     if not threads:
         return verify(result, steps=steps, on_attempt=on_attempt)
     with TrialRunner(env={"OMP_NUM_THREADS": str(threads)}) as runner:

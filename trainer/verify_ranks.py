@@ -42,7 +42,7 @@ from memplan.errors import InputError
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 from memplan.units import possessive
-from trainer.verify import DEFAULT_MAX_MICRO_BATCHES, DEFAULT_STEPS, TrialResult, _repo_env, is_out_of_memory
+from trainer.verify import DEFAULT_MAX_MICRO_BATCHES, DEFAULT_STEPS, TrialResult, _repo_env, is_out_of_memory, verify
 
 TIMEOUT_S = 1800.0  # the longest a trial on several ranks may take, start to end, before it and its ranks are killed
 REFUSED = "refused"  # the key of the ranks process's answer when the trial cannot run here (an InputError)
@@ -351,13 +351,33 @@ class RankTrialRunner:
 
 
 def _method(stack: str, setup: TrainSetup, family: str) -> str:
-    code = "memplan's trainer" if stack == "memplan" else f"{stack}'s model and step, its wrap_ranks"
+    if stack == "memplan":
+        code = "memplan's trainer"
+    else:
+        from trainer.stacks import TRIAL_CODE
+
+        code = f"{TRIAL_CODE[stack]}, wrapped as its distributed code wraps it (trainer/stacks/{stack}.py wrap_ranks)"
     if family == "cpu":
         how = ("gloo on this CPU; per rank: profile runtime context + growth of resident memory (VmHWM, reset once "
                "the model is built) over a baseline taken after a warm-up step")
     else:
         how = "NCCL, one GPU each; per rank: torch.cuda.max_memory_reserved + memory outside the allocator"
     return f"{code}, {setup.sharding.upper()} over {setup.world_size} ranks, {how}"
+
+
+def rank_threads(threads: int | None, world_size: int) -> int:
+    """Torch threads in each of ``world_size`` ranks sharing this machine's cores: ``threads`` (else all the
+    cores), at most the cores over the ranks (more would have the ranks' OpenMP pools spin against each other)."""
+    cores = os.cpu_count() or 1
+    return max(1, min(threads or cores, cores // world_size))
+
+
+def verify_on_ranks(result, *, steps: int = DEFAULT_STEPS, threads: int | None = None, on_attempt=None):
+    """``trainer.verify.verify`` of a plan for ``result.world_size`` devices, each trial on that many ranks of
+    this machine (``RankTrialRunner``), each rank with ``rank_threads(threads, world_size)`` torch threads."""
+    env = {"OMP_NUM_THREADS": str(rank_threads(threads, result.world_size))}
+    with RankTrialRunner(stack=result._evaluator.stack.name, env=env) as runner:
+        return verify(result, steps=steps, runner=runner, on_attempt=on_attempt)
 
 
 if __name__ == "__main__":

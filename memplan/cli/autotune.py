@@ -373,12 +373,11 @@ def _verify_here(result, dev, n_threads: int | None, steps: int, json: bool):
               file=sys.stderr)
         return None
     from memplan.local import chosen_threads
-    from trainer.verify import verify_here
 
     # the trials run with the threads the rates were measured with (else the count calibration chose)
     n = n_threads or int(dev.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
     if not json and result.world_size > 1:
-        from trainer.verify import rank_threads
+        from trainer.verify_ranks import rank_threads
 
         per = rank_threads(n, result.world_size)
         print(f"Verifying on {result.world_size} ranks of this machine ({steps} steps per trial; on a CPU, "
@@ -387,7 +386,11 @@ def _verify_here(result, dev, n_threads: int | None, steps: int, json: bool):
         print(f"Verifying on this machine ({steps} steps per trial"
               + (f", {n} thread{'s' if n != 1 else ''}" if n else "") + ")...", flush=True)
     started = time.perf_counter()
-    verification = verify_here(result, steps=steps, threads=n, on_attempt=None if json else print_attempt)
+    if result.world_size > 1:  # each trial on that many ranks here
+        from trainer.verify_ranks import verify_on_ranks as run
+    else:
+        from trainer.verify import verify_here as run
+    verification = run(result, steps=steps, threads=n, on_attempt=None if json else print_attempt)
     if not json:
         print_verification(verification)
         print(f"verify took {format_seconds(time.perf_counter() - started)}")

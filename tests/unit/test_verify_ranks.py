@@ -107,4 +107,5 @@ def test_verify_runs_the_librarys_own_step_on_two_real_ranks(stack, sharding, tm
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     verified = _verified_on_ranks([*AUTOTUNE, "--stack", stack, "--sharding", sharding], tmp_path / "plan.toml",
                                   sharding)
-    assert verified["method"].startswith(f"{stack}'s model and step, its wrap_ranks")
+    assert verified["method"].startswith({"litgpt": "litgpt's GPT", "torchtune": "torchtune's builders"}[stack])
+    assert "wrap_ranks" in verified["method"]
