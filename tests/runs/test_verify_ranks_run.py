@@ -5,6 +5,7 @@ checks (bad input, refusals) and litgpt's and torchtune's ranks (`libs`) are in 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,39 +48,71 @@ def test_a_rank_out_of_memory_fails_the_trial_and_no_plan_is_verified():
     assert v.to_json()["peak_measured"] is None
 
 
+def _session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (from /proc: the session id follows the state, ppid and pgrp)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 @pytest.mark.slow
-def test_ranks_that_outlive_the_timeout_are_killed_with_their_process(monkeypatch):
-    """The ranks' process and every rank it spawned are one session, killed when the trial outlives its timeout
-    (a rank that hangs ends the trial as an error, never verify); 0.5 s is less than two processes take to
-    import torch."""
+def test_a_rank_that_hangs_ends_the_trial_at_its_timeout_with_every_rank_killed(monkeypatch):
+    """A rank stopped (SIGSTOP) as soon as the ranks exist: the other waits for it, the trial outlives its timeout,
+    and the ranks' process is killed with both ranks (one session), the stopped one included; the trial is an
+    error, and verify goes on."""
+    import signal
     import subprocess
+    import threading
+    import time
 
     import trainer.verify_ranks as verify_ranks
     from memplan.setup import TrainSetup
 
-    started = []
+    started, stopped = [], []
     real = subprocess.Popen
 
     def popen(*args, **kwargs):
         started.append(real(*args, **kwargs))
         return started[-1]
 
+    def stop_a_rank() -> None:  # the ranks' process, then its two spawned ranks (and spawn's resource tracker)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not stopped:
+            if started:
+                ranks = [p for p in _session(started[0].pid) if p != started[0].pid]
+                if len(ranks) >= 2:
+                    os.kill(max(ranks), signal.SIGSTOP)
+                    stopped.append(max(ranks))
+            time.sleep(0.05)
+
     monkeypatch.setattr(verify_ranks.subprocess, "Popen", popen)
     spec = ModelSpec(arch="llama", layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, vocab=64, tied=True)
     setup = TrainSetup(ctx=16, micro_batch=1, grad_accum=1, world_size=2, sharding="ddp")
-    with verify_ranks.RankTrialRunner(timeout_s=0.5) as runner:
-        trial = runner.run(spec, setup, steps=2)
-    assert trial.status == "error" and "did not finish within 0.5 s" in trial.error, trial
+    watcher = threading.Thread(target=stop_a_rank)
+    watcher.start()
+    trials = []
+
+    def trial_on_ranks() -> None:
+        with verify_ranks.RankTrialRunner(timeout_s=15) as runner:
+            trials.append(runner.run(spec, setup, steps=2))
+
+    running = threading.Thread(target=trial_on_ranks)
+    running.start()
+    running.join(timeout=120)
+    if running.is_alive():  # the runner hangs (the ranks it left hold its pipes): end them, then fail
+        for pid in _session(started[0].pid):
+            os.kill(pid, signal.SIGKILL)
+        running.join()
+        pytest.fail("the trial on ranks did not end at its timeout")
+    watcher.join()
+    assert stopped, "the ranks never started"
+    trial = trials[0]
+    assert trial.status == "error" and "did not finish within 15 s" in trial.error, trial
     assert trial.peak_bytes is None and trial.ranks == ()
-    session = started[0].pid
-    left = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":  # the session id, after the state, ppid, pgrp
-            left.append(stat.parent.name)
-    assert not left, f"processes of the killed trial still running: {left}"
-
-
+    assert _session(started[0].pid) == [], "processes of the killed trial are still running"
