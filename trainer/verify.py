@@ -551,9 +551,6 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
     if result.plan is None:
         raise InputError("--verify: nothing fits the budget, so there is no plan to run")
 
-    def check(family: str) -> None:
-        check_family(result, family)
-
     stack = result._evaluator.stack.name
     if stack != "memplan":
         from trainer.stacks import require_installed
@@ -563,10 +560,10 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
     if own:
         from memplan.hardware import detect_local
 
-        check(detect_local().family)  # before starting torch: NVML, ROCm SMI and the OS say enough
+        check_family(result, detect_local().family)  # before starting torch: NVML, ROCm SMI and the OS say enough
         runner = TrialRunner().__enter__()
     try:
-        check(runner.family)
+        check_family(result, runner.family)
         budget = result.budget_bytes
         context = result.device.runtime_context_bytes
         attempts: list[Attempt] = []
