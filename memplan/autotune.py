@@ -174,10 +174,12 @@ def _pinned(flag: str, value: str, searched: tuple[str, ...], known: tuple[str, 
 
 
 def search_axes(stack: Stack, device: Device, world_size: int = 1, lora_rank: int = 0,
-                precision: str | None = None, checkpointing: str | None = None) -> dict[str, tuple]:
+                precision: str | None = None, checkpointing: str | None = None,
+                sharding: str | None = None) -> dict[str, tuple]:
     """What autotune searches for ``stack`` on ``device``, each axis taken from the stack object's own attributes:
 
-    - sharding: with ``world_size`` > 1, DDP then FSDP where the stack's walk covers them (``Stack.shardings``);
+    - sharding: with ``world_size`` > 1, DDP then FSDP where the stack's walk covers them (``Stack.shardings``),
+      or ``sharding`` alone;
     - precision: ``precision`` alone, else ``precision_candidates(device)`` as the stack trains them
       (``Stack.precisions``; a mixed precision it has no autocast for becomes its pure half precision);
     - checkpointing: ``Stack.checkpointings`` (with LoRA: selective only where ``Stack.lora_with_selective``), or
@@ -185,13 +187,17 @@ def search_axes(stack: Stack, device: Device, world_size: int = 1, lora_rank: in
     - attention: ``Stack.attentions``; optimizer: ``Stack.searched_optimizers`` (8-bit on CUDA devices only);
     - compile: where ``Stack.compiles`` (and the profile's speedup says it helps: ``autotune``).
 
-    A value asked for (``precision``, ``checkpointing``) that the stack's code does not take, or more devices
-    than one where its walk has no DDP or FSDP, is the one-line InputError naming what it takes."""
+    A value asked for (``precision``, ``checkpointing``, ``sharding``) that the stack's code does not take, or more
+    devices than one where its walk has no DDP or FSDP, is the one-line InputError naming what it takes."""
     if world_size > 1:
         shardings = tuple(s for s in SHARDINGS if s in stack.shardings)
         if not shardings:
             raise InputError(f"--stack {stack.name}: --world-size {world_size} needs DDP or FSDP, and the walk of "
                              f"{possessive(stack.name)} step covers one device only (accepted: --world-size 1)")
+        if sharding is not None:
+            shardings = _pinned("--sharding", sharding, shardings, SHARDINGS, stack)
+    elif sharding is not None:
+        raise InputError(f"--sharding {sharding}: shards over several devices; add --world-size N (N ≥ 2)")
     else:
         shardings = ("none",)
     checkpointings = tuple(c for c in CHECKPOINTINGS if c in stack.checkpointings)
@@ -513,12 +519,13 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
              global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
              tokens: int | None = None, world_size: int = 1, lora_rank: int = 0,
              lora_targets: str = "qkv,proj,up,down", precision: str | None = None,
-             checkpointing: str | None = None, stack: Stack = MEMPLAN, steps: int | None = None) -> AutotuneResult:
+             checkpointing: str | None = None, stack: Stack = MEMPLAN, steps: int | None = None,
+             sharding: str | None = None) -> AutotuneResult:
     """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
 
     ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
     ``precision``, if given, is the only precision tried (a finetune keeps its base run's); else
-    ``precision_candidates(device)``; ``checkpointing``, if given, likewise. ``stack``: whose code runs the step
+    ``precision_candidates(device)``; ``checkpointing`` and ``sharding``, if given, likewise. ``stack``: whose code runs the step
     (``memplan.memory.stacks``): the axes are the stack's own (``search_axes``), every candidate is one its
     checks accept, its memory is walked with its hooks, and the advice when nothing fits is walked on it too.
 
@@ -546,7 +553,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     if not_considered:
         notes.append(not_considered)
     ev = _Evaluator(spec, device, speedup, tokens, stack)
-    axes = search_axes(stack, device, world_size, lora_rank, precision, checkpointing)
+    axes = search_axes(stack, device, world_size, lora_rank, precision, checkpointing, sharding)
     shardings, precisions = axes["sharding"], axes["precision"]
     checkpointings, attentions, optimizers = axes["checkpointing"], axes["attention"], axes["optimizer"]
     sizes = divisors(per)

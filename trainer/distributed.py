@@ -248,15 +248,19 @@ def _own_rank_memory(spec, setup: TrainSetup):
 
 
 def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, out_dir: str,
-                    measure=_own_rank_memory) -> None:
+                    measure=_own_rank_memory, backend: str = "gloo", timeout: datetime.timedelta = TIMEOUT) -> None:
     """One rank of ``measure_ranks``: every config in turn (``measure(*config)``), its StepMemory pickled to
-    out_dir."""
+    out_dir. Over ``nccl`` the rank runs on GPU ``rank`` of this machine."""
     import gc
     import pickle
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as torchrun does: the ranks share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
-                            timeout=TIMEOUT)
+    device_id = None
+    if backend == "nccl":
+        device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device_id)
     try:
         results = []
         for config in configs:
@@ -271,13 +275,16 @@ def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, 
         dist.destroy_process_group()
 
 
-def measure_ranks(configs: list, world_size: int, progress=None, measure=_own_rank_memory) -> list[list]:
+def measure_ranks(configs: list, world_size: int, progress=None, measure=_own_rank_memory, backend: str = "gloo",
+                  timeout: datetime.timedelta = TIMEOUT) -> list[list]:
     """Measure each (spec, setup) for real on the CPU in ``world_size`` gloo processes started
     here; returns, per config, every rank's StepMemory (MemTracker's peak in that rank).
     ``progress(done)``, where given, is called with the number of configs rank 0 has finished
     while the processes run (twice a second) and once at the end. ``measure(model, setup)``, a
     picklable function run in each rank, measures a config there (another stack's step:
-    ``trainer.stacks.ranks``); memplan's own step by default."""
+    ``trainer.stacks.ranks``; a trial of ``autotune --verify``: ``trainer.verify_ranks``); memplan's own step by
+    default. ``backend`` ``nccl``: rank r on GPU r of this machine. A collective that waits longer than ``timeout``
+    (a rank hung, or gone) fails in its rank, which fails the run."""
     import pickle
     import tempfile
 
@@ -288,7 +295,7 @@ def measure_ranks(configs: list, world_size: int, progress=None, measure=_own_ra
             raise InputError(f"--world-size {world_size}: a config asks for world size {setup.world_size}")
     with tempfile.TemporaryDirectory(prefix="memplan-ranks-") as tmp:
         context = mp.start_processes(_measure_worker, args=(world_size, os.path.join(tmp, "store"), configs, tmp,
-                                                            measure),
+                                                            measure, backend, timeout),
                                      nprocs=world_size, join=False, start_method="spawn")
         done_file = os.path.join(tmp, "progress")
         while not context.join(timeout=0.5):  # raises, as join=True would, when a rank fails

@@ -257,6 +257,7 @@ class TrialResult:
     baseline_rss: int | None = None  # its resident memory after the warm-up, before the model (CPU)
     family: str = ""
     step_seconds: tuple[float, ...] = ()
+    ranks: tuple[dict, ...] = ()  # a trial on several ranks (trainer.verify_ranks): each rank's own figures
 
     @classmethod
     def from_json(cls, setup: TrainSetup, data: dict) -> "TrialResult":
@@ -265,7 +266,8 @@ class TrialResult:
                    micro_batches=int(data.get("micro_batches", 0)), method=data.get("method", ""),
                    error=data.get("error", ""), peak_allocated=data.get("peak_allocated"),
                    peak_rss=data.get("peak_rss"), baseline_rss=data.get("baseline_rss"),
-                   family=data.get("family", ""), step_seconds=tuple(data.get("step_seconds", ())))
+                   family=data.get("family", ""), step_seconds=tuple(data.get("step_seconds", ())),
+                   ranks=tuple(data.get("ranks", ())))
 
 
 def _repo_env(extra: dict[str, str] | None = None) -> dict:
@@ -453,7 +455,15 @@ class Attempt:
                 "predicted_peak": self.plan.predicted.get("peak_reserved"), "measured_peak": t.peak_bytes,
                 "predicted_tokens_per_second": self.predicted_trial_tokens_per_second,
                 "measured_tokens_per_second": t.tokens_per_second, "steps": t.steps_run,
-                "micro_batches_per_step": t.micro_batches, "peak_rss": t.peak_rss, "error": t.error}
+                "micro_batches_per_step": t.micro_batches, "peak_rss": t.peak_rss, "error": t.error,
+                **({"ranks": [rank_json(r) for r in t.ranks]} if t.ranks else {})}
+
+
+def rank_json(rank: dict) -> dict:
+    """One rank of a trial on several ranks, as ``autotune --json`` gives it (docs/json.md): its measured peak (the
+    prediction is the attempt's ``predicted_peak``, the walk's per rank), its steps' seconds."""
+    return {"rank": rank["rank"], "measured_peak": rank.get("peak_bytes"), "peak_rss": rank.get("peak_rss"),
+            "peak_allocated": rank.get("peak_allocated"), "step_seconds": list(rank.get("step_seconds", ()))}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -517,6 +527,15 @@ def trial_config(plan: Plan, stack: str) -> dict[str, str] | None:
     return render(plan, stack)
 
 
+def check_family(result, family: str) -> None:
+    """InputError when ``result`` was planned for a device of another family than this machine's ``family``: the
+    trial would measure the wrong thing."""
+    if family != result.device.family:
+        raise InputError(f"--verify runs the plan on this machine's {family}, but it was made for "
+                         f"{result.device.name} ({result.device.family}); plan for the local device "
+                         f"(omit --device) or drop --verify")
+
+
 def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAULT_MAX_MICRO_BATCHES,
            max_plans: int = DEFAULT_MAX_PLANS, runner: TrialRunner | None = None, seed: int = 0,
            on_attempt: Callable[[Attempt], None] | None = None) -> Verification:
@@ -531,11 +550,6 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
         raise InputError(f"--verify-steps: {steps} must be at least 2 (a warm-up step and a measured one)")
     if result.plan is None:
         raise InputError("--verify: nothing fits the budget, so there is no plan to run")
-    def check(family: str) -> None:
-        if family != result.device.family:
-            raise InputError(f"--verify runs the plan on this machine's {family}, but it was made for "
-                             f"{result.device.name} ({result.device.family}); plan for the local device "
-                             f"(omit --device) or drop --verify")
 
     stack = result._evaluator.stack.name
     if stack != "memplan":
@@ -546,10 +560,10 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
     if own:
         from memplan.hardware import detect_local
 
-        check(detect_local().family)  # before starting torch: NVML, ROCm SMI and the OS say enough
+        check_family(result, detect_local().family)  # before starting torch: NVML, ROCm SMI and the OS say enough
         runner = TrialRunner().__enter__()
     try:
-        check(runner.family)
+        check_family(result, runner.family)
         budget = result.budget_bytes
         context = result.device.runtime_context_bytes
         attempts: list[Attempt] = []
@@ -608,7 +622,8 @@ def verify(result, *, steps: int = DEFAULT_STEPS, max_micro_batches: int = DEFAU
 
 def verify_here(result, *, steps: int = DEFAULT_STEPS, threads: int | None = None, on_attempt=None):
     """``verify`` on this machine with ``threads`` torch threads in the trial processes (their
-    ``OMP_NUM_THREADS``; None: the trial processes' default)."""
+    ``OMP_NUM_THREADS``; None: the trial processes' default). A plan for several devices:
+    ``trainer.verify_ranks.verify_on_ranks``."""
     if not threads:
         return verify(result, steps=steps, on_attempt=on_attempt)
     with TrialRunner(env={"OMP_NUM_THREADS": str(threads)}) as runner:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,11 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Replace files --emit wo
                                         rich_help_panel=_A)]
 WorldSizeOpt = Annotated[str, typer.Option(
     "--world-size", metavar="N", help="Devices like --device sharing the global batch, one process each: DDP and FSDP are "
-                         "both tried.", rich_help_panel=_A)]
+                         "both tried (--sharding: one); --verify runs the plan on that many ranks here.",
+    rich_help_panel=_A)]
+AutoShardingOpt = Annotated[Optional[str], typer.Option(
+    "--sharding", metavar="SHARDING", help="With --world-size N: search this sharding only (ddp | fsdp, as the "
+    "--stack's walk covers it); default: both.", rich_help_panel=_A, show_default=False)]
 AutoCheckpointingOpt = Annotated[Optional[str], typer.Option(
     "--checkpointing", metavar="CHECKPOINTING", help="Search this checkpointing only (none | selective | full, as the "
     "--stack's code offers it); default: every one the stack has.", rich_help_panel=_A, show_default=False)]
@@ -222,6 +227,15 @@ def print_attempt(attempt) -> None:
                     f"{speed} tokens/s (predicted {attempt.predicted_trial_tokens_per_second:,.0f}), "
                     f"{t.steps_run} steps → [{color}]{attempt.outcome}[/]"
                     + (f" [dim]{escape(t.error)}[/]" if t.error else ""))
+    s = attempt.plan.setup
+    predicted_step = (s.micro_batch * s.ctx * t.micro_batches * s.world_size / attempt.predicted_trial_tokens_per_second
+                      if attempt.predicted_trial_tokens_per_second else None)
+    for r in t.ranks:  # a trial on several ranks: each against the walk's per-rank prediction
+        timed = list(r.get("step_seconds") or ())[1:] or list(r.get("step_seconds") or ())  # after the warm-up
+        median = f"median step {format_seconds(statistics.median(timed))}" if timed else "no step"
+        Console().print(f"    rank {r['rank']}: peak {format_bytes(r['peak_bytes'])} (predicted "
+                        f"{format_bytes(p['peak_reserved'])}), {median}"
+                        + (f" (predicted {format_seconds(predicted_step)})" if predicted_step else ""))
 
 
 def print_verification(v) -> None:
@@ -251,6 +265,7 @@ def autotune_command(
     world_size: WorldSizeOpt = "1", verify: VerifyOpt = False, verify_steps: VerifyStepsOpt = 3, out: OutOpt = None, top: TopOpt = 8,
     json: JsonOpt = False, threads: ThreadsOpt = None, stack: PlanStackOpt = "memplan", emit: EmitOpt = None,
     force: ForceOpt = False, checkpointing: AutoCheckpointingOpt = None, precision: AutoPrecisionOpt = None,
+    sharding: AutoShardingOpt = None,
 ) -> None:
     """Pick micro-batch, accumulation, checkpointing, attention, precision and optimizer: the fastest predicted
     plan that fits the memory budget at the global batch asked; --verify runs it for real."""
@@ -280,7 +295,7 @@ def autotune_command(
         tokens=parse_count(tokens, "--tokens") if tokens else None,
         steps=parse_count(max_steps, "--max-steps") if max_steps else None,
         world_size=parse_count(world_size, "--world-size"), stack=walk.stack, checkpointing=checkpointing,
-        precision=precision)
+        precision=precision, sharding=sharding)
     if not json:
         print_result(result, top, rates_note)
         _print_units(result, global_batch_tokens, tokens)
@@ -353,25 +368,29 @@ def _print_units(result, global_batch_tokens: str | None, tokens: str | None) ->
 
 def _verify_here(result, dev, n_threads: int | None, steps: int, json: bool):
     """--verify: the plan's trials run on this machine (None when nothing fits: there is nothing to run)."""
-    if result.world_size > 1:
-        raise InputError("--verify runs trial steps in one process on this machine; a plan for --world-size "
-                         f"{result.world_size} is checked rank by rank with `memplan validate --world-size "
-                         f"{result.world_size}` or trained with `torchrun --nproc-per-node {result.world_size} -m "
-                         "trainer --plan PLAN`")
     if result.plan is None:
         print(f"memplan: --verify skipped: nothing fits, so there is no plan to run (exit {EXIT_NOTHING_FITS})",
               file=sys.stderr)
         return None
     from memplan.local import chosen_threads
-    from trainer.verify import verify_here
 
     # the trials run with the threads the rates were measured with (else the count calibration chose)
     n = n_threads or int(dev.calibrated.get("threads", 0) or 0) or chosen_threads("cpu")
-    if not json:
+    if not json and result.world_size > 1:
+        from trainer.verify_ranks import rank_threads
+
+        per = rank_threads(n, result.world_size)
+        print(f"Verifying on {result.world_size} ranks of this machine ({steps} steps per trial; on a CPU, "
+              f"{per} thread{'s' if per != 1 else ''} each)...", flush=True)
+    elif not json:
         print(f"Verifying on this machine ({steps} steps per trial"
               + (f", {n} thread{'s' if n != 1 else ''}" if n else "") + ")...", flush=True)
     started = time.perf_counter()
-    verification = verify_here(result, steps=steps, threads=n, on_attempt=None if json else print_attempt)
+    if result.world_size > 1:  # each trial on that many ranks here
+        from trainer.verify_ranks import verify_on_ranks as run
+    else:
+        from trainer.verify import verify_here as run
+    verification = run(result, steps=steps, threads=n, on_attempt=None if json else print_attempt)
     if not json:
         print_verification(verification)
         print(f"verify took {format_seconds(time.perf_counter() - started)}")
