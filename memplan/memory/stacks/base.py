@@ -118,6 +118,11 @@ class Stack:
         """The one-line InputError where the walk does not follow ``setup``'s checkpointing or sharding for the
         stack (checked before ``check_lora_targets``): memplan's own walk follows them all."""
 
+    def fsdp_sharding(self, spec, setup, rank: int, collectives: str):
+        """The walk's FSDP2 hook for the stack's own layout (litgpt's finetune_lora: ``memory.stacks.litgpt_sharding``);
+        None: memplan's (``memory.sharding.FullyShard``)."""
+        return None
+
     def check_setup(self, spec, setup) -> None:
         """The one-line InputError where the stack's code does not run ``setup``'s step for ``spec``, beyond
         ``check_lora_targets``: memplan's own runs every step it builds."""
