@@ -77,7 +77,7 @@ def test_estimate_plans_litgpts_ddp_row():
     (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--lora-rank", "4"],
      ["--checkpointing none with --sharding fsdp", "parallelize_fn checkpoints every Block", "accepted: full"]),
     (["--stack", "litgpt", "--checkpointing", "full", "--lora-rank", "4"],
-     ["--checkpointing full", "only under finetune_lora's FSDP2", "accepted here: none"]),
+     ["--checkpointing full", "only under finetune_lora's FSDP2", "accepted: none; full with --sharding fsdp"]),
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "ddp"],
      ["--sharding ddp", "no DDP", "accepted: none, fsdp"]),
 ])
@@ -263,7 +263,7 @@ def test_the_ranks_shard_litgpt_as_finetune_loras_parallelize_fn_does(tmp_path):
 def test_litgpts_checkpointed_lora_block_is_walked_as_its_real_step():
     """litgpt's LoRA model with every Block in ``checkpoint_wrapper`` (what finetune_lora's parallelize_fn does, one
     process here), its real step on the CPU under MemTracker: the walk's peak within the trace bar (1%), fp32 and
-    bf16 with finetune_lora's dropout 0.05; its peak is the recomputation's stop in the last block."""
+    bf16 and bf16-mixed with finetune_lora's dropout 0.05; its peak is the recomputation's stop in the last block."""
     pytest.importorskip("litgpt")
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -272,7 +272,7 @@ def test_litgpts_checkpointed_lora_block_is_walked_as_its_real_step():
     from trainer.stacks import StackModel
     from trainer.stacks.litgpt import build_model, make_optimizer, train_step
 
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "bf16-mixed"):
         setup = TrainSetup(ctx=128, micro_batch=4, precision=precision, lora_rank=4)
         torch.manual_seed(0)
         net = build_model(StackModel(spec=SMALL), setup)

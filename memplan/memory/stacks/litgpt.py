@@ -388,7 +388,7 @@ def lit_recompute_locals_bytes(spec, setup, dropout: float) -> int:
 
     - ``attention_output = self.attn(x_normed, ...)``, n·H·a, kept by ``Block.forward`` until it returns (the
       walk frees the out-projection's output once the residual is added);
-    - ``x_normed = self.norm_2(x)``, the MLP's input, n·H·a, unless the walk holds it already (up adapted without
+    - ``x_normed = self.norm_2(x)``, the MLP's input, n·H·r (the residual's dtype: fp32 under autocast), unless the walk holds it already (up adapted without
       dropout: memplan's adapter saves it); ``x_normed = self.norm_1(x)`` is released when that name is
       rebound (saved by the qkv adapter where the walk counts it);
     - with ``lora_dropout`` > 0, LLaMAMLP's ``x = F.silu(x_fc_1) * x_fc_2``, the argument of ``self.proj(x)``,
@@ -401,7 +401,7 @@ def lit_recompute_locals_bytes(spec, setup, dropout: float) -> int:
     n, a, h = _n(setup), _a(setup), spec.hidden
     out = n * h * a  # attention_output
     if "up" not in setup.lora or dropout > 0:
-        out += n * h * a  # the MLP's input
+        out += n * h * _r(setup)  # the MLP's input: RMSNorm's ``.to(dtype=dtype)``, the residual's dtype
     if dropout > 0:
         out += n * spec.ffn * a  # down's input
     if setup.precision == "bf16" and spec.norm == "rmsnorm":
@@ -410,12 +410,15 @@ def lit_recompute_locals_bytes(spec, setup, dropout: float) -> int:
 
 
 def lit_recompute_gradient_bytes(spec, setup) -> int:
-    """The gradient autograd makes in a checkpointed block's backward before its recomputation starts: the
+    """The gradients autograd makes in a checkpointed block's backward before its recomputation starts: the
     nodes before the first that unpacks a saved tensor save nothing, the residual add and down's
     ``pretrained + lora`` and ``lora * self.scaling`` (litgpt/lora.py, LoRALinear.forward), whose backward makes
-    the gradient of ``lora``, n·H·a, alive through the recomputation that x·Aᵀ's matmul starts. 0 without a
-    down adapter or checkpointing (``lit_recompute_reaches_down_adapter``)."""
-    return _n(setup) * spec.hidden * _a(setup) if lit_recompute_reaches_down_adapter(setup) else 0
+    the gradient of ``lora``, n·H·a, alive through the recomputation that x·Aᵀ's matmul starts; under autocast
+    the residual add's backward first casts the fp32 gradient to the 16-bit dtype of down's output, n·H·a more.
+    0 without a down adapter or checkpointing (``lit_recompute_reaches_down_adapter``)."""
+    if not lit_recompute_reaches_down_adapter(setup):
+        return 0
+    return _n(setup) * spec.hidden * _a(setup) * (2 if setup.mixed else 1)
 
 
 def lit_check_sharding(setup) -> None:
@@ -431,18 +434,23 @@ def lit_check_sharding(setup) -> None:
                          "fsdp with --lora-rank: finetune_lora's FSDP2)")
 
 
+def lit_fsdp_lora(setup) -> bool:
+    """Whether ``setup`` is finetune_lora over several devices: FSDP2 (``--sharding fsdp``) with LoRA."""
+    return setup.sharding == "fsdp" and bool(setup.lora_rank)
+
+
 def lit_check_checkpointing(setup) -> None:
     """The one-line InputError where ``--checkpointing`` is not what litgpt's scripts do: they checkpoint blocks
     only in finetune/lora.py's ``parallelize_fn`` (several devices: ``checkpoint_wrapper`` around every
     ``Block``, always, ``activation_checkpointing=True`` being its default and ``ModelParallelStrategy`` passing
     nothing else), so ``full`` with ``--sharding fsdp`` and ``--lora-rank``, ``none`` otherwise."""
-    fsdp_lora = setup.sharding == "fsdp" and bool(setup.lora_rank)
+    fsdp_lora = lit_fsdp_lora(setup)
     if fsdp_lora and setup.checkpointing != "full":
         raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing} with --sharding fsdp: finetune_lora's "
                          "parallelize_fn checkpoints every Block (accepted: full)")
     if not fsdp_lora and setup.checkpointing != "none":
         raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing}: litgpt checkpoints blocks only "
-                         "under finetune_lora's FSDP2 (--sharding fsdp with --lora-rank; accepted here: none)")
+                         "under finetune_lora's FSDP2 (accepted: none; full with --sharding fsdp and --lora-rank)")
 
 
 def lit_ddp_gradient_as_bucket_view() -> bool:
@@ -464,7 +472,8 @@ class LitgptStack(Stack):
     archs: ClassVar[tuple[str, ...]] = ("llama", "gpt_neox")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16-mixed", "bf16")
     attentions: ClassVar[tuple[str, ...]] = ("sdpa",)
-    checkpointings: ClassVar[tuple[str, ...]] = ("none", "full")  # full: finetune_lora's FSDP2 (lit_check_checkpointing)
+    # on one device (what autotune searches); finetune_lora's FSDP2 checkpoints every Block (lit_check_checkpointing)
+    checkpointings: ClassVar[tuple[str, ...]] = ("none",)
     # Fabric's DDPStrategy; FSDP2 as finetune_lora's ModelParallelStrategy runs it, with LoRA (lit_check_sharding)
     shardings: ClassVar[tuple[str, ...]] = ("none", "ddp", "fsdp")
     lora_default_dropout: ClassVar[float] = 0.05  # finetune/lora.py's lora_dropout
@@ -484,8 +493,10 @@ class LitgptStack(Stack):
         lit_check_sharding(setup)
 
     def check_setup(self, spec, setup) -> None:
-        check_lib_setup(self, spec, setup)
+        """``lit_check_checkpointing``, then ``check_lib_setup``'s (the checkpointing finetune_lora's FSDP2 imposes,
+        full, is not one to choose: ``checkpointings`` lists the one-device scripts' own)."""
         lit_check_checkpointing(setup)
+        check_lib_setup(self, spec, setup.replace(checkpointing="none") if lit_fsdp_lora(setup) else setup)
 
     @property
     def ddp_gradient_as_bucket_view(self) -> bool:
