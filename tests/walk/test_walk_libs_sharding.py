@@ -3,10 +3,12 @@
 litgpt under Fabric's DDP (``Fabric(strategy="ddp")``: ``DistributedDataParallel`` with PyTorch's defaults) keeps
 its buckets beside ``.grad`` (``gradient_as_bucket_view=False``), as transformers' Trainer does; torchtune's
 distributed recipes shard with FSDP2 through ``training.shard_model``, memplan's own layout but for the root, which
-reshards after forward. litgpt's own FSDP layouts and torchtune's DDP (it has none) are refused in one line naming
-why. The walk against two real gloo ranks of each (litgpt's DDP step, torchtune's FSDP2 step) is in
+reshards after forward; litgpt's finetune_lora over several devices is FSDP2 by its own ``parallelize_fn`` (every
+Block checkpointed: ``memory.stacks.litgpt_sharding``). litgpt's pretrain FSDP1 and torchtune's DDP (it has none)
+are refused in one line naming why. The walk against two real gloo ranks of each (litgpt's DDP and FSDP2 steps,
+torchtune's FSDP2 step) is in
 tests/runs/test_walk_matrices.py (it spawns processes); ``python tests/walk/test_walk_libs_sharding.py litgpt``
-(or ``torchtune``, in that library's environment) prints the whole table.
+(or ``torchtune``, in that library's environment; ``litgpt-fsdp``: finetune_lora's FSDP2) prints the whole table.
 """
 
 from __future__ import annotations
@@ -262,8 +264,9 @@ def test_the_ranks_shard_litgpt_as_finetune_loras_parallelize_fn_does(tmp_path):
 @pytest.mark.libs
 def test_litgpts_checkpointed_lora_block_is_walked_as_its_real_step():
     """litgpt's LoRA model with every Block in ``checkpoint_wrapper`` (what finetune_lora's parallelize_fn does, one
-    process here), its real step on the CPU under MemTracker: the walk's peak within the trace bar (1%), fp32 and
-    bf16 and bf16-mixed with finetune_lora's dropout 0.05; its peak is the recomputation's stop in the last block."""
+    process here), its real step on the CPU under MemTracker: the walk's peak within the trace bar (1%), fp32, bf16
+    and bf16-mixed with finetune_lora's dropout 0.05 (the peak: the recomputation's stop in the last block), and fp32
+    without dropout (the peak: down's backward, whose input gradients autograd sums in place)."""
     pytest.importorskip("litgpt")
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -272,18 +275,19 @@ def test_litgpts_checkpointed_lora_block_is_walked_as_its_real_step():
     from trainer.stacks import StackModel
     from trainer.stacks.litgpt import build_model, make_optimizer, train_step
 
-    for precision in ("fp32", "bf16", "bf16-mixed"):
+    for precision, dropout in (("fp32", 0.05), ("bf16", 0.05), ("bf16-mixed", 0.05), ("fp32", 0.0)):
         setup = TrainSetup(ctx=128, micro_batch=4, precision=precision, lora_rank=4)
         torch.manual_seed(0)
-        net = build_model(StackModel(spec=SMALL), setup)
+        net = build_model(StackModel(spec=SMALL), setup, lora_dropout=dropout)
         net.transformer.h = torch.nn.ModuleList([checkpoint_wrapper(b, preserve_rng_state=False)
                                                  for b in net.transformer.h])
         gen = torch.Generator().manual_seed(1)
         real, _, _ = _tracked_steps(net, make_optimizer(net, setup), setup,
                                     lambda gen=gen, setup=setup: _random_ids(SMALL.vocab, setup, "cpu", gen), "cpu",
                                     step_fn=train_step)
-        walked = peak_memory(SMALL, setup.replace(checkpointing="full"), stack=stack_for("litgpt", cpu=True))
-        assert abs(walked.peak_allocated - real) / real <= 0.01, (precision, walked.peak_allocated, real)
+        walked = peak_memory(SMALL, setup.replace(checkpointing="full"),
+                             stack=stack_for("litgpt", cpu=True, lora_dropout=dropout))
+        assert abs(walked.peak_allocated - real) / real <= 0.01, (precision, dropout, walked.peak_allocated, real)
 
 
 @pytest.mark.libs
@@ -404,8 +408,33 @@ def _ranks_table(lib: str) -> None:
               f"walked {walked - walked_one:,}", flush=True)
 
 
+LIT_FSDP_TABLE = [  # (name, spec, setup): litgpt finetune_lora's FSDP2 over two ranks (docs/commands/estimate.md)
+    ("small fp32, LoRA rank 4", SMALL, LORA_FSDP.replace(ctx=128, micro_batch=4)),
+    ("small bf16, LoRA rank 4", SMALL, LORA_FSDP.replace(ctx=128, micro_batch=4, precision="bf16")),
+    ("small bf16-mixed, LoRA rank 4", SMALL, LORA_FSDP.replace(ctx=128, micro_batch=4, precision="bf16-mixed")),
+    ("heavy fp32, LoRA rank 8", LLAMA, LORA_FSDP.replace(lora_rank=8)),
+    ("heavy bf16, LoRA rank 8", LLAMA, LORA_FSDP.replace(lora_rank=8, precision="bf16")),
+]
+
+
+def _litgpt_fsdp_table() -> None:
+    """Each config of ``LIT_FSDP_TABLE`` on two real gloo ranks of litgpt's model sharded by finetune_lora's
+    ``parallelize_fn`` and its step, against the walk (gloo) of each rank."""
+    from memplan.memory.peak import peak_memory_of_rank
+    from trainer.stacks import StackModel
+    from trainer.stacks.ranks import measure_stack_ranks
+
+    stack = stack_for("litgpt", cpu=True)
+    for name, spec, setup in LIT_FSDP_TABLE:
+        for rank, m in enumerate(measure_stack_ranks("litgpt", StackModel(spec=spec), setup)):
+            walked = peak_memory_of_rank(spec, setup, rank, stack=stack, collectives="gloo").peak_allocated
+            print(f"{name:32s} rank {rank} ranks {m.peak_allocated:>11,} walk {walked:>11,} "
+                  f"{(walked - m.peak_allocated) / m.peak_allocated:+.2%}", flush=True)
+
+
 if __name__ == "__main__":  # the walk against two real ranks: python tests/walk/test_walk_libs_sharding.py litgpt
     import torch
 
     torch.set_num_threads(1)
-    _ranks_table(sys.argv[1] if len(sys.argv) > 1 else "litgpt")
+    which = sys.argv[1] if len(sys.argv) > 1 else "litgpt"
+    _litgpt_fsdp_table() if which == "litgpt-fsdp" else _ranks_table(which)

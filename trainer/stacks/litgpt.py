@@ -24,8 +24,9 @@
   after ``convert_output``) stay alive through the backward and the optimizer step, and each
   micro-batch's until the next forward returns;
   lora_dropout defaults to finetune_lora's 0.05 and lora_alpha to its 16;
-- checkpointing: litgpt's scripts checkpoint ``Block`` only under FSDP / ModelParallelStrategy
-  with several devices; on one device there is none, so ``--checkpointing full`` is refused.
+- checkpointing: litgpt's scripts checkpoint ``Block`` only under finetune_lora's ModelParallelStrategy with
+  several devices (``wrap_ranks``: its ``parallelize_fn``); on one device there is none, so ``--checkpointing
+  full`` is taken only with ``--sharding fsdp`` and LoRA (``lit_check_checkpointing``).
 
 One deviation, forced by fake tensors: Fabric clips with ``error_if_nonfinite=True``, whose check
 reads the norm's value (``bool`` of a tensor), which a fake tensor does not have. Both the trace

@@ -480,7 +480,10 @@ class LitgptStack(Stack):
     upcasts_output: ClassVar[bool] = True  # Fabric's convert_output: the fp32 logits, the bf16 ones freed
     adapts_tied_head: ClassVar[bool] = True  # litgpt's GPT has its own lm_head (lit_walked_spec)
     lora_with_selective: ClassVar[bool] = True
-    sums_input_gradient_in_place: ClassVar[bool] = False
+    # autograd's input buffer adds the base's input gradient into the adapter's in place (as memplan's LoRALinear): its
+    # dropout's (or, without dropout, lora_A's) input gradient is the only reference to its storage; seen on the
+    # checkpointed block's down backward (tests/walk/test_walk_libs_sharding.py)
+    sums_input_gradient_in_place: ClassVar[bool] = True
     compiles: ClassVar[bool] = False
     # its scripts' optimizer: torch's AdamW, foreach or fused (no bitsandbytes states; memplan.emit writes these)
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-fused")
