@@ -388,9 +388,9 @@ def lit_recompute_locals_bytes(spec, setup, dropout: float) -> int:
 
     - ``attention_output = self.attn(x_normed, ...)``, n·H·a, kept by ``Block.forward`` until it returns (the
       walk frees the out-projection's output once the residual is added);
-    - ``x_normed = self.norm_2(x)``, the MLP's input, n·H·r (the residual's dtype: fp32 under autocast), unless the walk holds it already (up adapted without
-      dropout: memplan's adapter saves it); ``x_normed = self.norm_1(x)`` is released when that name is
-      rebound (saved by the qkv adapter where the walk counts it);
+    - ``x_normed = self.norm_2(x)``, the MLP's input, n·H·r (the residual's dtype: fp32 under autocast), unless
+      the walk holds it already (up adapted without dropout: memplan's adapter saves it); ``x_normed =
+      self.norm_1(x)`` is released when that name is rebound (saved by the qkv adapter where the walk counts it);
     - with ``lora_dropout`` > 0, LLaMAMLP's ``x = F.silu(x_fc_1) * x_fc_2``, the argument of ``self.proj(x)``,
       n·F·a, which down's ``lora_A`` does not save (it saves its dropout's output, counted in
       ``lit_lora_saved_bytes`` in its place);
