@@ -53,7 +53,7 @@ class Stack:
     precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     attentions: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
     checkpointings: ClassVar[tuple[str, ...]] = CHECKPOINTINGS
-    shardings: ClassVar[tuple[str, ...]] = SHARDINGS  # FSDP: memplan's own step, and torchtune's
+    shardings: ClassVar[tuple[str, ...]] = SHARDINGS  # FSDP: memplan's own step, torchtune's, litgpt's LoRA
     # FSDP2's root given reshard_after_forward=True by the stack's code (torchtune's shard_model): unlike
     # fully_shard's default (None: the root keeps its parameters from forward to backward), the root reshards
     # when its forward ends and all-gathers again at its pre-backward (``memory.sharding.FullyShard``)
