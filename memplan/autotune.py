@@ -901,14 +901,26 @@ def fsdp_devices_needed(spec: ModelSpec, device: Device, ctx: int, global_sequen
     return hi, *found
 
 
+def walks_fsdp(stack: Stack) -> bool:
+    """Whether the walk of ``stack``'s step covers FSDP for the plans autotune makes (no LoRA): ``Stack.shardings``
+    has it and ``Stack.check_walked`` takes it (litgpt's FSDP2 is finetune_lora's, LoRA only)."""
+    if "fsdp" not in stack.shardings:
+        return False
+    try:
+        stack.check_walked(TrainSetup(ctx=1, micro_batch=1, world_size=2, sharding="fsdp"))
+    except InputError:
+        return False
+    return True
+
+
 def _more_devices(spec: ModelSpec, device: Device, ctx: int, global_sequences: int, world_size: int, precisions,
                   limit: int, only: bool, stack: Stack = MEMPLAN, kinds: dict | None = None) -> str:
     """The advice on more devices: how many, with FSDP, make the lightest plan fit per device; where the walk of
     ``stack`` has no FSDP, that more devices do not lower the memory per device."""
-    if "fsdp" not in stack.shardings:
+    if not walks_fsdp(stack):
         return (f"more devices do not help with --stack {stack.name}: the walk of {possessive(stack.name)} step "
-                f"covers sharding {', '.join(stack.shardings)}, and no FSDP to shard the weights, gradients and "
-                "optimizer state (DDP keeps them whole on every device)")
+                f"covers sharding {', '.join(s for s in stack.shardings if s != 'fsdp')}, and no FSDP for this plan "
+                "to shard the weights, gradients and optimizer state (DDP keeps them whole on every device)")
     k, setup, mem = fsdp_devices_needed(spec, device, ctx, global_sequences, precisions, limit,
                                         start=max(2, world_size + 1), stack=stack, kinds=kinds)
     if k is None:

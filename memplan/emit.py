@@ -85,9 +85,9 @@ class Writer:
     def render(self, plan) -> dict[str, str]:
         raise NotImplementedError
 
-    def check_world_size(self, world_size: int) -> None:
+    def check_world_size(self, world_size: int, lora: bool = False) -> None:
         """The one-line InputError, before any search, where the stack's config cannot run ``world_size`` devices
-        the way the walk plans them; nothing by default."""
+        the way the walk plans them (``lora``: the plan trains adapters); nothing by default."""
 
 
 # ---- transformers ------------------------------------------------------------------------------------------
@@ -251,15 +251,17 @@ class LitgptWriter(Writer):
 
     stack = "litgpt"
 
-    def check_world_size(self, world_size: int) -> None:
-        """litgpt's YAML has ``devices`` but no strategy: its scripts pick one themselves, FSDP whenever devices > 1
-        (pretrain.py and finetune/full.py: ``FSDPStrategy(auto_wrap_policy={Block}, ...)``; finetune/lora.py:
-        ``ModelParallelStrategy``), which the walk does not follow (``lit_check_sharding``), and the DDP the walk
-        plans for several devices cannot be written."""
-        if world_size > 1:
-            raise InputError(f"--emit with --stack litgpt: --world-size {world_size}: litgpt's scripts run several "
-                             "devices only under their own FSDP (devices > 1 picks FSDPStrategy; the YAML has no "
-                             "strategy key for the DDP the walk plans); accepted: --world-size 1")
+    def check_world_size(self, world_size: int, lora: bool = False) -> None:
+        """litgpt's YAML has ``devices`` but no strategy: its scripts pick one themselves whenever devices > 1.
+        finetune/lora.py's ``ModelParallelStrategy`` (FSDP2, every Block checkpointed) is the walk's ``--sharding
+        fsdp`` with LoRA (``memory.stacks.litgpt_sharding``); pretrain.py's and finetune/full.py's
+        ``FSDPStrategy(auto_wrap_policy={Block}, ...)`` (FSDP1) is not walked, and the DDP the walk plans for
+        several devices cannot be written."""
+        if world_size > 1 and not lora:
+            raise InputError(f"--emit with --stack litgpt: --world-size {world_size} without --lora-rank: litgpt's "
+                             "pretrain runs several devices only under its FSDPStrategy (FSDP1, not walked; the "
+                             "YAML has no strategy key for the DDP the walk plans); accepted: --world-size 1, or "
+                             "--lora-rank (finetune_lora's FSDP2)")
 
     def names(self, lora: bool) -> tuple[str, ...]:
         return ("litgpt.yaml",)
@@ -270,12 +272,16 @@ class LitgptWriter(Writer):
             raise _refuse(self.stack, "--precision", s.precision, LIT_PRECISION)
         if s.attention != "sdpa":
             raise _refuse(self.stack, "--attention", s.attention, ("sdpa",))
-        if s.checkpointing != "none":
-            raise _refuse(self.stack, "--checkpointing", s.checkpointing, ("none",))
+        # several devices: finetune_lora's ModelParallelStrategy (FSDP2, every Block checkpointed by its
+        # parallelize_fn: no YAML key), the walk's --sharding fsdp --checkpointing full with LoRA
+        several = s.world_size > 1
+        if s.checkpointing != ("full" if several else "none"):
+            raise _refuse(self.stack, "--checkpointing", s.checkpointing,
+                          ("full (devices > 1: finetune_lora's parallelize_fn)",) if several else ("none",))
         if s.optimizer not in ("adamw", "adamw-fused"):
             raise _refuse(self.stack, "--optimizer", s.optimizer, ("adamw", "adamw-fused"))
-        if s.world_size > 1 and s.sharding != "fsdp":  # several devices: the scripts' FSDPStrategy
-            raise _refuse(self.stack, "--sharding", s.sharding, ("fsdp (devices > 1)",))
+        if several and (s.sharding != "fsdp" or not s.lora_rank):  # several devices: the scripts' own strategy
+            raise _refuse(self.stack, "--sharding", s.sharding, ("fsdp with --lora-rank (devices > 1)",))
         if s.lora_rank and s.compile:
             raise _refuse(self.stack, "--compile", "with LoRA", ("no compile: finetune_lora does not compile",))
         script = "finetune_lora" if s.lora_rank else "pretrain"
@@ -311,6 +317,9 @@ class LitgptWriter(Writer):
         header = [f"litgpt {script} --config litgpt.yaml   (written by memplan autotune --emit)",
                   f"{plan.model.name or plan.model.arch}: micro-batch {plan.setup.micro_batch} x "
                   f"{plan.setup.grad_accum} accumulation on {plan.setup.world_size} device(s), {data['precision']}"]
+        if plan.setup.world_size > 1:
+            header.append(f"devices: {plan.setup.world_size} runs finetune_lora's ModelParallelStrategy: FSDP2 "
+                          "(parallelize_fn: every Block checkpointed and sharded, then the root), as the walk planned")
         if script == "pretrain":
             header.append("pretrain.py compiles the model itself (torch.compile) and fuses AdamW on CUDA, whatever "
                           "the plan")
@@ -433,7 +442,7 @@ def check_emit(directory: str | Path, stack: str, lora: bool, force: bool, world
     from memplan.fsutil import check_target
 
     writer = writer_for(stack)
-    writer.check_world_size(world_size)
+    writer.check_world_size(world_size, lora)
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise InputError(f"--emit: {str(directory)!r} is a file; give a directory (created if absent)")

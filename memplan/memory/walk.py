@@ -886,7 +886,7 @@ def sharding_hook(spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN, ra
                   collectives: str = "nccl") -> Replicated:
     """The sharding hook of ``setup``'s step: ``FullyShard`` of ``rank`` under FSDP, else ``Replicated``."""
     if setup.sharding == "fsdp":
-        return FullyShard(spec, setup, rank, collectives, stack)
+        return stack.fsdp_sharding(spec, setup, rank, collectives) or FullyShard(spec, setup, rank, collectives, stack)
     return Replicated(spec, setup, stack)
 
 

@@ -154,6 +154,22 @@ def test_litgpt_lora_yaml_is_finetune_loras():
     assert "max_norm" not in cfg["train"] and cfg["checkpoint_dir"] == "checkpoints/tiny"
 
 
+def test_litgpt_lora_yaml_for_several_devices_is_finetune_loras_fsdp2():
+    """``devices: 2`` with LoRA: finetune_lora picks its ModelParallelStrategy itself (FSDP2, every Block
+    checkpointed), the walk's --sharding fsdp --checkpointing full; without LoRA, or as DDP, one line."""
+    plan = plan_of(lora_rank=4, world_size=2, sharding="fsdp", checkpointing="full", micro_batch=2, grad_accum=3)
+    text = render(plan, "litgpt")["litgpt.yaml"]
+    assert text.startswith("# litgpt finetune_lora --config litgpt.yaml") and "ModelParallelStrategy" in text
+    cfg = yaml.safe_load(text)
+    assert cfg["devices"] == 2 and cfg["train"]["global_batch_size"] == 2 * 3 * 2
+    for setup, accepted in (({"sharding": "ddp", "checkpointing": "none"}, "full (devices > 1"),
+                            ({"sharding": "ddp"}, "fsdp with --lora-rank"), ({"checkpointing": "none"}, "full")):
+        with pytest.raises(InputError) as e:
+            render(plan_of(**{"lora_rank": 4, "world_size": 2, "sharding": "fsdp", "checkpointing": "full",
+                              **setup}), "litgpt")
+        assert accepted in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.libs
 def test_litgpt_yaml_loads_in_litgpts_config_classes():
     pytest.importorskip("litgpt", reason="litgpt is not installed (pip install 'memplan[litgpt]')")

@@ -3,10 +3,12 @@
 litgpt under Fabric's DDP (``Fabric(strategy="ddp")``: ``DistributedDataParallel`` with PyTorch's defaults) keeps
 its buckets beside ``.grad`` (``gradient_as_bucket_view=False``), as transformers' Trainer does; torchtune's
 distributed recipes shard with FSDP2 through ``training.shard_model``, memplan's own layout but for the root, which
-reshards after forward. litgpt's own FSDP layouts and torchtune's DDP (it has none) are refused in one line naming
-why. The walk against two real gloo ranks of each (litgpt's DDP step, torchtune's FSDP2 step) is in
+reshards after forward; litgpt's finetune_lora over several devices is FSDP2 by its own ``parallelize_fn`` (every
+Block checkpointed: ``memory.stacks.litgpt_sharding``). litgpt's pretrain FSDP1 and torchtune's DDP (it has none)
+are refused in one line naming why. The walk against two real gloo ranks of each (litgpt's DDP and FSDP2 steps,
+torchtune's FSDP2 step) is in
 tests/runs/test_walk_matrices.py (it spawns processes); ``python tests/walk/test_walk_libs_sharding.py litgpt``
-(or ``torchtune``, in that library's environment) prints the whole table.
+(or ``torchtune``, in that library's environment; ``litgpt-fsdp``: finetune_lora's FSDP2) prints the whole table.
 """
 
 from __future__ import annotations
@@ -73,7 +75,11 @@ def test_estimate_plans_litgpts_ddp_row():
 
 @pytest.mark.parametrize("args,needles", [
     (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp"],
-     ["--sharding fsdp", "FSDP1 HYBRID_SHARD", "FSDP2 per Linear", "accepted: none, ddp"]),
+     ["--sharding fsdp without --lora-rank", "FSDP1", "accepted: none, ddp", "fsdp with --lora-rank"]),
+    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--lora-rank", "4"],
+     ["--checkpointing none with --sharding fsdp", "parallelize_fn checkpoints every Block", "accepted: full"]),
+    (["--stack", "litgpt", "--checkpointing", "full", "--lora-rank", "4"],
+     ["--checkpointing full", "only under finetune_lora's FSDP2", "accepted: none; full with --sharding fsdp"]),
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "ddp"],
      ["--sharding ddp", "no DDP", "accepted: none, fsdp"]),
 ])
@@ -83,8 +89,9 @@ def test_a_sharding_the_walk_does_not_follow_is_one_line_naming_why(args, needle
 
 
 def test_autotune_searches_ddp_for_litgpt_over_several_devices():
+    """DDP and, with LoRA only (the search's other candidates are refused by ``lit_check_sharding``), FSDP2."""
     h100 = load_profile("h100-sxm")
-    assert search_axes(stack_for("litgpt"), h100, world_size=2)["sharding"] == ("ddp",)
+    assert search_axes(stack_for("litgpt"), h100, world_size=2)["sharding"] == ("ddp", "fsdp")
     done = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "h100-sxm", "--ctx", "1024",
                                     "--stack", "litgpt", "--world-size", "2", "--json"])
     assert done.exit_code == 0, done.output
@@ -168,6 +175,139 @@ def test_autotune_emit_for_litgpt_over_several_devices_is_refused_before_the_sea
                                     "--stack", "litgpt", "--world-size", "2", "--emit", str(tmp_path / "out")])
     one_line_error(done, "--emit", "--world-size 2", "FSDPStrategy", "accepted: --world-size 1")
     assert not (tmp_path / "out").exists()
+
+
+LORA_FSDP = FSDP.replace(lora_rank=4, checkpointing="full")  # litgpt finetune_lora over two devices
+
+
+def test_estimate_plans_litgpts_finetune_lora_over_several_devices():
+    """``estimate --stack litgpt --world-size 2 --sharding fsdp --lora-rank 4 --checkpointing full``, refused before
+    ("FSDP2 per Linear ... accepted: none, ddp"), is walked as finetune_lora's FSDP2: each rank holds the state of
+    its half of the adapters."""
+    args = [*BASE, "--stack", "litgpt", "--lora-rank", "4", "--json"]
+    one = CliRunner().invoke(app, ["estimate", *args])
+    two = CliRunner().invoke(app, ["estimate", *args, "--world-size", "2", "--sharding", "fsdp", "--checkpointing",
+                                   "full"])
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    one, two = json.loads(one.stdout), json.loads(two.stdout)
+    assert (two["setup"]["sharding"], two["setup"]["checkpointing"], two["setup"]["world_size"]) == ("fsdp", "full", 2)
+    assert two["memory"]["optimizer"] < 0.51 * one["memory"]["optimizer"]
+
+
+def test_litgpts_fsdp2_is_its_own_hook_gathering_the_parameters_dtype_under_autocast():
+    """finetune_lora's FSDP2 has no MixedPrecisionPolicy: under bf16-mixed (Fabric's autocast around fp32
+    parameters) each block's all-gather is W·pad(block)·4 bytes, twice the 16-bit gather memplan's own FSDP2
+    (MixedPrecisionPolicy(param_dtype=bf16)) makes, and the walk's activations stay autocast's."""
+    from memplan.memory.sharding import FullyShard, fsdp_unsharded_bytes
+    from memplan.memory.stacks.litgpt_sharding import LitFullyShard
+    from memplan.memory.walk import sharding_hook
+
+    mixed = LORA_FSDP.replace(precision="bf16-mixed", lora_targets="proj")  # no adapter beyond memplan's
+    lit = sharding_hook(LLAMA, mixed, stack_for("litgpt"))
+    ours = FullyShard(LLAMA, mixed)
+    assert isinstance(lit, LitFullyShard)
+    assert lit.gathered["block"] == fsdp_unsharded_bytes(LLAMA, mixed.replace(precision="fp32"), "block") \
+        == 2 * ours.gathered["block"]
+    assert lit.copy_in["block"] == 0 < ours.copy_in["block"]
+    assert lit.compute_setup.precision == "bf16-mixed" and ours.compute_setup.precision == "bf16"
+    assert peak_memory(LLAMA, mixed, stack=stack_for("litgpt")).weights > \
+        peak_memory(LLAMA, LORA_FSDP.replace(precision="bf16"), stack=stack_for("litgpt")).weights
+
+
+def test_litgpts_recomputation_stops_in_down_adapter_with_blocks_locals_alive():
+    """A checkpointed litgpt block's recomputation runs on into down's LoRALinear (the last saved tensor is x·Aᵀ)
+    and holds there the base matmul's output, ``attention_output``, the MLP's input and, with dropout, the MLP
+    product (``lit_recompute_stop_bytes``): with finetune_lora's dropout 0.05 on the CPU in fp32 the walk's peak is
+    that stop, its unsaved tensors n·H·4·3 + n·F·4 (n = 16 tokens here) beyond memplan's own stop."""
+    from memplan.memory.stacks.litgpt import lit_recompute_stop_bytes
+
+    lit = stack_for("litgpt", cpu=True, lora_dropout=0.05)
+    setup = LORA_FSDP.replace(world_size=1, sharding="none", micro_batch=8, ctx=128)
+    n = 8 * 128
+    assert lit_recompute_stop_bytes(SMALL, setup, 0.05) == n * SMALL.hidden * 4 * 3 + n * SMALL.ffn * 4
+    assert lit_recompute_stop_bytes(SMALL, setup.replace(lora_targets="qkv,proj"), 0.05) == 0  # no down adapter
+    walked = peak_memory(SMALL, setup, stack=lit)
+    assert walked.peak_moment == "block forward: MLP", walked.peak_moment  # the recomputation's stop
+
+
+@pytest.mark.libs
+def test_the_ranks_shard_litgpt_as_finetune_loras_parallelize_fn_does(tmp_path):
+    """``wrap_ranks`` under --sharding fsdp with LoRA is litgpt's own ``parallelize_fn``: every Block checkpointed
+    and an FSDP2 group of all its parameters, each CheckpointWrapper an FSDP module with no parameter left, no
+    Linear a group (no nn.Linear trains under mark_only_lora_as_trainable), the root a group of the rest."""
+    pytest.importorskip("litgpt")
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.stacks import StackModel
+    from trainer.stacks.litgpt import build_model, wrap_ranks
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        setup = LORA_FSDP.replace(lora_targets="qkv,proj,up,down,head")
+        net = wrap_ranks(build_model(StackModel(spec=SMALL), setup), setup)
+        groups = {name: m._get_fsdp_state()._fsdp_param_group for name, m in net.named_modules()
+                  if isinstance(m, FSDPModule)}
+        assert len(groups) == 2 * SMALL.layers + 1
+        wrappers = [name for name, m in net.named_modules() if isinstance(m, CheckpointWrapper)]
+        assert len(wrappers) == SMALL.layers and all(groups[w] is None for w in wrappers)
+        blocks = [g for name, g in groups.items() if name.endswith("_checkpoint_wrapped_module")]
+        assert len(blocks) == SMALL.layers and all(g is not None for g in blocks)
+        assert groups[""] is not None and len(groups[""].fsdp_params) == 5  # wte, ln_f, lm_head and its A, B
+        assert sum(len(g.fsdp_params) for g in groups.values() if g is not None) == \
+            len(list(net.parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.libs
+def test_litgpts_checkpointed_lora_block_is_walked_as_its_real_step():
+    """litgpt's LoRA model with every Block in ``checkpoint_wrapper`` (what finetune_lora's parallelize_fn does, one
+    process here), its real step on the CPU under MemTracker: the walk's peak within the trace bar (1%), fp32, bf16
+    and bf16-mixed with finetune_lora's dropout 0.05 (the peak: the recomputation's stop in the last block), and fp32
+    without dropout (the peak: down's backward, whose input gradients autograd sums in place)."""
+    pytest.importorskip("litgpt")
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from trainer.measure import _random_ids, _tracked_steps
+    from trainer.stacks import StackModel
+    from trainer.stacks.litgpt import build_model, make_optimizer, train_step
+
+    for precision, dropout in (("fp32", 0.05), ("bf16", 0.05), ("bf16-mixed", 0.05), ("fp32", 0.0)):
+        setup = TrainSetup(ctx=128, micro_batch=4, precision=precision, lora_rank=4)
+        torch.manual_seed(0)
+        net = build_model(StackModel(spec=SMALL), setup, lora_dropout=dropout)
+        net.transformer.h = torch.nn.ModuleList([checkpoint_wrapper(b, preserve_rng_state=False)
+                                                 for b in net.transformer.h])
+        gen = torch.Generator().manual_seed(1)
+        real, _, _ = _tracked_steps(net, make_optimizer(net, setup), setup,
+                                    lambda gen=gen, setup=setup: _random_ids(SMALL.vocab, setup, "cpu", gen), "cpu",
+                                    step_fn=train_step)
+        walked = peak_memory(SMALL, setup.replace(checkpointing="full"),
+                             stack=stack_for("litgpt", cpu=True, lora_dropout=dropout))
+        assert abs(walked.peak_allocated - real) / real <= 0.01, (precision, dropout, walked.peak_allocated, real)
+
+
+@pytest.mark.libs
+def test_litgpt_lora_yaml_for_several_devices_parses_as_finetune_loras_arguments(tmp_path):
+    """The emitted YAML for two devices is ``litgpt finetune_lora --config`` with ``devices: 2``, parsed by
+    jsonargparse against ``litgpt.finetune.lora.setup``'s own signature (as litgpt's CLI parses it)."""
+    pytest.importorskip("litgpt")
+    from jsonargparse import ArgumentParser
+    from litgpt.finetune.lora import setup as lora_setup
+
+    from memplan.emit import render
+    from memplan.plan import Plan
+
+    plan = Plan(model=SMALL.replace(name="small"), setup=LORA_FSDP.replace(precision="bf16"), device="cpu",
+                budget_bytes=2**30)
+    (tmp_path / "litgpt.yaml").write_text(render(plan, "litgpt")["litgpt.yaml"])
+    parser = ArgumentParser()
+    parser.add_function_arguments(lora_setup)
+    cfg = parser.parse_path(str(tmp_path / "litgpt.yaml"))
+    assert (cfg.devices, cfg.precision, cfg.lora_r) == (2, "bf16-true", 4)
 
 
 @pytest.mark.libs
@@ -268,8 +408,33 @@ def _ranks_table(lib: str) -> None:
               f"walked {walked - walked_one:,}", flush=True)
 
 
+LIT_FSDP_TABLE = [  # (name, spec, setup): litgpt finetune_lora's FSDP2 over two ranks (docs/commands/estimate.md)
+    ("small fp32, LoRA rank 4", SMALL, LORA_FSDP.replace(ctx=128, micro_batch=4)),
+    ("small bf16, LoRA rank 4", SMALL, LORA_FSDP.replace(ctx=128, micro_batch=4, precision="bf16")),
+    ("small bf16-mixed, LoRA rank 4", SMALL, LORA_FSDP.replace(ctx=128, micro_batch=4, precision="bf16-mixed")),
+    ("heavy fp32, LoRA rank 8", LLAMA, LORA_FSDP.replace(lora_rank=8)),
+    ("heavy bf16, LoRA rank 8", LLAMA, LORA_FSDP.replace(lora_rank=8, precision="bf16")),
+]
+
+
+def _litgpt_fsdp_table() -> None:
+    """Each config of ``LIT_FSDP_TABLE`` on two real gloo ranks of litgpt's model sharded by finetune_lora's
+    ``parallelize_fn`` and its step, against the walk (gloo) of each rank."""
+    from memplan.memory.peak import peak_memory_of_rank
+    from trainer.stacks import StackModel
+    from trainer.stacks.ranks import measure_stack_ranks
+
+    stack = stack_for("litgpt", cpu=True)
+    for name, spec, setup in LIT_FSDP_TABLE:
+        for rank, m in enumerate(measure_stack_ranks("litgpt", StackModel(spec=spec), setup)):
+            walked = peak_memory_of_rank(spec, setup, rank, stack=stack, collectives="gloo").peak_allocated
+            print(f"{name:32s} rank {rank} ranks {m.peak_allocated:>11,} walk {walked:>11,} "
+                  f"{(walked - m.peak_allocated) / m.peak_allocated:+.2%}", flush=True)
+
+
 if __name__ == "__main__":  # the walk against two real ranks: python tests/walk/test_walk_libs_sharding.py litgpt
     import torch
 
     torch.set_num_threads(1)
-    _ranks_table(sys.argv[1] if len(sys.argv) > 1 else "litgpt")
+    which = sys.argv[1] if len(sys.argv) > 1 else "litgpt"
+    _litgpt_fsdp_table() if which == "litgpt-fsdp" else _ranks_table(which)

@@ -24,8 +24,9 @@
   after ``convert_output``) stay alive through the backward and the optimizer step, and each
   micro-batch's until the next forward returns;
   lora_dropout defaults to finetune_lora's 0.05 and lora_alpha to its 16;
-- checkpointing: litgpt's scripts checkpoint ``Block`` only under FSDP / ModelParallelStrategy
-  with several devices; on one device there is none, so ``--checkpointing full`` is refused.
+- checkpointing: litgpt's scripts checkpoint ``Block`` only under finetune_lora's ModelParallelStrategy with
+  several devices (``wrap_ranks``: its ``parallelize_fn``); on one device there is none, so ``--checkpointing
+  full`` is taken only with ``--sharding fsdp`` and LoRA (``lit_check_checkpointing``).
 
 One deviation, forced by fake tensors: Fabric clips with ``error_if_nonfinite=True``, whose check
 reads the norm's value (``bool`` of a tensor), which a fake tensor does not have. Both the trace
@@ -40,7 +41,7 @@ import contextlib
 import torch
 
 from memplan.errors import InputError
-from memplan.memory.stacks.litgpt import LitgptStack
+from memplan.memory.stacks.litgpt import LitgptStack, lit_check_checkpointing
 from memplan.setup import TrainSetup
 from trainer.stacks import EXTRAS, StackModel, converting_fake_parameters, require
 
@@ -108,9 +109,7 @@ def check(setup: TrainSetup) -> None:
     if setup.attention != "sdpa":
         raise InputError("--stack litgpt: litgpt's attention is torch's scaled_dot_product_attention "
                          "(accepted: --attention sdpa)")
-    if setup.checkpointing != "none":
-        raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing}: litgpt checkpoints blocks only "
-                         "under FSDP with several devices; one device has none (accepted: none)")
+    lit_check_checkpointing(setup)
     if setup.optimizer not in ("adamw", "adamw-fused"):
         raise InputError(f"--stack litgpt: --optimizer {setup.optimizer}: litgpt's scripts train with AdamW "
                          "(accepted: adamw, adamw-fused)")
@@ -207,14 +206,38 @@ def _no_backward_sync(model, accumulating: bool):
 
 
 def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
-    """The model as ``fabric.setup`` wraps it under ``Fabric(strategy="ddp")``: ``DDPStrategy.setup_module``'s
-    ``DistributedDataParallel(module=module, device_ids=None)`` on the CPU, PyTorch's defaults otherwise
-    (``gradient_as_bucket_view=False``, ``broadcast_buffers=True``) (lightning/fabric/strategies/ddp.py).
-    Only DDP: litgpt's own FSDP layouts (``lit_check_sharding``) are not walked."""
+    """The model as ``fabric.setup`` wraps it for ``setup.sharding``.
+
+    ddp: ``Fabric(strategy="ddp")``'s ``DDPStrategy.setup_module``, ``DistributedDataParallel(module=module,
+    device_ids=None)`` on the CPU, PyTorch's defaults otherwise (``gradient_as_bucket_view=False``,
+    ``broadcast_buffers=True``) (lightning/fabric/strategies/ddp.py).
+
+    fsdp with LoRA: finetune/lora.py's ``ModelParallelStrategy(parallelize_fn=parallelize_fn,
+    data_parallel_size=devices * num_nodes, tensor_parallel_size=1)``, whose ``setup_module`` calls litgpt's own
+    ``parallelize_fn(module, device_mesh)`` (imported from litgpt.finetune.lora: the layout is the library's) on the
+    strategy's mesh, ``init_device_mesh(device, (W, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))``
+    (lightning/fabric/strategies/model_parallel.py, ``_setup_device_mesh``): every ``Block`` wrapped in
+    ``checkpoint_wrapper(preserve_rng_state=False)``, then ``fully_shard(m, mesh=dp_mesh)`` of every trainable
+    ``nn.Linear`` (none under ``mark_only_lora_as_trainable``: the adapters are ``lora_A`` / ``lora_B``
+    parameters, the base ``nn.Linear`` frozen), every ``Block`` and every ``CheckpointWrapper`` (innermost first),
+    then the root; no ``MixedPrecisionPolicy``, fully_shard's default ``reshard_after_forward``. litgpt's FSDP
+    without LoRA (pretrain.py's FSDP1) is not run here."""
+    if setup.sharding == "fsdp" and setup.lora_rank:
+        import torch.distributed as dist
+        from litgpt.finetune.lora import parallelize_fn
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # the process group's ranks, all data parallel (data_parallel_size=devices * num_nodes)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        precision = net._memplan_precision
+        net = parallelize_fn(net, mesh)
+        net._memplan_precision = precision
+        return net
     from torch.nn.parallel import DistributedDataParallel
 
     if setup.sharding != "ddp":
-        raise InputError(f"--stack litgpt: --sharding {setup.sharding} is not run on ranks here (accepted: ddp)")
+        raise InputError(f"--stack litgpt: --sharding {setup.sharding} is not run on ranks here (accepted: ddp, "
+                         "fsdp with --lora-rank)")
     wrapped = DistributedDataParallel(module=net, device_ids=None)
     wrapped._memplan_precision = net._memplan_precision  # the step reads the plugin off the model it is given
     return wrapped

@@ -6,7 +6,8 @@ Each stack is one module here, a ``Stack`` subclass whose hooks the walk calls a
 - ``base.py``: ``Stack``, memplan's own model and step (``trainer/model.py``, ``trainer/step.py``): every
   hook adds nothing, so ``--stack memplan`` is the walk as it always was;
 - ``transformers.py``: Hugging Face transformers' model and ``Trainer`` step, with peft's LoRA;
-- ``litgpt.py``: litgpt's ``GPT`` and its single-device scripts' step, also under Fabric's DDP (``--sharding ddp``);
+- ``litgpt.py``: litgpt's ``GPT`` and its single-device scripts' step, also under Fabric's DDP (``--sharding ddp``)
+  and, with LoRA, finetune_lora's FSDP2 (``--sharding fsdp``: ``litgpt_sharding.py``);
 - ``torchtune.py``: torchtune's ``llama3`` / ``lora_llama3`` and its single-device recipes' step.
 
 Each has a same-named twin on the trainer's side, ``trainer/stacks/<name>.py``, which builds the library's

@@ -53,7 +53,7 @@ class Stack:
     precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     attentions: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
     checkpointings: ClassVar[tuple[str, ...]] = CHECKPOINTINGS
-    shardings: ClassVar[tuple[str, ...]] = SHARDINGS  # FSDP: memplan's own step, and torchtune's
+    shardings: ClassVar[tuple[str, ...]] = SHARDINGS  # FSDP: memplan's own step, torchtune's, litgpt's LoRA
     # FSDP2's root given reshard_after_forward=True by the stack's code (torchtune's shard_model): unlike
     # fully_shard's default (None: the root keeps its parameters from forward to backward), the root reshards
     # when its forward ends and all-gathers again at its pre-backward (``memory.sharding.FullyShard``)
@@ -117,6 +117,11 @@ class Stack:
     def check_walked(self, setup) -> None:
         """The one-line InputError where the walk does not follow ``setup``'s checkpointing or sharding for the
         stack (checked before ``check_lora_targets``): memplan's own walk follows them all."""
+
+    def fsdp_sharding(self, spec, setup, rank: int, collectives: str):
+        """The walk's FSDP2 hook for the stack's own layout (litgpt's finetune_lora: ``memory.stacks.litgpt_sharding``);
+        None: memplan's (``memory.sharding.FullyShard``)."""
+        return None
 
     def check_setup(self, spec, setup) -> None:
         """The one-line InputError where the stack's code does not run ``setup``'s step for ``spec``, beyond

@@ -353,18 +353,104 @@ def lit_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
             + lit_qkv_zero_pad_saved_bytes(spec, setup))
 
 
+def lit_recompute_reaches_down_adapter(setup) -> bool:
+    """Whether a checkpointed block's recomputation runs on into litgpt's down adapter (finetune_lora's
+    ``checkpoint_wrapper`` around every ``Block``, several devices): ``pretrained = self.linear(x)``, then
+    ``(self.lora_dropout(x) @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) * self.scaling``
+    (litgpt/lora.py, LoRALinear.forward): the last tensor the block's backward needs is x·Aᵀ, saved by the
+    matmul with Bᵀ, so torch.utils.checkpoint's non-reentrant recomputation stops there, past memplan's stop
+    before down. True under LoRA on down (``lora_mlp``) with checkpointing."""
+    return bool(setup.lora_rank) and "down" in setup.lora and setup.checkpointing == "full"
+
+
+def lit_recompute_stop_bytes(spec, setup, dropout: float) -> int:
+    """What is alive and unsaved where litgpt's recomputation stops in the down adapter
+    (``lit_recompute_reaches_down_adapter``), beyond what the walk holds there; made and freed with the
+    interrupted forward:
+
+    - ``pretrained = self.linear(x)`` (litgpt/lora.py, LoRALinear.forward), the frozen base matmul's output,
+      n·H·a, made before the adapter's branch (``lit_recompute_base_output_bytes``);
+    - the locals of ``Block.forward`` and ``LLaMAMLP.forward`` (litgpt/model.py) still referenced
+      (``lit_recompute_locals_bytes``)."""
+    if not lit_recompute_reaches_down_adapter(setup):
+        return 0
+    return lit_recompute_base_output_bytes(spec, setup) + lit_recompute_locals_bytes(spec, setup, dropout)
+
+
+def lit_recompute_base_output_bytes(spec, setup) -> int:
+    """down's ``pretrained = self.linear(x)``, n·H·a, alive when the recomputation stops at x·Aᵀ."""
+    return _n(setup) * spec.hidden * _a(setup)
+
+
+def lit_recompute_locals_bytes(spec, setup, dropout: float) -> int:
+    """The tensors ``Block.forward`` and ``LLaMAMLP.forward`` (litgpt/model.py) hold as Python locals (or call
+    arguments) when a recomputation stops inside the down adapter, where the walk holds none of them:
+
+    - ``attention_output = self.attn(x_normed, ...)``, n·H·a, kept by ``Block.forward`` until it returns (the
+      walk frees the out-projection's output once the residual is added);
+    - ``x_normed = self.norm_2(x)``, the MLP's input, n·H·r (the residual's dtype: fp32 under autocast), unless
+      the walk holds it already (up adapted without dropout: memplan's adapter saves it); ``x_normed =
+      self.norm_1(x)`` is released when that name is rebound (saved by the qkv adapter where the walk counts it);
+    - with ``lora_dropout`` > 0, LLaMAMLP's ``x = F.silu(x_fc_1) * x_fc_2``, the argument of ``self.proj(x)``,
+      n·F·a, which down's ``lora_A`` does not save (it saves its dropout's output, counted in
+      ``lit_lora_saved_bytes`` in its place);
+    - under bf16 (``bf16-true``), ``x = x.float()`` of each ``RMSNorm`` is a new fp32 tensor beside its bf16
+      input, which here the checkpoint (norm_1's: the block input) or ``Block.forward``'s ``x`` (norm_2's: the
+      residual) keeps: norms·n·H·2 (``lit_norm_saved_bytes`` counts the copy in place of the input), and
+      ``weight.float()``, norms·H·4."""
+    n, a, h = _n(setup), _a(setup), spec.hidden
+    out = n * h * a  # attention_output
+    if "up" not in setup.lora or dropout > 0:
+        out += n * h * _r(setup)  # the MLP's input: RMSNorm's ``.to(dtype=dtype)``, the residual's dtype
+    if dropout > 0:
+        out += n * spec.ffn * a  # down's input
+    if setup.precision == "bf16" and spec.norm == "rmsnorm":
+        out += spec.norms_per_layer * (n * h * HALF + h * FP32)
+    return out
+
+
+def lit_recompute_gradient_bytes(spec, setup) -> int:
+    """The gradients autograd makes in a checkpointed block's backward before its recomputation starts: the
+    nodes before the first that unpacks a saved tensor save nothing, the residual add and down's
+    ``pretrained + lora`` and ``lora * self.scaling`` (litgpt/lora.py, LoRALinear.forward), whose backward makes
+    the gradient of ``lora``, n·H·a, alive through the recomputation that x·Aᵀ's matmul starts; under autocast
+    the residual add's backward first casts the fp32 gradient to the 16-bit dtype of down's output, n·H·a more.
+    0 without a down adapter or checkpointing (``lit_recompute_reaches_down_adapter``)."""
+    if not lit_recompute_reaches_down_adapter(setup):
+        return 0
+    return _n(setup) * spec.hidden * _a(setup) * (2 if setup.mixed else 1)
+
+
 def lit_check_sharding(setup) -> None:
-    """The one-line InputError for ``--sharding fsdp``: litgpt shards in two ways of its own, neither the
-    walk's FSDP2 hook (``memory.sharding.FullyShard``: memplan's step, one group per block and the root).
-    pretrain.py: ``FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full",
-    sharding_strategy="HYBRID_SHARD")``, FSDP1's flat parameters, sharded within a node and replicated across
-    nodes; finetune/lora.py: ``ModelParallelStrategy(parallelize_fn=parallelize_fn)``, FSDP2 over every
-    trainable ``nn.Linear``, every ``Block`` and its ``checkpoint_wrapper`` (each block checkpointed), then the
-    root."""
-    if setup.sharding == "fsdp":
-        raise InputError("--stack litgpt: --sharding fsdp: litgpt shards with its own FSDP layouts (pretrain: FSDP1 "
-                         "HYBRID_SHARD; finetune_lora: FSDP2 per Linear with checkpointed blocks), which the walk "
-                         "does not follow (accepted: none, ddp)")
+    """The one-line InputError for ``--sharding fsdp`` without LoRA: litgpt shards in two ways of its own.
+    finetune/lora.py (``--lora-rank``): ``ModelParallelStrategy(parallelize_fn=parallelize_fn)``, FSDP2 over every
+    ``Block`` and its ``checkpoint_wrapper`` (each block checkpointed), then the root, walked as
+    ``memory.stacks.litgpt_sharding.LitFullyShard``. pretrain.py: ``FSDPStrategy(auto_wrap_policy={Block},
+    state_dict_type="full", sharding_strategy="HYBRID_SHARD")``, FSDP1's flat parameters, sharded within a node and
+    replicated across nodes, which the walk does not follow."""
+    if setup.sharding == "fsdp" and not setup.lora_rank:
+        raise InputError("--stack litgpt: --sharding fsdp without --lora-rank is pretrain.py's FSDP1 (FSDPStrategy "
+                         "HYBRID_SHARD, flat parameters), which the walk does not follow (accepted: none, ddp; "
+                         "fsdp with --lora-rank: finetune_lora's FSDP2)")
+
+
+def lit_fsdp_lora(setup) -> bool:
+    """Whether ``setup`` is finetune_lora over several devices: FSDP2 (``--sharding fsdp``) with LoRA."""
+    return setup.sharding == "fsdp" and bool(setup.lora_rank)
+
+
+def lit_check_checkpointing(setup) -> None:
+    """The one-line InputError where ``--checkpointing`` is not what litgpt's scripts do: they checkpoint blocks
+    only in finetune/lora.py's ``parallelize_fn`` (several devices: ``checkpoint_wrapper`` around every
+    ``Block``, always, ``activation_checkpointing=True`` being its default and ``ModelParallelStrategy`` passing
+    nothing else), so ``full`` with ``--sharding fsdp`` and ``--lora-rank``, ``none`` otherwise."""
+    fsdp_lora = lit_fsdp_lora(setup)
+    if fsdp_lora and setup.checkpointing != "full":
+        raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing} with --sharding fsdp: finetune_lora's "
+                         "parallelize_fn checkpoints every Block (accepted: full)")
+    if not fsdp_lora and setup.checkpointing != "none":
+        raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing}: litgpt checkpoints blocks only "
+                         "under finetune_lora's FSDP2 (accepted: none; full with --sharding fsdp and --lora-rank)")
 
 
 def lit_ddp_gradient_as_bucket_view() -> bool:
@@ -386,13 +472,18 @@ class LitgptStack(Stack):
     archs: ClassVar[tuple[str, ...]] = ("llama", "gpt_neox")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16-mixed", "bf16")
     attentions: ClassVar[tuple[str, ...]] = ("sdpa",)
+    # on one device (what autotune searches); finetune_lora's FSDP2 checkpoints every Block (lit_check_checkpointing)
     checkpointings: ClassVar[tuple[str, ...]] = ("none",)
-    shardings: ClassVar[tuple[str, ...]] = ("none", "ddp")  # Fabric's DDPStrategy (lit_check_sharding)
+    # Fabric's DDPStrategy; FSDP2 as finetune_lora's ModelParallelStrategy runs it, with LoRA (lit_check_sharding)
+    shardings: ClassVar[tuple[str, ...]] = ("none", "ddp", "fsdp")
     lora_default_dropout: ClassVar[float] = 0.05  # finetune/lora.py's lora_dropout
     upcasts_output: ClassVar[bool] = True  # Fabric's convert_output: the fp32 logits, the bf16 ones freed
     adapts_tied_head: ClassVar[bool] = True  # litgpt's GPT has its own lm_head (lit_walked_spec)
     lora_with_selective: ClassVar[bool] = True
-    sums_input_gradient_in_place: ClassVar[bool] = False
+    # autograd's input buffer adds the base's input gradient into the adapter's in place (as memplan's LoRALinear): its
+    # dropout's (or, without dropout, lora_A's) input gradient is the only reference to its storage; seen on the
+    # checkpointed block's down backward (tests/walk/test_walk_libs_sharding.py)
+    sums_input_gradient_in_place: ClassVar[bool] = True
     compiles: ClassVar[bool] = False
     # its scripts' optimizer: torch's AdamW, foreach or fused (no bitsandbytes states; memplan.emit writes these)
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-fused")
@@ -405,7 +496,10 @@ class LitgptStack(Stack):
         lit_check_sharding(setup)
 
     def check_setup(self, spec, setup) -> None:
-        check_lib_setup(self, spec, setup)
+        """``lit_check_checkpointing``, then ``check_lib_setup``'s (the checkpointing finetune_lora's FSDP2 imposes,
+        full, is not one to choose: ``checkpointings`` lists the one-device scripts' own)."""
+        lit_check_checkpointing(setup)
+        check_lib_setup(self, spec, setup.replace(checkpointing="none") if lit_fsdp_lora(setup) else setup)
 
     @property
     def ddp_gradient_as_bucket_view(self) -> bool:
@@ -449,6 +543,21 @@ class LitgptStack(Stack):
 
     def lora_bytes_delta(self, spec, setup) -> int:
         return lit_lora_bytes_delta(spec, setup)
+
+    def fsdp_sharding(self, spec, setup, rank: int, collectives: str):
+        """finetune_lora's FSDP2 (``memory.stacks.litgpt_sharding.LitFullyShard``)."""
+        from memplan.memory.stacks.litgpt_sharding import LitFullyShard
+
+        return LitFullyShard(spec, setup, rank, collectives, self)
+
+    def recompute_reaches_down_adapter(self, setup) -> bool:
+        return lit_recompute_reaches_down_adapter(setup)
+
+    def recompute_stop_bytes(self, spec, setup) -> int:
+        return lit_recompute_stop_bytes(spec, setup, self.lora_dropout)
+
+    def recompute_gradient_bytes(self, spec, setup) -> int:
+        return lit_recompute_gradient_bytes(spec, setup)
 
     def lora_tensors_delta(self, spec, setup) -> int:
         return lit_lora_tensors_delta(spec, setup)
