@@ -114,6 +114,13 @@ class Stack:
             raise InputError(f"--stack {self.name}: memplan's own trainer does not build the {spec.arch} family "
                              f"(accepted for {spec.arch}: --stack {', '.join(others)})")
 
+    def fsdp_hook(self, spec, setup, rank: int, collectives: str):
+        """The walk's FSDP2 sharding hook for the stack's layout: memplan's ``memory.sharding.FullyShard`` (the stack's
+        root per ``fsdp_root_reshards_after_forward``)."""
+        from memplan.memory.sharding import FullyShard
+
+        return FullyShard(spec, setup, rank, collectives, self)
+
     def check_walked(self, setup) -> None:
         """The one-line InputError where the walk does not follow ``setup``'s checkpointing or sharding for the
         stack (checked before ``check_lora_targets``): memplan's own walk follows them all."""
