@@ -30,6 +30,8 @@ def _rank_memory(stack: str, model: StackModel, setup, lora_dropout: float | Non
     wrap = getattr(module, "wrap_ranks", None)
     if wrap is None:
         raise InputError(f"--stack {stack}: its step on several ranks is not run here")
+    if wrap_options is None and hasattr(module, "rank_wrap_options"):  # the walk's default layout (torchtune: auto)
+        wrap_options = module.rank_wrap_options(model.spec, setup)
     if wrap_options:  # the library's own distributed settings (torchtune's custom_sharded_layers, ...)
         wrap = functools.partial(wrap, **wrap_options)
     torch.manual_seed(seed)

@@ -216,6 +216,14 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup, custom_sharded_layers: l
     return net
 
 
+def rank_wrap_options(spec, setup: TrainSetup, choice: str = "auto") -> dict:
+    """``wrap_ranks``' keywords for the walk's ``--custom-sharded-layers`` ``choice`` (auto: the published configs'
+    choice for the model, ``tt_custom_sharded_layers``): ``custom_sharded_layers`` as the recipe's config names it."""
+    from memplan.memory.stacks.torchtune_fsdp import tt_custom_sharded_layers
+
+    return {"custom_sharded_layers": list(tt_custom_sharded_layers(spec, setup, choice)) or None}
+
+
 @contextlib.contextmanager
 def as_on_real_tensors():
     """Within a trace, torchtune's Llama 3.2 RoPE builds its cache as it does on real tensors.

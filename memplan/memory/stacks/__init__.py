@@ -22,6 +22,8 @@ hooks its library changes), its class in ``REGISTRY`` below, and its trainer twi
 
 from __future__ import annotations
 
+import dataclasses
+
 from memplan.errors import InputError
 from memplan.memory.stacks.base import LOSS_DTYPES, Stack
 from memplan.memory.stacks.litgpt import LitgptStack
@@ -108,6 +110,19 @@ def stack_from_flags(stack: str, loss_dtype: str | None, lora_dropout: float | N
     stack_class(stack)().check_walked(setup)
     check_stack_setup(stack, spec, setup)
     return stack_for(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
+
+
+def with_custom_sharded_layers(stack: Stack, choice: str, spec, setup) -> Stack:
+    """``stack`` with torchtune's ``custom_sharded_layers`` set to ``choice`` (``--custom-sharded-layers``), or the
+    one-line InputError: another stack or no FSDP (accepted there: auto), a value not taken, a tied head's
+    ``tok_embeddings`` (``tt_check_custom_sharded_layers``)."""
+    from memplan.memory.stacks.torchtune_fsdp import tt_check_custom_sharded_layers
+
+    if stack.name != "torchtune" or setup.sharding != "fsdp":
+        raise InputError(f"--custom-sharded-layers {choice}: torchtune's FSDP2 groups apply to --stack torchtune "
+                         "--sharding fsdp (accepted otherwise: auto)")
+    tt_check_custom_sharded_layers(spec, choice)
+    return dataclasses.replace(stack, custom_sharded_layers=choice)
 
 
 def walked_for(stack: Stack, setup) -> Stack:
