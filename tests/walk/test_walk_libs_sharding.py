@@ -11,6 +11,7 @@ tests/runs/test_walk_matrices.py (it spawns processes); ``python tests/walk/test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -168,6 +169,49 @@ def test_autotune_emit_for_litgpt_over_several_devices_is_refused_before_the_sea
                                     "--stack", "litgpt", "--world-size", "2", "--emit", str(tmp_path / "out")])
     one_line_error(done, "--emit", "--world-size 2", "FSDPStrategy", "accepted: --world-size 1")
     assert not (tmp_path / "out").exists()
+
+
+def test_torchtunes_custom_sharded_layers_follow_its_published_configs():
+    """auto: ``['tok_embeddings', 'output']`` where the published distributed configs set it (the untied llama3
+    builders' full finetunes), unset under LoRA (commented out in every LoRA config) and for a tied head."""
+    from memplan.memory.stacks.torchtune_fsdp import tt_custom_sharded_layers
+
+    tied = dataclasses.replace(LLAMA, tied=True)
+    assert tt_custom_sharded_layers(LLAMA, FSDP, "auto") == ("tok_embeddings", "output")
+    assert tt_custom_sharded_layers(LLAMA, FSDP.replace(lora_rank=8), "auto") == ()
+    assert tt_custom_sharded_layers(tied, FSDP, "auto") == ()
+    assert tt_custom_sharded_layers(LLAMA, FSDP, "none") == ()
+
+
+def test_torchtunes_own_embedding_and_head_groups_are_gathered_one_at_a_time():
+    """With the embedding and the head FSDP2 groups of their own the root holds the final norm only: the forward
+    ends with every group resharded, and the peak is no longer the root's reduce-scatter with the embedding and
+    head gathered and their gradients beside them: in this vocabulary-heavy shape the walk is lower by more than
+    the head's all-gather (W·pad(head)·p), and the head's gathers (one per output chunk) are walked."""
+    from memplan.memory.sharding import fsdp_unsharded_bytes
+    from memplan.memory.walk import walk_step
+
+    tune = stack_for("torchtune")
+    layouts = {"own": tune, "root": dataclasses.replace(tune, custom_sharded_layers="none")}
+    walks = {k: walk_step(LLAMA, FSDP, stack=v) for k, v in layouts.items()}
+    at = {k: {m.name: m.bytes["weights"] for m in walk.marks} for k, walk in walks.items()}
+    assert at["own"]["end of forward"] == at["own"]["start of forward"] == at["root"]["start of forward"]
+    peaks = {k: peak_memory(LLAMA, FSDP, stack=v, collectives="gloo") for k, v in layouts.items()}
+    assert peaks["root"].peak_moment == "backward: the root's reduce-scatter" != peaks["own"].peak_moment
+    assert peaks["root"].peak_allocated - peaks["own"].peak_allocated > fsdp_unsharded_bytes(LLAMA, FSDP, "head")
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--custom-sharded-layers", "output"],
+     ["--custom-sharded-layers output", "accepted: auto, none, tok_embeddings,output"]),
+    (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--tied", "--custom-sharded-layers",
+      "tok_embeddings,output"], ["TiedLinear", "accepted for a tied model: auto, none"]),
+    (["--stack", "torchtune", "--custom-sharded-layers", "none"], ["--stack torchtune --sharding fsdp",
+                                                                   "accepted otherwise: auto"]),
+])
+def test_a_custom_sharded_layers_the_walk_does_not_take_is_one_line(args, needles):
+    done = CliRunner().invoke(app, ["estimate", *BASE[:-2], "--precision", "bf16", *args])
+    one_line_error(done, *needles)
 
 
 @pytest.mark.libs
