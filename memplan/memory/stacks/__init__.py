@@ -7,13 +7,15 @@ Each stack is one module here, a ``Stack`` subclass whose hooks the walk calls a
   hook adds nothing, so ``--stack memplan`` is the walk as it always was;
 - ``transformers.py``: Hugging Face transformers' model and ``Trainer`` step, with peft's LoRA;
 - ``litgpt.py``: litgpt's ``GPT`` and its single-device scripts' step, also under Fabric's DDP (``--sharding ddp``);
-- ``torchtune.py``: torchtune's ``llama3`` / ``lora_llama3`` and its single-device recipes' step.
+- ``torchtune.py``: torchtune's ``llama3`` / ``lora_llama3`` and its single-device recipes' step;
+  ``torchtune_fsdp.py``: its distributed recipes' ``custom_sharded_layers`` (FSDP2 groups of their own).
 
 Each has a same-named twin on the trainer's side, ``trainer/stacks/<name>.py``, which builds the library's
 model and runs its step on fake tensors (``memplan trace --stack``). ``REGISTRY`` names them all, in the
 order the flags list them; the ``check_*`` functions below take a ``--stack`` name, look its stack up and
-ask it. The stacks import ``memplan.memory.terms`` and nothing else of the walk: the walk takes the stack
-object it is given.
+ask it. The stacks import ``memplan.memory.terms`` and nothing else of the walk (but a stack's own FSDP2 layout,
+a ``memplan.memory.sharding.FullyShard`` subclass its ``fsdp_hook`` returns): the walk takes the stack object it is
+given.
 
 A new stack is one module here (a ``Stack`` subclass: its ``name``, ``library``, what its code takes, the
 hooks its library changes), its class in ``REGISTRY`` below, and its trainer twin ``trainer/stacks/<name>.py``

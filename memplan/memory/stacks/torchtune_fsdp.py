@@ -5,15 +5,18 @@ The 8B and 70B full-finetune configs of llama3, llama3_1 and llama3_3 set ``cust
 ``get_shard_conditions(names_to_match=...)``, which ``fully_shard``s each named module (bottom-up, with the
 ``layers.i``) before the root: three groups where memplan's layout has one root. Their terms are FSDP2's
 (``memory.sharding``: pad(G), c, g) over the groups ``param_shapes`` names ``embedding``, ``head`` and
-``root_rest`` (the final norm); ``TorchtuneShard`` places them in the step (measured with a trace of FSDP2's
-group hooks on two gloo ranks: ``tests/walk/test_walk_libs_sharding.py``).
+``root_rest`` (the final norm); ``TorchtuneShard`` places them in the step, in the order FSDP2's group hooks ran
+on two gloo ranks of torchtune's model (``unshard``, ``reshard``, ``foreach_reduce``, with the allocator's bytes
+in use at each), and is held to those ranks' peaks (``tests/runs/test_walk_matrices.py``,
+docs/commands/estimate.md).
 """
 
 from __future__ import annotations
 
 from memplan.errors import InputError
 from memplan.memory.sharding import (FullyShard, fsdp_copy_in_bytes, fsdp_reduce_scatter_input_bytes,
-                                     fsdp_sharded_grad_bytes, fsdp_trained_shapes, fsdp_unsharded_bytes, gloo_reduce_scatter_copy_bytes)
+                                     fsdp_sharded_grad_bytes, fsdp_trained_shapes, fsdp_unsharded_bytes,
+                                     gloo_reduce_scatter_copy_bytes)
 
 CUSTOM_SHARDED_LAYERS = ("auto", "none", "tok_embeddings,output")  # --custom-sharded-layers
 
@@ -54,8 +57,8 @@ class TorchtuneShard(FullyShard):
     (``TransformerDecoder.chunked_output``: 8), each call all-gathering it and resharding it after; its last
     all-gather output is released when the root's forward ends. Backward: the root's pre-backward all-gathers
     the norm and prefetches the head; each chunk's backward all-gathers the head again (its post-backward of the
-    chunk before resharded it), and its gradient is summed over the chunks in ``.grad`` (the weight gradient sums
-    of ``tt_chunked_head_grad_bytes``) and reduce-scattered once, after the last chunk, before the last block's
+    chunk before resharded it); autograd sums its weight gradient over the chunks (``tt_chunked_head_grad_bytes``)
+    and makes ``.grad`` once, so only the last chunk's post-backward has one to reduce-scatter, before the last block's
     backward. The first block's pre-backward prefetches the embedding's all-gather; its copy-out comes before the
     embedding's backward; the root's reduce-scatter (the norm's gradient) then the embedding's end the backward.
     Under LoRA the embedding and head are frozen: gathered, never reduce-scattered (the head's adapter, where
@@ -137,7 +140,8 @@ class TorchtuneShard(FullyShard):
 
     def after_blocks_backward(self, w, lora: bool, extra_adapters: int) -> None:
         """The embedding's copy-out (its output released); under LoRA (frozen: no gradient reaches it, so no
-        pre-backward) its prefetched output stays until the backward ends."""
+        pre-backward) its prefetched output is taken to stay until the backward ends (not seen at a peak: the
+        LoRA rows measured peak in the forward, at the head's all-gathers)."""
         if not self.trained_shapes("embedding"):
             return
         self._copy_out(w, "embedding")
