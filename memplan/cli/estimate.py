@@ -9,7 +9,7 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.fit import print_described, print_fields
-from memplan.cli.options import (CustomShardedLayersOpt, DeviceFlags, JsonOpt, ModelFlags, PrecisionOpt, SetupFlags,
+from memplan.cli.options import (CustomShardedLayersOpt, DeviceFlags, FsdpReshardOpt, JsonOpt, ModelFlags, PrecisionOpt, SetupFlags,
                                  print_json, with_groups, with_rates)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_flop, format_seconds, parse_count
@@ -295,7 +295,7 @@ def estimate_command(
     weights_dtype: WeightsDtypeOpt = None, kv_dtype: KvDtypeOpt = None, prompt_tokens: PromptTokensOpt = None,
     sampling: SamplingOpt = "top-k", lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
     stack: StackOpt = "memplan", loss_dtype: LossDtypeOpt = None, lora_dropout: EstLoraDropoutOpt = None,
-    custom_sharded_layers: CustomShardedLayersOpt = "auto",
+    custom_sharded_layers: CustomShardedLayersOpt = "auto", fsdp_reshard_after_forward: FsdpReshardOpt = True,
 ) -> None:
     """Predict memory (term by term), whether it fits, the largest micro-batch, and step and epoch time.
 
@@ -314,7 +314,8 @@ def estimate_command(
         check_loss_dtype(loss_dtype)
     for flag, value in (("--stack", shown(stack)), ("--loss-dtype", loss_dtype),
                         ("--lora-dropout", lora_dropout),
-                        ("--custom-sharded-layers", None if custom_sharded_layers == "auto" else custom_sharded_layers)):
+                        ("--custom-sharded-layers", None if custom_sharded_layers == "auto" else custom_sharded_layers),
+                        ("--no-fsdp-reshard-after-forward", None if fsdp_reshard_after_forward else False)):
         if value is not None and mode == "inference":
             raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
     spec = model_flags.spec(stack_families=True)
@@ -348,8 +349,9 @@ def estimate_command(
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
     walk = stack_from_flags(stack, loss_dtype, lora_dropout, spec, setup)
-    if custom_sharded_layers != "auto":  # torchtune's FSDP2 groups, not the published configs' choice
-        walk = with_custom_sharded_layers(walk, custom_sharded_layers, spec, setup)
+    if custom_sharded_layers != "auto" or not fsdp_reshard_after_forward:  # torchtune's FSDP2 layout, not the
+        walk = with_custom_sharded_layers(walk, custom_sharded_layers, spec, setup,  # published configs' choice
+                                          fsdp_reshard_after_forward)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
         from memplan.advice import levers

@@ -201,13 +201,30 @@ def test_torchtunes_own_embedding_and_head_groups_are_gathered_one_at_a_time():
     assert peaks["root"].peak_allocated - peaks["own"].peak_allocated > fsdp_unsharded_bytes(LLAMA, FSDP, "head")
 
 
+def test_torchtunes_groups_kept_after_forward_hold_every_layer_at_the_end_of_the_forward():
+    """``fsdp_reshard_after_forward: False``: every group keeps its all-gathered parameters from its forward to its
+    post-backward, so the forward ends with each layer's and the root's, L·W·pad(block)·p + W·pad(root)·p, beside
+    the shards; nothing is all-gathered in the backward."""
+    from memplan.memory.sharding import fsdp_unsharded_bytes
+    from memplan.memory.walk import walk_step
+
+    tune = dataclasses.replace(stack_for("torchtune"), custom_sharded_layers="none", fsdp_reshard_after_forward=False)
+    marks = {m.name: m.bytes for m in walk_step(LLAMA, FSDP, stack=tune).marks}
+    held = LLAMA.layers * fsdp_unsharded_bytes(LLAMA, FSDP, "block") + fsdp_unsharded_bytes(LLAMA, FSDP, "root")
+    assert marks["end of forward"]["weights"] - marks["start of forward"]["weights"] == held
+    assert marks["end of forward"]["temporaries"] == 0
+    assert marks["end of backward"]["weights"] == marks["start of forward"]["weights"]
+
+
 @pytest.mark.parametrize("args,needles", [
+    (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--no-fsdp-reshard-after-forward"],
+     ["--no-fsdp-reshard-after-forward", "groups of their own", "accepted with it: --custom-sharded-layers none"]),
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--custom-sharded-layers", "output"],
      ["--custom-sharded-layers output", "accepted: auto, none, tok_embeddings,output"]),
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--tied", "--custom-sharded-layers",
       "tok_embeddings,output"], ["TiedLinear", "accepted for a tied model: auto, none"]),
     (["--stack", "torchtune", "--custom-sharded-layers", "none"], ["--stack torchtune --sharding fsdp",
-                                                                   "accepted otherwise: auto"]),
+                                                                   "accepted otherwise: --custom-sharded-layers auto"]),
 ])
 def test_a_custom_sharded_layers_the_walk_does_not_take_is_one_line(args, needles):
     done = CliRunner().invoke(app, ["estimate", *BASE[:-2], "--precision", "bf16", *args])

@@ -114,17 +114,22 @@ def stack_from_flags(stack: str, loss_dtype: str | None, lora_dropout: float | N
     return stack_for(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
 
 
-def with_custom_sharded_layers(stack: Stack, choice: str, spec, setup) -> Stack:
-    """``stack`` with torchtune's ``custom_sharded_layers`` set to ``choice`` (``--custom-sharded-layers``), or the
-    one-line InputError: another stack or no FSDP (accepted there: auto), a value not taken, a tied head's
-    ``tok_embeddings`` (``tt_check_custom_sharded_layers``)."""
-    from memplan.memory.stacks.torchtune_fsdp import tt_check_custom_sharded_layers
+def with_custom_sharded_layers(stack: Stack, choice: str, spec, setup, reshard_after_forward: bool = True) -> Stack:
+    """``stack`` with torchtune's ``custom_sharded_layers`` set to ``choice`` (``--custom-sharded-layers``) and its
+    ``fsdp_reshard_after_forward``, or the one-line InputError: another stack or no FSDP (accepted there: auto and
+    the default), a value not taken, a tied head's ``tok_embeddings`` (``tt_check_custom_sharded_layers``), groups
+    of their own kept from forward to backward (not walked)."""
+    from memplan.memory.stacks.torchtune_fsdp import tt_check_custom_sharded_layers, tt_custom_sharded_layers
 
+    flag = f"--custom-sharded-layers {choice}" if reshard_after_forward else "--no-fsdp-reshard-after-forward"
     if stack.name != "torchtune" or setup.sharding != "fsdp":
-        raise InputError(f"--custom-sharded-layers {choice}: torchtune's FSDP2 groups apply to --stack torchtune "
-                         "--sharding fsdp (accepted otherwise: auto)")
+        raise InputError(f"{flag}: torchtune's FSDP2 layout applies to --stack torchtune --sharding fsdp "
+                         "(accepted otherwise: --custom-sharded-layers auto, --fsdp-reshard-after-forward)")
     tt_check_custom_sharded_layers(spec, choice)
-    return dataclasses.replace(stack, custom_sharded_layers=choice)
+    if not reshard_after_forward and tt_custom_sharded_layers(spec, setup, choice):
+        raise InputError("--no-fsdp-reshard-after-forward: not walked with the embedding and head as groups of "
+                         "their own (accepted with it: --custom-sharded-layers none)")
+    return dataclasses.replace(stack, custom_sharded_layers=choice, fsdp_reshard_after_forward=reshard_after_forward)
 
 
 def walked_for(stack: Stack, setup) -> Stack:

@@ -199,6 +199,7 @@ class TorchtuneStack(Stack):
     # the distributed recipes' ``custom_sharded_layers`` (``--custom-sharded-layers``: auto, the published configs'
     # choice for the model, ``memory.stacks.torchtune_fsdp.tt_custom_sharded_layers``)
     custom_sharded_layers: str = "auto"
+    fsdp_reshard_after_forward: bool = True  # the recipes' default (``--no-fsdp-reshard-after-forward``: False)
 
     def fsdp_hook(self, spec, setup, rank: int, collectives: str):
         return tt_fsdp_sharding(spec, setup, rank, collectives, self)

@@ -166,10 +166,43 @@ class TorchtuneShard(FullyShard):
         return sum(rows * length for rows, length in self.trained_shapes(group)) * self.c
 
 
+class KeptAfterForward(FullyShard):
+    """``FullyShard`` with ``fsdp_reshard_after_forward: False`` (FSDP1's SHARD_GRAD_OP), every group and the root:
+    each group's parameters, all-gathered before its forward, stay unsharded until its post-backward reshards
+    them, so at the end of the forward every block's, L·W·pad(block)·p, and the root's are held; in the backward
+    nothing is all-gathered again (the pre-backward's unshard and the prefetch find them unsharded)."""
+
+    def __init__(self, spec, setup, rank: int = 0, collectives: str = "nccl", stack=None) -> None:
+        super().__init__(spec, setup, rank, collectives, stack)
+        self.root_reshards = False
+
+    def between_blocks_forward(self, w) -> None:
+        """Blocks 0 … L-2 kept: block 0's parameters stay, blocks 1 … L-2 are all-gathered and kept alike."""
+        w.alloc("weights", max(0, self.spec.layers - 2) * self.gathered["block"])
+
+    def after_block_forward(self, w) -> None:
+        """The last block's parameters kept."""
+
+    def before_head_backward(self, w) -> None:
+        """Nothing: the last block, whose prefetch this was, is unsharded."""
+
+    def before_block_backward(self, w, which: str, index: int) -> None:
+        """Nothing: the block and the one before it are unsharded."""
+        w.where = f"backward: the {which} block"
+
+    def middle_gradients(self, w, middle: int, per_block: int) -> None:
+        """The blocks in between resharded at their post-backward, and their sharded gradients."""
+        w.free("weights", middle * self.gathered["block"])
+        super().middle_gradients(w, middle, per_block)
+
+
 def tt_fsdp_sharding(spec, setup, rank: int, collectives: str, stack) -> FullyShard:
-    """torchtune's FSDP2 hook for ``stack.custom_sharded_layers``: ``TorchtuneShard`` where the embedding and the
-    head are groups of their own, else memplan's ``FullyShard`` with torchtune's root."""
+    """torchtune's FSDP2 hook for ``stack.custom_sharded_layers`` and ``stack.fsdp_reshard_after_forward``:
+    ``TorchtuneShard`` where the embedding and the head are groups of their own, ``KeptAfterForward`` where the
+    groups keep their parameters from forward to backward, else memplan's ``FullyShard`` with torchtune's root."""
     if tt_custom_sharded_layers(spec, setup, stack.custom_sharded_layers):
         return TorchtuneShard(spec, setup, rank, collectives, stack)
+    if not stack.fsdp_reshard_after_forward:
+        return KeptAfterForward(spec, setup, rank, collectives, stack)
     return FullyShard(spec, setup, rank, collectives, stack)
 
