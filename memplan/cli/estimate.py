@@ -85,7 +85,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
                   + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")
-                  + est.stack.describe()),
+                  + est.stack.describe() + est.stack.fsdp_words(spec, setup)),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                    f"{format_bytes(device.usable_bytes)} usable"),
     ])

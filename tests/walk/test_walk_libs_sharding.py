@@ -216,6 +216,17 @@ def test_torchtunes_groups_kept_after_forward_hold_every_layer_at_the_end_of_the
     assert marks["end of backward"]["weights"] == marks["start of forward"]["weights"]
 
 
+def test_estimate_names_the_torchtune_layout_it_walked():
+    """auto's choice is said, not silent: estimate's Setup names custom_sharded_layers (and a kept forward)."""
+    args = [*BASE, "--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp"]
+    auto = CliRunner().invoke(app, ["estimate", *args])
+    kept = CliRunner().invoke(app, ["estimate", *args, "--custom-sharded-layers", "none",
+                                    "--no-fsdp-reshard-after-forward"])
+    assert auto.exit_code == kept.exit_code == 0, kept.output
+    assert "custom_sharded_layers tok_embeddings,output" in " ".join(auto.stdout.split())
+    assert "custom_sharded_layers unset, fsdp_reshard_after_forward false" in " ".join(kept.stdout.split())
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--no-fsdp-reshard-after-forward"],
      ["--no-fsdp-reshard-after-forward", "groups of their own", "accepted with it: --custom-sharded-layers none"]),

@@ -114,6 +114,10 @@ class Stack:
             raise InputError(f"--stack {self.name}: memplan's own trainer does not build the {spec.arch} family "
                              f"(accepted for {spec.arch}: --stack {', '.join(others)})")
 
+    def fsdp_words(self, spec, setup) -> str:
+        """estimate's Setup words for the stack's own FSDP2 layout: "" for memplan's."""
+        return ""
+
     def fsdp_hook(self, spec, setup, rank: int, collectives: str):
         """The walk's FSDP2 sharding hook for the stack's layout: memplan's ``memory.sharding.FullyShard`` (the stack's
         root per ``fsdp_root_reshards_after_forward``)."""

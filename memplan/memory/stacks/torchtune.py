@@ -17,7 +17,8 @@ from memplan.memory.stacks.base import FP32, Stack, _a, _n
 from memplan.memory.stacks.litgpt import (check_lib_setup, lib_first_block_saved_bytes, lib_lora_head_saved_bytes,
                                           lib_lora_saved_bytes, lit_lora_bytes_delta, lit_norm_saved_bytes,
                                           qkv_enabled)
-from memplan.memory.stacks.torchtune_fsdp import tt_check_custom_sharded_layers, tt_fsdp_sharding
+from memplan.memory.stacks.torchtune_fsdp import (tt_check_custom_sharded_layers, tt_custom_sharded_layers,
+                                                  tt_fsdp_sharding)
 from memplan.memory.terms import lora_adapter_shapes, rope_buffer_bytes
 
 
@@ -203,6 +204,14 @@ class TorchtuneStack(Stack):
 
     def fsdp_hook(self, spec, setup, rank: int, collectives: str):
         return tt_fsdp_sharding(spec, setup, rank, collectives, self)
+
+    def fsdp_words(self, spec, setup) -> str:
+        """The layout walked under FSDP: custom_sharded_layers (what auto chose) and fsdp_reshard_after_forward."""
+        if setup.sharding != "fsdp":
+            return ""
+        layers = tt_custom_sharded_layers(spec, setup, self.custom_sharded_layers)
+        return (f", custom_sharded_layers {','.join(layers) if layers else 'unset'}"
+                + ("" if self.fsdp_reshard_after_forward else ", fsdp_reshard_after_forward false"))
 
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:
         """torchtune's families are checked with the rest of its setup (``check_setup``)."""
