@@ -317,6 +317,9 @@ class Replicated:
     def before_head_backward(self, w) -> None:
         """FSDP2's prefetch of the last block; nothing here."""
 
+    def after_head_chunks(self, w, sums: int) -> None:
+        """A stack's own FSDP2 layout at its head's last chunk (``TorchtuneShard``); nothing here."""
+
     def after_final_norm_backward(self, w) -> None:
         """FSDP2's final norm gradient; here it is added with the blocks' vectors (``after_blocks_backward``)."""
 

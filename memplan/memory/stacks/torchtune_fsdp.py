@@ -119,11 +119,23 @@ class TorchtuneShard(FullyShard):
             w.free("weights", self.gathered["root"])
 
     def before_head_backward(self, w) -> None:
-        """The root's all-gather (the norm) and the head's, each copied out, then the last block's (prefetch)."""
-        super().before_head_backward(w)
+        """The root's all-gather (the norm) and the head's, each copied out (the head's pre-backward prefetches
+        nothing but itself until its last chunk: ``after_head_chunks``)."""
+        if self.root_reshards:
+            w.where = "backward: root all-gather"
+            self._all_gather(w, "root")
+            self._copy_out(w, "root")
         w.where = "backward: the head's all-gather"
         self._all_gather(w, "head")
         self._copy_out(w, "head")
+
+    def after_head_chunks(self, w, sums: int) -> None:
+        """The head's last chunk: its pre-backward prefetches the last block's all-gather, and its weight gradient
+        is added into the running sum (``sums``: the sum's temporaries) with every chunk's logits gradient released."""
+        w.where = "backward: the head's last chunk, the last block's all-gather (prefetch)"
+        self._all_gather(w, "block")
+        w.alloc("temporaries", sums)
+        w.free("temporaries", sums)
 
     def after_final_norm_backward(self, w) -> None:
         """The final norm's gradient; the head's reduce-scatter (its summed gradient, V·H·c, or its adapter's)."""
