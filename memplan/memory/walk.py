@@ -768,14 +768,12 @@ class _Step:
             w.alloc("temporaries", n * spec.hidden * a)
             w.free("temporaries", 2 * n * spec.hidden * a)
         w.alloc("temporaries", head_grad * a)  # weight gradient in the compute dtype
-        released = stack.chunked_head_released_logits_grad_bytes(spec, cs)  # a head run in chunks: read so far
-        w.free("logits", released)
         w.alloc("temporaries", stack.chunked_head_grad_bytes(spec, cs))  # a head run in chunks: its sums
         w.free("temporaries", stack.chunked_head_grad_bytes(spec, cs))
         if not self.lora:
             w.free("activations", self.head_in)
-        w.free("logits", (logits_bytes(spec, cs) if a != FP32_BYTES else fp32_logits_bytes(spec, cs)) - released)
-        self.sh.after_head_chunks(w, stack.chunked_head_grad_bytes(spec, cs))
+        w.free("logits", logits_bytes(spec, cs) if a != FP32_BYTES else fp32_logits_bytes(spec, cs))
+        self.sh.after_head_chunks(w, stack.chunked_head_grad_bytes(spec, cs))  # a stack's FSDP2: the last chunk
         if cs.mixed:
             w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES + stack.head_weight_casts_bytes(spec, cs))
             w.alloc("temporaries", n * spec.hidden * FP32_BYTES)  # the norm output's cast, backward

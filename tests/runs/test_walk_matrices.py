@@ -255,14 +255,14 @@ def test_torchtunes_fsdp_walk_is_two_real_gloo_ranks_of_its_step():
 def test_torchtunes_custom_sharded_layers_walk_is_two_real_gloo_ranks_of_its_step():
     """``custom_sharded_layers: ['tok_embeddings', 'output']`` (the published full-finetune configs', the walk's auto
     for an untied full finetune), passed to torchtune's own ``shard_model``, two gloo ranks of a vocabulary-heavy
-    shape in bf16: each rank's MemTracker peak is the walk's within the trace bar (1%); walked with the embedding
+    shape in fp32: each rank's MemTracker peak is the walk's within the trace bar (1%); walked with the embedding
     and head in the root (``none``) the walk misses it by more than 10% (the root's W·pad(root)·p gathered at its
     reduce-scatter with the embedding's and head's gradients)."""
     pytest.importorskip("torchtune")
     from trainer.stacks import StackModel
     from trainer.stacks.ranks import measure_stack_ranks
 
-    spec, setup = walk_libs_sharding.LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16", world_size=2,
+    spec, setup = walk_libs_sharding.LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32", world_size=2,
                                                        sharding="fsdp")
     wrap = {"custom_sharded_layers": ["tok_embeddings", "output"]}
     ranks = [m.peak_allocated for m in measure_stack_ranks("torchtune", StackModel(spec=spec), setup,

@@ -280,11 +280,6 @@ class Stack:
         """Temporaries of a head run in chunks, summing its weight's gradients, at the head's backward."""
         return 0
 
-    def chunked_head_released_logits_grad_bytes(self, spec, setup) -> int:
-        """The logits' gradient a head run in chunks has released by the heaviest sum of its weight's gradients
-        (``chunked_head_grad_bytes``): the chunks whose backward has run; 0 for one matmul."""
-        return 0
-
     def optimizer_scratch_bytes(self, spec, setup) -> int:
         """Scratch of a stack's own optimizer loop at the optimizer step (beyond the walked optimizer's)."""
         return 0

@@ -135,19 +135,6 @@ def tt_chunked_head_grad_bytes(spec, setup) -> int:
     return 0 if setup.lora_rank else 2 * spec.vocab * spec.hidden * setup.param_bytes
 
 
-def tt_chunked_head_released_logits_grad_bytes(spec, setup, chunks: int = 8) -> int:
-    """The logits' gradient the chunked head has released at its first weight-gradient sum: 2·n·V·a/8.
-
-    Each chunk's backward (``self.output(chunk)``, last chunk first) reads its n·V·a/8 of the logits' gradient and
-    releases it when it returns, before autograd adds its weight gradient into the running sum
-    (``tt_chunked_head_grad_bytes``). The sums are alike (3·V·H·p), the first, at the second chunk, with the most
-    of the logits' gradient still to be read (6 chunks of 8): 2 chunks' released there, where memplan's one
-    matmul holds all of it. 0 under LoRA (the head is frozen: no sums)."""
-    if setup.lora_rank:
-        return 0
-    return 2 * _n(setup) * spec.vocab * _a(setup) // chunks
-
-
 def tt_walked_setup(setup):
     """torchtune's recipes' AdamW is fused: ``optimizer: {_component_: torch.optim.AdamW, fused: True}``
     (the configs of lora_finetune_single_device and full_finetune_single_device): no foreach scratch,
@@ -264,9 +251,6 @@ class TorchtuneStack(Stack):
 
     def chunked_head_grad_bytes(self, spec, setup) -> int:
         return tt_chunked_head_grad_bytes(spec, setup)
-
-    def chunked_head_released_logits_grad_bytes(self, spec, setup) -> int:
-        return tt_chunked_head_released_logits_grad_bytes(spec, setup)
 
     def walked_setup(self, setup):
         return tt_walked_setup(setup)

@@ -130,8 +130,11 @@ class TorchtuneShard(FullyShard):
         self._copy_out(w, "head")
 
     def after_head_chunks(self, w, sums: int) -> None:
-        """The head's last chunk: its pre-backward prefetches the last block's all-gather, and its weight gradient
-        is added into the running sum (``sums``: the sum's temporaries) with every chunk's logits gradient released."""
+        """The head's last chunk: its pre-backward prefetches the last block's all-gather (the post-forward order's
+        group before the head's first call), and its weight gradient is added into the running sum (``sums``: the
+        sum's temporaries), the logits' gradient released by then (as measured on two gloo ranks: the walk's peak
+        here is theirs within 188 bytes in fp32; the walk's head backward before it holds the whole gradient, as
+        one device's trace does at its sums)."""
         w.where = "backward: the head's last chunk, the last block's all-gather (prefetch)"
         self._all_gather(w, "block")
         w.alloc("temporaries", sums)
