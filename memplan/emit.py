@@ -405,8 +405,11 @@ class TorchtuneWriter(Writer):
                 "compile": s.compile, "optimizer": optimizer, "tokenizer": {"max_seq_len": s.ctx}}
         if "clip" in t:
             data["clip_grad_norm"] = t["clip"]
-        if s.world_size > 1:  # the FSDP2 layout the walk follows (tt_fsdp_root_reshards_after_forward)
-            data.update(fsdp_reshard_after_forward=True, fsdp_cpu_offload=False, custom_sharded_layers=None)
+        if s.world_size > 1:  # the FSDP2 layout the walk follows (tt_fsdp_root_reshards_after_forward), its groups
+            from memplan.memory.stacks.torchtune_fsdp import tt_custom_sharded_layers  # the published configs'
+
+            layers = list(tt_custom_sharded_layers(spec, s, "auto")) or None
+            data.update(fsdp_reshard_after_forward=True, fsdp_cpu_offload=False, custom_sharded_layers=layers)
         return recipe, data
 
     def render(self, plan) -> dict[str, str]:

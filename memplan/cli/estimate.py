@@ -9,8 +9,8 @@ import typer
 
 from memplan.cli.app import app
 from memplan.cli.fit import print_described, print_fields
-from memplan.cli.options import (DeviceFlags, JsonOpt, ModelFlags, PrecisionOpt, SetupFlags, print_json, with_groups,
-                                 with_rates)
+from memplan.cli.options import (CustomShardedLayersOpt, DeviceFlags, FsdpReshardOpt, JsonOpt, ModelFlags, PrecisionOpt, SetupFlags,
+                                 print_json, with_groups, with_rates)
 from memplan.errors import InputError
 from memplan.units import format_bytes, format_count, format_flop, format_seconds, parse_count
 
@@ -85,7 +85,7 @@ def print_estimate(est, rates_note: str | None = None) -> None:
                   f"{setup.precision}, {setup.attention} attention, checkpointing {setup.checkpointing}, "
                   f"{setup.optimizer}" + (f", {setup.world_size} × {setup.sharding}" if setup.world_size > 1 else "")
                   + (f", LoRA rank {setup.lora_rank} on {setup.lora_targets}" if setup.lora_rank else "")
-                  + est.stack.describe()),
+                  + est.stack.describe() + est.stack.fsdp_words(spec, setup)),
         ("Device", f"{device.name} ({device.title}): {format_bytes(device.memory_bytes)}, "
                    f"{format_bytes(device.usable_bytes)} usable"),
     ])
@@ -295,6 +295,7 @@ def estimate_command(
     weights_dtype: WeightsDtypeOpt = None, kv_dtype: KvDtypeOpt = None, prompt_tokens: PromptTokensOpt = None,
     sampling: SamplingOpt = "top-k", lora_rank: LoraRankOpt = "0", lora_targets: LoraTargetsOpt = "qkv,proj,up,down",
     stack: StackOpt = "memplan", loss_dtype: LossDtypeOpt = None, lora_dropout: EstLoraDropoutOpt = None,
+    custom_sharded_layers: CustomShardedLayersOpt = "auto", fsdp_reshard_after_forward: FsdpReshardOpt = True,
 ) -> None:
     """Predict memory (term by term), whether it fits, the largest micro-batch, and step and epoch time.
 
@@ -304,7 +305,7 @@ def estimate_command(
     from memplan.model import MEMPLAN_ARCHS
     from memplan.units import choice_error
 
-    from memplan.memory.stacks import check_loss_dtype, check_stack, shown, stack_from_flags
+    from memplan.memory.stacks import check_loss_dtype, check_stack, shown, stack_from_flags, with_custom_sharded_layers
 
     if mode not in MODES:
         raise choice_error("--mode", mode, list(MODES))
@@ -312,7 +313,9 @@ def estimate_command(
     if loss_dtype is not None:
         check_loss_dtype(loss_dtype)
     for flag, value in (("--stack", shown(stack)), ("--loss-dtype", loss_dtype),
-                        ("--lora-dropout", lora_dropout)):
+                        ("--lora-dropout", lora_dropout),
+                        ("--custom-sharded-layers", None if custom_sharded_layers == "auto" else custom_sharded_layers),
+                        ("--no-fsdp-reshard-after-forward", None if fsdp_reshard_after_forward else False)):
         if value is not None and mode == "inference":
             raise InputError(f"{flag} applies to --mode training only; accepted with --mode inference: none")
     spec = model_flags.spec(stack_families=True)
@@ -346,6 +349,9 @@ def estimate_command(
     if rank:
         setup = setup.replace(lora_rank=rank, lora_targets=lora_targets)
     walk = stack_from_flags(stack, loss_dtype, lora_dropout, spec, setup)
+    if custom_sharded_layers != "auto" or not fsdp_reshard_after_forward:  # torchtune's FSDP2 layout, not the
+        walk = with_custom_sharded_layers(walk, custom_sharded_layers, spec, setup,  # published configs' choice
+                                          fsdp_reshard_after_forward)
     est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walk)
     if json:
         from memplan.advice import levers

@@ -66,6 +66,15 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", metavar="OPTIMIZER", h
                                            rich_help_panel=_S)]
 WorldSizeOpt = Annotated[str, typer.Option("--world-size", metavar="N", help="Data-parallel processes.", rich_help_panel=_S)]
 ShardingOpt = Annotated[str, typer.Option("--sharding", metavar="SHARDING", help="none | ddp | fsdp", rich_help_panel=_S)]
+CustomShardedLayersOpt = Annotated[str, typer.Option(
+    "--custom-sharded-layers", metavar="LAYERS", help="--stack torchtune --sharding fsdp: torchtune's "
+    "custom_sharded_layers, FSDP2 groups of their own: auto (the published configs': tok_embeddings,output for an "
+    "untied full finetune, unset for LoRA and tied heads) | none | tok_embeddings,output. fsdp_cpu_offload is not "
+    "planned.", rich_help_panel=_S)]
+FsdpReshardOpt = Annotated[bool, typer.Option(
+    "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward", help="--stack torchtune --sharding fsdp: "
+    "torchtune's fsdp_reshard_after_forward (default: true, the recipes'); false keeps every group's parameters "
+    "unsharded from forward to backward (with --custom-sharded-layers none).", rich_help_panel=_S)]
 CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the model.",
                                           rich_help_panel=_S)]
 

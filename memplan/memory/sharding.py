@@ -78,7 +78,11 @@ def param_shapes(spec: ModelSpec) -> dict[str, list[tuple[int, int]]]:
     root += norm
     if not spec.tied:
         root.append((spec.vocab, h))
-    return {"block": block, "root": root}
+    # torchtune's custom_sharded_layers (memory.stacks.torchtune_fsdp): the embedding and the untied head
+    # each a group of their own, the root keeping the rest
+    groups = {"embedding": [(spec.vocab, h)], "head": [] if spec.tied else [(spec.vocab, h)],
+              "root_rest": root[1:] if spec.tied else root[1:-1]}
+    return {"block": block, "root": root} | groups
 
 
 # ---- FSDP2 + LoRA: frozen base shards beside the adapters' -------------------------------------------
@@ -99,7 +103,8 @@ def lora_adapter_param_shapes(spec: ModelSpec, setup: TrainSetup) -> dict[str, l
     def adapters(matrix: str) -> list[tuple[int, int]]:
         return [t for fan_in, fan_out in lora_adapter_shapes(spec, setup, matrix) for t in ((r, fan_in), (fan_out, r))]
 
-    return {"block": [t for mm in ("qkv", "proj", "up", "down") for t in adapters(mm)], "root": adapters("head")}
+    return {"block": [t for mm in ("qkv", "proj", "up", "down") for t in adapters(mm)], "root": adapters("head"),
+            "embedding": [], "head": adapters("head"), "root_rest": []}
 
 
 def fsdp_trained_shapes(spec: ModelSpec, setup: TrainSetup, group: str) -> list[tuple[int, int]]:
@@ -311,6 +316,9 @@ class Replicated:
 
     def before_head_backward(self, w) -> None:
         """FSDP2's prefetch of the last block; nothing here."""
+
+    def after_head_chunks(self, w, sums: int) -> None:
+        """A stack's own FSDP2 layout at its head's last chunk (``TorchtuneShard``); nothing here."""
 
     def after_final_norm_backward(self, w) -> None:
         """FSDP2's final norm gradient; here it is added with the blocks' vectors (``after_blocks_backward``)."""

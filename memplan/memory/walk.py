@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import memplan.memory.compiled as compiled
 import memplan.memory.lora as lora
 from memplan.memory.ledger import CATEGORIES, Moment, _StepWalk  # noqa: F401  (walk.Moment: callers import it here)
-from memplan.memory.sharding import FullyShard, Replicated
+from memplan.memory.sharding import Replicated
 from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
                                   _layer_matrices, act_bytes, attention_output_copy_bytes, attention_scores_bytes,
                                   attn_dropout_saved_bytes, block_dropout_saved_bytes, causal_mask_bytes,
@@ -773,6 +773,7 @@ class _Step:
         if not self.lora:
             w.free("activations", self.head_in)
         w.free("logits", logits_bytes(spec, cs) if a != FP32_BYTES else fp32_logits_bytes(spec, cs))
+        self.sh.after_head_chunks(w, stack.chunked_head_grad_bytes(spec, cs))  # a stack's FSDP2: the last chunk
         if cs.mixed:
             w.free("weights", spec.vocab * spec.hidden * LOWP_WEIGHT_BYTES + stack.head_weight_casts_bytes(spec, cs))
             w.alloc("temporaries", n * spec.hidden * FP32_BYTES)  # the norm output's cast, backward
@@ -884,9 +885,10 @@ class _Step:
 
 def sharding_hook(spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN, rank: int = 0,
                   collectives: str = "nccl") -> Replicated:
-    """The sharding hook of ``setup``'s step: ``FullyShard`` of ``rank`` under FSDP, else ``Replicated``."""
+    """The sharding hook of ``setup``'s step: the stack's FSDP2 hook of ``rank`` under FSDP (``Stack.fsdp_hook``:
+    ``FullyShard``, or the stack's own layout), else ``Replicated``."""
     if setup.sharding == "fsdp":
-        return stack.fsdp_sharding(spec, setup, rank, collectives) or FullyShard(spec, setup, rank, collectives, stack)
+        return stack.fsdp_hook(spec, setup, rank, collectives)
     return Replicated(spec, setup, stack)
 
 

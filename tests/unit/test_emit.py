@@ -212,6 +212,37 @@ def test_torchtune_lora_and_distributed_recipes():
         (True, False, None)
 
 
+@pytest.mark.parametrize("setup, tied, layers", [
+    ({}, False, ["tok_embeddings", "output"]),  # the published full-finetune configs' (llama3/8B_full.yaml, ...)
+    ({"lora_rank": 4}, False, None),  # commented out in the LoRA configs
+    ({}, True, None),  # the tied llama3_2 configs leave it unset: TiedLinear reads the embedding's weight
+])
+def test_torchtune_distributed_custom_sharded_layers_are_the_walks(setup, tied, layers):
+    """The FSDP2 groups the walk plans (``tt_custom_sharded_layers``' auto) are the ones the YAML asks for."""
+    import dataclasses
+
+    plan = plan_of(dataclasses.replace(TINY_LLAMA, tied=tied), precision="bf16", world_size=2, sharding="fsdp",
+                   **setup)
+    assert yaml.safe_load(render(plan, "torchtune")["torchtune.yaml"])["custom_sharded_layers"] == layers
+
+
+@pytest.mark.libs
+def test_torchtune_distributed_yaml_names_modules_torchtunes_shard_conditions_match():
+    """The emitted ``custom_sharded_layers``, read by torchtune's config parsing as the recipes read it
+    (``cfg.get("custom_sharded_layers", None)``), names modules of the model the YAML instantiates that
+    ``training.get_shard_conditions`` matches."""
+    pytest.importorskip("torchtune", reason="torchtune is not installed (pip install 'memplan[torchtune]')")
+    from omegaconf import OmegaConf
+    from torchtune import config, training
+
+    text = render(plan_of(precision="bf16", world_size=2, sharding="fsdp"), "torchtune")["torchtune.yaml"]
+    cfg = OmegaConf.create(yaml.safe_load(text))
+    names = cfg.get("custom_sharded_layers", None)
+    model = config.instantiate(cfg.model)
+    matched = [n for n, m in model.named_modules() if n in names and training.get_shard_conditions(n, m, names)]
+    assert list(names) == matched == ["tok_embeddings", "output"]
+
+
 @pytest.mark.libs
 def test_torchtune_yaml_loads_in_torchtunes_config():
     pytest.importorskip("torchtune", reason="torchtune is not installed (pip install 'memplan[torchtune]')")

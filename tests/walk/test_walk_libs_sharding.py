@@ -13,6 +13,7 @@ tests/runs/test_walk_matrices.py (it spawns processes); ``python tests/walk/test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -308,6 +309,77 @@ def test_litgpt_lora_yaml_for_several_devices_parses_as_finetune_loras_arguments
     parser.add_function_arguments(lora_setup)
     cfg = parser.parse_path(str(tmp_path / "litgpt.yaml"))
     assert (cfg.devices, cfg.precision, cfg.lora_r) == (2, "bf16-true", 4)
+
+
+def test_torchtunes_custom_sharded_layers_follow_its_published_configs():
+    """auto: ``['tok_embeddings', 'output']`` where the published distributed configs set it (the untied llama3
+    builders' full finetunes), unset under LoRA (commented out in every LoRA config) and for a tied head."""
+    from memplan.memory.stacks.torchtune_fsdp import tt_custom_sharded_layers
+
+    tied = dataclasses.replace(LLAMA, tied=True)
+    assert tt_custom_sharded_layers(LLAMA, FSDP, "auto") == ("tok_embeddings", "output")
+    assert tt_custom_sharded_layers(LLAMA, FSDP.replace(lora_rank=8), "auto") == ()
+    assert tt_custom_sharded_layers(tied, FSDP, "auto") == ()
+    assert tt_custom_sharded_layers(LLAMA, FSDP, "none") == ()
+
+
+def test_torchtunes_own_embedding_and_head_groups_are_gathered_one_at_a_time():
+    """With the embedding and the head FSDP2 groups of their own the root holds the final norm only: the forward
+    ends with every group resharded, and the peak is no longer the root's reduce-scatter with the embedding and
+    head gathered and their gradients beside them: in this vocabulary-heavy shape the walk is lower by more than
+    the head's all-gather (W·pad(head)·p), and the head's gathers (one per output chunk) are walked."""
+    from memplan.memory.sharding import fsdp_unsharded_bytes
+    from memplan.memory.walk import walk_step
+
+    tune = stack_for("torchtune")
+    layouts = {"own": tune, "root": dataclasses.replace(tune, custom_sharded_layers="none")}
+    walks = {k: walk_step(LLAMA, FSDP, stack=v) for k, v in layouts.items()}
+    at = {k: {m.name: m.bytes["weights"] for m in walk.marks} for k, walk in walks.items()}
+    assert at["own"]["end of forward"] == at["own"]["start of forward"] == at["root"]["start of forward"]
+    peaks = {k: peak_memory(LLAMA, FSDP, stack=v, collectives="gloo") for k, v in layouts.items()}
+    assert peaks["root"].peak_moment == "backward: the root's reduce-scatter" != peaks["own"].peak_moment
+    assert peaks["root"].peak_allocated - peaks["own"].peak_allocated > fsdp_unsharded_bytes(LLAMA, FSDP, "head")
+
+
+def test_torchtunes_groups_kept_after_forward_hold_every_layer_at_the_end_of_the_forward():
+    """``fsdp_reshard_after_forward: False``: every group keeps its all-gathered parameters from its forward to its
+    post-backward, so the forward ends with each layer's and the root's, L·W·pad(block)·p + W·pad(root)·p, beside
+    the shards; nothing is all-gathered in the backward."""
+    from memplan.memory.sharding import fsdp_unsharded_bytes
+    from memplan.memory.walk import walk_step
+
+    tune = dataclasses.replace(stack_for("torchtune"), custom_sharded_layers="none", fsdp_reshard_after_forward=False)
+    marks = {m.name: m.bytes for m in walk_step(LLAMA, FSDP, stack=tune).marks}
+    held = LLAMA.layers * fsdp_unsharded_bytes(LLAMA, FSDP, "block") + fsdp_unsharded_bytes(LLAMA, FSDP, "root")
+    assert marks["end of forward"]["weights"] - marks["start of forward"]["weights"] == held
+    assert marks["end of forward"]["temporaries"] == 0
+    assert marks["end of backward"]["weights"] == marks["start of forward"]["weights"]
+
+
+def test_estimate_names_the_torchtune_layout_it_walked():
+    """auto's choice is said, not silent: estimate's Setup names custom_sharded_layers (and a kept forward)."""
+    args = [*BASE, "--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp"]
+    auto = CliRunner().invoke(app, ["estimate", *args])
+    kept = CliRunner().invoke(app, ["estimate", *args, "--custom-sharded-layers", "none",
+                                    "--no-fsdp-reshard-after-forward"])
+    assert auto.exit_code == kept.exit_code == 0, kept.output
+    assert "custom_sharded_layers tok_embeddings,output" in " ".join(auto.stdout.split())
+    assert "custom_sharded_layers unset, fsdp_reshard_after_forward false" in " ".join(kept.stdout.split())
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--no-fsdp-reshard-after-forward"],
+     ["--no-fsdp-reshard-after-forward", "groups of their own", "accepted with it: --custom-sharded-layers none"]),
+    (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--custom-sharded-layers", "output"],
+     ["--custom-sharded-layers output", "accepted: auto, none, tok_embeddings,output"]),
+    (["--stack", "torchtune", "--world-size", "2", "--sharding", "fsdp", "--tied", "--custom-sharded-layers",
+      "tok_embeddings,output"], ["TiedLinear", "accepted for a tied model: auto, none"]),
+    (["--stack", "torchtune", "--custom-sharded-layers", "none"], ["--stack torchtune --sharding fsdp",
+                                                                   "accepted otherwise: --custom-sharded-layers auto"]),
+])
+def test_a_custom_sharded_layers_the_walk_does_not_take_is_one_line(args, needles):
+    done = CliRunner().invoke(app, ["estimate", *BASE[:-2], "--precision", "bf16", *args])
+    one_line_error(done, *needles)
 
 
 @pytest.mark.libs

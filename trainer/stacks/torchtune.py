@@ -192,12 +192,15 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
+def wrap_ranks(net: torch.nn.Module, setup: TrainSetup, custom_sharded_layers: list[str] | None = None,
+               reshard_after_forward: bool = True) -> torch.nn.Module:
     """The model as torchtune's distributed recipes (full_finetune_distributed, lora_finetune_distributed) shard it:
     ``training.shard_model(model, shard_conditions=[partial(training.get_shard_conditions,
-    names_to_match=custom_sharded_layers)], cpu_offload=False, reshard_after_forward=True)``, the configs' defaults
-    (``custom_sharded_layers`` unset, ``fsdp_cpu_offload: False``, ``fsdp_reshard_after_forward: True``):
-    ``fully_shard`` of every ``layers.i`` (its checkpoint wrapper under activation checkpointing), then of the
+    names_to_match=custom_sharded_layers)], cpu_offload=False, reshard_after_forward=reshard_after_forward)``
+    with the configs' keys ``custom_sharded_layers`` (None: unset; ``['tok_embeddings', 'output']``: the 8B and
+    70B full-finetune configs', each of those modules an FSDP2 group of its own) and
+    ``fsdp_reshard_after_forward`` (default True), ``fsdp_cpu_offload: False``: ``fully_shard`` of every
+    ``layers.i`` (its checkpoint wrapper under activation checkpointing) and of each named module, then of the
     root, no ``MixedPrecisionPolicy`` (the recipe's one dtype). torchtune has no DDP."""
     import functools
 
@@ -207,9 +210,18 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
         raise InputError(f"--stack torchtune: --sharding {setup.sharding}: torchtune's distributed recipes shard "
                          "with FSDP2 (accepted: fsdp)")
     with quiet_import():
-        training.shard_model(net, [functools.partial(training.get_shard_conditions, names_to_match=None)],
-                             cpu_offload=False, reshard_after_forward=True)
+        training.shard_model(net, [functools.partial(training.get_shard_conditions,
+                                                     names_to_match=custom_sharded_layers)],
+                             cpu_offload=False, reshard_after_forward=reshard_after_forward)
     return net
+
+
+def rank_wrap_options(spec, setup: TrainSetup, choice: str = "auto") -> dict:
+    """``wrap_ranks``' keywords for the walk's ``--custom-sharded-layers`` ``choice`` (auto: the published configs'
+    choice for the model, ``tt_custom_sharded_layers``): ``custom_sharded_layers`` as the recipe's config names it."""
+    from memplan.memory.stacks.torchtune_fsdp import tt_custom_sharded_layers
+
+    return {"custom_sharded_layers": list(tt_custom_sharded_layers(spec, setup, choice)) or None}
 
 
 @contextlib.contextmanager

@@ -8,13 +8,15 @@ Each stack is one module here, a ``Stack`` subclass whose hooks the walk calls a
 - ``transformers.py``: Hugging Face transformers' model and ``Trainer`` step, with peft's LoRA;
 - ``litgpt.py``: litgpt's ``GPT`` and its single-device scripts' step, also under Fabric's DDP (``--sharding ddp``)
   and, with LoRA, finetune_lora's FSDP2 (``--sharding fsdp``: ``litgpt_sharding.py``);
-- ``torchtune.py``: torchtune's ``llama3`` / ``lora_llama3`` and its single-device recipes' step.
+- ``torchtune.py``: torchtune's ``llama3`` / ``lora_llama3`` and its single-device recipes' step;
+  ``torchtune_fsdp.py``: its distributed recipes' ``custom_sharded_layers`` (FSDP2 groups of their own).
 
 Each has a same-named twin on the trainer's side, ``trainer/stacks/<name>.py``, which builds the library's
 model and runs its step on fake tensors (``memplan trace --stack``). ``REGISTRY`` names them all, in the
 order the flags list them; the ``check_*`` functions below take a ``--stack`` name, look its stack up and
-ask it. The stacks import ``memplan.memory.terms`` and nothing else of the walk: the walk takes the stack
-object it is given.
+ask it. The stacks import ``memplan.memory.terms`` and nothing else of the walk (but a stack's own FSDP2 layout,
+a ``memplan.memory.sharding.FullyShard`` subclass its ``fsdp_hook`` returns): the walk takes the stack object it is
+given.
 
 A new stack is one module here (a ``Stack`` subclass: its ``name``, ``library``, what its code takes, the
 hooks its library changes), its class in ``REGISTRY`` below, and its trainer twin ``trainer/stacks/<name>.py``
@@ -22,6 +24,8 @@ hooks its library changes), its class in ``REGISTRY`` below, and its trainer twi
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from memplan.errors import InputError
 from memplan.memory.stacks.base import LOSS_DTYPES, Stack
@@ -109,6 +113,24 @@ def stack_from_flags(stack: str, loss_dtype: str | None, lora_dropout: float | N
     stack_class(stack)().check_walked(setup)
     check_stack_setup(stack, spec, setup)
     return stack_for(stack, loss_dtype, lora_dropout if setup.lora_rank else 0.0)
+
+
+def with_custom_sharded_layers(stack: Stack, choice: str, spec, setup, reshard_after_forward: bool = True) -> Stack:
+    """``stack`` with torchtune's ``custom_sharded_layers`` set to ``choice`` (``--custom-sharded-layers``) and its
+    ``fsdp_reshard_after_forward``, or the one-line InputError: another stack or no FSDP (accepted there: auto and
+    the default), a value not taken, a tied head's ``tok_embeddings`` (``tt_check_custom_sharded_layers``), groups
+    of their own kept from forward to backward (not walked)."""
+    from memplan.memory.stacks.torchtune_fsdp import tt_check_custom_sharded_layers, tt_custom_sharded_layers
+
+    flag = f"--custom-sharded-layers {choice}" if reshard_after_forward else "--no-fsdp-reshard-after-forward"
+    if stack.name != "torchtune" or setup.sharding != "fsdp":
+        raise InputError(f"{flag}: torchtune's FSDP2 layout applies to --stack torchtune --sharding fsdp "
+                         "(accepted otherwise: --custom-sharded-layers auto, --fsdp-reshard-after-forward)")
+    tt_check_custom_sharded_layers(spec, choice)
+    if not reshard_after_forward and tt_custom_sharded_layers(spec, setup, choice):
+        raise InputError("--no-fsdp-reshard-after-forward: not walked with the embedding and head as groups of "
+                         "their own (accepted with it: --custom-sharded-layers none)")
+    return dataclasses.replace(stack, custom_sharded_layers=choice, fsdp_reshard_after_forward=reshard_after_forward)
 
 
 def walked_for(stack: Stack, setup) -> Stack:

@@ -114,14 +114,20 @@ class Stack:
             raise InputError(f"--stack {self.name}: memplan's own trainer does not build the {spec.arch} family "
                              f"(accepted for {spec.arch}: --stack {', '.join(others)})")
 
+    def fsdp_words(self, spec, setup) -> str:
+        """estimate's Setup words for the stack's own FSDP2 layout: "" for memplan's."""
+        return ""
+
+    def fsdp_hook(self, spec, setup, rank: int, collectives: str):
+        """The walk's FSDP2 sharding hook for the stack's layout: memplan's ``memory.sharding.FullyShard`` (the stack's
+        root per ``fsdp_root_reshards_after_forward``)."""
+        from memplan.memory.sharding import FullyShard
+
+        return FullyShard(spec, setup, rank, collectives, self)
+
     def check_walked(self, setup) -> None:
         """The one-line InputError where the walk does not follow ``setup``'s checkpointing or sharding for the
         stack (checked before ``check_lora_targets``): memplan's own walk follows them all."""
-
-    def fsdp_sharding(self, spec, setup, rank: int, collectives: str):
-        """The walk's FSDP2 hook for the stack's own layout (litgpt's finetune_lora: ``memory.stacks.litgpt_sharding``);
-        None: memplan's (``memory.sharding.FullyShard``)."""
-        return None
 
     def check_setup(self, spec, setup) -> None:
         """The one-line InputError where the stack's code does not run ``setup``'s step for ``spec``, beyond

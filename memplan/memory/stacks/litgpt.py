@@ -544,7 +544,7 @@ class LitgptStack(Stack):
     def lora_bytes_delta(self, spec, setup) -> int:
         return lit_lora_bytes_delta(spec, setup)
 
-    def fsdp_sharding(self, spec, setup, rank: int, collectives: str):
+    def fsdp_hook(self, spec, setup, rank: int, collectives: str):
         """finetune_lora's FSDP2 (``memory.stacks.litgpt_sharding.LitFullyShard``)."""
         from memplan.memory.stacks.litgpt_sharding import LitFullyShard
 

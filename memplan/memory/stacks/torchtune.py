@@ -9,6 +9,7 @@ line of torchtune that makes it (several are litgpt's: ``memplan.memory.stacks.l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from memplan.errors import InputError
@@ -16,6 +17,8 @@ from memplan.memory.stacks.base import FP32, Stack, _a, _n
 from memplan.memory.stacks.litgpt import (check_lib_setup, lib_first_block_saved_bytes, lib_lora_head_saved_bytes,
                                           lib_lora_saved_bytes, lit_lora_bytes_delta, lit_norm_saved_bytes,
                                           qkv_enabled)
+from memplan.memory.stacks.torchtune_fsdp import (tt_check_custom_sharded_layers, tt_custom_sharded_layers,
+                                                  tt_fsdp_sharding)
 from memplan.memory.terms import lora_adapter_shapes, rope_buffer_bytes
 
 
@@ -172,6 +175,7 @@ def tt_fsdp_root_reshards_after_forward() -> bool:
     return True
 
 
+@dataclass(frozen=True)
 class TorchtuneStack(Stack):
     """torchtune's ``TransformerDecoder`` and its recipes' step: the hooks above at the walk's fixed points."""
 
@@ -193,6 +197,22 @@ class TorchtuneStack(Stack):
     searched_optimizers: ClassVar[tuple[str, ...]] = ("adamw-fused", "adamw", "adamw8bit")
     step_words: ClassVar[str] = ", torchtune's step"
 
+    # the distributed recipes' ``custom_sharded_layers`` (``--custom-sharded-layers``: auto, the published configs'
+    # choice for the model, ``memory.stacks.torchtune_fsdp.tt_custom_sharded_layers``)
+    custom_sharded_layers: str = "auto"
+    fsdp_reshard_after_forward: bool = True  # the recipes' default (``--no-fsdp-reshard-after-forward``: False)
+
+    def fsdp_hook(self, spec, setup, rank: int, collectives: str):
+        return tt_fsdp_sharding(spec, setup, rank, collectives, self)
+
+    def fsdp_words(self, spec, setup) -> str:
+        """The layout walked under FSDP: custom_sharded_layers (what auto chose) and fsdp_reshard_after_forward."""
+        if setup.sharding != "fsdp":
+            return ""
+        layers = tt_custom_sharded_layers(spec, setup, self.custom_sharded_layers)
+        return (f", custom_sharded_layers {','.join(layers) if layers else 'unset'}"
+                + ("" if self.fsdp_reshard_after_forward else ", fsdp_reshard_after_forward false"))
+
     def check_builds(self, spec, accepted: tuple[str, ...]) -> None:
         """torchtune's families are checked with the rest of its setup (``check_setup``)."""
 
@@ -203,6 +223,7 @@ class TorchtuneStack(Stack):
         """``check_lib_setup``'s, and torchtune's ``lora_llama3`` needs an attention module among
         ``lora_attn_modules``."""
         check_lib_setup(self, spec, setup)
+        tt_check_custom_sharded_layers(spec, self.custom_sharded_layers)
         if setup.lora_rank and not {"qkv", "proj"} & set(setup.lora):
             raise InputError(f"--lora-targets {setup.lora_targets}: torchtune's lora_llama3 needs an attention "
                              "module among lora_attn_modules (accepted: at least one of qkv, q, k, v, proj)")
