@@ -108,7 +108,7 @@ def check(setup: TrainSetup) -> None:
     if setup.attention != "sdpa":
         raise InputError("--stack litgpt: litgpt's attention is torch's scaled_dot_product_attention "
                          "(accepted: --attention sdpa)")
-    if setup.checkpointing != "none":
+    if setup.checkpointing != "none" and not (finetune_full(setup) and setup.world_size > 1):
         raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing}: litgpt checkpoints blocks only "
                          "under FSDP with several devices; one device has none (accepted: none)")
     if setup.optimizer not in ("adamw", "adamw-fused"):
@@ -154,8 +154,8 @@ def make_optimizer(net: torch.nn.Module, setup: TrainSetup) -> torch.optim.Optim
 
     if setup.optimizer == "adamw-fused":
         extra = {"fused": True}
-    elif setup.lora_rank:
-        extra = {}  # finetune/lora.py
+    elif setup.lora_rank or finetune_full(setup):
+        extra = {}  # finetune/lora.py, finetune/full.py
     else:
         extra = {"fused": next(net.parameters()).device.type == "cuda"}  # pretrain.py
     return instantiate_torch_optimizer("AdamW", net.parameters(), **extra)
@@ -185,16 +185,26 @@ def train_step(model, optimizer, micro_batches, setup: TrainSetup, device_type: 
             if setup.lora_rank:
                 logits[-1] = logits[-1][..., :-1, :]
                 loss = chunked_cross_entropy(logits, targets[..., 1:])
+            elif finetune_full(setup):  # finetune/full.py
+                loss = chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])
             else:
                 loss = chunked_cross_entropy(logits, targets)
             if after_forward is not None:
                 after_forward(i)
             (loss / n).backward()  # fabric.backward
     # the scripts keep ``logits`` and ``loss`` (locals of their loop) through the optimizer step
-    if not setup.lora_rank:  # fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
+    if hasattr(model, "clip_grad_norm_") and not finetune_full(setup):  # FSDPStrategy.clip_gradients_norm
+        model.clip_grad_norm_(max_norm=PRETRAIN_MAX_NORM)
+    elif not setup.lora_rank and not finetune_full(setup):  # fabric.clip_gradients(model, optimizer, max_norm=...)
         torch.nn.utils.clip_grad_norm_(model.parameters(), PRETRAIN_MAX_NORM, error_if_nonfinite=False)
     optimizer.step()
     optimizer.zero_grad()
+
+
+def finetune_full(setup: TrainSetup) -> bool:
+    """Whether the step is finetune/full.py's (FSDP with its checkpointed blocks, ``fsdp_strategy``): the loss over
+    ``logits[..., :-1, :]``, no clipping, torch's AdamW without ``fused``; else pretrain.py's."""
+    return setup.sharding == "fsdp" and setup.checkpointing == "full" and not setup.lora_rank
 
 
 def _no_backward_sync(model, accumulating: bool):
@@ -207,16 +217,64 @@ def _no_backward_sync(model, accumulating: bool):
 
 
 def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
-    """The model as ``fabric.setup`` wraps it under ``Fabric(strategy="ddp")``: ``DDPStrategy.setup_module``'s
+    """The model as ``fabric.setup`` wraps it over several devices.
+
+    ``--sharding ddp``: ``Fabric(strategy="ddp")``, ``DDPStrategy.setup_module``'s
     ``DistributedDataParallel(module=module, device_ids=None)`` on the CPU, PyTorch's defaults otherwise
     (``gradient_as_bucket_view=False``, ``broadcast_buffers=True``) (lightning/fabric/strategies/ddp.py).
-    Only DDP: litgpt's own FSDP layouts (``lit_check_sharding``) are not walked."""
+
+    ``--sharding fsdp``: litgpt's own strategy with devices > 1 (``fsdp_strategy``), through Fabric's
+    ``FSDPStrategy.setup_module`` itself (torch's FSDP1 ``FullyShardedDataParallel`` with ``use_orig_params=True``,
+    ``ModuleWrapPolicy({Block})``, the precision plugin's ``MixedPrecision``, ``device_id`` None on the CPU, then
+    ``checkpoint_wrapper`` around every ``Block`` for finetune_full), the step's precision plugin replaced by
+    Fabric's ``FSDPPrecision`` (which ``Fabric(strategy=FSDPStrategy(...))`` selects)."""
+    if setup.sharding == "fsdp":
+        return _wrap_fsdp(net, setup)
     from torch.nn.parallel import DistributedDataParallel
 
     if setup.sharding != "ddp":
-        raise InputError(f"--stack litgpt: --sharding {setup.sharding} is not run on ranks here (accepted: ddp)")
+        raise InputError(f"--stack litgpt: --sharding {setup.sharding} is not run on ranks here (accepted: ddp, fsdp)")
     wrapped = DistributedDataParallel(module=net, device_ids=None)
     wrapped._memplan_precision = net._memplan_precision  # the step reads the plugin off the model it is given
+    return wrapped
+
+
+FABRIC_PRECISION = {"fp32": "32-true", "tf32": "32-true", "bf16-mixed": "bf16-mixed", "bf16": "bf16-true"}
+
+
+def fsdp_strategy(setup: TrainSetup):
+    """The ``FSDPStrategy`` litgpt's scripts make with devices > 1: pretrain.py's ``FSDPStrategy(auto_wrap_policy=
+    {Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD")``; finetune/full.py's (``--checkpointing
+    full``) ``FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, state_dict_type="full",
+    limit_all_gathers=True, cpu_offload=False)`` (FULL_SHARD). On one node HYBRID_SHARD shards over the node's
+    ranks as FULL_SHARD does (its replication group has one member); over a single gloo group here, FULL_SHARD."""
+    from lightning.fabric.plugins.precision import FSDPPrecision
+    from lightning.fabric.strategies import FSDPStrategy
+    from litgpt.model import Block
+
+    kwargs = dict(auto_wrap_policy={Block}, state_dict_type="full",
+                  precision=FSDPPrecision(FABRIC_PRECISION[setup.precision]))
+    if setup.checkpointing == "full":
+        kwargs.update(activation_checkpointing_policy={Block}, limit_all_gathers=True, cpu_offload=False)
+    return FSDPStrategy(**kwargs)
+
+
+def _wrap_fsdp(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
+    """``FSDPStrategy.setup_module`` (lightning/fabric/strategies/fsdp.py) with the strategy's own arguments:
+    ``FullyShardedDataParallel(module, cpu_offload=..., mixed_precision=self.mixed_precision_config,
+    sharding_strategy=..., device_id=self.root_device.index, **self._fsdp_kwargs)``, then
+    ``_setup_activation_checkpointing``. One deviation: on the CPU ``root_device.index`` is None, which torch's FSDP1
+    takes as "find an accelerator" and refuses; the CPU is given as ``torch.device("cpu")``."""
+    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    strategy = fsdp_strategy(setup)
+    wrapped = FullyShardedDataParallel(module=net, cpu_offload=strategy.cpu_offload,
+                                       mixed_precision=strategy.mixed_precision_config,
+                                       sharding_strategy=strategy.sharding_strategy, device_id=torch.device("cpu"),
+                                       **strategy._fsdp_kwargs)
+    _setup_activation_checkpointing(wrapped, strategy._activation_checkpointing_kwargs)
+    wrapped._memplan_precision = strategy.precision
     return wrapped
 
 
