@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import memplan.memory.compiled as compiled
 import memplan.memory.lora as lora
 from memplan.memory.ledger import CATEGORIES, Moment, _StepWalk  # noqa: F401  (walk.Moment: callers import it here)
+from memplan.memory.fsdp1 import FlatShard
 from memplan.memory.sharding import FullyShard, Replicated
 from memplan.memory.terms import (LOWP_WEIGHT_BYTES, NORM_BACKWARD_FP32_BUFFERS, NORM_FORWARD_FP32_BUFFERS,
                                   _layer_matrices, act_bytes, attention_output_copy_bytes, attention_scores_bytes,
@@ -877,7 +878,8 @@ class _Step:
         scratch = self.sh.optimizer_temporary_bytes()
         if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
             scratch += self.extra_adapters
-        scratch += self.stack.optimizer_scratch_bytes(self.spec, self.cs)  # a stack's own optimizer loop
+        if not getattr(self.sh, "owns_stack_optimizer_scratch", False):  # (FSDP1's hook counts litgpt's own)
+            scratch += self.stack.optimizer_scratch_bytes(self.spec, self.cs)  # a stack's own optimizer loop
         w.alloc("temporaries", scratch)
         w.free("temporaries", scratch)
 
@@ -885,6 +887,8 @@ class _Step:
 def sharding_hook(spec: ModelSpec, setup: TrainSetup, stack: Stack = MEMPLAN, rank: int = 0,
                   collectives: str = "nccl") -> Replicated:
     """The sharding hook of ``setup``'s step: ``FullyShard`` of ``rank`` under FSDP, else ``Replicated``."""
+    if setup.sharding == "fsdp" and stack.fsdp_layout == "fsdp1":  # litgpt's scripts: Fabric's FSDPStrategy
+        return FlatShard(spec, setup, rank, collectives, stack)
     if setup.sharding == "fsdp":
         return FullyShard(spec, setup, rank, collectives, stack)
     return Replicated(spec, setup, stack)

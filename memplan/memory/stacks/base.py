@@ -58,6 +58,9 @@ class Stack:
     # fully_shard's default (None: the root keeps its parameters from forward to backward), the root reshards
     # when its forward ends and all-gathers again at its pre-backward (``memory.sharding.FullyShard``)
     fsdp_root_reshards_after_forward: ClassVar[bool] = False
+    # whose FSDP the stack's code runs: "fsdp2" (``memory.sharding.FullyShard``) or "fsdp1" (litgpt's Fabric
+    # FSDPStrategy: ``memory.fsdp1.FlatShard``)
+    fsdp_layout: ClassVar[str] = "fsdp2"
     lora_default_dropout: ClassVar[float] = 0.0  # the stack's own LoRA dropout (peft's and torchtune's configs: 0.0)
     # memplan's trainer and torchtune's ``lora_llama3_2`` do not adapt a head tied to the token embedding
     adapts_tied_head: ClassVar[bool] = False

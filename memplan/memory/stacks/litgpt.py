@@ -354,17 +354,30 @@ def lit_block_saved_bytes(spec, setup, dropout: float, cpu: bool) -> int:
 
 
 def lit_check_sharding(setup) -> None:
-    """The one-line InputError for ``--sharding fsdp``: litgpt shards in two ways of its own, neither the
-    walk's FSDP2 hook (``memory.sharding.FullyShard``: memplan's step, one group per block and the root).
-    pretrain.py: ``FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full",
-    sharding_strategy="HYBRID_SHARD")``, FSDP1's flat parameters, sharded within a node and replicated across
-    nodes; finetune/lora.py: ``ModelParallelStrategy(parallelize_fn=parallelize_fn)``, FSDP2 over every
-    trainable ``nn.Linear``, every ``Block`` and its ``checkpoint_wrapper`` (each block checkpointed), then the
-    root."""
-    if setup.sharding == "fsdp":
-        raise InputError("--stack litgpt: --sharding fsdp: litgpt shards with its own FSDP layouts (pretrain: FSDP1 "
-                         "HYBRID_SHARD; finetune_lora: FSDP2 per Linear with checkpointed blocks), which the walk "
-                         "does not follow (accepted: none, ddp)")
+    """The one-line InputError where the walk does not follow litgpt's layout over several devices.
+
+    Walked: Fabric's DDPStrategy, and the FSDP1 ``FSDPStrategy`` of pretrain.py (``--checkpointing none``) and
+    finetune/full.py (``--checkpointing full``: its ``activation_checkpointing_policy={Block}``), one micro-batch
+    (``memory.fsdp1.FlatShard``). Not walked: finetune/lora.py's ``ModelParallelStrategy(parallelize_fn=
+    parallelize_fn)``, FSDP2 over every trainable ``nn.Linear``, every ``Block`` and its ``checkpoint_wrapper``,
+    then the root; FSDP1's ``no_sync`` accumulation (unsharded gradients kept across micro-batches); FSDP1
+    with ``--checkpointing`` other than pretrain's none or finetune_full's full."""
+    if setup.sharding != "fsdp":
+        if setup.checkpointing != "none":
+            raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing}: litgpt checkpoints blocks only "
+                             "under FSDP with several devices (finetune_full); one device or DDP has none "
+                             "(accepted: none)")
+        return
+    if setup.lora_rank:
+        raise InputError("--stack litgpt: --sharding fsdp with LoRA: finetune_lora shards with FSDP2 per Linear and "
+                         "checkpointed blocks, which the walk does not follow yet (accepted: --sharding none, ddp)")
+    if setup.grad_accum > 1:
+        raise InputError(f"--stack litgpt: --sharding fsdp --grad-accum {setup.grad_accum}: FSDP1's no_sync "
+                         "accumulation (unsharded gradients kept across micro-batches) is not walked (accepted: "
+                         "--grad-accum 1)")
+    if setup.checkpointing not in ("none", "full"):
+        raise InputError(f"--stack litgpt: --sharding fsdp --checkpointing {setup.checkpointing}: litgpt's FSDP "
+                         "checkpoints whole blocks (finetune_full) or none (pretrain) (accepted: none, full)")
 
 
 def lit_ddp_gradient_as_bucket_view() -> bool:
@@ -386,8 +399,9 @@ class LitgptStack(Stack):
     archs: ClassVar[tuple[str, ...]] = ("llama", "gpt_neox")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16-mixed", "bf16")
     attentions: ClassVar[tuple[str, ...]] = ("sdpa",)
-    checkpointings: ClassVar[tuple[str, ...]] = ("none",)
-    shardings: ClassVar[tuple[str, ...]] = ("none", "ddp")  # Fabric's DDPStrategy (lit_check_sharding)
+    checkpointings: ClassVar[tuple[str, ...]] = ("none", "full")  # full: finetune_full's FSDP (lit_check_sharding)
+    shardings: ClassVar[tuple[str, ...]] = ("none", "ddp", "fsdp")  # Fabric's DDP and FSDP1 (lit_check_sharding)
+    fsdp_layout: ClassVar[str] = "fsdp1"  # Fabric's FSDPStrategy: FSDP1's flat parameters (memory.fsdp1)
     lora_default_dropout: ClassVar[float] = 0.05  # finetune/lora.py's lora_dropout
     upcasts_output: ClassVar[bool] = True  # Fabric's convert_output: the fp32 logits, the bf16 ones freed
     adapts_tied_head: ClassVar[bool] = True  # litgpt's GPT has its own lm_head (lit_walked_spec)
