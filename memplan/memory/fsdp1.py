@@ -152,12 +152,14 @@ def fsdp1_optimizer_state_bytes(spec: ModelSpec, setup: TrainSetup, rank: int = 
 
 def fsdp1_optimizer_scratch_bytes(spec: ModelSpec, setup: TrainSetup, rank: int, cpu: bool) -> int:
     """The AdamW step's scratch over ``rank``'s pieces (litgpt's optimizer, ``lit_walked_setup``): fused, 0; on
-    the CPU torch's for-loop ``_single_tensor_adamw``, 3 × the largest piece (``denom`` and its two temporaries,
-    see ``lit_optimizer_scratch_bytes``); foreach, every piece once (litgpt gives AdamW one parameter group)."""
+    the CPU torch's for-loop ``_single_tensor_adamw``, 2 × the largest piece: ``denom = (exp_avg_sq.sqrt() /
+    bias_correction2_sqrt).add_(eps)``, the square root and the quotient alive together (every other update is
+    in place on the piece's views: ``param.addcdiv_(exp_avg, denom, ...)``); foreach, every piece once (litgpt
+    gives AdamW one parameter group)."""
     pieces = fsdp1_local_numels(spec, setup, rank)
     if setup.optimizer == "adamw-fused" and not cpu:
         return 0
-    return (3 * max(pieces) if cpu else sum(pieces)) * setup.param_bytes
+    return (2 * max(pieces) if cpu else sum(pieces)) * setup.param_bytes
 
 
 class FlatShard(FullyShard):
