@@ -72,8 +72,12 @@ def test_estimate_plans_litgpts_ddp_row():
 
 
 @pytest.mark.parametrize("args,needles", [
-    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp"],
-     ["--sharding fsdp", "FSDP1 HYBRID_SHARD", "FSDP2 per Linear", "accepted: none, ddp"]),
+    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--lora-rank", "8"],
+     ["--sharding fsdp with LoRA", "FSDP2 per Linear", "accepted: --sharding none, ddp"]),
+    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--grad-accum", "2"],
+     ["--grad-accum 2", "no_sync", "accepted: --grad-accum 1"]),
+    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--checkpointing", "selective"],
+     ["--checkpointing selective", "finetune_full", "accepted: none, full"]),
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "ddp"],
      ["--sharding ddp", "no DDP", "accepted: none, fsdp"]),
 ])
@@ -82,9 +86,9 @@ def test_a_sharding_the_walk_does_not_follow_is_one_line_naming_why(args, needle
     one_line_error(done, *needles)
 
 
-def test_autotune_searches_ddp_for_litgpt_over_several_devices():
+def test_autotune_searches_ddp_and_fsdp_for_litgpt_over_several_devices():
     h100 = load_profile("h100-sxm")
-    assert search_axes(stack_for("litgpt"), h100, world_size=2)["sharding"] == ("ddp",)
+    assert search_axes(stack_for("litgpt"), h100, world_size=2)["sharding"] == ("ddp", "fsdp")
     done = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "h100-sxm", "--ctx", "1024",
                                     "--stack", "litgpt", "--world-size", "2", "--json"])
     assert done.exit_code == 0, done.output
@@ -93,6 +97,70 @@ def test_autotune_searches_ddp_for_litgpt_over_several_devices():
 
 
 FSDP = DDP.replace(sharding="fsdp")
+NEOX = ModelSpec(arch="gpt_neox", layers=2, hidden=68, heads=4, kv_heads=4, ffn=272, vocab=8001, tied=False)
+
+
+def test_litgpts_fsdp1_flat_parameters_align_each_tensor_and_pad_the_shard():
+    """FSDP1 with ``use_orig_params`` starts every tensor of a flat parameter on 16 bytes: a gpt_neox Block of width
+    68 (biases of 68 elements) holds 24 padding elements in bf16 (8-element alignment) and none in fp32 (4); each
+    rank's shard is ceil(flat/W), and the pieces of the parameters on the two ranks are every element once."""
+    from memplan.memory.fsdp1 import fsdp1_flat_numel, fsdp1_local_pieces, fsdp1_shard_numel, lit_block_param_numels
+
+    block = lit_block_param_numels(NEOX)
+    assert sum(block) == NEOX.layer_params
+    assert fsdp1_flat_numel(block, 4) == NEOX.layer_params
+    assert fsdp1_flat_numel(block, 2) == NEOX.layer_params + 24
+    assert fsdp1_shard_numel(block, 2, 3) == -(-(NEOX.layer_params + 24) // 3)
+    pieces = [fsdp1_local_pieces(block, 2, 2, rank) for rank in (0, 1)]
+    assert [a + b for a, b in zip(*pieces)] == block
+    assert pieces[0][0] == block[0] and pieces[1][0] == 0  # norm_1 on rank 0 only: no state on rank 1
+
+
+def test_litgpts_fsdp1_keeps_the_root_gathered_and_one_block_at_a_time():
+    """Fabric's FSDPStrategy (FSDP1): at the end of the forward every block is resharded but the root keeps its
+    unsharded flat parameter (W·s(root)·c: embedding, head, final norm) for the backward, where torchtune's FSDP2
+    root holds nothing more; the step starts with the shards only, 1/W of the model, padded."""
+    from memplan.memory.fsdp1 import fsdp1_sharded_weight_bytes, fsdp1_unsharded_bytes
+    from memplan.memory.terms import rope_buffer_bytes
+    from memplan.memory.walk import walk_step
+
+    lit = stack_for("litgpt")
+    walk = walk_step(LLAMA, FSDP, stack=lit)
+    at = {m.name: m.bytes["weights"] for m in walk.marks}
+    buffers = rope_buffer_bytes(LLAMA, FSDP) + lit.buffer_bytes_delta(LLAMA, FSDP)
+    assert at["start of forward"] - buffers == fsdp1_sharded_weight_bytes(LLAMA, FSDP) == (LLAMA.params // 2) * 4
+    assert at["end of forward"] - at["start of forward"] == fsdp1_unsharded_bytes(LLAMA, FSDP, "root") == \
+        (LLAMA.params - LLAMA.layers * LLAMA.layer_params) * 4
+
+
+def test_litgpts_fsdp1_reduces_in_bf16_and_casts_the_shard_to_fp32():
+    """Fabric's bf16-mixed under FSDP is ``MixedPrecision(param_dtype=reduce_dtype=bf16)`` over fp32 shards: the
+    gathered flat parameter and the reduce-scatter are 2 bytes an element, the gradient the optimizer gets is the
+    shard cast back to the parameters' fp32 (4), and the optimizer state is fp32 over this rank's pieces."""
+    from memplan.memory.fsdp1 import (fsdp1_local_numels, fsdp1_optimizer_state_bytes, fsdp1_reduced_grad_bytes,
+                                      fsdp1_shard, fsdp1_sharded_grad_bytes, fsdp1_unsharded_bytes)
+
+    mixed = FSDP.replace(precision="bf16-mixed")
+    s = fsdp1_shard(LLAMA, mixed, "block")
+    assert fsdp1_unsharded_bytes(LLAMA, mixed, "block") == 2 * s * 2
+    assert (fsdp1_reduced_grad_bytes(LLAMA, mixed, "block"), fsdp1_sharded_grad_bytes(LLAMA, mixed, "block")) == \
+        (s * 2, s * 4)
+    on_rank0 = sum(1 for n in fsdp1_local_numels(LLAMA, mixed, 0) if n)  # parameters with a piece there: a step each
+    assert fsdp1_optimizer_state_bytes(LLAMA, mixed, 0) == 2 * (LLAMA.params // 2) * 4 + 4 * on_rank0
+
+
+def test_estimate_plans_litgpts_fsdp():
+    """``estimate --stack litgpt --world-size 2 --sharding fsdp``, refused before (one line naming FSDP1
+    HYBRID_SHARD), is walked (Fabric's FSDPStrategy): each rank holds half the optimizer state of one device."""
+    args = [*BASE[:-2], "--precision", "bf16", "--stack", "litgpt", "--json"]
+    one = CliRunner().invoke(app, ["estimate", *args])
+    two = CliRunner().invoke(app, ["estimate", *args, "--world-size", "2", "--sharding", "fsdp"])
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    one, two = json.loads(one.stdout)["memory"], json.loads(two.stdout)["memory"]
+    assert two["optimizer"] < 0.51 * one["optimizer"]
+    full = CliRunner().invoke(app, ["estimate", *args, "--world-size", "2", "--sharding", "fsdp", "--checkpointing",
+                                    "full"])
+    assert full.exit_code == 0, full.output  # finetune_full's checkpointed blocks
 
 
 def test_torchtunes_root_reshards_after_forward_where_memplans_keeps_its_parameters():
@@ -213,6 +281,35 @@ def test_the_ranks_wrap_litgpt_as_fabrics_ddp_strategy_does(tmp_path):
         assert ours.gradient_as_bucket_view is fabrics.gradient_as_bucket_view is False
         assert ours.broadcast_buffers == fabrics.broadcast_buffers
         assert ours.find_unused_parameters == fabrics.find_unused_parameters
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.libs
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_the_ranks_wrap_litgpt_as_fabrics_fsdp_strategy_does(tmp_path, checkpointing):
+    """``wrap_ranks`` under ``--sharding fsdp`` is ``FSDPStrategy.setup_module`` with litgpt's strategy: one FSDP1
+    unit per Block and the root, Fabric's ``use_orig_params=True`` and its precision plugin's MixedPrecision (bf16
+    for bf16-mixed), every Block checkpointed for finetune_full (``--checkpointing full``), none for pretrain."""
+    pytest.importorskip("litgpt")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from trainer.stacks import StackModel
+    from trainer.stacks.litgpt import build_model, wrap_ranks
+
+    setup = TrainSetup(ctx=16, precision="bf16-mixed", world_size=2, sharding="fsdp", checkpointing=checkpointing)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        net = wrap_ranks(build_model(StackModel(spec=SMALL), setup), setup)  # (one gloo rank here)
+        units = [m for m in net.modules() if isinstance(m, FullyShardedDataParallel)]
+        assert len(units) == SMALL.layers + 1 and units[0] is net
+        assert net._use_orig_params and net.mixed_precision.param_dtype == net.mixed_precision.reduce_dtype == \
+            torch.bfloat16
+        wrapped = sum(isinstance(m, CheckpointWrapper) for m in net.modules())
+        assert wrapped == (SMALL.layers if checkpointing == "full" else 0)
     finally:
         dist.destroy_process_group()
 

@@ -399,7 +399,7 @@ class LitgptStack(Stack):
     archs: ClassVar[tuple[str, ...]] = ("llama", "gpt_neox")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16-mixed", "bf16")
     attentions: ClassVar[tuple[str, ...]] = ("sdpa",)
-    checkpointings: ClassVar[tuple[str, ...]] = ("none", "full")  # full: finetune_full's FSDP (lit_check_sharding)
+    checkpointings: ClassVar[tuple[str, ...]] = ("none",)  # and full under FSDP: finetune_full (lit_check_sharding)
     shardings: ClassVar[tuple[str, ...]] = ("none", "ddp", "fsdp")  # Fabric's DDP and FSDP1 (lit_check_sharding)
     fsdp_layout: ClassVar[str] = "fsdp1"  # Fabric's FSDPStrategy: FSDP1's flat parameters (memory.fsdp1)
     lora_default_dropout: ClassVar[float] = 0.05  # finetune/lora.py's lora_dropout
@@ -419,7 +419,8 @@ class LitgptStack(Stack):
         lit_check_sharding(setup)
 
     def check_setup(self, spec, setup) -> None:
-        check_lib_setup(self, spec, setup)
+        finetune_full = setup.sharding == "fsdp" and setup.checkpointing == "full"  # checked by lit_check_sharding
+        check_lib_setup(self, spec, setup.replace(checkpointing="none") if finetune_full else setup)
 
     @property
     def ddp_gradient_as_bucket_view(self) -> bool:
