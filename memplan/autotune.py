@@ -184,10 +184,12 @@ def _pinned(flag: str, value: str, searched: tuple[str, ...], known: tuple[str, 
 
 
 def search_axes(stack: Stack, device: Device, world_size: int = 1, lora_rank: int = 0,
-                precision: str | None = None, checkpointing: str | None = None) -> dict[str, tuple]:
+                precision: str | None = None, checkpointing: str | None = None,
+                sharding: str | None = None) -> dict[str, tuple]:
     """What autotune searches for ``stack`` on ``device``, each axis taken from the stack object's own attributes:
 
-    - sharding: with ``world_size`` > 1, DDP then FSDP where the stack's walk covers them (``Stack.shardings``);
+    - sharding: with ``world_size`` > 1, DDP then FSDP where the stack's walk covers them (``Stack.shardings``),
+      or ``sharding`` alone (the one ``--emit`` can write: ``Writer.emitted_sharding``);
     - precision: ``precision`` alone, else ``precision_candidates(device)`` as the stack trains them
       (``Stack.precisions``; a mixed precision it has no autocast for becomes its pure half precision);
     - checkpointing: ``Stack.checkpointings`` (with LoRA: selective only where ``Stack.lora_with_selective``), or
@@ -202,6 +204,8 @@ def search_axes(stack: Stack, device: Device, world_size: int = 1, lora_rank: in
         if not shardings:
             raise InputError(f"--stack {stack.name}: --world-size {world_size} needs DDP or FSDP, and the walk of "
                              f"{possessive(stack.name)} step covers one device only (accepted: --world-size 1)")
+        if sharding is not None:
+            shardings = _pinned("--sharding", sharding, shardings, SHARDINGS, stack)
     else:
         shardings = ("none",)
     checkpointings = tuple(c for c in CHECKPOINTINGS if c in stack.checkpointings)
@@ -523,7 +527,8 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
              global_batch: int | None = None, budget_bytes: int | None = None, margin: float = DEFAULT_MARGIN,
              tokens: int | None = None, world_size: int = 1, lora_rank: int = 0,
              lora_targets: str = "qkv,proj,up,down", precision: str | None = None,
-             checkpointing: str | None = None, stack: Stack = MEMPLAN, steps: int | None = None) -> AutotuneResult:
+             checkpointing: str | None = None, stack: Stack = MEMPLAN, steps: int | None = None,
+             sharding: str | None = None) -> AutotuneResult:
     """The fastest setup whose predicted peak_reserved fits budget × (1 − margin), at the global batch asked.
 
     ``lora_rank`` > 0 plans a LoRA finetune (frozen weights, adapters on ``lora_targets``).
@@ -556,7 +561,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
     if not_considered:
         notes.append(not_considered)
     ev = _Evaluator(spec, device, speedup, tokens, stack)
-    axes = search_axes(stack, device, world_size, lora_rank, precision, checkpointing)
+    axes = search_axes(stack, device, world_size, lora_rank, precision, checkpointing, sharding)
     shardings, precisions = axes["sharding"], axes["precision"]
     checkpointings, attentions, optimizers = axes["checkpointing"], axes["attention"], axes["optimizer"]
     sizes = divisors(per)

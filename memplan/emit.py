@@ -89,6 +89,11 @@ class Writer:
         """The one-line InputError, before any search, where the stack's config cannot run ``world_size`` devices
         the way the walk plans them; nothing by default."""
 
+    def emitted_sharding(self, world_size: int) -> str | None:
+        """The one sharding the stack's config runs ``world_size`` devices with, where its library picks it itself
+        (``autotune --emit`` searches it alone); None: every sharding the walk covers can be written."""
+        return None
+
 
 # ---- transformers ------------------------------------------------------------------------------------------
 
@@ -251,15 +256,12 @@ class LitgptWriter(Writer):
 
     stack = "litgpt"
 
-    def check_world_size(self, world_size: int) -> None:
-        """litgpt's YAML has ``devices`` but no strategy: its scripts pick one themselves, FSDP whenever devices > 1
-        (pretrain.py and finetune/full.py: ``FSDPStrategy(auto_wrap_policy={Block}, ...)``; finetune/lora.py:
-        ``ModelParallelStrategy``), which the walk does not follow (``lit_check_sharding``), and the DDP the walk
-        plans for several devices cannot be written."""
-        if world_size > 1:
-            raise InputError(f"--emit with --stack litgpt: --world-size {world_size}: litgpt's scripts run several "
-                             "devices only under their own FSDP (devices > 1 picks FSDPStrategy; the YAML has no "
-                             "strategy key for the DDP the walk plans); accepted: --world-size 1")
+    def emitted_sharding(self, world_size: int) -> str | None:
+        """litgpt's YAML has ``devices`` but no strategy: its scripts pick FSDP whenever devices > 1 (pretrain.py:
+        ``FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD")``, the
+        FSDP1 layout the walk follows, ``memory.fsdp1.FlatShard``), so the DDP the walk also covers cannot be
+        written: with several devices the search is FSDP's alone."""
+        return "fsdp" if world_size > 1 else None
 
     def names(self, lora: bool) -> tuple[str, ...]:
         return ("litgpt.yaml",)
@@ -276,6 +278,9 @@ class LitgptWriter(Writer):
             raise _refuse(self.stack, "--optimizer", s.optimizer, ("adamw", "adamw-fused"))
         if s.world_size > 1 and s.sharding != "fsdp":  # several devices: the scripts' FSDPStrategy
             raise _refuse(self.stack, "--sharding", s.sharding, ("fsdp (devices > 1)",))
+        if s.world_size > 1 and s.lora_rank:  # finetune_lora's ModelParallelStrategy: not walked
+            raise _refuse(self.stack, "--lora-rank", f"{s.lora_rank} over {s.world_size} devices",
+                          ("LoRA on one device",))
         if s.lora_rank and s.compile:
             raise _refuse(self.stack, "--compile", "with LoRA", ("no compile: finetune_lora does not compile",))
         script = "finetune_lora" if s.lora_rank else "pretrain"
@@ -314,6 +319,9 @@ class LitgptWriter(Writer):
         if script == "pretrain":
             header.append("pretrain.py compiles the model itself (torch.compile) and fuses AdamW on CUDA, whatever "
                           "the plan")
+        if plan.setup.world_size > 1:  # the FSDP1 layout the walk planned (memory.fsdp1.FlatShard)
+            header.append(f"devices {plan.setup.world_size}: pretrain.py shards with FSDPStrategy(auto_wrap_policy="
+                          "{Block}, sharding_strategy=\"HYBRID_SHARD\"), FSDP1 over the node's devices, as planned")
         return {"litgpt.yaml": _yaml(header, data)}
 
 

@@ -267,10 +267,12 @@ def autotune_command(
         from trainer.stacks import require_installed
 
         require_installed(stack)
+    emitted_sharding = None  # --emit: the one sharding the library's config can ask for (litgpt: its FSDP)
     if emit:  # the stack has a writer, DIR can be written, no file of it is replaced without --force
-        from memplan.emit import check_emit
+        from memplan.emit import check_emit, writer_for
 
         check_emit(emit, stack, lora=False, force=force, world_size=parse_count(world_size, "--world-size"))
+        emitted_sharding = writer_for(stack).emitted_sharding(parse_count(world_size, "--world-size"))
     dev, rates_note = device_flags.local_profile(n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
@@ -280,7 +282,7 @@ def autotune_command(
         tokens=parse_count(tokens, "--tokens") if tokens else None,
         steps=parse_count(max_steps, "--max-steps") if max_steps else None,
         world_size=parse_count(world_size, "--world-size"), stack=walk.stack, checkpointing=checkpointing,
-        precision=precision)
+        precision=precision, sharding=emitted_sharding)
     if not json:
         print_result(result, top, rates_note)
         _print_units(result, global_batch_tokens, tokens)

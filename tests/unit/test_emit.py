@@ -167,6 +167,19 @@ def test_litgpt_yaml_loads_in_litgpts_config_classes():
     assert config.n_layer == 2 and config.n_query_groups == 2
 
 
+@pytest.mark.libs
+def test_litgpt_yaml_over_several_devices_loads_in_litgpts_config_classes():
+    """The FSDP plan over two devices: ``devices: 2`` and a global batch of both devices' micro-batches, which
+    litgpt's TrainArgs turns back into the planned accumulation."""
+    pytest.importorskip("litgpt", reason="litgpt is not installed (pip install 'memplan[litgpt]')")
+    from litgpt.args import TrainArgs
+
+    cfg = yaml.safe_load(render(plan_of(micro_batch=2, grad_accum=1, world_size=2, sharding="fsdp"),
+                                "litgpt")["litgpt.yaml"])
+    assert cfg["devices"] == 2
+    assert TrainArgs(**cfg["train"]).gradient_accumulation_iters(devices=2) == 1
+
+
 # ---- torchtune -------------------------------------------------------------------------------------------
 
 def test_torchtune_yaml_names_the_recipe_and_its_overrides():

@@ -229,13 +229,19 @@ def test_autotune_searches_fsdp_for_torchtune_and_emits_its_distributed_recipe(t
     assert "fsdp_reshard_after_forward: true" in text and "fsdp_cpu_offload: false" in text
 
 
-def test_autotune_emit_for_litgpt_over_several_devices_is_refused_before_the_search(tmp_path):
-    """litgpt's YAML cannot ask for the DDP the walk plans (its scripts pick FSDP whenever devices > 1): one line,
-    before any search (nothing is printed but the error, nothing written)."""
+def test_autotune_emit_for_litgpt_over_several_devices_plans_and_writes_its_fsdp(tmp_path):
+    """litgpt's YAML has ``devices`` but no strategy key (its scripts pick FSDP whenever devices > 1): ``--emit`` with
+    ``--world-size 2`` searches FSDP alone (the DDP the walk also covers cannot be written) and writes pretrain's
+    YAML with ``devices: 2``, its header naming the FSDPStrategy the plan assumed."""
+    import yaml
+
     done = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "h100-sxm", "--ctx", "1024",
-                                    "--stack", "litgpt", "--world-size", "2", "--emit", str(tmp_path / "out")])
-    one_line_error(done, "--emit", "--world-size 2", "FSDPStrategy", "accepted: --world-size 1")
-    assert not (tmp_path / "out").exists()
+                                    "--stack", "litgpt", "--world-size", "2", "--json", "--emit", str(tmp_path / "out")])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["plan"]["sharding"] == "fsdp"
+    text = (tmp_path / "out" / "litgpt.yaml").read_text()
+    assert text.startswith("# litgpt pretrain --config litgpt.yaml") and "HYBRID_SHARD" in text
+    assert yaml.safe_load(text)["devices"] == 2
 
 
 @pytest.mark.libs
