@@ -3,10 +3,12 @@
 litgpt under Fabric's DDP (``Fabric(strategy="ddp")``: ``DistributedDataParallel`` with PyTorch's defaults) keeps
 its buckets beside ``.grad`` (``gradient_as_bucket_view=False``), as transformers' Trainer does; torchtune's
 distributed recipes shard with FSDP2 through ``training.shard_model``, memplan's own layout but for the root, which
-reshards after forward. litgpt's own FSDP layouts and torchtune's DDP (it has none) are refused in one line naming
-why. The walk against two real gloo ranks of each (litgpt's DDP step, torchtune's FSDP2 step) is in
+reshards after forward. litgpt's FSDP1 (pretrain.py's and finetune/full.py's Fabric ``FSDPStrategy``) is walked by
+``memory.fsdp1.FlatShard``; litgpt's FSDP2 LoRA layout and torchtune's DDP (it has none) are refused in one line
+naming why. The walk against two real gloo ranks of each (litgpt's DDP step, torchtune's FSDP2 step) is in
 tests/runs/test_walk_matrices.py (it spawns processes); ``python tests/walk/test_walk_libs_sharding.py litgpt``
-(or ``torchtune``, in that library's environment) prints the whole table.
+(or ``torchtune``, in that library's environment; ``litgpt-fsdp``: litgpt's FSDP1, each rank) prints the whole
+table.
 """
 
 from __future__ import annotations
@@ -349,6 +351,39 @@ FSDP_TABLE = [  # (name, spec, setup): torchtune's FSDP2 over two ranks (fp32, b
     ("heavy fp32, 2 micro-batches", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32", grad_accum=2)),
 ]
 TABLES = {"litgpt": ("ddp", RANKS_TABLE), "torchtune": ("fsdp", FSDP_TABLE)}
+WIDE = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=8000, tied=False)
+FSDP1_TABLE = [  # (name, spec, setup): litgpt's FSDP1 (Fabric's FSDPStrategy) over two ranks; full: finetune_full
+    ("small fp32", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),
+    ("small bf16", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="bf16")),
+    ("small bf16-mixed", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="bf16-mixed")),
+    ("small fp32, finetune_full", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32", checkpointing="full")),
+    ("wide fp32", WIDE, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),
+    ("wide fp32, finetune_full", WIDE, TrainSetup(ctx=128, micro_batch=4, precision="fp32", checkpointing="full")),
+    ("heavy fp32", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32")),
+    ("heavy bf16", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16")),
+    ("heavy bf16-mixed", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16-mixed")),
+    ("heavy fp32, finetune_full", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32", checkpointing="full")),
+    ("heavy bf16, finetune_full", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16", checkpointing="full")),
+    ("gpt_neox width 68 fp32", NEOX, TrainSetup(ctx=16, micro_batch=1, precision="fp32")),
+    ("gpt_neox width 68 bf16", NEOX, TrainSetup(ctx=16, micro_batch=1, precision="bf16")),
+    ("gpt_neox width 68 bf16-mixed, finetune_full", NEOX,
+     TrainSetup(ctx=16, micro_batch=1, precision="bf16-mixed", checkpointing="full")),
+]
+
+
+def _fsdp1_table() -> None:
+    """litgpt's FSDP1 step on two real gloo ranks against the walk (``FlatShard``, gloo) of each rank."""
+    from memplan.memory.peak import peak_memory_of_rank
+    from trainer.stacks import StackModel
+    from trainer.stacks.ranks import measure_stack_ranks
+
+    stack = stack_for("litgpt", cpu=True)
+    for name, spec, one in FSDP1_TABLE:
+        many = one.replace(world_size=2, sharding="fsdp")
+        ranks = [m.peak_allocated for m in measure_stack_ranks("litgpt", StackModel(spec=spec), many)]
+        walked = [peak_memory_of_rank(spec, many, r, stack=stack, collectives="gloo").peak_allocated for r in (0, 1)]
+        print(f"{name:44s} " + "  ".join(f"rank {r}: ranks {m:>11,} walk {w:>11,} {(w - m) / m:+.2%}"
+                                         for r, (m, w) in enumerate(zip(ranks, walked))), flush=True)
 
 
 def _ranks_table(lib: str) -> None:
@@ -372,7 +407,8 @@ def _ranks_table(lib: str) -> None:
 
 
 if __name__ == "__main__":  # the walk against two real ranks: python tests/walk/test_walk_libs_sharding.py litgpt
-    import torch
+    import torch  # (litgpt-fsdp: litgpt's FSDP1 table, each rank)
 
     torch.set_num_threads(1)
-    _ranks_table(sys.argv[1] if len(sys.argv) > 1 else "litgpt")
+    which = sys.argv[1] if len(sys.argv) > 1 else "litgpt"
+    _fsdp1_table() if which == "litgpt-fsdp" else _ranks_table(which)

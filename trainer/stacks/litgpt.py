@@ -25,7 +25,9 @@
   micro-batch's until the next forward returns;
   lora_dropout defaults to finetune_lora's 0.05 and lora_alpha to its 16;
 - checkpointing: litgpt's scripts checkpoint ``Block`` only under FSDP / ModelParallelStrategy
-  with several devices; on one device there is none, so ``--checkpointing full`` is refused.
+  with several devices; on one device there is none, so ``--checkpointing full`` is refused. Over
+  several gloo ranks (``wrap_ranks``), ``--sharding fsdp --checkpointing full`` is finetune/full.py's
+  FSDPStrategy and step (``finetune_full``), ``--sharding fsdp`` alone pretrain.py's.
 
 One deviation, forced by fake tensors: Fabric clips with ``error_if_nonfinite=True``, whose check
 reads the norm's value (``bool`` of a tensor), which a fake tensor does not have. Both the trace
