@@ -148,6 +148,17 @@ def lit_chunked_loss_backward_bytes(spec, setup) -> int:
     return -full if _n(setup) > LIT_LOSS_CHUNK else 0
 
 
+def lit_finetune_full_shifted_loss_bytes(spec, setup) -> int:
+    """What finetune/full.py's loss holds short of the walk's at its backward (≤ 0): ``loss =
+    chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])`` drops each sequence's last position, so its
+    log-probabilities and their gradient cover B·(T−1) rows where the walk's cover B·T: −B·V·4. finetune_full is
+    the one litgpt step with ``--checkpointing full`` (its FSDPStrategy's ``activation_checkpointing_policy=
+    {Block}``; one device has none: ``lit_check_sharding``); 0 for pretrain.py's and finetune/lora.py's steps."""
+    if setup.checkpointing != "full" or setup.lora_rank:
+        return 0
+    return -setup.micro_batch * spec.vocab * FP32
+
+
 def lit_rope_cache_bytes(spec, setup) -> int:
     """litgpt's cos and sin beyond memplan's.
 
@@ -445,7 +456,7 @@ class LitgptStack(Stack):
         return lit_head_chunks(setup)
 
     def chunked_loss_backward_bytes(self, spec, setup) -> int:
-        return lit_chunked_loss_backward_bytes(spec, setup)
+        return lit_chunked_loss_backward_bytes(spec, setup) + lit_finetune_full_shifted_loss_bytes(spec, setup)
 
     def buffer_bytes_delta(self, spec, setup) -> int:
         return lit_rope_cache_bytes(spec, setup)
