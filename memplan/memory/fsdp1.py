@@ -20,12 +20,11 @@ reduce-scatter's (``reduce_dtype`` = ``param_dtype``). Torch-free.
 from __future__ import annotations
 
 from memplan.memory.sharding import FullyShard, fsdp_compute_setup, fsdp_gather_bytes
-from memplan.memory.terms import _layer_matrices
+from memplan.memory.terms import ADAM_STEP_BYTES, _layer_matrices
 from memplan.model import ModelSpec
 from memplan.setup import TrainSetup
 
 FSDP1_ALIGNMENT = 16  # bytes: torch/distributed/fsdp/_flat_param.py, _get_aligned_numel (use_orig_params=True)
-ADAM_STEP_BYTES = 4  # AdamW's fp32 0-dim ``step`` per parameter it has state for
 
 
 def lit_block_param_numels(spec: ModelSpec) -> list[int]:
