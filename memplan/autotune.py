@@ -95,6 +95,16 @@ def default_global_batch_tokens(spec: ModelSpec) -> int:
     raise AssertionError("unreachable")
 
 
+def _accumulates(stack: Stack, base: TrainSetup) -> bool:
+    """Whether the stack's walk follows ``base`` with gradient accumulation (``Stack.check_walked`` of two
+    micro-batches): not litgpt's FSDP1, whose ``no_sync`` accumulation is not walked."""
+    try:
+        stack.check_walked(base.replace(grad_accum=2))
+    except InputError:
+        return False
+    return True
+
+
 def divisors(n: int) -> list[int]:
     """All divisors of n, ascending."""
     small, large = [], []
@@ -179,7 +189,7 @@ def search_axes(stack: Stack, device: Device, world_size: int = 1, lora_rank: in
     """What autotune searches for ``stack`` on ``device``, each axis taken from the stack object's own attributes:
 
     - sharding: with ``world_size`` > 1, DDP then FSDP where the stack's walk covers them (``Stack.shardings``),
-      or ``sharding`` alone;
+      or ``sharding`` alone (``--sharding``, or the one ``--emit`` can write: ``Writer.emitted_sharding``);
     - precision: ``precision`` alone, else ``precision_candidates(device)`` as the stack trains them
       (``Stack.precisions``; a mixed precision it has no autocast for becomes its pure half precision);
     - checkpointing: ``Stack.checkpointings`` (with LoRA: selective only where ``Stack.lora_with_selective``), or
@@ -578,19 +588,20 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
         except InputError as error:
             refused = refused or error
             continue
+        steps_in = accumulating if _accumulates(stack, base) else []  # litgpt's FSDP1: one micro-batch only
 
         def at(m: int, base=base) -> TrainSetup:
             return base.replace(micro_batch=m, grad_accum=per // m)
 
         # bisection over the accumulating micro-batches: memory grows with the micro-batch
-        lo, hi = -1, len(accumulating)
+        lo, hi = -1, len(steps_in)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if ev.peak(at(accumulating[mid])) <= limit:
+            if ev.peak(at(steps_in[mid])) <= limit:
                 lo = mid
             else:
                 hi = mid
-        largest = accumulating[lo] if lo >= 0 else 0
+        largest = steps_in[lo] if lo >= 0 else 0
         whole_fits = ev.peak(at(per)) <= limit
         config = ConfigSearch(setup=base, largest_accumulating=largest, whole_fits=whole_fits)
         configs.append(config)
@@ -598,7 +609,7 @@ def autotune(spec: ModelSpec, device: Device, *, ctx: int, global_batch_tokens: 
         if fitting:  # the configuration's best by the one objective (a smaller micro-batch wins a tie on speed)
             best_points.append(min(fitting, key=ev.rank_key))
         if not whole_fits:  # the first micro-batch that does not fit
-            rejected_points.append(at(accumulating[hi]) if hi < len(accumulating) else at(per))
+            rejected_points.append(at(steps_in[hi]) if hi < len(steps_in) else at(per))
 
     if not configs and refused is not None:  # the stack runs none of them: the first reason, in one line
         raise refused

@@ -85,9 +85,10 @@ class Writer:
     def render(self, plan) -> dict[str, str]:
         raise NotImplementedError
 
-    def check_world_size(self, world_size: int, lora: bool = False) -> None:
-        """The one-line InputError, before any search, where the stack's config cannot run ``world_size`` devices
-        the way the walk plans them (``lora``: the plan trains adapters); nothing by default."""
+    def emitted_sharding(self, world_size: int) -> str | None:
+        """The one sharding the stack's config runs ``world_size`` devices with, where its library picks it itself
+        (``autotune --emit`` searches it alone); None: every sharding the walk covers can be written."""
+        return None
 
 
 # ---- transformers ------------------------------------------------------------------------------------------
@@ -251,17 +252,14 @@ class LitgptWriter(Writer):
 
     stack = "litgpt"
 
-    def check_world_size(self, world_size: int, lora: bool = False) -> None:
-        """litgpt's YAML has ``devices`` but no strategy: its scripts pick one themselves whenever devices > 1.
-        finetune/lora.py's ``ModelParallelStrategy`` (FSDP2, every Block checkpointed) is the walk's ``--sharding
-        fsdp`` with LoRA (``memory.stacks.litgpt_sharding``); pretrain.py's and finetune/full.py's
-        ``FSDPStrategy(auto_wrap_policy={Block}, ...)`` (FSDP1) is not walked, and the DDP the walk plans for
-        several devices cannot be written."""
-        if world_size > 1 and not lora:
-            raise InputError(f"--emit with --stack litgpt: --world-size {world_size} without --lora-rank: litgpt's "
-                             "pretrain runs several devices only under its FSDPStrategy (FSDP1, not walked; the "
-                             "YAML has no strategy key for the DDP the walk plans); accepted: --world-size 1, or "
-                             "--lora-rank (finetune_lora's FSDP2)")
+    def emitted_sharding(self, world_size: int) -> str | None:
+        """litgpt's YAML has ``devices`` but no strategy: its scripts pick FSDP themselves whenever devices > 1
+        (pretrain.py: ``FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy=
+        "HYBRID_SHARD")``, FSDP1, walked as ``memory.fsdp1.FlatShard``; finetune/lora.py: ``ModelParallelStrategy(
+        parallelize_fn=parallelize_fn)``, FSDP2 over checkpointed Blocks, walked as
+        ``memory.stacks.litgpt_sharding.LitFullyShard``), so the DDP the walk also covers cannot be written: with
+        several devices the search is FSDP's alone."""
+        return "fsdp" if world_size > 1 else None
 
     def names(self, lora: bool) -> tuple[str, ...]:
         return ("litgpt.yaml",)
@@ -272,16 +270,18 @@ class LitgptWriter(Writer):
             raise _refuse(self.stack, "--precision", s.precision, LIT_PRECISION)
         if s.attention != "sdpa":
             raise _refuse(self.stack, "--attention", s.attention, ("sdpa",))
-        # several devices: finetune_lora's ModelParallelStrategy (FSDP2, every Block checkpointed by its
-        # parallelize_fn: no YAML key), the walk's --sharding fsdp --checkpointing full with LoRA
+        # several devices with LoRA: finetune_lora's ModelParallelStrategy (FSDP2, every Block checkpointed by its
+        # parallelize_fn: no YAML key), the walk's --sharding fsdp --checkpointing full; pretrain's FSDP1 checkpoints
+        # nothing (finetune/full.py's checkpointed FSDP1 is walked, not written)
         several = s.world_size > 1
-        if s.checkpointing != ("full" if several else "none"):
+        lora_shards = several and bool(s.lora_rank)
+        if s.checkpointing != ("full" if lora_shards else "none"):
             raise _refuse(self.stack, "--checkpointing", s.checkpointing,
-                          ("full (devices > 1: finetune_lora's parallelize_fn)",) if several else ("none",))
+                          ("full (LoRA on devices > 1: finetune_lora's parallelize_fn)",) if lora_shards else ("none",))
         if s.optimizer not in ("adamw", "adamw-fused"):
             raise _refuse(self.stack, "--optimizer", s.optimizer, ("adamw", "adamw-fused"))
-        if several and (s.sharding != "fsdp" or not s.lora_rank):  # several devices: the scripts' own strategy
-            raise _refuse(self.stack, "--sharding", s.sharding, ("fsdp with --lora-rank (devices > 1)",))
+        if several and s.sharding != "fsdp":  # several devices: the scripts' own FSDP strategy
+            raise _refuse(self.stack, "--sharding", s.sharding, ("fsdp (devices > 1)",))
         if s.lora_rank and s.compile:
             raise _refuse(self.stack, "--compile", "with LoRA", ("no compile: finetune_lora does not compile",))
         script = "finetune_lora" if s.lora_rank else "pretrain"
@@ -317,12 +317,15 @@ class LitgptWriter(Writer):
         header = [f"litgpt {script} --config litgpt.yaml   (written by memplan autotune --emit)",
                   f"{plan.model.name or plan.model.arch}: micro-batch {plan.setup.micro_batch} x "
                   f"{plan.setup.grad_accum} accumulation on {plan.setup.world_size} device(s), {data['precision']}"]
-        if plan.setup.world_size > 1:
+        if plan.setup.world_size > 1 and script == "finetune_lora":  # memory.stacks.litgpt_sharding.LitFullyShard
             header.append(f"devices: {plan.setup.world_size} runs finetune_lora's ModelParallelStrategy: FSDP2 "
                           "(parallelize_fn: every Block checkpointed and sharded, then the root), as the walk planned")
         if script == "pretrain":
             header.append("pretrain.py compiles the model itself (torch.compile) and fuses AdamW on CUDA, whatever "
                           "the plan")
+        if plan.setup.world_size > 1 and script == "pretrain":  # the FSDP1 layout the walk planned (memory.fsdp1)
+            header.append(f"devices {plan.setup.world_size}: pretrain.py shards with FSDPStrategy(auto_wrap_policy="
+                          "{Block}, sharding_strategy=\"HYBRID_SHARD\"), FSDP1 over the node's devices, as planned")
         return {"litgpt.yaml": _yaml(header, data)}
 
 
@@ -436,16 +439,14 @@ def writer_for(stack: str) -> Writer:
     return writer
 
 
-def check_emit(directory: str | Path, stack: str, lora: bool, force: bool, world_size: int = 1) -> Path:
-    """``--emit DIR`` checked before any work: the stack has a writer that can run ``world_size`` devices as
-    planned (``Writer.check_world_size``), DIR is a directory (or can be made in an existing, writable one), and
+def check_emit(directory: str | Path, stack: str, lora: bool, force: bool) -> Path:
+    """``--emit DIR`` checked before any work: the stack has a writer, DIR is a directory (or can be made in an existing, writable one), and
     none of the files it would write exists unless ``force``."""
     import os
 
     from memplan.fsutil import check_target
 
     writer = writer_for(stack)
-    writer.check_world_size(world_size, lora)
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise InputError(f"--emit: {str(directory)!r} is a file; give a directory (created if absent)")

@@ -208,16 +208,21 @@ class _NoHandle:
 
 class frozen_params_tracked:
     """MemTracker registers a gradient hook on every parameter of the modules it sees, which torch
-    refuses for a parameter without gradients (LoRA's frozen base). Within this context such a
-    registration is a no-op: a frozen parameter never gets a gradient to report."""
+    refuses for a parameter without gradients (LoRA's frozen base), and its post-accumulate hook for one that is not
+    a leaf (FSDP1 with ``use_orig_params=True`` sets a module's parameters, in its forward, as views of the
+    unsharded flat parameter).
+    Within this context such a registration is a no-op: a frozen parameter never gets a gradient to report, and
+    a view's gradient goes to its flat parameter, whose ``.grad`` MemTracker sees allocated as any tensor."""
 
     _NAMES = ("register_hook", "register_post_accumulate_grad_hook")
 
     def __enter__(self):
         self._originals = {name: getattr(torch.Tensor, name) for name in self._NAMES}
+        post_accumulate = self._originals["register_post_accumulate_grad_hook"]  # (a leaf's only; FSDP1's own
+        # ``register_hook`` on its modules' outputs, not leaves, must be kept)
         for name, original in self._originals.items():
             def register(tensor, hook, _original=original):
-                if not tensor.requires_grad:
+                if not tensor.requires_grad or (_original is post_accumulate and not tensor.is_leaf):
                     return _NoHandle()
                 return _original(tensor, hook)
 

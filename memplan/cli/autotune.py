@@ -19,7 +19,7 @@ from memplan.cli.estimate import PlanStackOpt, stack_for_search
 from memplan.errors import EXIT_NOTHING_FITS, InputError
 from memplan.memory.stacks import shown
 from memplan.units import (GiB, at_least, format_bytes, format_count, format_seconds, parse_count, parse_float,
-                           parse_size)
+                           parse_size, possessive)
 
 _A = "Autotune"
 GlobalBatchTokensOpt = Annotated[Optional[str], typer.Option(
@@ -282,10 +282,16 @@ def autotune_command(
         from trainer.stacks import require_installed
 
         require_installed(stack)
+    emitted_sharding = None  # --emit: the one sharding the library's config can ask for (litgpt: its FSDP)
     if emit:  # the stack has a writer, DIR can be written, no file of it is replaced without --force
-        from memplan.emit import check_emit
+        from memplan.emit import check_emit, writer_for
 
-        check_emit(emit, stack, lora=False, force=force, world_size=parse_count(world_size, "--world-size"))
+        check_emit(emit, stack, lora=False, force=force)
+        emitted_sharding = writer_for(stack).emitted_sharding(parse_count(world_size, "--world-size"))
+        if sharding and emitted_sharding and sharding != emitted_sharding:
+            raise InputError(f"--sharding {sharding} with --emit: {possessive(stack)} config runs --world-size "
+                             f"{world_size} with its own {emitted_sharding.upper()} (accepted with --emit: "
+                             f"--sharding {emitted_sharding})")
     dev, rates_note = device_flags.local_profile(n_threads)
     result = autotune(
         spec, dev, ctx=parse_count(ctx, "--ctx", binary=True),
@@ -295,7 +301,7 @@ def autotune_command(
         tokens=parse_count(tokens, "--tokens") if tokens else None,
         steps=parse_count(max_steps, "--max-steps") if max_steps else None,
         world_size=parse_count(world_size, "--world-size"), stack=walk.stack, checkpointing=checkpointing,
-        precision=precision, sharding=sharding)
+        precision=precision, sharding=sharding or emitted_sharding)
     if not json:
         print_result(result, top, rates_note)
         _print_units(result, global_batch_tokens, tokens)

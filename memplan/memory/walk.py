@@ -878,7 +878,8 @@ class _Step:
         scratch = self.sh.optimizer_temporary_bytes()
         if scratch:  # the foreach scratch of the adapters' group covers the stack's extra adapters too
             scratch += self.extra_adapters
-        scratch += self.stack.optimizer_scratch_bytes(self.spec, self.cs)  # a stack's own optimizer loop
+        if not getattr(self.sh, "owns_stack_optimizer_scratch", False):  # (FSDP1's hook counts litgpt's own)
+            scratch += self.stack.optimizer_scratch_bytes(self.spec, self.cs)  # a stack's own optimizer loop
         w.alloc("temporaries", scratch)
         w.free("temporaries", scratch)
 

@@ -156,14 +156,14 @@ def test_litgpt_lora_yaml_is_finetune_loras():
 
 def test_litgpt_lora_yaml_for_several_devices_is_finetune_loras_fsdp2():
     """``devices: 2`` with LoRA: finetune_lora picks its ModelParallelStrategy itself (FSDP2, every Block
-    checkpointed), the walk's --sharding fsdp --checkpointing full; without LoRA, or as DDP, one line."""
+    checkpointed), the walk's --sharding fsdp --checkpointing full; as DDP, or not checkpointed, one line."""
     plan = plan_of(lora_rank=4, world_size=2, sharding="fsdp", checkpointing="full", micro_batch=2, grad_accum=3)
     text = render(plan, "litgpt")["litgpt.yaml"]
     assert text.startswith("# litgpt finetune_lora --config litgpt.yaml") and "ModelParallelStrategy" in text
     cfg = yaml.safe_load(text)
     assert cfg["devices"] == 2 and cfg["train"]["global_batch_size"] == 2 * 3 * 2
-    for setup, accepted in (({"sharding": "ddp", "checkpointing": "none"}, "full (devices > 1"),
-                            ({"sharding": "ddp"}, "fsdp with --lora-rank"), ({"checkpointing": "none"}, "full")):
+    for setup, accepted in (({"sharding": "ddp", "checkpointing": "none"}, "full (LoRA on devices > 1"),
+                            ({"sharding": "ddp"}, "fsdp (devices > 1)"), ({"checkpointing": "none"}, "full")):
         with pytest.raises(InputError) as e:
             render(plan_of(**{"lora_rank": 4, "world_size": 2, "sharding": "fsdp", "checkpointing": "full",
                               **setup}), "litgpt")
@@ -181,6 +181,19 @@ def test_litgpt_yaml_loads_in_litgpts_config_classes():
     assert train.gradient_accumulation_iters(devices=1) == 4
     config = Config(**cfg["model_config"])
     assert config.n_layer == 2 and config.n_query_groups == 2
+
+
+@pytest.mark.libs
+def test_litgpt_yaml_over_several_devices_loads_in_litgpts_config_classes():
+    """The FSDP plan over two devices: ``devices: 2`` and a global batch of both devices' micro-batches, which
+    litgpt's TrainArgs turns back into the planned accumulation."""
+    pytest.importorskip("litgpt", reason="litgpt is not installed (pip install 'memplan[litgpt]')")
+    from litgpt.args import TrainArgs
+
+    cfg = yaml.safe_load(render(plan_of(micro_batch=2, grad_accum=1, world_size=2, sharding="fsdp"),
+                                "litgpt")["litgpt.yaml"])
+    assert cfg["devices"] == 2
+    assert TrainArgs(**cfg["train"]).gradient_accumulation_iters(devices=2) == 1
 
 
 # ---- torchtune -------------------------------------------------------------------------------------------

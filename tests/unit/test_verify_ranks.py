@@ -65,11 +65,21 @@ def _verified_on_ranks(args: list[str], out: Path, sharding: str) -> dict:
 @pytest.mark.parametrize("args,words", [
     (["--sharding", "ddp"], ["--sharding ddp", "--world-size N"]),  # one device shards nothing
     (["--world-size", "2", "--sharding", "zero3"], ["--sharding", "'zero3'", "accepted: ddp, fsdp"]),
-    (["--world-size", "2", "--sharding", "fsdp", "--stack", "litgpt"], ["--stack litgpt", "accepted: ddp"]),
+    (["--world-size", "2", "--sharding", "ddp", "--stack", "torchtune"], ["--stack torchtune", "accepted: fsdp"]),
 ])
 def test_autotune_sharding_refused_in_one_line(args, words):
     line = one_line_error(run_cli("autotune", "--params", "22m", "--device", "cpu", "--ctx", "256", *args))
     assert all(w in line for w in words), line
+
+
+def test_autotune_sharding_that_the_emitted_config_cannot_run_is_refused_in_one_line(tmp_path):
+    """litgpt's YAML has no strategy key: with several devices its scripts run FSDP, so ``--sharding ddp --emit``
+    is refused before the search, and nothing is written."""
+    line = one_line_error(run_cli("autotune", "--params", "22m", "--device", "cpu", "--ctx", "256", "--stack", "litgpt",
+                                  "--world-size", "2", "--sharding", "ddp", "--emit", str(tmp_path / "out")))
+    assert all(w in line for w in ("--sharding ddp with --emit", "litgpt's config", "accepted with --emit: "
+                                   "--sharding fsdp")), line
+    assert not (tmp_path / "out").exists()
 
 
 def test_sharding_pins_the_search():

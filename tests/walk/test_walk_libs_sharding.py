@@ -3,12 +3,13 @@
 litgpt under Fabric's DDP (``Fabric(strategy="ddp")``: ``DistributedDataParallel`` with PyTorch's defaults) keeps
 its buckets beside ``.grad`` (``gradient_as_bucket_view=False``), as transformers' Trainer does; torchtune's
 distributed recipes shard with FSDP2 through ``training.shard_model``, memplan's own layout but for the root, which
-reshards after forward; litgpt's finetune_lora over several devices is FSDP2 by its own ``parallelize_fn`` (every
-Block checkpointed: ``memory.stacks.litgpt_sharding``). litgpt's pretrain FSDP1 and torchtune's DDP (it has none)
-are refused in one line naming why. The walk against two real gloo ranks of each (litgpt's DDP and FSDP2 steps,
-torchtune's FSDP2 step) is in
+reshards after forward. litgpt's FSDP1 (pretrain.py's and finetune/full.py's Fabric ``FSDPStrategy``) is walked by
+``memory.fsdp1.FlatShard``; litgpt's finetune_lora over several devices is FSDP2 by its own ``parallelize_fn`` (every
+Block checkpointed: ``memory.stacks.litgpt_sharding``). torchtune's DDP (it has none) is refused in one line naming
+why. The walk against two real gloo ranks of each (litgpt's DDP, FSDP1 and FSDP2 steps, torchtune's FSDP2 step) is in
 tests/runs/test_walk_matrices.py (it spawns processes); ``python tests/walk/test_walk_libs_sharding.py litgpt``
-(or ``torchtune``, in that library's environment; ``litgpt-fsdp``: finetune_lora's FSDP2) prints the whole table.
+(or ``torchtune``, in that library's environment; ``litgpt-fsdp``: litgpt's FSDP1, each rank; ``litgpt-lora-fsdp``:
+finetune_lora's FSDP2) prints the whole table.
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ def test_estimate_plans_litgpts_ddp_row():
 
 
 @pytest.mark.parametrize("args,needles", [
-    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp"],
-     ["--sharding fsdp without --lora-rank", "FSDP1", "accepted: none, ddp", "fsdp with --lora-rank"]),
     (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--lora-rank", "4"],
      ["--checkpointing none with --sharding fsdp", "parallelize_fn checkpoints every Block", "accepted: full"]),
     (["--stack", "litgpt", "--checkpointing", "full", "--lora-rank", "4"],
-     ["--checkpointing full", "only under finetune_lora's FSDP2", "accepted: none; full with --sharding fsdp"]),
+     ["--checkpointing full", "only under FSDP with several devices", "accepted: none; full with --sharding fsdp"]),
+    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--grad-accum", "2"],
+     ["--grad-accum 2", "no_sync", "accepted: --grad-accum 1"]),
+    (["--stack", "litgpt", "--world-size", "2", "--sharding", "fsdp", "--checkpointing", "selective"],
+     ["--checkpointing selective", "finetune_full", "accepted: none, full"]),
     (["--stack", "torchtune", "--world-size", "2", "--sharding", "ddp"],
      ["--sharding ddp", "no DDP", "accepted: none, fsdp"]),
 ])
@@ -89,8 +92,8 @@ def test_a_sharding_the_walk_does_not_follow_is_one_line_naming_why(args, needle
     one_line_error(done, *needles)
 
 
-def test_autotune_searches_ddp_for_litgpt_over_several_devices():
-    """DDP and, with LoRA only (the search's other candidates are refused by ``lit_check_sharding``), FSDP2."""
+def test_autotune_searches_ddp_and_fsdp_for_litgpt_over_several_devices():
+    """DDP and FSDP: FSDP1 as pretrain runs it, or with LoRA finetune_lora's FSDP2."""
     h100 = load_profile("h100-sxm")
     assert search_axes(stack_for("litgpt"), h100, world_size=2)["sharding"] == ("ddp", "fsdp")
     done = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "h100-sxm", "--ctx", "1024",
@@ -101,6 +104,84 @@ def test_autotune_searches_ddp_for_litgpt_over_several_devices():
 
 
 FSDP = DDP.replace(sharding="fsdp")
+NEOX = ModelSpec(arch="gpt_neox", layers=2, hidden=68, heads=4, kv_heads=4, ffn=272, vocab=8001, tied=False)
+
+
+def test_litgpts_fsdp1_flat_parameters_align_each_tensor_and_pad_the_shard():
+    """FSDP1 with ``use_orig_params`` starts every tensor of a flat parameter on 16 bytes: a gpt_neox Block of width
+    68 (biases of 68 elements) holds 24 padding elements in bf16 (8-element alignment) and none in fp32 (4); each
+    rank's shard is ceil(flat/W), and the pieces of the parameters on the two ranks are every element once."""
+    from memplan.memory.fsdp1 import fsdp1_flat_numel, fsdp1_local_pieces, fsdp1_shard_numel, lit_block_param_numels
+
+    block = lit_block_param_numels(NEOX)
+    assert sum(block) == NEOX.layer_params
+    assert fsdp1_flat_numel(block, 4) == NEOX.layer_params
+    assert fsdp1_flat_numel(block, 2) == NEOX.layer_params + 24
+    assert fsdp1_shard_numel(block, 2, 3) == -(-(NEOX.layer_params + 24) // 3)
+    pieces = [fsdp1_local_pieces(block, 2, 2, rank) for rank in (0, 1)]
+    assert [a + b for a, b in zip(*pieces)] == block
+    assert pieces[0][0] == block[0] and pieces[1][0] == 0  # norm_1 on rank 0 only: no state on rank 1
+
+
+def test_litgpts_fsdp1_keeps_the_root_gathered_and_one_block_at_a_time():
+    """Fabric's FSDPStrategy (FSDP1): at the end of the forward every block is resharded but the root keeps its
+    unsharded flat parameter (W·s(root)·c: embedding, head, final norm) for the backward, where torchtune's FSDP2
+    root holds nothing more; the step starts with the shards only, 1/W of the model, padded."""
+    from memplan.memory.fsdp1 import fsdp1_sharded_weight_bytes, fsdp1_unsharded_bytes
+    from memplan.memory.terms import rope_buffer_bytes
+    from memplan.memory.walk import walk_step
+
+    lit = stack_for("litgpt")
+    walk = walk_step(LLAMA, FSDP, stack=lit)
+    at = {m.name: m.bytes["weights"] for m in walk.marks}
+    buffers = rope_buffer_bytes(LLAMA, FSDP) + lit.buffer_bytes_delta(LLAMA, FSDP)
+    assert at["start of forward"] - buffers == fsdp1_sharded_weight_bytes(LLAMA, FSDP) == (LLAMA.params // 2) * 4
+    assert at["end of forward"] - at["start of forward"] == fsdp1_unsharded_bytes(LLAMA, FSDP, "root") == \
+        (LLAMA.params - LLAMA.layers * LLAMA.layer_params) * 4
+
+
+def test_litgpts_fsdp1_reduces_in_bf16_and_casts_the_shard_to_fp32():
+    """Fabric's bf16-mixed under FSDP is ``MixedPrecision(param_dtype=reduce_dtype=bf16)`` over fp32 shards: the
+    gathered flat parameter and the reduce-scatter are 2 bytes an element, the gradient the optimizer gets is the
+    shard cast back to the parameters' fp32 (4), and the optimizer state is fp32 over this rank's pieces."""
+    from memplan.memory.fsdp1 import (fsdp1_local_numels, fsdp1_optimizer_state_bytes, fsdp1_reduced_grad_bytes,
+                                      fsdp1_shard, fsdp1_sharded_grad_bytes, fsdp1_unsharded_bytes)
+
+    mixed = FSDP.replace(precision="bf16-mixed")
+    s = fsdp1_shard(LLAMA, mixed, "block")
+    assert fsdp1_unsharded_bytes(LLAMA, mixed, "block") == 2 * s * 2
+    assert (fsdp1_reduced_grad_bytes(LLAMA, mixed, "block"), fsdp1_sharded_grad_bytes(LLAMA, mixed, "block")) == \
+        (s * 2, s * 4)
+    on_rank0 = sum(1 for n in fsdp1_local_numels(LLAMA, mixed, 0) if n)  # parameters with a piece there: a step each
+    assert fsdp1_optimizer_state_bytes(LLAMA, mixed, 0) == 2 * (LLAMA.params // 2) * 4 + 4 * on_rank0
+
+
+def test_litgpts_finetune_full_loss_drops_each_sequences_last_position():
+    """finetune/full.py's loss is over ``logits[..., :-1, :]``: at the loss's backward it holds B·V·4 bytes fewer than
+    pretrain's over every position (measured on two gloo ranks: the walk +0.21% without it, −0.00% with it)."""
+    from memplan.memory.stacks.litgpt import lit_finetune_full_shifted_loss_bytes
+
+    lit = stack_for("litgpt", cpu=True)
+    wide = LLAMA.replace(hidden=64, ffn=128, layers=2)
+    setup = FSDP.replace(ctx=128, micro_batch=4)
+    full = setup.replace(checkpointing="full")
+    pretrain_loss, full_loss = lit.chunked_loss_backward_bytes(wide, setup), lit.chunked_loss_backward_bytes(wide, full)
+    assert pretrain_loss - full_loss == 4 * wide.vocab * 4
+    assert lit_finetune_full_shifted_loss_bytes(wide, setup) == 0  # pretrain's loss covers every position
+
+
+def test_estimate_plans_litgpts_fsdp():
+    """``estimate --stack litgpt --world-size 2 --sharding fsdp``, refused before (one line naming FSDP1
+    HYBRID_SHARD), is walked (Fabric's FSDPStrategy): each rank holds half the optimizer state of one device."""
+    args = [*BASE[:-2], "--precision", "bf16", "--stack", "litgpt", "--json"]
+    one = CliRunner().invoke(app, ["estimate", *args])
+    two = CliRunner().invoke(app, ["estimate", *args, "--world-size", "2", "--sharding", "fsdp"])
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    one, two = json.loads(one.stdout)["memory"], json.loads(two.stdout)["memory"]
+    assert two["optimizer"] < 0.51 * one["optimizer"]
+    full = CliRunner().invoke(app, ["estimate", *args, "--world-size", "2", "--sharding", "fsdp", "--checkpointing",
+                                    "full"])
+    assert full.exit_code == 0, full.output  # finetune_full's checkpointed blocks
 
 
 def test_torchtunes_root_reshards_after_forward_where_memplans_keeps_its_parameters():
@@ -169,13 +250,19 @@ def test_autotune_searches_fsdp_for_torchtune_and_emits_its_distributed_recipe(t
     assert "fsdp_reshard_after_forward: true" in text and "fsdp_cpu_offload: false" in text
 
 
-def test_autotune_emit_for_litgpt_over_several_devices_is_refused_before_the_search(tmp_path):
-    """litgpt's YAML cannot ask for the DDP the walk plans (its scripts pick FSDP whenever devices > 1): one line,
-    before any search (nothing is printed but the error, nothing written)."""
+def test_autotune_emit_for_litgpt_over_several_devices_plans_and_writes_its_fsdp(tmp_path):
+    """litgpt's YAML has ``devices`` but no strategy key (its scripts pick FSDP whenever devices > 1): ``--emit`` with
+    ``--world-size 2`` searches FSDP alone (the DDP the walk also covers cannot be written) and writes pretrain's
+    YAML with ``devices: 2``, its header naming the FSDPStrategy the plan assumed."""
+    import yaml
+
     done = CliRunner().invoke(app, ["autotune", "--params", "22m", "--device", "h100-sxm", "--ctx", "1024",
-                                    "--stack", "litgpt", "--world-size", "2", "--emit", str(tmp_path / "out")])
-    one_line_error(done, "--emit", "--world-size 2", "FSDPStrategy", "accepted: --world-size 1")
-    assert not (tmp_path / "out").exists()
+                                    "--stack", "litgpt", "--world-size", "2", "--json", "--emit", str(tmp_path / "out")])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["plan"]["sharding"] == "fsdp"
+    text = (tmp_path / "out" / "litgpt.yaml").read_text()
+    assert text.startswith("# litgpt pretrain --config litgpt.yaml") and "HYBRID_SHARD" in text
+    assert yaml.safe_load(text)["devices"] == 2
 
 
 LORA_FSDP = FSDP.replace(lora_rank=4, checkpointing="full")  # litgpt finetune_lora over two devices
@@ -429,6 +516,35 @@ def test_the_ranks_wrap_litgpt_as_fabrics_ddp_strategy_does(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.libs
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_the_ranks_wrap_litgpt_as_fabrics_fsdp_strategy_does(tmp_path, checkpointing):
+    """``wrap_ranks`` under ``--sharding fsdp`` is ``FSDPStrategy.setup_module`` with litgpt's strategy: one FSDP1
+    unit per Block and the root, Fabric's ``use_orig_params=True`` and its precision plugin's MixedPrecision (bf16
+    for bf16-mixed), every Block checkpointed for finetune_full (``--checkpointing full``), none for pretrain."""
+    pytest.importorskip("litgpt")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from trainer.stacks import StackModel
+    from trainer.stacks.litgpt import build_model, wrap_ranks
+
+    setup = TrainSetup(ctx=16, precision="bf16-mixed", world_size=2, sharding="fsdp", checkpointing=checkpointing)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        net = wrap_ranks(build_model(StackModel(spec=SMALL), setup), setup)  # (one gloo rank here)
+        units = [m for m in net.modules() if isinstance(m, FullyShardedDataParallel)]
+        assert len(units) == SMALL.layers + 1 and units[0] is net
+        assert net._use_orig_params and net.mixed_precision.param_dtype == net.mixed_precision.reduce_dtype == \
+            torch.bfloat16
+        wrapped = sum(isinstance(m, CheckpointWrapper) for m in net.modules())
+        assert wrapped == (SMALL.layers if checkpointing == "full" else 0)
+    finally:
+        dist.destroy_process_group()
+
+
 SMALL = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=320, tied=False)
 RANKS_TABLE = [  # (name, spec, setup): the configs of docs/commands/estimate.md's figures, two ranks each
     ("small fp32", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),
@@ -458,6 +574,39 @@ FSDP_TABLE = [  # (name, spec, setup): torchtune's FSDP2 over two ranks (fp32, b
     ("heavy fp32, 2 micro-batches", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32", grad_accum=2)),
 ]
 TABLES = {"litgpt": ("ddp", RANKS_TABLE), "torchtune": ("fsdp", FSDP_TABLE)}
+WIDE = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=8000, tied=False)
+FSDP1_TABLE = [  # (name, spec, setup): litgpt's FSDP1 (Fabric's FSDPStrategy) over two ranks; full: finetune_full
+    ("small fp32", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),
+    ("small bf16", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="bf16")),
+    ("small bf16-mixed", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="bf16-mixed")),
+    ("small fp32, finetune_full", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32", checkpointing="full")),
+    ("wide fp32", WIDE, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),
+    ("wide fp32, finetune_full", WIDE, TrainSetup(ctx=128, micro_batch=4, precision="fp32", checkpointing="full")),
+    ("heavy fp32", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32")),
+    ("heavy bf16", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16")),
+    ("heavy bf16-mixed", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16-mixed")),
+    ("heavy fp32, finetune_full", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="fp32", checkpointing="full")),
+    ("heavy bf16, finetune_full", LLAMA, TrainSetup(ctx=16, micro_batch=1, precision="bf16", checkpointing="full")),
+    ("gpt_neox width 68 fp32", NEOX, TrainSetup(ctx=16, micro_batch=1, precision="fp32")),
+    ("gpt_neox width 68 bf16", NEOX, TrainSetup(ctx=16, micro_batch=1, precision="bf16")),
+    ("gpt_neox width 68 bf16-mixed, finetune_full", NEOX,
+     TrainSetup(ctx=16, micro_batch=1, precision="bf16-mixed", checkpointing="full")),
+]
+
+
+def _fsdp1_table() -> None:
+    """litgpt's FSDP1 step on two real gloo ranks against the walk (``FlatShard``, gloo) of each rank."""
+    from memplan.memory.peak import peak_memory_of_rank
+    from trainer.stacks import StackModel
+    from trainer.stacks.ranks import measure_stack_ranks
+
+    stack = stack_for("litgpt", cpu=True)
+    for name, spec, one in FSDP1_TABLE:
+        many = one.replace(world_size=2, sharding="fsdp")
+        ranks = [m.peak_allocated for m in measure_stack_ranks("litgpt", StackModel(spec=spec), many)]
+        walked = [peak_memory_of_rank(spec, many, r, stack=stack, collectives="gloo").peak_allocated for r in (0, 1)]
+        print(f"{name:44s} " + "  ".join(f"rank {r}: ranks {m:>11,} walk {w:>11,} {(w - m) / m:+.2%}"
+                                         for r, (m, w) in enumerate(zip(ranks, walked))), flush=True)
 
 
 def _ranks_table(lib: str) -> None:
@@ -505,8 +654,8 @@ def _litgpt_fsdp_table() -> None:
 
 
 if __name__ == "__main__":  # the walk against two real ranks: python tests/walk/test_walk_libs_sharding.py litgpt
-    import torch
+    import torch  # (litgpt-fsdp: litgpt's FSDP1 table, each rank)
 
     torch.set_num_threads(1)
     which = sys.argv[1] if len(sys.argv) > 1 else "litgpt"
-    _litgpt_fsdp_table() if which == "litgpt-fsdp" else _ranks_table(which)
+    {"litgpt-fsdp": _fsdp1_table, "litgpt-lora-fsdp": _litgpt_fsdp_table}.get(which, lambda: _ranks_table(which))()

@@ -24,9 +24,11 @@
   after ``convert_output``) stay alive through the backward and the optimizer step, and each
   micro-batch's until the next forward returns;
   lora_dropout defaults to finetune_lora's 0.05 and lora_alpha to its 16;
-- checkpointing: litgpt's scripts checkpoint ``Block`` only under finetune_lora's ModelParallelStrategy with
-  several devices (``wrap_ranks``: its ``parallelize_fn``); on one device there is none, so ``--checkpointing
-  full`` is taken only with ``--sharding fsdp`` and LoRA (``lit_check_checkpointing``).
+- checkpointing: litgpt's scripts checkpoint ``Block`` only with several devices (``lit_check_checkpointing``):
+  finetune_lora's ModelParallelStrategy always (``wrap_ranks``: its ``parallelize_fn``), so ``--sharding fsdp``
+  with LoRA takes ``--checkpointing full``; without LoRA ``--sharding fsdp --checkpointing full`` is
+  finetune/full.py's FSDPStrategy and step (``finetune_full``), ``--sharding fsdp`` alone pretrain.py's; on one
+  device or under DDP there is none.
 
 One deviation, forced by fake tensors: Fabric clips with ``error_if_nonfinite=True``, whose check
 reads the norm's value (``bool`` of a tensor), which a fake tensor does not have. Both the trace
@@ -153,8 +155,8 @@ def make_optimizer(net: torch.nn.Module, setup: TrainSetup) -> torch.optim.Optim
 
     if setup.optimizer == "adamw-fused":
         extra = {"fused": True}
-    elif setup.lora_rank:
-        extra = {}  # finetune/lora.py
+    elif setup.lora_rank or finetune_full(setup):
+        extra = {}  # finetune/lora.py, finetune/full.py
     else:
         extra = {"fused": next(net.parameters()).device.type == "cuda"}  # pretrain.py
     return instantiate_torch_optimizer("AdamW", net.parameters(), **extra)
@@ -184,16 +186,26 @@ def train_step(model, optimizer, micro_batches, setup: TrainSetup, device_type: 
             if setup.lora_rank:
                 logits[-1] = logits[-1][..., :-1, :]
                 loss = chunked_cross_entropy(logits, targets[..., 1:])
+            elif finetune_full(setup):  # finetune/full.py
+                loss = chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])
             else:
                 loss = chunked_cross_entropy(logits, targets)
             if after_forward is not None:
                 after_forward(i)
             (loss / n).backward()  # fabric.backward
     # the scripts keep ``logits`` and ``loss`` (locals of their loop) through the optimizer step
-    if not setup.lora_rank:  # fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
+    if hasattr(model, "clip_grad_norm_") and not finetune_full(setup):  # FSDPStrategy.clip_gradients_norm
+        model.clip_grad_norm_(max_norm=PRETRAIN_MAX_NORM)
+    elif not setup.lora_rank and not finetune_full(setup):  # fabric.clip_gradients(model, optimizer, max_norm=...)
         torch.nn.utils.clip_grad_norm_(model.parameters(), PRETRAIN_MAX_NORM, error_if_nonfinite=False)
     optimizer.step()
     optimizer.zero_grad()
+
+
+def finetune_full(setup: TrainSetup) -> bool:
+    """Whether the step is finetune/full.py's (FSDP with its checkpointed blocks, ``fsdp_strategy``): the loss over
+    ``logits[..., :-1, :]``, no clipping, torch's AdamW without ``fused``; else pretrain.py's."""
+    return setup.sharding == "fsdp" and setup.checkpointing == "full" and not setup.lora_rank
 
 
 def _no_backward_sync(model, accumulating: bool):
@@ -220,8 +232,11 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
     ``checkpoint_wrapper(preserve_rng_state=False)``, then ``fully_shard(m, mesh=dp_mesh)`` of every trainable
     ``nn.Linear`` (none under ``mark_only_lora_as_trainable``: the adapters are ``lora_A`` / ``lora_B``
     parameters, the base ``nn.Linear`` frozen), every ``Block`` and every ``CheckpointWrapper`` (innermost first),
-    then the root; no ``MixedPrecisionPolicy``, fully_shard's default ``reshard_after_forward``. litgpt's FSDP
-    without LoRA (pretrain.py's FSDP1) is not run here."""
+    then the root; no ``MixedPrecisionPolicy``, fully_shard's default ``reshard_after_forward``.
+
+    fsdp without LoRA: litgpt's own FSDP1 strategy with devices > 1 (``fsdp_strategy``: pretrain.py's, or
+    finetune/full.py's with ``--checkpointing full``), set up as Fabric's ``FSDPStrategy.setup_module`` does
+    (``_wrap_fsdp``), the step's precision plugin replaced by Fabric's ``FSDPPrecision``."""
     if setup.sharding == "fsdp" and setup.lora_rank:
         import torch.distributed as dist
         from litgpt.finetune.lora import parallelize_fn
@@ -233,13 +248,54 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
         net = parallelize_fn(net, mesh)
         net._memplan_precision = precision
         return net
+    if setup.sharding == "fsdp":
+        return _wrap_fsdp(net, setup)
     from torch.nn.parallel import DistributedDataParallel
 
     if setup.sharding != "ddp":
         raise InputError(f"--stack litgpt: --sharding {setup.sharding} is not run on ranks here (accepted: ddp, "
-                         "fsdp with --lora-rank)")
+                         "fsdp)")
     wrapped = DistributedDataParallel(module=net, device_ids=None)
     wrapped._memplan_precision = net._memplan_precision  # the step reads the plugin off the model it is given
+    return wrapped
+
+
+FABRIC_PRECISION = {"fp32": "32-true", "tf32": "32-true", "bf16-mixed": "bf16-mixed", "bf16": "bf16-true"}
+
+
+def fsdp_strategy(setup: TrainSetup):
+    """The ``FSDPStrategy`` litgpt's scripts make with devices > 1: pretrain.py's ``FSDPStrategy(auto_wrap_policy=
+    {Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD")``; finetune/full.py's (``--checkpointing
+    full``) ``FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, state_dict_type="full",
+    limit_all_gathers=True, cpu_offload=False)`` (FULL_SHARD). On one node HYBRID_SHARD shards over the node's
+    ranks as FULL_SHARD does (its replication group has one member); over a single gloo group here, FULL_SHARD."""
+    from lightning.fabric.plugins.precision import FSDPPrecision
+    from lightning.fabric.strategies import FSDPStrategy
+    from litgpt.model import Block
+
+    kwargs = dict(auto_wrap_policy={Block}, state_dict_type="full",
+                  precision=FSDPPrecision(FABRIC_PRECISION[setup.precision]))
+    if setup.checkpointing == "full":
+        kwargs.update(activation_checkpointing_policy={Block}, limit_all_gathers=True, cpu_offload=False)
+    return FSDPStrategy(**kwargs)
+
+
+def _wrap_fsdp(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
+    """``FSDPStrategy.setup_module`` (lightning/fabric/strategies/fsdp.py) with the strategy's own arguments:
+    ``FullyShardedDataParallel(module, cpu_offload=..., mixed_precision=self.mixed_precision_config,
+    sharding_strategy=..., device_id=self.root_device.index, **self._fsdp_kwargs)``, then
+    ``_setup_activation_checkpointing``. One deviation: on the CPU ``root_device.index`` is None, which torch's FSDP1
+    takes as "find an accelerator" and refuses; the CPU is given as ``torch.device("cpu")``."""
+    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    strategy = fsdp_strategy(setup)
+    wrapped = FullyShardedDataParallel(module=net, cpu_offload=strategy.cpu_offload,
+                                       mixed_precision=strategy.mixed_precision_config,
+                                       sharding_strategy=strategy.sharding_strategy, device_id=torch.device("cpu"),
+                                       **strategy._fsdp_kwargs)
+    _setup_activation_checkpointing(wrapped, strategy._activation_checkpointing_kwargs)
+    wrapped._memplan_precision = strategy.precision
     return wrapped
 
 

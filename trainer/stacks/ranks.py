@@ -1,9 +1,10 @@
 """Another stack's step on several ranks, for real: W gloo processes on the CPU, each running the library's
 model and step wrapped as the library's own distributed code wraps it (its module's ``wrap_ranks``: litgpt,
-Fabric's ``DDPStrategy``; torchtune, its recipes' ``training.shard_model``, FSDP2), under MemTracker.
+Fabric's ``DDPStrategy`` or its scripts' FSDP1 ``FSDPStrategy``; torchtune, its recipes' ``training.shard_model``,
+FSDP2), under MemTracker.
 
 DDP's C++ reducer builds its buckets from real storage, so a DDP step cannot be traced on fake tensors; and
-torchtune's step is its own. These real ranks are what ``memplan estimate --stack litgpt --sharding ddp`` and
+torchtune's step is its own. These real ranks are what ``memplan estimate --stack litgpt --sharding ddp|fsdp`` and
 ``--stack torchtune --sharding fsdp`` are held to (the walk with ``collectives="gloo"``), as
 ``trainer.distributed.measure_ranks`` (which runs them) holds memplan's own.
 """

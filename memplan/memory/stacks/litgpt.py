@@ -148,6 +148,17 @@ def lit_chunked_loss_backward_bytes(spec, setup) -> int:
     return -full if _n(setup) > LIT_LOSS_CHUNK else 0
 
 
+def lit_finetune_full_shifted_loss_bytes(spec, setup) -> int:
+    """What finetune/full.py's loss holds short of the walk's at its backward (≤ 0): ``loss =
+    chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])`` drops each sequence's last position, so its
+    log-probabilities and their gradient cover B·(T−1) rows where the walk's cover B·T: −B·V·4. finetune_full is
+    the one litgpt step with ``--checkpointing full`` (its FSDPStrategy's ``activation_checkpointing_policy=
+    {Block}``; one device has none: ``lit_check_sharding``); 0 for pretrain.py's and finetune/lora.py's steps."""
+    if setup.checkpointing != "full" or setup.lora_rank:
+        return 0
+    return -setup.micro_batch * spec.vocab * FP32
+
+
 def lit_rope_cache_bytes(spec, setup) -> int:
     """litgpt's cos and sin beyond memplan's.
 
@@ -422,16 +433,19 @@ def lit_recompute_gradient_bytes(spec, setup) -> int:
 
 
 def lit_check_sharding(setup) -> None:
-    """The one-line InputError for ``--sharding fsdp`` without LoRA: litgpt shards in two ways of its own.
-    finetune/lora.py (``--lora-rank``): ``ModelParallelStrategy(parallelize_fn=parallelize_fn)``, FSDP2 over every
-    ``Block`` and its ``checkpoint_wrapper`` (each block checkpointed), then the root, walked as
-    ``memory.stacks.litgpt_sharding.LitFullyShard``. pretrain.py: ``FSDPStrategy(auto_wrap_policy={Block},
-    state_dict_type="full", sharding_strategy="HYBRID_SHARD")``, FSDP1's flat parameters, sharded within a node and
-    replicated across nodes, which the walk does not follow."""
-    if setup.sharding == "fsdp" and not setup.lora_rank:
-        raise InputError("--stack litgpt: --sharding fsdp without --lora-rank is pretrain.py's FSDP1 (FSDPStrategy "
-                         "HYBRID_SHARD, flat parameters), which the walk does not follow (accepted: none, ddp; "
-                         "fsdp with --lora-rank: finetune_lora's FSDP2)")
+    """The one-line InputError where the walk does not follow litgpt's layout over several devices.
+
+    Walked: Fabric's DDPStrategy; with ``--sharding fsdp`` and LoRA, finetune/lora.py's
+    ``ModelParallelStrategy(parallelize_fn=parallelize_fn)``, FSDP2 over every ``Block`` and its
+    ``checkpoint_wrapper`` (each block checkpointed), then the root (``memory.stacks.litgpt_sharding.LitFullyShard``);
+    without LoRA, the FSDP1 ``FSDPStrategy`` of pretrain.py (``--checkpointing none``) and finetune/full.py
+    (``--checkpointing full``: its ``activation_checkpointing_policy={Block}``), one micro-batch
+    (``memory.fsdp1.FlatShard``). Not walked: FSDP1's ``no_sync`` accumulation (unsharded gradients kept across
+    micro-batches). The checkpointing each script runs is ``lit_check_checkpointing``'s."""
+    if setup.sharding == "fsdp" and not setup.lora_rank and setup.grad_accum > 1:
+        raise InputError(f"--stack litgpt: --sharding fsdp --grad-accum {setup.grad_accum}: FSDP1's no_sync "
+                         "accumulation (unsharded gradients kept across micro-batches) is not walked (accepted: "
+                         "--grad-accum 1; or --lora-rank, finetune_lora's FSDP2)")
 
 
 def lit_fsdp_lora(setup) -> bool:
@@ -439,18 +453,31 @@ def lit_fsdp_lora(setup) -> bool:
     return setup.sharding == "fsdp" and bool(setup.lora_rank)
 
 
+def lit_checkpointings(setup) -> tuple[str, ...]:
+    """The checkpointing litgpt's script for ``setup`` runs: finetune_lora's ``parallelize_fn`` checkpoints every
+    ``Block`` (several devices: ``checkpoint_wrapper`` around each, ``activation_checkpointing=True`` being its
+    default and ``ModelParallelStrategy`` passing nothing else); under FSDP1 pretrain.py checkpoints none and
+    finetune/full.py every Block (``activation_checkpointing_policy={Block}``); one device or DDP, none."""
+    if lit_fsdp_lora(setup):
+        return ("full",)
+    return ("none", "full") if setup.sharding == "fsdp" else ("none",)
+
+
 def lit_check_checkpointing(setup) -> None:
-    """The one-line InputError where ``--checkpointing`` is not what litgpt's scripts do: they checkpoint blocks
-    only in finetune/lora.py's ``parallelize_fn`` (several devices: ``checkpoint_wrapper`` around every
-    ``Block``, always, ``activation_checkpointing=True`` being its default and ``ModelParallelStrategy`` passing
-    nothing else), so ``full`` with ``--sharding fsdp`` and ``--lora-rank``, ``none`` otherwise."""
-    fsdp_lora = lit_fsdp_lora(setup)
-    if fsdp_lora and setup.checkpointing != "full":
+    """The one-line InputError where ``--checkpointing`` is not one litgpt's script for ``setup`` runs
+    (``lit_checkpointings``)."""
+    accepted = lit_checkpointings(setup)
+    if setup.checkpointing in accepted:
+        return
+    if lit_fsdp_lora(setup):
         raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing} with --sharding fsdp: finetune_lora's "
                          "parallelize_fn checkpoints every Block (accepted: full)")
-    if not fsdp_lora and setup.checkpointing != "none":
-        raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing}: litgpt checkpoints blocks only "
-                         "under finetune_lora's FSDP2 (accepted: none; full with --sharding fsdp and --lora-rank)")
+    if setup.sharding == "fsdp":
+        raise InputError(f"--stack litgpt: --sharding fsdp --checkpointing {setup.checkpointing}: litgpt's FSDP "
+                         "checkpoints whole blocks (finetune_full) or none (pretrain) (accepted: none, full)")
+    raise InputError(f"--stack litgpt: --checkpointing {setup.checkpointing}: litgpt checkpoints blocks only under "
+                     "FSDP with several devices (finetune_full; finetune_lora's FSDP2); one device or DDP has none "
+                     "(accepted: none; full with --sharding fsdp)")
 
 
 def lit_ddp_gradient_as_bucket_view() -> bool:
@@ -472,9 +499,9 @@ class LitgptStack(Stack):
     archs: ClassVar[tuple[str, ...]] = ("llama", "gpt_neox")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16-mixed", "bf16")
     attentions: ClassVar[tuple[str, ...]] = ("sdpa",)
-    # on one device (what autotune searches); finetune_lora's FSDP2 checkpoints every Block (lit_check_checkpointing)
+    # on one device (what autotune searches); under FSDP, lit_checkpointings: finetune_full's and finetune_lora's full
     checkpointings: ClassVar[tuple[str, ...]] = ("none",)
-    # Fabric's DDPStrategy; FSDP2 as finetune_lora's ModelParallelStrategy runs it, with LoRA (lit_check_sharding)
+    # Fabric's DDPStrategy; FSDP1 (pretrain, finetune_full) and finetune_lora's FSDP2 (lit_check_sharding)
     shardings: ClassVar[tuple[str, ...]] = ("none", "ddp", "fsdp")
     lora_default_dropout: ClassVar[float] = 0.05  # finetune/lora.py's lora_dropout
     upcasts_output: ClassVar[bool] = True  # Fabric's convert_output: the fp32 logits, the bf16 ones freed
@@ -496,10 +523,10 @@ class LitgptStack(Stack):
         lit_check_sharding(setup)
 
     def check_setup(self, spec, setup) -> None:
-        """``lit_check_checkpointing``, then ``check_lib_setup``'s (the checkpointing finetune_lora's FSDP2 imposes,
-        full, is not one to choose: ``checkpointings`` lists the one-device scripts' own)."""
+        """``lit_check_checkpointing``, then ``check_lib_setup``'s (the checkpointing litgpt's FSDP scripts run, full,
+        is not one to choose: ``checkpointings`` lists the one-device scripts' own)."""
         lit_check_checkpointing(setup)
-        check_lib_setup(self, spec, setup.replace(checkpointing="none") if lit_fsdp_lora(setup) else setup)
+        check_lib_setup(self, spec, setup.replace(checkpointing="none") if setup.sharding == "fsdp" else setup)
 
     @property
     def ddp_gradient_as_bucket_view(self) -> bool:
@@ -524,7 +551,7 @@ class LitgptStack(Stack):
         return lit_head_chunks(setup)
 
     def chunked_loss_backward_bytes(self, spec, setup) -> int:
-        return lit_chunked_loss_backward_bytes(spec, setup)
+        return lit_chunked_loss_backward_bytes(spec, setup) + lit_finetune_full_shifted_loss_bytes(spec, setup)
 
     def buffer_bytes_delta(self, spec, setup) -> int:
         return lit_rope_cache_bytes(spec, setup)
@@ -545,10 +572,15 @@ class LitgptStack(Stack):
         return lit_lora_bytes_delta(spec, setup)
 
     def fsdp_hook(self, spec, setup, rank: int, collectives: str):
-        """finetune_lora's FSDP2 (``memory.stacks.litgpt_sharding.LitFullyShard``)."""
-        from memplan.memory.stacks.litgpt_sharding import LitFullyShard
+        """finetune_lora's FSDP2 with LoRA (``memory.stacks.litgpt_sharding.LitFullyShard``), else Fabric's
+        FSDPStrategy, FSDP1's flat parameters (``memory.fsdp1.FlatShard``)."""
+        if lit_fsdp_lora(setup):
+            from memplan.memory.stacks.litgpt_sharding import LitFullyShard
 
-        return LitFullyShard(spec, setup, rank, collectives, self)
+            return LitFullyShard(spec, setup, rank, collectives, self)
+        from memplan.memory.fsdp1 import FlatShard
+
+        return FlatShard(spec, setup, rank, collectives, self)
 
     def recompute_reaches_down_adapter(self, setup) -> bool:
         return lit_recompute_reaches_down_adapter(setup)
