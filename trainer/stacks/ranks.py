@@ -68,7 +68,6 @@ def measure_stack_ranks(stack: str, model: StackModel, setup, lora_dropout: floa
     return measure_ranks([(model, setup)], setup.world_size, measure=measure)[0]
 
 
-
 def trace_stack_rank(stack: str, model: StackModel, setup, device: str = "cpu", lora_dropout: float | None = None,
                      accelerator: bool = False, rank: int = 0):
     """The exact live-tensor peak of rank ``rank`` of ``stack``'s FSDP step (its module's ``wrap_ranks`` on the mesh
@@ -87,13 +86,14 @@ def trace_stack_rank(stack: str, model: StackModel, setup, device: str = "cpu", 
     module = _stack_module(stack)
     wrap = getattr(module, "wrap_ranks", None)
     if wrap is None or setup.sharding != "fsdp":
-        raise InputError(f"--stack {stack} --sharding {setup.sharding}: its rank is traced for FSDP2 (fsdp)")
+        raise InputError(f"--stack {stack} --sharding {setup.sharding}: a rank is traced for --stack litgpt|torchtune "
+                         "with --sharding fsdp")
     options = module.rank_wrap_options(model.spec, setup) if hasattr(module, "rank_wrap_options") else {}
     if dist.is_initialized():
         raise RuntimeError("trace_stack_rank makes its own (fake) process group; this process is already in one")
     dist.init_process_group("fake", rank=rank, world_size=setup.world_size, store=FakeStore())
     try:
-        options["mesh"] = module.rank_mesh(device)  # made outside fake mode (its rank tensor is real)
+        options["mesh"] = module.rank_mesh(device)  # outside fake mode: init_device_mesh reads its ranks' values
         with warnings.catch_warnings():  # FSDP1's _same_storage compares data pointers, which a fake tensor lacks
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             traced = trace_stack(stack, model, setup, device, lora_dropout=lora_dropout, accelerator=accelerator,
