@@ -180,8 +180,7 @@ def _trace_stack(stack, setup, model_flags, device_flags, tokens, json, lora_dro
         raise InputError(f"trace --stack {stack} --compile: the compiled step is traced for memplan's own trainer "
                          "(--stack memplan); accepted for other stacks: their eager step (no --compile)")
     if setup.world_size > 1:
-        raise InputError(f"trace --stack {stack}: one process only (--world-size 1); sharded steps are traced "
-                         "for memplan's own trainer")
+        _check_rank_trace(stack, setup)
     dev = device_flags.profile()
     fake_device = "cuda" if dev.family in ("cuda", "rocm") and torch.cuda.is_available() else "cpu"
     accelerator = dev.family in ("cuda", "rocm") and fake_device == "cpu"  # dropout as CUDA's kernels run it
@@ -196,6 +195,8 @@ def _trace_stack(stack, setup, model_flags, device_flags, tokens, json, lora_dro
     except InputError:
         if cfg is None:
             raise  # not a config file: the shape itself is wrong
+    if setup.world_size > 1:
+        return _trace_stack_rank(stack, spec, cfg, setup, dev, fake_device, accelerator, tokens, json, lora_dropout)
     if cfg is None:
         from trainer.measure import check_trace_time
 
@@ -225,6 +226,57 @@ def _trace_stack(stack, setup, model_flags, device_flags, tokens, json, lora_dro
     data["stack"] = stack
     data["trace"]["stack"] = stack
     data["trace"]["analytic_stack"] = stack
+    if json:
+        print_json(data)
+        return
+    _print_trace(spec.describe(), setup, traced, data, est, dev, stack)
+
+
+def _check_rank_trace(stack: str, setup) -> None:
+    """The one-line InputError for a sharded step of ``stack`` that ``trace`` does not take: rank 0 of litgpt's and
+    torchtune's own FSDP step is traced (``trainer.stacks.ranks.trace_stack_rank``); DDP's reducer cannot run on fake
+    tensors; transformers' Trainer over several ranks is not run here."""
+    if stack == "transformers":
+        raise InputError("trace --stack transformers: one process only (--world-size 1); sharded steps are traced "
+                         "for --stack memplan|litgpt|torchtune with --sharding fsdp")
+    if setup.sharding == "ddp" and stack == "litgpt":  # (torchtune has none: the walk's check names it)
+        raise InputError(f"trace --stack {stack} --sharding ddp: DDP's C++ reducer cannot run on fake tensors; "
+                         f"`memplan estimate --stack {stack} --sharding ddp` walks it; trace follows --sharding fsdp "
+                         "or one process")
+
+
+def _trace_stack_rank(stack, spec, cfg, setup, dev, fake_device, accelerator, tokens, json, lora_dropout) -> None:
+    """``trace --stack litgpt|torchtune --world-size N --sharding fsdp``: rank 0 of the library's own sharded step
+    (its ``wrap_ranks``, the walk's default layout) under a fake process group, against the walk of that rank with
+    collectives as NCCL runs them (the fake group's allocate nothing, as NCCL's; gloo's reduce-scatter copies)."""
+    import dataclasses
+
+    from memplan.estimate import estimate
+    from memplan.memory import sdpa_gqa_repeats
+    from memplan.memory.peak import peak_memory_of_rank
+    from memplan.memory.stacks import check_stack_setup, stack_for, walked_for
+    from trainer.measure import check_trace_time
+    from trainer.stacks import StackModel
+    from trainer.stacks.ranks import trace_stack_rank
+
+    if cfg is not None:
+        raise InputError(f"--model {cfg.get('model_type')} config.json: a sharded step of --stack {stack} is traced "
+                         "for a shape memplan walks (--arch, --layers, ...)")
+    check_stack_setup(stack, spec, setup)  # what the walk of the stack's sharded step takes (as estimate refuses it)
+    check_trace_time(spec, setup, lambda s, st: trace_stack_rank(stack, StackModel(spec=s), st, fake_device,
+                                                                 lora_dropout=lora_dropout, accelerator=accelerator))
+    traced = trace_stack_rank(stack, StackModel(spec=spec), setup, fake_device, lora_dropout=lora_dropout,
+                              accelerator=accelerator)
+    walked = stack_for(stack, lora_dropout=lora_dropout)  # the walk of the same stack (estimate --stack S)
+    est = estimate(spec, setup, dev, parse_count(tokens, "--tokens") if tokens else None, stack=walked)
+    on = walked_for(walked, setup).on_cpu(dev.family == "cpu")  # as memplan.estimate.memory_on takes it
+    repeat = sdpa_gqa_repeats(spec, setup, dev.flash_attention, dev.family) and on.walks_sdpa_gqa_repeat
+    est = dataclasses.replace(est, memory=peak_memory_of_rank(spec, setup, 0, dev.runtime_context_bytes,
+                                                              dev.allocator_overhead, repeat, collectives="nccl",
+                                                              stack=on))
+    data = traced_json(est, traced)
+    data["stack"] = stack
+    data["trace"].update(stack=stack, analytic_stack=stack, rank=0)
     if json:
         print_json(data)
         return

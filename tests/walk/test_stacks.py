@@ -172,7 +172,10 @@ def test_trace_cli_compares_transformers_with_the_transformers_walk_of_a_shape(m
     (["--stack", "memplan", "--lora-rank", "4", "--lora-dropout", "0.1"], ["--lora-dropout", "[0, 1)"]),
     (["--stack", "transformers", "--lora-rank", "4", "--lora-dropout", "1.5"], ["--lora-dropout", "[0, 1)"]),
     (["--stack", "transformers", "--checkpointing", "selective"], ["selective", "none, full"]),
-    (["--stack", "transformers", "--world-size", "2", "--sharding", "fsdp"], ["--world-size 1"]),
+    (["--stack", "transformers", "--world-size", "2", "--sharding", "fsdp"],
+     ["--world-size 1", "--stack memplan|litgpt|torchtune with --sharding fsdp"]),
+    (["--stack", "litgpt", "--world-size", "2", "--sharding", "ddp"], ["DDP's C++ reducer", "fake tensors",
+                                                                        "--sharding fsdp"]),
 ])
 def test_trace_stack_bad_input_is_one_line(args, needles):
     done = CliRunner().invoke(app, ["trace", "--params", "22m", "--ctx", "64", "--device", "cpu", *args])

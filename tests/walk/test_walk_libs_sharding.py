@@ -545,6 +545,51 @@ def test_the_ranks_wrap_litgpt_as_fabrics_fsdp_strategy_does(tmp_path, checkpoin
         dist.destroy_process_group()
 
 
+WIDE_ARGS = ["--arch", "llama", "--layers", "2", "--hidden", "512", "--heads", "4", "--kv-heads", "2", "--ffn", "2048",
+        "--vocab", "512", "--untied", "--ctx", "4", "--batch", "1", "--device", "cpu"]
+
+
+def _traced_rank(stack: str, args: list[str]) -> dict:
+    """``memplan trace --stack S --world-size 2 --sharding fsdp --json``: rank 0 of the library's own FSDP step
+    under a fake process group, against the walk of that rank (collectives as NCCL's)."""
+    done = CliRunner().invoke(app, ["trace", "--stack", stack, *args, "--world-size", "2", "--sharding", "fsdp",
+                                    "--json"])
+    assert done.exit_code == 0, done.output
+    data = json.loads(done.stdout)
+    assert data["trace"]["rank"] == 0 and data["trace"]["analytic_stack"] == stack
+    assert "fake process group" in data["trace"]["method"]
+    return data
+
+
+@pytest.mark.libs
+def test_trace_takes_rank_0_of_torchtunes_fsdp_step_as_the_walk_does_with_nccl():
+    """torchtune's recipes' shard_model on fake tensors: the walk (its default layout: tok_embeddings and output
+    groups of their own) within the sharded trace's 0.1%; the fake process group allocates as NCCL does: gloo's
+    reduce-scatter copy (``gloo_reduce_scatter_copy_bytes``), which a wide block with a small vocabulary peaks on,
+    is not there."""
+    pytest.importorskip("torchtune")
+    from memplan.memory.peak import peak_memory_of_rank
+
+    data = _traced_rank("torchtune", [*WIDE_ARGS, "--precision", "fp32"])
+    traced = data["memory"]["peak_allocated"]
+    assert abs(data["trace"]["analytic_error"]) <= 0.001, data["trace"]
+    spec = ModelSpec(arch="llama", layers=2, hidden=512, heads=4, kv_heads=2, ffn=2048, vocab=512, tied=False)
+    setup = TrainSetup(ctx=4, micro_batch=1, precision="fp32", world_size=2, sharding="fsdp")
+    gloo = peak_memory_of_rank(spec, setup, 0, stack=stack_for("torchtune", cpu=True), collectives="gloo")
+    assert gloo.peak_allocated > 1.02 * traced
+
+
+@pytest.mark.libs
+@pytest.mark.parametrize("args", [["--precision", "bf16", "--lora-rank", "4", "--checkpointing", "full"],
+                                  ["--precision", "bf16-mixed"]], ids=["finetune_lora-fsdp2", "pretrain-fsdp1"])
+def test_trace_takes_rank_0_of_litgpts_fsdp_step_as_the_walk_does(args):
+    """litgpt's finetune_lora FSDP2 (its parallelize_fn) and its scripts' FSDP1 (FullyShardedDataParallel runs on
+    fake tensors under the fake process group) on fake tensors: the walk within the sharded trace's 0.1%."""
+    pytest.importorskip("litgpt")
+    data = _traced_rank("litgpt", [*BASE[:-2], *args])
+    assert abs(data["trace"]["analytic_error"]) <= 0.001, data["trace"]
+
+
 SMALL = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=320, tied=False)
 RANKS_TABLE = [  # (name, spec, setup): the configs of docs/commands/estimate.md's figures, two ranks each
     ("small fp32", SMALL, TrainSetup(ctx=128, micro_batch=4, precision="fp32")),

@@ -195,11 +195,14 @@ def _as_on_real_tensors(stack: str):
 
 
 def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_dropout: float | None = None,
-                accelerator: bool = False):
+                accelerator: bool = False, wrap=None, warmup: int = 0):
     """The exact live-tensor peak of a steady-state step of ``stack``'s code (``trainer.measure.StepMemory``),
     on fake tensors claiming to live on ``device``: two steps under ``FakeTensorMode`` and ``MemTracker``.
     ``accelerator``: the step is planned for an accelerator though the fake tensors live on the CPU:
-    dropout as its kernels run it, a bool mask (``trainer.measure.AcceleratorDropout``)."""
+    dropout as its kernels run it, a bool mask (``trainer.measure.AcceleratorDropout``). ``wrap`` (a stack's
+    ``wrap_ranks``, under a process group): the model wrapped before its optimizer is made; ``warmup``: steps taken
+    untraced first (``trainer.stacks.ranks.trace_stack_rank``: DTensor's sharding propagation makes fake tensors the
+    first time it meets each op and shape, which a real step does not hold; it caches what it found)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -212,10 +215,12 @@ def trace_stack(stack: str, model: StackModel, setup, device: str = "cpu", lora_
     set_matmul_precision(setup.precision)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device(device), _as_on_real_tensors(stack), \
             (AcceleratorDropout() if accelerator else contextlib.nullcontext()):
-        net, optimizer, step = _built(stack, model, setup, lora_dropout)
+        net, optimizer, step = _built(stack, model, setup, lora_dropout, wrap)
         for_fake_tensors = getattr(_stack_module(stack), "for_fake_tensors", None)
         if for_fake_tensors is not None:  # what the model's code reads of a value, settled before it runs
             for_fake_tensors(net, setup)
+        for _ in range(warmup):
+            step(net, optimizer, _random_ids(_vocab(model), setup, device), setup, torch.device(device).type)
         total, categories, _ = _tracked_steps(net, optimizer, setup, lambda: _random_ids(_vocab(model), setup, device),
                                               torch.device(device).type, step_fn=step)
     return with_untraced_inputs(

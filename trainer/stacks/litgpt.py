@@ -217,7 +217,7 @@ def _no_backward_sync(model, accumulating: bool):
     return contextlib.nullcontext()
 
 
-def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
+def wrap_ranks(net: torch.nn.Module, setup: TrainSetup, mesh=None) -> torch.nn.Module:
     """The model as ``fabric.setup`` wraps it for ``setup.sharding``.
 
     ddp: ``Fabric(strategy="ddp")``'s ``DDPStrategy.setup_module``, ``DistributedDataParallel(module=module,
@@ -232,18 +232,16 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
     ``checkpoint_wrapper(preserve_rng_state=False)``, then ``fully_shard(m, mesh=dp_mesh)`` of every trainable
     ``nn.Linear`` (none under ``mark_only_lora_as_trainable``: the adapters are ``lora_A`` / ``lora_B``
     parameters, the base ``nn.Linear`` frozen), every ``Block`` and every ``CheckpointWrapper`` (innermost first),
-    then the root; no ``MixedPrecisionPolicy``, fully_shard's default ``reshard_after_forward``.
+    then the root; no ``MixedPrecisionPolicy``, fully_shard's default ``reshard_after_forward``. ``mesh``: that mesh
+    (None: ``rank_mesh("cpu")``; a trace makes it outside fake mode).
 
     fsdp without LoRA: litgpt's own FSDP1 strategy with devices > 1 (``fsdp_strategy``: pretrain.py's, or
     finetune/full.py's with ``--checkpointing full``), set up as Fabric's ``FSDPStrategy.setup_module`` does
     (``_wrap_fsdp``), the step's precision plugin replaced by Fabric's ``FSDPPrecision``."""
     if setup.sharding == "fsdp" and setup.lora_rank:
-        import torch.distributed as dist
         from litgpt.finetune.lora import parallelize_fn
-        from torch.distributed.device_mesh import init_device_mesh
 
-        # the process group's ranks, all data parallel (data_parallel_size=devices * num_nodes)
-        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        mesh = rank_mesh("cpu") if mesh is None else mesh
         precision = net._memplan_precision
         net = parallelize_fn(net, mesh)
         net._memplan_precision = precision
@@ -258,6 +256,15 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup) -> torch.nn.Module:
     wrapped = DistributedDataParallel(module=net, device_ids=None)
     wrapped._memplan_precision = net._memplan_precision  # the step reads the plugin off the model it is given
     return wrapped
+
+
+def rank_mesh(device: str):
+    """finetune/lora.py's ``ModelParallelStrategy``'s mesh on ``device``: the process group's ranks, all data parallel
+    (``data_parallel_size=devices * num_nodes``, ``tensor_parallel_size=1``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (dist.get_world_size(), 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
 FABRIC_PRECISION = {"fp32": "32-true", "tf32": "32-true", "bf16-mixed": "bf16-mixed", "bf16": "bf16-true"}

@@ -7,16 +7,23 @@ DDP's C++ reducer builds its buckets from real storage, so a DDP step cannot be 
 torchtune's step is its own. These real ranks are what ``memplan estimate --stack litgpt --sharding ddp|fsdp`` and
 ``--stack torchtune --sharding fsdp`` are held to (the walk with ``collectives="gloo"``), as
 ``trainer.distributed.measure_ranks`` (which runs them) holds memplan's own.
+
+``trace_stack_rank`` traces rank 0 of the same wrapped step (FSDP: torchtune's FSDP2, litgpt's finetune_lora FSDP2 or
+its scripts' FSDP1) in this process on fake tensors under a fake process group, as ``memplan trace --world-size N``
+traces memplan's own (``trainer.distributed.trace_rank_step``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from memplan.errors import InputError
+from memplan.units import possessive
 from trainer.stacks import StackModel, _built, _stack_module, _vocab, check_stack
 
 
@@ -60,3 +67,38 @@ def measure_stack_ranks(stack: str, model: StackModel, setup, lora_dropout: floa
                                 wrap_options=wrap_options)
     return measure_ranks([(model, setup)], setup.world_size, measure=measure)[0]
 
+
+def trace_stack_rank(stack: str, model: StackModel, setup, device: str = "cpu", lora_dropout: float | None = None,
+                     accelerator: bool = False, rank: int = 0):
+    """The exact live-tensor peak of rank ``rank`` of ``stack``'s FSDP step (its module's ``wrap_ranks`` on the mesh
+    its ``rank_mesh`` makes, the walk's default layout: ``rank_wrap_options``; litgpt: finetune_lora's FSDP2 with
+    LoRA, else its scripts' FSDP1, whose ``FullyShardedDataParallel`` runs on fake tensors too), in this process, on
+    fake tensors, after ``WARMUP_STEPS`` untraced steps: ``trainer.stacks.trace_stack``
+    over a fake process group of ``setup.world_size`` ranks (torch.testing's FakeStore, as
+    ``trainer.distributed.trace_rank_step`` traces memplan's own), whose collectives return at once and allocate
+    nothing, as NCCL's do (gloo's reduce-scatter copies its input: ``gloo_reduce_scatter_copy_bytes``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer.distributed import WARMUP_STEPS
+    from trainer.stacks import trace_stack
+
+    check_stack(stack)
+    module = _stack_module(stack)
+    wrap = getattr(module, "wrap_ranks", None)
+    if wrap is None or setup.sharding != "fsdp":
+        raise InputError(f"--stack {stack} --sharding {setup.sharding}: a rank is traced for --stack litgpt|torchtune "
+                         "with --sharding fsdp")
+    options = module.rank_wrap_options(model.spec, setup) if hasattr(module, "rank_wrap_options") else {}
+    if dist.is_initialized():
+        raise RuntimeError("trace_stack_rank makes its own (fake) process group; this process is already in one")
+    dist.init_process_group("fake", rank=rank, world_size=setup.world_size, store=FakeStore())
+    try:
+        options["mesh"] = module.rank_mesh(device)  # outside fake mode: init_device_mesh reads its ranks' values
+        with warnings.catch_warnings():  # FSDP1's _same_storage compares data pointers, which a fake tensor lacks
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            traced = trace_stack(stack, model, setup, device, lora_dropout=lora_dropout, accelerator=accelerator,
+                                 wrap=functools.partial(wrap, **options), warmup=WARMUP_STEPS)
+    finally:
+        dist.destroy_process_group()
+    return dataclasses.replace(traced, method=f"rank {rank} of {traced.method}, {setup.world_size} ranks sharded as "
+                                              f"{possessive(stack)} own code shards them, a fake process group")

@@ -193,7 +193,7 @@ def _world_size() -> int:
 
 
 def wrap_ranks(net: torch.nn.Module, setup: TrainSetup, custom_sharded_layers: list[str] | None = None,
-               reshard_after_forward: bool = True) -> torch.nn.Module:
+               reshard_after_forward: bool = True, mesh=None) -> torch.nn.Module:
     """The model as torchtune's distributed recipes (full_finetune_distributed, lora_finetune_distributed) shard it:
     ``training.shard_model(model, shard_conditions=[partial(training.get_shard_conditions,
     names_to_match=custom_sharded_layers)], cpu_offload=False, reshard_after_forward=reshard_after_forward)``
@@ -201,7 +201,9 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup, custom_sharded_layers: l
     70B full-finetune configs', each of those modules an FSDP2 group of its own) and
     ``fsdp_reshard_after_forward`` (default True), ``fsdp_cpu_offload: False``: ``fully_shard`` of every
     ``layers.i`` (its checkpoint wrapper under activation checkpointing) and of each named module, then of the
-    root, no ``MixedPrecisionPolicy`` (the recipe's one dtype). torchtune has no DDP."""
+    root, no ``MixedPrecisionPolicy`` (the recipe's one dtype). torchtune has no DDP. ``mesh``: ``shard_model``'s
+    ``dp_mesh`` (None: ``fully_shard``'s default, one dimension over the process group's ranks; a trace makes
+    ``rank_mesh``'s outside fake mode)."""
     import functools
 
     from torchtune import training
@@ -212,8 +214,17 @@ def wrap_ranks(net: torch.nn.Module, setup: TrainSetup, custom_sharded_layers: l
     with quiet_import():
         training.shard_model(net, [functools.partial(training.get_shard_conditions,
                                                      names_to_match=custom_sharded_layers)],
-                             cpu_offload=False, reshard_after_forward=reshard_after_forward)
+                             cpu_offload=False, reshard_after_forward=reshard_after_forward, dp_mesh=mesh)
     return net
+
+
+def rank_mesh(device: str):
+    """The mesh ``fully_shard`` makes by default (``_init_default_mesh``): one dimension over the process group's
+    ranks on ``device``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (dist.get_world_size(),))
 
 
 def rank_wrap_options(spec, setup: TrainSetup, choice: str = "auto") -> dict:
