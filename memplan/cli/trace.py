@@ -100,8 +100,8 @@ def trace_command(
     step as transformers' Trainer does, with peft's LoRA for --lora-rank; --stack litgpt and
     --stack torchtune build that library's model for the shape and take its scripts' step, with
     its own LoRA and checkpointing. With --world-size N
-    --sharding fsdp (memplan's stack): rank 0 of an FSDP2 step, the other ranks stood in for by a
-    fake process group (collectives as NCCL runs them)."""
+    --sharding fsdp (--stack memplan|litgpt|torchtune): rank 0 of the stack's own FSDP step, the other ranks
+    stood in for by a fake process group (collectives as NCCL runs them)."""
     from trainer.stacks import check_stack
 
     check_stack(stack)
