@@ -395,12 +395,7 @@ class FullyShard(Replicated):
         self.first_micro = setup.grad_accum == 1  # no sharded gradients before this micro-batch
         self.c = fsdp_gather_bytes(setup)
         self.lora_outside_blocks = lora_freezes_root(setup)
-        groups = ("block", "root")
-        self.gathered = {g: fsdp_unsharded_bytes(spec, setup, g) for g in groups}
-        self.copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in groups}
-        self.rs_input = {g: fsdp_reduce_scatter_input_bytes(spec, setup, g) for g in groups}
-        self.sharded_grad = {g: fsdp_sharded_grad_bytes(spec, setup, g) for g in groups}
-        self.gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, setup, g, collectives) for g in groups}
+        self.group_bytes(spec, setup, collectives)
         self.held = 0  # the reduce-scatter input FSDP2 keeps in flight
         # another stack's FSDP2 (``Stack.fsdp_root_reshards_after_forward``, its extra adapters in each block)
         self.root_reshards = bool(stack is not None and stack.fsdp_root_reshards_after_forward)
@@ -414,6 +409,16 @@ class FullyShard(Replicated):
             self.sharded_grad["block"] += self.extra_shard * fsdp_reduce_bytes(setup)
             self.gloo_copy["block"] = gloo_reduce_scatter_copy_bytes(spec, setup, "block", collectives) and \
                 self.rs_input["block"]
+
+    def group_bytes(self, spec: ModelSpec, setup: TrainSetup, collectives: str) -> None:
+        """Each group's (a block's, the root's) all-gather output, copy-in, reduce-scatter input, sharded
+        gradients and gloo's reduce-scatter copy, in ``setup``'s dtypes."""
+        groups = ("block", "root")
+        self.gathered = {g: fsdp_unsharded_bytes(spec, setup, g) for g in groups}
+        self.copy_in = {g: fsdp_copy_in_bytes(spec, setup, g) for g in groups}
+        self.rs_input = {g: fsdp_reduce_scatter_input_bytes(spec, setup, g) for g in groups}
+        self.sharded_grad = {g: fsdp_sharded_grad_bytes(spec, setup, g) for g in groups}
+        self.gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, setup, g, collectives) for g in groups}
 
     def weight_bytes(self) -> int:
         """This rank's sharded parameters, padded (``fsdp_sharded_weight_bytes``)."""

@@ -32,10 +32,7 @@ responsible for the unshard"), so it gathers nothing again.
 
 from __future__ import annotations
 
-from memplan.memory.sharding import (FullyShard, fsdp_copy_in_bytes, fsdp_gather_bytes,
-                                     fsdp_reduce_scatter_input_bytes, fsdp_sharded_grad_bytes,
-                                     fsdp_stack_adapter_block_numel, fsdp_unsharded_bytes,
-                                     gloo_reduce_scatter_copy_bytes)
+from memplan.memory.sharding import FullyShard, fsdp_gather_bytes, fsdp_stack_adapter_block_numel
 
 
 def lit_fsdp_collective_setup(setup):
@@ -64,12 +61,7 @@ class LitFullyShard(FullyShard):
             return
         coll = lit_fsdp_collective_setup(setup)
         self.c = fsdp_gather_bytes(coll)
-        groups = ("block", "root")
-        self.gathered = {g: fsdp_unsharded_bytes(spec, coll, g) for g in groups}
-        self.copy_in = {g: fsdp_copy_in_bytes(spec, coll, g) for g in groups}
-        self.rs_input = {g: fsdp_reduce_scatter_input_bytes(spec, coll, g) for g in groups}
-        self.sharded_grad = {g: fsdp_sharded_grad_bytes(spec, coll, g) for g in groups}
-        self.gloo_copy = {g: gloo_reduce_scatter_copy_bytes(spec, coll, g, collectives) for g in groups}
+        self.group_bytes(spec, coll, collectives)
         # a block's adapters beyond memplan's, in p (FullyShard counts them in its 16-bit compute setup's bytes)
         extra = stack.lora_bytes_delta(spec, setup) if stack is not None else 0
         self.extra_block = fsdp_stack_adapter_block_numel(spec, setup, extra)
