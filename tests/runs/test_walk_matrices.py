@@ -124,7 +124,10 @@ def test_the_allocator_peak_of_an_eager_step_is_memtrackers():
 def test_compile_moves_the_peak_both_ways_so_it_is_not_modelled():
     """transformers' llama step on this CPU: compiled, bf16-mixed without checkpointing needs less than
     eager (inductor recomputes what eager saves); fp32 with full checkpointing needs more. No one
-    factor models both: estimate --compile says the number is the eager step's."""
+    factor models both: estimate --compile says the number is the eager step's. The eager peaks are the
+    same bytes under transformers 5.24 and 5.25; the compiled fp32 one moved with 5.25's rotary (a
+    ``kernels`` function module), +5.75% of eager under 5.24 and +1.98% under 5.25 (bf16-mixed: -25.7%).
+    The sign is what is claimed, so "more" is more than 1%."""
     bench = families._compile_memory()
     spec = ModelSpec(arch="llama", layers=2, hidden=256, heads=4, kv_heads=4, ffn=688, vocab=2048, tied=False)
     changes = {}
@@ -132,7 +135,7 @@ def test_compile_moves_the_peak_both_ways_so_it_is_not_modelled():
         setup = TrainSetup(ctx=256, micro_batch=4, precision=precision, checkpointing=checkpointing)
         eager = bench.step_peak("transformers", spec, setup, compiled=False)
         changes[precision, checkpointing] = (bench.step_peak("transformers", spec, setup, compiled=True) - eager) / eager
-    assert changes["bf16-mixed", "none"] < -0.05 and changes["fp32", "full"] > 0.02, changes
+    assert changes["bf16-mixed", "none"] < -0.05 and changes["fp32", "full"] > 0.01, changes
 
 
 # ---- tests/walk/test_lora_targets.py ------------------------------------------------------------
