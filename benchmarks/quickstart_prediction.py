@@ -7,12 +7,14 @@ a row with a fresh MEMPLAN_CACHE, and prints per run: the rates line, the model,
 their ratio, and the predicted and measured peak. The bar: every ratio within 25% (0.75-1.25).
 
 Two cases, each of --runs runs, one after the other on the same cache: the machine as it is, then loaded
-by --spinners more processes that spin on the CPU for the whole run (a second user's work). Where the run
+by --spinners more processes that spin on the CPU for the whole run (a second user's work). A third
+(``--late S``, S > 0) starts each run on a fresh cache and the spinners S seconds into it, after the
+calibration's thread trial and during its measurements: load that the trial did not see. Where the run
 found the load too unsteady to predict wall time (its rates line says so; the start line's predicted
 ``clock`` is "cpu"), its prediction is of CPU time, and it is compared with the steps' CPU time (the
 median tokens per CPU second); otherwise wall time with wall time.
 
-    python benchmarks/quickstart_prediction.py [--runs 2] [--minutes 0.5] [--spinners 1] [--cache DIR]
+    python benchmarks/quickstart_prediction.py [--runs 2] [--minutes 0.5] [--spinners 1] [--late 6] [--cache DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +45,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2, help="runs per case")
     ap.add_argument("--minutes", default="0.5", help="--max-minutes of each quick start")
     ap.add_argument("--spinners", type=int, default=1, help="processes spinning on the CPU in the loaded case")
+    ap.add_argument("--late", type=float, default=0.0,
+                    help="also: runs on a fresh cache whose spinners start this many seconds in (0: not run)")
     ap.add_argument("--cache", help="memplan cache directory (default: a fresh temporary one)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
@@ -61,6 +66,20 @@ def main() -> int:
             for p in spinners:
                 p.kill()
                 p.wait()
+    if args.late > 0:
+        case = f"{args.spinners} spinning process(es) from {args.late:g} s in, fresh cache"
+        for i in range(args.runs):
+            spinners: list[subprocess.Popen] = []
+            timer = threading.Timer(args.late, lambda held=spinners: held.extend(spin() for _ in range(args.spinners)))
+            timer.start()
+            try:
+                rows.append(one_run(runs / f"{len(rows)}", env_for(cache / f"late-{i}"), args.minutes, case, i))
+            finally:
+                timer.cancel()
+                timer.join()
+                for p in spinners:
+                    p.kill()
+                    p.wait()
     for case in dict.fromkeys(row["case"] for row in rows):
         ratios = [row["ratio"] for row in rows if row["case"] == case]
         print(f"{case}: ratios predicted/measured: {', '.join(f'{x:.2f}' for x in ratios)}")

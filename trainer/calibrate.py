@@ -113,6 +113,10 @@ class Calibration:
     noise: float = 0.0  # median relative spread (IQR / median) of the repeated timings
     skipped: list[str] = field(default_factory=list)  # measurements the budget did not allow
     thread_seconds: dict[str, float] = field(default_factory=dict)  # threads -> median step of the thread trial
+    # several threads on the wall clock: the same trial run again after the measurements (threads -> median step),
+    # and how far the chosen count's step moved between the two (``thread_drift``; noise is at least this)
+    thread_recheck: dict[str, float] = field(default_factory=dict)
+    thread_drift: float = 0.0
     cpu_share: float | None = None  # one thread, --clock cpu: CPU time / wall time over the calibration
     # torch.compile of COMPILE_REFERENCE's step: its shape, eager_seconds, compiled_seconds, compile_seconds
     compile: dict = field(default_factory=dict)
@@ -346,6 +350,29 @@ def fastest_threads(candidates: list[int] | None = None, repeats: int = THREAD_T
     medians = {n: statistics.median(t) for n, t in times.items()}
     best = min(candidates, key=lambda n: (medians[n], n))
     return best, {str(n): medians[n] for n in candidates}
+
+
+def recheck_threads(cal: Calibration) -> None:
+    """The thread trial run again after a wall-clock calibration with several threads, recorded in
+    ``cal.thread_recheck``; ``cal.thread_drift`` is how far the chosen count's median step moved,
+    |after / before - 1|, and ``cal.noise`` is at least that.
+
+    The trial chose the thread count for the load of its moment. Several threads time by the wall
+    clock, and on a machine whose cores another process takes they wait for each other: every
+    parallel op then lasts a scheduler slice. Load that arrives after the trial inflates every
+    timing alike, so their spread stays low while the rates are far too slow. On this 2-core machine
+    a quick start's 2-thread calibration measured RMSNorm over 262,144 elements at 32 ms (0.27 ms
+    idle) with a 12% spread, and planned 6,494 tokens/s for a run that trained at 10,225. The same
+    step, timed before and after, shows such a change where the spread does not; a calibration
+    that drifted more than ``memplan.local.NOISY`` is not kept, and the quick start measures again
+    (its trial then finds the count that wins under the new load)."""
+    _, after = fastest_threads([int(n) for n in cal.thread_seconds])
+    cal.thread_recheck = after
+    key = str(cal.threads)
+    before = cal.thread_seconds.get(key)
+    if before and after.get(key):
+        cal.thread_drift = abs(after[key] / before - 1)
+        cal.noise = max(cal.noise, cal.thread_drift)
 
 
 # ---- timing --------------------------------------------------------------------------------
@@ -1142,6 +1169,10 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     finally:
         torch.set_grad_enabled(was_grad)
     cal.noise = statistics.median(timer.spreads) if timer.spreads else 0.0
+    if thread_seconds and cal.threads > 1 and clock == "wall":
+        if progress is not None:
+            progress("threads again", 1.0)
+        recheck_threads(cal)
     cal.seconds = time.perf_counter() - wall0
     if clock == "cpu" and cal.seconds > 0:
         cal.cpu_share = min(1.0, (time.process_time() - cpu0) / cal.seconds)
@@ -1279,6 +1310,9 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
         calibrated["skipped"] = list(cal.skipped)
     if cal.thread_seconds:  # the thread trial: median step seconds per thread count (the fastest was used)
         calibrated["thread_seconds"] = dict(cal.thread_seconds)
+    if cal.thread_recheck:  # the same trial after the measurements (recheck_threads)
+        calibrated["thread_recheck"] = dict(cal.thread_recheck)
+        calibrated["thread_drift"] = round(cal.thread_drift, 4)
     if cal.cpu_share:
         calibrated["cpu_share"] = cal.cpu_share
     if cal.compile:  # memplan.timing models compiled steps from this reference (compile_reference)

@@ -87,8 +87,12 @@ def _print_summary(console, device, cal, out: Path) -> None:
         t.add_row(f"optimizer {name}", f"{per_param * 1e9:,.2f} ns/param", f"+ {per_tensor * 1e6:,.1f} µs/tensor")
     t.add_row("memory", format_bytes(cal.memory_total_bytes), f"{format_bytes(cal.memory_usable_bytes)} usable")
     trial = ", ".join(f"{n}: {s * 1e3:,.1f} ms" for n, s in cal.thread_seconds.items())
-    t.add_row("threads", str(cal.threads), f"clock: {cal.clock}" + (f"; small step with {trial}" if trial else ""))
-    t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings")
+    again = ", ".join(f"{n}: {s * 1e3:,.1f} ms" for n, s in cal.thread_recheck.items())
+    t.add_row("threads", str(cal.threads), f"clock: {cal.clock}" + (f"; small step with {trial}" if trial else "")
+              + (f"; after the measurements {again}" if again else ""))
+    t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings"
+              + (f", or the small step's drift across the calibration ({cal.thread_drift:.0%}), the larger"
+                 if cal.thread_recheck else ""))
     print_fitted(console, t)  # (memplan/cli/fit.py: borderless where the rows would wrap)
     if cal.noise > NOISY:
         console.print(f"[yellow]note[/]: repeated timings spread by {cal.noise:.0%} (IQR / median): other processes "
