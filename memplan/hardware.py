@@ -62,9 +62,9 @@ times are *net*: the first-touch cost of fresh outputs is taken out (timing adds
     threads = 1                       # torch.get_num_threads() while measuring: train with the same
     seconds = 58.2                    # how long the calibration took
     noise = 0.04                      # median relative spread (IQR / median) of repeated timings, or
-                                      # thread_drift where that is larger
-    thread_drift = 0.03               # several threads, wall clock: how far the thread trial's step
-                                      # moved between before and after the measurements (|after/before-1|)
+                                      # thread_slowdown where that is larger
+    thread_slowdown = 0.0             # several threads, wall clock: how much slower the thread trial's
+                                      # step ran after the measurements than before (max(0, after/before-1))
     cpu_share = 0.55                  # clock "cpu", one thread: CPU time / wall time over the calibration
                                       # (the core's share other processes left it; timing's contention term)
     launch_overhead_seconds = 2.1e-5  # per dispatched aten op (views included), forward + backward of a
@@ -317,7 +317,7 @@ def _optional_int(runtime: dict, key: str, path: str) -> int | None:
 
 
 _CALIBRATED_NUMBERS = ("threads", "seconds", "noise", "launch_overhead_seconds", "copy_bytes_per_second",
-                       "first_touch_bytes_per_second", "first_touch_threshold_bytes", "cpu_share", "thread_drift")
+                       "first_touch_bytes_per_second", "first_touch_threshold_bytes", "cpu_share", "thread_slowdown")
 _CALIBRATED_ROWS = {"matmul": 5, "elementwise": 2, "attention": 4, "modules": 3}  # table -> numbers per row
 
 

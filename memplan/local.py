@@ -181,8 +181,11 @@ class LocalCalibration:
         when = str(self.calibrated.get("date", ""))[:10] or "an unknown date"
         n = self.threads
         share = self.calibrated.get("cpu_share")
-        return (f"rates: this machine's calibration of {when}, {n} thread{'s' if n != 1 else ''}, "
-                f"spread {self.noise:.0%}" + (f", {share:.0%} of a core free" if share and share < 0.95 else ""))
+        slowdown = float(self.calibrated.get("thread_slowdown", 0.0) or 0.0)
+        spread = (f"its step {slowdown:.0%} slower after it measured" if slowdown and slowdown >= self.noise
+                  else f"spread {self.noise:.0%}")  # the noise is the larger of the two (trainer.calibrate)
+        return (f"rates: this machine's calibration of {when}, {n} thread{'s' if n != 1 else ''}, {spread}"
+                + (f", {share:.0%} of a core free" if share and share < 0.95 else ""))
 
 
 SHARE_PROBE_SECONDS = 0.2  # one probe of the share of a core this process gets now (train, before its steps)

@@ -114,9 +114,9 @@ class Calibration:
     skipped: list[str] = field(default_factory=list)  # measurements the budget did not allow
     thread_seconds: dict[str, float] = field(default_factory=dict)  # threads -> median step of the thread trial
     # several threads on the wall clock: the same trial run again after the measurements (threads -> median step),
-    # and how far the chosen count's step moved between the two (``thread_drift``; noise is at least this)
+    # and how much slower the chosen count's step ran in it (``thread_slowdown``; noise is at least this)
     thread_recheck: dict[str, float] = field(default_factory=dict)
-    thread_drift: float = 0.0
+    thread_slowdown: float = 0.0
     cpu_share: float | None = None  # one thread, --clock cpu: CPU time / wall time over the calibration
     # torch.compile of COMPILE_REFERENCE's step: its shape, eager_seconds, compiled_seconds, compile_seconds
     compile: dict = field(default_factory=dict)
@@ -354,8 +354,8 @@ def fastest_threads(candidates: list[int] | None = None, repeats: int = THREAD_T
 
 def recheck_threads(cal: Calibration) -> None:
     """The thread trial run again after a wall-clock calibration with several threads, recorded in
-    ``cal.thread_recheck``; ``cal.thread_drift`` is how far the chosen count's median step moved,
-    |after / before - 1|, and ``cal.noise`` is at least that.
+    ``cal.thread_recheck``; ``cal.thread_slowdown`` is how much slower the chosen count's median step
+    ran than in the first trial, max(0, after / before - 1), and ``cal.noise`` is at least that.
 
     The trial chose the thread count for the load of its moment. Several threads time by the wall
     clock, and on a machine whose cores another process takes they wait for each other: every
@@ -363,16 +363,19 @@ def recheck_threads(cal: Calibration) -> None:
     timing alike, so their spread stays low while the rates are far too slow. On this 2-core machine
     a quick start's 2-thread calibration measured RMSNorm over 262,144 elements at 32 ms (0.27 ms
     idle) with a 12% spread, and planned 6,494 tokens/s for a run that trained at 10,225. The same
-    step, timed before and after, shows such a change where the spread does not; a calibration
-    that drifted more than ``memplan.local.NOISY`` is not kept, and the quick start measures again
-    (its trial then finds the count that wins under the new load)."""
+    step timed before and after shows such a change where the spread does not: with a spinning
+    process started 6 s into a 15 s calibration, the 2-thread step ran 40% slower after (63.5 ->
+    89.2 ms). Only a slowdown counts: a process's first steps are its slowest (the same calibration
+    with nothing else running timed the step 16% faster after, 67.9 -> 57.1 ms, and 1 thread 27%).
+    A calibration that slowed more than ``memplan.local.NOISY`` is not kept, and the quick start
+    measures again (its trial then finds the count that wins under the new load)."""
     _, after = fastest_threads([int(n) for n in cal.thread_seconds])
     cal.thread_recheck = after
     key = str(cal.threads)
     before = cal.thread_seconds.get(key)
     if before and after.get(key):
-        cal.thread_drift = abs(after[key] / before - 1)
-        cal.noise = max(cal.noise, cal.thread_drift)
+        cal.thread_slowdown = max(0.0, after[key] / before - 1)
+        cal.noise = max(cal.noise, cal.thread_slowdown)
 
 
 # ---- timing --------------------------------------------------------------------------------
@@ -1312,7 +1315,7 @@ def profile_data(cal: Calibration, name: str, base=None) -> dict:
         calibrated["thread_seconds"] = dict(cal.thread_seconds)
     if cal.thread_recheck:  # the same trial after the measurements (recheck_threads)
         calibrated["thread_recheck"] = dict(cal.thread_recheck)
-        calibrated["thread_drift"] = round(cal.thread_drift, 4)
+        calibrated["thread_slowdown"] = round(cal.thread_slowdown, 4)
     if cal.cpu_share:
         calibrated["cpu_share"] = cal.cpu_share
     if cal.compile:  # memplan.timing models compiled steps from this reference (compile_reference)

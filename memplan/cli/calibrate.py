@@ -91,7 +91,7 @@ def _print_summary(console, device, cal, out: Path) -> None:
     t.add_row("threads", str(cal.threads), f"clock: {cal.clock}" + (f"; small step with {trial}" if trial else "")
               + (f"; after the measurements {again}" if again else ""))
     t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings"
-              + (f", or the small step's drift across the calibration ({cal.thread_drift:.0%}), the larger"
+              + (f", or how much slower the small step ran after it ({cal.thread_slowdown:.0%}), the larger"
                  if cal.thread_recheck else ""))
     print_fitted(console, t)  # (memplan/cli/fit.py: borderless where the rows would wrap)
     if cal.noise > NOISY:
