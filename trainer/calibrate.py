@@ -1172,7 +1172,7 @@ def calibrate(seconds: float = 60.0, threads: int | None = None, clock: str = "w
     finally:
         torch.set_grad_enabled(was_grad)
     cal.noise = statistics.median(timer.spreads) if timer.spreads else 0.0
-    if thread_seconds and cal.threads > 1 and clock == "wall":
+    if thread_seconds and cal.threads > 1:  # several threads time by the wall clock (one thread, by CPU time)
         if progress is not None:
             progress("threads again", 1.0)
         recheck_threads(cal)

@@ -103,7 +103,7 @@ def _wraps_a_function(module: torch.nn.Module) -> bool:
     (q and k for the rotary), which holds the first input's gradient until the second's is made: in
     qwen3's backward that held q's gradient through k_norm's backward (the trace 6.2% above the
     step's real peak). A step without the tracker holds neither."""
-    return type(module).__qualname__ == "_create_func_module.<locals>.Func"  # kernels' layer.py, any version so far
+    return type(module).__qualname__ == "_create_func_module.<locals>.Func"  # kernels 0.19's layer/layer.py
 
 
 def _skipping_function_wrappers(hook):

@@ -86,8 +86,10 @@ def _print_summary(console, device, cal, out: Path) -> None:
     for name, (per_param, per_tensor) in cal.optimizer.items():
         t.add_row(f"optimizer {name}", f"{per_param * 1e9:,.2f} ns/param", f"+ {per_tensor * 1e6:,.1f} µs/tensor")
     t.add_row("memory", format_bytes(cal.memory_total_bytes), f"{format_bytes(cal.memory_usable_bytes)} usable")
-    trial = ", ".join(f"{n}: {s * 1e3:,.1f} ms" for n, s in cal.thread_seconds.items())
-    again = ", ".join(f"{n}: {s * 1e3:,.1f} ms" for n, s in cal.thread_recheck.items())
+    def steps(seconds: dict[str, float]) -> str:  # a thread trial's median step per thread count
+        return ", ".join(f"{n}: {s * 1e3:,.1f} ms" for n, s in seconds.items())
+
+    trial, again = steps(cal.thread_seconds), steps(cal.thread_recheck)
     t.add_row("threads", str(cal.threads), f"clock: {cal.clock}" + (f"; small step with {trial}" if trial else "")
               + (f"; after the measurements {again}" if again else ""))
     t.add_row("noise", f"{cal.noise:.0%}", "median spread (IQR / median) of repeated timings"
