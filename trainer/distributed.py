@@ -27,13 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import re
+import time
+import weakref
 from typing import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import InputError
 from memplan.setup import TrainSetup
@@ -247,6 +252,83 @@ def _own_rank_memory(spec, setup: TrainSetup):
     return _rank_step_memory(spec, setup, torch.device("cpu"))
 
 
+# What FSDP1, FSDP2 and memplan's own code call in torch.distributed from Python (DDP's reducer calls gloo from C++)
+GLOO_COLLECTIVES = ("all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter",
+                    "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "broadcast")
+RELEASE_WAIT_S = 5.0  # the longest a collective waits for gloo's thread to free what the call made
+
+
+class Made(TorchDispatchMode):
+    """Weak references to the storages the ops under it return, in whichever thread runs them: gloo's work
+    carries the dispatch modes of the thread that queued it (``at::ThreadLocalState``) to its worker thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                self.storages.append(weakref.ref(t.untyped_storage()))
+        return out
+
+
+def alive(refs: list, given: frozenset = frozenset()) -> list:
+    """The references in ``refs`` whose storage is still alive, less those of the call's own arguments (the
+    storage is held only within this call: the worker thread may be freeing it meanwhile)."""
+    def kept(ref) -> bool:
+        storage = ref()
+        return storage is not None and storage.data_ptr() not in given
+    return [ref for ref in refs if kept(ref)]
+
+
+def frees_what_it_made(call: Callable, timeout: float = RELEASE_WAIT_S) -> Callable:
+    """``call`` (a collective) that, when it returns synchronously, returns only once every tensor it made has been
+    freed, waiting up to ``timeout`` seconds; asynchronous calls (a Work returned) pass through.
+
+    gloo runs a collective on its worker thread: the reduce-scatter's flat copy of its input, for one, is made there
+    (its chunks are ``split`` on that thread). The caller's ``wait`` returns when the work is marked complete; the
+    worker thread drops the work, and the copy with it, after that. Under load the rank has gone on by then: its
+    next allocation (FSDP1 casting the reduced gradient to fp32) is made while the copy still lives. Measured here on
+    litgpt's FSDP1 step over two ranks (tests/runs/test_walk_matrices.py's): in 5 of 87 runs one rank's MemTracker
+    peak rose by a block's gradient copy (1,180,672 B) or by 4,096,256 B, as in one CI run; with this wait, 0 of 70.
+    NCCL has no such thread: its buffers are the caller's. The walk frees the copy as the call returns
+    (``gloo_reduce_scatter_copy_bytes``), and so does a rank measured under this."""
+
+    @functools.wraps(call)
+    def synchronous(*args, **kwargs):
+        with Made() as made:
+            result = call(*args, **kwargs)
+        if result is not None:  # a Work: async_op, waited for later by the caller
+            return result
+        given = frozenset(t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor))
+        pending, deadline = alive(made.storages, given), time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            time.sleep(1e-4)  # releases the GIL the worker thread needs to free them
+            pending = alive(pending)
+        return result
+
+    return synchronous
+
+
+@contextlib.contextmanager
+def collectives_free_what_they_made(names: tuple[str, ...] = GLOO_COLLECTIVES):
+    """Within it, each of torch.distributed's ``names`` returns only once what it made is freed
+    (``frees_what_it_made``): a gloo rank's measured peak is then the step's, not the worker thread's timing."""
+    modules = (dist, dist.distributed_c10d)
+    saved = [(m, n, getattr(m, n)) for m in modules for n in names if hasattr(m, n)]
+    wrapped = {}  # torch.distributed re-exports distributed_c10d's functions: one wrapper for both names
+    for module, name, call in saved:
+        setattr(module, name, wrapped.setdefault(call, frees_what_it_made(call)))
+    try:
+        yield
+    finally:
+        for module, name, call in saved:
+            setattr(module, name, call)
+
+
 def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, out_dir: str,
                     measure=_own_rank_memory, backend: str = "gloo", timeout: datetime.timedelta = TIMEOUT) -> None:
     """One rank of ``measure_ranks``: every config in turn (``measure(*config)``), its StepMemory pickled to
@@ -263,12 +345,14 @@ def _measure_worker(rank: int, world_size: int, store_path: str, configs: list, 
                             timeout=timeout, device_id=device_id)
     try:
         results = []
-        for config in configs:
-            results.append(measure(*config))
-            gc.collect()
-            if rank == 0:  # one byte per config done: the parent's progress counter reads the file's size
-                with open(os.path.join(out_dir, "progress"), "ab") as f:
-                    f.write(b".")
+        measured = collectives_free_what_they_made() if backend == "gloo" else contextlib.nullcontext()
+        with measured:
+            for config in configs:
+                results.append(measure(*config))
+                gc.collect()
+                if rank == 0:  # one byte per config done: the parent's progress counter reads the file's size
+                    with open(os.path.join(out_dir, "progress"), "ab") as f:
+                        f.write(b".")
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
     finally:
