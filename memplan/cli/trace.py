@@ -117,9 +117,10 @@ def trace_command(
     if stack_class(stack).library:
         return _trace_stack(stack, setup, model_flags, device_flags, tokens, json, lora_dropout)
     from memplan.estimate import estimate
-    from memplan.memory.stacks import check_stack_setup
+    from memplan.memory.stacks import check_stack_builds, check_stack_setup
 
     spec = model_flags.spec()
+    check_stack_builds(stack, spec)  # llama, gpt2, gpt_neox: the others are traced with --stack transformers
     check_stack_setup(stack, spec, setup)  # what memplan's trainer does not run (as estimate refuses it)
     if setup.sharding == "ddp":
         raise InputError("trace --sharding ddp: DDP's C++ reducer cannot run on fake tensors; a DDP rank holds the "

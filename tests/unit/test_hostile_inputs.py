@@ -235,6 +235,17 @@ def test_quick_start_with_an_unwritable_cache_is_one_line_naming_it(tmp_path, re
     assert not (tmp_path / "run").exists()
 
 
+# ---- a family memplan's own trainer does not build --------------------------------------------------
+
+@pytest.mark.parametrize("sharded", [[], ["--world-size", "2", "--sharding", "fsdp"]], ids=["one", "fsdp"])
+def test_trace_of_a_family_its_trainer_does_not_build_is_one_line_naming_the_stacks_that_do(sharded):
+    """``trace --model qwen3-0.6b`` (``--stack memplan``, the default) is refused as estimate refuses it, before
+    any trace: memplan's own model has no separate head width, and its view of qwen3's q raised a traceback."""
+    line = assert_one_line(cli("trace", "--model", "qwen3-0.6b", "--layers", "2", "--ctx", "64", *sharded),
+                           "--stack memplan", "qwen3", "transformers")
+    assert line == one_line_error(cli("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--ctx", "64", *sharded))
+
+
 # ---- numeric options: one rule -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, needles", [
